@@ -1,0 +1,70 @@
+# Tidemark: `make up` starts the local stack and runs the demo; `make test` runs the suite.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV   := .venv
+PY     := $(VENV)/bin/python
+BIN    := $(VENV)/bin
+PORT   ?= 54329
+STATE  := .tidemark
+PGDIR  := $(STATE)/pg
+ENVF   := $(STATE)/env
+UV_VERSION := 0.13.9
+
+.PHONY: help venv pg up down test lint bench clean
+
+help:
+	@echo "make up     local PostgreSQL + ledger + demo data + one demo run"
+	@echo "make down   stop what 'make up' started"
+	@echo "make test   lint and the whole test suite (starts its own servers)"
+	@echo "make bench  the replay benchmark (2M records)"
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt pyproject.toml
+	python3 -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check uv==$(UV_VERSION)
+	$(BIN)/uv pip install -q --python $(PY) -r requirements.txt
+	$(BIN)/uv pip install -q --python $(PY) --no-deps -e .
+	touch $@
+
+# The local cluster, unless TIDEMARK_LEDGER_DSN points at an existing server.
+pg: venv
+	@mkdir -p $(STATE)
+	@if [ -n "$$TIDEMARK_LEDGER_DSN" ]; then \
+	  echo "using the server at TIDEMARK_LEDGER_DSN"; \
+	  printf 'TIDEMARK_LEDGER_DSN=%s\nTIDEMARK_DEMO_SOURCE_DSN=%s\nTIDEMARK_DEMO_SINK_DSN=%s\n' \
+	    "$$TIDEMARK_LEDGER_DSN" "$${TIDEMARK_DEMO_SOURCE_DSN:-$$TIDEMARK_LEDGER_DSN}" \
+	    "$${TIDEMARK_DEMO_SINK_DSN:-$$TIDEMARK_LEDGER_DSN}" > $(ENVF); \
+	else \
+	  $(PY) -m tidemark.localpg start --dir $(PGDIR) --port $(PORT) && \
+	  ledger=$$($(PY) -m tidemark.localpg dsn --dir $(PGDIR) --port $(PORT) --database tidemark) && \
+	  sink=$$($(PY) -m tidemark.localpg dsn --dir $(PGDIR) --port $(PORT) --database warehouse) && \
+	  printf 'TIDEMARK_LEDGER_DSN=%s\nTIDEMARK_DEMO_SOURCE_DSN=%s\nTIDEMARK_DEMO_SINK_DSN=%s\n' \
+	    "$$ledger" "$$ledger" "$$sink" > $(ENVF); \
+	fi
+
+up: pg
+	$(BIN)/tidemark db upgrade
+	$(BIN)/tidemark demo load
+	$(BIN)/tidemark run flights
+	@echo
+	@$(BIN)/tidemark status flights
+	@echo
+	@echo "Tidemark is up. Try: source $(VENV)/bin/activate && tidemark status flights"
+
+down:
+	@if [ -d $(PGDIR) ]; then $(PY) -m tidemark.localpg stop --dir $(PGDIR) --port $(PORT); fi
+
+lint: venv
+	$(BIN)/ruff check .
+
+test: venv lint
+	$(BIN)/pytest
+
+bench: pg
+	$(BIN)/tidemark db upgrade
+	$(PY) bench/replay_bench.py
+
+clean: down
+	rm -rf $(STATE) $(VENV)
