@@ -1,0 +1,44 @@
+"""Errors a user sees as one clear line (the CLI prints ``str(exc)`` and exits non-zero)."""
+
+from __future__ import annotations
+
+
+class TidemarkError(Exception):
+    """An error with a message fit for an operator; ``exit_code`` is the CLI's exit status."""
+
+    exit_code = 1
+
+
+class ConfigError(TidemarkError):
+    """A pipeline file or a setting is wrong: names the file, the field and the problem."""
+
+    exit_code = 2
+
+    def __init__(self, where: str, problem: str, field: str | None = None):
+        self.where, self.field, self.problem = where, field, problem
+        loc = f"{where}: {field}" if field else where
+        super().__init__(f"{loc}: {problem}")
+
+
+class LeaseHeld(TidemarkError):
+    """Another live run holds the lease of every sink this run wanted."""
+
+    exit_code = 3
+
+
+class Fenced(TidemarkError):
+    """This run lost its lease before the decision; it rolled back."""
+
+    exit_code = 4
+
+
+class Inconsistency(TidemarkError):
+    """A chosen transaction vanished without its marker: the pipeline is halted."""
+
+    exit_code = 5
+
+
+class Terminated(TidemarkError):
+    """SIGTERM arrived before the decision: the run rolled back."""
+
+    exit_code = 143

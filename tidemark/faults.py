@@ -1,0 +1,34 @@
+"""Named points in the protocol where tests kill or pause the job process.
+
+``TIDEMARK_CRASH_AT=<point>`` sends SIGKILL to the job's whole process group (driver, JVM,
+Python workers) at that point, as a machine crash would. ``TIDEMARK_PAUSE_AT=<point>`` with
+``TIDEMARK_PAUSE_DIR=<dir>`` writes the point's name into the FIFO ``<dir>/reached`` and
+blocks until a line arrives on the FIFO ``<dir>/resume``. Unset, both cost one dict lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+POINTS = (
+    "after_claim",          # run planned, lease taken
+    "task_after_prepare",   # inside a Spark task, after its first PREPARE TRANSACTION
+    "after_prepare",        # every task prepared, before the decision
+    "after_decide",         # decision committed, nothing committed on the sinks yet
+    "before_commit_prepared",
+    "mid_finish",           # some chosen gids committed, others still prepared
+    "after_finish",         # all chosen gids committed, checkpoints not yet advanced
+    "after_advance",
+)
+
+
+def point(name: str) -> None:
+    if os.environ.get("TIDEMARK_CRASH_AT") == name:
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    if os.environ.get("TIDEMARK_PAUSE_AT") == name:
+        folder = os.environ["TIDEMARK_PAUSE_DIR"]
+        with open(os.path.join(folder, "reached"), "w") as fh:
+            fh.write(name + "\n")
+        with open(os.path.join(folder, "resume")) as fh:
+            fh.readline()

@@ -1,0 +1,57 @@
+"""Global transaction ids: ``<prefix>:<run>:<stage>:<task>:<attempt>``.
+
+Stages: ``s.<sink>`` rows for a sink (on the sink database), ``d.<sink>`` that sink's dead
+letters and ``src`` the source-stage dead letters (both on the ledger database).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SOURCE_STAGE = "src"
+
+
+def sink_stage(sink: str) -> str:
+    return f"s.{sink}"
+
+
+def dlq_stage(sink: str) -> str:
+    return f"d.{sink}"
+
+
+@dataclass(frozen=True)
+class Gid:
+    prefix: str
+    run_id: int
+    stage: str
+    task: int
+    attempt: int
+
+    def __str__(self) -> str:
+        return f"{self.prefix}:{self.run_id}:{self.stage}:{self.task}:{self.attempt}"
+
+    @property
+    def on_ledger(self) -> bool:
+        return not self.stage.startswith("s.")
+
+    @property
+    def sink(self) -> str | None:
+        return None if self.stage == SOURCE_STAGE else self.stage[2:]
+
+
+def parse(gid: str, prefix: str) -> Gid | None:
+    parts = gid.split(":")
+    if len(parts) != 5 or parts[0] != prefix:
+        return None
+    try:
+        return Gid(prefix, int(parts[1]), parts[2], int(parts[3]), int(parts[4]))
+    except ValueError:
+        return None
+
+
+def like_run(prefix: str, run_id: int) -> str:
+    return f"{prefix}:{run_id}:%"
+
+
+def like_task(prefix: str, run_id: int, stage: str, task: int) -> str:
+    return f"{prefix}:{run_id}:{stage}:{task}:%"

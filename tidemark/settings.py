@@ -1,0 +1,29 @@
+"""Process-wide settings from the environment (TIDEMARK_*)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TIDEMARK_", extra="ignore")
+
+    ledger_dsn: str | None = Field(None, description="PostgreSQL DSN of the checkpoint ledger")
+    pipelines_dir: Path = Field(Path("dags/pipelines"), description="folder of pipeline YAML files")
+    spark_master: str = Field("local[*,4]", description="Spark master for `tidemark run` "
+                              "(local mode retries a failed task up to 4 times)")
+    gid_prefix: str = Field("tm", pattern=r"^[a-z][a-z0-9]{0,7}$",
+                            description="prefix of every prepared transaction's gid")
+    lease_ttl_seconds: int = Field(1800, ge=10, description="lease lifetime without a heartbeat")
+    lock_timeout_ms: int = Field(60_000, ge=100, description="sink lock wait before a task fails")
+    prepared_alert_seconds: int = Field(900, ge=1,
+                                        description="age at which a prepared transaction alerts")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()
