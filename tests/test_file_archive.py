@@ -1,0 +1,344 @@
+"""The file_archive source: layout, planning and exact reads, without Spark."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from datetime import UTC, datetime, timedelta
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import tidemark.sources as sources
+from tidemark.config import FileArchiveSource
+from tidemark.errors import TidemarkError
+from tidemark.sources import file_archive as fa
+from tidemark.state import Range
+
+FORMATS = ["parquet", "jsonl"]
+T0 = datetime(2024, 5, 1, 12, 0, 0, 123456, tzinfo=UTC)
+
+
+def rec(p: int, o: int) -> dict:
+    # Invalid UTF-8 (\xff, \xc3\x28), NUL bytes, tombstones and null keys/headers on purpose.
+    payload = None if o % 11 == 7 else b"\x00\xff" + bytes([o % 256]) + b"\xc3(" + f"{p}:{o}".encode()
+    key = None if o % 3 == 0 else b"k\x00" + o.to_bytes(8, "big")
+    headers = None if o % 4 == 0 else {"h": f"v{o}", "n": o, "u": "é"}
+    return {"partition": p, "offset": o, "key": key, "payload": payload, "headers": headers,
+            "ts": T0 + timedelta(seconds=o, microseconds=o)}
+
+
+# partition -> segments (lists of offsets). p1 has gaps inside segments and between them.
+LAYOUT = {
+    0: [list(range(0, 10)), list(range(10, 20)), list(range(20, 25))],
+    1: [[100, 101, 102, 105, 107], [110, 111, 112, 113, 114], [120, 125]],
+    2: [list(range(0, 5))],
+}
+
+
+def seg_name(base: int, fmt: str) -> str:
+    return f"{base:020d}.{fmt}"
+
+
+@pytest.fixture(params=FORMATS)
+def archive(request, tmp_path):
+    fmt = request.param
+    root = tmp_path / "arch"
+    for p, segs in LAYOUT.items():
+        for offs in segs:
+            fa.write_segment(str(root), p, [rec(p, o) for o in offs], fmt)
+    # Noise the reader must ignore.
+    other = "jsonl" if fmt == "parquet" else "parquet"
+    (root / "README.txt").write_text("not a segment")
+    (root / "other").mkdir()
+    (root / "partition=0" / "123.parquet").write_bytes(b"garbage")
+    (root / "partition=0" / f"{seg_name(50, fmt)}.tmp").write_bytes(b"garbage")
+    (root / "partition=0" / seg_name(30, other)).write_bytes(b"garbage")
+    return root, fmt
+
+
+def planner(root, fmt) -> fa.FileArchivePlanner:
+    return fa.FileArchivePlanner(FileArchiveSource(type="file_archive", uri=str(root), format=fmt))
+
+
+def spec(root, fmt) -> dict:
+    return FileArchiveSource(type="file_archive", uri=str(root), format=fmt).model_dump(mode="json")
+
+
+def read(root, fmt, p, start, end) -> list[pa.RecordBatch]:
+    return list(fa.read_range(spec(root, fmt), Range(p, start, end)))
+
+
+def rows(batches) -> list[dict]:
+    out = []
+    for b in batches:
+        assert b.schema == sources.SCHEMA
+        out.extend(b.to_pylist())
+    return out
+
+
+def expected(p: int, offsets) -> list[dict]:
+    out = []
+    for o in offsets:
+        r = rec(p, o)
+        out.append({"_tm_partition": p, "_tm_offset": o, "_tm_key": r["key"],
+                    "_tm_payload": r["payload"], "_tm_headers": r["headers"], "_tm_ts": r["ts"]})
+    return out
+
+
+def normalized(got: list[dict]) -> list[dict]:
+    return [{**g, "_tm_headers": None if g["_tm_headers"] is None else json.loads(g["_tm_headers"])}
+            for g in got]
+
+
+# --- planning ---------------------------------------------------------------------------------
+
+def test_layout_written_by_write_segment(archive):
+    root, fmt = archive
+    names = sorted(os.listdir(root / "partition=1"))
+    assert [n for n in names if n.endswith(fmt) and not n.startswith(".")] == [
+        seg_name(100, fmt), seg_name(110, fmt), seg_name(120, fmt)]
+    assert not [n for n in names if ".tmp-" in n]  # temp names renamed away
+    with pytest.raises(TidemarkError, match="immutable"):
+        fa.write_segment(str(root), 1, [rec(1, 100)], fmt)
+
+
+def test_partitions_and_earliest(archive):
+    pl = planner(*archive)
+    assert pl.partitions() == [0, 1, 2]
+    assert [pl.earliest(p) for p in (0, 1, 2)] == [0, 100, 0]
+    assert pl.earliest(7) == 0  # no folder: nothing archived yet
+    pl.close()
+
+
+def test_safe_end(archive):
+    pl = planner(*archive)
+    assert pl.safe_end(0, 0, 1000) == 25
+    assert pl.safe_end(0, 0, 7) == 7  # capped by the limit
+    assert pl.safe_end(0, 12, 5) == 17
+    assert pl.safe_end(0, 25, 10) == 25  # nothing new
+    assert pl.safe_end(1, 100, 1000) == 126  # last segment ends at its highest offset + 1
+    assert pl.safe_end(1, 103, 2) == 105  # starting inside a compaction gap is fine
+    assert pl.safe_end(1, 108, 100) == 126
+    assert pl.safe_end(2, 0, 0) == 0
+    assert pl.safe_end(7, 0, 100) == 0  # absent partition
+    with pytest.raises(TidemarkError, match=r"offsets \[50, 100\) are no longer"):
+        pl.safe_end(1, 50, 100)
+
+
+def test_listing_cached_per_planner(archive):
+    root, fmt = archive
+    pl = planner(root, fmt)
+    assert pl.partitions() == [0, 1, 2]
+    assert pl.safe_end(2, 0, 100) == 5
+    assert pl.earliest(1) == 100
+    fa.write_segment(str(root), 2, [rec(2, o) for o in range(5, 9)], fmt)
+    fa.write_segment(str(root), 3, [rec(3, 0)], fmt)
+    (root / "partition=1" / seg_name(100, fmt)).unlink()  # retention
+    assert pl.safe_end(2, 0, 100) == 5
+    assert pl.partitions() == [0, 1, 2]
+    assert pl.earliest(1) == 100
+    fresh = planner(root, fmt)
+    assert fresh.safe_end(2, 0, 100) == 9
+    assert fresh.partitions() == [0, 1, 2, 3]
+    assert fresh.earliest(1) == 110
+
+
+def test_planner_reads_only_last_segment(archive):
+    root, fmt = archive
+    for base in (0, 10):
+        (root / "partition=0" / seg_name(base, fmt)).write_bytes(b"\x00corrupt\xff")
+    assert planner(root, fmt).safe_end(0, 20, 100) == 25
+    (root / "partition=0" / seg_name(20, fmt)).write_bytes(b"\x00corrupt\xff")
+    with pytest.raises(TidemarkError, match=seg_name(20, fmt)):
+        planner(root, fmt).safe_end(0, 20, 100)
+
+
+def test_parquet_without_statistics_falls_back_to_offset_column(tmp_path):
+    folder = tmp_path / "partition=4"
+    folder.mkdir()
+    table = pa.Table.from_pylist([fa._arrow_row(rec(4, o)) for o in (3, 4, 9)], fa._ARROW_SCHEMA)
+    pq.write_table(table, folder / seg_name(3, "parquet"), write_statistics=False)
+    assert pq.ParquetFile(folder / seg_name(3, "parquet")).metadata.row_group(0).column(1) \
+        .statistics is None
+    assert planner(tmp_path, "parquet").safe_end(4, 3, 100) == 10
+    assert normalized(rows(read(tmp_path, "parquet", 4, 4, 10))) == expected(4, [4, 9])
+
+
+def test_jsonl_tail_read_in_small_chunks(tmp_path, monkeypatch):
+    fa.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(40, 60, 3)], "jsonl")
+    path = tmp_path / "partition=0" / seg_name(40, "jsonl")
+    with open(path, "ab") as f:
+        f.write(b"\n  \n")  # trailing blank lines are not records
+    monkeypatch.setattr(fa, "_TAIL_CHUNK", 7)  # far shorter than a line
+    assert planner(tmp_path, "jsonl").safe_end(0, 40, 100) == 59  # last offset 58
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+def test_read_range_exact_across_segment_boundary(archive):
+    root, fmt = archive
+    got = rows(read(root, fmt, 0, 5, 15))
+    assert normalized(got) == expected(0, range(5, 15))
+    raw = {g["_tm_offset"]: g["_tm_payload"] for g in got}
+    assert raw[6] == b"\x00\xff\x06\xc3(0:6"  # bytes survive exactly
+    assert raw[7] is None  # tombstone
+
+
+def test_read_range_with_gaps(archive):
+    root, fmt = archive
+    got = rows(read(root, fmt, 1, 101, 123))
+    assert [g["_tm_offset"] for g in got] == [101, 102, 105, 107, 110, 111, 112, 113, 114, 120]
+    assert normalized(got) == expected(1, [101, 102, 105, 107, 110, 111, 112, 113, 114, 120])
+    assert read(root, fmt, 1, 103, 105) == []  # a range inside a gap holds no record
+    assert normalized(rows(read(root, fmt, 1, 108, 126))) == expected(
+        1, [110, 111, 112, 113, 114, 120, 125])
+
+
+def test_batches_hold_at_most_batch_rows(archive, monkeypatch):
+    root, fmt = archive
+    monkeypatch.setattr(sources, "BATCH_ROWS", 3)
+    batches = read(root, fmt, 0, 2, 22)
+    assert [b.num_rows for b in batches] == [3, 3, 3, 3, 3, 3, 2]
+    assert [o for b in batches for o in b.column(1).to_pylist()] == list(range(2, 22))
+
+
+def test_parquet_row_groups_pruned_correctly(tmp_path):
+    fa.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(0, 20)], "parquet",
+                     row_group_size=3)
+    assert pq.ParquetFile(tmp_path / "partition=0" / seg_name(0, "parquet")) \
+        .metadata.num_row_groups == 7
+    for a, b in [(0, 1), (2, 3), (3, 6), (5, 14), (19, 20), (0, 20)]:
+        assert normalized(rows(read(tmp_path, "parquet", 0, a, b))) == expected(0, range(a, b))
+
+
+def test_read_opens_only_needed_segments(archive, monkeypatch):
+    root, fmt = archive
+    opened: list[str] = []
+    name = "_read_parquet" if fmt == "parquet" else "_read_jsonl"
+    real = getattr(fa, name)
+
+    def spy(a, path, *args):
+        opened.append(os.path.basename(path))
+        yield from real(a, path, *args)
+
+    monkeypatch.setattr(fa, name, spy)
+    assert len(rows(read(root, fmt, 0, 10, 20))) == 10
+    assert opened == [seg_name(10, fmt)]
+    opened.clear()
+    assert len(rows(read(root, fmt, 1, 110, 113))) == 3
+    assert opened == [seg_name(110, fmt)]  # not [100, 110) nor [120, ...)
+    opened.clear()
+    assert len(rows(read(root, fmt, 1, 108, 112))) == 2
+    assert opened == [seg_name(100, fmt), seg_name(110, fmt)]  # [100, 110) may hold 108
+
+
+def test_corrupt_unrelated_segment_does_not_matter(archive):
+    root, fmt = archive
+    (root / "partition=0" / seg_name(0, fmt)).write_bytes(b"\x00\xffnot a segment\n")
+    assert normalized(rows(read(root, fmt, 0, 10, 25))) == expected(0, range(10, 25))
+    with pytest.raises(TidemarkError, match=f"partition=0/{seg_name(0, fmt)}"):
+        read(root, fmt, 0, 5, 12)
+
+
+# --- bad archives -----------------------------------------------------------------------------
+
+def write_lines(root, p: int, base: int, lines: list) -> str:
+    folder = root / f"partition={p}"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / seg_name(base, "jsonl")
+    path.write_bytes(b"".join((ln if isinstance(ln, bytes) else json.dumps(ln).encode()) + b"\n"
+                              for ln in lines))
+    return seg_name(base, "jsonl")
+
+
+def jrow(p, o, **kw) -> dict:
+    row = {"partition": p, "offset": o, "key": None,
+           "payload": base64.b64encode(b"\x00x").decode(), "headers": None, "ts": 0}
+    row.update(kw)
+    return row
+
+
+def test_missing_archive_or_not_a_folder(tmp_path):
+    with pytest.raises(TidemarkError, match=f"{tmp_path / 'nope'}: does not exist"):
+        planner(tmp_path / "nope", "parquet").partitions()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(TidemarkError, match="not a directory"):
+        planner(tmp_path / "file", "parquet").partitions()
+
+
+def test_uri_credentials_never_shown():
+    with pytest.raises(TidemarkError) as err:
+        planner("nosuch://bob:hunter2@host/x", "parquet").partitions()
+    assert "hunter2" not in str(err.value)
+    assert "bob:***@host" in str(err.value)
+
+
+@pytest.mark.parametrize("folder", ["partition=abc", "partition=07", "partition=-1"])
+def test_bad_partition_folder(tmp_path, folder):
+    (tmp_path / "partition=1").mkdir()
+    (tmp_path / folder).mkdir()
+    with pytest.raises(TidemarkError, match=folder):
+        planner(tmp_path, "jsonl").partitions()
+
+
+@pytest.mark.parametrize(("line", "problem"), [
+    (jrow(0, 2, payload="%%%not base64"), "payload is not valid base64"),
+    (jrow(0, 2, key="YWJj!"), "key is not valid base64"),
+    (b'{"partition": 0, "offset": 2,', "not JSON"),
+    (jrow(0, 2, partition=1), "record of partition 1 in the folder of partition 0"),
+    (jrow(0, 1), "offset 1 after 1"),
+    (jrow(0, 2, headers=[1, 2]), "headers must be a JSON object"),
+    (jrow(0, 2, ts="yesterday"), "ts must be ISO-8601"),
+    (jrow(0, 25), r"offset 25 outside the segment's interval \[0, 20\)"),
+])
+def test_bad_jsonl_line_names_file_and_line(tmp_path, line, problem):
+    name = write_lines(tmp_path, 0, 0, [jrow(0, 0), jrow(0, 1), line, jrow(0, 30)])
+    write_lines(tmp_path, 0, 20, [jrow(0, 20)])
+    with pytest.raises(TidemarkError, match=f"partition=0/{name} line 3: {problem}"):
+        read(tmp_path, "jsonl", 0, 0, 20)
+
+
+def test_jsonl_ts_forms(tmp_path):
+    write_lines(tmp_path, 0, 0, [jrow(0, 0, ts=1700000000123),
+                                 jrow(0, 1, ts="2024-01-02T03:04:05.123456Z"),
+                                 jrow(0, 2, ts="2024-01-02T03:04:05"), jrow(0, 3, ts=None)])
+    got = [g["_tm_ts"] for g in rows(read(tmp_path, "jsonl", 0, 0, 4))]
+    assert got == [datetime(2023, 11, 14, 22, 13, 20, 123000, tzinfo=UTC),
+                   datetime(2024, 1, 2, 3, 4, 5, 123456, tzinfo=UTC),
+                   datetime(2024, 1, 2, 3, 4, 5, tzinfo=UTC), None]
+
+
+def test_bad_parquet_records(tmp_path):
+    folder = tmp_path / "partition=0"
+    folder.mkdir()
+
+    def put(base, offsets, part=0, headers=None):
+        rows_ = [fa._arrow_row({**rec(part, o), "headers": headers}) for o in offsets]
+        pq.write_table(pa.Table.from_pylist(rows_, fa._ARROW_SCHEMA), folder / seg_name(base, "parquet"))
+
+    put(0, [0, 1, 2], part=1)
+    with pytest.raises(TidemarkError, match=f"{seg_name(0, 'parquet')}: record of partition 1"):
+        read(tmp_path, "parquet", 0, 0, 3)
+    put(0, [0, 2, 1])
+    with pytest.raises(TidemarkError, match="offset 1 after 2"):
+        read(tmp_path, "parquet", 0, 0, 3)
+    put(0, [0, 1, 2], headers="not json")
+    with pytest.raises(TidemarkError, match="offset 0: headers is not a JSON object"):
+        read(tmp_path, "parquet", 0, 0, 3)
+    pq.write_table(pa.table({"partition": [0], "offset": [0]}), folder / seg_name(0, "parquet"))
+    with pytest.raises(TidemarkError, match="missing column.*key, payload, headers, ts"):
+        read(tmp_path, "parquet", 0, 0, 1)
+
+
+def test_range_outside_archive(archive):
+    root, fmt = archive
+    with pytest.raises(TidemarkError, match="goes past the end of the archive \\(25\\)"):
+        read(root, fmt, 0, 20, 30)
+    with pytest.raises(TidemarkError, match="first segment starts at 100"):
+        read(root, fmt, 1, 90, 105)
+    with pytest.raises(TidemarkError, match="it has no segment"):
+        read(root, fmt, 9, 0, 1)
+    assert read(root, fmt, 0, 3, 3) == []

@@ -1,0 +1,661 @@
+"""``file_archive``: segments archived from Kafka, in a directory or on a Hadoop-compatible store.
+
+The contract writers follow:
+
+* ``uri`` is anything :func:`pyarrow.fs.FileSystem.from_uri` accepts: a local path (made
+  absolute against the working directory of each process, so give an absolute one), ``file://``,
+  ``s3://``, ``gs://``, ``hdfs://``.
+* Layout: ``<uri>/partition=<P>/<base offset, zero-padded to 20 digits>.<ext>``, ``ext`` being
+  the source's ``format`` (``parquet`` or ``jsonl``); ``P`` is written in decimal without leading
+  zeros. A segment is named after the offset of its first record, like Kafka's own segments.
+* Segments are immutable once present: write to a temporary name in the same folder (e.g.
+  ``.<name>.tmp``) and rename (:func:`write_segment` does). Segment *i* holds offsets
+  ``[base_i, base_{i+1})``; the last one ends at its highest offset + 1. New segments must start
+  above that end, and old ones may only be deleted once every checkpoint is past them.
+* Files not matching the pattern are ignored. A ``partition=`` folder whose value is not a
+  partition number is an error naming it.
+* Each record has ``partition`` (int, equal to its folder's), ``offset`` (int64), ``key`` (bytes
+  or null), ``payload`` (bytes, null for a tombstone), ``headers`` (a JSON object or null) and
+  ``ts`` (a timestamp; naive means UTC). In parquet ``headers`` is a string column holding the
+  JSON text. In JSON Lines, one object a line, ``key`` and ``payload`` are base64 strings (so
+  bytes survive exactly), ``headers`` an object and ``ts`` ISO-8601 text or epoch milliseconds.
+* Records are in strictly increasing offset order within a segment. Offsets may have gaps
+  (compacted topics): an absent offset is not a record.
+
+Anything that breaks the contract inside a range being read (a corrupt file, a bad line, a
+record out of order or in the wrong folder) raises :class:`TidemarkError` naming the file: the
+run stops rather than skip records.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import io
+import json
+import os
+import re
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from tidemark.config import FileArchiveSource
+from tidemark.dsn import mask
+from tidemark.errors import TidemarkError
+from tidemark.state import Range
+
+FORMATS = ("parquet", "jsonl")
+COLUMNS = ("partition", "offset", "key", "payload", "headers", "ts")
+_SEGMENT = re.compile(r"^(\d{20})\.(parquet|jsonl)$")
+_PART_PREFIX = "partition="
+_SECRET_PARAM = re.compile(r"((?:secret|token|password|key|signature|sig)[a-z_]*=)[^&\s]*",
+                           re.IGNORECASE)
+_TAIL_CHUNK = 64 * 1024  # bytes read from the end of a JSON Lines segment per step
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_US = timedelta(microseconds=1)
+_ARROW_SCHEMA = pa.schema([
+    ("partition", pa.int32()), ("offset", pa.int64()), ("key", pa.binary()),
+    ("payload", pa.binary()), ("headers", pa.string()), ("ts", pa.timestamp("us", tz="UTC")),
+])
+_IO_ERRORS = (OSError, pa.ArrowException)
+
+
+# --- locations ---------------------------------------------------------------------------------
+
+def _hide(text: str) -> str:
+    """``text`` with passwords (user:pw@) and secret query parameters masked."""
+    return _SECRET_PARAM.sub(lambda m: f"{m[1]}***", mask(text))
+
+
+class _Archive:
+    """A filesystem, the archive's root path in it, and how to name things in messages."""
+
+    def __init__(self, uri: str):
+        self.shown = _hide(uri.split("?", 1)[0]).rstrip("/") or "/"
+        try:
+            if "://" in uri:
+                self.fs, root = pafs.FileSystem.from_uri(uri)
+            else:
+                self.fs, root = pafs.LocalFileSystem(), os.path.abspath(uri)
+        except (*_IO_ERRORS, ValueError) as exc:
+            raise TidemarkError(f"file archive {self.shown}: cannot open: "
+                                f"{_first_line(exc)}") from None
+        self.root = root.rstrip("/")
+
+    def part_dir(self, partition: int) -> str:
+        return f"{self.root}/{_PART_PREFIX}{partition}"
+
+    def show(self, path: str) -> str:
+        """``path`` (inside the filesystem) as the user would spell it, from the uri."""
+        rel = path[len(self.root):] if path.startswith(self.root) else "/" + path
+        return self.shown.rstrip("/") + rel
+
+    def listdir(self, path: str, what: str) -> list[pafs.FileInfo] | None:
+        """Entries of folder ``path``, or None when it does not exist."""
+        try:
+            info = self.fs.get_file_info(path)
+            if info.type == pafs.FileType.NotFound:
+                return None
+            if info.type != pafs.FileType.Directory:
+                raise TidemarkError(f"file archive {self.show(path)}: {what} is not a directory")
+            return self.fs.get_file_info(pafs.FileSelector(path, recursive=False))
+        except _IO_ERRORS as exc:
+            raise TidemarkError(f"file archive {self.show(path)}: cannot list {what}: "
+                                f"{_first_line(exc)}") from None
+
+    def segments(self, partition: int, fmt: str) -> list[tuple[int, str]]:
+        """``(base, path)`` of the partition's segments, by base (empty if no folder)."""
+        entries = self.listdir(self.part_dir(partition), f"partition {partition}") or []
+        out = []
+        for e in entries:
+            m = _SEGMENT.match(e.base_name)
+            if m and m[2] == fmt and e.type == pafs.FileType.File:
+                out.append((int(m[1]), e.path))
+        out.sort()
+        return out
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return _hide(text[0]) if text else type(exc).__name__
+
+
+# --- planner -----------------------------------------------------------------------------------
+
+class FileArchivePlanner:
+    """Driver side: lists the archive once per instance and reads only footers / tails."""
+
+    def __init__(self, src: FileArchiveSource):
+        self.src = src
+        self.archive = _Archive(src.uri)
+        self._parts: list[int] | None = None
+        self._segments: dict[int, list[tuple[int, str]]] = {}
+        self._ends: dict[int, int] = {}
+
+    def close(self) -> None:
+        self._parts = None
+        self._segments.clear()
+        self._ends.clear()
+
+    def partitions(self) -> list[int]:
+        if self._parts is None:
+            a = self.archive
+            entries = a.listdir(a.root, "archive folder")
+            if entries is None:
+                raise TidemarkError(f"file archive {a.shown}: does not exist")
+            parts: dict[int, str] = {}
+            for e in entries:
+                if e.type != pafs.FileType.Directory or not e.base_name.startswith(_PART_PREFIX):
+                    continue
+                value = e.base_name[len(_PART_PREFIX):]
+                if not value.isascii() or not value.isdigit() or str(int(value)) != value:
+                    raise TidemarkError(f"file archive {a.show(e.path)}: folder name must be "
+                                        f"partition=<non-negative integer without leading "
+                                        f"zeros>, not {e.base_name!r}")
+                parts[int(value)] = e.path
+            self._parts = sorted(parts)
+        return list(self._parts)
+
+    def _segs(self, partition: int) -> list[tuple[int, str]]:
+        if partition not in self._segments:
+            self._segments[partition] = self.archive.segments(partition, self.src.format)
+        return self._segments[partition]
+
+    def earliest(self, partition: int) -> int:
+        segs = self._segs(partition)
+        return segs[0][0] if segs else 0
+
+    def end(self, partition: int) -> int:
+        """Exclusive end of the archive's partition (0 when it has no segment)."""
+        if partition not in self._ends:
+            segs = self._segs(partition)
+            self._ends[partition] = (
+                _segment_end(self.archive, segs[-1][1], segs[-1][0], self.src.format)
+                if segs else 0)
+        return self._ends[partition]
+
+    def safe_end(self, partition: int, start: int, limit: int) -> int:
+        """Every segment present is complete, so: min(start + limit, end of the archive).
+
+        A ``start`` below the first segment means the records from there were deleted from
+        the archive (retention ran ahead of the checkpoint): an error, never a silent skip.
+        """
+        segs = self._segs(partition)
+        if not segs:
+            return start
+        if start < segs[0][0]:
+            raise TidemarkError(
+                f"file archive {self.archive.shown} partition {partition}: reading from offset "
+                f"{start} but the first segment starts at {segs[0][0]}: offsets "
+                f"[{start}, {segs[0][0]}) are no longer in the archive")
+        return max(start, min(start + limit, self.end(partition)))
+
+
+def _segment_end(a: _Archive, path: str, base: int, fmt: str) -> int:
+    """Highest offset in the segment + 1 (``base`` if it is empty), reading as little as
+    possible: the parquet footer statistics, else the offset column; a JSON Lines tail."""
+    shown = a.show(path)
+    try:
+        if fmt == "parquet":
+            with a.fs.open_input_file(path) as f:
+                pf = pq.ParquetFile(f)
+                _check_columns(pf.schema_arrow.names, shown)
+                top = _stats_max(pf, shown)
+                if top is _NO_STATS:
+                    col = pf.read(columns=["offset"], use_threads=False).column("offset")
+                    top = pc.max(col).as_py() if len(col) else None
+        else:
+            top = _jsonl_last_offset(a, path, shown)
+    except _IO_ERRORS as exc:
+        raise TidemarkError(f"file archive {shown}: cannot read: {_first_line(exc)}") from None
+    if top is None:
+        return base
+    if top < base:
+        raise TidemarkError(f"file archive {shown}: highest offset {top} is below the "
+                            f"segment's base offset {base}")
+    return top + 1
+
+
+_NO_STATS = object()
+
+
+def _offset_column_index(pf: pq.ParquetFile) -> int | None:
+    md = pf.metadata
+    if md.num_row_groups == 0:
+        return None
+    rg = md.row_group(0)
+    for j in range(rg.num_columns):
+        if rg.column(j).path_in_schema == "offset":
+            return j
+    return None
+
+
+def _rg_stats(pf: pq.ParquetFile, j: int | None, i: int) -> tuple[int, int] | None:
+    """(min, max) offset of row group ``i`` from its statistics, when present."""
+    if j is None:
+        return None
+    st = pf.metadata.row_group(i).column(j).statistics
+    if st is None or not st.has_min_max or isinstance(st.min, bool) \
+            or not isinstance(st.min, int) or not isinstance(st.max, int):
+        return None
+    return st.min, st.max
+
+
+def _stats_max(pf: pq.ParquetFile, shown: str):
+    j = _offset_column_index(pf)
+    top = None
+    for i in range(pf.metadata.num_row_groups):
+        if pf.metadata.row_group(i).num_rows == 0:
+            continue
+        st = _rg_stats(pf, j, i)
+        if st is None:
+            return _NO_STATS
+        top = st[1] if top is None else max(top, st[1])
+    return top
+
+
+def _jsonl_last_offset(a: _Archive, path: str, shown: str) -> int | None:
+    with a.fs.open_input_file(path) as f:
+        pos = f.size()
+        tail = b""
+        while pos > 0:
+            n = min(_TAIL_CHUNK, pos)
+            pos -= n
+            f.seek(pos)
+            tail = f.read(n) + tail
+            lines = tail.split(b"\n")
+            whole = lines if pos == 0 else lines[1:]  # lines[0] may be cut when pos > 0
+            for line in reversed(whole):
+                if line.strip():
+                    rec = _json_line(line, shown, "last line")
+                    return _int_field(rec, "offset", shown, "last line")
+    return None
+
+
+# --- reader ------------------------------------------------------------------------------------
+
+def read_range(spec: dict, r: Range) -> Iterator[pa.RecordBatch]:
+    """Executor side: the records of ``r`` as batches of :data:`tidemark.sources.SCHEMA`.
+
+    Opens only the segments whose ``[base, next base)`` meets ``[r.start, r.end)`` (plus the
+    last segment's footer or tail, when the range reaches it, to check the range ends inside
+    the archive). Yields rows in offset order, at most ``BATCH_ROWS`` a batch.
+    """
+    from tidemark.sources import BATCH_ROWS, SCHEMA
+
+    if r.size <= 0:
+        return
+    fmt = spec.get("format", "parquet")
+    if fmt not in FORMATS:
+        raise TidemarkError(f"file archive: unknown format {fmt!r}")
+    a = _Archive(spec["uri"])
+    segs = a.segments(r.partition, fmt)
+    where = f"file archive {a.shown} partition {r.partition}"
+    if not segs or r.start < segs[0][0]:
+        first = f"the first segment starts at {segs[0][0]}" if segs else "it has no segment"
+        raise TidemarkError(f"{where}: range [{r.start}, {r.end}) cannot be read: {first} "
+                            f"(segments deleted or rewritten inside a planned range)")
+    picked = []
+    for i, (base, path) in enumerate(segs):
+        nxt = segs[i + 1][0] if i + 1 < len(segs) else None
+        if base < r.end and (nxt is None or nxt > r.start):
+            picked.append((base, nxt, path))
+    if picked[-1][1] is None:  # the range reaches the last segment: it must end inside it
+        base, _, path = picked[-1]
+        end = _segment_end(a, path, base, fmt)
+        if r.end > end:
+            raise TidemarkError(f"{where}: range [{r.start}, {r.end}) goes past the end of "
+                                f"the archive ({end}): segment {a.show(path)} rewritten or "
+                                f"truncated")
+    out = _Batcher(SCHEMA, BATCH_ROWS)
+    for base, nxt, path in picked:
+        read = _read_parquet if fmt == "parquet" else _read_jsonl
+        for batch in read(a, path, r, base, nxt, BATCH_ROWS):
+            yield from out.add(batch)
+    yield from out.flush()
+
+
+class _Batcher:
+    """Re-chunks filtered batches (of any size) into batches of at most ``rows`` rows."""
+
+    def __init__(self, schema: pa.Schema, rows: int):
+        self.schema, self.rows = schema, rows
+        self.buf: list[pa.RecordBatch] = []
+        self.n = 0
+
+    def add(self, batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
+        if batch.num_rows == 0:
+            return
+        self.buf.append(batch)
+        self.n += batch.num_rows
+        if self.n >= self.rows:
+            table = pa.Table.from_batches(self.buf, self.schema).combine_chunks()
+            full = (self.n // self.rows) * self.rows
+            yield from table.slice(0, full).to_batches(max_chunksize=self.rows)
+            rest = table.slice(full)
+            self.buf = rest.to_batches() if rest.num_rows else []
+            self.n = rest.num_rows
+
+    def flush(self) -> Iterator[pa.RecordBatch]:
+        if self.n:
+            table = pa.Table.from_batches(self.buf, self.schema).combine_chunks()
+            yield from table.to_batches(max_chunksize=self.rows)
+        self.buf, self.n = [], 0
+
+
+class _Order:
+    """Checks that the offsets read from one segment increase and stay in its interval."""
+
+    def __init__(self, shown: str, base: int, nxt: int | None):
+        self.shown, self.base, self.nxt = shown, base, nxt
+        self.prev: int | None = None
+
+    def check(self, offsets: list[int], where: str = "") -> None:
+        if not offsets:
+            return
+        prev = self.prev
+        for o in offsets:
+            if prev is not None and o <= prev:
+                raise TidemarkError(f"file archive {self.shown}{where}: offset {o} after "
+                                    f"{prev}: records must be in strictly increasing offset "
+                                    f"order")
+            prev = o
+        lo, hi = offsets[0], offsets[-1]
+        if lo < self.base or (self.nxt is not None and hi >= self.nxt):
+            bad = lo if lo < self.base else hi
+            upper = "" if self.nxt is None else f", {self.nxt}"
+            raise TidemarkError(f"file archive {self.shown}{where}: offset {bad} outside the "
+                                f"segment's interval [{self.base}{upper})")
+        self.prev = prev
+
+
+def _check_columns(names: list[str], shown: str) -> None:
+    missing = [c for c in COLUMNS if c not in names]
+    if missing:
+        raise TidemarkError(f"file archive {shown}: missing column(s) {', '.join(missing)} "
+                            f"(a segment has {', '.join(COLUMNS)})")
+
+
+def _read_parquet(a: _Archive, path: str, r: Range, base: int, nxt: int | None,
+                  batch_rows: int) -> Iterator[pa.RecordBatch]:
+    shown = a.show(path)
+    order = _Order(shown, base, nxt)
+    try:
+        with a.fs.open_input_file(path) as f:
+            pf = pq.ParquetFile(f)
+            _check_columns(pf.schema_arrow.names, shown)
+            j = _offset_column_index(pf)
+            groups = []
+            for i in range(pf.metadata.num_row_groups):
+                st = _rg_stats(pf, j, i)
+                if st is None or (st[1] >= r.start and st[0] < r.end):
+                    groups.append(i)
+            if not groups:
+                return
+            for raw in pf.iter_batches(batch_size=batch_rows, row_groups=groups,
+                                       columns=list(COLUMNS), use_threads=False):
+                batch = _conform(raw, shown, r.partition)
+                off = batch.column(1)
+                keep = pc.and_(pc.greater_equal(off, r.start), pc.less(off, r.end))
+                batch = batch.filter(keep)
+                order.check(batch.column(1).to_pylist())
+                _check_headers(batch.column(4), batch.column(1), shown)
+                yield batch
+    except _IO_ERRORS as exc:
+        raise TidemarkError(f"file archive {shown}: cannot read: {_first_line(exc)}") from None
+
+
+def _conform(raw: pa.RecordBatch, shown: str, partition: int) -> pa.RecordBatch:
+    """A parquet batch (archive column names, any compatible types) as SCHEMA."""
+    from tidemark.sources import SCHEMA
+
+    cols = []
+    for name, target in zip(COLUMNS, SCHEMA.types, strict=True):
+        col = raw.column(name)
+        t = col.type
+        ok = {
+            "partition": pa.types.is_integer(t), "offset": pa.types.is_integer(t),
+            "key": _bytes_like(t), "payload": _bytes_like(t),
+            "headers": pa.types.is_string(t) or pa.types.is_large_string(t)
+            or pa.types.is_null(t),
+            "ts": pa.types.is_timestamp(t) or pa.types.is_null(t),
+        }[name]
+        if not ok:
+            raise TidemarkError(f"file archive {shown}: column {name} has type {t}, expected "
+                                f"{target}")
+        if name in ("partition", "offset") and col.null_count:
+            raise TidemarkError(f"file archive {shown}: column {name} has nulls")
+        try:
+            col = pc.cast(col, options=pc.CastOptions(target, allow_time_truncate=True))
+        except pa.ArrowException as exc:
+            raise TidemarkError(f"file archive {shown}: column {name}: "
+                                f"{_first_line(exc)}") from None
+        cols.append(col)
+    if len(cols[0]) and not pc.all(pc.equal(cols[0], partition)).as_py():
+        bad = pc.filter(cols[0], pc.not_equal(cols[0], partition))[0].as_py()
+        raise TidemarkError(f"file archive {shown}: record of partition {bad} in the folder "
+                            f"of partition {partition}")
+    return pa.RecordBatch.from_arrays(cols, schema=SCHEMA)
+
+
+def _bytes_like(t: pa.DataType) -> bool:
+    return (pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_string(t)
+            or pa.types.is_large_string(t) or pa.types.is_null(t))
+
+
+def _check_headers(headers: pa.Array, offsets: pa.Array, shown: str) -> None:
+    if headers.null_count == len(headers):
+        return
+    for h, o in zip(headers.to_pylist(), offsets.to_pylist(), strict=True):
+        if h is None:
+            continue
+        try:
+            ok = isinstance(json.loads(h), dict)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise TidemarkError(f"file archive {shown}: offset {o}: headers is not a JSON "
+                                f"object")
+
+
+def _read_jsonl(a: _Archive, path: str, r: Range, base: int, nxt: int | None,
+                batch_rows: int) -> Iterator[pa.RecordBatch]:
+    from tidemark.sources import SCHEMA
+
+    shown = a.show(path)
+    order = _Order(shown, base, nxt)
+    buf: list[list] = [[], [], [], [], []]
+
+    def batch() -> pa.RecordBatch:
+        n = len(buf[0])
+        return pa.RecordBatch.from_arrays(
+            [pa.array([r.partition] * n, pa.int32()), pa.array(buf[0], pa.int64()),
+             pa.array(buf[1], pa.binary()), pa.array(buf[2], pa.binary()),
+             pa.array(buf[3], pa.string()), pa.array(buf[4], pa.timestamp("us", tz="UTC"))],
+            schema=SCHEMA)
+
+    try:
+        with a.fs.open_input_stream(path) as raw:
+            for lineno, line in enumerate(io.BufferedReader(raw, 1 << 20), 1):
+                if not line.strip():
+                    continue
+                at = f"line {lineno}"
+                rec = _json_line(line, shown, at)
+                offset = _int_field(rec, "offset", shown, at)
+                order.check([offset], f" {at}")
+                if offset >= r.end:
+                    break
+                part = _int_field(rec, "partition", shown, at)
+                if part != r.partition:
+                    raise TidemarkError(f"file archive {shown} {at}: record of partition "
+                                        f"{part} in the folder of partition {r.partition}")
+                if offset < r.start:
+                    continue
+                buf[0].append(offset)
+                buf[1].append(_b64(rec, "key", shown, at))
+                buf[2].append(_b64(rec, "payload", shown, at))
+                buf[3].append(_headers_text(rec, shown, at))
+                buf[4].append(_ts_micros(rec, shown, at))
+                if len(buf[0]) >= batch_rows:
+                    yield batch()
+                    buf = [[], [], [], [], []]
+    except _IO_ERRORS as exc:
+        raise TidemarkError(f"file archive {shown}: cannot read: {_first_line(exc)}") from None
+    if buf[0]:
+        yield batch()
+
+
+def _json_line(line: bytes, shown: str, at: str) -> dict:
+    try:
+        rec = json.loads(line)
+    except ValueError as exc:
+        raise TidemarkError(f"file archive {shown} {at}: not JSON: {exc}") from None
+    if not isinstance(rec, dict):
+        raise TidemarkError(f"file archive {shown} {at}: not a JSON object")
+    missing = [c for c in COLUMNS if c not in rec]
+    if missing:
+        raise TidemarkError(f"file archive {shown} {at}: missing field(s) "
+                            f"{', '.join(missing)}")
+    return rec
+
+
+def _int_field(rec: dict, name: str, shown: str, at: str) -> int:
+    v = rec.get(name)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise TidemarkError(f"file archive {shown} {at}: {name} must be an integer, not {v!r}")
+    return v
+
+
+def _b64(rec: dict, name: str, shown: str, at: str) -> bytes | None:
+    v = rec[name]
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise TidemarkError(f"file archive {shown} {at}: {name} must be a base64 string or "
+                            f"null")
+    try:
+        return base64.b64decode(v, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise TidemarkError(f"file archive {shown} {at}: {name} is not valid base64: "
+                            f"{exc}") from None
+
+
+def _headers_text(rec: dict, shown: str, at: str) -> str | None:
+    v = rec["headers"]
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise TidemarkError(f"file archive {shown} {at}: headers must be a JSON object or null")
+    return json.dumps(v, ensure_ascii=False)
+
+
+def _ts_micros(rec: dict, shown: str, at: str) -> int | None:
+    v = rec["ts"]
+    if v is None:
+        return None
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v * 1000
+    if isinstance(v, str):
+        try:
+            dt = datetime.fromisoformat(v)
+        except ValueError:
+            pass
+        else:
+            if dt.tzinfo is None:
+                dt = dt.replace(tzinfo=UTC)
+            return (dt - _EPOCH) // _US
+    raise TidemarkError(f"file archive {shown} {at}: ts must be ISO-8601 text or epoch "
+                        f"milliseconds, not {v!r}")
+
+
+# --- writer ------------------------------------------------------------------------------------
+
+def write_segment(uri: str, partition: int, records: list[dict], fmt: str,
+                  *, row_group_size: int | None = None) -> str:
+    """Write ``records`` (dicts with partition, offset, key, payload, headers, ts) as one
+    segment of ``uri``'s archive, in the layout above; returns the segment's path.
+
+    ``key``/``payload`` are bytes or None, ``headers`` a dict (or JSON text) or None, ``ts`` a
+    datetime (naive means UTC), epoch milliseconds or None. Written under a temporary name then
+    renamed, so readers never see a partial segment; an existing segment is never replaced.
+    """
+    if fmt not in FORMATS:
+        raise TidemarkError(f"unknown archive format {fmt!r}; use one of {', '.join(FORMATS)}")
+    if not records:
+        raise TidemarkError("a segment needs at least one record (it is named after the first)")
+    prev = None
+    for rec in records:
+        if rec["partition"] != partition:
+            raise TidemarkError(f"record of partition {rec['partition']} given for partition "
+                                f"{partition}")
+        if prev is not None and rec["offset"] <= prev:
+            raise TidemarkError(f"offset {rec['offset']} after {prev}: records must be in "
+                                f"strictly increasing offset order")
+        prev = rec["offset"]
+    if partition < 0 or records[0]["offset"] < 0:
+        raise TidemarkError("partitions and offsets must be non-negative")
+    a = _Archive(uri)
+    folder = a.part_dir(partition)
+    name = f"{records[0]['offset']:020d}.{fmt}"
+    final, tmp = f"{folder}/{name}", f"{folder}/.{name}.tmp-{uuid.uuid4().hex}"
+    try:
+        a.fs.create_dir(folder, recursive=True)
+        if a.fs.get_file_info(final).type != pafs.FileType.NotFound:
+            raise TidemarkError(f"file archive {a.show(final)}: segment exists (segments are "
+                                f"immutable)")
+        if fmt == "parquet":
+            table = pa.Table.from_pylist([_arrow_row(rec) for rec in records], _ARROW_SCHEMA)
+            pq.write_table(table, tmp, filesystem=a.fs, row_group_size=row_group_size)
+        else:
+            data = b"".join(_jsonl_row(rec) for rec in records)
+            with a.fs.open_output_stream(tmp, compression=None) as out:
+                out.write(data)
+        a.fs.move(tmp, final)
+    except _IO_ERRORS as exc:
+        with contextlib.suppress(*_IO_ERRORS):
+            a.fs.delete_file(tmp)
+        raise TidemarkError(f"file archive {a.show(final)}: cannot write: "
+                            f"{_first_line(exc)}") from None
+    return final
+
+
+def _headers_json(h) -> str | None:
+    if h is None or isinstance(h, str):
+        return h
+    return json.dumps(h, ensure_ascii=False)
+
+
+def _ts_value(ts) -> datetime | None:
+    if ts is None:
+        return None
+    if isinstance(ts, int) and not isinstance(ts, bool):
+        return _EPOCH + timedelta(milliseconds=ts)
+    return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)
+
+
+def _arrow_row(rec: dict) -> dict:
+    return {"partition": rec["partition"], "offset": rec["offset"], "key": rec.get("key"),
+            "payload": rec.get("payload"), "headers": _headers_json(rec.get("headers")),
+            "ts": _ts_value(rec.get("ts"))}
+
+
+def _jsonl_row(rec: dict) -> bytes:
+    def b64(v: bytes | None) -> str | None:
+        return None if v is None else base64.b64encode(v).decode("ascii")
+
+    h = rec.get("headers")
+    ts = _ts_value(rec.get("ts"))
+    row = {"partition": rec["partition"], "offset": rec["offset"], "key": b64(rec.get("key")),
+           "payload": b64(rec.get("payload")),
+           "headers": json.loads(h) if isinstance(h, str) else h,
+           "ts": None if ts is None else ts.isoformat()}
+    return json.dumps(row, ensure_ascii=False).encode("utf-8") + b"\n"
+
+
+__all__ = ["FileArchivePlanner", "read_range", "write_segment"]

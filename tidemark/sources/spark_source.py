@@ -1,0 +1,44 @@
+"""The Spark Python data source ``tidemark``: one input partition per offset range."""
+
+from __future__ import annotations
+
+import json
+
+from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+
+from tidemark.state import Range
+
+
+class RangePartition(InputPartition):
+    def __init__(self, partition: int, start: int, end: int):
+        super().__init__((partition, start, end))
+        self.range = (partition, start, end)
+
+
+class _Reader(DataSourceReader):
+    def __init__(self, job: dict):
+        self.job = job
+
+    def partitions(self):
+        return [RangePartition(*r) for r in self.job["ranges"]]
+
+    def read(self, partition):
+        from tidemark.sources import read_range
+        yield from read_range(self.job["spec"], Range(*partition.range))
+
+
+class TidemarkSource(DataSource):
+    @classmethod
+    def name(cls) -> str:
+        return "tidemark"
+
+    def schema(self):
+        from tidemark.sources import SPARK_SCHEMA
+        return SPARK_SCHEMA
+
+    def reader(self, schema):
+        return _Reader(json.loads(self.options["job"]))
+
+
+def register(spark) -> None:
+    spark.dataSource.register(TidemarkSource)
