@@ -1,0 +1,254 @@
+"""Pipeline files: one YAML file per pipeline, validated into typed models.
+
+Every error names the file, the field (as a dotted path) and the problem.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tidemark import dsn as dsnmod
+from tidemark.errors import ConfigError
+
+IDENT = r"^[a-z_][a-z0-9_]{0,39}$"
+TABLE = r"^([a-z_][a-z0-9_]*\.)?[a-z_][a-z0-9_]*$"
+META_PREFIX = "_tm_"
+
+# Spark type -> PostgreSQL type for sink columns. The same names are accepted in decode schemas.
+PG_TYPES = {
+    "string": "text", "int": "integer", "integer": "integer", "bigint": "bigint",
+    "long": "bigint", "smallint": "smallint", "short": "smallint", "double": "double precision",
+    "float": "real", "boolean": "boolean", "date": "date", "timestamp": "timestamptz",
+    "timestamp_ntz": "timestamp", "binary": "bytea",
+}
+_DECIMAL = re.compile(r"^decimal\((\d{1,2}),\s*(\d{1,2})\)$")
+
+
+def pg_type(spark_type: str) -> str:
+    t = spark_type.strip().lower()
+    if t in PG_TYPES:
+        return PG_TYPES[t]
+    m = _DECIMAL.match(t)
+    if m:
+        return f"numeric({m[1]},{m[2]})"
+    raise ValueError(f"unsupported type {spark_type!r}; use one of "
+                     f"{', '.join(sorted(PG_TYPES))} or decimal(p,s)")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Connection(_Model):
+    dsn: str | None = None
+    conn_id: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        if bool(self.dsn) == bool(self.conn_id):
+            raise ValueError("give exactly one of dsn or conn_id")
+        return self
+
+    def resolve(self, where: str) -> str:
+        return dsnmod.resolve(self.dsn, self.conn_id, where)
+
+
+class LogColumns(_Model):
+    partition: str = "partition"
+    offset: str = "offset"
+    key: str = "key"
+    payload: str = "payload"
+    headers: str = "headers"
+    ts: str = "ts"
+    xid: str = "xid"
+
+
+class PostgresLogSource(Connection):
+    type: Literal["postgres_log"]
+    table: Annotated[str, Field(pattern=TABLE)]
+    columns: LogColumns = LogColumns()
+    partitions: list[Annotated[int, Field(ge=0)]] | None = None
+
+
+class FileArchiveSource(_Model):
+    type: Literal["file_archive"]
+    uri: str
+    format: Literal["parquet", "jsonl"] = "parquet"
+
+
+Source = Annotated[PostgresLogSource | FileArchiveSource, Field(discriminator="type")]
+
+
+class Decode(_Model):
+    format: Literal["json"] = "json"
+    schema_: dict[str, str] = Field(alias="schema")
+
+    @field_validator("schema_")
+    def _types(cls, v: dict[str, str]):
+        if not v:
+            raise ValueError("declare at least one field")
+        for name, t in v.items():
+            if not isinstance(name, str) or not name or name.startswith(META_PREFIX):
+                raise ValueError(f"bad field name {name!r}")
+            try:
+                pg_type(t)
+            except ValueError as exc:
+                raise ValueError(f"field {name}: {exc}") from None
+        return v
+
+
+class Transform(_Model):
+    # Output column -> Spark SQL expression over the decoded fields (and _tm_* metadata).
+    select: dict[str, str] | None = None
+    # Output columns that must not be NULL: a row where one is NULL is quarantined (transform).
+    required: list[str] = []
+    # Alternatively "package.module:function", a function DataFrame -> DataFrame.
+    python: Annotated[str, Field(pattern=r"^[\w.]+:\w+$")] | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.select is not None and self.python is not None:
+            raise ValueError("give select or python, not both")
+        if self.select is not None:
+            for col in self.select:
+                if not re.match(IDENT, col):
+                    raise ValueError(f"output column {col!r} must match {IDENT}")
+            unknown = [c for c in self.required if c not in self.select]
+            if unknown:
+                raise ValueError(f"required columns not in select: {', '.join(unknown)}")
+        return self
+
+
+class Sink(Connection):
+    name: Annotated[str, Field(pattern=IDENT)]
+    table: Annotated[str, Field(pattern=TABLE)]
+    key: Annotated[list[Annotated[str, Field(pattern=IDENT)]], Field(min_length=1)]
+    create_table: bool = True
+
+
+class Limits(_Model):
+    max_records_per_partition: Annotated[int, Field(gt=0)] = 100_000
+
+
+class Pipeline(_Model):
+    name: Annotated[str, Field(pattern=IDENT)]
+    description: str = ""
+    schedule: str | None = None
+    tags: list[str] = []
+    delivery: Literal["exactly_once", "at_least_once"] = "exactly_once"
+    source: Source
+    decode: Decode
+    transform: Transform = Transform()
+    sinks: Annotated[list[Sink], Field(min_length=1)]
+    limits: Limits = Limits()
+
+    @model_validator(mode="after")
+    def _check(self):
+        names = [s.name for s in self.sinks]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"sink names must be unique: {', '.join(dupes)}")
+        outputs = self.output_columns()
+        if outputs is not None:
+            for sink in self.sinks:
+                missing = [k for k in sink.key if k not in outputs]
+                if missing:
+                    raise ValueError(f"sink {sink.name}: key columns not produced by the "
+                                     f"transform: {', '.join(missing)}")
+        return self
+
+    def output_columns(self) -> list[str] | None:
+        """Columns the transform produces, when knowable without running it."""
+        if self.transform.python:
+            return None
+        if self.transform.select is not None:
+            return list(self.transform.select)
+        return list(self.decode.schema_)
+
+    def sink(self, name: str) -> Sink:
+        for s in self.sinks:
+            if s.name == name:
+                return s
+        raise ConfigError(f"pipeline {self.name}", f"has no sink named {name!r} "
+                          f"(sinks: {', '.join(s.name for s in self.sinks)})")
+
+
+def _field_path(loc: tuple) -> str:
+    parts = []
+    for p in loc:
+        if isinstance(p, int):
+            parts.append(f"[{p}]")
+        elif p in ("postgres_log", "file_archive", "function-after"):
+            continue
+        else:
+            parts.append(("." if parts else "") + str(p))
+    return "".join(parts)
+
+
+def parse(text: str, where: str, default_name: str | None = None) -> Pipeline:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f"line {mark.line + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(where, f"{line}not valid YAML: {problem}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(where, "must be a mapping of pipeline settings")
+    if default_name and "name" not in data:
+        data["name"] = default_name
+    try:
+        return Pipeline.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+        msg = err["msg"].removeprefix("Value error, ")
+        field = _field_path(err["loc"]) or None
+        raise ConfigError(where, msg + more, field) from None
+
+
+def load(path: Path) -> Pipeline:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(str(path), f"cannot read: {exc.strerror}") from None
+    pipeline = parse(text, str(path), default_name=path.stem)
+    if pipeline.name != path.stem:
+        raise ConfigError(str(path), f"name {pipeline.name!r} must match the file name "
+                          f"{path.stem!r}", "name")
+    return pipeline
+
+
+def pipeline_files(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        raise ConfigError(str(folder), "pipelines folder does not exist "
+                          "(set TIDEMARK_PIPELINES_DIR or --pipelines-dir)")
+    return sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")])
+
+
+def load_all(folder: Path) -> tuple[dict[str, Pipeline], list[ConfigError]]:
+    """Every pipeline in the folder; a broken file is reported and never hides the others."""
+    good: dict[str, Pipeline] = {}
+    bad: list[ConfigError] = []
+    for path in pipeline_files(folder):
+        try:
+            p = load(path)
+        except ConfigError as exc:
+            bad.append(exc)
+            continue
+        good[p.name] = p
+    return good, bad
+
+
+def find(folder: Path, name: str) -> Pipeline:
+    for ext in (".yaml", ".yml"):
+        path = folder / f"{name}{ext}"
+        if path.exists():
+            return load(path)
+    known = ", ".join(p.stem for p in pipeline_files(folder)) or "none"
+    raise ConfigError(str(folder), f"no pipeline named {name!r} (known: {known})")

@@ -1,0 +1,460 @@
+"""The driver of one run: the commit protocol of DESIGN.md, end to end.
+
+claim (lease, epoch, ranges) -> read + decode + transform + write/PREPARE in Spark tasks
+-> check every chosen gid is still prepared -> decide (the commit point, per sink)
+-> COMMIT PREPARED / ROLLBACK PREPARED -> advance checkpoints.
+
+SIGTERM before a sink's decision rolls everything back, releases the leases and exits 143;
+after the decision the run finishes its commits first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import psycopg
+
+from tidemark import faults, gids, records, recovery, sinks, sources, state, twopc
+from tidemark.config import Pipeline
+from tidemark.db import connect, one_line
+from tidemark.dsn import mask
+from tidemark.errors import Fenced, Inconsistency, Terminated, TidemarkError
+from tidemark.migrations import require_current
+from tidemark.settings import Settings
+from tidemark.state import Claim, Participant, Range
+
+Log = Callable[[str], None]
+
+
+def stderr_log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass
+class SinkOutcome:
+    sink: str
+    state: str
+    rows: int = 0
+    dead: int = 0
+    error: str | None = None
+
+
+@dataclass
+class RunReport:
+    run_id: int | None
+    pipeline: str
+    mode: str
+    records: int = 0
+    source_dead: int = 0
+    sinks: dict[str, SinkOutcome] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return all(s.state == "committed" for s in self.sinks.values())
+
+    def to_dict(self) -> dict:
+        return {"run_id": self.run_id, "pipeline": self.pipeline, "mode": self.mode,
+                "records": self.records, "source_dead_letters": self.source_dead,
+                "seconds": round(self.seconds, 2), "message": self.message,
+                "skipped": self.skipped,
+                "sinks": {k: vars(v) for k, v in self.sinks.items()}}
+
+    def summary(self) -> str:
+        if self.run_id is None:
+            return f"{self.pipeline}: {self.message}"
+        lines = [f"run {self.run_id} ({self.pipeline}, {self.mode}): {self.records:,} records "
+                 f"read in {self.seconds:.1f}s, {self.source_dead:,} quarantined before the sinks"]
+        for s in self.sinks.values():
+            tail = f" - {s.error}" if s.error else ""
+            lines.append(f"  sink {s.sink}: {s.state}, {s.rows:,} rows written, "
+                         f"{s.dead:,} quarantined{tail}")
+        for sink, why in self.skipped.items():
+            lines.append(f"  sink {sink}: skipped ({why})")
+        return "\n".join(lines)
+
+
+@dataclass
+class Backfill:
+    partition: int
+    start: int
+    end: int
+
+
+class _Stop:
+    """SIGTERM: abort if no sink has decided yet, else finish committing first."""
+
+    def __init__(self) -> None:
+        self.decided = False
+        self.requested = False
+        self._previous = None
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        if not self.decided:
+            raise Terminated("SIGTERM before the decision: rolled back")
+
+    def check(self) -> None:
+        if self.requested and not self.decided:
+            raise Terminated("SIGTERM before the decision: rolled back")
+
+
+class Run:
+    def __init__(self, pipeline: Pipeline, settings: Settings, *, ledger_dsn: str,
+                 all_pipelines: dict[str, Pipeline] | None = None, mode: str = "run",
+                 backfill: Backfill | None = None, sink_names: list[str] | None = None,
+                 external_id: str | None = None, log: Log = stderr_log, spark=None):
+        self.p = pipeline
+        self.s = settings
+        self.ledger_dsn = ledger_dsn
+        self.all_pipelines = all_pipelines or {pipeline.name: pipeline}
+        self.mode = mode
+        self.backfill = backfill
+        self.sink_names = sink_names
+        self.external_id = external_id
+        self.log = log
+        self.spark = spark
+        self.owner = f"{socket.gethostname()}:{os.getpid()}"
+        self.stop = _Stop()
+
+    # -- planning ------------------------------------------------------------------------
+    def _planner(self, sinks_by_name: dict[str, sinks.ResolvedSink]):
+        limit = self.p.limits.max_records_per_partition
+        src = sources.planner(self.p)
+
+        def plan(checkpoints: dict[str, dict[int, int]]) -> dict[str, list[Range]]:
+            if self.backfill:
+                b = self.backfill
+                for sink, cps in checkpoints.items():
+                    if b.partition not in cps or b.end > cps[b.partition]:
+                        have = cps.get(b.partition, "none")
+                        raise TidemarkError(
+                            f"backfill of {self.p.name} sink {sink} partition {b.partition} "
+                            f"[{b.start}, {b.end}) goes past the checkpoint ({have}); only "
+                            f"committed ranges can be backfilled - run the pipeline instead")
+                return {s: [Range(b.partition, b.start, b.end)] for s in checkpoints}
+            parts = src.partitions()
+            starts = {s: {p: cps.get(p) for p in parts} for s, cps in checkpoints.items()}
+            earliest: dict[int, int] = {}
+            for cps in starts.values():
+                for p, v in cps.items():
+                    if v is None and p not in earliest:
+                        earliest[p] = src.earliest(p)
+            for cps in starts.values():
+                for p in cps:
+                    if cps[p] is None:
+                        cps[p] = earliest[p]
+            # One read from the minimum over the sinks; every sink ends at the same offset.
+            ends = {}
+            for p in parts:
+                lo = min(cps[p] for cps in starts.values())
+                hi = max(cps[p] for cps in starts.values())
+                ends[p] = max(src.safe_end(p, lo, limit + (hi - lo)), lo)
+            return {s: [Range(p, cps[p], max(cps[p], min(ends[p], cps[p] + limit)))
+                         for p in parts] for s, cps in starts.items()}
+
+        return plan, src
+
+    # -- the protocol ----------------------------------------------------------------------
+    def execute(self) -> RunReport:
+        started = time.monotonic()
+        report = RunReport(None, self.p.name, self.mode)
+        resolved = sinks.resolve(self.p, self.sink_names)
+        by_name = {s.name: s for s in resolved}
+        ledger = connect(self.ledger_dsn, autocommit=True, what="ledger")
+        try:
+            require_current(ledger)
+            sinks.prepare_database(ledger, "ledger")
+            rec = recovery.recover(self.ledger_dsn, self.all_pipelines, self.s.gid_prefix,
+                                   self.s.prepared_alert_seconds)
+            if rec.rolled_forward or rec.aborted or rec.rolled_back or not rec.ok:
+                self.log(rec.summary())
+            for err in rec.errors:
+                self.log(f"recovery: {err}")
+            plan, src = self._planner(by_name)
+            try:
+                claim = state.claim(
+                    ledger, pipeline=self.p.name, config=self.p.model_dump(mode="json"),
+                    sinks=list(by_name), mode=self.mode, owner=self.owner,
+                    delivery=self.p.delivery, ttl_seconds=self.s.lease_ttl_seconds, plan=plan,
+                    external_id=self.external_id)
+            finally:
+                src.close()
+            if claim is None:
+                report.message = "up to date: nothing to replay"
+                return report
+            report.run_id, report.skipped = claim.run_id, claim.skipped
+            for sink, why in claim.skipped.items():
+                self.log(f"sink {sink} skipped: {why}")
+            self.stop.install()
+            try:
+                self._protocol(ledger, claim, by_name, report)
+            except Terminated:
+                self._abort_all(ledger, claim, "terminated (SIGTERM) before the decision")
+                raise
+            finally:
+                self.stop.uninstall()
+                state.finish_run(ledger, claim.run_id)
+            return report
+        finally:
+            report.seconds = time.monotonic() - started
+            ledger.close()
+
+    def _protocol(self, ledger: psycopg.Connection, claim: Claim,
+                  by_name: dict[str, sinks.ResolvedSink], report: RunReport) -> None:
+        run_id = claim.run_id
+        read = claim.read_ranges()
+        total = sum(r.size for r in read)
+        self.log(f"run {run_id}: claimed {', '.join(claim.sinks)} "
+                 f"(epochs {', '.join(str(c.epoch) for c in claim.sinks.values())}); "
+                 f"reading {total:,} records from {len(read)} partition(s)")
+        for sink in claim.sinks:
+            report.sinks[sink] = SinkOutcome(sink, "planned")
+        faults.point("after_claim")
+        heart = _Heartbeat(self.ledger_dsn, self.p.name, run_id, self.s.lease_ttl_seconds)
+        heart.start()
+        try:
+            live = self._write(ledger, claim, by_name, read, report)
+            self.stop.check()
+            faults.point("after_prepare")
+            decided = self._decide(ledger, claim, live, report)
+        finally:
+            heart.stop()
+        faults.point("after_decide")
+        self._finish(ledger, claim, by_name, decided, report)
+
+    def _write(self, ledger, claim: Claim, by_name, read: list[Range], report: RunReport):
+        from tidemark.spark import session
+
+        run_id = claim.run_id
+        spark = self.spark or session(self.s.spark_master, f"tidemark-{self.p.name}")
+        self.stop.check()
+        df = records.rows(sources.dataframe(spark, self.p, read), self.p)
+        columns = records.output_columns(df)
+        live: list[str] = []
+        for sink in claim.sinks:
+            try:
+                sinks.ensure_table(by_name[sink], columns, f"sink {sink}")
+            except TidemarkError as exc:
+                self._abort(ledger, run_id, sink, str(exc), report)
+                continue
+            state.start_writing(ledger, self.p.name, run_id, sink)
+            report.sinks[sink].state = "writing"
+            live.append(sink)
+        if not live:
+            return []
+        spec = {
+            "run_id": run_id, "pipeline": self.p.name, "prefix": self.s.gid_prefix,
+            "prepare": self.p.delivery == "exactly_once",
+            "lock_timeout_ms": self.s.lock_timeout_ms, "ledger_dsn": self.ledger_dsn,
+            "columns": [c for c, _ in columns],
+            "sinks": [{"name": s, "dsn": by_name[s].dsn, "table": by_name[s].config.table,
+                       "key": by_name[s].config.key,
+                       "ranges": {str(r.partition): [r.start, r.end]
+                                  for r in claim.sinks[s].ranges}} for s in live],
+        }
+        from tidemark.writer import RESULT_SCHEMA, make_task
+
+        progress = _Progress(spark, run_id, len(read), self.log)
+        progress.start()
+        try:
+            rows = df.mapInArrow(make_task(spec), RESULT_SCHEMA).collect()
+        except Terminated:
+            spark.sparkContext.cancelAllJobs()
+            raise
+        except Exception as exc:  # the Spark job failed after its retries: abort every sink
+            msg = f"Spark job failed: {_spark_error(exc)}"
+            for sink in live:
+                self._abort(ledger, run_id, sink, msg, report)
+            self._rollback_run(claim, by_name, keep=set())
+            raise TidemarkError(f"run {run_id}: {msg}") from None
+        finally:
+            progress.stop()
+        self.results = [json.loads(r["result"]) for r in rows]
+        report.records = sum(r["records"] for r in self.results)
+        report.source_dead = sum(r["source_dead"] for r in self.results)
+        still: list[str] = []
+        for sink in live:
+            out = report.sinks[sink]
+            errors = [r["sinks"][sink]["error"] for r in self.results if r["sinks"][sink]["error"]]
+            out.rows = sum(r["sinks"][sink]["rows"] for r in self.results)
+            out.dead = sum(r["sinks"][sink]["dead"] for r in self.results)
+            if len(self.results) != len(read):
+                errors.append(f"{len(self.results)} task results for {len(read)} ranges")
+            if not errors:
+                missing = self._not_prepared(sink, by_name)
+                if missing:
+                    errors.append(f"prepared transaction(s) vanished before the decision: "
+                                  f"{', '.join(missing)}")
+            if errors:
+                self._abort(ledger, run_id, sink, errors[0], report)
+                continue
+            counts = {"records": report.records, "rows": out.rows, "sink_dead": out.dead,
+                      "source_dead": report.source_dead}
+            state.mark_prepared(ledger, self.p.name, run_id, sink, counts)
+            out.state = "prepared"
+            still.append(sink)
+        return still
+
+    def _chosen(self, sink: str) -> list[Participant]:
+        stages = {gids.sink_stage(sink), gids.dlq_stage(sink), gids.SOURCE_STAGE}
+        return [Participant(p["gid"], p["target"], r["task"], p["rows"])
+                for r in self.results for p in r["participants"] if p["stage"] in stages]
+
+    def _not_prepared(self, sink: str, by_name) -> list[str]:
+        if self.p.delivery != "exactly_once":
+            return []
+        missing = []
+        for p in self._chosen(sink):
+            dsn = self.ledger_dsn if p.target == "ledger" else by_name[sink].dsn
+            with connect(dsn, autocommit=True) as conn:
+                if not twopc.is_prepared(conn, p.gid):
+                    missing.append(p.gid)
+        return missing
+
+    def _decide(self, ledger, claim: Claim, live: list[str], report: RunReport) -> list[str]:
+        decided = []
+        for sink in live:
+            self.stop.check()
+            try:
+                # From here on SIGTERM no longer aborts: a decided sink finishes its commit.
+                self.stop.decided = True
+                state.decide(ledger, self.p.name, claim.run_id, sink, self._chosen(sink))
+            except Fenced as exc:
+                self.stop.decided = bool(decided)
+                self._abort(ledger, claim.run_id, sink, str(exc), report)
+                continue
+            report.sinks[sink].state = "committing"
+            decided.append(sink)
+        return decided
+
+    def _finish(self, ledger, claim: Claim, by_name, decided: list[str],
+                report: RunReport) -> None:
+        dbs = recovery.Databases(self.ledger_dsn, {self.p.name: self.p})
+        try:
+            keep: set[str] = set()
+            for sink in decided:
+                keep.update(p.gid for p in self._chosen(sink))
+            for sink in decided:
+                faults.point("before_commit_prepared")
+                lost = recovery.commit_chosen(ledger, dbs, self.p.name, claim.run_id, sink)
+                faults.point("mid_finish")
+                if lost:
+                    reason = (f"run {claim.run_id} sink {sink}: chosen transaction(s) "
+                              f"{', '.join(lost)} vanished without their marker rows")
+                    state.halt(ledger, self.p.name, reason)
+                    raise Inconsistency(reason + "; pipeline halted")
+            self._rollback_run(claim, by_name, keep)
+            faults.point("after_finish")
+            for sink in decided:
+                timings = {"seconds": round(time.monotonic(), 3)}
+                state.advance(ledger, self.p.name, claim.run_id, sink, timings)
+                report.sinks[sink].state = "committed"
+            faults.point("after_advance")
+        except psycopg.OperationalError as exc:
+            raise TidemarkError(f"run {claim.run_id}: lost a connection while committing "
+                                f"({one_line(exc)}); the outcome is settled by `tidemark "
+                                f"recover` (runs automatically before the next run)") from None
+        finally:
+            dbs.close()
+
+    # -- abort paths -------------------------------------------------------------------------
+    def _abort(self, ledger, run_id: int, sink: str, error: str, report: RunReport) -> None:
+        state.abort(ledger, self.p.name, run_id, sink, error)
+        report.sinks[sink].state = "aborted"
+        report.sinks[sink].error = error
+        self.log(f"run {run_id} sink {sink}: aborted: {error}")
+
+    def _abort_all(self, ledger, claim: Claim, error: str) -> None:
+        for sink in claim.sinks:
+            state.abort(ledger, self.p.name, claim.run_id, sink, error)
+        self._rollback_run(claim, {s.name: s for s in sinks.resolve(self.p, list(claim.sinks))},
+                           keep=set())
+
+    def _rollback_run(self, claim: Claim, by_name, keep: set[str]) -> None:
+        """Roll back every prepared transaction of this run that no decision chose."""
+        for dsn in dict.fromkeys([self.ledger_dsn, *(s.dsn for s in by_name.values())]):
+            with connect(dsn, autocommit=True) as conn:
+                for gid, _ in twopc.prepared(conn, gids.like_run(self.s.gid_prefix,
+                                                                 claim.run_id)):
+                    if gid not in keep:
+                        twopc.rollback(conn, gid)
+
+
+_EXC_LINE = re.compile(r"^([\w.]+(Error|Exception|Terminated|Held|Fenced)): (.*)$")
+
+
+def _spark_error(exc: BaseException) -> str:
+    """The Python exception a failed task raised, as one line, out of Spark's wrapping."""
+    found = None
+    for line in str(exc).splitlines():
+        m = _EXC_LINE.match(line.strip())
+        if m and not m.group(1).startswith(("org.apache", "java.", "py4j")):
+            found = f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(3)}"
+    return mask(found) if found else one_line(exc)
+
+
+class _Heartbeat(threading.Thread):
+    def __init__(self, dsn: str, pipeline: str, run_id: int, ttl: int):
+        super().__init__(daemon=True, name="tidemark-heartbeat")
+        self.args_ = (dsn, pipeline, run_id, ttl)
+        self._stop_evt = threading.Event()
+
+    def run(self) -> None:
+        dsn, pipeline, run_id, ttl = self.args_
+        try:
+            with connect(dsn, autocommit=True, what="ledger") as conn:
+                while not self._stop_evt.wait(max(ttl / 3, 1)):
+                    state.heartbeat(conn, pipeline, run_id, ttl)
+        except (psycopg.Error, TidemarkError):
+            pass  # a lease we cannot renew expires; fencing then stops the run
+
+    def stop(self) -> None:
+        self._stop_evt.set()
+
+
+class _Progress(threading.Thread):
+    """Prints task progress of the write stage every few seconds."""
+
+    def __init__(self, spark, run_id: int, tasks: int, log: Log, every: float = 5.0):
+        super().__init__(daemon=True, name="tidemark-progress")
+        self.spark, self.run_id, self.tasks, self.log, self.every = spark, run_id, tasks, log, every
+        self._stop_evt = threading.Event()
+
+    def run(self) -> None:
+        tracker = self.spark.sparkContext.statusTracker()
+        started, last = time.monotonic(), None
+        while not self._stop_evt.wait(self.every):
+            done = running = 0
+            for sid in tracker.getActiveStageIds():
+                info = tracker.getStageInfo(sid)
+                if info:
+                    done += info.numCompletedTasks
+                    running += info.numActiveTasks
+            line = (f"run {self.run_id}: writing, {done}/{self.tasks} tasks done, "
+                    f"{running} running, {time.monotonic() - started:.0f}s")
+            if line != last:
+                self.log(line)
+                last = line
+
+    def stop(self) -> None:
+        self._stop_evt.set()
