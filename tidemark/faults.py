@@ -3,7 +3,9 @@
 ``TIDEMARK_CRASH_AT=<point>`` sends SIGKILL to the job's whole process group (driver, JVM,
 Python workers) at that point, as a machine crash would. ``TIDEMARK_PAUSE_AT=<point>`` with
 ``TIDEMARK_PAUSE_DIR=<dir>`` writes the point's name into the FIFO ``<dir>/reached`` and
-blocks until a line arrives on the FIFO ``<dir>/resume``. Unset, both cost one dict lookup.
+blocks until a line arrives on the FIFO ``<dir>/resume``. ``TIDEMARK_FAIL_AT=<point>`` raises
+in the first attempt of a Spark task there (the retry must clean up after it). Unset, each
+costs one dict lookup.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ POINTS = (
 )
 
 
-def point(name: str) -> None:
+class InjectedFailure(RuntimeError):
+    pass
+
+
+def point(name: str, attempt: int | None = None) -> None:
+    if os.environ.get("TIDEMARK_FAIL_AT") == name and attempt == 0:
+        raise InjectedFailure(f"injected failure at {name}")
     if os.environ.get("TIDEMARK_CRASH_AT") == name:
         os.killpg(os.getpgrp(), signal.SIGKILL)
     if os.environ.get("TIDEMARK_PAUSE_AT") == name:

@@ -37,9 +37,9 @@ def decode(df: DataFrame, pipeline: Pipeline) -> DataFrame:
     mismatch = F.coalesce(*[
         F.when(F.get_json_object(text, f"$['{name}']").isNotNull()
                & F.col(_PARSED)[name].isNull(),
-               F.concat(F.lit(f"field {name}: cannot read "),
+               F.concat(F.lit(f"field {name}: cannot read '"),
                         F.substring(F.get_json_object(text, f"$['{name}']"), 1, 60),
-                        F.lit(f" as {typ}")))
+                        F.lit(f"' as {typ}")))
         for name, typ in schema.items()], F.lit("payload is not a JSON object"))
     reason = (F.when(F.col("_tm_payload").isNull() | (F.length("_tm_payload") == 0),
                      F.lit("empty payload"))

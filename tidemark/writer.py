@@ -282,7 +282,7 @@ def make_task(spec: dict):
                     if p:
                         participants.append(p)
                         if first:
-                            faults.point("task_after_prepare")
+                            faults.point("task_after_prepare", attempt)
                             first = False
             p = source_dead.prepare()
             if p:

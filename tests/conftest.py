@@ -1,0 +1,168 @@
+"""Shared fixtures: a real PostgreSQL cluster, fresh databases per test, a real SparkSession."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import psycopg
+import pytest
+import yaml
+
+from tidemark import migrations, twopc
+from tidemark.localpg import Cluster
+from tidemark.sources.postgres_log import append, create_log_table
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def pg():
+    root = Path(tempfile.mkdtemp(prefix="tidemark-test-pg-"))
+    os.chmod(root, 0o755)
+    cluster = Cluster(root, free_port())
+    cluster.start()
+    yield cluster
+    cluster.destroy()
+
+
+@pytest.fixture(scope="session")
+def spark():
+    from tidemark.spark import session
+
+    s = session("local[2,4]", "tidemark-tests")
+    yield s
+    s.stop()
+
+
+class Env:
+    """One test's world: a ledger database (also holding the source log), two sink databases,
+    a pipelines folder."""
+
+    def __init__(self, cluster: Cluster, tmp: Path):
+        self.cluster = cluster
+        tag = uuid.uuid4().hex[:8]
+        self.names = {"ledger": f"led_{tag}", "sink": f"snk_{tag}", "sink2": f"snk2_{tag}"}
+        for db in self.names.values():
+            cluster.create_database(db)
+        self.ledger_dsn = cluster.dsn(self.names["ledger"])
+        self.sink_dsn = cluster.dsn(self.names["sink"])
+        self.sink2_dsn = cluster.dsn(self.names["sink2"])
+        self.dir = tmp / "pipelines"
+        self.dir.mkdir()
+        self.tmp = tmp
+        migrations.upgrade(self.ledger_dsn)
+        with psycopg.connect(self.ledger_dsn) as c:
+            create_log_table(c, "src.log")
+
+    # -- data ----------------------------------------------------------------------------------
+    def append(self, records) -> dict[int, tuple[int, int]]:
+        with psycopg.connect(self.ledger_dsn) as c:
+            return append(c, "src.log", records)
+
+    def append_orders(self, ids, partitions: int = 2, version: int = 1, **extra):
+        recs = []
+        for i in ids:
+            body = {"id": i, "name": f"order-{i}", "amount": i * 1.25, "version": version, **extra}
+            recs.append((i % partitions, str(i).encode(), json.dumps(body).encode(),
+                         json.dumps({"v": version}), None))
+        return self.append(recs)
+
+    def pipeline(self, name: str = "orders", **overrides) -> Path:
+        doc = {
+            "name": name,
+            "source": {"type": "postgres_log", "dsn": self.ledger_dsn, "table": "src.log"},
+            "decode": {"schema": {"id": "int", "name": "string", "amount": "double",
+                                  "version": "int"}},
+            "transform": {"select": {"id": "id", "name": "name", "amount": "amount",
+                                     "version": "version"}, "required": ["id"]},
+            "sinks": [{"name": "main", "dsn": self.sink_dsn, "table": "public.orders",
+                       "key": ["id"]}],
+            "limits": {"max_records_per_partition": 100_000},
+        }
+        for k, v in overrides.items():
+            doc[k] = v
+        path = self.dir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return path
+
+    def load(self, name: str = "orders"):
+        from tidemark import config
+        return config.load(self.dir / f"{name}.yaml")
+
+    # -- inspection ------------------------------------------------------------------------------
+    def q(self, dsn: str, sql: str, params=()):
+        with psycopg.connect(dsn, autocommit=True) as c:
+            return c.execute(sql, params).fetchall()
+
+    def ledger(self, sql: str, params=()):
+        return self.q(self.ledger_dsn, sql, params)
+
+    def prepared(self) -> list[str]:
+        return [r[0] for r in self.q(self.ledger_dsn,
+                                     "SELECT gid FROM pg_prepared_xacts ORDER BY gid")]
+
+    def checkpoints(self, pipeline: str = "orders", sink: str = "main") -> dict[int, int]:
+        return dict(self.ledger("SELECT partition, next_offset FROM tidemark.checkpoints "
+                                "WHERE pipeline = %s AND sink = %s", (pipeline, sink)))
+
+    def source_offsets(self) -> dict[int, int]:
+        return dict(self.ledger('SELECT "partition", count(*) FROM src.log GROUP BY 1'))
+
+    def settings(self, **kw):
+        from tidemark.settings import Settings
+        return Settings(ledger_dsn=self.ledger_dsn, pipelines_dir=self.dir, **kw)
+
+    def run(self, spark, name: str = "orders", **kw):
+        from tidemark import config
+        from tidemark.job import Run
+
+        all_p, _ = config.load_all(self.dir)
+        return Run(all_p[name], kw.pop("settings", None) or self.settings(),
+                   ledger_dsn=self.ledger_dsn, all_pipelines=all_p, spark=spark,
+                   log=lambda m: None, **kw).execute()
+
+    def recover(self):
+        from tidemark import config
+        from tidemark.recovery import recover
+
+        all_p, _ = config.load_all(self.dir)
+        return recover(self.ledger_dsn, all_p, "tm")
+
+    def cli_env(self, **extra) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEMARK_")}
+        env.update({"TIDEMARK_LEDGER_DSN": self.ledger_dsn, "TIDEMARK_PIPELINES_DIR": str(self.dir),
+                    "TIDEMARK_SPARK_MASTER": "local[2,4]", "PYTHONUNBUFFERED": "1"})
+        env.update({k: str(v) for k, v in extra.items()})
+        return env
+
+    def cli_argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "tidemark", *args]
+
+    def drop(self) -> None:
+        for db in self.names.values():
+            try:
+                with psycopg.connect(self.cluster.dsn(db), autocommit=True) as c:
+                    for gid, _ in twopc.prepared(c, "%"):
+                        twopc.rollback(c, gid)
+            except psycopg.OperationalError:
+                pass
+            self.cluster.psql(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+
+
+@pytest.fixture
+def env(pg, tmp_path):
+    e = Env(pg, tmp_path)
+    yield e
+    e.drop()

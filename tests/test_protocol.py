@@ -1,0 +1,234 @@
+"""The commit protocol end to end in one process: real PostgreSQL, real Spark."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.invariants import assert_exactly_once
+from tidemark import state
+from tidemark.errors import TidemarkError
+from tidemark.job import Backfill
+
+
+def test_run_delivers_once_then_only_what_is_new(env, spark):
+    env.append_orders(range(200))
+    env.pipeline()
+    report = env.run(spark)
+    assert report.ok, report.summary()
+    assert report.records == 200
+    assert report.sinks["main"].rows == 200
+    assert env.checkpoints() == {0: 100, 1: 100}
+    assert env.q(env.sink_dsn, "SELECT count(*), count(DISTINCT id) FROM orders")[0] == (200, 200)
+    assert env.prepared() == []
+    st = env.ledger("SELECT state::text FROM tidemark.run_sinks WHERE run_id = %s",
+                    (report.run_id,))
+    assert st == [("committed",)]
+    # Every sink row carries partition, offset and run id.
+    rows = env.q(env.sink_dsn, "SELECT id, _tm_partition, _tm_offset, _tm_run_id FROM orders "
+                 "WHERE id IN (0, 1, 7)")
+    assert sorted(rows) == [(0, 0, 0, report.run_id), (1, 1, 0, report.run_id),
+                            (7, 1, 3, report.run_id)]
+
+    again = env.run(spark)
+    assert again.run_id is None and "up to date" in again.message
+
+    env.append_orders(range(200, 230))
+    third = env.run(spark)
+    assert third.ok and third.records == 30
+    assert env.checkpoints() == {0: 115, 1: 115}
+    assert_exactly_once(env)
+
+
+def test_each_sink_advances_on_its_own_and_reads_once_from_the_minimum(env, spark):
+    env.append_orders(range(100))
+    broken = {"name": "second", "dsn": env.cluster.dsn("no_such_database"),
+              "table": "public.orders", "key": ["id"]}
+    main = {"name": "main", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"]}
+    env.pipeline(sinks=[main, broken])
+    first = env.run(spark)
+    assert first.sinks["main"].state == "committed"
+    assert first.sinks["second"].state == "aborted"
+    assert "no_such_database" in first.sinks["second"].error
+    assert not first.ok
+    assert env.checkpoints(sink="main") == {0: 50, 1: 50}
+    assert env.checkpoints(sink="second") == {0: 0, 1: 0}
+
+    # The second sink is repaired; more data arrives. One read from the minimum (0), each
+    # sink gets only what it still lacks.
+    env.append_orders(range(100, 120))
+    env.pipeline(sinks=[main, {**broken, "dsn": env.sink2_dsn}])
+    second = env.run(spark)
+    assert second.ok, second.summary()
+    assert second.records == 120
+    assert second.sinks["main"].rows == 20
+    assert second.sinks["second"].rows == 120
+    assert env.checkpoints(sink="main") == env.checkpoints(sink="second") == {0: 60, 1: 60}
+    runs = env.q(env.sink_dsn, "SELECT _tm_run_id, count(*) FROM orders GROUP BY 1 ORDER BY 1")
+    assert runs == [(first.run_id, 100), (second.run_id, 20)]
+    assert_exactly_once(env, sinks={"main": env.sink_dsn, "second": env.sink2_dsn})
+
+
+POISON = {
+    "invalid JSON": b'{"id": 1, "name": ',
+    "invalid UTF-8": b'\xff\xfe{"id": 2}\x80',
+    "NUL byte": b'{"id": 3, "name": "a\x00b"}',
+    "5 MB": b'{"id": 4, "name": "' + b"x" * (5 * 1024 * 1024) + b'", "amount": "lots"}',
+    "wrong type": b'{"id": "five", "name": "n"}',
+    "not an object": b"[1, 2, 3]",
+    "empty": b"",
+}
+
+
+def test_poison_records_land_in_the_dlq_byte_for_byte_and_the_run_advances(env, spark):
+    env.append_orders(range(10, 20), partitions=1)
+    poison = list(POISON.items())
+    env.append([(0, name.encode(), payload, json.dumps({"case": name}), None)
+                for name, payload in poison])
+    # A NUL inside a JSON string decodes fine but PostgreSQL text refuses it: a sink_write.
+    env.append([(0, b"nul-escape", b'{"id": 99, "name": "a\\u0000b"}', None, None)])
+    env.pipeline()
+    report = env.run(spark)
+    assert report.ok, report.summary()
+    assert report.sinks["main"].rows == 10
+    assert report.source_dead == len(POISON)
+    assert report.sinks["main"].dead == 1
+    assert env.checkpoints() == {0: 10 + len(POISON) + 1}
+
+    dlq = {r[0]: r[1:] for r in env.ledger(
+        "SELECT convert_from(key, 'UTF8'), payload, error_class::text, reason, sink, attempts, "
+        "headers FROM tidemark.dlq")}
+    assert set(dlq) == {*POISON, "nul-escape"}
+    for name, payload in POISON.items():
+        stored, cls, reason, sink, attempts, headers = dlq[name]
+        assert bytes(stored) == payload, name
+        assert cls == "decode" and sink is None and attempts == 1
+        assert headers == {"case": name}
+        assert 0 < len(reason) <= 200
+    assert "UTF-8" in dlq["invalid UTF-8"][2]
+    assert dlq["wrong type"][2] == "field id: cannot read 'five' as int"
+    assert dlq["nul-escape"][1:4] == ("sink_write", dlq["nul-escape"][2], "main")
+    assert "0x00" in dlq["nul-escape"][2]
+    assert_exactly_once(env)
+
+
+def test_backfill_is_idempotent_and_never_moves_checkpoints_back(env, spark):
+    env.append_orders(range(100))
+    env.pipeline()
+    first = env.run(spark)
+    assert first.ok
+    cols = "id, name, amount, version, _tm_partition, _tm_offset"
+    before = env.q(env.sink_dsn, f"SELECT {cols} FROM orders ORDER BY id")
+    cps = env.checkpoints()
+
+    report = env.run(spark, mode="backfill", backfill=Backfill(0, 10, 40))
+    assert report.ok, report.summary()
+    assert report.records == 30
+    assert env.q(env.sink_dsn, f"SELECT {cols} FROM orders ORDER BY id") == before
+    assert env.checkpoints() == cps
+    assert env.ledger("SELECT mode FROM tidemark.runs WHERE run_id = %s",
+                      (report.run_id,)) == [("backfill",)]
+    # Twice is the same as once.
+    assert env.run(spark, mode="backfill", backfill=Backfill(0, 10, 40)).ok
+    assert env.q(env.sink_dsn, f"SELECT {cols} FROM orders ORDER BY id") == before
+
+    with pytest.raises(TidemarkError, match="goes past the checkpoint"):
+        env.run(spark, mode="backfill", backfill=Backfill(0, 40, 60))
+    assert env.prepared() == []
+    assert_exactly_once(env)
+
+
+def test_an_older_offset_never_overwrites_a_newer_version_of_a_key(env, spark):
+    env.append_orders([1, 3, 5], partitions=1, version=1)       # offsets 0..2
+    env.append_orders([3], partitions=1, version=2)             # offset 3
+    env.append_orders([3], partitions=1, version=3)             # offset 4, same batch
+    env.pipeline()
+    assert env.run(spark).ok
+    assert env.q(env.sink_dsn, "SELECT version, _tm_offset FROM orders WHERE id = 3") == [(3, 4)]
+
+    # Re-delivering the old versions (offsets 0..3) leaves the newest in place.
+    assert env.run(spark, mode="backfill", backfill=Backfill(0, 0, 4)).ok
+    assert env.q(env.sink_dsn, "SELECT version, _tm_offset FROM orders WHERE id = 3") == [(3, 4)]
+    assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(3,)]
+
+
+def test_rerunning_a_range_counts_attempts_on_one_dead_letter(env, spark):
+    env.append([(0, b"bad", b"not json", None, None)])
+    env.append_orders([2, 4], partitions=1)
+    env.pipeline()
+    assert env.run(spark).ok
+    assert env.run(spark, mode="backfill", backfill=Backfill(0, 0, 3)).ok
+    rows = env.ledger("SELECT source_offset, attempts, status::text FROM tidemark.dlq")
+    assert rows == [(0, 2, "quarantined")]
+
+
+def test_state_machine_step_by_step(env):
+    """Each transition is one ledger transaction and refuses to run from the wrong state."""
+    import psycopg
+
+    from tidemark.state import Participant, Range
+
+    env.pipeline()
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as conn:
+        def plan(cps):
+            return {s: [Range(0, 0, 5)] for s in cps}
+
+        claim = state.claim(conn, pipeline="orders", config={}, sinks=["main"], mode="run",
+                            owner="test:1", delivery="exactly_once", ttl_seconds=60, plan=plan)
+        rid = claim.run_id
+
+        def st():
+            return conn.execute("SELECT state::text FROM tidemark.run_sinks WHERE run_id = %s",
+                                (rid,)).fetchone()[0]
+
+        assert st() == "planned" and claim.sinks["main"].epoch == 1
+        with pytest.raises(state.IllegalTransition):
+            state.decide(conn, "orders", rid, "main", [])
+        state.start_writing(conn, "orders", rid, "main")
+        assert st() == "writing"
+        state.mark_prepared(conn, "orders", rid, "main", {"rows": 5})
+        assert st() == "prepared"
+        state.decide(conn, "orders", rid, "main", [Participant("tm:x", "ledger", 0, 5)])
+        assert st() == "committing"
+        assert not state.abort(conn, "orders", rid, "main", "too late")
+        assert st() == "committing"
+        state.advance(conn, "orders", rid, "main")
+        assert st() == "committed"
+        cp = conn.execute("SELECT next_offset FROM tidemark.checkpoints").fetchall()
+        assert cp == [(5,)]
+        lease = conn.execute("SELECT run_id, epoch FROM tidemark.leases").fetchone()
+        assert lease == (None, 1)
+        with pytest.raises(state.IllegalTransition):
+            state.advance(conn, "orders", rid, "main")
+
+
+def test_a_run_that_lost_its_lease_can_never_reach_the_decision(env):
+    import psycopg
+
+    from tidemark.errors import Fenced
+    from tidemark.state import Range
+
+    def plan(cps):
+        return {s: [Range(0, 0, 5)] for s in cps}
+
+    kw = dict(pipeline="orders", config={}, sinks=["main"], mode="run", delivery="exactly_once",
+              ttl_seconds=60, plan=plan)
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as a, \
+            psycopg.connect(env.ledger_dsn, autocommit=True) as b:
+        old = state.claim(a, owner="a:1", **kw)
+        state.start_writing(a, "orders", old.run_id, "main")
+        state.mark_prepared(a, "orders", old.run_id, "main", {})
+        with pytest.raises(state.LeaseHeld):
+            state.claim(b, owner="b:2", **kw)
+        # The lease expires (a paused or partitioned owner): another run takes over.
+        a.execute("UPDATE tidemark.leases SET expires_at = now() - interval '1 second'")
+        new = state.claim(b, owner="b:2", **kw)
+        assert new.sinks["main"].epoch == old.sinks["main"].epoch + 1
+        with pytest.raises(Fenced):
+            state.decide(a, "orders", old.run_id, "main", [])
+        assert a.execute("SELECT state::text FROM tidemark.run_sinks WHERE run_id = %s",
+                         (old.run_id,)).fetchone()[0] == "prepared"
+    # With the old owner's session gone, recovery aborts the fenced run.
+    rep = env.recover()
+    assert (old.run_id, "main") in rep.aborted
