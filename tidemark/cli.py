@@ -14,7 +14,7 @@ from dotenv import load_dotenv
 from tidemark import config as cfg
 from tidemark.db import connect, one_line
 from tidemark.dsn import mask
-from tidemark.errors import ConfigError, TidemarkError
+from tidemark.errors import BadInput, ConfigError, TidemarkError
 from tidemark.settings import Settings, get_settings
 
 ENV_FILE = Path(".tidemark/env")
@@ -114,7 +114,7 @@ def pipelines_validate(ctx: Ctx, files: tuple[Path, ...]) -> None:
             failed += 1
             click.echo(f"invalid {exc}")
     if failed:
-        raise TidemarkError(f"{failed} of {len(paths)} pipeline file(s) invalid")
+        raise BadInput(f"{failed} of {len(paths)} pipeline file(s) invalid")
 
 
 # -- run, backfill, recover, status ------------------------------------------------------------

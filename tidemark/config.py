@@ -147,20 +147,19 @@ class Pipeline(_Model):
     sinks: Annotated[list[Sink], Field(min_length=1)]
     limits: Limits = Limits()
 
-    @model_validator(mode="after")
-    def _check(self):
+    def cross_check(self, where: str) -> None:
+        """Checks across sections, reported with the exact field path."""
         names = [s.name for s in self.sinks]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"sink names must be unique: {', '.join(dupes)}")
+        for i, name in enumerate(names):
+            if names.index(name) != i:
+                raise ConfigError(where, f"sink name {name!r} is used twice", f"sinks[{i}].name")
         outputs = self.output_columns()
         if outputs is not None:
-            for sink in self.sinks:
+            for i, sink in enumerate(self.sinks):
                 missing = [k for k in sink.key if k not in outputs]
                 if missing:
-                    raise ValueError(f"sink {sink.name}: key columns not produced by the "
-                                     f"transform: {', '.join(missing)}")
-        return self
+                    raise ConfigError(where, f"key columns not produced by the transform: "
+                                      f"{', '.join(missing)}", f"sinks[{i}].key")
 
     def output_columns(self) -> list[str] | None:
         """Columns the transform produces, when knowable without running it."""
@@ -203,13 +202,15 @@ def parse(text: str, where: str, default_name: str | None = None) -> Pipeline:
     if default_name and "name" not in data:
         data["name"] = default_name
     try:
-        return Pipeline.model_validate(data)
+        pipeline = Pipeline.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
         msg = err["msg"].removeprefix("Value error, ")
         field = _field_path(err["loc"]) or None
         raise ConfigError(where, msg + more, field) from None
+    pipeline.cross_check(where)
+    return pipeline
 
 
 def load(path: Path) -> Pipeline:

@@ -9,10 +9,14 @@ class TidemarkError(Exception):
     exit_code = 1
 
 
-class ConfigError(TidemarkError):
-    """A pipeline file or a setting is wrong: names the file, the field and the problem."""
+class BadInput(TidemarkError):
+    """The user's input (a file, an argument) is wrong; nothing was done."""
 
     exit_code = 2
+
+
+class ConfigError(BadInput):
+    """A pipeline file or a setting is wrong: names the file, the field and the problem."""
 
     def __init__(self, where: str, problem: str, field: str | None = None):
         self.where, self.field, self.problem = where, field, problem

@@ -19,10 +19,19 @@ POINTS = (
     "after_prepare",        # every task prepared, before the decision
     "after_decide",         # decision committed, nothing committed on the sinks yet
     "before_commit_prepared",
-    "mid_finish",           # some chosen gids committed, others still prepared
+    "mid_finish",           # after each COMMIT PREPARED of a chosen gid
     "after_finish",         # all chosen gids committed, checkpoints not yet advanced
     "after_advance",
 )
+
+
+JOB_PGID = "TIDEMARK_JOB_PGID"
+_paused: set[str] = set()
+
+
+def mark_job_process_group() -> None:
+    """Called by the driver before Spark starts, so its workers inherit it."""
+    os.environ.setdefault(JOB_PGID, str(os.getpgrp()))
 
 
 class InjectedFailure(RuntimeError):
@@ -33,8 +42,10 @@ def point(name: str, attempt: int | None = None) -> None:
     if os.environ.get("TIDEMARK_FAIL_AT") == name and attempt == 0:
         raise InjectedFailure(f"injected failure at {name}")
     if os.environ.get("TIDEMARK_CRASH_AT") == name:
-        os.killpg(os.getpgrp(), signal.SIGKILL)
-    if os.environ.get("TIDEMARK_PAUSE_AT") == name:
+        # PySpark's worker daemon has a process group of its own: kill the job's.
+        os.killpg(int(os.environ.get(JOB_PGID, os.getpgrp())), signal.SIGKILL)
+    if os.environ.get("TIDEMARK_PAUSE_AT") == name and name not in _paused:
+        _paused.add(name)
         folder = os.environ["TIDEMARK_PAUSE_DIR"]
         with open(os.path.join(folder, "reached"), "w") as fh:
             fh.write(name + "\n")

@@ -177,6 +177,7 @@ class Run:
     # -- the protocol ----------------------------------------------------------------------
     def execute(self) -> RunReport:
         started = time.monotonic()
+        faults.mark_job_process_group()
         report = RunReport(None, self.p.name, self.mode)
         resolved = sinks.resolve(self.p, self.sink_names)
         by_name = {s.name: s for s in resolved}
@@ -349,15 +350,18 @@ class Run:
 
     def _finish(self, ledger, claim: Claim, by_name, decided: list[str],
                 report: RunReport) -> None:
-        dbs = recovery.Databases(self.ledger_dsn, {self.p.name: self.p})
+        dbs = recovery.Databases(self.ledger_dsn, {self.p.name: self.p},
+                                 application="tidemark-commit")
         try:
             keep: set[str] = set()
             for sink in decided:
                 keep.update(p.gid for p in self._chosen(sink))
+                for _gid, target in recovery.chosen(ledger, claim.run_id, sink):
+                    dbs.conn(dbs.dsn_for(self.p.name, target))  # open before committing
             for sink in decided:
                 faults.point("before_commit_prepared")
-                lost = recovery.commit_chosen(ledger, dbs, self.p.name, claim.run_id, sink)
-                faults.point("mid_finish")
+                lost = recovery.commit_chosen(ledger, dbs, self.p.name, claim.run_id, sink,
+                                              after_each=lambda: faults.point("mid_finish"))
                 if lost:
                     reason = (f"run {claim.run_id} sink {sink}: chosen transaction(s) "
                               f"{', '.join(lost)} vanished without their marker rows")

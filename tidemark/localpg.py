@@ -13,7 +13,7 @@ import pwd
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PG_BIN = Path(os.environ.get("TIDEMARK_PG_BIN", "/usr/lib/postgresql/15/bin"))
@@ -40,6 +40,7 @@ SETTINGS = {
 class Cluster:
     root: Path
     port: int = DEFAULT_PORT
+    overrides: dict[str, str] = field(default_factory=dict)
 
     @property
     def data(self) -> Path:
@@ -82,7 +83,7 @@ class Cluster:
         _make_traversable(self.root)
         self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth-local=trust",
                   "--auth-host=scram-sha-256", "-E", "UTF8", "--locale=C.UTF-8")
-        conf = "\n".join(f"{k} = {v}" for k, v in SETTINGS.items())
+        conf = "\n".join(f"{k} = {v}" for k, v in {**SETTINGS, **self.overrides}.items())
         with open(self.data / "postgresql.auto.conf", "a") as fh:
             fh.write(f"\n{conf}\nport = {self.port}\nunix_socket_directories = '{self.sockets}'\n")
 

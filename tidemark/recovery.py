@@ -54,8 +54,10 @@ class Report:
 class Databases:
     """Autocommit connections to every database in play, opened on first use."""
 
-    def __init__(self, ledger_dsn: str, pipelines: dict[str, Pipeline]):
+    def __init__(self, ledger_dsn: str, pipelines: dict[str, Pipeline],
+                 application: str = "tidemark-recover"):
         self.ledger_dsn = ledger_dsn
+        self.application = application
         self.sink_dsns: dict[tuple[str, str], str] = {}
         self.errors: list[str] = []
         for p in pipelines.values():
@@ -68,7 +70,8 @@ class Databases:
 
     def conn(self, dsn: str) -> psycopg.Connection:
         if dsn not in self._conns:
-            self._conns[dsn] = connect(dsn, autocommit=True, what="database")
+            self._conns[dsn] = connect(dsn, autocommit=True, what="database",
+                                       application=self.application)
         return self._conns[dsn]
 
     def dsn_for(self, pipeline: str, target: str) -> str:
@@ -131,15 +134,21 @@ def _roll_forward(ledger: psycopg.Connection, dbs: Databases, report: Report) ->
         report.rolled_forward.append((run_id, sink))
 
 
+def chosen(ledger: psycopg.Connection, run_id: int, sink: str) -> list[tuple[str, str]]:
+    """(gid, target) of a decision that are not known to be committed yet."""
+    return ledger.execute(
+        "SELECT gid, target FROM tidemark.participants WHERE run_id = %s AND sink = %s "
+        "AND outcome IS DISTINCT FROM 'committed' ORDER BY target, gid", (run_id, sink)).fetchall()
+
+
 def commit_chosen(ledger: psycopg.Connection, dbs: Databases, pipeline: str, run_id: int,
-                  sink: str) -> list[str]:
+                  sink: str, after_each=None) -> list[str]:
     """Commit the decision's gids; returns those that were lost (gone, no marker)."""
     lost = []
-    for gid, target in ledger.execute(
-            "SELECT gid, target FROM tidemark.participants WHERE run_id = %s AND sink = %s "
-            "AND outcome IS DISTINCT FROM 'committed' ORDER BY target, gid",
-            (run_id, sink)).fetchall():
+    for gid, target in chosen(ledger, run_id, sink):
         outcome = twopc.commit(dbs.conn(dbs.dsn_for(pipeline, target)), gid)
+        if after_each:
+            after_each()
         ledger.execute("UPDATE tidemark.participants SET outcome = %s WHERE run_id = %s "
                        "AND sink = %s AND gid = %s", (outcome, run_id, sink, gid))
         if outcome == "lost":

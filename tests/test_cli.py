@@ -1,0 +1,133 @@
+"""The command line as a user meets it: one clear line and a non-zero exit on bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+from tidemark.localpg import Cluster
+
+
+def tm(env_vars: dict[str, str], *args: str, cwd: Path | None = None):
+    res = subprocess.run([sys.executable, "-m", "tidemark", *args], env=env_vars, cwd=cwd,
+                         capture_output=True, text=True, timeout=120)
+    return res.returncode, res.stdout, res.stderr
+
+
+def assert_one_clear_line(err: str, *needles: str) -> None:
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    for n in needles:
+        assert n in lines[0], err
+
+
+def test_wrong_password_is_one_masked_line(env):
+    bad = env.ledger_dsn.replace("tidemark:tidemark@", "tidemark:s3cret-pw@")
+    code, out, err = tm(env.cli_env(TIDEMARK_LEDGER_DSN=bad), "db", "upgrade")
+    assert code == 1
+    assert_one_clear_line(err, "cannot connect to ledger", "tidemark:***@",
+                          "password authentication failed")
+    assert "s3cret-pw" not in out + err
+
+
+def test_unreachable_server_and_missing_ledger(env):
+    dead = f"postgresql://u:pw@127.0.0.1:{free_port()}/x"
+    code, _, err = tm(env.cli_env(TIDEMARK_LEDGER_DSN=dead), "status", "orders")
+    assert code == 1
+    assert_one_clear_line(err, "cannot connect to ledger", "Connection refused")
+    environ = env.cli_env()
+    del environ["TIDEMARK_LEDGER_DSN"]
+    code, _, err = tm(environ, "recover", cwd=env.tmp)
+    assert code == 1
+    assert_one_clear_line(err, "TIDEMARK_LEDGER_DSN")
+
+
+def test_a_server_without_prepared_transactions_is_refused():
+    root = Path(tempfile.mkdtemp(prefix="tidemark-test-noprep-"))
+    root.chmod(0o755)
+    cluster = Cluster(root, free_port(), overrides={"max_prepared_transactions": "0"})
+    cluster.start()
+    try:
+        environ = {"PATH": "/usr/bin:/bin", "TIDEMARK_LEDGER_DSN": cluster.dsn()}
+        code, _, err = tm(environ, "db", "upgrade")
+        assert code == 1
+        assert_one_clear_line(err, "max_prepared_transactions is 0")
+    finally:
+        cluster.destroy()
+
+
+def test_db_upgrade_is_idempotent(env):
+    code, out, _ = tm(env.cli_env(), "db", "upgrade")
+    assert code == 0 and "schema version 1" in out and "applied" not in out
+    assert env.ledger("SELECT version FROM tidemark.schema_version") == [(1,)]
+
+
+BAD_FILES = {
+    "notyaml": ("name: x\n  sinks: [", "line 2: not valid YAML"),
+    "unknown": ("source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: int}}\n"
+                "sinks: [{name: s, dsn: x, table: t, key: [a]}]\ncolour: red\n",
+                "colour: Extra inputs are not permitted"),
+    "badtype": ("source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: inty}}\n"
+                "sinks: [{name: s, dsn: x, table: t, key: [a]}]\n",
+                "decode.schema: field a: unsupported type 'inty'"),
+    "nokey": ("source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: int}}\n"
+              "sinks: [{name: s, dsn: x, table: t, key: [b]}]\n",
+              "sinks[0].key: key columns not produced by the transform: b"),
+    "twodsn": ("source: {type: postgres_log, dsn: x, conn_id: y, table: t}\n"
+               "decode: {schema: {a: int}}\nsinks: [{name: s, dsn: x, table: t, key: [a]}]\n",
+               "source: give exactly one of dsn or conn_id"),
+    "twosinks": ("source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: int}}\n"
+                 "sinks: [{name: s, dsn: x, table: t, key: [a]}, {name: s, dsn: y, table: u, "
+                 "key: [a]}]\n", "sinks[1].name: sink name 's' is used twice"),
+    "nosource": ("decode: {schema: {a: int}}\nsinks: [{name: s, dsn: x, table: t, key: [a]}]\n",
+                 "source: Field required"),
+    "badlimit": ("source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: int}}\n"
+                 "sinks: [{name: s, dsn: x, table: t, key: [a]}]\n"
+                 "limits: {max_records_per_partition: 0}\n",
+                 "limits.max_records_per_partition: Input should be greater than 0"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_FILES))
+def test_bad_pipeline_files_name_the_file_the_field_and_the_problem(tmp_path, name):
+    text, expected = BAD_FILES[name]
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    code, out, err = tm({"PATH": "/usr/bin:/bin"}, "pipelines", "validate", str(path))
+    assert code == 2, out + err
+    assert f"invalid {path}: {expected}" in out, out
+    assert_one_clear_line(err, "1 of 1 pipeline file(s) invalid")
+
+
+def test_a_broken_file_never_hides_the_good_ones(env):
+    env.pipeline("good")
+    (env.dir / "broken.yaml").write_text("sinks: [")
+    code, out, _ = tm(env.cli_env(), "pipelines", "list")
+    assert code == 2
+    assert out.splitlines()[0].startswith("good")
+    assert "INVALID" in out and "broken.yaml" in out
+
+
+def test_unknown_pipeline_and_status_json(env):
+    env.pipeline()
+    code, _, err = tm(env.cli_env(), "run", "nope")
+    assert code == 2
+    assert_one_clear_line(err, "no pipeline named 'nope'", "known: orders")
+    code, out, _ = tm(env.cli_env(), "status", "orders", "--json")
+    assert code == 0
+    assert json.loads(out)["known"] is False
+
+
+def test_backfill_arguments_are_checked(env):
+    env.pipeline()
+    code, _, err = tm(env.cli_env(), "backfill", "orders", "--partition", "0", "--from", "9",
+                      "--to", "3")
+    assert code == 2
+    assert "--to (3) must be greater than --from (9)" in err

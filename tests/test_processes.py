@@ -1,0 +1,100 @@
+"""Real job processes against each other and against signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from tests.invariants import assert_exactly_once
+from tests.proc import JobProcess
+
+pytestmark = pytest.mark.slow
+
+
+def test_sigterm_before_the_decision_rolls_back_and_releases_the_lease(env, tmp_path):
+    env.append_orders(range(100))
+    env.pipeline()
+    job = JobProcess(env.cli_argv("run", "orders"), env.cli_env(), pause_dir=tmp_path / "p",
+                     pause_at="after_prepare")
+    job.wait_reached()
+    assert env.prepared(), "the tasks prepared before the pause"
+    job.signal(signal.SIGTERM)
+    code = job.wait()
+    out = job.output()
+    assert code == 143, out
+    assert "SIGTERM" in out and "Traceback" not in out
+    assert env.prepared() == []
+    assert env.ledger("SELECT state::text, error FROM tidemark.run_sinks")[0][0] == "aborted"
+    assert env.ledger("SELECT run_id FROM tidemark.leases") == [(None,)]
+    assert set(env.checkpoints().values()) <= {0}
+    assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(0,)]
+
+
+def test_sigterm_after_the_decision_finishes_the_commit_first(env, tmp_path):
+    env.append_orders(range(100))
+    env.pipeline()
+    job = JobProcess(env.cli_argv("run", "orders"), env.cli_env(), pause_dir=tmp_path / "p",
+                     pause_at="after_decide")
+    job.wait_reached()
+    job.signal(signal.SIGTERM)
+    job.resume()
+    code = job.wait()
+    assert code == 0, job.output()
+    assert env.ledger("SELECT state::text FROM tidemark.run_sinks") == [("committed",)]
+    assert env.checkpoints() == {0: 50, 1: 50}
+    assert_exactly_once(env)
+
+
+def test_a_second_run_started_while_the_first_holds_the_lease_delivers_nothing(env, tmp_path):
+    env.append_orders(range(100))
+    env.pipeline()
+    first = JobProcess(env.cli_argv("run", "orders"), env.cli_env(), pause_dir=tmp_path / "p",
+                       pause_at="after_claim")
+    first.wait_reached()
+    second = JobProcess(env.cli_argv("run", "orders"), env.cli_env())
+    assert second.wait() == 3, second.output()
+    assert "lease held by run" in second.output()
+    first.resume()
+    assert first.wait() == 0, first.output()
+    assert env.ledger("SELECT count(*) FROM tidemark.runs") == [(1,)]
+    assert_exactly_once(env)
+
+
+def test_two_runs_started_at_once_never_deliver_twice(env):
+    env.append_orders(range(200))
+    env.pipeline()
+    jobs = [JobProcess(env.cli_argv("run", "orders"), env.cli_env()) for _ in range(2)]
+    codes = sorted(j.wait() for j in jobs)
+    # Either the loser found the lease held (3), or it came second and found nothing to do.
+    assert codes in ([0, 0], [0, 3]), [j.output() for j in jobs]
+    assert env.q(env.sink_dsn, "SELECT count(*), count(DISTINCT _tm_run_id) FROM orders") \
+        == [(200, 1)]
+    assert_exactly_once(env)
+
+
+def test_a_paused_run_whose_lease_was_taken_over_is_fenced(env, spark, tmp_path):
+    env.append_orders(range(100))
+    env.pipeline()
+    old = JobProcess(env.cli_argv("run", "orders"), env.cli_env(), pause_dir=tmp_path / "p",
+                     pause_at="after_prepare")
+    old.wait_reached()
+    os.kill(old.proc.pid, signal.SIGSTOP)  # a stalled driver: alive, holding its session
+    try:
+        env.ledger("UPDATE tidemark.leases SET expires_at = now() - interval '1 second' "
+                   "RETURNING 1")
+        new = env.run(spark)  # recovery aborts the stalled run; this one takes over
+        assert new.ok, new.summary()
+        assert env.ledger("SELECT epoch FROM tidemark.leases") == [(2,)]
+    finally:
+        os.kill(old.proc.pid, signal.SIGCONT)
+    old.resume()
+    code = old.wait()
+    out = old.output()
+    assert code != 0, out
+    assert "lost the lease" in out
+    states = dict(env.ledger("SELECT run_id, state::text FROM tidemark.run_sinks"))
+    assert sorted(states.values()) == ["aborted", "committed"]
+    assert env.q(env.sink_dsn, "SELECT count(DISTINCT _tm_run_id) FROM orders") == [(1,)]
+    assert_exactly_once(env)

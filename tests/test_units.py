@@ -1,0 +1,56 @@
+"""Pure logic: DSN masking, gids, pipeline models."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidemark import config, dsn, gids
+from tidemark.errors import ConfigError
+
+
+@pytest.mark.parametrize("raw,masked", [
+    ("postgresql://u:secret@h:5/db", "postgresql://u:***@h:5/db"),
+    ("host=h password=secret user=u", "host=h password=*** user=u"),
+    ("postgresql://u@h/db", "postgresql://u@h/db"),
+    ("error at postgres://a:b@c/d: boom", "error at postgres://a:***@c/d: boom"),
+])
+def test_dsn_masking(raw, masked):
+    assert dsn.mask(raw) == masked
+
+
+def test_env_references_resolve_lazily(monkeypatch):
+    monkeypatch.setenv("TM_TEST_DSN", "postgresql://x@y/z")
+    assert dsn.expand_env("${TM_TEST_DSN}") == "postgresql://x@y/z"
+    monkeypatch.delenv("TM_TEST_DSN")
+    with pytest.raises(ConfigError, match="TM_TEST_DSN is not set"):
+        dsn.expand_env("${TM_TEST_DSN}", "pipeline p: sink s")
+
+
+def test_airflow_connection_from_environment(monkeypatch):
+    monkeypatch.setenv("AIRFLOW_CONN_WAREHOUSE", "postgres://u:p@h:5432/db")
+    assert dsn.resolve(None, "warehouse", "x") == "postgresql://u:p@h:5432/db"
+
+
+def test_gid_round_trip():
+    g = gids.Gid("tm", 12, gids.sink_stage("main"), 3, 1)
+    assert str(g) == "tm:12:s.main:3:1"
+    assert gids.parse(str(g), "tm") == g
+    assert gids.parse(str(g), "other") is None
+    assert gids.parse("tm:x:s.main:3:1", "tm") is None
+    assert g.sink == "main" and not g.on_ledger
+    assert gids.parse("tm:12:src:0:0", "tm").on_ledger
+
+
+def test_the_demo_pipeline_is_valid():
+    from tests.conftest import REPO
+
+    p = config.load(REPO / "dags" / "pipelines" / "flights.yaml")
+    assert p.sinks[0].key == ["flight_date", "carrier", "flight", "origin", "copy"]
+    assert p.output_columns()[:5] == p.sinks[0].key
+
+
+def test_pg_types():
+    assert config.pg_type("decimal(10, 2)") == "numeric(10,2)"
+    assert config.pg_type("timestamp") == "timestamptz"
+    with pytest.raises(ValueError, match="unsupported type"):
+        config.pg_type("map<string,int>")
