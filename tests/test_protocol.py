@@ -25,6 +25,10 @@ def test_run_delivers_once_then_only_what_is_new(env, spark):
     st = env.ledger("SELECT state::text FROM tidemark.run_sinks WHERE run_id = %s",
                     (report.run_id,))
     assert st == [("committed",)]
+    metrics = dict(env.ledger("SELECT name, value FROM tidemark.run_metrics WHERE run_id = %s",
+                              (report.run_id,)))
+    assert metrics["rows"] == 200 and metrics["records"] == 200
+    assert metrics["write_seconds"] > 0 and "commit_seconds" in metrics
     # Every sink row carries partition, offset and run id.
     rows = env.q(env.sink_dsn, "SELECT id, _tm_partition, _tm_offset, _tm_run_id FROM orders "
                  "WHERE id IN (0, 1, 7)")

@@ -135,6 +135,16 @@ class Run:
         self.spark = spark
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
         self.stop = _Stop()
+        self.clock: dict[str, float] = {}  # phase -> monotonic time it ended
+
+    def _mark(self, phase: str) -> None:
+        self.clock[phase] = time.monotonic()
+
+    def _timings(self) -> dict[str, float]:
+        order = ["start", "claim", "write", "decide", "commit"]
+        have = [p for p in order if p in self.clock]
+        return {f"{b}_seconds": round(self.clock[b] - self.clock[a], 3)
+                for a, b in zip(have, have[1:], strict=False)}
 
     # -- planning ------------------------------------------------------------------------
     def _planner(self, sinks_by_name: dict[str, sinks.ResolvedSink]):
@@ -178,6 +188,7 @@ class Run:
     def execute(self) -> RunReport:
         started = time.monotonic()
         faults.mark_job_process_group()
+        self._mark("start")
         report = RunReport(None, self.p.name, self.mode)
         resolved = sinks.resolve(self.p, self.sink_names)
         by_name = {s.name: s for s in resolved}
@@ -203,6 +214,7 @@ class Run:
             if claim is None:
                 report.message = "up to date: nothing to replay"
                 return report
+            self._mark("claim")
             report.run_id, report.skipped = claim.run_id, claim.skipped
             for sink, why in claim.skipped.items():
                 self.log(f"sink {sink} skipped: {why}")
@@ -235,9 +247,11 @@ class Run:
         heart.start()
         try:
             live = self._write(ledger, claim, by_name, read, report)
+            self._mark("write")
             self.stop.check()
             faults.point("after_prepare")
             decided = self._decide(ledger, claim, live, report)
+            self._mark("decide")
         finally:
             heart.stop()
         faults.point("after_decide")
@@ -369,9 +383,9 @@ class Run:
                     raise Inconsistency(reason + "; pipeline halted")
             self._rollback_run(claim, by_name, keep)
             faults.point("after_finish")
+            self._mark("commit")
             for sink in decided:
-                timings = {"seconds": round(time.monotonic(), 3)}
-                state.advance(ledger, self.p.name, claim.run_id, sink, timings)
+                state.advance(ledger, self.p.name, claim.run_id, sink, self._timings())
                 report.sinks[sink].state = "committed"
             faults.point("after_advance")
         except psycopg.OperationalError as exc:

@@ -248,10 +248,17 @@ def decide(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str,
 
 def advance(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str,
             timings: dict | None = None) -> None:
-    """committing -> committed: checkpoints to the ranges' ends (never backwards), lease freed."""
+    """committing -> committed: checkpoints to the ranges' ends (never backwards), lease freed,
+    counts and timings stored as run metrics."""
     with conn.transaction():
         _transition(conn, run_id, sink, RunState.COMMITTED, [RunState.COMMITTING],
                     timings=json.dumps(timings or {}))
+        conn.execute(
+            """INSERT INTO tidemark.run_metrics (run_id, sink, name, value)
+               SELECT run_id, sink, m.key, m.value::float8 FROM tidemark.run_sinks,
+                      jsonb_each_text(counts || timings) m
+               WHERE run_id = %s AND sink = %s AND jsonb_typeof(counts || timings) = 'object'
+               ON CONFLICT DO NOTHING""", (run_id, sink))
         conn.execute(
             """INSERT INTO tidemark.checkpoints AS c (pipeline, sink, partition, next_offset,
                       updated_by)

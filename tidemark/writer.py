@@ -78,31 +78,47 @@ class DeadLetters:
     conn: psycopg.Connection | None = None
     rows: int = 0
 
-    _SQL = """INSERT INTO tidemark.dlq (pipeline, sink, run_id, source_partition, source_offset,
-                  key, payload, headers, error_class, reason, detail)
-              VALUES (%s, %s, %s, %s, %s, %s, %s, %s::jsonb, %s, %s, %s)
-              ON CONFLICT ON CONSTRAINT dlq_one_per_stage DO UPDATE
-              SET attempts = tidemark.dlq.attempts + 1, last_seen = now(),
-                  run_id = EXCLUDED.run_id, reason = EXCLUDED.reason,
-                  detail = EXCLUDED.detail"""
+    _COLS = ("pipeline", "sink", "run_id", "source_partition", "source_offset", "key",
+             "payload", "headers", "error_class", "reason", "detail")
+
+    def _open(self) -> None:
+        self.conn = _begin(self.spec["ledger_dsn"], self.spec["lock_timeout_ms"], "dlq")
+        self.stage_table = sql.SQL("tidemark.{}").format(sql.Identifier(
+            "dlqstage_" + hashlib.sha1(self.gid.encode()).hexdigest()[:20]))
+        cols = sql.SQL(", ").join(sql.Identifier(c) for c in self._COLS)
+        self.conn.execute(sql.SQL(
+            "CREATE UNLOGGED TABLE {} AS SELECT {} FROM tidemark.dlq WITH NO DATA").format(
+            self.stage_table, cols))
+        self.copy_sql = sql.SQL("COPY {} ({}) FROM STDIN").format(self.stage_table, cols)
+        # A re-run of a range adds to attempts; it never adds a second row.
+        self.merge_sql = sql.SQL("""
+            INSERT INTO tidemark.dlq AS d ({cols}) SELECT {cols} FROM {stage}
+            ON CONFLICT ON CONSTRAINT dlq_one_per_stage DO UPDATE
+            SET attempts = d.attempts + 1, last_seen = now(), run_id = EXCLUDED.run_id,
+                reason = EXCLUDED.reason, detail = EXCLUDED.detail""").format(
+            cols=cols, stage=self.stage_table)
 
     def add(self, records: list[dict], error_class: str | None = None,
             reason: str | None = None, detail: str | None = None) -> None:
         if not records:
             return
         if self.conn is None:
-            self.conn = _begin(self.spec["ledger_dsn"], self.spec["lock_timeout_ms"], "dlq")
-        params = [(self.spec["pipeline"], self.sink, self.spec["run_id"], r["_tm_partition"],
-                   r["_tm_offset"], r["_tm_key"], r["_tm_payload"], r["_tm_headers"],
-                   error_class or r[ERR_CLASS], clamp(reason or r[ERR_REASON], REASON_MAX),
-                   clamp(detail, DETAIL_MAX) if detail else None) for r in records]
-        with self.conn.cursor() as cur:
-            cur.executemany(self._SQL, params)
+            self._open()
+        with self.conn.cursor().copy(self.copy_sql) as copy:
+            for r in records:
+                copy.write_row((
+                    self.spec["pipeline"], self.sink, self.spec["run_id"], r["_tm_partition"],
+                    r["_tm_offset"], r["_tm_key"], r["_tm_payload"], r["_tm_headers"],
+                    error_class or r[ERR_CLASS], clamp(reason or r[ERR_REASON], REASON_MAX),
+                    clamp(detail, DETAIL_MAX) if detail else None))
+        self.conn.execute(self.merge_sql)
+        self.conn.execute(sql.SQL("TRUNCATE {}").format(self.stage_table))
         self.rows += len(records)
 
     def prepare(self) -> dict | None:
         if self.conn is None:
             return None
+        self.conn.execute(sql.SQL("DROP TABLE {}").format(self.stage_table))
         _finish(self.conn, self.gid, self.spec["run_id"], self.spec["prepare"])
         self.conn.close()
         return {"gid": self.gid, "target": "ledger", "stage": self.stage, "rows": self.rows}
