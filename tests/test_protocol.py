@@ -236,3 +236,31 @@ def test_a_run_that_lost_its_lease_can_never_reach_the_decision(env):
     # With the old owner's session gone, recovery aborts the fenced run.
     rep = env.recover()
     assert (old.run_id, "main") in rep.aborted
+
+
+def test_a_failure_before_the_decision_rolls_back_at_once_and_frees_the_lease(env, spark):
+    env.append_orders(range(20))
+    env.pipeline(transform={"select": {"id": "id", "name": "no_such_column"}})
+    with pytest.raises(TidemarkError, match="invalid expression"):
+        env.run(spark)
+    assert env.ledger("SELECT state::text, error FROM tidemark.run_sinks")[0][0] == "aborted"
+    assert env.ledger("SELECT run_id FROM tidemark.leases") == [(None,)]
+    assert env.prepared() == []
+
+
+def test_a_lagging_sink_catches_up_without_the_read_spanning_the_gap(env, spark):
+    env.append_orders(range(40), partitions=1)
+    main = {"name": "main", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"]}
+    env.pipeline(sinks=[main], limits={"max_records_per_partition": 30})
+    assert env.run(spark).ok and env.run(spark).ok
+    assert env.checkpoints(sink="main") == {0: 40}
+    late = {"name": "late", "dsn": env.sink2_dsn, "table": "public.orders", "key": ["id"]}
+    env.pipeline(sinks=[main, late], limits={"max_records_per_partition": 30})
+    first = env.run(spark)
+    assert first.ok and first.records == 30          # [0, 30): no more than the limit
+    assert "main" not in first.sinks                 # nothing for it: not even claimed
+    assert first.sinks["late"].rows == 30
+    second = env.run(spark)
+    assert second.records == 10 and second.sinks["late"].rows == 10
+    assert env.checkpoints(sink="late") == env.checkpoints(sink="main") == {0: 40}
+    assert env.run(spark).run_id is None

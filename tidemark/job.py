@@ -147,7 +147,7 @@ class Run:
                 for a, b in zip(have, have[1:], strict=False)}
 
     # -- planning ------------------------------------------------------------------------
-    def _planner(self, sinks_by_name: dict[str, sinks.ResolvedSink]):
+    def _planner(self):
         limit = self.p.limits.max_records_per_partition
         src = sources.planner(self.p)
 
@@ -173,14 +173,15 @@ class Run:
                 for p in cps:
                     if cps[p] is None:
                         cps[p] = earliest[p]
-            # One read from the minimum over the sinks; every sink ends at the same offset.
+            # One read per partition, from the minimum over the sinks and at most `limit`
+            # records long; each sink gets the part at or above its own checkpoint (a sink far
+            # ahead of a lagging one gets nothing until the laggard catches up).
             ends = {}
             for p in parts:
                 lo = min(cps[p] for cps in starts.values())
-                hi = max(cps[p] for cps in starts.values())
-                ends[p] = max(src.safe_end(p, lo, limit + (hi - lo)), lo)
-            return {s: [Range(p, cps[p], max(cps[p], min(ends[p], cps[p] + limit)))
-                         for p in parts] for s, cps in starts.items()}
+                ends[p] = max(src.safe_end(p, lo, limit), lo)
+            return {s: [Range(p, cps[p], max(cps[p], ends[p])) for p in parts]
+                    for s, cps in starts.items()}
 
         return plan, src
 
@@ -202,7 +203,7 @@ class Run:
                 self.log(rec.summary())
             for err in rec.errors:
                 self.log(f"recovery: {err}")
-            plan, src = self._planner(by_name)
+            plan, src = self._planner()
             try:
                 claim = state.claim(
                     ledger, pipeline=self.p.name, config=self.p.model_dump(mode="json"),
@@ -221,8 +222,13 @@ class Run:
             self.stop.install()
             try:
                 self._protocol(ledger, claim, by_name, report)
-            except Terminated:
-                self._abort_all(ledger, claim, "terminated (SIGTERM) before the decision")
+            except BaseException as exc:
+                # Before any decision nothing may stay behind: roll back now, free the leases.
+                # After one, only recovery may settle what is in doubt.
+                if not self.stop.decided:
+                    why = ("terminated (SIGTERM) before the decision" if isinstance(
+                        exc, Terminated) else f"{type(exc).__name__}: {one_line(exc)}")
+                    self._abort_all(ledger, claim, why)
                 raise
             finally:
                 self.stop.uninstall()

@@ -103,7 +103,7 @@ def recover(ledger_dsn: str, pipelines: dict[str, Pipeline], prefix: str,
             horizon = ledger.execute("SELECT coalesce(max(run_id), 0) FROM tidemark.runs"
                                      ).fetchone()[0]
             _roll_forward(ledger, dbs, report)
-            _abort_dead(ledger, dbs, prefix, report)
+            _abort_dead(ledger, report)
             _sweep(ledger, dbs, prefix, horizon, alert_seconds, report)
         finally:
             ledger.execute("SELECT pg_advisory_unlock(%s)", (LOCK_KEY,))
@@ -156,8 +156,7 @@ def commit_chosen(ledger: psycopg.Connection, dbs: Databases, pipeline: str, run
     return lost
 
 
-def _abort_dead(ledger: psycopg.Connection, dbs: Databases, prefix: str,
-                report: Report) -> None:
+def _abort_dead(ledger: psycopg.Connection, report: Report) -> None:
     rows = ledger.execute(f"""
         SELECT rs.run_id, rs.sink, r.pipeline,
                {state.owner_alive_sql('rs.run_id')} AS alive,
@@ -182,6 +181,8 @@ def _sweep(ledger: psycopg.Connection, dbs: Databases, prefix: str, horizon: int
             "SELECT run_id, sink, state::text FROM tidemark.run_sinks WHERE run_id <= %s "
             "AND state IN ('planned', 'writing', 'prepared', 'committing')", (horizon,)):
         live.setdefault(run_id, {})[sink] = st
+    # Markers matter only while a decision may be in doubt: prune those of settled runs.
+    settled_below = min([*live, horizon + 1])
     chosen = {r[0] for r in ledger.execute(
         """SELECT p.gid FROM tidemark.participants p JOIN tidemark.run_sinks rs
            USING (run_id, sink) WHERE rs.state IN ('committing', 'committed')""")}
@@ -192,6 +193,9 @@ def _sweep(ledger: psycopg.Connection, dbs: Databases, prefix: str, horizon: int
         except (psycopg.Error, TidemarkError) as exc:
             report.errors.append(f"cannot scan {mask(dsn)}: {one_line(exc)}")
             continue
+        if conn.execute("SELECT to_regclass('tidemark.commits')").fetchone()[0]:
+            conn.execute("""DELETE FROM tidemark.commits WHERE run_id < %s
+                            AND created_at < now() - interval '1 day'""", (settled_below,))
         for gid, age in found:
             g = gids.parse(gid, prefix)
             if g is None or g.run_id > horizon:
