@@ -130,11 +130,3 @@ CREATE TABLE tidemark.run_metrics (
     value  double precision NOT NULL,
     PRIMARY KEY (run_id, sink, name)
 );
-
--- The marker table exists on every database Tidemark prepares transactions on (the ledger
--- included): a gid that is no longer prepared committed if and only if its marker is here.
-CREATE TABLE IF NOT EXISTS tidemark.commits (
-    gid        text PRIMARY KEY,
-    run_id     bigint NOT NULL,
-    created_at timestamptz NOT NULL DEFAULT now()
-);

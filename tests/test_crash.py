@@ -10,6 +10,7 @@ import pytest
 
 from tests.invariants import assert_exactly_once
 from tests.proc import JobProcess
+from tidemark import faults
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +42,10 @@ def _rows(env, dsn):
         return env.q(dsn, "SELECT count(*) FROM orders")[0][0]
     except Exception:  # noqa: BLE001 - the table is created by the run; it may not exist yet
         return 0
+
+
+def test_the_matrix_covers_every_fault_point():
+    assert list(CRASH_POINTS) == list(faults.POINTS)
 
 
 @pytest.mark.parametrize("point", list(CRASH_POINTS))

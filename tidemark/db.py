@@ -10,11 +10,6 @@ from tidemark.errors import TidemarkError
 
 APP_NAME = "tidemark"
 
-# SQLSTATEs worth retrying: the transaction died, the data did not.
-_TRANSIENT_SQLSTATE_PREFIXES = ("08", "40", "57P")
-_TRANSIENT_SQLSTATES = {"53300"}  # too many connections
-
-
 def connect(dsn: str, *, autocommit: bool = False, what: str = "database",
             application: str = APP_NAME, **kwargs) -> psycopg.Connection:
     try:
@@ -28,13 +23,6 @@ def one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     first = text[0] if text else type(exc).__name__
     return mask(first)
-
-
-def is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, psycopg.OperationalError) and getattr(exc, "sqlstate", None) is None:
-        return True  # connection lost, server gone
-    state = getattr(exc, "sqlstate", None) or ""
-    return state.startswith(_TRANSIENT_SQLSTATE_PREFIXES) or state in _TRANSIENT_SQLSTATES
 
 
 def is_data_error(exc: BaseException) -> bool:

@@ -33,7 +33,6 @@ class RunState(enum.StrEnum):
     DQ_FAILED = "dq_failed"
 
 
-OPEN_STATES = (RunState.PLANNED, RunState.WRITING, RunState.PREPARED, RunState.COMMITTING)
 ABORTABLE = (RunState.PLANNED, RunState.WRITING, RunState.PREPARED)
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -326,7 +325,3 @@ def make_task(spec: dict):
                                                            ("result", pa.string())]))
 
     return run_task
-
-
-def format_exception(exc: BaseException) -> str:
-    return clamp("".join(traceback.format_exception(exc)), DETAIL_MAX)
