@@ -65,9 +65,12 @@ def test_a_server_without_prepared_transactions_is_refused():
 
 def test_db_upgrade_is_idempotent(env):
     code, out, _ = tm(env.cli_env(), "db", "upgrade")
-    assert code == 0 and "schema version 1" in out and "applied" not in out
-    assert env.ledger("SELECT version FROM tidemark.schema_version") == [(1,)]
+    assert code == 0 and "schema version 2" in out and "applied" not in out
+    assert env.ledger("SELECT version FROM tidemark.schema_version") == [(1,), (2,)]
 
+
+_BASE = ("source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: int}}\n"
+         "sinks: [{name: s, dsn: x, table: t, key: [a]}]\n")
 
 BAD_FILES = {
     "notyaml": ("name: x\n  sinks: [", "line 2: not valid YAML"),
@@ -86,6 +89,17 @@ BAD_FILES = {
     "twosinks": ("source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: int}}\n"
                  "sinks: [{name: s, dsn: x, table: t, key: [a]}, {name: s, dsn: y, table: u, "
                  "key: [a]}]\n", "sinks[1].name: sink name 's' is used twice"),
+    "unknownexp": (_BASE + "quality:\n  rows:\n    - expect_column_values_to_be_in_sett: "
+                   "{column: a, value_set: [1]}\n",
+                   "quality.rows[0]: unknown expectation"),
+    "badexparg": (_BASE + "quality:\n  batch:\n    - expect_column_values_to_be_in_set: "
+                  "{column: a, valueset: [1]}\n",
+                  "quality.batch[0]: expect_column_values_to_be_in_set: bad arguments"),
+    "aggrows": (_BASE + "quality:\n  rows:\n    - expect_table_row_count_to_be_between: "
+                "{min_value: 1}\n",
+                "quality.rows[0]: expect_table_row_count_to_be_between checks the batch"),
+    "sinkexp": (_BASE.replace("key: [a]}", "key: [a], quality: {batch: [{nope: {}}]}}")
+                , "sinks[0].quality.batch[0]: unknown expectation"),
     "nosource": ("decode: {schema: {a: int}}\nsinks: [{name: s, dsn: x, table: t, key: [a]}]\n",
                  "source: Field required"),
     "badlimit": ("source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: int}}\n"
@@ -131,3 +145,23 @@ def test_backfill_arguments_are_checked(env):
                       "--to", "3")
     assert code == 2
     assert "--to (3) must be greater than --from (9)" in err
+
+
+def test_dq_show_and_status_report_the_gate(env):
+    env.pipeline()
+    env.ledger("INSERT INTO tidemark.pipelines (name) VALUES ('orders') RETURNING 1")
+    run_id = env.ledger("""INSERT INTO tidemark.runs (pipeline, mode, owner)
+                           VALUES ('orders', 'run', 't:1') RETURNING run_id""")[0][0]
+    env.ledger("""INSERT INTO tidemark.dq_results (run_id, scope, success, rows_failed, results,
+                  docs_path) VALUES (%s, '', false, 3, %s, '/x/page.html') RETURNING 1""",
+               (run_id, '[{"expectation": "expect_column_max_to_be_between", "success": false, '
+                '"kwargs": {"column": "amount", "max_value": 1000}, "observed_value": 1e9}]'))
+    code, out, _ = tm(env.cli_env(), "dq", "show", str(run_id))
+    assert code == 0
+    assert "(pipeline): FAILED, 3 rows quarantined" in out
+    assert "FAIL expect_column_max_to_be_between(column=amount, max_value=1000) observed " \
+           "1000000000" in out
+    assert "Data Docs: /x/page.html" in out
+    code, out, _ = tm(env.cli_env(), "status", "orders")
+    assert code == 0 and "data quality (last gate per scope)" in out
+    assert "failed: expect_column_max_to_be_between" in out

@@ -198,6 +198,24 @@ def status_cmd(ctx: Ctx, pipeline: str, runs: int, as_json: bool) -> None:
     click.echo(json.dumps(st, default=str) if as_json else render(st))
 
 
+@cli.group()
+def dq() -> None:
+    """Data-quality results."""
+
+
+@dq.command("show")
+@click.argument("run_id", type=int)
+@click.option("--json", "as_json", is_flag=True)
+@pass_ctx
+def dq_show(ctx: Ctx, run_id: int, as_json: bool) -> None:
+    """The data-quality outcome of RUN_ID: failed expectations, observed values, Data Docs."""
+    from tidemark.status import dq_results, render_dq
+
+    with connect(ctx.ledger_dsn, autocommit=True, what="ledger") as conn:
+        rows = dq_results(conn, run_id)
+    click.echo(json.dumps(rows, default=str) if as_json else render_dq(run_id, rows))
+
+
 @cli.command("resume")
 @click.argument("pipeline")
 @pass_ctx

@@ -124,11 +124,29 @@ class Transform(_Model):
         return self
 
 
+class Quality(_Model):
+    """Great Expectations checks: ``rows`` quarantine each failing row (class validation);
+    ``batch`` is the gate: if it fails nothing is written (or, with on_gate_failure
+    quarantine_batch, the whole batch goes to the DLQ as dq_gate)."""
+
+    rows: list[dict] = []
+    batch: list[dict] = []
+
+    @property
+    def empty(self) -> bool:
+        return not self.rows and not self.batch
+
+
+class PipelineQuality(Quality):
+    on_gate_failure: Literal["halt", "quarantine_batch"] = "halt"
+
+
 class Sink(Connection):
     name: Annotated[str, Field(pattern=IDENT)]
     table: Annotated[str, Field(pattern=TABLE)]
     key: Annotated[list[Annotated[str, Field(pattern=IDENT)]], Field(min_length=1)]
     create_table: bool = True
+    quality: Quality = Quality()  # stricter checks for this sink only
 
 
 class Limits(_Model):
@@ -146,6 +164,7 @@ class Pipeline(_Model):
     transform: Transform = Transform()
     sinks: Annotated[list[Sink], Field(min_length=1)]
     limits: Limits = Limits()
+    quality: PipelineQuality = PipelineQuality()
 
     def cross_check(self, where: str) -> None:
         """Checks across sections, reported with the exact field path."""
@@ -153,6 +172,7 @@ class Pipeline(_Model):
         for i, name in enumerate(names):
             if names.index(name) != i:
                 raise ConfigError(where, f"sink name {name!r} is used twice", f"sinks[{i}].name")
+        self._check_expectations(where)
         outputs = self.output_columns()
         if outputs is not None:
             for i, sink in enumerate(self.sinks):
@@ -160,6 +180,26 @@ class Pipeline(_Model):
                 if missing:
                     raise ConfigError(where, f"key columns not produced by the transform: "
                                       f"{', '.join(missing)}", f"sinks[{i}].key")
+
+    def _check_expectations(self, where: str) -> None:
+        """Build every declared expectation now, so a bad name or argument is reported by
+        `pipelines validate`, never in the middle of a run."""
+        scopes = [("quality", self.quality)] + [(f"sinks[{i}].quality", s.quality)
+                                               for i, s in enumerate(self.sinks)]
+        if all(q.empty for _, q in scopes):
+            return
+        from tidemark import quality as gx
+
+        for prefix, q in scopes:
+            for i, exp in enumerate(gx.parse_expectations(q.rows, where, f"{prefix}.rows")):
+                if not gx.is_row_level(exp):
+                    raise ConfigError(where, f"{exp.expectation_type} checks the batch as a "
+                                      f"whole, not each row: list it under batch",
+                                      f"{prefix}.rows[{i}]")
+            gx.parse_expectations(q.batch, where, f"{prefix}.batch")
+
+    def has_quality(self) -> bool:
+        return not (self.quality.empty and all(s.quality.empty for s in self.sinks))
 
     def output_columns(self) -> list[str] | None:
         """Columns the transform produces, when knowable without running it."""

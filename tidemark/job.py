@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 
-from tidemark import faults, gids, records, recovery, sinks, sources, state, twopc
+from tidemark import faults, gate, gids, records, recovery, sinks, sources, state, twopc
 from tidemark.config import Pipeline
 from tidemark.db import connect, one_line
 from tidemark.dsn import mask
@@ -271,8 +271,28 @@ class Run:
         self.stop.check()
         df = records.rows(sources.dataframe(spark, self.p, read), self.p)
         columns = records.output_columns(df)
+        verdict = None
+        if self.p.has_quality():
+            from pyspark import StorageLevel
+
+            # Read once: the expectations and the writes all use this cached batch.
+            df = df.persist(StorageLevel.MEMORY_AND_DISK)
+            self.log(f"run {run_id}: checking data quality (Great Expectations)")
+            verdict = gate.evaluate(self.p, df, run_id,
+                                    {s: c.ranges for s, c in claim.sinks.items()}, ledger,
+                                    str(self.s.data_docs_dir))
+            failed = sum(len(offs) for f in verdict.rows.values() for offs in f.values())
+            self.log(f"run {run_id}: data quality: {failed:,} rows quarantined, gate "
+                     f"{'failed' if verdict.halted or verdict.quarantine else 'passed'} "
+                     f"(`tidemark dq show {run_id}`)")
+            for sink, why in verdict.halted.items():
+                state.dq_failed(ledger, self.p.name, run_id, sink, why)
+                report.sinks[sink].state, report.sinks[sink].error = "dq_failed", why
+                self.log(f"run {run_id} sink {sink}: dq_failed: {why}")
         live: list[str] = []
         for sink in claim.sinks:
+            if verdict and sink in verdict.halted:
+                continue
             try:
                 sinks.ensure_table(by_name[sink], columns, f"sink {sink}")
             except TidemarkError as exc:
@@ -282,11 +302,14 @@ class Run:
             report.sinks[sink].state = "writing"
             live.append(sink)
         if not live:
+            if verdict is not None:
+                df.unpersist()
             return []
         spec = {
             "run_id": run_id, "pipeline": self.p.name, "prefix": self.s.gid_prefix,
             "prepare": self.p.delivery == "exactly_once",
             "lock_timeout_ms": self.s.lock_timeout_ms, "ledger_dsn": self.ledger_dsn,
+            "validation": verdict.for_tasks() if verdict else {},
             "columns": [c for c, _ in columns],
             "sinks": [{"name": s, "dsn": by_name[s].dsn, "table": by_name[s].config.table,
                        "key": by_name[s].config.key,
@@ -310,6 +333,8 @@ class Run:
             raise TidemarkError(f"run {run_id}: {msg}") from None
         finally:
             progress.stop()
+            if verdict is not None:
+                df.unpersist()
         self.results = [json.loads(r["result"]) for r in rows]
         report.records = sum(r["records"] for r in self.results)
         report.source_dead = sum(r["source_dead"] for r in self.results)

@@ -20,6 +20,8 @@ class Settings(BaseSettings):
                             description="prefix of every prepared transaction's gid")
     lease_ttl_seconds: int = Field(1800, ge=10, description="lease lifetime without a heartbeat")
     lock_timeout_ms: int = Field(60_000, ge=100, description="sink lock wait before a task fails")
+    data_docs_dir: Path = Field(Path(".tidemark/data_docs"),
+                                description="where Great Expectations Data Docs are rendered")
     prepared_alert_seconds: int = Field(900, ge=1,
                                         description="age at which a prepared transaction alerts")
 

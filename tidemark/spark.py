@@ -35,7 +35,7 @@ def session(master: str | None, app_name: str):
                .config("spark.sql.execution.arrow.maxRecordsPerBatch", "20000")
                .config("spark.sql.redaction.string.regex", REDACT)
                .config("spark.redaction.regex", REDACT)
-               .config("spark.driver.memory", os.environ.get("TIDEMARK_DRIVER_MEMORY", "1g")))
+               .config("spark.driver.memory", os.environ.get("TIDEMARK_DRIVER_MEMORY", "3g")))
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("TIDEMARK_SPARK_LOG_LEVEL", "ERROR"))
     return spark

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import psycopg
 from psycopg.rows import dict_row
 
@@ -26,12 +28,18 @@ def pipeline_status(conn: psycopg.Connection, pipeline: str, runs: int = 10) -> 
                   status::text AS status, count(*) AS records
            FROM tidemark.dlq WHERE pipeline = %s GROUP BY 1, 2, 3 ORDER BY 1, 2, 3""",
         (pipeline,)).fetchall()
+    gates = cur.execute(
+        """SELECT DISTINCT ON (d.scope) d.scope, d.run_id, d.success, d.rows_failed,
+                  d.results, d.docs_path, d.created_at
+           FROM tidemark.dq_results d JOIN tidemark.runs r USING (run_id)
+           WHERE r.pipeline = %s ORDER BY d.scope, d.run_id DESC""", (pipeline,)).fetchall()
     leases = cur.execute(
         """SELECT sink, epoch, run_id, owner, expires_at FROM tidemark.leases
            WHERE pipeline = %s ORDER BY sink""", (pipeline,)).fetchall()
     return {"pipeline": pipeline, "known": row is not None,
             "halted": row["halted_reason"] if row else None,
-            "checkpoints": checkpoints, "runs": recent, "dead_letters": dlq, "leases": leases}
+            "checkpoints": checkpoints, "runs": recent, "dead_letters": dlq, "leases": leases,
+            "gates": gates}
 
 
 def render(st: dict) -> str:
@@ -51,10 +59,53 @@ def render(st: dict) -> str:
         err = f"  {r['error'][:100]}" if r["error"] else ""
         out.append(f"    {r['run_id']:>6} {r['mode']:<8} {r['sink']:<16} {r['state']:<10} "
                    f"{rows:>10,} rows {dead:>7,} dlq  {r['created_at']:%Y-%m-%d %H:%M:%S}{err}")
+    if st["gates"]:
+        out.append("  data quality (last gate per scope):")
+        for g in st["gates"]:
+            out.append(f"    {g['scope'] or '(pipeline)':<16} run {g['run_id']:<6} "
+                       f"{'passed' if g['success'] else 'FAILED':<7} "
+                       f"{g['rows_failed']:,} rows quarantined")
+            out.extend(f"      failed: {line}" for line in failed_lines(g["results"]))
     out.append("  dead letters:")
     if not st["dead_letters"]:
         out.append("    none")
     for d in st["dead_letters"]:
         out.append(f"    {d['sink']:<16} {d['error_class']:<11} {d['status']:<12} "
                    f"{d['records']:>8,}")
+    return "\n".join(out)
+
+
+def failed_lines(results: list[dict]) -> list[str]:
+    lines = []
+    for r in results or []:
+        if not r.get("success"):
+            args = ", ".join(f"{k}={v}" for k, v in (r.get("kwargs") or {}).items()
+                             if k not in ("result_format", "catch_exceptions", "meta"))
+            lines.append(f"{r.get('expectation')}({args}) observed "
+                         f"{json.dumps(r.get('observed_value'), default=str)[:100]}")
+    return lines
+
+
+def dq_results(conn: psycopg.Connection, run_id: int) -> list[dict]:
+    cur = conn.cursor(row_factory=dict_row)
+    return cur.execute("""SELECT scope, success, rows_failed, results, docs_path, created_at
+                          FROM tidemark.dq_results WHERE run_id = %s ORDER BY scope""",
+                       (run_id,)).fetchall()
+
+
+def render_dq(run_id: int, rows: list[dict]) -> str:
+    if not rows:
+        return f"run {run_id}: no data-quality results (no checks, or the run never reached them)"
+    out = [f"run {run_id}: data quality"]
+    for r in rows:
+        out.append(f"  {r['scope'] or '(pipeline)'}: {'passed' if r['success'] else 'FAILED'}, "
+                   f"{r['rows_failed']:,} rows quarantined")
+        for res in r["results"] or []:
+            mark = "ok  " if res.get("success") else "FAIL"
+            args = ", ".join(f"{k}={v}" for k, v in (res.get("kwargs") or {}).items()
+                             if k not in ("result_format", "catch_exceptions", "meta"))
+            out.append(f"    {mark} {res.get('expectation')}({args}) observed "
+                       f"{json.dumps(res.get('observed_value'), default=str)[:100]}")
+        if r["docs_path"]:
+            out.append(f"    Data Docs: {r['docs_path']}")
     return "\n".join(out)

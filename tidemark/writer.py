@@ -254,6 +254,30 @@ def _in_range(batch: pa.RecordBatch, partition: int, span: list[int] | None) -> 
     return batch.filter(mask)
 
 
+def _validated(batch: pa.RecordBatch, partition: int, scope: str, validation: dict,
+               dead: DeadLetters) -> pa.RecordBatch:
+    """Quarantine the rows the data-quality checks of ``scope`` rejected (class validation),
+    or the whole batch when its gate failed under quarantine_batch (class dq_gate)."""
+    if batch.num_rows == 0 or not validation:
+        return batch
+    why = validation["quarantine"].get(scope)
+    if why is not None:
+        rows = batch.to_pylist()
+        dead.add(rows, "dq_gate", why)
+        return batch.slice(0, 0)
+    failed = validation["rows"].get(scope, {}).get(partition)
+    if not failed:
+        return batch
+    hit = pc.is_in(batch.column("_tm_offset"), value_set=pa.array(list(failed), pa.int64()))
+    if not pc.any(hit).as_py():
+        return batch
+    rows = batch.filter(hit).to_pylist()
+    for r in rows:
+        r[ERR_CLASS], r[ERR_REASON] = "validation", failed[r["_tm_offset"]]
+    dead.add(rows)
+    return batch.filter(pc.invert(hit))
+
+
 def make_task(spec: dict):
     """The function Spark runs per partition (mapInArrow): returns one result row."""
 
@@ -279,6 +303,7 @@ def make_task(spec: dict):
                                gid(gids.dlq_stage(s["name"])))
             writers.append(SinkWriter(spec, s, gid(gids.sink_stage(s["name"])), dead))
         partition, seen = None, 0
+        validation = spec.get("validation") or {}
         try:
             for batch in batches:
                 if batch.num_rows == 0:
@@ -289,8 +314,10 @@ def make_task(spec: dict):
                 if pc.any(bad).as_py():
                     source_dead.add(batch.filter(bad).to_pylist())
                     batch = batch.filter(pc.invert(bad))
+                batch = _validated(batch, partition, "", validation, source_dead)
                 for w in writers:
-                    w.add(_in_range(batch, partition, w.sink["ranges"].get(str(partition))))
+                    mine = _in_range(batch, partition, w.sink["ranges"].get(str(partition)))
+                    w.add(_validated(mine, partition, w.sink["name"], validation, w.dead))
             participants, first = [], True
             for w in writers:
                 for p in (w.prepare(), w.dead.prepare() if not w.failed else None):

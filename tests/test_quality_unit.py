@@ -1,0 +1,267 @@
+"""Unit tests of tidemark.quality against a real local SparkSession and real Great Expectations."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tidemark.errors import ConfigError, TidemarkError
+
+os.environ["GX_ANALYTICS_ENABLED"] = "false"
+
+from tidemark import quality  # noqa: E402
+
+ORIGINS = ["EWR", "JFK", "LGA"]
+PER_PARTITION = 150
+BAD_ORIGIN = {(0, 7): "XXX", (1, 42): "BOS"}
+BAD_DISTANCE = {(1, 99): 9999}
+
+
+@pytest.fixture(scope="module")
+def local_spark():
+    from pyspark.sql import SparkSession
+
+    # Not stopped here: getOrCreate may hand back a session other tests share.
+    return (
+        SparkSession.builder.master("local[2]")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.driver.host", "127.0.0.1")
+        .getOrCreate()
+    )
+
+
+@pytest.fixture(scope="module")
+def flights(local_spark):
+    rows = []
+    for p in (0, 1):
+        for o in range(PER_PARTITION):
+            origin = BAD_ORIGIN.get((p, o), ORIGINS[o % 3])
+            distance = BAD_DISTANCE.get((p, o), 100 + o)
+            rows.append((p, o, origin, distance))
+    df = local_spark.createDataFrame(
+        rows, "_tm_partition int, _tm_offset bigint, origin string, distance int"
+    ).cache()
+    assert df.count() == 2 * PER_PARTITION
+    yield df
+    df.unpersist()
+
+
+def _parse(items):
+    return quality.parse_expectations(items, "pipelines/flights.yml", "quality.rows")
+
+
+IN_SET = {"expect_column_values_to_be_in_set": {"column": "origin", "value_set": ORIGINS}}
+DIST = {
+    "expect_column_values_to_be_between": {"column": "distance", "min_value": 0, "max_value": 5000}
+}
+
+
+# --- parsing ---------------------------------------------------------------------------------
+
+
+def test_parse_builds_gx_expectations():
+    import great_expectations.expectations as gxe
+
+    exps = _parse([IN_SET, {"expect_table_row_count_to_be_between": {"min_value": 1}}])
+    assert isinstance(exps[0], gxe.ExpectColumnValuesToBeInSet)
+    assert exps[0].column == "origin" and list(exps[0].value_set) == ORIGINS
+    assert isinstance(exps[1], gxe.ExpectTableRowCountToBeBetween)
+    assert [quality.is_row_level(e) for e in exps] == [True, False]
+    assert quality.parse_expectations([], "f.yml", "quality") == []
+
+
+def test_is_row_level_classifies_aggregates_and_maps():
+    exps = _parse(
+        [
+            {"expect_column_values_to_be_unique": {"column": "origin"}},
+            {"expect_column_values_to_not_be_null": {"column": "origin"}},
+            {"expect_column_mean_to_be_between": {"column": "distance", "min_value": 0}},
+            {"expect_column_proportion_of_unique_values_to_be_between": {"column": "origin"}},
+            {
+                "expect_column_pair_values_a_to_be_greater_than_b": {
+                    "column_A": "distance",
+                    "column_B": "_tm_offset",
+                }
+            },
+        ]
+    )
+    assert [quality.is_row_level(e) for e in exps] == [True, True, False, False, True]
+
+
+def test_parse_unknown_name_suggests_closest():
+    with pytest.raises(ConfigError) as ei:
+        _parse([IN_SET, {"expect_column_values_to_be_in_sett": {"column": "origin"}}])
+    msg = str(ei.value)
+    assert msg.startswith("pipelines/flights.yml: quality.rows[1]: ")
+    assert "unknown expectation 'expect_column_values_to_be_in_sett'" in msg
+    assert "did you mean expect_column_values_to_be_in_set" in msg
+    assert ei.value.field == "quality.rows[1]"
+
+
+def test_parse_bad_argument_names_the_argument():
+    with pytest.raises(ConfigError) as ei:
+        _parse([{"expect_column_values_to_be_in_set": {"column": "origin", "valueset": ["A"]}}])
+    msg = str(ei.value)
+    assert ei.value.field == "quality.rows[0]"
+    assert "valueset: unknown argument" in msg
+    assert "value_set: missing required argument" in msg
+    assert "\n" not in msg
+
+    with pytest.raises(ConfigError) as ei:
+        _parse([DIST, {"expect_table_row_count_to_be_between": {"min_value": "lots"}}])
+    assert ei.value.field == "quality.rows[1]"
+    assert "min_value:" in str(ei.value)
+
+
+@pytest.mark.parametrize(
+    "item, needle",
+    [
+        ("expect_column_values_to_be_unique", "one-key mapping"),
+        ({"a": {}, "b": {}}, "one-key mapping"),
+        ({"expect_column_values_to_be_unique": ["origin"]}, "arguments must be a mapping"),
+    ],
+)
+def test_parse_not_a_mapping(item, needle):
+    with pytest.raises(ConfigError) as ei:
+        _parse([IN_SET, DIST, item])
+    assert ei.value.field == "quality.rows[2]"
+    assert needle in str(ei.value)
+
+
+# --- row failures ----------------------------------------------------------------------------
+
+
+def test_row_failures_finds_exactly_the_bad_rows(flights):
+    exps = _parse(
+        [
+            IN_SET,
+            {
+                "expect_column_values_to_be_between": {
+                    "column": "distance",
+                    "min_value": 0,
+                    "max_value": 1000,
+                }
+            },
+            # aggregate expectations are ignored by row_failures
+            {"expect_table_row_count_to_be_between": {"max_value": 1}},
+        ]
+    )
+    got = quality.row_failures(flights, exps)
+    assert set(got) == set(BAD_ORIGIN) | set(BAD_DISTANCE)
+    assert got[(0, 7)] == "expect_column_values_to_be_in_set(column=origin): 'XXX' not in set"
+    assert got[(1, 42)] == "expect_column_values_to_be_in_set(column=origin): 'BOS' not in set"
+    assert got[(1, 99)] == (
+        "expect_column_values_to_be_between(column=distance): unexpected value 9999"
+    )
+    assert all(isinstance(p, int) and isinstance(o, int) for p, o in got)
+
+
+def test_row_failures_keeps_first_reason_and_clean_data(flights):
+    exps = _parse(
+        [
+            {"expect_column_values_to_not_be_in_set": {"column": "origin", "value_set": ["XXX"]}},
+            IN_SET,
+        ]
+    )
+    got = quality.row_failures(flights, exps)
+    assert set(got) == set(BAD_ORIGIN)
+    assert got[(0, 7)].startswith("expect_column_values_to_not_be_in_set(column=origin)")
+    assert got[(1, 42)].startswith("expect_column_values_to_be_in_set(column=origin)")
+    assert (1, 99) in quality.row_failures(flights, _parse([DIST]))
+    wide = {"expect_column_values_to_be_between": {"column": "distance", "max_value": 10_000}}
+    assert quality.row_failures(flights, _parse([wide])) == {}
+
+
+def test_row_failures_over_limit_raises(flights):
+    exps = _parse([{"expect_column_values_to_be_in_set": {"column": "origin", "value_set": []}}])
+    with pytest.raises(TidemarkError, match="more than the 10 allowed"):
+        quality.row_failures(flights, exps, max_failures=10)
+
+
+# --- gate ------------------------------------------------------------------------------------
+
+
+def test_gate_success_with_observed_values(flights, tmp_path):
+    exps = _parse(
+        [
+            {"expect_table_row_count_to_be_between": {"min_value": 300, "max_value": 300}},
+            {"expect_column_mean_to_be_between": {"column": "distance", "min_value": 100}},
+        ]
+    )
+    out = quality.gate(flights, exps, None, "flights-run-1-warehouse")
+    assert out.success and out.failed() == []
+    assert out.docs_path is None
+    by = {r["expectation"]: r for r in out.results}
+    assert by["expect_table_row_count_to_be_between"]["observed_value"] == 300
+    assert by["expect_table_row_count_to_be_between"]["kwargs"]["min_value"] == 300
+    expected_mean = (sum(100 + o for o in range(PER_PARTITION)) * 2 - (100 + 99) + 9999) / 300
+    mean = by["expect_column_mean_to_be_between"]["observed_value"]
+    assert mean == pytest.approx(expected_mean)
+    assert out.raw["success"] is True and len(out.raw["results"]) == 2
+
+
+def test_gate_failure_reports_failing_expectations(flights):
+    exps = _parse(
+        [
+            {"expect_table_row_count_to_be_between": {"max_value": 10}},
+            {"expect_column_values_to_be_unique": {"column": "origin"}},
+            {"expect_column_mean_to_be_between": {"column": "distance", "max_value": 50}},
+            {"expect_column_values_to_not_be_null": {"column": "_tm_offset"}},
+        ]
+    )
+    out = quality.gate(flights, exps, None, "flights-run-2-warehouse")
+    assert out.success is False
+    failed = {r["expectation"]: r for r in out.failed()}
+    assert set(failed) == {
+        "expect_table_row_count_to_be_between",
+        "expect_column_values_to_be_unique",
+        "expect_column_mean_to_be_between",
+    }
+    assert failed["expect_table_row_count_to_be_between"]["observed_value"] == 300
+    # every row but the two with a one-off origin ('XXX', 'BOS') repeats a value
+    assert failed["expect_column_values_to_be_unique"]["unexpected_count"] == 298
+    unique_pct = failed["expect_column_values_to_be_unique"]["unexpected_percent"]
+    assert unique_pct == pytest.approx(298 / 3)
+    assert failed["expect_column_mean_to_be_between"]["observed_value"] > 50
+    ok = [r for r in out.results if r["success"]]
+    assert ok and ok[0]["kwargs"]["column"] == "_tm_offset"
+    assert ok[0]["unexpected_count"] == 0
+    assert out.raw["success"] is False
+
+
+def test_gate_empty_does_not_start_gx(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("GX started")
+
+    monkeypatch.setattr(quality, "_validate", boom)
+    out = quality.gate(None, [], "/nonexistent/never", "x")
+    assert out.success is True and out.results == [] and out.docs_path is None
+
+
+def test_gate_renders_data_docs(flights, tmp_path: Path):
+    docs = tmp_path / "docs"
+    exps = _parse(
+        [
+            {"expect_column_mean_to_be_between": {"column": "distance", "max_value": 50}},
+            {"expect_table_row_count_to_be_between": {"min_value": 1}},
+        ]
+    )
+    out = quality.gate(flights, exps, str(docs), "flights-run-12-warehouse")
+    assert out.docs_path is not None
+    page = Path(out.docs_path)
+    assert page.is_file() and page.suffix == ".html"
+    assert docs.resolve() in page.resolve().parents
+    assert "flights-run-12-warehouse" in str(page)
+    html = page.read_text()
+    assert "distance" in html and "mean" in html.lower()
+    index = docs / "gx" / "uncommitted" / "data_docs" / "local_site" / "index.html"
+    assert index.is_file()
+
+    out2 = quality.gate(flights, exps[1:], str(docs), "flights-run-13-warehouse")
+    assert out2.success and out2.docs_path != out.docs_path
+    assert page.is_file(), "an earlier run's page must survive a later build"
+    assert "flights-run-13-warehouse" in index.read_text()
+    assert "flights-run-12-warehouse" in index.read_text()
