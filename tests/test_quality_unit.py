@@ -20,17 +20,9 @@ BAD_DISTANCE = {(1, 99): 9999}
 
 
 @pytest.fixture(scope="module")
-def local_spark():
-    from pyspark.sql import SparkSession
-
-    # Not stopped here: getOrCreate may hand back a session other tests share.
-    return (
-        SparkSession.builder.master("local[2]")
-        .config("spark.ui.enabled", "false")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.driver.host", "127.0.0.1")
-        .getOrCreate()
-    )
+def local_spark(spark):
+    # The suite's one SparkSession, configured as Tidemark's jobs are (tests/conftest.py).
+    return spark
 
 
 @pytest.fixture(scope="module")

@@ -247,14 +247,37 @@ def row_failures(df, expectations: list, max_failures: int = 100_000) -> dict[tu
     row_level = [e for e in expectations if is_row_level(e)]
     if not row_level:
         return {}
-    suite = _suite("tidemark-rows", row_level)
+    # Pass 1, SUMMARY: GX bundles the counts of every expectation into few Spark jobs. Only
+    # the expectations that failed pay for pass 2, which lists their failing rows; the limit
+    # is checked before any row index reaches the driver.
+    _, first = _validate(df, _suite("tidemark-rows", row_level),
+                         {"result_format": "SUMMARY", "partial_unexpected_count": 0})
+    failing = []
+    for r in first.results:
+        cfg = r.expectation_config
+        if r.exception_info and r.exception_info.get("raised_exception"):
+            raise TidemarkError(
+                f"{cfg.type}({_domain(dict(cfg.kwargs))}): GX could not evaluate it: "
+                f"{_clamp(str(r.exception_info.get('exception_message')), 300)}"
+            )
+        if r.success:
+            continue
+        count = (r.result or {}).get("unexpected_count") or 0
+        if count > max_failures:
+            raise TidemarkError(
+                f"{cfg.type}({_domain(dict(cfg.kwargs))}): {count} rows fail, more than the "
+                f"{max_failures} allowed for quarantine"
+            )
+        failing.append(cfg.to_domain_obj())
+    if not failing:
+        return {}
     result_format = {
         "result_format": "COMPLETE",
         "unexpected_index_column_names": list(_INDEX_COLS),
         "return_unexpected_index_query": False,
         "partial_unexpected_count": 0,
     }
-    _, res = _validate(df, suite, result_format)
+    _, res = _validate(df, _suite("tidemark-rows-failing", failing), result_format)
     failures: dict[tuple[int, int], str] = {}
     for r in res.results:
         cfg = r.expectation_config
