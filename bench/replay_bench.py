@@ -146,6 +146,7 @@ def peak_memory(folder: Path, name: str, env: dict) -> tuple[float, float, int]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5, help="rotated repetitions per mode")
+    ap.add_argument("--skip-memory", action="store_true", help="skip the driver memory runs")
     args = ap.parse_args()
     load_dotenv(REPO / ".tidemark/env", override=False)
     ledger = os.environ["TIDEMARK_LEDGER_DSN"]
@@ -203,7 +204,7 @@ def main() -> None:
     rate = {m: statistics.median(r / s for r, s in v) for m, v in results.items()}
     env = {**os.environ, "TIDEMARK_LEDGER_DSN": ledger, "TIDEMARK_SPARK_MASTER": "local[2,4]"}
     mem = {}
-    for name in ("bench_mem_small", "bench_mem_large"):
+    for name in () if args.skip_memory else ("bench_mem_small", "bench_mem_large"):
         reset(ledger, sink, name)
         mem[name] = peak_memory(folder, name, env)
 
@@ -233,6 +234,8 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for name, label in (("bench_mem_small", "50,000 / partition"),
                         ("bench_mem_large", "600,000 / partition")):
+        if name not in mem:
+            continue
         py, jvm, recs = mem[name]
         print(f"| {label} | {recs:,} | {py:,.0f} | {jvm:,.0f} |")
 
