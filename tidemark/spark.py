@@ -32,6 +32,9 @@ def session(master: str | None, app_name: str):
                .config("spark.task.maxFailures", "4")
                .config("spark.sql.ansi.enabled", "false")
                .config("spark.sql.shuffle.partitions", "8")
+               # A gated run caches its batch once; compressing that cache cost more CPU
+               # than it saved (bench/replay_bench.py, 2 cores).
+               .config("spark.sql.inMemoryColumnarStorage.compressed", "false")
                .config("spark.sql.execution.arrow.maxRecordsPerBatch", "20000")
                .config("spark.sql.redaction.string.regex", REDACT)
                .config("spark.redaction.regex", REDACT)
