@@ -153,6 +153,40 @@ class Limits(_Model):
     max_records_per_partition: Annotated[int, Field(gt=0)] = 100_000
 
 
+class Alerts(_Model):
+    """Where failed tasks and maintenance findings are reported (see tidemark/alerts.py)."""
+
+    email: list[str] = []  # addresses; empty = no e-mail
+    smtp_conn_id: Annotated[str, Field(min_length=1)] = "smtp_default"
+    webhook_conn_id: Annotated[str, Field(min_length=1)] | None = None  # holds the webhook URL
+    dlq_max: Annotated[int, Field(ge=0)] = 10_000  # quarantined DLQ rows before an alert
+    prepared_max_age_minutes: Annotated[int, Field(gt=0)] = 30
+
+    @field_validator("email", mode="before")
+    def _one_address(cls, v):
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("email")
+    def _addresses(cls, v: list[str]):
+        out = []
+        for addr in v:
+            a = addr.strip()
+            local, _, domain = a.partition("@")
+            if a.count("@") != 1 or not local or not domain or any(c.isspace() for c in a):
+                raise ValueError(f"{addr!r} is not an e-mail address (expected name@domain)")
+            out.append(a)
+        return out
+
+
+class Orchestration(_Model):
+    """How Airflow runs the pipeline's tasks (tidemark/dags.py)."""
+
+    retries: Annotated[int, Field(ge=0, le=20)] = 2
+    retry_delay_seconds: Annotated[int, Field(ge=1)] = 60
+    max_retry_delay_seconds: Annotated[int, Field(ge=1)] = 900  # exponential backoff cap
+    driver_memory: Annotated[str, Field(pattern=r"^\d+[mMgG]$")] = "2g"
+
+
 class Pipeline(_Model):
     name: Annotated[str, Field(pattern=IDENT)]
     description: str = ""
@@ -165,14 +199,18 @@ class Pipeline(_Model):
     sinks: Annotated[list[Sink], Field(min_length=1)]
     limits: Limits = Limits()
     quality: PipelineQuality = PipelineQuality()
+    alerts: Alerts = Alerts()
+    airflow: Orchestration = Orchestration()
 
-    def cross_check(self, where: str) -> None:
-        """Checks across sections, reported with the exact field path."""
+    def cross_check(self, where: str, deep: bool = True) -> None:
+        """Checks across sections, reported with the exact field path. ``deep`` also builds
+        every expectation (imports Great Expectations: seconds, too slow for DAG parsing)."""
         names = [s.name for s in self.sinks]
         for i, name in enumerate(names):
             if names.index(name) != i:
                 raise ConfigError(where, f"sink name {name!r} is used twice", f"sinks[{i}].name")
-        self._check_expectations(where)
+        if deep:
+            self._check_expectations(where)
         outputs = self.output_columns()
         if outputs is not None:
             for i, sink in enumerate(self.sinks):
@@ -229,7 +267,8 @@ def _field_path(loc: tuple) -> str:
     return "".join(parts)
 
 
-def parse(text: str, where: str, default_name: str | None = None) -> Pipeline:
+def parse(text: str, where: str, default_name: str | None = None, deep: bool = True
+          ) -> Pipeline:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -249,16 +288,16 @@ def parse(text: str, where: str, default_name: str | None = None) -> Pipeline:
         msg = err["msg"].removeprefix("Value error, ")
         field = _field_path(err["loc"]) or None
         raise ConfigError(where, msg + more, field) from None
-    pipeline.cross_check(where)
+    pipeline.cross_check(where, deep)
     return pipeline
 
 
-def load(path: Path) -> Pipeline:
+def load(path: Path, deep: bool = True) -> Pipeline:
     try:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(str(path), f"cannot read: {exc.strerror}") from None
-    pipeline = parse(text, str(path), default_name=path.stem)
+    pipeline = parse(text, str(path), default_name=path.stem, deep=deep)
     if pipeline.name != path.stem:
         raise ConfigError(str(path), f"name {pipeline.name!r} must match the file name "
                           f"{path.stem!r}", "name")
@@ -272,13 +311,14 @@ def pipeline_files(folder: Path) -> list[Path]:
     return sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")])
 
 
-def load_all(folder: Path) -> tuple[dict[str, Pipeline], list[ConfigError]]:
+def load_all(folder: Path, deep: bool = True
+             ) -> tuple[dict[str, Pipeline], list[ConfigError]]:
     """Every pipeline in the folder; a broken file is reported and never hides the others."""
     good: dict[str, Pipeline] = {}
     bad: list[ConfigError] = []
     for path in pipeline_files(folder):
         try:
-            p = load(path)
+            p = load(path, deep)
         except ConfigError as exc:
             bad.append(exc)
             continue
