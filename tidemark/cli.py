@@ -118,6 +118,11 @@ def pipelines_validate(ctx: Ctx, files: tuple[Path, ...]) -> None:
 
 
 # -- run, backfill, recover, status ------------------------------------------------------------
+def _names(values: tuple[str, ...]) -> list[str] | None:
+    """--sink a --sink b, or --sink a,b (as Airflow's backfill form passes them)."""
+    return [n for v in values for n in v.split(",") if n] or None
+
+
 def _run(ctx: Ctx, name: str, as_json: bool, **kw) -> None:
     from tidemark.job import Run
 
@@ -139,7 +144,7 @@ def _run(ctx: Ctx, name: str, as_json: bool, **kw) -> None:
 def run_cmd(ctx: Ctx, pipeline: str, sinks: tuple[str, ...], external_id: str | None,
             as_json: bool) -> None:
     """Replay the next range of PIPELINE into its sinks, exactly once."""
-    _run(ctx, pipeline, as_json, sink_names=list(sinks) or None, external_id=external_id)
+    _run(ctx, pipeline, as_json, sink_names=_names(sinks), external_id=external_id)
 
 
 @cli.command("backfill")
@@ -150,17 +155,18 @@ def run_cmd(ctx: Ctx, pipeline: str, sinks: tuple[str, ...], external_id: str | 
 @click.option("--to", "end", type=click.IntRange(min=0), required=True,
               help="End offset (exclusive).")
 @click.option("--sink", "sinks", multiple=True, help="Only these sinks (default: all).")
+@click.option("--external-id", help="Caller's id for this run (e.g. an Airflow run id).")
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
 def backfill_cmd(ctx: Ctx, pipeline: str, partition: int, start: int, end: int,
-                 sinks: tuple[str, ...], as_json: bool) -> None:
+                 sinks: tuple[str, ...], external_id: str | None, as_json: bool) -> None:
     """Re-deliver the committed range [FROM, TO) of one partition."""
     from tidemark.job import Backfill
 
     if end <= start:
         raise click.BadParameter(f"--to ({end}) must be greater than --from ({start})")
     _run(ctx, pipeline, as_json, mode="backfill", backfill=Backfill(partition, start, end),
-         sink_names=list(sinks) or None)
+         sink_names=_names(sinks), external_id=external_id)
 
 
 @cli.command("recover")
@@ -251,6 +257,49 @@ def demo_load(ctx: Ctx, repeat: int, table: str, source_dsn: str | None) -> None
     n = demo_mod.load(source_dsn or ctx.ledger_dsn, table=table, repeat=repeat, progress=progress)
     click.echo("", err=True)
     click.echo(f"{table}: appended {n:,} records" if n else f"{table}: already loaded")
+
+
+# -- local Airflow ----------------------------------------------------------------------------
+@cli.group("airflow")
+def airflow_group() -> None:
+    """The local Airflow of `make up` (API server, scheduler, DAG processor on 127.0.0.1)."""
+
+
+def _stack(ctx: Ctx, port: int):
+    from tidemark.airflow_stack import Stack
+
+    return Stack(home=Path(".tidemark/airflow").resolve(), ledger_dsn=ctx.ledger_dsn, port=port)
+
+
+_PORT = click.option("--port", envvar="TIDEMARK_AIRFLOW_PORT", default=8080, show_default=True,
+                     type=click.IntRange(1, 65535), help="Port of Airflow's UI and API.")
+
+
+@airflow_group.command("up")
+@click.option("--unpause", multiple=True, default=["tidemark_flights", "tidemark_maintenance"],
+              show_default=True, help="DAGs to unpause once Airflow has parsed them.")
+@_PORT
+@pass_ctx
+def airflow_up(ctx: Ctx, unpause: tuple[str, ...], port: int) -> None:
+    """Start Airflow with its metadata in the ledger's server (database airflow)."""
+    stack = _stack(ctx, port)
+    click.echo(f"starting Airflow in {stack.home} (logs in {stack.home / 'logs'}) ...")
+    stack.start()
+    for dag_id in unpause:
+        stack.unpause(dag_id)
+        click.echo(f"unpaused {dag_id}")
+    click.echo(f"Airflow UI: {stack.url}   login: {stack.user} / {stack.password()}")
+
+
+@airflow_group.command("down")
+@_PORT
+@pass_ctx
+def airflow_down(ctx: Ctx, port: int) -> None:
+    """Stop the local Airflow."""
+    from tidemark.airflow_stack import Stack
+
+    stack = Stack(home=Path(".tidemark/airflow").resolve(), ledger_dsn="", port=port)
+    click.echo("Airflow stopped" if stack.stop() else "Airflow was not running")
 
 
 def main(argv: list[str] | None = None) -> None:

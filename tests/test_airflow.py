@@ -1,0 +1,241 @@
+"""Airflow end to end: a real Airflow 3.3 (API server, scheduler, DAG processor, LocalExecutor)
+started by the test, DAGs generated from pipeline YAMLs, Spark jobs through SparkSubmitOperator,
+alerts to a real SMTP server (aiosmtpd) and a real HTTP receiver."""
+
+from __future__ import annotations
+
+import email
+import json
+import shutil
+import threading
+import time
+from email import policy
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import psycopg
+import pytest
+from aiosmtpd.controller import Controller
+
+from tests.conftest import REPO, Env, free_port
+from tidemark.airflow_stack import Stack
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+STUB = (REPO / "dags" / "pipelines" / "flights.py").read_text()
+MAINTENANCE = (REPO / "dags" / "tidemark_maintenance.py").read_text()
+N = 120  # records in the source log (2 partitions)
+
+
+class Inbox:
+    """Messages an SMTP server or a webhook receiver got, awaited by event."""
+
+    def __init__(self):
+        self.items: list = []
+        self.cond = threading.Condition()
+
+    def put(self, item) -> None:
+        with self.cond:
+            self.items.append(item)
+            self.cond.notify_all()
+
+    def wait(self, pred, timeout: float = 240):
+        with self.cond:
+            assert self.cond.wait_for(lambda: any(pred(i) for i in self.items), timeout), \
+                f"nothing matching arrived in {timeout}s; got {self.items!r}"
+            return next(i for i in self.items if pred(i))
+
+
+class _Mail:
+    def __init__(self, inbox: Inbox):
+        self.inbox = inbox
+
+    async def handle_DATA(self, server, session, envelope):  # noqa: N802 - aiosmtpd hook
+        self.inbox.put(email.message_from_bytes(envelope.content, policy=policy.default))
+        return "250 OK"
+
+
+def _webhook(inbox: Inbox) -> ThreadingHTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server hook
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            inbox.put({"path": self.path, "json": json.loads(body)})
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv
+
+
+class World:
+    def __init__(self, env: Env, stack: Stack, mails: Inbox, hooks: Inbox):
+        self.env, self.stack, self.mails, self.hooks = env, stack, mails, hooks
+        self.api = stack.api()
+
+    def trigger(self, dag_id: str, conf: dict | None = None):
+        self.stack.unpause(dag_id)
+        return self.api.post(f"/dags/{dag_id}/dagRuns",
+                             json={"logical_date": None, "conf": conf or {}})
+
+    def wait_run(self, dag_id: str, run_id: str, timeout: float = 420) -> str:
+        deadline = time.monotonic() + timeout
+        state = None
+        while time.monotonic() < deadline:
+            state = self.api.get(f"/dags/{dag_id}/dagRuns/{run_id}").json()["state"]
+            if state in ("success", "failed"):
+                return state
+            time.sleep(2)  # polling the REST API: Airflow offers no run-finished event
+        raise AssertionError(f"{dag_id} {run_id} still {state} after {timeout}s")
+
+    def tasks(self, dag_id: str, run_id: str) -> dict[str, str]:
+        r = self.api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances").json()
+        return {t["task_id"]: t["state"] for t in r["task_instances"]}
+
+    def xcom(self, dag_id: str, run_id: str, task: str):
+        r = self.api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task}"
+                         f"/xcomEntries/return_value")
+        assert r.status_code == 200, r.text
+        return r.json()["value"]
+
+
+@pytest.fixture(scope="module")
+def world(pg, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("airflow")
+    env = Env(pg, tmp)
+    env.append_orders(range(N))
+    mails, hooks = Inbox(), Inbox()
+    smtp = Controller(_Mail(mails), hostname="127.0.0.1", port=free_port())
+    smtp.start()
+    hook = _webhook(hooks)
+    alerts = {"email": ["ops@example.com"], "webhook_conn_id": "tidemark_webhook"}
+    fast = {"retries": 0, "driver_memory": "1g"}
+    env.pipeline("orders", alerts=alerts, airflow=fast)
+    env.pipeline("gated", alerts=alerts, airflow=fast,
+                 sinks=[{"name": "main", "dsn": env.sink_dsn, "table": "public.gated",
+                         "key": ["id"]}],
+                 quality={"batch": [{"expect_table_row_count_to_be_between":
+                                     {"min_value": 1, "max_value": 5}}]})
+    (env.dir / "broken.yaml").write_text("name: broken\nsource: {type: kafka}\n")
+    dags = env.dir.parent / "dags"
+    shutil.move(env.dir, dags / "pipelines")
+    env.dir = dags / "pipelines"
+    for name in ("orders", "gated", "broken"):
+        (env.dir / f"{name}.py").write_text(STUB)
+    (dags / "tidemark_maintenance.py").write_text(MAINTENANCE)
+    stack = Stack(home=tmp / "home", ledger_dsn=env.ledger_dsn, port=free_port(),
+                  dags_folder=dags, env_extra={
+                      "TIDEMARK_PIPELINES_DIR": str(env.dir),
+                      "TIDEMARK_DATA_DOCS_DIR": str(tmp / "docs"),
+                      "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps(
+                          {"conn_type": "spark", "host": "local[2]"}),
+                      "AIRFLOW_CONN_SMTP_DEFAULT": json.dumps(
+                          {"conn_type": "smtp", "host": "127.0.0.1", "port": smtp.port,
+                           "extra": {"disable_ssl": True, "disable_tls": True,
+                                     "from_email": "tidemark@localhost"}}),
+                      "AIRFLOW_CONN_TIDEMARK_WEBHOOK": json.dumps(
+                          {"conn_type": "http",
+                           "host": f"http://127.0.0.1:{hook.server_port}/hook/T0K3N"}),
+                  })
+    try:
+        stack.start()
+        w = World(env, stack, mails, hooks)
+        yield w
+        w.api.close()
+    finally:
+        stack.stop()
+        smtp.stop()
+        hook.shutdown()
+        env.drop()
+
+
+def test_dags_parsed_and_broken_yaml_is_one_import_error(world):
+    for dag_id in ("tidemark_orders", "tidemark_orders_backfill", "tidemark_gated",
+                   "tidemark_gated_backfill", "tidemark_maintenance"):
+        dag = world.stack.wait_dag(dag_id)
+        assert "tidemark" in [t["name"] for t in dag["tags"]]
+    errors = world.api.get("/importErrors").json()["import_errors"]
+    assert [Path(e["filename"]).name for e in errors] == ["broken.py"]
+    assert "broken.yaml" in errors[0]["stack_trace"]
+    assert "source" in errors[0]["stack_trace"]
+    details = world.api.get("/dags/tidemark_orders/details").json()
+    assert details["max_active_runs"] == 1
+
+
+def test_trigger_replays_exactly_once_and_reports(world):
+    r = world.trigger("tidemark_orders")
+    assert r.status_code == 200, r.text
+    run_id = r.json()["dag_run_id"]
+    assert world.wait_run("tidemark_orders", run_id) == "success", \
+        world.tasks("tidemark_orders", run_id)
+    env = world.env
+    assert env.checkpoints() == {0: N // 2, 1: N // 2}
+    assert env.q(env.sink_dsn, "SELECT count(*), count(DISTINCT id) FROM public.orders")[0] \
+        == (N, N)
+    assert env.prepared() == []
+    report = world.xcom("tidemark_orders", run_id, "report")
+    assert report["sinks"]["main"]["state"] == "committed"
+    assert report["sinks"]["main"]["counts"]["rows"] == N
+    ext = json.loads(env.ledger("SELECT external_id FROM tidemark.runs WHERE run_id = %s",
+                                (report["run_id"],))[0][0])
+    assert (ext["dag_id"], ext["run_id"], ext["task_id"]) == ("tidemark_orders", run_id,
+                                                               "replay")
+
+
+def test_backfill_params_validated_and_run(world):
+    bad = world.trigger("tidemark_orders_backfill", {"partition": -1, "from_offset": 0,
+                                                     "to_offset": 10, "sinks": ["main"]})
+    assert bad.status_code == 400 and "partition" in bad.text
+    bad = world.trigger("tidemark_orders_backfill", {"partition": 0, "from_offset": 0,
+                                                     "to_offset": 10, "sinks": ["nope"]})
+    assert bad.status_code == 400, bad.text
+
+    world.wait_run("tidemark_orders", world.api.get(
+        "/dags/tidemark_orders/dagRuns", params={"order_by": "-run_after", "limit": 1}
+    ).json()["dag_runs"][0]["dag_run_id"])  # the backfill needs the range committed
+    backwards = world.trigger("tidemark_orders_backfill", {"partition": 0, "from_offset": 20,
+                                                           "to_offset": 10, "sinks": ["main"]})
+    assert backwards.status_code == 200, backwards.text
+    run_id = backwards.json()["dag_run_id"]
+    assert world.wait_run("tidemark_orders_backfill", run_id) == "failed"
+    assert world.tasks("tidemark_orders_backfill", run_id)["check"] == "failed"
+    mail = world.mails.wait(lambda m: run_id in m["Subject"])
+    assert "to_offset (10) must be greater than from_offset (20)" in mail.get_body().get_content()
+
+    env = world.env
+    with psycopg.connect(env.sink_dsn, autocommit=True) as c:
+        c.execute("UPDATE public.orders SET name = 'tampered' WHERE id = 4")
+    ok = world.trigger("tidemark_orders_backfill", {"partition": 0, "from_offset": 0,
+                                                    "to_offset": 10, "sinks": ["main"]})
+    run_id = ok.json()["dag_run_id"]
+    assert world.wait_run("tidemark_orders_backfill", run_id) == "success", \
+        world.tasks("tidemark_orders_backfill", run_id)
+    assert env.q(env.sink_dsn, "SELECT name FROM public.orders WHERE id = 4") == [("order-4",)]
+    assert env.q(env.sink_dsn, "SELECT count(*) FROM public.orders")[0][0] == N
+    assert env.checkpoints() == {0: N // 2, 1: N // 2}
+    report = world.xcom("tidemark_orders_backfill", run_id, "report")
+    assert report["mode"] == "backfill" and report["sinks"]["main"]["counts"]["rows"] == 10
+
+
+def test_failed_task_alerts_by_mail_and_webhook(world):
+    r = world.trigger("tidemark_gated")
+    run_id = r.json()["dag_run_id"]
+    assert world.wait_run("tidemark_gated", run_id) == "failed"
+    assert world.tasks("tidemark_gated", run_id)["replay"] == "failed"
+    env = world.env
+    assert env.q(env.sink_dsn, "SELECT to_regclass('public.gated')") == [(None,)]
+    assert set(env.checkpoints("gated").values()) <= {0}  # seeded, never moved
+    mail = world.mails.wait(lambda m: "gated" in m["Subject"] and run_id in m["Subject"])
+    assert "replay" in mail["Subject"] and mail["To"] == "ops@example.com"
+    body = mail.get_body(("plain", "html")).get_content()
+    assert "/tidemark/dlq/?pipeline=gated" in body
+    assert f"{world.stack.url}/dags/tidemark_gated/runs/" in body or "log" in body.lower()
+    hook = world.hooks.wait(lambda h: run_id in h["json"]["text"])
+    text = hook["json"]["text"]
+    assert hook["path"] == "/hook/T0K3N"
+    for fact in ("gated", "replay", run_id, "/tidemark/dlq/?pipeline=gated",
+                 "data-quality gate failed: expect_table_row_count_to_be_between"):
+        assert fact in text
