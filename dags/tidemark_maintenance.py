@@ -1,5 +1,8 @@
-"""Airflow DAG tidemark_maintenance: recovery sweep and health alerts (tidemark/dags.py)."""
+"""Airflow DAG tidemark_maintenance: recovery sweep and health alerts for the pipelines in
+the folder beside this file (tidemark/dags.py)."""
+
+from pathlib import Path
 
 from tidemark.dags import maintenance_dag
 
-dag = maintenance_dag()
+dag = maintenance_dag(Path(__file__).parent / "pipelines")

@@ -95,6 +95,12 @@ class World:
         r = self.api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances").json()
         return {t["task_id"]: t["state"] for t in r["task_instances"]}
 
+    def log(self, dag_id: str, run_id: str, task: str, try_number: int = 1) -> str:
+        r = self.api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task}/logs/"
+                         f"{try_number}", headers={"Accept": "application/json"})
+        content = r.json().get("content", [])
+        return "\n".join(c.get("event", "") if isinstance(c, dict) else str(c) for c in content)
+
     def xcom(self, dag_id: str, run_id: str, task: str):
         r = self.api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task}"
                          f"/xcomEntries/return_value")
@@ -114,7 +120,7 @@ def world(pg, tmp_path_factory):
     alerts = {"email": ["ops@example.com"], "webhook_conn_id": "tidemark_webhook"}
     fast = {"retries": 0, "driver_memory": "1g"}
     env.pipeline("orders", alerts=alerts, airflow=fast)
-    env.pipeline("gated", alerts=alerts, airflow=fast,
+    env.pipeline("gated", alerts={**alerts, "dlq_max": 0}, airflow=fast,
                  sinks=[{"name": "main", "dsn": env.sink_dsn, "table": "public.gated",
                          "key": ["id"]}],
                  quality={"batch": [{"expect_table_row_count_to_be_between":
@@ -239,3 +245,25 @@ def test_failed_task_alerts_by_mail_and_webhook(world):
     for fact in ("gated", "replay", run_id, "/tidemark/dlq/?pipeline=gated",
                  "data-quality gate failed: expect_table_row_count_to_be_between"):
         assert fact in text
+
+
+def test_maintenance_sweeps_and_alerts_on_dlq_growth(world):
+    env = world.env
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
+        c.execute("""INSERT INTO tidemark.dlq (pipeline, run_id, source_partition, source_offset,
+                                               payload, error_class, reason)
+                     SELECT 'gated', coalesce(max(run_id), 0), 0, 999999, 'x', 'decode',
+                            'payload is not JSON'
+                     FROM tidemark.runs""")
+    r = world.trigger("tidemark_maintenance")
+    run_id = r.json()["dag_run_id"]
+    assert world.wait_run("tidemark_maintenance", run_id) == "failed"
+    assert world.tasks("tidemark_maintenance", run_id)["recover"] == "success", \
+        world.log("tidemark_maintenance", run_id, "recover")[-3000:]
+    assert world.tasks("tidemark_maintenance", run_id) == {"recover": "success",
+                                                           "check": "failed"}
+    mail = world.mails.wait(lambda m: "gated: needs attention" in m["Subject"])
+    assert "1 records quarantined in the DLQ (&gt; 0)" in mail.get_body().get_content()
+    hook = world.hooks.wait(lambda h: "needs attention" in h["json"]["text"])
+    assert "quarantined in the DLQ" in hook["json"]["text"]
+    assert not [m for m in world.mails.items if "orders: needs attention" in m["Subject"]]

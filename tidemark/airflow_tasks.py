@@ -34,18 +34,25 @@ def _ledger() -> str:
     return dsn
 
 
-def recover(pipelines_dir: str) -> str:
-    """Recovery sweep over every pipeline of the folder (DESIGN.md: before every run)."""
+def recover(pipelines_dir: str, pipeline: str | None = None) -> str:
+    """Recovery sweep over every pipeline of the folder (DESIGN.md: before every run).
+
+    Broken pipeline files are printed, not raised: they show as DAG import errors and in the
+    maintenance check. For one ``pipeline``'s DAG only its own problems fail the task.
+    """
     from tidemark.recovery import recover as sweep
 
     s = get_settings()
     pipelines, broken = config.load_all(Path(pipelines_dir), deep=False)
     rep = sweep(_ledger(), pipelines, s.gid_prefix, s.prepared_alert_seconds)
     print(rep.summary())
-    for e in [*rep.errors, *(str(b) for b in broken)]:
+    for b in broken:
+        print(f"  skipped: {b}")
+    for e in rep.errors:
         print(f"  error: {e}")
-    if not rep.ok:
-        raise TidemarkError(f"{rep.summary()}: {(rep.errors or rep.lost)[0]}")
+    errors = [e for e in rep.errors if pipeline is None or f"pipeline {pipeline}:" in e]
+    if rep.lost or errors:
+        raise TidemarkError(f"{rep.summary()}: {(errors or rep.lost)[0]}")
     return rep.summary()
 
 
@@ -77,8 +84,8 @@ def check_backfill(pipeline_file: str, params: dict) -> dict:
             "to_offset": to_offset, "sinks": sinks}
 
 
-def report(pipeline: str, dag_id: str, run_id: str) -> dict:
-    """The ledger's record of the run this DAG run started: its state and counts per sink."""
+def _ledger_run(pipeline: str, dag_id: str, run_id: str) -> tuple[dict | None, list[dict]]:
+    """The latest ledger run a task of this DAG run started, and its sinks."""
     with connect(_ledger(), autocommit=True, what="ledger") as c:
         cur = c.cursor(row_factory=dict_row)
         runs = cur.execute(
@@ -88,19 +95,38 @@ def report(pipeline: str, dag_id: str, run_id: str) -> dict:
         mine = [r for r in runs if (ext := parse_external_id(r["external_id"]))
                 and (ext["dag_id"], ext.get("run_id")) == (dag_id, run_id)]
         if not mine:
-            return {"pipeline": pipeline, "run_id": None,
-                    "summary": "nothing to replay (no new records, or every sink busy)"}
-        run = mine[0]
+            return None, []
         sinks = cur.execute(
             """SELECT sink, state::text AS state, counts, error FROM tidemark.run_sinks
-               WHERE run_id = %s ORDER BY sink""", (run["run_id"],)).fetchall()
+               WHERE run_id = %s ORDER BY sink""", (mine[0]["run_id"],)).fetchall()
+    return mine[0], sinks
+
+
+def failure(pipeline: str, dag_id: str, run_id: str) -> str | None:
+    """Why this DAG run's replay failed, in one line, from the ledger (None if it has no run)."""
+    run, sinks = _ledger_run(pipeline, dag_id, run_id)
+    bad = [s for s in sinks if s["state"] not in ("committed", "committing")]
+    if run is None or not bad:
+        return None
+    return f"run {run['run_id']}: " + "; ".join(f"sink {s['sink']} {s['state']}: {s['error']}"
+                                                for s in bad)
+
+
+def report(pipeline: str, dag_id: str, run_id: str) -> dict:
+    """The ledger's record of the run this DAG run started: its state and counts per sink."""
+    run, sinks = _ledger_run(pipeline, dag_id, run_id)
+    if run is None:
+        return {"pipeline": pipeline, "run_id": None,
+                "summary": "nothing to replay (no new records, or every sink busy)"}
     parts = [f"{s['sink']} {s['state']} {s['counts'].get('rows', 0):,} rows "
              f"{s['counts'].get('sink_dead', 0) + s['counts'].get('source_dead', 0):,} dead"
              for s in sinks]
-    return {"pipeline": pipeline, "run_id": run["run_id"], "mode": run["mode"],
-            "sinks": {s["sink"]: {"state": s["state"], "counts": s["counts"],
-                                  "error": s["error"]} for s in sinks},
-            "summary": f"run {run['run_id']} ({run['mode']}): " + "; ".join(parts)}
+    out = {"pipeline": pipeline, "run_id": run["run_id"], "mode": run["mode"],
+           "sinks": {s["sink"]: {"state": s["state"], "counts": s["counts"],
+                                 "error": s["error"]} for s in sinks},
+           "summary": f"run {run['run_id']} ({run['mode']}): " + "; ".join(parts)}
+    print(out["summary"])
+    return out
 
 
 # -- maintenance ---------------------------------------------------------------------------

@@ -78,8 +78,27 @@ def _doc(p: config.Pipeline, path: Path, what: str) -> str:
             f"CLI: `tidemark status {p.name}`, `tidemark dq show RUN_ID`.")
 
 
+class ReplayOperator(SparkSubmitOperator):
+    """SparkSubmitOperator on jobs/replay.py whose failure says what the ledger recorded
+    (e.g. the sink that failed and why) instead of the spark-submit command line."""
+
+    def __init__(self, *, pipeline: str, **kwargs):
+        super().__init__(**kwargs)
+        self.pipeline = pipeline
+
+    def execute(self, context):
+        try:
+            return super().execute(context)
+        except Exception as exc:
+            why = airflow_tasks.failure(self.pipeline, context["dag"].dag_id, context["run_id"])
+            if why is None:
+                raise
+            raise RuntimeError(why) from exc
+
+
 def _spark(p: config.Pipeline, path: Path, args: list[str]) -> SparkSubmitOperator:
-    return SparkSubmitOperator(
+    return ReplayOperator(
+        pipeline=p.name,
         task_id="replay",
         application=str(JOB),
         conn_id="spark_default",
@@ -91,9 +110,9 @@ def _spark(p: config.Pipeline, path: Path, args: list[str]) -> SparkSubmitOperat
     )
 
 
-def _recover(path: Path) -> PythonOperator:
+def _recover(p: config.Pipeline, path: Path) -> PythonOperator:
     return PythonOperator(task_id="recover", python_callable=airflow_tasks.recover,
-                          op_kwargs={"pipelines_dir": str(path.parent)})
+                          op_kwargs={"pipelines_dir": str(path.parent), "pipeline": p.name})
 
 
 def _report(p: config.Pipeline) -> PythonOperator:
@@ -114,7 +133,7 @@ def replay_dag(p: config.Pipeline, path: Path) -> DAG:
         tags=["tidemark", *p.tags],
         default_args=_default_args(p),
     ) as dag:
-        _recover(path) >> _spark(p, path, ["run", p.name]) >> _report(p)
+        _recover(p, path) >> _spark(p, path, ["run", p.name]) >> _report(p)
     return dag
 
 
@@ -153,12 +172,12 @@ def backfill_dag(p: config.Pipeline, path: Path) -> DAG:
             "backfill", p.name, "--partition", "{{ params.partition }}",
             "--from", "{{ params.from_offset }}", "--to", "{{ params.to_offset }}",
             "--sink", "{{ params.sinks | join(',') }}"])
-        _recover(path) >> check >> replay >> _report(p)
+        _recover(p, path) >> check >> replay >> _report(p)
     return dag
 
 
-def maintenance_dag(pipelines_dir: str | Path | None = None) -> DAG:
-    folder = Path(pipelines_dir or Path(__file__).resolve().parent.parent / "dags" / "pipelines")
+def maintenance_dag(pipelines_dir: str | Path) -> DAG:
+    folder = Path(pipelines_dir)
     with DAG(
         dag_id="tidemark_maintenance",
         description="Recovery sweep; alerts on old prepared transactions, leases, DLQ growth",

@@ -1,0 +1,81 @@
+"""DAG integrity: the repo's DAG folder and generated DAGs parse with Airflow's own DagBag."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+
+import pytest
+
+from tests.conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def airflow_home(tmp_path_factory, monkeypatch_module):
+    home = tmp_path_factory.mktemp("airflow-home")
+    monkeypatch_module.setenv("AIRFLOW_HOME", str(home))
+    monkeypatch_module.setenv("AIRFLOW__CORE__LOAD_EXAMPLES", "False")
+    monkeypatch_module.setenv("TIDEMARK_DEMO_SOURCE_DSN", "postgresql://u:p@127.0.0.1:1/x")
+    monkeypatch_module.setenv("TIDEMARK_DEMO_SINK_DSN", "postgresql://u:p@127.0.0.1:1/y")
+    return home
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+def _bag(folder):
+    from airflow.dag_processing.dagbag import DagBag
+
+    return DagBag(dag_folder=str(folder))
+
+
+def test_repo_dags_import_without_errors(airflow_home):
+    bag = _bag(REPO / "dags")
+    assert bag.import_errors == {}
+    assert {"tidemark_flights", "tidemark_flights_backfill", "tidemark_maintenance"} \
+        <= set(bag.dags)
+    flights = bag.dags["tidemark_flights"]
+    assert [t.task_id for t in flights.topological_sort()] == ["recover", "replay", "report"]
+    assert flights.max_active_runs == 1 and "demo" in flights.tags
+    replay = flights.get_task("replay")
+    assert replay.pool == "tidemark_spark" and replay.retries == 2
+    assert replay.retry_exponential_backoff == 2.0
+    assert flights.timetable.expression in ("@hourly", "0 * * * *")
+    for dag in bag.dags.values():
+        dag.validate()
+        assert len(dag.topological_sort()) == len(dag.tasks)  # no cycle
+
+
+def test_backfill_params_validate(airflow_home):
+    from airflow.sdk.exceptions import ParamValidationError
+
+    dag = _bag(REPO / "dags").dags["tidemark_flights_backfill"]
+    assert [t.task_id for t in dag.topological_sort()] == ["recover", "check", "replay", "report"]
+    params = dag.params
+    ok = copy.deepcopy(params)
+    ok.update({"partition": 2, "from_offset": 0, "to_offset": 100, "sinks": ["warehouse"]})
+    assert ok.validate()["to_offset"] == 100
+    for bad in ({"partition": -1}, {"from_offset": "ten"}, {"sinks": []},
+                {"sinks": ["nowhere"]}):
+        p = copy.deepcopy(params)
+        with pytest.raises(ParamValidationError):
+            p.update(bad)
+            p.validate()
+
+
+def test_broken_yaml_is_one_import_error_others_load(airflow_home, tmp_path):
+    dags = tmp_path / "dags"
+    shutil.copytree(REPO / "dags", dags)
+    (dags / "pipelines" / "broken.yaml").write_text("name: broken\nsinks: nope\n")
+    shutil.copy(dags / "pipelines" / "flights.py", dags / "pipelines" / "broken.py")
+    bag = _bag(dags)
+    assert list(bag.import_errors) == ["pipelines/broken.py"] or \
+        [k.rsplit("/", 1)[-1] for k in bag.import_errors] == ["broken.py"]
+    (trace,) = bag.import_errors.values()
+    assert "broken.yaml: source: Field required" in trace
+    assert {"tidemark_flights", "tidemark_flights_backfill", "tidemark_maintenance"} \
+        <= set(bag.dags)
