@@ -14,7 +14,7 @@ UV_VERSION := 0.13.9
 .PHONY: help venv pg up down test lint bench clean
 
 help:
-	@echo "make up     local PostgreSQL + ledger + demo data + one demo run"
+	@echo "make up     local PostgreSQL + ledger + demo data + Airflow (demo DAG unpaused)"
 	@echo "make down   stop what 'make up' started"
 	@echo "make test   lint and the whole test suite (starts its own servers)"
 	@echo "make bench  the replay benchmark (2M records)"
@@ -47,13 +47,13 @@ pg: venv
 up: pg
 	$(BIN)/tidemark db upgrade
 	$(BIN)/tidemark demo load
-	$(BIN)/tidemark run flights
+	$(BIN)/tidemark airflow up
 	@echo
-	@$(BIN)/tidemark status flights
-	@echo
-	@echo "Tidemark is up. Try: source $(VENV)/bin/activate && tidemark status flights"
+	@echo "Tidemark is up: the DAG tidemark_flights replays the demo now and then hourly."
+	@echo "CLI: source $(VENV)/bin/activate && tidemark status flights"
 
 down:
+	@if [ -x $(BIN)/tidemark ] && [ -d $(STATE)/airflow ]; then $(BIN)/tidemark airflow down; fi
 	@if [ -d $(PGDIR) ]; then $(PY) -m tidemark.localpg stop --dir $(PGDIR) --port $(PORT); fi
 
 lint: venv

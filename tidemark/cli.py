@@ -268,7 +268,10 @@ def airflow_group() -> None:
 def _stack(ctx: Ctx, port: int):
     from tidemark.airflow_stack import Stack
 
-    return Stack(home=Path(".tidemark/airflow").resolve(), ledger_dsn=ctx.ledger_dsn, port=port)
+    # Airflow's task processes run elsewhere: hand them absolute paths.
+    return Stack(home=Path(".tidemark/airflow").resolve(), ledger_dsn=ctx.ledger_dsn, port=port,
+                 env_extra={"TIDEMARK_PIPELINES_DIR": str(ctx.folder.resolve()),
+                            "TIDEMARK_DATA_DOCS_DIR": str(ctx.settings.data_docs_dir.resolve())})
 
 
 _PORT = click.option("--port", envvar="TIDEMARK_AIRFLOW_PORT", default=8080, show_default=True,
