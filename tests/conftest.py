@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import tempfile
 import uuid
@@ -15,16 +14,11 @@ import pytest
 import yaml
 
 from tidemark import migrations, twopc
+from tidemark.airflow_stack import free_port
 from tidemark.localpg import Cluster
 from tidemark.sources.postgres_log import append, create_log_table
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
