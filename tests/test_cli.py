@@ -64,9 +64,13 @@ def test_a_server_without_prepared_transactions_is_refused():
 
 
 def test_db_upgrade_is_idempotent(env):
+    from tidemark.migrations import available
+
+    latest = [v for v, _, _ in available()]
     code, out, _ = tm(env.cli_env(), "db", "upgrade")
-    assert code == 0 and "schema version 2" in out and "applied" not in out
-    assert env.ledger("SELECT version FROM tidemark.schema_version") == [(1,), (2,)]
+    assert code == 0 and f"schema version {latest[-1]}" in out and "applied" not in out
+    assert env.ledger("SELECT version FROM tidemark.schema_version ORDER BY 1") == \
+        [(v,) for v in latest]
 
 
 _BASE = ("source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: int}}\n"

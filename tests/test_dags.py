@@ -36,8 +36,8 @@ def _bag(folder):
 def test_repo_dags_import_without_errors(airflow_home):
     bag = _bag(REPO / "dags")
     assert bag.import_errors == {}
-    assert {"tidemark_flights", "tidemark_flights_backfill", "tidemark_maintenance"} \
-        <= set(bag.dags)
+    assert {"tidemark_flights", "tidemark_flights_backfill", "tidemark_flights_redrive",
+            "tidemark_maintenance"} <= set(bag.dags)
     flights = bag.dags["tidemark_flights"]
     assert [t.task_id for t in flights.topological_sort()] == ["recover", "replay", "report"]
     assert flights.max_active_runs == 1 and "demo" in flights.tags
@@ -62,6 +62,23 @@ def test_backfill_params_validate(airflow_home):
     for bad in ({"partition": -1}, {"from_offset": "ten"}, {"sinks": []},
                 {"sinks": ["nowhere"]}):
         p = copy.deepcopy(params)
+        with pytest.raises(ParamValidationError):
+            p.update(bad)
+            p.validate()
+
+
+def test_redrive_dag_params_validate(airflow_home):
+    from airflow.sdk.exceptions import ParamValidationError
+
+    dag = _bag(REPO / "dags").dags["tidemark_flights_redrive"]
+    assert [t.task_id for t in dag.topological_sort()] == ["recover", "select", "replay",
+                                                           "report"]
+    assert dag.max_active_runs == 1 and dag.get_task("replay").pool == "tidemark_spark"
+    ok = copy.deepcopy(dag.params)
+    ok.update({"ids": [3, 4], "requested_by": "alice"})
+    assert ok.validate()["ids"] == [3, 4]
+    for bad in ({"ids": ["x"]}, {"ids": [0]}, {"error_class": "nope"}, {"sink": "nowhere"}):
+        p = copy.deepcopy(dag.params)
         with pytest.raises(ParamValidationError):
             p.update(bad)
             p.validate()

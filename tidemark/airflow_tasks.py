@@ -84,6 +84,27 @@ def check_backfill(pipeline_file: str, params: dict) -> dict:
             "to_offset": to_offset, "sinks": sinks}
 
 
+def select_redrive(pipeline_file: str, params: dict) -> list[int]:
+    """The dead letters the redrive form selects: its ids, or every quarantined record of an
+    error class and/or sink, or (all_quarantined) all of the pipeline's."""
+    from tidemark import redrive
+
+    p = config.load(Path(pipeline_file), deep=False)
+    ids = [int(i) for i in params.get("ids") or []]
+    error_class, sink = params.get("error_class") or None, params.get("sink") or None
+    if not (ids or error_class or sink or params.get("all_quarantined")):
+        raise BadInput(f"redrive of {p.name}: give ids, an error class or a sink, or set "
+                       f"all_quarantined")
+    with connect(_ledger(), autocommit=True, what="ledger") as c:
+        chosen = redrive.select(c, p.name, ids or None, error_class, sink)
+    print(f"redrive of {p.name}: {len(chosen):,} quarantined dead letter(s) selected")
+    if not chosen:
+        from airflow.exceptions import AirflowSkipException
+
+        raise AirflowSkipException(f"redrive of {p.name}: nothing quarantined matches")
+    return chosen
+
+
 def _ledger_run(pipeline: str, dag_id: str, run_id: str) -> tuple[dict | None, list[dict]]:
     """The latest ledger run a task of this DAG run started, and its sinks."""
     with connect(_ledger(), autocommit=True, what="ledger") as c:

@@ -123,12 +123,12 @@ def _names(values: tuple[str, ...]) -> list[str] | None:
     return [n for v in values for n in v.split(",") if n] or None
 
 
-def _run(ctx: Ctx, name: str, as_json: bool, **kw) -> None:
+def _run(ctx: Ctx, name: str, as_json: bool, runner=None, **kw) -> None:
     from tidemark.job import Run
 
     all_p = ctx.pipelines()
     pipeline = all_p.get(name) or cfg.find(ctx.folder, name)
-    report = Run(pipeline, ctx.settings, ledger_dsn=ctx.ledger_dsn, all_pipelines=all_p,
+    report = (runner or Run)(pipeline, ctx.settings, ledger_dsn=ctx.ledger_dsn, all_pipelines=all_p,
                  **kw).execute()
     click.echo(json.dumps(report.to_dict()) if as_json else report.summary())
     if not report.ok:
@@ -303,6 +303,10 @@ def airflow_down(ctx: Ctx, port: int) -> None:
 
     stack = Stack(home=Path(".tidemark/airflow").resolve(), ledger_dsn="", port=port)
     click.echo("Airflow stopped" if stack.stop() else "Airflow was not running")
+
+
+# Command groups in their own modules register themselves on `cli`.
+from tidemark import cli_dlq  # noqa: E402,F401
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,9 @@ Per pipeline ``<name>``:
   ``spark_default``) -> report (the run's state and counts as the task's XCom), on the YAML's
   schedule, one active run at a time;
 * ``tidemark_<name>_backfill``: the same job in backfill mode for an offset range chosen in the
-  Trigger form (partition, from/to offset, sinks).
+  Trigger form (partition, from/to offset, sinks);
+* ``tidemark_<name>_redrive``: quarantined records (ids, or a class/sink) replayed through the
+  current pipeline code (tidemark/redrive.py); the Dead letters page triggers it.
 
 Plus ``tidemark_maintenance``: a recovery sweep and health alerts every few minutes.
 
@@ -52,7 +54,8 @@ def pipeline_dags(dag_file: str | Path) -> dict[str, DAG]:
     """
     path = _yaml_for(dag_file)
     p = config.load(path, deep=False)
-    return {d.dag_id: d for d in (replay_dag(p, path), backfill_dag(p, path))}
+    return {d.dag_id: d for d in (replay_dag(p, path), backfill_dag(p, path),
+                                  redrive_dag(p, path))}
 
 
 def _default_args(p: config.Pipeline) -> dict:
@@ -173,6 +176,51 @@ def backfill_dag(p: config.Pipeline, path: Path) -> DAG:
             "--from", "{{ params.from_offset }}", "--to", "{{ params.to_offset }}",
             "--sink", "{{ params.sinks | join(',') }}"])
         _recover(p, path) >> check >> replay >> _report(p)
+    return dag
+
+
+def redrive_dag(p: config.Pipeline, path: Path) -> DAG:
+    from tidemark.dlq import ERROR_CLASSES
+
+    params = {
+        "ids": Param([], type="array", items={"type": "integer", "minimum": 1},
+                     title="Dead-letter ids", description="Quarantined records to redrive."),
+        "error_class": Param("", type="string", enum=["", *ERROR_CLASSES], title="Error class",
+                             description="Or: every quarantined record of this class."),
+        "sink": Param("", type="string", enum=["", "-", *(s.name for s in p.sinks)],
+                      title="Sink", description="Or: of this sink ('-': before the sinks)."),
+        "all_quarantined": Param(False, type="boolean", title="All quarantined",
+                                 description="Redrive every quarantined record of the pipeline."),
+        "requested_by": Param("", type="string", title="Requested by",
+                              description="Recorded when the trigger names no user."),
+    }
+    with DAG(
+        dag_id=f"tidemark_{p.name}_redrive",
+        description=f"Redrive quarantined records of {p.name}"[:200],
+        doc_md=_doc(p, path, "redrive dead letters") + (
+            "\n\nReplays the selected quarantined records' stored bytes through the current "
+            "pipeline code into the sinks, exactly once: records that pass are written and "
+            "marked redriven in the same two-phase commit; records that fail again stay "
+            "quarantined with attempts + 1 and the new reason. Batch-level expectations do not "
+            "apply to a redrive. The Dead letters page triggers this DAG."),
+        schedule=None,
+        start_date=START,
+        catchup=False,
+        max_active_runs=1,
+        tags=["tidemark", "redrive", *p.tags],
+        # Runs only when triggered; paused, a redrive asked for in the UI would never start.
+        is_paused_upon_creation=False,
+        params=params,
+        default_args=_default_args(p),
+    ) as dag:
+        select = PythonOperator(
+            task_id="select", python_callable=airflow_tasks.select_redrive, retries=0,
+            op_kwargs={"pipeline_file": str(path)})
+        by = "{{ dag_run.triggering_user_name or params.requested_by or 'airflow' }}"
+        replay = _spark(p, path, [
+            "dlq", "redrive", p.name, "{{ ti.xcom_pull(task_ids='select') | join(',') }}",
+            "--by", by])
+        _recover(p, path) >> select >> replay >> _report(p)
     return dag
 
 

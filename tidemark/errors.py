@@ -46,3 +46,13 @@ class Terminated(TidemarkError):
     """SIGTERM arrived before the decision: the run rolled back."""
 
     exit_code = 143
+
+
+class NotFound(BadInput):
+    """What the user named (a dead letter, a file) does not exist."""
+
+
+class Busy(TidemarkError):
+    """Another transaction holds what the user wanted to change; nothing changed, try again."""
+
+    exit_code = 3

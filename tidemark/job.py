@@ -59,6 +59,7 @@ class RunReport:
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     message: str = ""
+    redrive: dict | None = None  # redriven / failed_again / skipped dead letters
 
     @property
     def ok(self) -> bool:
@@ -68,7 +69,7 @@ class RunReport:
         return {"run_id": self.run_id, "pipeline": self.pipeline, "mode": self.mode,
                 "records": self.records, "source_dead_letters": self.source_dead,
                 "seconds": round(self.seconds, 2), "message": self.message,
-                "skipped": self.skipped,
+                "skipped": self.skipped, "redrive": self.redrive,
                 "sinks": {k: vars(v) for k, v in self.sinks.items()}}
 
     def summary(self) -> str:
@@ -82,6 +83,11 @@ class RunReport:
                          f"{s.dead:,} quarantined{tail}")
         for sink, why in self.skipped.items():
             lines.append(f"  sink {sink}: skipped ({why})")
+        if self.redrive is not None and self.ok:
+            r = self.redrive
+            lines.append(f"  dead letters: {r['redriven']:,} redriven, "
+                         f"{len(r['failed_again']):,} failed again (still quarantined, "
+                         f"attempts + 1), {len(r['skipped']):,} skipped")
         return "\n".join(lines)
 
 
@@ -269,16 +275,17 @@ class Run:
         run_id = claim.run_id
         spark = self.spark or session(self.s.spark_master, f"tidemark-{self.p.name}")
         self.stop.check()
-        df = records.rows(sources.dataframe(spark, self.p, read), self.p)
+        df = records.rows(self._source(spark, claim, read), self.p)
         columns = records.output_columns(df)
         verdict = None
-        if self.p.has_quality():
+        checks = self._quality_pipeline()
+        if checks.has_quality():
             from pyspark import StorageLevel
 
             # Read once: the expectations and the writes all use this cached batch.
             df = df.persist(StorageLevel.MEMORY_AND_DISK)
             self.log(f"run {run_id}: checking data quality (Great Expectations)")
-            verdict = gate.evaluate(self.p, df, run_id,
+            verdict = gate.evaluate(checks, df, run_id,
                                     {s: c.ranges for s, c in claim.sinks.items()}, ledger,
                                     str(self.s.data_docs_dir))
             failed = sum(len(offs) for f in verdict.rows.values() for offs in f.values())
@@ -315,6 +322,7 @@ class Run:
                        "key": by_name[s].config.key,
                        "ranges": {str(r.partition): [r.start, r.end]
                                   for r in claim.sinks[s].ranges}} for s in live],
+            **self._task_spec(claim, live),
         }
         from tidemark.writer import RESULT_SCHEMA, make_task
 
@@ -344,7 +352,7 @@ class Run:
             errors = [r["sinks"][sink]["error"] for r in self.results if r["sinks"][sink]["error"]]
             out.rows = sum(r["sinks"][sink]["rows"] for r in self.results)
             out.dead = sum(r["sinks"][sink]["dead"] for r in self.results)
-            if len(self.results) != len(read):
+            if len(self.results) != self._tasks(read):
                 errors.append(f"{len(self.results)} task results for {len(read)} ranges")
             if not errors:
                 missing = self._not_prepared(sink, by_name)
@@ -360,6 +368,19 @@ class Run:
             out.state = "prepared"
             still.append(sink)
         return still
+
+    # -- what a redrive (tidemark/redrive.py) replaces ------------------------------------
+    def _source(self, spark, claim: Claim, read: list[Range]):
+        return sources.dataframe(spark, self.p, read)
+
+    def _quality_pipeline(self) -> Pipeline:
+        return self.p
+
+    def _task_spec(self, claim: Claim, live: list[str]) -> dict:
+        return {}
+
+    def _tasks(self, read: list[Range]) -> int:
+        return len(read)  # one Spark task per range read
 
     def _chosen(self, sink: str) -> list[Participant]:
         stages = {gids.sink_stage(sink), gids.dlq_stage(sink), gids.SOURCE_STAGE}

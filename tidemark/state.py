@@ -235,14 +235,23 @@ class Participant:
 def decide(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str,
            chosen: list[Participant]) -> None:
     """The commit point: lease still ours, chosen gids recorded, state committing."""
+    decide_all(conn, pipeline, run_id, {sink: chosen})
+
+
+def decide_all(conn: psycopg.Connection, pipeline: str, run_id: int,
+               chosen: dict[str, list[Participant]]) -> None:
+    """The commit point of one or more sinks in one transaction: leases still the run's,
+    chosen gids recorded, states committing. A redrive decides all its sinks at once (the
+    status change of its dead letters is one transaction that all of them share)."""
     with conn.transaction():
-        _check_lease(conn, pipeline, run_id, sink)
-        _transition(conn, run_id, sink, RunState.COMMITTING, [RunState.PREPARED])
-        with conn.cursor() as cur:
-            cur.executemany(
-                """INSERT INTO tidemark.participants (run_id, sink, gid, target, task, rows)
-                   VALUES (%s, %s, %s, %s, %s, %s)""",
-                [(run_id, sink, p.gid, p.target, p.task, p.rows) for p in chosen])
+        for sink, participants in chosen.items():
+            _check_lease(conn, pipeline, run_id, sink)
+            _transition(conn, run_id, sink, RunState.COMMITTING, [RunState.PREPARED])
+            with conn.cursor() as cur:
+                cur.executemany(
+                    """INSERT INTO tidemark.participants (run_id, sink, gid, target, task, rows)
+                       VALUES (%s, %s, %s, %s, %s, %s)""",
+                    [(run_id, sink, p.gid, p.target, p.task, p.rows) for p in participants])
 
 
 def advance(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str,

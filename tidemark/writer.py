@@ -76,9 +76,14 @@ class DeadLetters:
     gid: str
     conn: psycopg.Connection | None = None
     rows: int = 0
+    redrive: Redriven | None = None
 
     _COLS = ("pipeline", "sink", "run_id", "source_partition", "source_offset", "key",
              "payload", "headers", "error_class", "reason", "detail")
+
+    def open(self) -> None:
+        if self.conn is None:
+            self._open()
 
     def _open(self) -> None:
         self.conn = _begin(self.spec["ledger_dsn"], self.spec["lock_timeout_ms"], "dlq")
@@ -99,6 +104,9 @@ class DeadLetters:
 
     def add(self, records: list[dict], error_class: str | None = None,
             reason: str | None = None, detail: str | None = None) -> None:
+        if self.redrive is not None:
+            # A redriven record that fails again at its own stage keeps its dead letter.
+            records = self.redrive.failed_again(records, self.sink, error_class, reason, detail)
         if not records:
             return
         if self.conn is None:
@@ -125,6 +133,68 @@ class DeadLetters:
     def close(self) -> None:
         if self.conn is not None and not self.conn.closed:
             self.conn.close()  # an open, unprepared transaction rolls back
+
+
+class Redriven:
+    """The dead letters a redrive task replays, and their fate, in the task's source-stage
+    ledger transaction: it locks them first (a concurrent discard waits, a record discarded
+    meanwhile is left out), and its PREPARE carries every status change, so they commit with
+    the sink writes under the run's one decision.
+
+    A record that fails before the sinks keeps its dead letter (attempts + 1, the new reason);
+    so does one that fails again at the sink its dead letter names. Otherwise the dead letter
+    is ``redriven``; a record quarantined before the sinks that now fails at one sink gets a
+    new dead letter for that sink."""
+
+    def __init__(self, spec: dict, conn: psycopg.Connection):
+        self.spec, self.conn = spec, conn
+        self.by_record: dict[tuple[int, int], dict] = {}
+        ids = [r["id"] for r in spec["redrive"]["records"]]
+        locked = {i for (i,) in conn.execute(
+            """SELECT id FROM tidemark.dlq WHERE id = ANY(%s) AND status = 'quarantined'
+               ORDER BY id FOR UPDATE""", (ids,))}
+        for r in spec["redrive"]["records"]:
+            if r["id"] in locked:
+                self.by_record[(r["partition"], r["offset"])] = r
+        self.skipped = sorted(set(ids) - locked)
+        self.failed: set[int] = set()
+
+    def keep(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """Only the records whose dead letters this task holds."""
+        keys = pc.add(pc.multiply(pc.cast(batch.column("_tm_partition"), pa.int64()), 1 << 40),
+                      batch.column("_tm_offset"))
+        mine = pa.array([p * (1 << 40) + o for p, o in self.by_record], pa.int64())
+        return batch.filter(pc.is_in(keys, value_set=mine))
+
+    def failed_again(self, records: list[dict], stage: str | None, error_class: str | None,
+                     reason: str | None, detail: str | None) -> list[dict]:
+        """Update the dead letters of records failing at their own stage; return the others."""
+        rest = []
+        for r in records:
+            d = self.by_record[(r["_tm_partition"], r["_tm_offset"])]
+            if stage is not None and d["sink"] != stage:
+                rest.append(r)  # passed the stage it failed at before: a new dead letter
+                continue
+            cls = error_class or r[ERR_CLASS]
+            why = reason or r[ERR_REASON]
+            if cls != d["error_class"]:
+                why = f"{cls}: {why}"
+            self.conn.execute(
+                """UPDATE tidemark.dlq SET attempts = attempts + 1, last_seen = now(),
+                          run_id = %s, reason = %s, detail = coalesce(%s, detail)
+                   WHERE id = %s""",
+                (self.spec["run_id"], clamp(why, REASON_MAX),
+                 clamp(detail, DETAIL_MAX) if detail else None, d["id"]))
+            self.failed.add(d["id"])
+        return rest
+
+    def resolve(self) -> int:
+        done = [d["id"] for d in self.by_record.values() if d["id"] not in self.failed]
+        self.conn.execute(
+            """UPDATE tidemark.dlq SET status = 'redriven', resolved_by = %s,
+                      resolved_at = now(), note = %s WHERE id = ANY(%s)""",
+            (self.spec["redrive"]["by"], f"redriven by run {self.spec['run_id']}", done))
+        return len(done)
 
 
 @dataclass
@@ -246,9 +316,24 @@ def _for_csv(table: pa.Table) -> pa.Table:
     return table
 
 
-def _in_range(batch: pa.RecordBatch, partition: int, span: list[int] | None) -> pa.RecordBatch:
+def _by_partition(batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
+    """A source's batches hold one partition; a redrive's may mix them."""
+    parts = batch.column("_tm_partition")
+    lo, hi = pc.min_max(parts).values()
+    if lo == hi:
+        yield batch
+        return
+    for p in pc.unique(parts).to_pylist():
+        yield batch.filter(pc.equal(parts, p))
+
+
+def _in_range(batch: pa.RecordBatch, partition: int, span: list[int] | None,
+              offsets: list[int] | None = None) -> pa.RecordBatch:
     if span is None:
         return batch.slice(0, 0)
+    if offsets is not None:  # a redrive: exactly these records go to this sink
+        return batch.filter(pc.is_in(batch.column("_tm_offset"),
+                                     value_set=pa.array(offsets, pa.int64())))
     off = batch.column("_tm_offset")
     mask = pc.and_(pc.greater_equal(off, span[0]), pc.less(off, span[1]))
     return batch.filter(mask)
@@ -304,20 +389,33 @@ def make_task(spec: dict):
             writers.append(SinkWriter(spec, s, gid(gids.sink_stage(s["name"])), dead))
         partition, seen = None, 0
         validation = spec.get("validation") or {}
+        redrive, offsets = None, spec.get("offsets", {})
         try:
-            for batch in batches:
-                if batch.num_rows == 0:
+            if "redrive" in spec:
+                source_dead.open()
+                redrive = Redriven(spec, source_dead.conn)
+                for d in (source_dead, *(w.dead for w in writers)):
+                    d.redrive = redrive
+            for whole in batches:
+                if whole.num_rows == 0:
                     continue
-                seen += batch.num_rows
-                partition = batch.column("_tm_partition")[0].as_py()
-                bad = pc.is_valid(batch.column(ERR_CLASS))
-                if pc.any(bad).as_py():
-                    source_dead.add(batch.filter(bad).to_pylist())
-                    batch = batch.filter(pc.invert(bad))
-                batch = _validated(batch, partition, "", validation, source_dead)
+                for batch in _by_partition(redrive.keep(whole) if redrive else whole):
+                    seen += batch.num_rows
+                    partition = batch.column("_tm_partition")[0].as_py()
+                    bad = pc.is_valid(batch.column(ERR_CLASS))
+                    if pc.any(bad).as_py():
+                        source_dead.add(batch.filter(bad).to_pylist())
+                        batch = batch.filter(pc.invert(bad))
+                    batch = _validated(batch, partition, "", validation, source_dead)
+                    for w in writers:
+                        key = str(partition)
+                        mine = _in_range(batch, partition, w.sink["ranges"].get(key),
+                                         offsets.get(w.sink["name"], {}).get(key))
+                        w.add(_validated(mine, partition, w.sink["name"], validation, w.dead))
+            if redrive:
                 for w in writers:
-                    mine = _in_range(batch, partition, w.sink["ranges"].get(str(partition)))
-                    w.add(_validated(mine, partition, w.sink["name"], validation, w.dead))
+                    w.flush()  # sink-write failures reach their dead letters before resolve
+                redrive.resolve()
             participants, first = [], True
             for w in writers:
                 for p in (w.prepare(), w.dead.prepare() if not w.failed else None):
@@ -342,6 +440,9 @@ def make_task(spec: dict):
                       for w in writers},
             "source_dead": source_dead.rows,
         }
+        if redrive:
+            result["redrive"] = {"redriven": len(redrive.by_record) - len(redrive.failed),
+                                 "failed": sorted(redrive.failed), "skipped": redrive.skipped}
         for w in writers:
             if w.failed:
                 w.dead.close()

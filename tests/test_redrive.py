@@ -1,0 +1,204 @@
+"""Redrive: quarantined records replayed through the current pipeline code, exactly once, the
+dead letters' status changing in the same two-phase commit as the sink writes; and a crash
+(SIGKILL of the whole job) mid-redrive, then recovery. Real Spark, PostgreSQL and GX."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from tests.invariants import assert_exactly_once
+from tests.proc import JobProcess
+
+ROWS = {"expect_column_values_to_be_between": {"column": "amount", "max_value": 100}}
+LOOSER = {"expect_column_values_to_be_between": {"column": "amount", "max_value": 1000}}
+BATCH = {"expect_table_row_count_to_be_between": {"min_value": 10}}  # never met by a redrive
+
+
+def _world(env, spark, sinks: int = 1):
+    """100 orders (ids >= 81 fail the row check: amount = id * 1.25), one record that is not
+    JSON; after a first run 19 + 1 dead letters, all quarantined before the sinks."""
+    env.append_orders(range(100))
+    env.append([(0, b"poison", b"{not json", None, None)])
+    targets = [{"name": "main", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"]},
+               {"name": "second", "dsn": env.sink2_dsn, "table": "public.orders",
+                "key": ["id"]}][:sinks]
+    env.pipeline(sinks=targets, quality={"rows": [ROWS], "batch": [BATCH]})
+    report = env.run(spark)
+    assert report.ok, report.summary()
+    return targets
+
+
+def _letters(env) -> dict[int, tuple]:
+    """id -> (class, status, attempts, resolved_by, amount in the payload)."""
+    out = {}
+    for i, cls, status, attempts, by, payload in env.ledger(
+            "SELECT id, error_class::text, status::text, attempts, resolved_by, payload "
+            "FROM tidemark.dlq ORDER BY id"):
+        try:
+            amount = json.loads(bytes(payload))["amount"]
+        except ValueError:
+            amount = None
+        out[i] = (cls, status, attempts, by, amount)
+    return out
+
+
+def _ids(letters, pred) -> list[int]:
+    return [i for i, v in letters.items() if pred(v)]
+
+
+def _redrive(env, spark, ids, by="alice", **kw):
+    from tidemark import config
+    from tidemark.redrive import Redrive
+
+    all_p, _ = config.load_all(env.dir)
+    return Redrive(all_p["orders"], env.settings(), ledger_dsn=env.ledger_dsn, ids=ids, by=by,
+                   all_pipelines=all_p, spark=spark, log=lambda m: None, **kw).execute()
+
+
+def _count(env, dsn, where="true") -> int:
+    return env.q(dsn, f"SELECT count(*) FROM public.orders WHERE {where}")[0][0]
+
+
+def test_redrive_delivers_what_now_passes_once_and_keeps_what_fails_again(env, spark):
+    targets = _world(env, spark, sinks=2)
+    before = {s["name"]: env.checkpoints(sink=s["name"]) for s in targets}
+    letters = _letters(env)
+    passing = _ids(letters, lambda v: v[0] == "validation" and v[4] <= 115)   # ids 81 .. 92
+    failing = _ids(letters, lambda v: v[0] == "validation" and v[4] > 115)
+    poison = _ids(letters, lambda v: v[0] == "decode")
+    assert len(passing) == 12 and len(failing) == 7 and len(poison) == 1
+
+    # The fix: the row check now allows up to 115.
+    env.pipeline(sinks=targets, quality={"rows": [{"expect_column_values_to_be_between": {
+        "column": "amount", "max_value": 115}}], "batch": [BATCH]})
+    report = _redrive(env, spark, passing + failing + poison)
+    assert report.ok, report.summary()
+    assert report.mode == "redrive"
+    assert report.redrive["redriven"] == 12
+    assert sorted(report.redrive["failed_again"]) == sorted(failing + poison)
+
+    after = _letters(env)
+    for i in passing:
+        assert after[i][1:4] == ("redriven", 1, "alice")
+    for i in failing + poison:
+        assert after[i][1:3] == ("quarantined", 2), after[i]
+    assert len(after) == 20  # no new dead letters: failures kept their own
+    reason, run = env.ledger("SELECT reason, run_id FROM tidemark.dlq WHERE id = %s",
+                             (failing[0],))[0]
+    assert run == report.run_id and "expect_column_values_to_be_between" in reason
+    for s in targets:  # both sinks got the 12, once; checkpoints did not move
+        assert _count(env, s["dsn"]) == 81 + 12
+        assert _count(env, s["dsn"], "id BETWEEN 81 AND 92") == 12
+        assert env.checkpoints(sink=s["name"]) == before[s["name"]]
+    assert env.ledger("SELECT mode, state::text FROM tidemark.runs JOIN tidemark.run_sinks "
+                      "USING (run_id) WHERE run_id = %s", (report.run_id,)) == \
+        [("redrive", "committed")] * 2
+    assert_exactly_once(env, sinks={s["name"]: s["dsn"] for s in targets})
+
+    # Again: the redriven are skipped, nothing is written twice.
+    again = _redrive(env, spark, passing)
+    assert again.run_id is None and sorted(again.redrive["skipped"]) == sorted(passing)
+    for s in targets:
+        assert _count(env, s["dsn"]) == 93
+
+
+def test_redrive_from_the_cli_by_class_and_bad_input(env, spark):
+    import subprocess
+
+    _world(env, spark)
+    env.pipeline(sinks=[{"name": "main", "dsn": env.sink_dsn, "table": "public.orders",
+                         "key": ["id"]}], quality={"rows": [LOOSER]})
+    out = subprocess.run(env.cli_argv("dlq", "redrive", "orders", "--class", "validation",
+                                      "--by", "bob", "--json"),
+                         env=env.cli_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rep = json.loads(out.stdout)
+    assert rep["mode"] == "redrive" and rep["redrive"]["redriven"] == 19
+    assert _count(env, env.sink_dsn) == 100
+    assert env.ledger("SELECT count(*) FROM tidemark.dlq WHERE status = 'redriven' "
+                      "AND resolved_by = 'bob'") == [(19,)]
+    assert_exactly_once(env)
+
+    for argv, msg in [(["orders"], "give dead-letter ids"),
+                      (["orders", "x1"], "'x1' is not a dead-letter id"),
+                      (["orders", "--class", "nope"], "error_class 'nope'")]:
+        bad = subprocess.run(env.cli_argv("dlq", "redrive", *argv), env=env.cli_env(),
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode != 0 and msg in bad.stderr, bad.stderr
+        assert "Traceback" not in bad.stderr
+
+
+def test_a_sink_write_failure_keeps_its_own_dead_letter(env, spark):
+    """A record quarantined at one sink (class sink_write) goes back to that sink only."""
+    env.append_orders(range(10))
+    env.pipeline()
+    assert env.run(spark).ok
+    env.append_orders([50, 51])
+    with _Conn(env.sink_dsn) as c:
+        c.execute("ALTER TABLE public.orders ADD CONSTRAINT small CHECK (id < 50)")
+    rep = env.run(spark)
+    assert rep.ok and rep.sinks["main"].dead == 2
+    ids = [i for (i,) in env.ledger("SELECT id FROM tidemark.dlq WHERE error_class = "
+                                    "'sink_write' AND sink = 'main' ORDER BY id")]
+    assert len(ids) == 2
+    rep = _redrive(env, spark, ids)               # still refused by the sink
+    assert rep.ok and sorted(rep.redrive["failed_again"]) == ids
+    assert env.ledger("SELECT DISTINCT attempts, status::text FROM tidemark.dlq") == \
+        [(2, "quarantined")]
+    with _Conn(env.sink_dsn) as c:
+        c.execute("ALTER TABLE public.orders DROP CONSTRAINT small")
+    rep = _redrive(env, spark, ids)
+    assert rep.ok and rep.redrive["redriven"] == 2
+    assert _count(env, env.sink_dsn) == 12
+    assert_exactly_once(env)
+
+
+class _Conn:
+    def __init__(self, dsn):
+        import psycopg
+        self.conn = psycopg.connect(dsn, autocommit=True)
+
+    def __enter__(self):
+        return self.conn
+
+    def __exit__(self, *exc):
+        self.conn.close()
+
+
+# point -> does the decision exist when the job dies (recovery then rolls forward)
+CRASH = {"task_after_prepare": False, "after_prepare": False, "after_decide": True,
+         "mid_finish": True}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", list(CRASH))
+def test_a_crash_mid_redrive_then_recovery_leaves_it_exactly_once(env, spark, point):
+    _world(env, spark)
+    env.pipeline(sinks=[{"name": "main", "dsn": env.sink_dsn, "table": "public.orders",
+                         "key": ["id"]}], quality={"rows": [LOOSER]})
+    ids = _ids(_letters(env), lambda v: v[0] == "validation")
+    job = JobProcess(env.cli_argv("dlq", "redrive", "orders", *map(str, ids), "--by", "carol"),
+                     env.cli_env(), crash_at=point)
+    assert job.wait() == -signal.SIGKILL, job.output()
+    assert env.prepared() != [] or point == "mid_finish"
+
+    assert env.recover().ok
+    statuses = {s for (s,) in env.ledger("SELECT DISTINCT status::text FROM tidemark.dlq "
+                                         "WHERE error_class = 'validation'")}
+    if CRASH[point]:  # decided: rolled forward, the 19 are in the sink and redriven
+        assert statuses == {"redriven"}
+        assert _count(env, env.sink_dsn) == 100
+    else:             # undecided: rolled back, nothing changed
+        assert statuses == {"quarantined"}
+        assert _count(env, env.sink_dsn) == 81
+    assert_exactly_once(env)
+
+    rep = _redrive(env, spark, ids)   # finishing the job: the rest goes through, once
+    assert rep.ok or rep.run_id is None, rep.summary()
+    assert _count(env, env.sink_dsn) == 100
+    assert env.ledger("SELECT count(*) FROM tidemark.dlq WHERE status = 'redriven' "
+                      "AND attempts = 1") == [(19,)]
+    assert_exactly_once(env)
