@@ -11,7 +11,7 @@ PGDIR  := $(STATE)/pg
 ENVF   := $(STATE)/env
 UV_VERSION := 0.13.9
 
-.PHONY: help venv pg up down test lint bench clean
+.PHONY: help venv browser pg up down test lint bench clean
 
 help:
 	@echo "make up     local PostgreSQL + ledger + demo data + Airflow (demo DAG unpaused)"
@@ -27,6 +27,15 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(BIN)/uv pip install -q --python $(PY) -r requirements.txt
 	$(BIN)/uv pip install -q --python $(PY) --no-deps -e .
 	touch $@
+
+# The browser tests drive Debian's Chromium (Playwright downloads nothing).
+CHROMIUM := /usr/bin/chromium
+browser:
+	@if [ ! -x $(CHROMIUM) ]; then \
+	  echo "installing Debian's chromium for the browser tests"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; \
+	fi
 
 # The local cluster, unless TIDEMARK_LEDGER_DSN points at an existing server.
 pg: venv
@@ -59,7 +68,7 @@ down:
 lint: venv
 	$(BIN)/ruff check .
 
-test: venv lint
+test: venv browser lint
 	$(BIN)/pytest
 
 bench: pg

@@ -1,0 +1,19 @@
+"""Airflow plugin: Tidemark's dead letters in Airflow's UI ("Dead letters" in the navigation)
+and their JSON API, served by Airflow's API server under /tidemark (tidemark/dlq_web.py)."""
+
+from airflow.plugins_manager import AirflowPlugin
+
+from tidemark.dlq_web import app
+
+
+class TidemarkDeadLetters(AirflowPlugin):
+    name = "tidemark_dlq"
+    fastapi_apps = [{"app": app, "url_prefix": "/tidemark", "name": "Tidemark dead letters"}]
+    external_views = [{
+        "name": "Dead letters",
+        "href": "/tidemark/dlq/",
+        "destination": "nav",
+        "url_route": "dead-letters",
+        "nav_top_level": True,
+        "icon": "/tidemark/dlq/static/icon.svg",
+    }]

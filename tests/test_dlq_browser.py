@@ -1,0 +1,148 @@
+"""The Dead letters page in a real browser: headless Debian Chromium driven by Playwright,
+against a real Airflow 3.3 started here, with dead letters a real Spark run quarantined.
+
+Log in, open Dead letters from Airflow's navigation, filter, open a record (its `<script>`
+payload shown, never run), redrive one that now passes (through the redrive DAG, Spark and
+the two-phase commit), discard one with a note; both checked in the ledger. Screenshots go to
+test-artifacts/browser/."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import pytest
+
+from tests.conftest import REPO, Env, free_port
+from tidemark.airflow_stack import Stack
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+CHROMIUM = "/usr/bin/chromium"
+SHOTS = REPO / "test-artifacts" / "browser"
+STUB = (REPO / "dags" / "pipelines" / "flights.py").read_text()
+XSS = b"<script>window.pwned=1</script>"
+NAME = "shop"
+
+
+def _rows_check(max_value: int) -> dict:
+    return {"expect_column_values_to_be_between": {"column": "amount", "max_value": max_value}}
+
+
+@pytest.fixture(scope="module")
+def site(pg, spark, tmp_path_factory):
+    from tidemark import config
+    from tidemark.job import Run
+
+    tmp = tmp_path_factory.mktemp("browser")
+    env = Env(pg, tmp)
+    env.append_orders(range(90))         # amount = id * 1.25: ids 81..89 fail the check
+    env.append([(0, b"xss", XSS, None, None)])
+    # Its own pipeline name: the test modules share Airflow's metadata database, and DAG ids
+    # of another module's pipelines must not meet this module's ledger.
+    env.pipeline(NAME, quality={"rows": [_rows_check(100)]}, airflow={"retries": 0,
+                                                                    "driver_memory": "1g"})
+    all_p, _ = config.load_all(env.dir)
+    report = Run(all_p[NAME], env.settings(), ledger_dsn=env.ledger_dsn, spark=spark,
+                 all_pipelines=all_p, log=lambda m: None).execute()
+    assert report.ok, report.summary()
+    # The fix a user makes before redriving: amounts up to 105 are fine (ids 81..84).
+    env.pipeline(NAME, quality={"rows": [_rows_check(105)]}, airflow={"retries": 0,
+                                                                    "driver_memory": "1g"})
+    dags = tmp / "dags"
+    shutil.move(env.dir, dags / "pipelines")
+    env.dir = dags / "pipelines"
+    (env.dir / f"{NAME}.py").write_text(STUB)
+    stack = Stack(home=tmp / "home", ledger_dsn=env.ledger_dsn, port=free_port(),
+                  dags_folder=dags, env_extra={
+                      "TIDEMARK_PIPELINES_DIR": str(env.dir),
+                      "TIDEMARK_DATA_DOCS_DIR": str(tmp / "docs"),
+                      "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps(
+                          {"conn_type": "spark", "host": "local[2]"})})
+    try:
+        stack.start()
+        stack.wait_dag(f"tidemark_{NAME}_redrive")
+        yield env, stack
+    finally:
+        stack.stop()
+        env.drop()
+
+
+def _letter(env, **where) -> tuple:
+    cond = " AND ".join(f"{k} = %s" for k in where)
+    return env.ledger(f"SELECT id, status::text, resolved_by, note, attempts FROM tidemark.dlq "
+                      f"WHERE {cond}", tuple(where.values()))[0]
+
+
+def _until(what: str, pred, timeout: float = 420):
+    """Poll the ledger for an outcome a DAG run produces (no event to wait on)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(2)
+    raise AssertionError(f"{what}: not reached in {timeout}s")
+
+
+def test_review_redrive_and_discard_in_the_browser(site):
+    from playwright.sync_api import expect, sync_playwright
+
+    env, stack = site
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    passing = _letter(env, source_offset=41, source_partition=1)   # id 83: amount 103.75
+    xss = _letter(env, error_class="decode")
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.goto(stack.url + "/")
+        page.fill("input[name=username]", "admin")
+        page.fill("input[name=password]", stack.password())
+        page.get_by_role("button", name="Sign in").click()
+        page.get_by_role("link", name="Dead letters").first.click()
+        frame = page.frame_locator("iframe").first
+        expect(frame.get_by_text("Dead letters").first).to_be_visible(timeout=60_000)
+        page.screenshot(path=SHOTS / "01-dead-letters.png", full_page=True)
+
+        # The page itself (outside Airflow's frame) from here on: same session cookie.
+        page.goto(stack.url + "/tidemark/dlq/")
+        page.select_option("select[name=error_class]", "validation")
+        page.get_by_role("button", name="Filter").click()
+        rows = page.locator("tbody tr")
+        expect(rows).to_have_count(9)
+        page.screenshot(path=SHOTS / "02-filtered.png", full_page=True)
+
+        # The <script> payload is shown as text and never runs.
+        page.goto(stack.url + f"/tidemark/dlq/record/{xss[0]}")
+        expect(page.get_by_text("<script>window.pwned=1</script>").first).to_be_visible()
+        assert page.evaluate("typeof window.pwned") == "undefined"
+        page.screenshot(path=SHOTS / "03-record.png", full_page=True)
+
+        # Redrive the record that now passes.
+        page.goto(stack.url + "/tidemark/dlq/?error_class=validation")
+        page.check(f"input[name=ids][value='{passing[0]}']")
+        page.get_by_role("button", name="Redrive").click()
+        expect(page.get_by_text(f"tidemark_{NAME}_redrive").first).to_be_visible()
+        expect(page.get_by_text("paused")).to_have_count(0)  # it runs when triggered
+        page.screenshot(path=SHOTS / "04-redrive-requested.png", full_page=True)
+
+        # Discard the unreadable one with a note.
+        page.goto(stack.url + "/tidemark/dlq/?error_class=decode")
+        page.check(f"input[name=ids][value='{xss[0]}']")
+        page.fill("[name=note]", "not a real order: test payload")
+        page.get_by_role("button", name="Discard").click()
+        expect(page.get_by_text("discarded").first).to_be_visible()
+        page.screenshot(path=SHOTS / "05-discarded.png", full_page=True)
+        browser.close()
+
+    assert _letter(env, id=xss[0])[1:4] == ("discarded", "admin",
+                                            "not a real order: test payload")
+    done = _until("redrive", lambda: _letter(env, id=passing[0])[1] == "redriven")
+    assert done
+    assert _letter(env, id=passing[0])[2] == "admin"
+    assert env.q(env.sink_dsn, "SELECT count(*) FROM public.orders WHERE id = 83") == [(1,)]
+    others = env.ledger("SELECT count(*) FROM tidemark.dlq WHERE error_class = 'validation' "
+                        "AND status = 'quarantined'")
+    assert others == [(8,)]
+    assert env.prepared() == []

@@ -1,0 +1,365 @@
+"""The Dead letters plugin in a real Airflow 3.3 (API server, scheduler, DAG processor) started
+here: Airflow's auth manager in front of every route, read vs edit rights, CSRF and origin
+checks, filters and injection over HTTP, escaping, Data Docs confinement, and redrive through
+the pipeline's redrive DAG."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+from fastapi.routing import APIRoute
+
+from tests.conftest import REPO, Env, free_port
+from tests.test_dlq import INJECTIONS, add
+from tidemark.airflow_stack import Stack
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+STUB = (REPO / "dags" / "pipelines" / "flights.py").read_text()
+XSS = b"<script>window.pwned=1</script>"
+AIRFLOW_RUN = {"dag_id": "tidemark_orders", "run_id": "manual__2026-03-01T12:00:00+00:00",
+               "task_id": "replay", "try": 2}
+
+
+@dataclass
+class Site:
+    env: Env
+    stack: Stack
+    ids: dict[str, int]
+    docs: Path
+    secret: Path
+    admin: str  # JWTs
+    viewer: str
+
+    def client(self, token: str | None = None, cookie: str | None = None) -> httpx.Client:
+        return httpx.Client(base_url=self.stack.url, timeout=60,
+                            headers={"Authorization": f"Bearer {token}"} if token else {},
+                            cookies={"_token": cookie} if cookie else None)
+
+    def csrf(self, jwt: str) -> str:
+        key = json.loads((self.stack.home / "stack.json").read_text())["secret_key"]
+        return hmac.new(key.encode(), jwt.encode(), hashlib.sha256).hexdigest()
+
+    def letter(self, rid: int) -> tuple:
+        return self.env.ledger("SELECT status::text, resolved_by, note FROM tidemark.dlq "
+                               "WHERE id = %s", (rid,))[0]
+
+    def count(self) -> int:
+        return self.env.ledger("SELECT count(*) FROM tidemark.dlq")[0][0]
+
+
+def _seed(env: Env, docs_page: Path) -> dict[str, int]:
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
+        c.execute("INSERT INTO tidemark.pipelines (name) VALUES ('orders'), ('other')")
+        run = c.execute("INSERT INTO tidemark.runs (pipeline, mode, owner, external_id) "
+                        "VALUES ('orders', 'run', 'test:1', %s) RETURNING run_id",
+                        (json.dumps(AIRFLOW_RUN),)).fetchone()[0]
+        c.execute("INSERT INTO tidemark.dq_results (run_id, success, docs_path) "
+                  "VALUES (%s, false, %s)", (run, str(docs_page)))
+        return {
+            "xss": add(c, run_id=run, payload=XSS, key=b"<k>", headers={"h": "<b>bold</b>"},
+                       reason="<img src=x onerror=alert(1)>"),
+            "json": add(c, run_id=run, cls="validation", payload=b'{"id": 7, "amount": 1e9}'),
+            "binary": add(c, run_id=run, sink=None, cls="transform", payload=bytes(range(40))),
+            "done": add(c, run_id=run, status="discarded"),
+            "victim": add(c, run_id=run),
+            "csrf": add(c, run_id=run),
+            "redrive1": add(c, run_id=run, cls="sink_write"),
+            "redrive2": add(c, run_id=run, cls="sink_write"),
+            "other": add(c, run_id=run, pipeline="other", cls="dq_gate"),
+            "cli_run": add(c, run_id=c.execute(
+                "INSERT INTO tidemark.runs (pipeline, mode, owner) VALUES ('orders', 'run', "
+                "'host:2') RETURNING run_id").fetchone()[0], status="redriven",
+                resolved_by="carol", note="fixed upstream", payload=None, key=None),
+            "no_run": add(c, run_id=424_242, status="discarded"),
+        }
+
+
+@pytest.fixture(scope="module")
+def site(pg, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dlqweb")
+    env = Env(pg, tmp)
+    docs = tmp / "docs"
+    page = docs / "gx" / "uncommitted" / "data_docs" / "local_site" / "validations" / "run 1.html"
+    page.parent.mkdir(parents=True)
+    page.write_text("<html><body>GX validation result</body></html>")
+    secret = tmp / "secret.txt"
+    secret.write_text("not for the web")
+    (docs / "escape.txt").symlink_to(secret)
+    ids = _seed(env, page)
+    env.pipeline("orders")
+    dags = tmp / "dags"
+    shutil.move(env.dir, dags / "pipelines")
+    env.dir = dags / "pipelines"
+    (env.dir / "orders.py").write_text(STUB)
+    stack = Stack(home=tmp / "home", ledger_dsn=env.ledger_dsn, port=free_port(),
+                  dags_folder=dags, env_extra={"TIDEMARK_PIPELINES_DIR": str(env.dir),
+                                               "TIDEMARK_DATA_DOCS_DIR": str(docs)})
+    try:
+        stack.start()
+        yield Site(env, stack, ids, docs, secret, stack.token("admin"), stack.token("viewer"))
+    finally:
+        stack.stop()
+        env.drop()
+
+
+def test_plugin_is_in_airflows_navigation(site):
+    with site.client(site.admin) as c:
+        plugins = c.get("/api/v2/plugins").json()["plugins"]
+    mine = next(p for p in plugins if p["name"] == "tidemark_dlq")
+    assert mine["fastapi_apps"][0]["url_prefix"] == "/tidemark"
+    view = mine["external_views"][0]
+    assert (view["name"], view["href"], view["destination"], view["url_route"]) == (
+        "Dead letters", "/tidemark/dlq/", "nav", "dead-letters")
+
+
+def _routes() -> list[tuple[str, str]]:
+    from tidemark.dlq_web import app
+
+    assert all(isinstance(r, APIRoute) for r in app.routes), app.routes
+    fill = {"record_id": "1", "path": "gx/index.html", "name": "dlq.css"}
+    return [(m, "/tidemark" + re.sub(r"\{(\w+)(:\w+)?\}", lambda x: fill[x[1]], r.path))
+            for r in app.routes for m in sorted(r.methods)]
+
+
+def test_every_route_refuses_the_anonymous(site):
+    routes = _routes()
+    assert len(routes) >= 11
+    for creds in ({}, {"headers": {"Authorization": "Bearer not-a-jwt"}},
+                  {"cookies": {"_token": "forged"}}):
+        with httpx.Client(base_url=site.stack.url, timeout=60, **creds) as c:
+            for method, path in routes:
+                body = {"ids": [site.ids["victim"]], "note": "x"} if method == "POST" else None
+                r = c.request(method, path, json=body)
+                api = "/dlq/api/" in path or "/dlq/static/" in path or method != "GET"
+                if api:
+                    assert r.status_code == 401, (method, path, creds, r.text)
+                    assert r.json()["detail"].startswith("not authenticated")
+                else:
+                    assert r.status_code == 303, (method, path, creds, r.text)
+                    assert r.headers["location"].startswith("/auth/login?next=%2Ftidemark%2F")
+    assert site.letter(site.ids["victim"])[0] == "quarantined"
+
+
+def test_viewer_reads_but_may_not_discard_or_redrive(site):
+    with site.client(site.viewer) as c:
+        listed = c.get("/tidemark/dlq/api/records", params={"pipeline": "orders"})
+        assert listed.status_code == 200
+        assert site.ids["victim"] in [r["id"] for r in listed.json()["records"]]
+        assert c.get(f"/tidemark/dlq/api/records/{site.ids['json']}").status_code == 200
+        page = c.get("/tidemark/dlq/")
+        assert page.status_code == 200 and 'name="ids"' in page.text
+        assert 'id="discard"' not in page.text  # no buttons for what they may not do
+        for action, body in (("discard", {"note": "x"}), ("redrive", {})):
+            r = c.post(f"/tidemark/dlq/api/{action}", json={"ids": [site.ids["victim"]], **body})
+            assert r.status_code == 403, r.text
+            assert r.json()["detail"] == ("viewer may not change dead letters of orders: needs "
+                                          "edit access to DAG tidemark_orders")
+    assert site.letter(site.ids["victim"]) == ("quarantined", None, None)
+
+
+def test_admin_discards_with_a_note(site):
+    victim, done = site.ids["victim"], site.ids["done"]
+    with site.client(site.admin) as c:
+        for body, needle in (({"ids": [victim], "note": "  "}, "note: required"),
+                             ({"ids": [victim]}, "note: required"),
+                             ({"ids": ["7x"], "note": "n"}, "ids: '7x' is not a dead-letter id"),
+                             ({"note": "n"}, "ids: select at least one")):
+            r = c.post("/tidemark/dlq/api/discard", json=body)
+            assert r.status_code == 400 and needle in r.json()["detail"], r.text
+        r = c.post("/tidemark/dlq/api/discard", content=b"ids=1", headers={
+            "Content-Type": "text/plain"})
+        assert r.status_code == 400 and "content type" in r.json()["detail"]
+        assert site.letter(victim)[0] == "quarantined"
+        r = c.post("/tidemark/dlq/api/discard",
+                   json={"ids": [victim, done, 99_999], "note": "duplicate of order 7"})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"discarded": [victim], "by": "admin", "skipped": [
+        {"id": done, "reason": "already discarded"},
+        {"id": 99_999, "reason": "no such dead letter"}]}
+    assert site.letter(victim) == ("discarded", "admin", "duplicate of order 7")
+    at = site.env.ledger("SELECT resolved_at IS NOT NULL FROM tidemark.dlq WHERE id = %s",
+                         (victim,))
+    assert at == [(True,)]
+
+
+def test_cookie_posts_need_the_csrf_token_and_our_origin(site):
+    rid = site.ids["csrf"]
+    token = site.csrf(site.admin)
+    with site.client(cookie=site.admin) as c:
+        page = c.get("/tidemark/dlq/")
+        assert page.status_code == 200 and f'value="{token}"' in page.text
+        body = {"ids": [rid], "note": "csrf"}
+        r = c.post("/tidemark/dlq/api/discard", json=body)
+        assert r.status_code == 403 and "CSRF" in r.json()["detail"]
+        r = c.post("/tidemark/dlq/api/discard", json=body,
+                   headers={"X-CSRF-Token": site.csrf(site.viewer)})
+        assert r.status_code == 403
+        r = c.post("/tidemark/dlq/api/discard", data={"ids": str(rid), "note": "csrf",
+                                                      "csrf_token": token},
+                   headers={"Origin": "http://evil.example"})
+        assert r.status_code == 403 and "cross-origin" in r.text
+        assert site.letter(rid)[0] == "quarantined"
+        r = c.post("/tidemark/dlq/api/discard",
+                   data={"ids": str(rid), "note": "form post", "csrf_token": token,
+                         "back": "pipeline=orders&evil=//x.example"},
+                   headers={"Origin": site.stack.url})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert f"Discarded 1 dead letter(s): {rid}" in r.text
+    assert 'href="/tidemark/dlq/?pipeline=orders"' in r.text
+    assert site.letter(rid) == ("discarded", "admin", "form post")
+    with site.client(site.admin) as c:  # a Bearer token is no cookie: no CSRF token needed
+        r = c.post("/tidemark/dlq/api/export", json={"ids": [rid]},
+                   headers={"Origin": "http://evil.example"})
+        assert r.status_code == 403  # but never from another origin
+
+
+def test_filters_and_injection_over_http(site):
+    ids = site.ids
+    before = site.count()
+    with site.client(site.admin) as c:
+        def listed(**params) -> list[int]:
+            r = c.get("/tidemark/dlq/api/records", params=params)
+            assert r.status_code == 200, r.text
+            return [x["id"] for x in r.json()["records"]]
+
+        assert listed(pipeline="other") == [ids["other"]]
+        assert listed(error_class="transform") == [ids["binary"]]
+        assert listed(sink="-") == [ids["binary"]]
+        assert listed(pipeline="orders", error_class="sink_write",
+                      status="quarantined") == [ids["redrive2"], ids["redrive1"]]
+        assert ids["done"] in listed(status="discarded")
+        assert listed(ids=f"{ids['json']},{ids['xss']}") == [ids["json"], ids["xss"]]
+        assert listed(since="2030-01-01T00:00:00Z") == []
+        first = c.get("/tidemark/dlq/api/records", params={"limit": 2}).json()
+        older = listed(limit=2, before=first["next_before"])
+        assert len(first["records"]) == 2 and older and max(older) < first["next_before"]
+
+        for name in ("pipeline", "sink", "error_class", "status", "since", "until", "ids",
+                     "limit", "before"):
+            for evil in INJECTIONS:
+                r = c.get("/tidemark/dlq/api/records", params={name: evil})
+                assert r.status_code == 400, (name, evil, r.text)
+                assert name in r.json()["detail"] and "\n" not in r.json()["detail"]
+                r = c.get("/tidemark/dlq/", params={name: evil})
+                assert r.status_code == 400 and "Traceback" not in r.text
+        r = c.get("/tidemark/dlq/api/records/1 OR 1=1")
+        assert r.status_code == 400 and r.json()["detail"] == "id '1 OR 1=1': not a positive integer"
+        r = c.post("/tidemark/dlq/api/discard", json={"ids": [INJECTIONS[1]], "note": "x"})
+        assert r.status_code == 400
+        assert c.get("/tidemark/dlq/api/records/99999").status_code == 404
+    assert site.count() == before
+
+
+def test_record_page_escapes_everything_and_links_the_run(site):
+    with site.client(site.admin) as c:
+        r = c.get(f"/tidemark/dlq/record/{site.ids['xss']}")
+        assert r.status_code == 200
+        html = r.text
+        csp = r.headers["content-security-policy"]
+        assert "script-src 'self'" in csp and "default-src 'none'" in csp
+        assert "<script>window.pwned" not in html and "<img src=x" not in html
+        assert "&lt;script&gt;window.pwned=1&lt;/script&gt;" in html
+        assert "&lt;img src=x onerror=alert(1)&gt;" in html
+        assert "&lt;b&gt;bold&lt;/b&gt;" in html and "&lt;k&gt;" in html
+        assert re.findall(r"<script[^>]*>", html) == [
+            '<script src="/tidemark/dlq/static/dlq.js" defer>']
+        run_url = "/dags/tidemark_orders/runs/manual__2026-03-01T12%3A00%3A00%2B00%3A00"
+        assert f'href="{run_url}"' in html
+        assert f'href="{run_url}/tasks/replay?try_number=2"' in html
+        assert "/dlq/docs/" not in html  # Data Docs only for validation and dq_gate
+
+        r = c.get(f"/tidemark/dlq/record/{site.ids['json']}")
+        assert "Pretty JSON" in r.text and "&#34;amount&#34;: 1000000000.0" in r.text
+        docs = re.search(r'href="(/tidemark/dlq/docs/[^"]+)"', r.text)[1]
+        assert docs.endswith("/validations/run%201.html")
+        page = c.get(docs)
+        assert page.status_code == 200 and "GX validation result" in page.text
+        assert page.headers["content-security-policy"].startswith("sandbox")
+
+        r = c.get(f"/tidemark/dlq/record/{site.ids['cli_run']}")  # not started by Airflow
+        assert r.status_code == 200 and "/dags/" not in r.text and "No payload." in r.text
+        assert "carol" in r.text and "fixed upstream" in r.text
+        r = c.get(f"/tidemark/dlq/record/{site.ids['no_run']}")
+        assert r.status_code == 200 and "(not in the ledger)" in r.text
+        r = c.get(f"/tidemark/dlq/record/{site.ids['binary']}", params={"format": "hex"})
+        assert "00000000  00 01 02 03" in r.text
+        api = c.get(f"/tidemark/dlq/api/records/{site.ids['xss']}").json()
+        assert base64.b64decode(api["payload"]) == XSS
+        assert api["payload_rendered"] == {"kind": "text", "text": XSS.decode()}
+        assert api["links"]["task_log"].endswith("/tasks/replay?try_number=2")
+
+
+def test_data_docs_are_served_only_from_their_folder(site):
+    with site.client(site.admin) as c:
+        for path in ("%2e%2e/secret.txt", "gx/%2e%2e/%2e%2e/secret.txt", "escape.txt",
+                     "%2fetc%2fpasswd", "..%2fsecret.txt", "gx"):
+            r = c.get(f"/tidemark/dlq/docs/{path}")
+            assert r.status_code == 404, (path, r.text)
+            assert "not for the web" not in r.text
+
+
+def test_counts_and_export(site):
+    with site.client(site.viewer) as c:
+        counts = c.get("/tidemark/dlq/api/counts").json()
+        assert counts["pipelines"]["other"] == {"decode": 0, "transform": 0, "validation": 0,
+                                                "dq_gate": 1, "sink_write": 0}
+        assert counts["total"] == site.env.ledger(
+            "SELECT count(*) FROM tidemark.dlq WHERE status = 'quarantined'")[0][0]
+        r = c.get("/tidemark/dlq/api/export", params={"pipeline": "orders", "status": "any"})
+    assert r.status_code == 200 and "attachment" in r.headers["content-disposition"]
+    recs = {x["id"]: x for x in map(json.loads, r.text.splitlines())}
+    assert site.ids["other"] not in recs and site.ids["done"] in recs
+    assert base64.b64decode(recs[site.ids["binary"]]["payload"]) == bytes(range(40))
+    assert base64.b64decode(recs[site.ids["xss"]]["key"]) == b"<k>"
+
+
+def test_list_page_offers_bulk_selection(site):
+    with site.client(cookie=site.admin) as c:
+        html = c.get("/tidemark/dlq/", params={"pipeline": "orders", "limit": 2}).text
+    assert 'id="select-all"' in html and html.count('class="row-select"') == 2
+    assert 'name="note"' in html and 'id="discard"' in html and 'id="redrive"' in html
+    assert 'id="older"' in html and "sink_write <b>2</b>" in html
+
+
+def test_redrive_triggers_the_pipelines_redrive_dag(site):
+    dag = "tidemark_orders_redrive"
+    site.stack.wait_dag(dag)
+    ids = site.ids
+    with site.stack.api(site.admin) as api:
+        # Paused, the run stays queued: this test is about the trigger, not Spark.
+        api.patch(f"/dags/{dag}", json={"is_paused": True}).raise_for_status()
+        with site.client(site.admin) as c:
+            r = c.post("/tidemark/dlq/api/redrive", json={
+                "ids": [ids["redrive2"], ids["redrive1"], ids["done"], 99_999]})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["errors"] == []
+        assert out["skipped"] == [{"id": 99_999, "reason": "no such dead letter"},
+                                  {"id": ids["done"], "reason": "already discarded"}]
+        (run,) = out["runs"]
+        assert (run["dag_id"], run["ids"], run["paused"]) == (
+            dag, [ids["redrive1"], ids["redrive2"]], True)
+        got = api.get(f"/dags/{dag}/dagRuns/{run['dag_run_id']}").json()
+        assert got["conf"] == {"ids": [ids["redrive1"], ids["redrive2"]],
+                               "requested_by": "admin"}
+        assert got["triggering_user_name"] == "admin"
+
+        with site.client(cookie=site.admin) as c:  # the list page's form
+            r = c.post("/tidemark/dlq/api/redrive", headers={"Origin": site.stack.url},
+                       data={"ids": [str(ids["json"])], "csrf_token": site.csrf(site.admin)})
+        assert r.status_code == 200 and "Triggered" in r.text
+        run_id = re.search(r"/dags/tidemark_orders_redrive/runs/([^\"]+)\"", r.text)[1]
+        got = api.get(f"/dags/{dag}/dagRuns/{run_id}").json()
+        assert got["conf"]["ids"] == [ids["json"]]
+    assert site.letter(ids["redrive1"])[0] == "quarantined"  # the DAG does that, not the UI

@@ -1,0 +1,161 @@
+"""Who calls the dead-letter plugin and what they may do, decided by Airflow's auth manager.
+
+Airflow authenticates its own routes, not a plugin's FastAPI app, so the plugin does it
+itself, the way Airflow does: the JWT from the ``Authorization: Bearer`` header, else the
+``_token`` cookie Airflow's UI sets (``airflow.api_fastapi.core_api.security.get_user``).
+A pipeline's dead letters belong to its DAG ``tidemark_<pipeline>``: reading them needs read
+access to that DAG, discarding or redriving them needs edit access.
+
+Cookie-authenticated POSTs also need a CSRF token (HMAC-SHA256 of the JWT keyed with
+Airflow's ``[api] secret_key``), and no POST may come from another origin. Airflow is
+imported lazily: this module loads in any process, Airflow's own only use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from fastapi import Request
+
+COOKIE = "_token"  # airflow.api_fastapi.auth.managers.base_auth_manager.COOKIE_NAME_JWT_TOKEN
+CSRF_FIELD = "csrf_token"
+CSRF_HEADER = "x-csrf-token"
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
+class NotAuthenticated(Exception):
+    """No valid Airflow token: 401 for the API, the login page for a browser."""
+
+
+class Forbidden(Exception):
+    """Authenticated, not allowed: 403."""
+
+
+def dag_id(pipeline: str) -> str:
+    return f"tidemark_{pipeline}"
+
+
+@dataclass
+class Caller:
+    user: Any  # airflow's BaseUser
+    token: str  # the caller's own JWT, forwarded when Tidemark calls Airflow's API for them
+    via_cookie: bool
+
+    @property
+    def name(self) -> str:
+        return self.user.get_name()
+
+
+def _auth_manager():
+    from airflow.api_fastapi.app import get_auth_manager
+
+    return get_auth_manager()
+
+
+async def authenticate(request: Request) -> Caller:
+    from airflow.api_fastapi.core_api.security import get_user
+    from fastapi import HTTPException
+    from fastapi.security import HTTPAuthorizationCredentials
+
+    scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+    bearer = None
+    if scheme.lower() == "bearer" and credentials.strip():
+        bearer = HTTPAuthorizationCredentials(scheme="Bearer", credentials=credentials.strip())
+    try:
+        user = await get_user(request, None, bearer)
+    except HTTPException as exc:  # missing (401), expired (401) or invalid (403) token
+        raise NotAuthenticated(str(exc.detail)) from None
+    token = bearer.credentials if bearer else request.cookies.get(COOKIE, "")
+    return Caller(user, token, via_cookie=bearer is None)
+
+
+async def guard(request: Request) -> Caller:
+    """The app-wide dependency: authenticated, and for a POST same-origin with a CSRF token
+    when the cookie authenticated it."""
+    caller = await authenticate(request)
+    if request.method not in SAFE_METHODS:
+        if not same_origin(request):
+            raise Forbidden(f"cross-origin request refused (Origin "
+                            f"{request.headers.get('origin')!r})")
+        if caller.via_cookie and not csrf_ok(caller.token, await _csrf_sent(request)):
+            raise Forbidden("missing or wrong CSRF token; reload the page and try again")
+    return caller
+
+
+# -- CSRF and origin ------------------------------------------------------------------------
+def _secret() -> bytes:
+    from airflow.configuration import conf
+
+    return conf.get("api", "secret_key").encode()
+
+
+def csrf_token(jwt: str) -> str:
+    """The token a page embeds in its forms: bound to the session, unknown to other sites."""
+    return hmac.new(_secret(), jwt.encode(), hashlib.sha256).hexdigest() if jwt else ""
+
+
+def csrf_ok(jwt: str, sent: str | None) -> bool:
+    return bool(jwt and sent) and hmac.compare_digest(csrf_token(jwt), sent)
+
+
+async def _csrf_sent(request: Request) -> str | None:
+    if request.headers.get(CSRF_HEADER):
+        return request.headers[CSRF_HEADER]
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype == "application/x-www-form-urlencoded":
+        form = parse_qs((await request.body()).decode("utf-8", "replace"))
+        return (form.get(CSRF_FIELD) or [None])[0]
+    return None
+
+
+def _origin(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}".lower()
+
+
+def same_origin(request: Request) -> bool:
+    origin = request.headers.get("origin")
+    if origin is None:  # not a browser's cross-site form or fetch
+        return True
+    from airflow.configuration import conf
+
+    allowed = {_origin(str(request.base_url))}
+    if base := conf.get("api", "base_url", fallback=""):
+        allowed.add(_origin(base))
+    return origin.lower() in allowed
+
+
+# -- authorization ------------------------------------------------------------------------------
+def may_read_all(caller: Caller) -> bool:
+    """Read access to every DAG: no need to narrow lists to pipelines one by one."""
+    return _auth_manager().is_authorized_dag(method="GET", user=caller.user)
+
+
+def readable(caller: Caller, pipelines: Iterable[str]) -> list[str]:
+    by_dag = {dag_id(p): p for p in pipelines}
+    ok = _auth_manager().filter_authorized_dag_ids(dag_ids=set(by_dag), user=caller.user,
+                                                   method="GET")
+    return sorted(by_dag[d] for d in ok)
+
+
+def require(caller: Caller, method: str, pipelines: Iterable[str]) -> None:
+    """Forbidden unless the caller may read (GET) or edit (PUT) every pipeline's DAG."""
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagDetails
+
+    am = _auth_manager()
+    for p in sorted(set(pipelines)):
+        if not am.is_authorized_dag(method=method, details=DagDetails(id=dag_id(p)),
+                                    user=caller.user):
+            need = "read" if method == "GET" else "edit"
+            raise Forbidden(f"{caller.name} may not {'see' if method == 'GET' else 'change'} "
+                            f"dead letters of {p}: needs {need} access to DAG {dag_id(p)}")
+
+
+def login_url(request: Request) -> str:
+    here = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    return _auth_manager().get_url_login(next_url=here)
