@@ -74,6 +74,7 @@ test: venv browser lint
 bench: pg
 	$(BIN)/tidemark db upgrade
 	$(PY) bench/replay_bench.py
+	set -a && . $(ENVF) && set +a && $(PY) bench/dlq_bench.py
 
 clean: down
 	rm -rf $(STATE) $(VENV)
