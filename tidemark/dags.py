@@ -140,6 +140,15 @@ def replay_dag(p: config.Pipeline, path: Path) -> DAG:
     return dag
 
 
+def _triggered(p: config.Pipeline, kind: str, description: str, doc: str, params: dict,
+               **extra) -> DAG:
+    """A DAG ``tidemark_<name>_<kind>`` that runs only when triggered, with a params form."""
+    return DAG(dag_id=f"tidemark_{p.name}_{kind}", description=description[:200], doc_md=doc,
+               schedule=None, start_date=START, catchup=False, max_active_runs=1,
+               tags=["tidemark", kind, *p.tags], params=params, default_args=_default_args(p),
+               **extra)
+
+
 def backfill_dag(p: config.Pipeline, path: Path) -> DAG:
     names = [s.name for s in p.sinks]
     params = {
@@ -153,21 +162,12 @@ def backfill_dag(p: config.Pipeline, path: Path) -> DAG:
                        items={"type": "string", "enum": names}, title="Sinks",
                        description="Sinks to re-deliver to."),
     }
-    with DAG(
-        dag_id=f"tidemark_{p.name}_backfill",
-        description=f"Re-deliver an offset range of {p.name}"[:200],
-        doc_md=_doc(p, path, "backfill an offset range") + (
-            "\n\nTrigger with a configuration: the form asks for the partition, the offset "
-            "range [from, to) and the sinks. Re-delivery is idempotent and never moves "
-            "checkpoints; a newer version of a key is never overwritten."),
-        schedule=None,
-        start_date=START,
-        catchup=False,
-        max_active_runs=1,
-        tags=["tidemark", "backfill", *p.tags],
-        params=params,
-        default_args=_default_args(p),
-    ) as dag:
+    with _triggered(p, "backfill", f"Re-deliver an offset range of {p.name}",
+                    _doc(p, path, "backfill an offset range") + (
+                        "\n\nTrigger with a configuration: the form asks for the partition, "
+                        "the offset range [from, to) and the sinks. Re-delivery is idempotent "
+                        "and never moves checkpoints; a newer version of a key is never "
+                        "overwritten."), params) as dag:
         check = PythonOperator(
             task_id="check", python_callable=airflow_tasks.check_backfill, retries=0,
             op_kwargs={"pipeline_file": str(path)})
@@ -194,25 +194,16 @@ def redrive_dag(p: config.Pipeline, path: Path) -> DAG:
         "requested_by": Param("", type="string", title="Requested by",
                               description="Recorded when the trigger names no user."),
     }
-    with DAG(
-        dag_id=f"tidemark_{p.name}_redrive",
-        description=f"Redrive quarantined records of {p.name}"[:200],
-        doc_md=_doc(p, path, "redrive dead letters") + (
-            "\n\nReplays the selected quarantined records' stored bytes through the current "
-            "pipeline code into the sinks, exactly once: records that pass are written and "
-            "marked redriven in the same two-phase commit; records that fail again stay "
-            "quarantined with attempts + 1 and the new reason. Batch-level expectations do not "
-            "apply to a redrive. The Dead letters page triggers this DAG."),
-        schedule=None,
-        start_date=START,
-        catchup=False,
-        max_active_runs=1,
-        tags=["tidemark", "redrive", *p.tags],
-        # Runs only when triggered; paused, a redrive asked for in the UI would never start.
-        is_paused_upon_creation=False,
-        params=params,
-        default_args=_default_args(p),
-    ) as dag:
+    # Runs only when triggered; paused, a redrive asked for in the UI would never start.
+    with _triggered(p, "redrive", f"Redrive quarantined records of {p.name}",
+                    _doc(p, path, "redrive dead letters") + (
+                        "\n\nReplays the selected quarantined records' stored bytes through "
+                        "the current pipeline code into the sinks, exactly once: records that "
+                        "pass are written and marked redriven in the same two-phase commit; "
+                        "records that fail again stay quarantined with attempts + 1 and the new "
+                        "reason. Batch-level expectations do not apply to a redrive. The Dead "
+                        "letters page triggers this DAG."), params,
+                    is_paused_upon_creation=False) as dag:
         select = PythonOperator(
             task_id="select", python_callable=airflow_tasks.select_redrive, retries=0,
             op_kwargs={"pipeline_file": str(path)})

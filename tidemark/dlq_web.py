@@ -333,15 +333,21 @@ def _may(caller: Caller, method: str, pipeline: str) -> bool:
     return True
 
 
-@app.get("/dlq/record/{record_id}")
-def record_page(request: Request, record_id: str, caller: CallerDep) -> Response:
+def _readable(caller, record_id: str) -> dict:
+    """The dead letter ``record_id``, if the caller may read its pipeline."""
     rid = _record_id(record_id)
-    fmt = request.query_params.get("format", "auto")
     with _ledger() as conn:
         rec = dlq.get(conn, rid)
     if rec is None:
         raise NotFound(f"no dead letter {rid}")
     web_auth.require(caller, "GET", [rec["pipeline"]])
+    return rec
+
+
+@app.get("/dlq/record/{record_id}")
+def record_page(request: Request, record_id: str, caller: CallerDep) -> Response:
+    rec = _readable(caller, record_id)
+    fmt = request.query_params.get("format", "auto")
     view = _record(request, rec, fmt)
     formats = ["auto", "text", "hex"]
     if dlq.render_payload(rec["payload"], limit=SHOW_BYTES)[0] == "json":
@@ -389,13 +395,8 @@ def api_records(request: Request, caller: CallerDep) -> Response:
 
 @app.get("/dlq/api/records/{record_id}")
 def api_record(request: Request, record_id: str, caller: CallerDep) -> Response:
-    rid = _record_id(record_id)
+    rec = _readable(caller, record_id)
     fmt = request.query_params.get("format", "auto")
-    with _ledger() as conn:
-        rec = dlq.get(conn, rid)
-    if rec is None:
-        raise NotFound(f"no dead letter {rid}")
-    web_auth.require(caller, "GET", [rec["pipeline"]])
     return JSONResponse(_record(request, rec, fmt))
 
 
