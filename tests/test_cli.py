@@ -169,3 +169,15 @@ def test_dq_show_and_status_report_the_gate(env):
     code, out, _ = tm(env.cli_env(), "status", "orders")
     assert code == 0 and "data quality (last gate per scope)" in out
     assert "failed: expect_column_max_to_be_between" in out
+
+
+def test_dq_docs_rebuilds_the_index_or_says_there_is_nothing(env, tmp_path):
+    missing = tmp_path / "no-docs"
+    code, out, err = tm(env.cli_env(TIDEMARK_DATA_DOCS_DIR=missing), "dq", "docs")
+    assert code != 0 and "Traceback" not in err
+    assert f"no Data Docs in {missing}" in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "docs").mkdir()
+    code, out, err = tm(env.cli_env(TIDEMARK_DATA_DOCS_DIR=tmp_path / "docs"), "dq", "docs")
+    assert code == 0, err
+    index = tmp_path / "docs" / "gx" / "uncommitted" / "data_docs" / "local_site" / "index.html"
+    assert out.strip() == f"{index}: 0 validation(s)" and index.is_file()

@@ -249,11 +249,67 @@ def test_gate_renders_data_docs(flights, tmp_path: Path):
     assert "flights-run-12-warehouse" in str(page)
     html = page.read_text()
     assert "distance" in html and "mean" in html.lower()
+    # A run writes only its own page; the index (which lists every run) is rebuilt on demand.
     index = docs / "gx" / "uncommitted" / "data_docs" / "local_site" / "index.html"
-    assert index.is_file()
+    assert not index.exists()
+    second = quality.gate(flights, exps, str(docs), "flights-run-13-warehouse")
+    path, count = quality.build_docs_index(str(docs))
+    assert Path(path) == index.resolve() and count == 2
+    listed = index.read_text()
+    assert "flights-run-12-warehouse" in listed and "flights-run-13-warehouse" in listed
+    assert Path(second.docs_path).is_file()
 
     out2 = quality.gate(flights, exps[1:], str(docs), "flights-run-13-warehouse")
     assert out2.success and out2.docs_path != out.docs_path
     assert page.is_file(), "an earlier run's page must survive a later build"
     assert "flights-run-13-warehouse" in index.read_text()
     assert "flights-run-12-warehouse" in index.read_text()
+
+
+def test_columns_read_names_what_the_expectations_read():
+    exps = quality.parse_expectations([
+        {"expect_column_values_to_be_in_set": {"column": "origin", "value_set": ORIGINS}},
+        {"expect_column_mean_to_be_between": {"column": "distance", "min_value": 1}},
+        {"expect_column_pair_values_a_to_be_greater_than_b": {"column_A": "arr", "column_B": "dep"}},
+        {"expect_compound_columns_to_be_unique": {"column_list": ["carrier", "flight"]}},
+        {"expect_table_row_count_to_be_between": {"min_value": 1}},
+    ], "w", "f")
+    assert quality.columns_read(exps) == {"origin", "distance", "arr", "dep", "carrier", "flight"}
+
+
+@pytest.mark.parametrize("item", [
+    {"expect_table_columns_to_match_set": {"column_set": ["origin"]}},
+    {"expect_table_column_count_to_equal": {"value": 4}},
+    {"expect_column_to_exist": {"column": "origin"}},
+    {"expect_column_values_to_not_be_null": {"column": "origin",
+                                             "row_condition": 'col("distance") > 0',
+                                             "condition_parser": "spark"}},
+])
+def test_columns_read_is_everything_for_table_checks_and_row_conditions(item):
+    exps = quality.parse_expectations([
+        {"expect_column_values_to_be_in_set": {"column": "origin", "value_set": ORIGINS}}, item],
+        "w", "f")
+    assert quality.columns_read(exps) is None
+
+
+def test_the_gate_reads_only_the_columns_its_expectations_need(local_spark, flights):
+    from pyspark.sql import functions as F
+
+    from tidemark import gate
+    from tidemark.config import Quality
+
+    df = (flights.withColumn("_tm_error_class", F.lit(None).cast("string"))
+          .withColumn("unused", F.col("distance")))
+    narrow = Quality(rows=[{"expect_column_values_to_be_between": {"column": "distance",
+                                                                   "min_value": 0}}])
+    good = gate._for_gx(df, [narrow], "w")
+    assert good.columns == ["_tm_partition", "_tm_offset", "distance"]
+    good.unpersist()
+    table = Quality(batch=[{"expect_table_column_count_to_equal": {"value": 4}}])
+    good = gate._for_gx(df, [narrow, table], "w")
+    assert good.columns == ["_tm_partition", "_tm_offset", "origin", "distance", "unused"]
+    good.unpersist()
+    missing = Quality(rows=[{"expect_column_values_to_not_be_null": {"column": "nope"}}])
+    good = gate._for_gx(df, [missing], "w")
+    assert good.columns == ["_tm_partition", "_tm_offset", "origin", "distance", "unused"]
+    good.unpersist()

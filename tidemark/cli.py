@@ -222,6 +222,20 @@ def dq_show(ctx: Ctx, run_id: int, as_json: bool) -> None:
     click.echo(json.dumps(rows, default=str) if as_json else render_dq(run_id, rows))
 
 
+@dq.command("docs")
+@pass_ctx
+def dq_docs(ctx: Ctx) -> None:
+    """Rebuild the Data Docs index page, listing every validated run (runs write only their own page)."""
+    from tidemark.quality import build_docs_index
+
+    folder = ctx.settings.data_docs_dir
+    if not folder.is_dir():
+        raise TidemarkError(f"no Data Docs in {folder}: no run has been validated yet "
+                            "(set TIDEMARK_DATA_DOCS_DIR if they are elsewhere)")
+    index, count = build_docs_index(str(folder))
+    click.echo(f"{index}: {count:,} validation(s)")
+
+
 @cli.command("resume")
 @click.argument("pipeline")
 @pass_ctx

@@ -16,6 +16,7 @@ Results (per expectation, observed values, the GX result, the Data Docs page) go
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import psycopg
@@ -87,21 +88,57 @@ def _check(df: DataFrame, q: Quality, label: str, docs_dir: str
     return failures, outcome
 
 
-def _for_gx(df: DataFrame) -> DataFrame:
+def _for_gx(df: DataFrame, checks: list[Quality], where: str) -> DataFrame:
     """The rows GX reads: decoded, with their index, cached narrow.
 
-    Without the source bytes and metadata GX's many scans read a fraction of the batch. The
-    cache is filled by GX's first job, together with the full batch cache it derives from.
+    Only the columns the expectations read (all output columns if one may read the whole
+    table): GX's many scans then read a fraction of the batch, and building this second
+    cache costs little. It is filled by GX's first job, with the full batch cache it derives
+    from.
     """
-    keep = [PARTITION, OFFSET] + [c for c in df.columns if not c.startswith(META_PREFIX)]
-    return df.where(F.col(ERR_CLASS).isNull()).select(*keep).persist(StorageLevel.MEMORY_AND_DISK)
+    outputs = [c for c in df.columns if not c.startswith(META_PREFIX)]
+    used: set[str] | None = set()
+    for q in checks:
+        for items, part in ((q.rows, "quality.rows"), (q.batch, "quality.batch")):
+            more = quality.columns_read(quality.parse_expectations(items, where, part))
+            used = None if more is None or used is None else used | more
+    # A column the batch lacks: keep them all, so that GX itself reports it.
+    keep = outputs if used is None or not used <= set(outputs) else \
+        [c for c in outputs if c in used]
+    return (df.where(F.col(ERR_CLASS).isNull()).select(PARTITION, OFFSET, *keep)
+            .persist(StorageLevel.MEMORY_AND_DISK))
+
+
+@contextmanager
+def _many_small_queries(spark):
+    """Spark settings for GX's metric queries, restored afterwards.
+
+    GX asks a few dozen one-row questions of the cached batch. Adaptive execution splits each
+    into two jobs and plans it twice; a limited collect that finds few rows (GX's unexpected
+    values, usually none) scans its partitions in one job instead of growing in steps.
+    """
+    conf = {"spark.sql.adaptive.enabled": "false",
+            "spark.sql.limit.initialNumPartitions": str(2**31 - 1)}
+    saved = {k: spark.conf.get(k, None) for k in conf}
+    for k, v in conf.items():
+        spark.conf.set(k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                spark.conf.unset(k)
+            else:
+                spark.conf.set(k, v)
 
 
 def evaluate(pipeline: Pipeline, df: DataFrame, run_id: int, sink_ranges: dict[str, list[Range]],
              ledger: psycopg.Connection, docs_dir: str) -> Verdict:
-    good = _for_gx(df)
+    checks = [pipeline.quality] + [s.quality for s in pipeline.sinks if s.name in sink_ranges]
+    good = _for_gx(df, checks, f"pipeline {pipeline.name}")
     try:
-        return _evaluate(pipeline, good, run_id, sink_ranges, ledger, docs_dir)
+        with _many_small_queries(df.sparkSession):
+            return _evaluate(pipeline, good, run_id, sink_ranges, ledger, docs_dir)
     finally:
         good.unpersist()
 

@@ -149,6 +149,38 @@ def is_row_level(expectation) -> bool:
     )
 
 
+_TABLE_ROWS_ONLY = {"expect_table_row_count_to_be_between", "expect_table_row_count_to_equal"}
+
+
+def columns_read(expectations: list) -> set[str] | None:
+    """The columns these expectations read, or None when one may read the whole table.
+
+    Column, column-pair and multicolumn expectations read only their own columns, row counts
+    read none; anything else (table-level checks, row conditions) may read every column.
+    """
+    _gx()
+    from great_expectations.expectations.expectation import (
+        ColumnAggregateExpectation,
+        ColumnMapExpectation,
+        ColumnPairMapExpectation,
+        MulticolumnMapExpectation,
+    )
+
+    used: set[str] = set()
+    for e in expectations:
+        if getattr(e, "row_condition", None):
+            return None
+        if isinstance(e, (ColumnMapExpectation, ColumnAggregateExpectation)):
+            used.add(e.column)
+        elif isinstance(e, ColumnPairMapExpectation):
+            used.update((e.column_A, e.column_B))
+        elif isinstance(e, MulticolumnMapExpectation):
+            used.update(e.column_list)
+        elif e.expectation_type not in _TABLE_ROWS_ONLY:
+            return None
+    return used
+
+
 def _batch_definition():
     """The process-wide ephemeral context's Spark whole-dataframe batch definition."""
     with _lock:
@@ -342,7 +374,9 @@ def _render_docs(docs_dir: str, label: str, batch_id: str, res) -> str:
     res.meta["run_id"] = run_id
     with _lock:
         ctx.validation_results_store.set(key, res)
-        ctx.build_data_docs(resource_identifiers=[key])
+        # Only this run's page: the index lists every stored validation, so rebuilding it in
+        # each run would cost more with every run (`tidemark dq docs` rebuilds it).
+        ctx.build_data_docs(resource_identifiers=[key], build_index=False)
         urls = ctx.get_docs_sites_urls(resource_identifier=key)
     for site in urls:
         url = site.get("site_url")
@@ -351,6 +385,16 @@ def _render_docs(docs_dir: str, label: str, batch_id: str, res) -> str:
     return os.path.join(
         os.path.abspath(docs_dir), "gx", "uncommitted", "data_docs", "local_site", "index.html"
     )
+
+
+def build_docs_index(docs_dir: str) -> tuple[str, int]:
+    """Rebuild the Data Docs index page of ``docs_dir``: (its path, validations it lists)."""
+    ctx = _docs_context(docs_dir)
+    with _lock:
+        count = len(ctx.validation_results_store.list_keys())
+        ctx.build_data_docs()
+    return os.path.join(os.path.abspath(docs_dir), "gx", "uncommitted", "data_docs",
+                        "local_site", "index.html"), count
 
 
 def gate(df, expectations: list, docs_dir: str | None, label: str) -> GateOutcome:
