@@ -382,9 +382,12 @@ def _render_docs(docs_dir: str, label: str, batch_id: str, res) -> str:
         url = site.get("site_url")
         if url:
             return url.removeprefix("file://")
-    return os.path.join(
-        os.path.abspath(docs_dir), "gx", "uncommitted", "data_docs", "local_site", "index.html"
-    )
+    return _index_page(docs_dir)
+
+
+def _index_page(docs_dir: str) -> str:
+    return os.path.join(os.path.abspath(docs_dir), "gx", "uncommitted", "data_docs",
+                        "local_site", "index.html")
 
 
 def build_docs_index(docs_dir: str) -> tuple[str, int]:
@@ -393,8 +396,7 @@ def build_docs_index(docs_dir: str) -> tuple[str, int]:
     with _lock:
         count = len(ctx.validation_results_store.list_keys())
         ctx.build_data_docs()
-    return os.path.join(os.path.abspath(docs_dir), "gx", "uncommitted", "data_docs",
-                        "local_site", "index.html"), count
+    return _index_page(docs_dir), count
 
 
 def gate(df, expectations: list, docs_dir: str | None, label: str) -> GateOutcome:
