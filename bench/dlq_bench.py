@@ -24,7 +24,7 @@ def _fill(conn: psycopg.Connection, n: int) -> None:
     conn.execute(
         """INSERT INTO tidemark.dlq (pipeline, sink, run_id, source_partition, source_offset,
                                      key, payload, error_class, reason, status)
-           SELECT 'p' || (i %% 3), CASE WHEN i %% 4 = 0 THEN NULL ELSE 'main' END, 1, i %% 8, i,
+           SELECT 'p' || (i %% 3), CASE WHEN i %% 4 = 0 THEN 'archive' ELSE 'main' END, 1, i %% 8, i,
                   convert_to(i::text, 'UTF8'),
                   convert_to('{"id": ' || i || ', "amount": ' || (i * 1.25) || '}', 'UTF8'),
                   (ARRAY['decode','transform','validation','dq_gate','sink_write'])[1 + i %% 5]

@@ -250,9 +250,9 @@ def test_failed_task_alerts_by_mail_and_webhook(world):
 def test_maintenance_sweeps_and_alerts_on_dlq_growth(world):
     env = world.env
     with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
-        c.execute("""INSERT INTO tidemark.dlq (pipeline, run_id, source_partition, source_offset,
-                                               payload, error_class, reason)
-                     SELECT 'gated', coalesce(max(run_id), 0), 0, 999999, 'x', 'decode',
+        c.execute("""INSERT INTO tidemark.dlq (pipeline, sink, run_id, source_partition,
+                                               source_offset, payload, error_class, reason)
+                     SELECT 'gated', 'main', coalesce(max(run_id), 0), 0, 999999, 'x', 'decode',
                             'payload is not JSON'
                      FROM tidemark.runs""")
     r = world.trigger("tidemark_maintenance")

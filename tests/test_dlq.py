@@ -48,11 +48,11 @@ def sample(ledger):
     """Nine dead letters across pipelines, sinks, classes, statuses and an hour of time."""
     ids = {
         "a": add(ledger, minutes=0),
-        "b": add(ledger, sink=None, cls="transform", minutes=10),
+        "b": add(ledger, sink="archive", cls="transform", minutes=10),
         "c": add(ledger, cls="validation", minutes=20, status="discarded"),
         "d": add(ledger, sink="archive", cls="sink_write", minutes=30),
         "e": add(ledger, pipeline="gated", cls="dq_gate", minutes=40),
-        "f": add(ledger, pipeline="gated", sink=None, minutes=50, status="redriven"),
+        "f": add(ledger, pipeline="gated", sink="archive", minutes=50, status="redriven"),
         "g": add(ledger, cls="validation", minutes=60),
         "h": add(ledger, payload=b"\x00\x01binary", minutes=70),
         "i": add(ledger, pipeline="gated", cls="decode", minutes=80),
@@ -70,9 +70,11 @@ def test_each_filter(ledger, sample):
     assert ids_of(ledger) == newest_first
     assert ids_of(ledger, status="any") == newest_first
     assert ids_of(ledger, pipeline="gated") == [s["i"], s["f"], s["e"]]
-    assert ids_of(ledger, sink="-") == [s["f"], s["b"]]
-    assert ids_of(ledger, sink="(source)", pipeline="orders") == [s["b"]]
-    assert ids_of(ledger, sink="archive") == [s["d"]]
+    assert ids_of(ledger, sink="archive") == [s["f"], s["d"], s["b"]]
+    assert ids_of(ledger, sink="archive", pipeline="orders") == [s["d"], s["b"]]
+    for old in ("-", "(source)"):  # every letter names its sink: no pseudo-sink any more
+        with pytest.raises(BadInput, match="names its sink"):
+            ids_of(ledger, sink=old)
     assert ids_of(ledger, error_class="validation") == [s["g"], s["c"]]
     assert ids_of(ledger, status="quarantined") == sorted(
         set(s.values()) - {s["c"], s["f"]}, reverse=True)
@@ -133,7 +135,7 @@ def test_keyset_pages_over_100k_rows_are_disjoint_and_complete(ledger):
         INSERT INTO tidemark.dlq (pipeline, sink, run_id, source_partition, source_offset,
                                   payload, error_class, reason, status, last_seen)
         SELECT CASE WHEN i % 3 = 0 THEN 'gated' ELSE 'orders' END,
-               CASE WHEN i % 5 = 0 THEN NULL ELSE 'main' END, 1, i % 4, i,
+               CASE WHEN i % 5 = 0 THEN 'archive' ELSE 'main' END, 1, i % 4, i,
                convert_to('{"i": ' || i || '}', 'UTF8'),
                (ARRAY['decode','transform','validation','dq_gate','sink_write'])[1 + i % 5]
                    ::tidemark.error_class,
@@ -165,8 +167,8 @@ def test_keyset_pages_over_100k_rows_are_disjoint_and_complete(ledger):
     assert walk(1000, status="quarantined") == expected("status = 'quarantined'")
     assert walk(1000, status="any") == expected()
     assert walk(997, pipeline="orders", status="any") == expected("pipeline = 'orders'")
-    assert walk(500, pipeline="gated", sink="-", error_class="decode") == expected(
-        "pipeline = 'gated' AND sink IS NULL AND error_class = 'decode'")
+    assert walk(500, pipeline="gated", sink="archive", error_class="decode") == expected(
+        "pipeline = 'gated' AND sink = 'archive' AND error_class = 'decode'")
     assert len(expected()) == 100_000
     exported = dlq.export(ledger, dlq.Filters.parse(pipeline="orders"))
     assert sum(1 for _ in exported) == len(expected("pipeline = 'orders'"))

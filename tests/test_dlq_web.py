@@ -70,7 +70,7 @@ def _seed(env: Env, docs_page: Path) -> dict[str, int]:
             "xss": add(c, run_id=run, payload=XSS, key=b"<k>", headers={"h": "<b>bold</b>"},
                        reason="<img src=x onerror=alert(1)>"),
             "json": add(c, run_id=run, cls="validation", payload=b'{"id": 7, "amount": 1e9}'),
-            "binary": add(c, run_id=run, sink=None, cls="transform", payload=bytes(range(40))),
+            "binary": add(c, run_id=run, sink="archive", cls="transform", payload=bytes(range(40))),
             "done": add(c, run_id=run, status="discarded"),
             "victim": add(c, run_id=run),
             "csrf": add(c, run_id=run),
@@ -235,7 +235,7 @@ def test_filters_and_injection_over_http(site):
 
         assert listed(pipeline="other") == [ids["other"]]
         assert listed(error_class="transform") == [ids["binary"]]
-        assert listed(sink="-") == [ids["binary"]]
+        assert listed(sink="archive") == [ids["binary"]]
         assert listed(pipeline="orders", error_class="sink_write",
                       status="quarantined") == [ids["redrive2"], ids["redrive1"]]
         assert ids["done"] in listed(status="discarded")

@@ -109,7 +109,7 @@ def test_partitions_and_earliest(archive):
     pl = planner(*archive)
     assert pl.partitions() == [0, 1, 2]
     assert [pl.earliest(p) for p in (0, 1, 2)] == [0, 100, 0]
-    assert pl.earliest(7) == 0  # no folder: nothing archived yet
+    assert pl.earliest(7) is None  # no folder: nothing archived yet, nothing to start from
     pl.close()
 
 

@@ -76,7 +76,7 @@ def test_row_failures_are_quarantined_exactly_once_across_a_crash(env, spark):
     assert report.ok, report.summary()
     rows = env.ledger("SELECT source_offset, source_partition, attempts, reason, sink "
                       "FROM tidemark.dlq WHERE error_class = 'validation'")
-    assert len(rows) == 19 and {r[2] for r in rows} == {1} and {r[4] for r in rows} == {None}
+    assert len(rows) == 19 and {r[2] for r in rows} == {1} and {r[4] for r in rows} == {"main"}
     assert all("expect_column_values_to_be_between" in r[3] for r in rows)
     assert _sink_rows(env) == 81
     assert env.ledger("SELECT rows_failed FROM tidemark.dq_results WHERE run_id = %s",

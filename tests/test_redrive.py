@@ -19,7 +19,7 @@ BATCH = {"expect_table_row_count_to_be_between": {"min_value": 10}}  # never met
 
 def _world(env, spark, sinks: int = 1):
     """100 orders (ids >= 81 fail the row check: amount = id * 1.25), one record that is not
-    JSON; after a first run 19 + 1 dead letters, all quarantined before the sinks."""
+    JSON; after a first run 19 + 1 dead letters per sink (a letter names its sink)."""
     env.append_orders(range(100))
     env.append([(0, b"poison", b"{not json", None, None)])
     targets = [{"name": "main", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"]},
@@ -66,10 +66,13 @@ def test_redrive_delivers_what_now_passes_once_and_keeps_what_fails_again(env, s
     targets = _world(env, spark, sinks=2)
     before = {s["name"]: env.checkpoints(sink=s["name"]) for s in targets}
     letters = _letters(env)
-    passing = _ids(letters, lambda v: v[0] == "validation" and v[4] <= 115)   # ids 81 .. 92
+    # Per sink: ids 81 .. 92 now pass, 93 .. 99 fail again, one is not JSON.
+    passing = _ids(letters, lambda v: v[0] == "validation" and v[4] <= 115)
     failing = _ids(letters, lambda v: v[0] == "validation" and v[4] > 115)
     poison = _ids(letters, lambda v: v[0] == "decode")
-    assert len(passing) == 12 and len(failing) == 7 and len(poison) == 1
+    assert len(passing) == 2 * 12 and len(failing) == 2 * 7 and len(poison) == 2
+    assert env.ledger("SELECT sink, count(*) FROM tidemark.dlq GROUP BY 1 ORDER BY 1") == \
+        [("main", 20), ("second", 20)]
 
     # The fix: the row check now allows up to 115.
     env.pipeline(sinks=targets, quality={"rows": [{"expect_column_values_to_be_between": {
@@ -77,7 +80,7 @@ def test_redrive_delivers_what_now_passes_once_and_keeps_what_fails_again(env, s
     report = _redrive(env, spark, passing + failing + poison)
     assert report.ok, report.summary()
     assert report.mode == "redrive"
-    assert report.redrive["redriven"] == 12
+    assert report.redrive["redriven"] == 24
     assert sorted(report.redrive["failed_again"]) == sorted(failing + poison)
 
     after = _letters(env)
@@ -85,7 +88,7 @@ def test_redrive_delivers_what_now_passes_once_and_keeps_what_fails_again(env, s
         assert after[i][1:4] == ("redriven", 1, "alice")
     for i in failing + poison:
         assert after[i][1:3] == ("quarantined", 2), after[i]
-    assert len(after) == 20  # no new dead letters: failures kept their own
+    assert len(after) == 40  # no new dead letters: failures kept their own
     reason, run = env.ledger("SELECT reason, run_id FROM tidemark.dlq WHERE id = %s",
                              (failing[0],))[0]
     assert run == report.run_id and "expect_column_values_to_be_between" in reason

@@ -140,7 +140,7 @@ def report(pipeline: str, dag_id: str, run_id: str) -> dict:
         return {"pipeline": pipeline, "run_id": None,
                 "summary": "nothing to replay (no new records, or every sink busy)"}
     parts = [f"{s['sink']} {s['state']} {s['counts'].get('rows', 0):,} rows "
-             f"{s['counts'].get('sink_dead', 0) + s['counts'].get('source_dead', 0):,} dead"
+             f"{s['counts'].get('dead', 0):,} dead"
              for s in sinks]
     out = {"pipeline": pipeline, "run_id": run["run_id"], "mode": run["mode"],
            "sinks": {s["sink"]: {"state": s["state"], "counts": s["counts"],

@@ -33,7 +33,7 @@ def _ids(values: tuple[str, ...]) -> list[int]:
 def _filter_options(fn):
     for opt in reversed([
         click.option("--pipeline", help="Only this pipeline."),
-        click.option("--sink", help="Only this sink ('-': quarantined before the sinks)."),
+        click.option("--sink", help="Only this sink."),
         click.option("--class", "error_class",
                      help="Only this error class: " + ", ".join(dlq_mod.ERROR_CLASSES) + "."),
         click.option("--status", help="quarantined, redriven, discarded or any "
@@ -120,7 +120,7 @@ def dlq_show(ctx: Ctx, record_id: int, fmt: str, as_json: bool) -> None:
     af = run.get("airflow")
     lines = [
         f"dead letter {rec['id']} ({rec['status']})",
-        f"  pipeline   {rec['pipeline']}   sink {rec['sink'] or '- (before the sinks)'}",
+        f"  pipeline   {rec['pipeline']}   sink {rec['sink']}",
         f"  error      {rec['error_class']}: {rec['reason']}",
         f"  source     partition {rec['source_partition']} offset {rec['source_offset']}",
         f"  run        {rec['run_id']}" + (f" ({run['mode']}, {_when(run['created_at'])})"
@@ -223,7 +223,7 @@ def dlq_counts(ctx: Ctx, as_json: bool) -> None:
 @click.argument("pipeline")
 @click.argument("ids", nargs=-1)
 @click.option("--class", "error_class", help="Every quarantined record of this error class.")
-@click.option("--sink", help="Every quarantined record of this sink ('-': before the sinks).")
+@click.option("--sink", help="Every quarantined record of this sink.")
 @click.option("--all", "everything", is_flag=True,
               help="Every quarantined record of PIPELINE (narrowed by --class/--sink).")
 @click.option("--by", help="Who asks (recorded on the dead letters; default: user@host).")

@@ -146,7 +146,16 @@ class Sink(Connection):
     table: Annotated[str, Field(pattern=TABLE)]
     key: Annotated[list[Annotated[str, Field(pattern=IDENT)]], Field(min_length=1)]
     create_table: bool = True
+    # A column ordering a key's versions across partitions (for example an event version or
+    # timestamp). Without one, (partition, offset) orders versions within a partition only,
+    # and a key whose versions come from two partitions fails the sink with a clear message.
+    version: Annotated[str, Field(pattern=IDENT)] | None = None
     quality: Quality = Quality()  # stricter checks for this sink only
+
+    @property
+    def not_null(self) -> list[str]:
+        """Columns every row must have (NULL in one quarantines the row): key and version."""
+        return [*self.key, *([self.version] if self.version else [])]
 
 
 class Limits(_Model):
@@ -193,6 +202,9 @@ class Pipeline(_Model):
     schedule: str | None = None
     tags: list[str] = []
     delivery: Literal["exactly_once", "at_least_once"] = "exactly_once"
+    # Where a sink with no checkpoint in a partition starts: the first settled offset of the
+    # source (earliest) or the end of what is settled now (latest: skip the history).
+    start: Literal["earliest", "latest"] = "earliest"
     source: Source
     decode: Decode
     transform: Transform = Transform()
@@ -218,6 +230,9 @@ class Pipeline(_Model):
                 if missing:
                     raise ConfigError(where, f"key columns not produced by the transform: "
                                       f"{', '.join(missing)}", f"sinks[{i}].key")
+                if sink.version and sink.version not in outputs:
+                    raise ConfigError(where, f"version column {sink.version} is not produced "
+                                      f"by the transform", f"sinks[{i}].version")
 
     def _check_expectations(self, where: str) -> None:
         """Build every declared expectation now, so a bad name or argument is reported by

@@ -29,7 +29,6 @@ from tidemark.errors import BadInput, Busy
 
 ERROR_CLASSES = ("decode", "transform", "validation", "dq_gate", "sink_write")
 STATUSES = ("quarantined", "redriven", "discarded")
-SOURCE_STAGE = ("-", "(source)")  # how users name "quarantined before the sinks"
 MAX_LIMIT = 1000
 MAX_IDS = 100_000
 MAX_NOTE = 2000
@@ -91,7 +90,7 @@ def _problem(err: dict) -> str:
 
 
 class Filters(BaseModel):
-    """Which dead letters. ``sink == "-"`` means quarantined before the sinks (sink IS NULL);
+    """Which dead letters. Every letter names the sink it applies to (DESIGN.md);
     no status means every status. ``pipelines`` is not a user filter: callers set it to the
     pipelines the user may see."""
 
@@ -110,10 +109,13 @@ class Filters(BaseModel):
     @field_validator("sink")
     @classmethod
     def _sink(cls, v: str | None) -> str | None:
-        if v is None or v in SOURCE_STAGE:
-            return None if v is None else "-"
+        if v is None:
+            return None
+        if v in ("-", "(source)"):
+            raise ValueError("every dead letter names its sink now; for records that failed "
+                             "before becoming rows, filter by class decode or transform")
         if not re.match(IDENT, v):
-            raise ValueError("not a sink name; '-' or '(source)' means before the sinks")
+            raise ValueError("not a sink name")
         return v
 
     @field_validator("since", "until")
@@ -179,9 +181,7 @@ def _where(f: Filters, *, status: str | None = None, before: int | None = None):
         add("pipeline = %s", f.pipeline)
     if f.pipelines is not None:
         add("pipeline = ANY(%s::text[])", list(f.pipelines))
-    if f.sink == "-":
-        add("sink IS NULL")
-    elif f.sink:
+    if f.sink:
         add("sink = %s", f.sink)
     if f.error_class:
         add("error_class = %s::tidemark.error_class", f.error_class)

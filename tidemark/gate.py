@@ -3,11 +3,16 @@
 Runs before anything is written (DESIGN.md: the gate precedes step 2), on the transformed
 batch, cached once so that every expectation reads the same cached rows:
 
-1. pipeline ``quality.rows``: each failing row is quarantined (class ``validation``, sink NULL);
+1. pipeline ``quality.rows``: each failing row is quarantined (class ``validation``) for every
+   sink whose range holds it;
 2. pipeline ``quality.batch`` on the rows that remain: if it fails, ``halt`` ends every sink
-   ``dq_failed`` (nothing written, no checkpoint moved), ``quarantine_batch`` sends the whole
-   batch to the DLQ (class ``dq_gate``) and lets the checkpoints advance;
+   ``dq_failed`` (nothing written, no checkpoint moved), ``quarantine_batch`` quarantines, per
+   sink, that sink's own range (class ``dq_gate``) and lets the checkpoints advance;
 3. the same per sink, on what that sink would receive, for its stricter ``quality``.
+
+The verdicts bind only the sinks of the run, each for its own range (DESIGN.md, "Which sinks
+a verdict applies to"); the writer applies them per sink. A re-delivery never quarantines a
+whole batch: its caller passes ``policy="halt"``.
 
 Results (per expectation, observed values, the GX result, the Data Docs page) go to
 ``tidemark.dq_results``.
@@ -41,8 +46,6 @@ class Verdict:
     quarantine: dict[str, str] = field(default_factory=dict)    # scope -> why (whole batch)
     halted: dict[str, str] = field(default_factory=dict)        # scope -> why (dq_failed)
 
-    def for_tasks(self) -> dict:
-        return {"rows": self.rows, "quarantine": self.quarantine}
 
 
 def _summary(outcome: quality.GateOutcome) -> str:
@@ -133,19 +136,21 @@ def _many_small_queries(spark):
 
 
 def evaluate(pipeline: Pipeline, df: DataFrame, run_id: int, sink_ranges: dict[str, list[Range]],
-             ledger: psycopg.Connection, docs_dir: str) -> Verdict:
+             ledger: psycopg.Connection, docs_dir: str, policy: str | None = None) -> Verdict:
+    """``policy`` overrides the pipeline's ``on_gate_failure`` (a re-delivery halts)."""
     checks = [pipeline.quality] + [s.quality for s in pipeline.sinks if s.name in sink_ranges]
     good = _for_gx(df, checks, f"pipeline {pipeline.name}")
     try:
         with _many_small_queries(df.sparkSession):
-            return _evaluate(pipeline, good, run_id, sink_ranges, ledger, docs_dir)
+            return _evaluate(pipeline, good, run_id, sink_ranges, ledger, docs_dir,
+                             policy or pipeline.quality.on_gate_failure)
     finally:
         good.unpersist()
 
 
 def _evaluate(pipeline: Pipeline, good: DataFrame, run_id: int,
               sink_ranges: dict[str, list[Range]], ledger: psycopg.Connection,
-              docs_dir: str) -> Verdict:
+              docs_dir: str, policy: str) -> Verdict:
     verdict = Verdict()
     label = f"{pipeline.name}-run-{run_id}"
     failures, outcome = _check(good, pipeline.quality, label, docs_dir)
@@ -153,7 +158,7 @@ def _evaluate(pipeline: Pipeline, good: DataFrame, run_id: int,
     verdict.rows[PIPELINE] = failures
     if not outcome.success:
         why = _summary(outcome)
-        if pipeline.quality.on_gate_failure == "halt":
+        if policy == "halt":
             verdict.halted = {s: why for s in sink_ranges}
         else:
             verdict.quarantine[PIPELINE] = why
@@ -168,7 +173,7 @@ def _evaluate(pipeline: Pipeline, good: DataFrame, run_id: int,
         verdict.rows[sink.name] = failures
         if not outcome.success:
             why = _summary(outcome)
-            if pipeline.quality.on_gate_failure == "halt":
+            if policy == "halt":
                 verdict.halted[sink.name] = why
             else:
                 verdict.quarantine[sink.name] = why

@@ -1,14 +1,12 @@
 """Global transaction ids: ``<prefix>:<run>:<stage>:<task>:<attempt>``.
 
-Stages: ``s.<sink>`` rows for a sink (on the sink database), ``d.<sink>`` that sink's dead
-letters and ``src`` the source-stage dead letters (both on the ledger database).
+Stages: ``s.<sink>`` rows for a sink (on the sink database) and ``d.<sink>`` that sink's dead
+letters (on the ledger database). Every participant belongs to exactly one sink.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-SOURCE_STAGE = "src"
 
 
 def sink_stage(sink: str) -> str:
@@ -35,8 +33,8 @@ class Gid:
         return not self.stage.startswith("s.")
 
     @property
-    def sink(self) -> str | None:
-        return None if self.stage == SOURCE_STAGE else self.stage[2:]
+    def sink(self) -> str:
+        return self.stage[2:]
 
 
 def parse(gid: str, prefix: str) -> Gid | None:

@@ -1,4 +1,5 @@
-"""The driver of one run: the commit protocol of DESIGN.md, end to end.
+"""The driver of one run: the commit protocol of DESIGN.md, end to end, for every mode
+(tidemark/modes.py: deliver, backfill; tidemark/redrive.py: redrive).
 
 claim (lease, epoch, ranges) -> read + decode + transform + write/PREPARE in Spark tasks
 -> check every chosen gid is still prepared -> decide (the commit point, per sink)
@@ -10,7 +11,6 @@ after the decision the run finishes its commits first.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -23,14 +23,16 @@ from dataclasses import dataclass, field
 
 import psycopg
 
-from tidemark import faults, gate, gids, records, recovery, sinks, sources, state, twopc
-from tidemark.config import Pipeline
+from tidemark import faults, gate, gids, records, recovery, sinks, state, twopc
+from tidemark.config import Pipeline, PostgresLogSource
 from tidemark.db import connect, one_line
 from tidemark.dsn import mask
 from tidemark.errors import Fenced, Inconsistency, Terminated, TidemarkError
 from tidemark.migrations import require_current
+from tidemark.modes import Backfill, Delivery, Mode
 from tidemark.settings import Settings
-from tidemark.state import Claim, Participant, Range
+from tidemark.state import Claim, Participant, Range, RunState
+from tidemark.taskspec import SinkTarget, TaskResult, TaskSpec
 
 Log = Callable[[str], None]
 
@@ -45,6 +47,9 @@ class SinkOutcome:
     state: str
     rows: int = 0
     dead: int = 0
+    superseded: int = 0   # versions not written: a newer one of their key won
+    removed: int = 0      # re-delivery: rows removed (their records now quarantined)
+    resolved: int = 0     # re-delivery: dead letters resolved (their records now delivered)
     error: str | None = None
 
 
@@ -54,7 +59,6 @@ class RunReport:
     pipeline: str
     mode: str
     records: int = 0
-    source_dead: int = 0
     sinks: dict[str, SinkOutcome] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
@@ -67,35 +71,30 @@ class RunReport:
 
     def to_dict(self) -> dict:
         return {"run_id": self.run_id, "pipeline": self.pipeline, "mode": self.mode,
-                "records": self.records, "source_dead_letters": self.source_dead,
-                "seconds": round(self.seconds, 2), "message": self.message,
-                "skipped": self.skipped, "redrive": self.redrive,
+                "records": self.records, "seconds": round(self.seconds, 2),
+                "message": self.message, "skipped": self.skipped, "redrive": self.redrive,
                 "sinks": {k: vars(v) for k, v in self.sinks.items()}}
 
     def summary(self) -> str:
         if self.run_id is None:
             return f"{self.pipeline}: {self.message}"
         lines = [f"run {self.run_id} ({self.pipeline}, {self.mode}): {self.records:,} records "
-                 f"read in {self.seconds:.1f}s, {self.source_dead:,} quarantined before the sinks"]
+                 f"read in {self.seconds:.1f}s"]
         for s in self.sinks.values():
             tail = f" - {s.error}" if s.error else ""
+            more = "".join(f", {n:,} {what}" for n, what in (
+                (s.superseded, "superseded by newer versions"), (s.removed, "rows removed"),
+                (s.resolved, "dead letters resolved")) if n)
             lines.append(f"  sink {s.sink}: {s.state}, {s.rows:,} rows written, "
-                         f"{s.dead:,} quarantined{tail}")
+                         f"{s.dead:,} quarantined{more}{tail}")
         for sink, why in self.skipped.items():
             lines.append(f"  sink {sink}: skipped ({why})")
-        if self.redrive is not None and self.ok:
+        if self.redrive is not None and self.run_id is not None:
             r = self.redrive
             lines.append(f"  dead letters: {r['redriven']:,} redriven, "
                          f"{len(r['failed_again']):,} failed again (still quarantined, "
                          f"attempts + 1), {len(r['skipped']):,} skipped")
         return "\n".join(lines)
-
-
-@dataclass
-class Backfill:
-    partition: int
-    start: int
-    end: int
 
 
 class _Stop:
@@ -125,23 +124,30 @@ class _Stop:
 
 
 class Run:
+    """One run of the protocol: claim -> write (Spark tasks prepare) -> decide per sink ->
+    finish (COMMIT / ROLLBACK PREPARED) -> advance. ``mode`` says what it delivers."""
+
     def __init__(self, pipeline: Pipeline, settings: Settings, *, ledger_dsn: str,
-                 all_pipelines: dict[str, Pipeline] | None = None, mode: str = "run",
+                 all_pipelines: dict[str, Pipeline] | None = None, mode: str | Mode = "run",
                  backfill: Backfill | None = None, sink_names: list[str] | None = None,
-                 external_id: str | None = None, log: Log = stderr_log, spark=None):
+                 external_id: str | None = None, log: Log = stderr_log, spark=None,
+                 by: str | None = None):
         self.p = pipeline
         self.s = settings
         self.ledger_dsn = ledger_dsn
         self.all_pipelines = all_pipelines or {pipeline.name: pipeline}
-        self.mode = mode
-        self.backfill = backfill
+        self.mode: Mode = mode if isinstance(mode, Mode) else (backfill or Delivery())
+        if self.mode.name == "backfill" and not isinstance(self.mode, Backfill):
+            raise TidemarkError("a backfill needs its range")
         self.sink_names = sink_names
         self.external_id = external_id
         self.log = log
         self.spark = spark
+        self.by = by
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
         self.stop = _Stop()
         self.clock: dict[str, float] = {}  # phase -> monotonic time it ended
+        self.results: list[TaskResult] = []
 
     def _mark(self, phase: str) -> None:
         self.clock[phase] = time.monotonic()
@@ -152,72 +158,33 @@ class Run:
         return {f"{b}_seconds": round(self.clock[b] - self.clock[a], 3)
                 for a, b in zip(have, have[1:], strict=False)}
 
-    # -- planning ------------------------------------------------------------------------
-    def _planner(self):
-        limit = self.p.limits.max_records_per_partition
-        src = sources.planner(self.p)
-
-        def plan(checkpoints: dict[str, dict[int, int]]) -> dict[str, list[Range]]:
-            if self.backfill:
-                b = self.backfill
-                for sink, cps in checkpoints.items():
-                    if b.partition not in cps or b.end > cps[b.partition]:
-                        have = cps.get(b.partition, "none")
-                        raise TidemarkError(
-                            f"backfill of {self.p.name} sink {sink} partition {b.partition} "
-                            f"[{b.start}, {b.end}) goes past the checkpoint ({have}); only "
-                            f"committed ranges can be backfilled - run the pipeline instead")
-                return {s: [Range(b.partition, b.start, b.end)] for s in checkpoints}
-            parts = src.partitions()
-            starts = {s: {p: cps.get(p) for p in parts} for s, cps in checkpoints.items()}
-            earliest: dict[int, int] = {}
-            for cps in starts.values():
-                for p, v in cps.items():
-                    if v is None and p not in earliest:
-                        earliest[p] = src.earliest(p)
-            for cps in starts.values():
-                for p in cps:
-                    if cps[p] is None:
-                        cps[p] = earliest[p]
-            # One read per partition, from the minimum over the sinks and at most `limit`
-            # records long; each sink gets the part at or above its own checkpoint (a sink far
-            # ahead of a lagging one gets nothing until the laggard catches up).
-            ends = {}
-            for p in parts:
-                lo = min(cps[p] for cps in starts.values())
-                ends[p] = max(src.safe_end(p, lo, limit), lo)
-            return {s: [Range(p, cps[p], max(cps[p], ends[p])) for p in parts]
-                    for s, cps in starts.items()}
-
-        return plan, src
-
     # -- the protocol ----------------------------------------------------------------------
     def execute(self) -> RunReport:
         started = time.monotonic()
         faults.mark_job_process_group()
         self._mark("start")
-        report = RunReport(None, self.p.name, self.mode)
+        report = RunReport(None, self.p.name, self.mode.name)
         resolved = sinks.resolve(self.p, self.sink_names)
         by_name = {s.name: s for s in resolved}
-        ledger = connect(self.ledger_dsn, autocommit=True, what="ledger")
+        self.ledger = connect(self.ledger_dsn, autocommit=True, what="ledger")
         try:
-            require_current(ledger)
-            sinks.prepare_database(ledger, "ledger")
+            require_current(self.ledger)
+            sinks.prepare_database(self.ledger, "ledger")
             rec = recovery.recover(self.ledger_dsn, self.all_pipelines, self.s.gid_prefix,
                                    self.s.prepared_alert_seconds)
             if rec.rolled_forward or rec.aborted or rec.rolled_back or not rec.ok:
                 self.log(rec.summary())
             for err in rec.errors:
                 self.log(f"recovery: {err}")
-            plan, src = self._planner()
+            plan, closing = self.mode.planner(self.p)
             try:
                 claim = state.claim(
-                    ledger, pipeline=self.p.name, config=self.p.model_dump(mode="json"),
-                    sinks=list(by_name), mode=self.mode, owner=self.owner,
+                    self.ledger, pipeline=self.p.name, config=self.p.model_dump(mode="json"),
+                    sinks=list(by_name), mode=self.mode.name, owner=self.owner,
                     delivery=self.p.delivery, ttl_seconds=self.s.lease_ttl_seconds, plan=plan,
                     external_id=self.external_id)
             finally:
-                src.close()
+                closing.close()
             if claim is None:
                 report.message = "up to date: nothing to replay"
                 return report
@@ -227,25 +194,25 @@ class Run:
                 self.log(f"sink {sink} skipped: {why}")
             self.stop.install()
             try:
-                self._protocol(ledger, claim, by_name, report)
+                self._protocol(claim, by_name, report)
             except BaseException as exc:
                 # Before any decision nothing may stay behind: roll back now, free the leases.
                 # After one, only recovery may settle what is in doubt.
                 if not self.stop.decided:
                     why = ("terminated (SIGTERM) before the decision" if isinstance(
                         exc, Terminated) else f"{type(exc).__name__}: {one_line(exc)}")
-                    self._abort_all(ledger, claim, why)
+                    self._abort_all(claim, why)
                 raise
             finally:
                 self.stop.uninstall()
-                state.finish_run(ledger, claim.run_id)
+                state.finish_run(self.ledger, claim.run_id)
             return report
         finally:
             report.seconds = time.monotonic() - started
-            ledger.close()
+            self.ledger.close()
 
-    def _protocol(self, ledger: psycopg.Connection, claim: Claim,
-                  by_name: dict[str, sinks.ResolvedSink], report: RunReport) -> None:
+    def _protocol(self, claim: Claim, by_name: dict[str, sinks.ResolvedSink],
+                  report: RunReport) -> None:
         run_id = claim.run_id
         read = claim.read_ranges()
         total = sum(r.size for r in read)
@@ -258,27 +225,27 @@ class Run:
         heart = _Heartbeat(self.ledger_dsn, self.p.name, run_id, self.s.lease_ttl_seconds)
         heart.start()
         try:
-            live = self._write(ledger, claim, by_name, read, report)
+            live = self._write(claim, by_name, read, report)
             self._mark("write")
             self.stop.check()
             faults.point("after_prepare")
-            decided = self._decide(ledger, claim, live, report)
+            decided = self._decide(claim, live, report)
             self._mark("decide")
         finally:
             heart.stop()
         faults.point("after_decide")
-        self._finish(ledger, claim, by_name, decided, report)
+        self._finish(claim, by_name, decided, report)
 
-    def _write(self, ledger, claim: Claim, by_name, read: list[Range], report: RunReport):
+    def _write(self, claim: Claim, by_name, read: list[Range], report: RunReport) -> list[str]:
         from tidemark.spark import session
 
-        run_id = claim.run_id
+        run_id, ledger = claim.run_id, self.ledger
         spark = self.spark or session(self.s.spark_master, f"tidemark-{self.p.name}")
         self.stop.check()
-        df = records.rows(self._source(spark, claim, read), self.p)
+        df = records.rows(self.mode.source(spark, self.p, read), self.p)
         columns = records.output_columns(df)
         verdict = None
-        checks = self._quality_pipeline()
+        checks = self.mode.quality(self.p)
         if checks.has_quality():
             from pyspark import StorageLevel
 
@@ -287,9 +254,9 @@ class Run:
             self.log(f"run {run_id}: checking data quality (Great Expectations)")
             verdict = gate.evaluate(checks, df, run_id,
                                     {s: c.ranges for s, c in claim.sinks.items()}, ledger,
-                                    str(self.s.data_docs_dir))
+                                    str(self.s.data_docs_dir), self.mode.gate_policy)
             failed = sum(len(offs) for f in verdict.rows.values() for offs in f.values())
-            self.log(f"run {run_id}: data quality: {failed:,} rows quarantined, gate "
+            self.log(f"run {run_id}: data quality: {failed:,} rows failed, gate "
                      f"{'failed' if verdict.halted or verdict.quarantine else 'passed'} "
                      f"(`tidemark dq show {run_id}`)")
             for sink, why in verdict.halted.items():
@@ -303,7 +270,7 @@ class Run:
             try:
                 sinks.ensure_table(by_name[sink], columns, f"sink {sink}")
             except TidemarkError as exc:
-                self._abort(ledger, run_id, sink, str(exc), report)
+                self._abort(run_id, sink, str(exc), report)
                 continue
             state.start_writing(ledger, self.p.name, run_id, sink)
             report.sinks[sink].state = "writing"
@@ -312,18 +279,7 @@ class Run:
             if verdict is not None:
                 df.unpersist()
             return []
-        spec = {
-            "run_id": run_id, "pipeline": self.p.name, "prefix": self.s.gid_prefix,
-            "prepare": self.p.delivery == "exactly_once",
-            "lock_timeout_ms": self.s.lock_timeout_ms, "ledger_dsn": self.ledger_dsn,
-            "validation": verdict.for_tasks() if verdict else {},
-            "columns": [c for c, _ in columns],
-            "sinks": [{"name": s, "dsn": by_name[s].dsn, "table": by_name[s].config.table,
-                       "key": by_name[s].config.key,
-                       "ranges": {str(r.partition): [r.start, r.end]
-                                  for r in claim.sinks[s].ranges}} for s in live],
-            **self._task_spec(claim, live),
-        }
+        spec = self._spec(claim, by_name, live, read, [c for c, _ in columns], verdict)
         from tidemark.writer import RESULT_SCHEMA, make_task
 
         progress = _Progress(spark, run_id, len(read), self.log)
@@ -336,56 +292,73 @@ class Run:
         except Exception as exc:  # the Spark job failed after its retries: abort every sink
             msg = f"Spark job failed: {_spark_error(exc)}"
             for sink in live:
-                self._abort(ledger, run_id, sink, msg, report)
+                self._abort(run_id, sink, msg, report)
             self._rollback_run(claim, by_name, keep=set())
             raise TidemarkError(f"run {run_id}: {msg}") from None
         finally:
             progress.stop()
             if verdict is not None:
                 df.unpersist()
-        self.results = [json.loads(r["result"]) for r in rows]
-        report.records = sum(r["records"] for r in self.results)
-        report.source_dead = sum(r["source_dead"] for r in self.results)
+        self.results = [TaskResult.model_validate_json(r["result"]) for r in rows]
+        report.records = sum(r.records for r in self.results)
+        accounting = [r.error for r in self.results if r.error]
+        if len(self.results) != self.mode.tasks(read):
+            accounting.append(f"{len(self.results)} task results for "
+                              f"{self.mode.tasks(read)} tasks")
+        if accounting:
+            how = self.p.transform.python or "select"
+            msg = (f"records not accounted for (transform {how}): {accounting[0]}; a "
+                   f"transform must keep every record exactly once (quarantine a bad one)")
+            for sink in live:
+                self._abort(run_id, sink, msg, report)
+            self._rollback_run(claim, by_name, keep=set())
+            raise TidemarkError(f"run {run_id}: {msg}")
         still: list[str] = []
         for sink in live:
             out = report.sinks[sink]
-            errors = [r["sinks"][sink]["error"] for r in self.results if r["sinks"][sink]["error"]]
-            out.rows = sum(r["sinks"][sink]["rows"] for r in self.results)
-            out.dead = sum(r["sinks"][sink]["dead"] for r in self.results)
-            if len(self.results) != self._tasks(read):
-                errors.append(f"{len(self.results)} task results for {len(read)} ranges")
+            mine = [r.sinks[sink] for r in self.results]
+            errors = [m.error for m in mine if m.error]
+            for name in ("rows", "dead", "superseded", "removed", "resolved"):
+                setattr(out, name, sum(getattr(m, name) for m in mine))
             if not errors:
                 missing = self._not_prepared(sink, by_name)
                 if missing:
                     errors.append(f"prepared transaction(s) vanished before the decision: "
                                   f"{', '.join(missing)}")
             if errors:
-                self._abort(ledger, run_id, sink, errors[0], report)
+                self._abort(run_id, sink, errors[0], report)
                 continue
-            counts = {"records": report.records, "rows": out.rows, "sink_dead": out.dead,
-                      "source_dead": report.source_dead}
+            counts = {"records": sum(m.records for m in mine), "rows": out.rows,
+                      "dead": out.dead, "superseded": out.superseded, "removed": out.removed,
+                      "resolved": out.resolved}
             state.mark_prepared(ledger, self.p.name, run_id, sink, counts)
             out.state = "prepared"
             still.append(sink)
         return still
 
-    # -- what a redrive (tidemark/redrive.py) replaces ------------------------------------
-    def _source(self, spark, claim: Claim, read: list[Range]):
-        return sources.dataframe(spark, self.p, read)
-
-    def _quality_pipeline(self) -> Pipeline:
-        return self.p
-
-    def _task_spec(self, claim: Claim, live: list[str]) -> dict:
-        return {}
-
-    def _tasks(self, read: list[Range]) -> int:
-        return len(read)  # one Spark task per range read
+    def _spec(self, claim: Claim, by_name, live: list[str], read: list[Range],
+              columns: list[str], verdict: gate.Verdict | None) -> TaskSpec:
+        v = verdict or gate.Verdict()
+        targets = []
+        for s in live:
+            cfg = by_name[s].config
+            targets.append(SinkTarget(
+                name=s, dsn=by_name[s].dsn, table=cfg.table, key=cfg.key, version=cfg.version,
+                ranges={r.partition: (r.start, r.end) for r in claim.sinks[s].ranges},
+                letters=self.mode.letters(s), failed=v.rows.get(s, {}),
+                quarantine=v.quarantine.get(s)))
+        return TaskSpec(
+            run_id=claim.run_id, pipeline=self.p.name, mode=self.mode.name,
+            prefix=self.s.gid_prefix, prepare=self.p.delivery == "exactly_once",
+            lock_timeout_ms=self.s.lock_timeout_ms, ledger_dsn=self.ledger_dsn,
+            columns=columns, by=self.by,
+            reads=self.mode.reads(read, isinstance(self.p.source, PostgresLogSource)),
+            failed=v.rows.get(gate.PIPELINE, {}), quarantine=v.quarantine.get(gate.PIPELINE),
+            sinks=targets)
 
     def _chosen(self, sink: str) -> list[Participant]:
-        stages = {gids.sink_stage(sink), gids.dlq_stage(sink), gids.SOURCE_STAGE}
-        return [Participant(p["gid"], p["target"], r["task"], p["rows"])
-                for r in self.results for p in r["participants"] if p["stage"] in stages]
+        return [Participant(p.gid, p.target, r.task, p.rows)
+                for r in self.results for p in r.participants if p.sink == sink]
 
     def _not_prepared(self, sink: str, by_name) -> list[str]:
         if self.p.delivery != "exactly_once":
@@ -398,26 +371,44 @@ class Run:
                     missing.append(p.gid)
         return missing
 
-    def _decide(self, ledger, claim: Claim, live: list[str], report: RunReport) -> list[str]:
+    def _decide(self, claim: Claim, live: list[str], report: RunReport) -> list[str]:
+        """The commit point, sink by sink. A decision that may have committed (a lost
+        connection during it) is settled by reading the ledger, never rolled back."""
         decided = []
         for sink in live:
             self.stop.check()
+            # From here on SIGTERM no longer aborts: a decided sink finishes its commit.
+            self.stop.decided = True
             try:
-                # From here on SIGTERM no longer aborts: a decided sink finishes its commit.
-                self.stop.decided = True
-                state.decide(ledger, self.p.name, claim.run_id, sink, self._chosen(sink))
+                state.decide(self.ledger, self.p.name, claim.run_id, sink, self._chosen(sink))
             except Fenced as exc:
                 self.stop.decided = bool(decided)
-                self._abort(ledger, claim.run_id, sink, str(exc), report)
+                self._abort(claim.run_id, sink, str(exc), report)
                 continue
+            except psycopg.OperationalError as exc:
+                self._reconnect(claim.run_id)
+                now = state.state_of(self.ledger, claim.run_id, sink)
+                self.log(f"run {claim.run_id} sink {sink}: lost the ledger during the "
+                         f"decision ({one_line(exc)}); the ledger says {now}")
+                if now != RunState.COMMITTING:
+                    self._abort(claim.run_id, sink, f"decision not recorded: {one_line(exc)}",
+                                report)
+                    continue
             report.sinks[sink].state = "committing"
             decided.append(sink)
         return decided
 
-    def _finish(self, ledger, claim: Claim, by_name, decided: list[str],
-                report: RunReport) -> None:
+    def _reconnect(self, run_id: int) -> None:
+        """A new ledger session, holding the owner's lock again (recovery may meanwhile have
+        aborted what it saw as orphaned: the transitions then refuse, and we say so)."""
+        self.ledger.close()
+        self.ledger = connect(self.ledger_dsn, autocommit=True, what="ledger")
+        self.ledger.execute("SELECT pg_advisory_lock(%s, %s)", (state.OWNER_LOCK_CLASS, run_id))
+
+    def _finish(self, claim: Claim, by_name, decided: list[str], report: RunReport) -> None:
         dbs = recovery.Databases(self.ledger_dsn, {self.p.name: self.p},
                                  application="tidemark-commit")
+        ledger = self.ledger
         try:
             keep: set[str] = set()
             for sink in decided:
@@ -437,7 +428,12 @@ class Run:
             faults.point("after_finish")
             self._mark("commit")
             for sink in decided:
-                state.advance(ledger, self.p.name, claim.run_id, sink, self._timings())
+                try:
+                    state.advance(ledger, self.p.name, claim.run_id, sink, self._timings())
+                except state.IllegalTransition:
+                    # A concurrent recovery rolled it forward first: the same outcome.
+                    if state.state_of(ledger, claim.run_id, sink) != RunState.COMMITTED:
+                        raise
                 report.sinks[sink].state = "committed"
             faults.point("after_advance")
         except psycopg.OperationalError as exc:
@@ -448,15 +444,15 @@ class Run:
             dbs.close()
 
     # -- abort paths -------------------------------------------------------------------------
-    def _abort(self, ledger, run_id: int, sink: str, error: str, report: RunReport) -> None:
-        state.abort(ledger, self.p.name, run_id, sink, error)
+    def _abort(self, run_id: int, sink: str, error: str, report: RunReport) -> None:
+        state.abort(self.ledger, self.p.name, run_id, sink, error)
         report.sinks[sink].state = "aborted"
         report.sinks[sink].error = error
         self.log(f"run {run_id} sink {sink}: aborted: {error}")
 
-    def _abort_all(self, ledger, claim: Claim, error: str) -> None:
+    def _abort_all(self, claim: Claim, error: str) -> None:
         for sink in claim.sinks:
-            state.abort(ledger, self.p.name, claim.run_id, sink, error)
+            state.abort(self.ledger, self.p.name, claim.run_id, sink, error)
         self._rollback_run(claim, {s.name: s for s in sinks.resolve(self.p, list(claim.sinks))},
                            keep=set())
 
@@ -488,19 +484,29 @@ def _spark_error(exc: BaseException) -> str:
 
 
 class _Heartbeat(threading.Thread):
+    """Renews the run's leases every third of their lifetime. A dropped ledger connection is
+    reopened (a restart or a network blip must not cost the lease); the run is fenced only if
+    the lease really moved or expired, which the decision checks."""
+
     def __init__(self, dsn: str, pipeline: str, run_id: int, ttl: int):
         super().__init__(daemon=True, name="tidemark-heartbeat")
         self.args_ = (dsn, pipeline, run_id, ttl)
         self._stop_evt = threading.Event()
+        self.beats = 0
 
     def run(self) -> None:
         dsn, pipeline, run_id, ttl = self.args_
-        try:
-            with connect(dsn, autocommit=True, what="ledger") as conn:
-                while not self._stop_evt.wait(max(ttl / 3, 1)):
-                    state.heartbeat(conn, pipeline, run_id, ttl)
-        except (psycopg.Error, TidemarkError):
-            pass  # a lease we cannot renew expires; fencing then stops the run
+        every = max(ttl / 3, 1)
+        while not self._stop_evt.is_set():
+            try:
+                with connect(dsn, autocommit=True, what="ledger",
+                             application="tidemark-heartbeat") as conn:
+                    while not self._stop_evt.wait(every):
+                        if state.heartbeat(conn, pipeline, run_id, ttl) == 0:
+                            return  # the leases moved on: nothing left to renew
+                        self.beats += 1
+            except (psycopg.Error, TidemarkError):
+                self._stop_evt.wait(min(every, 2.0))  # reconnect
 
     def stop(self) -> None:
         self._stop_evt.set()

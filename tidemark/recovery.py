@@ -131,6 +131,9 @@ def _roll_forward(ledger: psycopg.Connection, dbs: Databases, report: Report) ->
             state.advance(ledger, pipeline, run_id, sink)
         except state.IllegalTransition:
             continue  # its owner got there first
+        except psycopg.Error as exc:
+            report.errors.append(f"run {run_id} sink {sink}: cannot advance: {one_line(exc)}")
+            continue
         report.rolled_forward.append((run_id, sink))
 
 
@@ -169,8 +172,11 @@ def _abort_dead(ledger: psycopg.Connection, report: Report) -> None:
         if alive and leased:
             continue
         why = "owner process is gone" if not alive else "lease expired or taken over"
-        if state.abort(ledger, pipeline, run_id, sink, f"recovery: {why}"):
-            report.aborted.append((run_id, sink))
+        try:
+            if state.abort(ledger, pipeline, run_id, sink, f"recovery: {why}"):
+                report.aborted.append((run_id, sink))
+        except psycopg.Error as exc:  # one bad item never stops the rest
+            report.errors.append(f"run {run_id} sink {sink}: cannot abort: {one_line(exc)}")
         # Its prepared work is rolled back by the sweep below (same rule as any orphan).
 
 
@@ -193,9 +199,12 @@ def _sweep(ledger: psycopg.Connection, dbs: Databases, prefix: str, horizon: int
         except (psycopg.Error, TidemarkError) as exc:
             report.errors.append(f"cannot scan {mask(dsn)}: {one_line(exc)}")
             continue
-        if conn.execute("SELECT to_regclass('tidemark.commits')").fetchone()[0]:
-            conn.execute("""DELETE FROM tidemark.commits WHERE run_id < %s
-                            AND created_at < now() - interval '1 day'""", (settled_below,))
+        try:
+            if conn.execute("SELECT to_regclass('tidemark.commits')").fetchone()[0]:
+                conn.execute("""DELETE FROM tidemark.commits WHERE run_id < %s
+                                AND created_at < now() - interval '1 day'""", (settled_below,))
+        except psycopg.Error as exc:
+            report.errors.append(f"cannot prune markers on {mask(dsn)}: {one_line(exc)}")
         for gid, age in found:
             g = gids.parse(gid, prefix)
             if g is None or g.run_id > horizon:
@@ -212,7 +221,4 @@ def _sweep(ledger: psycopg.Connection, dbs: Databases, prefix: str, horizon: int
 
 
 def _may_still_choose(open_sinks: dict[str, str], g: gids.Gid) -> bool:
-    undecided = {s for s, st in open_sinks.items() if st != RunState.COMMITTING}
-    if g.stage == gids.SOURCE_STAGE:
-        return bool(undecided)
-    return g.sink in undecided
+    return open_sinks.get(g.sink) not in (None, RunState.COMMITTING)

@@ -67,12 +67,19 @@ def _create(conn: psycopg.Connection, cfg: Sink, columns: list[tuple[str, str]])
 
 def _check(conn: psycopg.Connection, cfg: Sink, columns: list[tuple[str, str]],
            what: str) -> None:
-    have = {r[0] for r in conn.execute(
-        """SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0
-           AND NOT attisdropped""", (qualified(cfg.table),))}
+    have = dict(conn.execute(
+        """SELECT attname, attnotnull FROM pg_attribute WHERE attrelid = %s::regclass
+           AND attnum > 0 AND NOT attisdropped""", (qualified(cfg.table),)).fetchall())
     missing = [n for n, _ in [*columns, *META_COLUMNS] if n not in have]
     if missing:
         raise TidemarkError(f"{what}: table {cfg.table} lacks columns {', '.join(missing)}")
+    # A NULL key is distinct from every other NULL: the row would duplicate on every
+    # re-delivery (and vanish in the merge's DISTINCT ON). Refuse such a table.
+    nullable = [k for k in cfg.key if not have[k]]
+    if nullable:
+        raise TidemarkError(f"{what}: table {cfg.table} allows NULL in key column(s) "
+                            f"{', '.join(nullable)}; make them NOT NULL (ALTER TABLE "
+                            f"{cfg.table} ALTER COLUMN {nullable[0]} SET NOT NULL)")
     unique = conn.execute(
         """SELECT 1 FROM pg_index i WHERE i.indrelid = %s::regclass AND i.indisunique
            AND i.indpred IS NULL AND (SELECT array_agg(a.attname::text ORDER BY a.attname)

@@ -143,14 +143,17 @@ def claim(conn: psycopg.Connection, *, pipeline: str, config: dict, sinks: Itera
                 "SELECT sink, partition, next_offset FROM tidemark.checkpoints "
                 "WHERE pipeline = %s AND sink = ANY(%s)", (pipeline, free)):
             checkpoints[sink][part] = nxt
-        ranges = {s: [r for r in rs if r.size > 0] for s, rs in plan(checkpoints).items()}
-        # Seed checkpoints of new partitions so status shows them even before a commit.
-        for sink, rs in plan_seeds(checkpoints, ranges).items():
+        planned = plan(checkpoints)
+        # Seed the checkpoints of new partitions, even with nothing to read yet: where a sink
+        # starts is decided once (`start: latest` must not move on with every run), and
+        # status shows them before a commit.
+        for sink, rs in plan_seeds(checkpoints, planned).items():
             for r in rs:
                 conn.execute("""INSERT INTO tidemark.checkpoints (pipeline, sink, partition,
                                 next_offset) VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING""",
                              (pipeline, sink, r.partition, r.start))
-        work = {s: rs for s, rs in ranges.items() if rs}
+        work = {s: [r for r in rs if r.size > 0] for s, rs in planned.items()}
+        work = {s: rs for s, rs in work.items() if rs}
         if not work:
             return None
         run_id = conn.execute(
@@ -200,14 +203,26 @@ def _transition(conn: psycopg.Connection, run_id: int, sink: str, to: RunState,
 
 
 def _check_lease(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str) -> None:
+    """The run still holds the sink's lease: same run, same epoch, not expired. Locks the
+    lease row first, as every transition of a (run, sink) does, so that a driver and a
+    recovery never wait on each other in opposite orders."""
     row = conn.execute(
-        """SELECT l.epoch, l.run_id, rs.lease_epoch FROM tidemark.run_sinks rs
+        """SELECT l.epoch, l.run_id, rs.lease_epoch, l.expires_at < now()
+           FROM tidemark.run_sinks rs
            JOIN tidemark.leases l ON l.pipeline = %s AND l.sink = rs.sink
            WHERE rs.run_id = %s AND rs.sink = %s FOR UPDATE OF l""",
         (pipeline, run_id, sink)).fetchone()
     if row is None or row[1] != run_id or row[0] != row[2]:
         holder = f"run {row[1]} (epoch {row[0]})" if row else "nobody"
         raise Fenced(f"run {run_id} lost the lease of sink {sink} to {holder}")
+    if row[3]:
+        raise Fenced(f"run {run_id}: its lease of sink {sink} expired (a stalled driver); "
+                     f"another run may take over")
+
+
+def _lock_lease(conn: psycopg.Connection, pipeline: str, sink: str) -> None:
+    conn.execute("SELECT 1 FROM tidemark.leases WHERE pipeline = %s AND sink = %s FOR UPDATE",
+                 (pipeline, sink))
 
 
 def start_writing(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str) -> None:
@@ -234,24 +249,22 @@ class Participant:
 
 def decide(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str,
            chosen: list[Participant]) -> None:
-    """The commit point: lease still ours, chosen gids recorded, state committing."""
-    decide_all(conn, pipeline, run_id, {sink: chosen})
-
-
-def decide_all(conn: psycopg.Connection, pipeline: str, run_id: int,
-               chosen: dict[str, list[Participant]]) -> None:
-    """The commit point of one or more sinks in one transaction: leases still the run's,
-    chosen gids recorded, states committing. A redrive decides all its sinks at once (the
-    status change of its dead letters is one transaction that all of them share)."""
+    """The commit point: lease still ours (and not expired), chosen gids recorded, state
+    committing, in one ledger transaction."""
     with conn.transaction():
-        for sink, participants in chosen.items():
-            _check_lease(conn, pipeline, run_id, sink)
-            _transition(conn, run_id, sink, RunState.COMMITTING, [RunState.PREPARED])
-            with conn.cursor() as cur:
-                cur.executemany(
-                    """INSERT INTO tidemark.participants (run_id, sink, gid, target, task, rows)
-                       VALUES (%s, %s, %s, %s, %s, %s)""",
-                    [(run_id, sink, p.gid, p.target, p.task, p.rows) for p in participants])
+        _check_lease(conn, pipeline, run_id, sink)
+        _transition(conn, run_id, sink, RunState.COMMITTING, [RunState.PREPARED])
+        with conn.cursor() as cur:
+            cur.executemany(
+                """INSERT INTO tidemark.participants (run_id, sink, gid, target, task, rows)
+                   VALUES (%s, %s, %s, %s, %s, %s)""",
+                [(run_id, sink, p.gid, p.target, p.task, p.rows) for p in chosen])
+
+
+def state_of(conn: psycopg.Connection, run_id: int, sink: str) -> RunState | None:
+    row = conn.execute("SELECT state::text FROM tidemark.run_sinks WHERE run_id = %s "
+                       "AND sink = %s", (run_id, sink)).fetchone()
+    return RunState(row[0]) if row else None
 
 
 def advance(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str,
@@ -259,6 +272,7 @@ def advance(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str,
     """committing -> committed: checkpoints to the ranges' ends (never backwards), lease freed,
     counts and timings stored as run metrics."""
     with conn.transaction():
+        _lock_lease(conn, pipeline, sink)
         _transition(conn, run_id, sink, RunState.COMMITTED, [RunState.COMMITTING],
                     timings=json.dumps(timings or {}))
         conn.execute(
@@ -283,6 +297,7 @@ def advance(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str,
 def abort(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, error: str) -> bool:
     """planned/writing/prepared -> aborted. False if the run had already left those states."""
     with conn.transaction():
+        _lock_lease(conn, pipeline, sink)
         try:
             _transition(conn, run_id, sink, RunState.ABORTED, ABORTABLE, error=error[:2000])
         except IllegalTransition:
@@ -294,6 +309,7 @@ def abort(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, error
 def dq_failed(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str,
               error: str) -> None:
     with conn.transaction():
+        _lock_lease(conn, pipeline, sink)
         _transition(conn, run_id, sink, RunState.DQ_FAILED,
                     [RunState.PLANNED, RunState.WRITING], error=error[:2000])
         _release(conn, pipeline, run_id, sink)

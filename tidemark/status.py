@@ -55,7 +55,7 @@ def render(st: dict) -> str:
     for r in st["runs"]:
         counts = r["counts"] or {}
         rows = counts.get("rows", 0)
-        dead = counts.get("sink_dead", 0) + counts.get("source_dead", 0)
+        dead = counts.get("dead", counts.get("sink_dead", 0) + counts.get("source_dead", 0))
         err = f"  {r['error'][:100]}" if r["error"] else ""
         out.append(f"    {r['run_id']:>6} {r['mode']:<8} {r['sink']:<16} {r['state']:<10} "
                    f"{rows:>10,} rows {dead:>7,} dlq  {r['created_at']:%Y-%m-%d %H:%M:%S}{err}")

@@ -7,8 +7,13 @@ autocommit connection to that database.
 
 from __future__ import annotations
 
+import time
+
 import psycopg
 from psycopg import errors as pgerr
+
+# SQLSTATE of a key whose versions come from different partitions with no declared order.
+VERSION_CONFLICT = "TM001"
 
 MARKERS_DDL = """
 CREATE SCHEMA IF NOT EXISTS tidemark;
@@ -17,12 +22,24 @@ CREATE TABLE IF NOT EXISTS tidemark.commits (
     run_id     bigint NOT NULL,
     created_at timestamptz NOT NULL DEFAULT now()
 );
+-- Called by a sink merge's guard when a key's stored and incoming versions come from
+-- different partitions and the sink declares no version column: offsets do not order them.
+CREATE OR REPLACE FUNCTION tidemark.version_conflict(k text, stored int, incoming int)
+RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION USING ERRCODE = '""" + VERSION_CONFLICT + """',
+        MESSAGE = format('key %s has versions from partitions %s and %s, which offsets do '
+                         'not order; declare a version column for this sink (sinks[].version)',
+                         k, stored, incoming);
+END $$;
 """
 
 
 def ensure_markers(conn: psycopg.Connection) -> None:
-    exists = conn.execute("SELECT to_regclass('tidemark.commits')").fetchone()[0]
-    if exists is None:
+    have = conn.execute("SELECT to_regclass('tidemark.commits') IS NOT NULL AND "
+                        "to_regprocedure('tidemark.version_conflict(text,int,int)') IS NOT NULL"
+                        ).fetchone()[0]
+    if not have:
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(hashtext('tidemark.commits'))")
             conn.execute(MARKERS_DDL)
@@ -45,24 +62,36 @@ def has_marker(conn: psycopg.Connection, gid: str) -> bool:
                         ).fetchone() is not None
 
 
-def rollback(conn: psycopg.Connection, gid: str) -> bool:
+def _finish(conn: psycopg.Connection, verb: str, gid: str, busy_seconds: float) -> bool:
+    """COMMIT/ROLLBACK PREPARED; False if the gid is gone. Another session finishing the same
+    gid at this moment (a driver and a recovery both settling a decision) makes it "busy":
+    wait until that session is done, then report it gone."""
+    stmt = psycopg.sql.SQL(verb + " PREPARED {}").format(psycopg.sql.Literal(gid))
+    deadline = time.monotonic() + busy_seconds
+    while True:
+        try:
+            conn.execute(stmt)
+            return True
+        except pgerr.UndefinedObject:
+            return False
+        except pgerr.ObjectNotInPrerequisiteState:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def rollback(conn: psycopg.Connection, gid: str, busy_seconds: float = 60.0) -> bool:
     """Roll back if still prepared; False if it was already gone."""
-    try:
-        conn.execute(psycopg.sql.SQL("ROLLBACK PREPARED {}").format(psycopg.sql.Literal(gid)))
-        return True
-    except pgerr.UndefinedObject:
-        return False
+    return _finish(conn, "ROLLBACK", gid, busy_seconds)
 
 
-def commit(conn: psycopg.Connection, gid: str) -> str:
+def commit(conn: psycopg.Connection, gid: str, busy_seconds: float = 60.0) -> str:
     """Commit a chosen gid. Returns 'committed' (now or earlier) or 'lost'.
 
     A gid that is gone committed earlier if its marker row is here; with no marker it was
     rolled back by someone else, which the caller must treat as an inconsistency. A lost
     connection propagates: the outcome is then unknown and only recovery may settle it.
     """
-    try:
-        conn.execute(psycopg.sql.SQL("COMMIT PREPARED {}").format(psycopg.sql.Literal(gid)))
+    if _finish(conn, "COMMIT", gid, busy_seconds):
         return "committed"
-    except pgerr.UndefinedObject:
-        return "committed" if has_marker(conn, gid) else "lost"
+    return "committed" if has_marker(conn, gid) else "lost"

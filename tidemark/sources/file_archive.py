@@ -167,9 +167,12 @@ class FileArchivePlanner:
             self._segments[partition] = self.archive.segments(partition, self.src.format)
         return self._segments[partition]
 
-    def earliest(self, partition: int) -> int:
+    def earliest(self, partition: int) -> int | None:
         segs = self._segs(partition)
-        return segs[0][0] if segs else 0
+        return segs[0][0] if segs else None
+
+    def latest(self, partition: int) -> int | None:
+        return self.end(partition) if self._segs(partition) else None
 
     def end(self, partition: int) -> int:
         """Exclusive end of the archive's partition (0 when it has no segment)."""

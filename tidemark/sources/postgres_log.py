@@ -112,10 +112,19 @@ class PostgresLogPlanner:
             raise TidemarkError(f"source {self.src.table}: {str(exc).splitlines()[0]}") from None
         return [r[0] for r in rows]
 
-    def earliest(self, partition: int) -> int:
-        row = self.conn.execute(self._q("SELECT min({offset}) FROM {t} WHERE {partition} = %s"),
-                                (partition,)).fetchone()
-        return row[0] if row[0] is not None else 0
+    def earliest(self, partition: int) -> int | None:
+        """The first *settled* offset: a row a still-running writer may yet commit below the
+        first visible one would otherwise be skipped for good."""
+        return self.conn.execute(self._q("""
+            SELECT min({offset}) FROM {t} WHERE {partition} = %s
+              AND {xid} < pg_snapshot_xmin(pg_current_snapshot())"""), (partition,)
+                                 ).fetchone()[0]
+
+    def latest(self, partition: int) -> int | None:
+        first = self.earliest(partition)
+        if first is None:
+            return None
+        return self.safe_end(partition, first, 2**62)
 
     def safe_end(self, partition: int, start: int, limit: int) -> int:
         """End (exclusive) of the longest gap-free run of settled rows from ``start``."""

@@ -1,0 +1,255 @@
+"""Features together (DESIGN.md: "Which sinks a verdict applies to", "Re-delivery", "Task
+accounting"): per-sink runs at different checkpoints, failing gates, backfill over dead
+letters, discard and redrive, key versions, NULL keys, transforms that lose records. Real
+PostgreSQL, Spark and Great Expectations."""
+
+from __future__ import annotations
+
+import json
+
+import psycopg
+import pytest
+
+from tests.invariants import assert_exactly_once
+from tidemark import dlq
+from tidemark.errors import TidemarkError
+from tidemark.job import Backfill
+
+ROWS = "expect_column_values_to_be_between"
+
+
+def two_sinks(env) -> list[dict]:
+    return [{"name": "a", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"]},
+            {"name": "b", "dsn": env.sink2_dsn, "table": "public.orders", "key": ["id"]}]
+
+
+def ddl(dsn: str, statement: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute(statement)
+
+
+def both(env) -> dict[str, str]:
+    return {"a": env.sink_dsn, "b": env.sink2_dsn}
+
+
+def letters(env, where: str = "true", params=()) -> list[tuple]:
+    return env.ledger(f"SELECT sink, source_partition, source_offset, error_class::text, "
+                      f"status::text, attempts FROM tidemark.dlq WHERE {where} "
+                      f"ORDER BY sink, source_partition, source_offset", params)
+
+
+def ids(env, dsn: str) -> list[int]:
+    return [i for (i,) in env.q(dsn, "SELECT id FROM orders ORDER BY id")]
+
+
+def test_a_lagging_sinks_failed_gate_quarantines_only_its_own_range(env, spark):
+    """The first-wave bug: sink a delivered alone, then sink b caught up with a failing gate
+    under quarantine_batch, and a's records landed in a's DLQ too."""
+    env.append_orders(range(80))  # 40 per partition
+    gate = {"expect_table_row_count_to_be_between": {"max_value": 30}}
+    quality = {"batch": [gate], "on_gate_failure": "quarantine_batch"}
+    env.pipeline(sinks=two_sinks(env), quality=quality,
+                 limits={"max_records_per_partition": 10})
+    first = env.run(spark, sink_names=["a"])
+    assert first.ok and first.sinks["a"].rows == 20, first.summary()
+
+    env.pipeline(sinks=two_sinks(env), quality=quality,
+                 limits={"max_records_per_partition": 40})
+    second = env.run(spark, sink_names=["b"])  # 80 records: the gate fails
+    assert second.ok and second.sinks["b"].dead == 80, second.summary()
+    assert letters(env, "sink = 'a'") == []
+    assert {r[3] for r in letters(env, "sink = 'b'")} == {"dq_gate"}
+    assert len(ids(env, env.sink_dsn)) == 20 and ids(env, env.sink2_dsn) == []
+    assert_exactly_once(env, sinks=both(env))
+
+    # Sink a catches up over records b has (in its DLQ): its own range [10, 40) only.
+    third = env.run(spark)
+    assert list(third.sinks) == ["a"] and third.sinks["a"].dead == 60, third.summary()
+    assert len(letters(env, "sink = 'a'")) == 60
+    assert len(ids(env, env.sink_dsn)) == 20
+    assert env.checkpoints(sink="a") == env.checkpoints(sink="b") == {0: 40, 1: 40}
+    assert_exactly_once(env, sinks=both(env))
+
+
+def test_a_decode_verdict_binds_only_the_sinks_whose_range_holds_the_record(env, spark):
+    env.append_orders(range(10), partitions=1)
+    env.append([(0, b"poison", b"{not json", None, None)])       # offset 10
+    env.pipeline(sinks=two_sinks(env))
+    assert env.run(spark, sink_names=["a"]).ok
+    assert letters(env) == [("a", 0, 10, "decode", "quarantined", 1)]
+    env.append_orders(range(10, 15), partitions=1)
+    both_run = env.run(spark)   # b from 0 (gets the poison for itself), a from 11
+    assert both_run.ok, both_run.summary()
+    assert both_run.sinks["a"].rows == 5 and both_run.sinks["b"].rows == 15
+    assert letters(env) == [("a", 0, 10, "decode", "quarantined", 1),
+                            ("b", 0, 10, "decode", "quarantined", 1)]
+    assert_exactly_once(env, sinks=both(env))
+
+
+def test_a_backfill_leaves_the_sink_as_one_delivery_with_the_current_pipeline_would(env, spark):
+    """Re-delivery: what now fails leaves the sink for the DLQ, what now passes leaves the DLQ
+    for the sink, in one two-phase commit; re-quarantined letters are live again."""
+    env.append_orders(range(40), partitions=1)  # amount = id * 1.25
+    env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 25}}]})
+    assert env.run(spark).ok
+    assert ids(env, env.sink_dsn) == list(range(21))   # 21 .. 39 quarantined
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
+        (last,) = c.execute("SELECT id FROM tidemark.dlq WHERE source_offset = 39").fetchone()
+        assert dlq.discard(c, [last], "not worth it", "dora").changed == [last]
+
+    # The pipeline changes: ids 0 .. 3 now fail (amount < 5), ids 21 .. 32 now pass.
+    env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "min_value": 5,
+                                           "max_value": 40}}]})
+    report = env.run(spark, mode="backfill", backfill=Backfill(0, 0, 40), by="erin")
+    assert report.ok, report.summary()
+    out = report.sinks["main"]
+    assert (out.rows, out.removed, out.resolved, out.dead) == (29, 4, 12, 4 + 7)
+    assert ids(env, env.sink_dsn) == list(range(4, 33))
+    by_offset = {r[2]: r for r in letters(env)}
+    assert [o for o, r in by_offset.items() if r[4] == "quarantined"] == \
+        [0, 1, 2, 3, *range(33, 40)]
+    assert {by_offset[o][4] for o in range(21, 33)} == {"redriven"}
+    # The discarded letter failed again: live again, its history kept.
+    status, attempts, who, note = env.ledger(
+        "SELECT status::text, attempts, resolved_by, note FROM tidemark.dlq WHERE id = %s",
+        (last,))[0]
+    assert (status, attempts, who, note) == ("quarantined", 2, "dora", "not worth it")
+    resolved = env.ledger("SELECT DISTINCT resolved_by, note FROM tidemark.dlq "
+                          "WHERE status = 'redriven'")
+    assert resolved == [("erin", f"delivered again by backfill run {report.run_id}")]
+    assert env.checkpoints() == {0: 40}
+    assert_exactly_once(env)
+
+    # Back to the first check: the 12 redriven letters are quarantined again, their rows gone.
+    env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 25}}]})
+    again = env.run(spark, mode="backfill", backfill=Backfill(0, 0, 40))
+    assert again.ok and again.sinks["main"].removed == 12, again.summary()
+    assert again.sinks["main"].resolved == 4  # ids 0 .. 3 pass again
+    assert ids(env, env.sink_dsn) == list(range(21))
+    status = {r[2]: r[4] for r in letters(env)}
+    assert status == {**dict.fromkeys(range(4), "redriven"),
+                      **dict.fromkeys(range(21, 40), "quarantined")}
+    assert_exactly_once(env)
+
+    # ... and a redrive accepts the once-discarded letter, now that it passes.
+    from tidemark import config
+    from tidemark.redrive import Redrive
+
+    env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]})
+    all_p, _ = config.load_all(env.dir)
+    rep = Redrive(all_p["orders"], env.settings(), ledger_dsn=env.ledger_dsn, ids=[last],
+                  by="fay", all_pipelines=all_p, spark=spark, log=lambda m: None).execute()
+    assert rep.ok and rep.redrive["redriven"] == 1, rep.summary()
+    assert 39 in ids(env, env.sink_dsn)
+    assert_exactly_once(env)
+
+
+def test_a_backfill_whose_batch_gate_fails_changes_nothing_whatever_the_policy(env, spark):
+    env.append_orders(range(30), partitions=1)
+    env.append([(0, b"poison", b"{not json", None, None)])
+    quality = {"batch": [{"expect_table_row_count_to_be_between": {"max_value": 100}}],
+               "on_gate_failure": "quarantine_batch"}
+    env.pipeline(quality=quality)
+    assert env.run(spark).ok
+    before = (env.q(env.sink_dsn, "SELECT * FROM orders ORDER BY id"), letters(env))
+    env.pipeline(quality={**quality, "batch": [
+        {"expect_table_row_count_to_be_between": {"max_value": 5}}]})
+    report = env.run(spark, mode="backfill", backfill=Backfill(0, 0, 31))
+    assert report.sinks["main"].state == "dq_failed", report.summary()
+    assert (env.q(env.sink_dsn, "SELECT * FROM orders ORDER BY id"), letters(env)) == before
+    assert env.checkpoints() == {0: 31}
+    assert_exactly_once(env)
+
+
+def test_versions_of_a_key_from_two_partitions_need_a_declared_order(env, spark):
+    def order(i: int, name: str, version: int) -> bytes:
+        return json.dumps({"id": i, "name": name, "version": version}).encode()
+
+    env.append([(0, b"7", order(7, "p0", 1), None, None), (0, b"1", order(1, "a", 1), None, None),
+                (0, b"1", order(1, "b", 2), None, None)])
+    env.append([(1, b"7", order(7, "p1", 2), None, None)])
+
+    def source(*parts: int) -> dict:
+        return {"type": "postgres_log", "dsn": env.ledger_dsn, "table": "src.log",
+                "partitions": list(parts)}
+
+    plain = {"name": "main", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"]}
+    env.pipeline(source=source(0), sinks=[plain])
+    first = env.run(spark)
+    assert first.ok, first.summary()
+    assert first.sinks["main"].superseded == 1  # id 1's first version, in the same batch
+    assert env.q(env.sink_dsn, "SELECT name FROM orders ORDER BY id") == [("b",), ("p0",)]
+
+    # Partition 1 brings another version of id 7: offsets cannot order it against partition 0.
+    env.pipeline(source=source(0, 1), sinks=[plain])
+    refused = env.run(spark)
+    assert refused.sinks["main"].state == "aborted"
+    assert "key (id)=(7) has versions from partitions 0 and 1" in refused.sinks["main"].error
+    assert "declare a version column" in refused.sinks["main"].error
+    assert env.checkpoints() == {0: 3, 1: 0} and env.prepared() == []
+
+    env.pipeline(source=source(0, 1), sinks=[{**plain, "version": "version"}])
+    second = env.run(spark)
+    assert second.ok, second.summary()
+    assert env.q(env.sink_dsn, "SELECT name, version FROM orders WHERE id = 7") == [("p1", 2)]
+    # Re-delivering partition 0 never puts back an older version; what it skips is counted.
+    back = env.run(spark, mode="backfill", backfill=Backfill(0, 0, 3))
+    assert back.ok and back.sinks["main"].superseded == 2, back.summary()
+    assert env.q(env.sink_dsn, "SELECT id, name, version FROM orders ORDER BY id") == \
+        [(1, "b", 2), (7, "p1", 2)]
+
+
+def test_sink_keys_are_never_null(env, spark):
+    env.append_orders(range(5), partitions=1)
+    env.append([(0, b"nokey", json.dumps({"name": "no id"}).encode(), None, None)])
+    # No `required`: the key column is required all the same.
+    env.pipeline(transform={"select": {"id": "id", "name": "name"}})
+    report = env.run(spark)
+    assert report.ok and report.sinks["main"].rows == 5, report.summary()
+    assert env.ledger("SELECT error_class::text, reason FROM tidemark.dlq") == \
+        [("transform", "key column id is NULL")]
+    assert_exactly_once(env)
+
+    # A table whose key allows NULL (a unique index, no primary key) is refused.
+    ddl(env.sink2_dsn, "CREATE TABLE loose (id int, name text, _tm_partition int NOT NULL, "
+        "_tm_offset bigint NOT NULL, _tm_run_id bigint NOT NULL)")
+    ddl(env.sink2_dsn, "CREATE UNIQUE INDEX ON loose (id)")
+    env.pipeline(transform={"select": {"id": "id", "name": "name"}}, sinks=[
+        {"name": "loose", "dsn": env.sink2_dsn, "table": "public.loose", "key": ["id"]}])
+    refused = env.run(spark, sink_names=["loose"])
+    assert refused.sinks["loose"].state == "aborted"
+    assert "allows NULL in key column(s) id" in refused.sinks["loose"].error
+
+
+@pytest.mark.parametrize("how", ["drops", "duplicates"])
+def test_a_transform_that_loses_or_copies_records_fails_before_anything_is_prepared(
+        env, spark, how, tmp_path, monkeypatch):
+    module = tmp_path / f"lossy_{how}.py"
+    body = ("df.where('_tm_offset <> 3')" if how == "drops"
+            else "df.unionByName(df.where('_tm_offset = 3'))")
+    module.write_text(f"def fn(df):\n    return {body}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env.append_orders(range(10), partitions=1)
+    env.pipeline(transform={"python": f"lossy_{how}:fn"})
+    with pytest.raises(TidemarkError, match=rf"transform lossy_{how}:fn.*(partition 0 \[0, 10\)|changed the partitioning)"):
+        env.run(spark)
+    assert env.ledger("SELECT state::text FROM tidemark.run_sinks") == [("aborted",)]
+    assert env.prepared() == []
+    assert env.checkpoints() == {0: 0}
+    assert env.ledger("SELECT count(*) FROM tidemark.dlq") == [(0,)]
+
+
+def test_headers_postgresql_refuses_are_kept_and_the_record_quarantined(env, spark):
+    """A `\\u0000` in JSON headers: jsonb refuses it, so the dead letter keeps them base64."""
+    import base64
+
+    ddl(env.ledger_dsn, "ALTER TABLE src.log ALTER COLUMN headers TYPE json")
+    raw = '{"trace": "a\\u0000b"}'
+    env.append([(0, b"k", b"{not json", raw, None)])
+    env.append_orders([1], partitions=1)
+    env.pipeline()
+    report = env.run(spark)
+    assert report.ok and report.sinks["main"].dead == 1, report.summary()
+    (headers,) = env.ledger("SELECT headers FROM tidemark.dlq")[0]
+    assert base64.b64decode(headers["_tm_unstorable_headers_base64"]).decode() == raw
+    assert_exactly_once(env)

@@ -1,0 +1,215 @@
+"""The protocol under faults that meet each other: zombie task attempts, a decision that may
+have committed, a lease that expired, a recovery racing a decision, a dropped heartbeat
+connection, two sessions committing the same gid, the first read of a partition. Real
+PostgreSQL and real job processes."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import psycopg
+import pytest
+
+from tests.invariants import assert_exactly_once
+from tests.proc import JobProcess
+from tidemark import state, twopc
+from tidemark.errors import Fenced
+from tidemark.state import Range
+from tidemark.writer import rollback_earlier_attempts
+
+
+def _prepare(dsn: str, gid: str) -> None:
+    with psycopg.connect(dsn) as c:
+        twopc.ensure_markers(c)
+        c.commit()
+        c.execute("INSERT INTO tidemark.commits (gid, run_id) VALUES (%s, 7)", (gid,))
+        c.execute(psycopg.sql.SQL("PREPARE TRANSACTION {}").format(psycopg.sql.Literal(gid)))
+
+
+def test_a_retry_rolls_back_only_earlier_attempts_of_its_task(env):
+    for attempt in (0, 2):
+        _prepare(env.ledger_dsn, f"tm:7:d.main:3:{attempt}")
+    _prepare(env.ledger_dsn, "tm:7:d.main:4:0")  # another task
+    done = rollback_earlier_attempts(env.ledger_dsn, "tm", 7, "%", 3, 1)
+    assert done == ["tm:7:d.main:3:0"]
+    assert env.prepared() == ["tm:7:d.main:3:2", "tm:7:d.main:4:0"]  # the zombie's is kept
+
+
+def _claimed(conn, ttl: int = 60):
+    def plan(cps):
+        return {s: [Range(0, 0, 5)] for s in cps}
+
+    claim = state.claim(conn, pipeline="orders", config={}, sinks=["main"], mode="run",
+                        owner="test:1", delivery="exactly_once", ttl_seconds=ttl, plan=plan)
+    state.start_writing(conn, "orders", claim.run_id, "main")
+    state.mark_prepared(conn, "orders", claim.run_id, "main", {})
+    return claim.run_id
+
+
+def test_an_expired_lease_is_fenced_at_the_decision_even_if_nobody_took_over(env):
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as conn:
+        rid = _claimed(conn)
+        conn.execute("UPDATE tidemark.leases SET expires_at = now() - interval '1 second'")
+        with pytest.raises(Fenced, match="expired"):
+            state.decide(conn, "orders", rid, "main", [])
+        assert state.state_of(conn, rid, "main") == state.RunState.PREPARED
+
+
+def test_a_recovery_aborting_while_a_decision_holds_the_lease_never_deadlocks(env):
+    """Both lock the lease row first: the abort waits, then finds the run decided."""
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as driver, \
+            psycopg.connect(env.ledger_dsn, autocommit=True) as recovery:
+        rid = _claimed(driver)
+        outcome: list = []
+        with driver.transaction():
+            state._check_lease(driver, "orders", rid, "main")  # the decision's first step
+            t = threading.Thread(target=lambda: outcome.append(
+                state.abort(recovery, "orders", rid, "main", "recovery: test")))
+            t.start()
+            _wait_for_lock_wait(env, "abort")
+            state._transition(driver, rid, "main", state.RunState.COMMITTING,
+                              [state.RunState.PREPARED])
+        t.join(30)
+        assert outcome == [False]  # decided: not abortable, and no deadlock error
+        assert state.state_of(driver, rid, "main") == state.RunState.COMMITTING
+
+
+def _wait_for_lock_wait(env, what: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if env.ledger("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                      "AND datname = current_database()")[0][0]:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{what} never waited on a lock")
+
+
+def test_the_heartbeat_reconnects_after_its_connection_is_dropped(env):
+    from tidemark.job import _Heartbeat
+
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as conn:
+        rid = _claimed(conn, ttl=3)
+        beat = _Heartbeat(env.ledger_dsn, "orders", rid, 3)
+        beat.start()
+        try:
+            _until(lambda: beat.beats >= 1, "a first heartbeat")
+            killed = env.ledger("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                "WHERE application_name = 'tidemark-heartbeat'")
+            assert killed == [(True,)]
+            seen = beat.beats
+            _until(lambda: beat.beats > seen + 1, "heartbeats after the reconnect")
+            assert conn.execute("SELECT expires_at > now() FROM tidemark.leases").fetchone()[0]
+            state.decide(conn, "orders", rid, "main", [])  # still ours: not fenced
+        finally:
+            beat.stop()
+
+
+def _until(cond, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_two_sessions_committing_the_same_gids_both_settle_without_error(env):
+    gids = [f"tm:9:s.main:{i}:0" for i in range(40)]
+    for g in gids:
+        _prepare(env.ledger_dsn, g)
+    outcomes: dict[str, list] = {"a": [], "b": []}
+
+    def settle(name: str) -> None:
+        with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
+            for g in gids:
+                outcomes[name].append(twopc.commit(c, g))
+
+    threads = [threading.Thread(target=settle, args=(n,)) for n in outcomes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert outcomes["a"] == outcomes["b"] == ["committed"] * len(gids)
+    assert env.prepared() == []
+
+
+def test_the_first_read_of_a_partition_starts_at_its_first_settled_offset(env):
+    """A writer that commits out of offset order (a sequence, not `append`): offset 0 is
+    still being written when offsets 1 and 2 are visible. Starting at 1 would skip 0."""
+    from tidemark.sources.postgres_log import PostgresLogPlanner
+
+    env.pipeline()
+    with psycopg.connect(env.ledger_dsn) as slow, \
+            psycopg.connect(env.ledger_dsn, autocommit=True) as fast:
+        slow.execute("SELECT pg_current_xact_id()")  # an older transaction, still running
+        fast.execute("""INSERT INTO src.log ("partition", "offset", payload) VALUES
+                        (0, 1, '{}'), (0, 2, '{}')""")
+        src = env.load().source
+        planner = PostgresLogPlanner(src, env.ledger_dsn)
+        try:
+            assert planner.partitions() == [0]
+            assert planner.earliest(0) is None   # nothing settled yet: do not start
+            slow.execute("""INSERT INTO src.log ("partition", "offset", payload)
+                            VALUES (0, 0, '{}')""")
+            slow.commit()
+            assert planner.earliest(0) == 0
+            assert planner.latest(0) == 3
+        finally:
+            planner.close()
+
+
+def test_start_latest_skips_the_history_once_and_keeps_what_comes_after(env, spark):
+    env.append_orders(range(20))
+    env.pipeline(start="latest")
+    first = env.run(spark)
+    assert first.run_id is None  # nothing after the start
+    assert env.checkpoints() == {0: 10, 1: 10}  # the start is recorded, not recomputed
+    env.append_orders(range(20, 24))
+    second = env.run(spark)
+    assert second.ok and second.sinks["main"].rows == 4, second.summary()
+    assert sorted(i for (i,) in env.q(env.sink_dsn, "SELECT id FROM orders")) == \
+        [20, 21, 22, 23]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["sigterm", "lost_connection"])
+def test_a_decision_that_may_have_committed_is_settled_by_the_ledger(env, tmp_path, fault):
+    """The decision waits on the lease row (held here); meanwhile the job is signalled, or
+    its ledger connection is killed. A signal during the decision never rolls it back; a lost
+    connection is settled by reading the ledger (here: not recorded, so rolled back)."""
+    env.append_orders(range(60))
+    env.pipeline()
+    job = JobProcess(env.cli_argv("run", "orders"), env.cli_env(), pause_dir=tmp_path / "p",
+                     pause_at="after_prepare")
+    job.wait_reached()
+    with psycopg.connect(env.ledger_dsn) as holder:
+        holder.execute("SELECT 1 FROM tidemark.leases FOR UPDATE")
+        job.resume()
+        _wait_for_lock_wait(env, "the decision")
+        if fault == "sigterm":
+            job.signal(signal.SIGTERM)
+            time.sleep(0.5)  # the handler has run: the signal must not abort the decision
+        else:
+            killed = env.ledger(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                "wait_event_type = 'Lock' AND application_name = 'tidemark'")
+            assert killed == [(True,)]
+        holder.rollback()
+    code = job.wait()
+    out = job.output()
+    assert "Traceback" not in out
+    st = env.ledger("SELECT state::text FROM tidemark.run_sinks")
+    if fault == "sigterm":
+        assert code == 0, out
+        assert st == [("committed",)]
+        assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(60,)]
+    else:
+        assert code == 1, out
+        assert "the ledger says prepared" in out
+        assert st == [("aborted",)]
+        assert env.prepared() == []
+        rerun = JobProcess(env.cli_argv("run", "orders"), env.cli_env())
+        assert rerun.wait() == 0, rerun.output()
+        assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(60,)]
+    assert_exactly_once(env)

@@ -1,0 +1,100 @@
+"""What the driver hands a Spark task and what the task returns: typed, validated at both ends.
+
+The driver builds one :class:`TaskSpec` per run and Spark ships it to every task as JSON; the
+task validates it, writes, and returns one :class:`TaskResult`, which the driver validates
+before it counts anything or chooses a gid (DESIGN.md, "Task accounting").
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+Mode = Literal["run", "backfill", "redrive"]
+Failures = dict[int, dict[int, str]]  # partition -> offset -> reason
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Span(_Model):
+    """Offsets ``[start, end)`` of one partition. ``dense``: the source holds every offset of
+    it (postgres_log); a compacted archive may have gaps, so only duplicates and strays can be
+    told there, not a dropped record."""
+
+    partition: int
+    start: int
+    end: int
+    dense: bool = True
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+class SinkTarget(_Model):
+    """One sink of the run, as a task sees it: where it is and what it must place."""
+
+    name: str
+    dsn: str
+    table: str
+    key: list[str]
+    version: str | None = None
+    ranges: dict[int, tuple[int, int]]   # partition -> [start, end): this sink's offsets
+    letters: list[int] | None = None     # redrive: the dead letters it replays for this sink
+    failed: Failures = {}                # its own row-level expectations' failures
+    quarantine: str | None = None        # its batch gate failed under quarantine_batch: why
+
+
+class TaskSpec(_Model):
+    run_id: int
+    pipeline: str
+    mode: Mode
+    prefix: str
+    prepare: bool                        # exactly once (PREPARE) or at least once (COMMIT)
+    lock_timeout_ms: int
+    ledger_dsn: str
+    columns: list[str]
+    by: str | None = None                # who a re-delivery resolves dead letters for
+    reads: list[Span] | None = None      # task i reads reads[i]; None: a redrive's one task
+    failed: Failures = {}                # pipeline-level row expectations' failures
+    quarantine: str | None = None        # pipeline batch gate failed under quarantine_batch
+    sinks: list[SinkTarget]
+
+    @property
+    def redelivery(self) -> bool:
+        """Backfill and redrive give sinks records they had before (DESIGN.md)."""
+        return self.mode != "run"
+
+
+class Prepared(_Model):
+    """One participant: a transaction the task prepared (or committed, at least once)."""
+
+    gid: str
+    target: str                          # 'ledger' or 'sink:<name>'
+    sink: str
+    rows: int
+
+
+class SinkResult(_Model):
+    records: int = 0                     # records of this sink's range the task saw
+    rows: int = 0                        # rows written (inserted or replaced)
+    dead: int = 0                        # records quarantined for this sink
+    superseded: int = 0                  # versions not written: a newer one won
+    removed: int = 0                     # re-delivery: own rows removed (now quarantined)
+    resolved: int = 0                    # re-delivery: live letters resolved (now delivered)
+    redriven: list[int] = []             # redrive: letter ids delivered
+    failed_again: list[int] = []         # redrive: letter ids quarantined again
+    skipped: list[int] = []              # redrive: letter ids no longer quarantined
+    error: str | None = None             # this sink failed in this task
+
+
+class TaskResult(_Model):
+    task: int
+    attempt: int
+    records: int                         # records the task read
+    participants: list[Prepared] = []
+    sinks: dict[str, SinkResult] = {}
+    error: str | None = None             # the task could not account for its range
