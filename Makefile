@@ -11,13 +11,14 @@ PGDIR  := $(STATE)/pg
 ENVF   := $(STATE)/env
 UV_VERSION := 0.13.9
 
-.PHONY: help venv browser pg up down test lint bench clean
+.PHONY: help venv browser pg up down test lint bench chaos clean
 
 help:
 	@echo "make up     local PostgreSQL + ledger + demo data + Airflow (demo DAG unpaused)"
 	@echo "make down   stop what 'make up' started"
 	@echo "make test   lint and the whole test suite (starts its own servers)"
 	@echo "make bench  the replay benchmark (2M records)"
+	@echo "make chaos  randomized fault checker (STEPS=300 SEED=<n>; default seed random)"
 
 venv: $(VENV)/.installed
 
@@ -75,6 +76,13 @@ bench: pg
 	$(BIN)/tidemark db upgrade
 	$(PY) bench/replay_bench.py
 	set -a && . $(ENVF) && set +a && $(PY) bench/dlq_bench.py
+
+# A seeded random sequence of operations and faults against a scratch cluster, with the
+# invariants checked after every step. `make chaos STEPS=300 SEED=42`.
+STEPS ?= 300
+SEED  ?=
+chaos: venv
+	$(BIN)/tidemark chaos --steps $(STEPS) $(if $(SEED),--seed $(SEED))
 
 clean: down
 	rm -rf $(STATE) $(VENV)

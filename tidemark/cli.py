@@ -319,6 +319,21 @@ def airflow_down(ctx: Ctx, port: int) -> None:
     click.echo("Airflow stopped" if stack.stop() else "Airflow was not running")
 
 
+# -- chaos ------------------------------------------------------------------------------------
+@cli.command("chaos")
+@click.option("--seed", type=int, help="Seed of the random sequence (default: random, printed).")
+@click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--fault-every", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Every Nth step is a fault; the first four cover every fault kind.")
+@click.option("--keep-dir", is_flag=True, help="Keep the scratch cluster, logs and pipeline.")
+def chaos_cmd(seed: int | None, steps: int, fault_every: int, keep_dir: bool) -> None:
+    """Drive a scratch pipeline through a seeded random sequence of operations and faults,
+    checking DESIGN.md's invariants after every step (exit 1 on the first problem)."""
+    from tidemark.chaos.runner import main as chaos_main
+
+    chaos_main(seed, steps, keep_dir, fault_every)
+
+
 # Command groups in their own modules register themselves on `cli`.
 from tidemark import cli_dlq  # noqa: E402,F401
 

@@ -1,0 +1,198 @@
+"""`tidemark chaos`: its checker finds planted violations, and a short seeded run with every
+kind of fault passes. Real PostgreSQL, Spark and Great Expectations; no mocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from contextlib import contextmanager
+
+import psycopg
+import pytest
+
+from tidemark.chaos.adapter import InProcess
+from tidemark.chaos.checker import Checker, Problem
+from tidemark.chaos.faults import KINDS, signal_session
+from tidemark.chaos.runner import target
+from tidemark.chaos.world import World
+
+
+@pytest.fixture(scope="module")
+def world():
+    w = World.create(partitions=2, limit=1000)
+    yield w
+    w.destroy()
+
+
+def _exec(dsn: str, *statements: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for s in statements:
+            conn.execute(s)
+
+
+def _letter(sink: str | None, partition: int, offset: int, *, status: str = "quarantined",
+            error_class: str = "validation", payload: str = "payload") -> str:
+    """SQL planting a dead letter for a source record (its bytes unless told otherwise)."""
+    sink_sql = "NULL" if sink is None else f"'{sink}'"
+    return f"""INSERT INTO tidemark.dlq (pipeline, sink, run_id, source_partition, source_offset,
+               key, payload, error_class, reason, status)
+               SELECT 'chaos', {sink_sql}, 1, "partition", "offset", key, {payload},
+                      '{error_class}', 'planted', '{status}'
+               FROM src.log WHERE "partition" = {partition} AND "offset" = {offset}"""
+
+
+def _find(problems: list[Problem], sink, partition, offset, needle: str) -> Problem:
+    for p in problems:
+        if (p.sink, p.partition, p.offset) == (sink, partition, offset) and needle in p.what:
+            return p
+    raise AssertionError(f"no problem ({sink}, {partition}, {offset}, ...{needle}...) in:\n"
+                         + "\n".join(map(str, problems)))
+
+
+def test_the_checker_finds_each_planted_violation(world, spark):
+    # 20 clean orders, every check passes: ids 2, 4 .. 20 are partition 0 offsets 0 .. 9,
+    # ids 1, 3 .. 19 partition 1 offsets 0 .. 9.
+    world.append([(i % 2, str(i).encode(), json.dumps(
+        {"id": i, "name": f"order-{i}", "amount": 10.0 + i, "version": 1}).encode(), None)
+        for i in range(1, 21)])
+    out = InProcess(world, spark).run()
+    assert out.ok, out
+    led, a, b = world.ledger_dsn, world.sink_dsns["a"], world.sink_dsns["b"]
+    # Some plants are states the ledger's own constraints forbid (a letter without a sink,
+    # two letters for one record): lift them in this throwaway world.
+    with psycopg.connect(led, autocommit=True) as conn:
+        for (name,) in conn.execute("""SELECT conname FROM pg_constraint
+                                       WHERE conrelid = 'tidemark.dlq'::regclass
+                                       AND contype = 'u'""").fetchall():
+            conn.execute(f'ALTER TABLE tidemark.dlq DROP CONSTRAINT "{name}"')
+        conn.execute("ALTER TABLE tidemark.dlq ALTER COLUMN sink DROP NOT NULL")
+    checker = Checker(target(world))
+    problems, snap = checker.check()
+    assert problems == [], "\n".join(map(str, problems))
+    assert snap.rows == {"a": 20, "b": 20}
+    assert snap.checkpoints == {(s, p): 10 for s in "ab" for p in (0, 1)}
+
+    @contextmanager
+    def planted(dsn: str, do: list[str], undo: list[str]):
+        _exec(dsn, *do)
+        try:
+            yield checker.check()[0]
+        finally:
+            _exec(dsn, *undo)
+        again = checker.check()[0]
+        assert again == [], "\n".join(map(str, again))
+
+    # A delivered record lost from sink a (id 4: partition 0 offset 1).
+    with planted(a, ["CREATE TABLE saved AS SELECT * FROM public.orders WHERE id = 4",
+                     "DELETE FROM public.orders WHERE id = 4"],
+                 ["INSERT INTO public.orders SELECT * FROM saved", "DROP TABLE saved"]) as found:
+        _find(found, "a", 0, 1, "not placed")
+        assert len(found) == 1, found
+
+    # A live letter for a record sink b has (id 5: partition 1 offset 2).
+    with planted(led, [_letter("b", 1, 2)], ["DELETE FROM tidemark.dlq"]) as found:
+        _find(found, "b", 1, 2, "in the sink and in live dead letter")
+        assert {(p.sink, p.partition, p.offset) for p in found} == {("b", 1, 2)}
+
+    # Two live letters for one record of sink a that the sink does not have (id 3).
+    _exec(a, "CREATE TABLE saved AS SELECT * FROM public.orders WHERE id = 3",
+          "DELETE FROM public.orders WHERE id = 3")
+    try:
+        _exec(led, _letter("a", 1, 1), _letter("a", 1, 1, error_class="decode",
+                                               status="discarded"))
+        found = checker.check()[0]
+        _find(found, "a", 1, 1, "2 live dead letters")
+        assert len(found) == 1, found
+        _exec(led, "DELETE FROM tidemark.dlq WHERE error_class = 'decode'")
+        assert checker.check()[0] == []  # one live letter places it
+    finally:
+        _exec(led, "DELETE FROM tidemark.dlq")
+        _exec(a, "INSERT INTO public.orders SELECT * FROM saved", "DROP TABLE saved")
+    assert checker.check()[0] == []
+
+    # A letter that names no sink (partition 0 offset 5); it places nothing.
+    with planted(led, [_letter(None, 0, 5, status="redriven")],
+                 ["DELETE FROM tidemark.dlq"]) as found:
+        _find(found, "-", 0, 5, "names no sink")
+        assert len(found) == 1, found
+
+    # A letter whose payload (or key) is not the source record's bytes (partition 1 offset 4,
+    # redriven: not live, so this is the only problem).
+    with planted(led, [_letter("a", 1, 4, status="redriven", payload="payload || '\\x00'")],
+                 ["DELETE FROM tidemark.dlq"]) as found:
+        _find(found, "a", 1, 4, "payload differs from the source")
+        assert len(found) == 1, found
+    with planted(led, [_letter("b", 0, 3, status="redriven"),
+                       "UPDATE tidemark.dlq SET key = 'other'"],
+                 ["DELETE FROM tidemark.dlq"]) as found:
+        _find(found, "b", 0, 3, "key differs")
+
+    # A sink row that is not its source record (id 6 is partition 0 offset 2).
+    with planted(b, ["UPDATE public.orders SET id = 999 WHERE id = 6"],
+                 ["UPDATE public.orders SET id = 6 WHERE id = 999"]) as found:
+        _find(found, "b", 0, 2, "sink row id 999 but its source record's id is 6")
+
+    # A checkpoint moved backwards (sink a partition 1: 10 -> 8): rows 8 and 9 are now above it.
+    with planted(led, ["UPDATE tidemark.checkpoints SET next_offset = 8 WHERE sink = 'a' "
+                       "AND partition = 1"],
+                 ["UPDATE tidemark.checkpoints SET next_offset = 10 WHERE sink = 'a' "
+                  "AND partition = 1"]) as found:
+        _find(found, "a", 1, 8, "checkpoint moved backwards from 10 to 8")
+        _find(found, "a", 1, 8, "at or above the checkpoint 8")
+        _find(found, "a", 1, 9, "at or above the checkpoint 8")
+        assert len(found) == 3, found
+
+    # A live letter above the checkpoint: a new record, not delivered yet (partition 0 offset 10).
+    world.append([(0, b"22", json.dumps({"id": 22, "name": "x", "amount": 1.0,
+                                         "version": 1}).encode(), None)])
+    with planted(led, [_letter("b", 0, 10)], ["DELETE FROM tidemark.dlq"]) as found:
+        _find(found, "b", 0, 10, "at or above the checkpoint 10")
+        assert len(found) == 1, found
+
+    # A prepared transaction left on a sink database after recovery.
+    with psycopg.connect(b) as conn:
+        conn.execute("SELECT 1")
+        conn.execute("PREPARE TRANSACTION 'tm:999:s.b:0:0'")
+    try:
+        found = checker.check()[0]
+        _find(found, "-", "-", "-", "prepared transaction tm:999:s.b:0:0 left on database "
+                                    f"{world.names['b']}")
+        assert len(found) == 1, found
+    finally:
+        _exec(b, "ROLLBACK PREPARED 'tm:999:s.b:0:0'")
+    assert checker.check()[0] == []
+
+    # A halted pipeline.
+    with planted(led, ["UPDATE tidemark.pipelines SET halted_reason = 'planted'"],
+                 ["UPDATE tidemark.pipelines SET halted_reason = NULL"]) as found:
+        _find(found, "-", "-", "-", "is halted: planted")
+
+
+def test_a_short_seeded_run_with_every_kind_of_fault_passes(tmp_path):
+    """NOTE: fails until the data path writes a dead letter per sink (today letters
+    quarantined before the sinks name no sink); see the report it prints."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEMARK_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    proc = subprocess.Popen([sys.executable, "-m", "tidemark", "chaos", "--seed", "7",
+                             "--steps", "12"],
+                            env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=420)
+    except subprocess.TimeoutExpired:
+        signal_session(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"chaos did not finish in 420s:\n{out}") from None
+    finally:
+        signal_session(proc.pid, signal.SIGKILL)
+    print(out)
+    assert proc.returncode == 0, out
+    assert "chaos seed=7 steps=12: PASSED, no problems" in out, out
+    faults = re.search(r"^faults: (.*)$", out, re.M)
+    assert faults, out
+    for kind in KINDS:  # steps 3, 6, 9, 12 are faults, one of each kind
+        assert f"{kind} 1" in faults.group(1), out

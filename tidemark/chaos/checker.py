@@ -1,0 +1,264 @@
+"""The independent checker: DESIGN.md's invariants read straight from the databases.
+
+It shares no code with the data path on purpose (plain psycopg and SQL against the source
+log, the sink tables, ``tidemark.dlq``, ``tidemark.checkpoints``, ``tidemark.pipelines``,
+``tidemark.run_sinks`` and ``pg_prepared_xacts``): a bug in the data path cannot hide itself
+by being shared with its judge. What it checks, per sink and partition (invariant 1 and
+"Which sinks a verdict applies to"):
+
+- every source offset below that sink's checkpoint is placed exactly once for that sink: its
+  own row in the sink, or a newer version of its key in the sink (same ``_tm_partition``,
+  higher ``_tm_offset``), or exactly one live dead letter for that sink (status quarantined
+  or discarded). Never its own row and a live letter; never two live letters;
+- nothing at or above the checkpoint is placed (no sink row, no live letter for that sink);
+- a dead letter names its sink (sink NULL is a problem), and its payload and key are the
+  source record's bytes;
+- a sink row's id (and version) are those of its source record's payload;
+- checkpoints never move backwards between two checks, nor past the end of the source;
+- after recovery: no prepared transaction on any database, no run left in an open state,
+  no halted pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import psycopg
+from psycopg import sql
+
+LIVE = ("quarantined", "discarded")
+OPEN_STATES = ("planned", "writing", "prepared", "committing")
+APP = "chaos-check"
+
+
+@dataclass(frozen=True, order=True)
+class Problem:
+    sink: str
+    partition: int | str
+    offset: int | str
+    what: str
+
+    def __str__(self) -> str:
+        return f"sink {self.sink} partition {self.partition} offset {self.offset}: {self.what}"
+
+
+@dataclass
+class Target:
+    """What to check: one pipeline, its source log, its sinks."""
+
+    ledger_dsn: str
+    pipeline: str
+    source_table: str                    # in the ledger database
+    sinks: dict[str, tuple[str, str]]    # name -> (dsn, table)
+    databases: list[str]                 # every database whose prepared transactions count
+
+
+@dataclass
+class Snapshot:
+    checkpoints: dict[tuple[str, int], int] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)           # sink -> rows
+    live: dict[str, int] = field(default_factory=dict)           # sink -> live letters
+    letters: int = 0
+
+
+def _ident(table: str) -> sql.Composable:
+    return sql.SQL(".").join(sql.Identifier(p) for p in table.split(".", 1))
+
+
+def _payload_fields(payload: bytes | None) -> tuple[int | None, int | None]:
+    """(id, version) of a payload, None where it has none (not JSON, wrong types...)."""
+    if payload is None:
+        return None, None
+    try:
+        doc = json.loads(bytes(payload).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None, None
+    if not isinstance(doc, dict):
+        return None, None
+
+    def integer(v):
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    return integer(doc.get("id")), integer(doc.get("version"))
+
+
+def _b(v) -> bytes | None:
+    return None if v is None else bytes(v)
+
+
+class Checker:
+    def __init__(self, target: Target):
+        self.t = target
+        self.previous: dict[tuple[str, int], int] | None = None
+
+    def check(self) -> tuple[list[Problem], Snapshot]:
+        problems: list[Problem] = []
+        snap = Snapshot()
+        with psycopg.connect(self.t.ledger_dsn, autocommit=True, application_name=APP) as led:
+            source = {(p, o): (_b(k), _b(v)) for p, o, k, v in led.execute(
+                sql.SQL('SELECT "partition", "offset", key, payload FROM {}').format(
+                    _ident(self.t.source_table)))}
+            checkpoints = {(s, p): n for s, p, n in led.execute(
+                "SELECT sink, partition, next_offset FROM tidemark.checkpoints "
+                "WHERE pipeline = %s", (self.t.pipeline,))}
+            letters = led.execute(
+                """SELECT id, sink, source_partition, source_offset, key, payload,
+                          status::text, error_class::text
+                   FROM tidemark.dlq WHERE pipeline = %s ORDER BY id""",
+                (self.t.pipeline,)).fetchall()
+            halted = led.execute("SELECT halted_reason FROM tidemark.pipelines WHERE name = %s",
+                                 (self.t.pipeline,)).fetchone()
+            open_runs = led.execute(
+                """SELECT rs.run_id, rs.sink, rs.state::text FROM tidemark.run_sinks rs
+                   JOIN tidemark.runs r USING (run_id)
+                   WHERE r.pipeline = %s AND rs.state::text = ANY(%s) ORDER BY 1, 2""",
+                (self.t.pipeline, list(OPEN_STATES))).fetchall()
+            prepared = led.execute(
+                "SELECT database, gid FROM pg_prepared_xacts WHERE database = ANY(%s) "
+                "ORDER BY database, gid", (self.t.databases,)).fetchall()
+        rows = {s: self._sink_rows(dsn, table) for s, (dsn, table) in self.t.sinks.items()}
+
+        ends: dict[int, int] = {}
+        for p, o in source:
+            ends[p] = max(ends.get(p, 0), o + 1)
+        parsed = {pos: _payload_fields(v) for pos, (_k, v) in source.items()}
+
+        # -- dead letters: their sink, their bytes -----------------------------------------
+        live: dict[tuple[str, int, int], list[int]] = {}
+        unnamed: dict[tuple[int, int], list[int]] = {}  # live letters that name no sink
+        for lid, sink, p, o, key, payload, status, cls in letters:
+            where = (p, o)
+            if where not in source:
+                problems.append(Problem(sink or "-", p, o, f"dead letter {lid} ({cls}, {status})"
+                                        f" holds a record that is not in the source"))
+            else:
+                skey, spayload = source[where]
+                if _b(payload) != spayload:
+                    problems.append(Problem(sink or "-", p, o, f"dead letter {lid} ({cls}): "
+                                            f"payload differs from the source record's bytes"))
+                if _b(key) != skey:
+                    problems.append(Problem(sink or "-", p, o, f"dead letter {lid} ({cls}): "
+                                            f"key differs from the source record's key"))
+            if sink is None:
+                problems.append(Problem("-", p, o, f"dead letter {lid} ({cls}, {status}) "
+                                        f"names no sink"))
+                if status in LIVE:
+                    unnamed.setdefault((p, o), []).append(lid)
+                continue
+            if sink not in self.t.sinks:
+                problems.append(Problem(sink, p, o, f"dead letter {lid} names a sink the "
+                                        f"pipeline does not have"))
+                continue
+            if status in LIVE:
+                live.setdefault((sink, p, o), []).append(lid)
+
+        # -- per sink and partition: exactly once below, nothing at or above ----------------
+        for s in self.t.sinks:
+            by_pos: dict[tuple[int, int], tuple] = {}
+            by_id: dict[int, tuple[int, int]] = {}
+            for rid, version, p, o in rows[s]:
+                by_pos[(p, o)] = (rid, version)
+                by_id[rid] = (p, o)
+                cp = checkpoints.get((s, p), 0)
+                if (p, o) not in source:
+                    problems.append(Problem(s, p, o, f"sink row id {rid} for a record that is "
+                                            f"not in the source"))
+                    continue
+                pid, pversion = parsed[(p, o)]
+                if pid is None:
+                    problems.append(Problem(s, p, o, f"sink row id {rid} for a record whose "
+                                            f"payload has no readable id"))
+                elif pid != rid:
+                    problems.append(Problem(s, p, o, f"sink row id {rid} but its source "
+                                            f"record's id is {pid}"))
+                elif pversion is not None and version is not None and pversion != version:
+                    problems.append(Problem(s, p, o, f"sink row id {rid} version {version} but "
+                                            f"its source record's version is {pversion}"))
+                if o >= cp:
+                    problems.append(Problem(s, p, o, f"sink row id {rid} at or above the "
+                                            f"checkpoint {cp}"))
+            for (p, o) in sorted(source):
+                cp = checkpoints.get((s, p), 0)
+                mine = live.get((s, p, o), [])
+                own = (p, o) in by_pos
+                if o >= cp:
+                    if mine:
+                        problems.append(Problem(s, p, o, f"live dead letter(s) "
+                                                f"{_ids(mine)} at or above the checkpoint {cp}"))
+                    continue
+                if len(mine) > 1:
+                    problems.append(Problem(s, p, o, f"{len(mine)} live dead letters "
+                                            f"{_ids(mine)} for one record"))
+                if own and mine:
+                    problems.append(Problem(s, p, o, f"in the sink and in live dead "
+                                            f"letter(s) {_ids(mine)}"))
+                if own or mine:
+                    continue
+                pid, _ = parsed[(p, o)]
+                newer = by_id.get(pid) if pid is not None else None
+                if newer and newer[0] == p and newer[1] > o:
+                    continue
+                what = f"below the checkpoint {cp} but not placed: no sink row"
+                if pid is not None:
+                    what += (f", id {pid} in the sink at {newer[0]}:{newer[1]}" if newer
+                             else f", no row for id {pid}")
+                what += ", no live dead letter"
+                if (p, o) in unnamed:
+                    what += f" (only {_ids(unnamed[(p, o)])} without a sink)"
+                problems.append(Problem(s, p, o, what))
+            snap.rows[s] = len(rows[s])
+            snap.live[s] = sum(1 for (ls, _p, _o), v in live.items() if ls == s for _ in v)
+
+        # -- checkpoints: monotone, within the source ---------------------------------------
+        for (s, p), n in sorted(checkpoints.items()):
+            if n > ends.get(p, 0):
+                problems.append(Problem(s, p, n, f"checkpoint {n} is past the end of the "
+                                        f"source ({ends.get(p, 0)})"))
+        if self.previous is not None:
+            for (s, p), before in sorted(self.previous.items()):
+                now = checkpoints.get((s, p))
+                if now is None:
+                    problems.append(Problem(s, p, before, "checkpoint row disappeared"))
+                elif now < before:
+                    problems.append(Problem(s, p, now, f"checkpoint moved backwards from "
+                                            f"{before} to {now}"))
+        # Keep the highest seen, so one backward move is reported once, not forever after.
+        merged = dict(self.previous or {})
+        for k, v in checkpoints.items():
+            merged[k] = max(v, merged.get(k, v))
+        self.previous = merged
+        snap.checkpoints = checkpoints
+        snap.letters = len(letters)
+
+        # -- nothing in doubt after recovery ----------------------------------------------
+        for db, gid in prepared:
+            problems.append(Problem("-", "-", "-", f"prepared transaction {gid} left on "
+                                    f"database {db}"))
+        for run_id, sink, st in open_runs:
+            problems.append(Problem(sink, "-", "-", f"run {run_id} still {st} after recovery"))
+        if halted and halted[0]:
+            problems.append(Problem("-", "-", "-", f"pipeline {self.t.pipeline} is halted: "
+                                    f"{halted[0]}"))
+        return sorted(set(problems), key=_order), snap
+
+    def _sink_rows(self, dsn: str, table: str) -> list[tuple]:
+        with psycopg.connect(dsn, autocommit=True, application_name=APP) as conn:
+            if conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is None:
+                return []  # created by the first run that writes to it
+            cols = {r[0] for r in conn.execute(
+                "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass "
+                "AND attnum > 0 AND NOT attisdropped", (table,))}
+            version = sql.Identifier("version") if "version" in cols else sql.SQL("NULL")
+            return conn.execute(sql.SQL(
+                "SELECT id, {}, _tm_partition, _tm_offset FROM {}").format(
+                version, _ident(table))).fetchall()
+
+
+def _ids(ids: list[int]) -> str:
+    return ", ".join(map(str, ids))
+
+
+def _order(p: Problem):
+    return (str(p.sink), str(type(p.partition)), p.partition if isinstance(p.partition, int)
+            else 0, p.offset if isinstance(p.offset, int) else -1, p.what)
