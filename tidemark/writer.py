@@ -91,7 +91,8 @@ def rollback_earlier_attempts(dsn: str, prefix: str, run_id: int, stage: str, ta
     with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
         for gid, _age in twopc.prepared(conn, gids.like_task(prefix, run_id, stage, task)):
             parsed = gids.parse(gid, prefix)
-            if parsed and parsed.attempt < attempt and twopc.rollback(conn, gid):
+            if parsed and parsed.task == task and parsed.attempt < attempt \
+                    and twopc.rollback(conn, gid):
                 done.append(gid)
     return done
 
