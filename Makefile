@@ -47,9 +47,9 @@ pg: venv
 	    "$$TIDEMARK_LEDGER_DSN" "$${TIDEMARK_DEMO_SOURCE_DSN:-$$TIDEMARK_LEDGER_DSN}" \
 	    "$${TIDEMARK_DEMO_SINK_DSN:-$$TIDEMARK_LEDGER_DSN}" > $(ENVF); \
 	else \
-	  $(PY) -m tidemark.localpg start --dir $(PGDIR) --port $(PORT) && \
-	  ledger=$$($(PY) -m tidemark.localpg dsn --dir $(PGDIR) --port $(PORT) --database tidemark) && \
-	  sink=$$($(PY) -m tidemark.localpg dsn --dir $(PGDIR) --port $(PORT) --database warehouse) && \
+	  $(PY) -m tidemark.devstack.localpg start --dir $(PGDIR) --port $(PORT) && \
+	  ledger=$$($(PY) -m tidemark.devstack.localpg dsn --dir $(PGDIR) --port $(PORT) --database tidemark) && \
+	  sink=$$($(PY) -m tidemark.devstack.localpg dsn --dir $(PGDIR) --port $(PORT) --database warehouse) && \
 	  printf 'TIDEMARK_LEDGER_DSN=%s\nTIDEMARK_DEMO_SOURCE_DSN=%s\nTIDEMARK_DEMO_SINK_DSN=%s\n' \
 	    "$$ledger" "$$ledger" "$$sink" > $(ENVF); \
 	fi
@@ -64,7 +64,7 @@ up: pg
 
 down:
 	@if [ -x $(BIN)/tidemark ] && [ -d $(STATE)/airflow ]; then $(BIN)/tidemark airflow down; fi
-	@if [ -d $(PGDIR) ]; then $(PY) -m tidemark.localpg stop --dir $(PGDIR) --port $(PORT); fi
+	@if [ -d $(PGDIR) ]; then $(PY) -m tidemark.devstack.localpg stop --dir $(PGDIR) --port $(PORT); fi
 
 lint: venv
 	$(BIN)/ruff check .

@@ -16,7 +16,7 @@ import time
 
 import psycopg
 
-from tidemark import dlq, migrations
+from tidemark.ledger import dlq, migrations
 
 
 def _fill(conn: psycopg.Connection, n: int) -> None:

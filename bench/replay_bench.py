@@ -32,12 +32,14 @@ sys.path.insert(0, str(REPO))
 
 from dotenv import load_dotenv  # noqa: E402
 
-from tidemark import config, demo, records, sources  # noqa: E402
-from tidemark.job import Run  # noqa: E402
-from tidemark.settings import Settings  # noqa: E402
-from tidemark.spark import session  # noqa: E402
-from tidemark.state import Range  # noqa: E402
-from tidemark.writer import _for_csv  # noqa: E402
+from tidemark import config, sources  # noqa: E402
+from tidemark.core.settings import Settings  # noqa: E402
+from tidemark.devstack import demo  # noqa: E402
+from tidemark.driver.run import Run  # noqa: E402
+from tidemark.engine import records  # noqa: E402
+from tidemark.engine.session import session  # noqa: E402
+from tidemark.engine.writer import _for_csv  # noqa: E402
+from tidemark.ledger.state import Range  # noqa: E402
 
 TABLE = "bench.flights_log"
 REPEAT = 6

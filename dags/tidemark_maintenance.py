@@ -1,8 +1,8 @@
 """Airflow DAG tidemark_maintenance: recovery sweep and health alerts for the pipelines in
-the folder beside this file (tidemark/dags.py)."""
+the folder beside this file (tidemark/airflow/dags.py)."""
 
 from pathlib import Path
 
-from tidemark.dags import maintenance_dag
+from tidemark.airflow.dags import maintenance_dag
 
 dag = maintenance_dag(Path(__file__).parent / "pipelines")

@@ -1,9 +1,9 @@
 """Airflow plugin: Tidemark's dead letters in Airflow's UI ("Dead letters" in the navigation)
-and their JSON API, served by Airflow's API server under /tidemark (tidemark/dlq_web.py)."""
+and their JSON API, served by Airflow's API server under /tidemark (tidemark/web/app.py)."""
 
 from airflow.plugins_manager import AirflowPlugin
 
-from tidemark.dlq_web import app
+from tidemark.web.app import app
 
 
 class TidemarkDeadLetters(AirflowPlugin):

@@ -13,9 +13,10 @@ import psycopg
 import pytest
 import yaml
 
-from tidemark import migrations, twopc
-from tidemark.airflow_stack import free_port
-from tidemark.localpg import Cluster
+from tidemark.devstack.airflow_stack import free_port
+from tidemark.devstack.localpg import Cluster
+from tidemark.ledger import migrations
+from tidemark.protocol import twopc
 from tidemark.sources.postgres_log import append, create_log_table
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,7 +34,7 @@ def pg():
 
 @pytest.fixture(scope="session")
 def spark():
-    from tidemark.spark import session
+    from tidemark.engine.session import session
 
     s = session("local[2,4]", "tidemark-tests")
     yield s
@@ -115,12 +116,12 @@ class Env:
         return dict(self.ledger('SELECT "partition", count(*) FROM src.log GROUP BY 1'))
 
     def settings(self, **kw):
-        from tidemark.settings import Settings
+        from tidemark.core.settings import Settings
         return Settings(ledger_dsn=self.ledger_dsn, pipelines_dir=self.dir, **kw)
 
     def run(self, spark, name: str = "orders", **kw):
         from tidemark import config
-        from tidemark.job import Run
+        from tidemark.driver.run import Run
 
         all_p, _ = config.load_all(self.dir)
         return Run(all_p[name], kw.pop("settings", None) or self.settings(),
@@ -129,7 +130,7 @@ class Env:
 
     def recover(self):
         from tidemark import config
-        from tidemark.recovery import recover
+        from tidemark.protocol.recovery import recover
 
         all_p, _ = config.load_all(self.dir)
         return recover(self.ledger_dsn, all_p, "tm")

@@ -18,7 +18,7 @@ import pytest
 from aiosmtpd.controller import Controller
 
 from tests.conftest import REPO, Env, free_port
-from tidemark.airflow_stack import Stack
+from tidemark.devstack.airflow_stack import Stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

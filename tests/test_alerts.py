@@ -15,8 +15,9 @@ import pytest
 from aiosmtpd.controller import Controller
 
 from tests.conftest import free_port
-from tidemark import alerts, config
-from tidemark.errors import ConfigError
+from tidemark import config
+from tidemark.airflow import alerts
+from tidemark.core.errors import ConfigError
 
 WAIT = 30  # seconds to wait for a delivery event (never a fixed sleep)
 PIPELINE = "flights"

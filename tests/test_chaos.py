@@ -14,11 +14,11 @@ from contextlib import contextmanager
 import psycopg
 import pytest
 
-from tidemark.chaos.adapter import InProcess
-from tidemark.chaos.checker import Checker, Problem
-from tidemark.chaos.faults import KINDS, signal_session
-from tidemark.chaos.runner import target
-from tidemark.chaos.world import World
+from tidemark.devstack.chaos.adapter import InProcess
+from tidemark.devstack.chaos.checker import Checker, Problem
+from tidemark.devstack.chaos.faults import KINDS, signal_session
+from tidemark.devstack.chaos.runner import target
+from tidemark.devstack.chaos.world import World
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
-from tidemark.localpg import Cluster
+from tidemark.devstack.localpg import Cluster
 
 
 def tm(env_vars: dict[str, str], *args: str, cwd: Path | None = None):
@@ -64,7 +64,7 @@ def test_a_server_without_prepared_transactions_is_refused():
 
 
 def test_db_upgrade_is_idempotent(env):
-    from tidemark.migrations import available
+    from tidemark.ledger.migrations import available
 
     latest = [v for v, _, _ in available()]
     code, out, _ = tm(env.cli_env(), "db", "upgrade")

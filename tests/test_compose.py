@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tidemark.settings import Settings
+from tidemark.core.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "docker-compose.yaml"
@@ -128,7 +128,7 @@ def test_airflow_service_settings(compose, services, name):
     if name in LONG_RUNNING:
         assert depends(svc).get("airflow-init") == "service_completed_successfully"
     mounts = {str(v).split(":")[1]: str(v) for v in svc["volumes"]}
-    for folder in ("dags", "plugins", "jobs"):
+    for folder in ("dags", "plugins"):
         assert mounts.get(f"/opt/tidemark/{folder}") == f"./{folder}:/opt/tidemark/{folder}:ro"
     docs = mounts.get("/opt/tidemark/.tidemark/data_docs", "")
     assert docs.split(":")[0] in (compose.get("volumes") or {}), \
@@ -200,7 +200,7 @@ def test_tidemark_env_names_are_settings(services):
     used = {key for svc in services.values() for key in env_of(svc) if key.startswith("TIDEMARK_")}
     assert used, "no TIDEMARK_* settings in docker-compose.yaml"
     unknown = used - fields - DEMO_ENV
-    assert not unknown, f"not fields of tidemark.settings.Settings: {sorted(unknown)}"
+    assert not unknown, f"not fields of tidemark.core.settings.Settings: {sorted(unknown)}"
 
 
 def test_dockerfile_installs_requirements_and_tidemark():

@@ -11,9 +11,9 @@ import psycopg
 import pytest
 
 from tests.invariants import assert_exactly_once
-from tidemark import dlq
-from tidemark.errors import TidemarkError
-from tidemark.job import Backfill
+from tidemark.core.errors import TidemarkError
+from tidemark.driver.run import Backfill
+from tidemark.ledger import dlq
 
 ROWS = "expect_column_values_to_be_between"
 
@@ -133,7 +133,7 @@ def test_a_backfill_leaves_the_sink_as_one_delivery_with_the_current_pipeline_wo
 
     # ... and a redrive accepts the once-discarded letter, now that it passes.
     from tidemark import config
-    from tidemark.redrive import Redrive
+    from tidemark.driver.redrive import Redrive
 
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]})
     all_p, _ = config.load_all(env.dir)

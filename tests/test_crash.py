@@ -10,7 +10,7 @@ import pytest
 
 from tests.invariants import assert_exactly_once
 from tests.proc import JobProcess
-from tidemark import faults
+from tidemark.core import faults
 
 pytestmark = pytest.mark.slow
 

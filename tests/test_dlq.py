@@ -1,4 +1,4 @@
-"""Dead-letter review (tidemark/dlq.py and `tidemark dlq`) against a real PostgreSQL: filters,
+"""Dead-letter review (tidemark/ledger/dlq.py and `tidemark dlq`) against a real PostgreSQL: filters,
 counts, keyset pages over 100,000 rows, discard, export, payload rendering, injection."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import psycopg
 import pytest
 
 from tests.test_cli import assert_one_clear_line, tm
-from tidemark import dlq
-from tidemark.errors import BadInput, Busy
+from tidemark.core.errors import BadInput, Busy
+from tidemark.ledger import dlq
 
 T0 = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
 INJECTIONS = ("x' OR '1'='1", "'; DROP TABLE tidemark.dlq; --", "main\" OR 1=1 --",

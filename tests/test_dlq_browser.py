@@ -15,7 +15,7 @@ import time
 import pytest
 
 from tests.conftest import REPO, Env, free_port
-from tidemark.airflow_stack import Stack
+from tidemark.devstack.airflow_stack import Stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -33,7 +33,7 @@ def _rows_check(max_value: int) -> dict:
 @pytest.fixture(scope="module")
 def site(pg, spark, tmp_path_factory):
     from tidemark import config
-    from tidemark.job import Run
+    from tidemark.driver.run import Run
 
     tmp = tmp_path_factory.mktemp("browser")
     env = Env(pg, tmp)

@@ -21,7 +21,7 @@ from fastapi.routing import APIRoute
 
 from tests.conftest import REPO, Env, free_port
 from tests.test_dlq import INJECTIONS, add
-from tidemark.airflow_stack import Stack
+from tidemark.devstack.airflow_stack import Stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -124,7 +124,7 @@ def test_plugin_is_in_airflows_navigation(site):
 
 
 def _routes() -> list[tuple[str, str]]:
-    from tidemark.dlq_web import app
+    from tidemark.web.app import app
 
     assert all(isinstance(r, APIRoute) for r in app.routes), app.routes
     fill = {"record_id": "1", "path": "gx/index.html", "name": "dlq.css"}

@@ -13,9 +13,9 @@ import pytest
 
 import tidemark.sources as sources
 from tidemark.config import FileArchiveSource
-from tidemark.errors import TidemarkError
+from tidemark.core.errors import TidemarkError
+from tidemark.ledger.state import Range
 from tidemark.sources import file_archive as fa
-from tidemark.state import Range
 
 FORMATS = ["parquet", "jsonl"]
 T0 = datetime(2024, 5, 1, 12, 0, 0, 123456, tzinfo=UTC)

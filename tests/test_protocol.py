@@ -7,9 +7,9 @@ import json
 import pytest
 
 from tests.invariants import assert_exactly_once
-from tidemark import state
-from tidemark.errors import TidemarkError
-from tidemark.job import Backfill
+from tidemark.core.errors import TidemarkError
+from tidemark.driver.run import Backfill
+from tidemark.ledger import state
 
 
 def test_run_delivers_once_then_only_what_is_new(env, spark):
@@ -171,7 +171,7 @@ def test_state_machine_step_by_step(env):
     """Each transition is one ledger transaction and refuses to run from the wrong state."""
     import psycopg
 
-    from tidemark.state import Participant, Range
+    from tidemark.ledger.state import Participant, Range
 
     env.pipeline()
     with psycopg.connect(env.ledger_dsn, autocommit=True) as conn:
@@ -210,8 +210,8 @@ def test_state_machine_step_by_step(env):
 def test_a_run_that_lost_its_lease_can_never_reach_the_decision(env):
     import psycopg
 
-    from tidemark.errors import Fenced
-    from tidemark.state import Range
+    from tidemark.core.errors import Fenced
+    from tidemark.ledger.state import Range
 
     def plan(cps):
         return {s: [Range(0, 0, 5)] for s in cps}

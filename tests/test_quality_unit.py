@@ -1,4 +1,4 @@
-"""Unit tests of tidemark.quality against a real local SparkSession and real Great Expectations."""
+"""Unit tests of tidemark.quality.checks against a real local SparkSession and real Great Expectations."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from tidemark.errors import ConfigError, TidemarkError
+from tidemark.core.errors import ConfigError, TidemarkError
 
 os.environ["GX_ANALYTICS_ENABLED"] = "false"
 
-from tidemark import quality  # noqa: E402
+from tidemark.quality import checks as quality  # noqa: E402
 
 ORIGINS = ["EWR", "JFK", "LGA"]
 PER_PARTITION = 150
@@ -295,8 +295,8 @@ def test_columns_read_is_everything_for_table_checks_and_row_conditions(item):
 def test_the_gate_reads_only_the_columns_its_expectations_need(local_spark, flights):
     from pyspark.sql import functions as F
 
-    from tidemark import gate
     from tidemark.config import Quality
+    from tidemark.driver import gate
 
     df = (flights.withColumn("_tm_error_class", F.lit(None).cast("string"))
           .withColumn("unused", F.col("distance")))

@@ -14,10 +14,11 @@ import pytest
 
 from tests.invariants import assert_exactly_once
 from tests.proc import JobProcess
-from tidemark import state, twopc
-from tidemark.errors import Fenced
-from tidemark.state import Range
-from tidemark.writer import rollback_earlier_attempts
+from tidemark.core.errors import Fenced
+from tidemark.engine.writer import rollback_earlier_attempts
+from tidemark.ledger import state
+from tidemark.ledger.state import Range
+from tidemark.protocol import twopc
 
 
 def _prepare(dsn: str, gid: str) -> None:
@@ -87,7 +88,7 @@ def _wait_for_lock_wait(env, what: str, timeout: float = 20) -> None:
 
 
 def test_the_heartbeat_reconnects_after_its_connection_is_dropped(env):
-    from tidemark.job import _Heartbeat
+    from tidemark.driver.run import _Heartbeat
 
     with psycopg.connect(env.ledger_dsn, autocommit=True) as conn:
         rid = _claimed(conn, ttl=3)

@@ -3,7 +3,7 @@
 A master and one worker run as separate JVMs; the job is started the way Airflow's
 SparkSubmitOperator starts it (`spark-submit --master spark://... jobs/replay.py run ...`). The
 executors' Python cannot import the editable `tidemark` install, so the job only succeeds if it
-ships its own code (tidemark.spark.ship_package).
+ships its own code (tidemark.engine.session.ship_package).
 """
 
 from __future__ import annotations

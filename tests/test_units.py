@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tidemark import config, dsn, gids
-from tidemark.errors import ConfigError
+from tidemark import config
+from tidemark.core import dsn
+from tidemark.core.errors import ConfigError
+from tidemark.protocol import gids
 
 
 @pytest.mark.parametrize("raw,masked", [

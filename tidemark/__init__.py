@@ -1,3 +1,25 @@
-"""Tidemark: exactly-once batch replay of offset-addressed logs into PostgreSQL."""
+"""Tidemark: exactly-once replay of offset-addressed logs into PostgreSQL, orchestrated by
+Airflow. The protocol is docs/design.md.
 
-__version__ = "0.1.0"
+The package is layered; a module imports only from its own layer and the layers below it
+(tests/test_layers.py checks this). Bottom first:
+
+    core       errors, settings, DSN masking and resolution, PostgreSQL connections, fault points
+    quality    Great Expectations: expectation parsing, row checks, batch gates, Data Docs
+    config     the pipeline file model (validates expectations through quality)
+    ledger     every statement against the tidemark.* tables: migrations, the run state
+               machine, checkpoints, dead letters, status
+    protocol   gids, two-phase commit, sink databases, the driver/task contract, recovery
+    sources    planning and reading source logs (one Spark input partition per range)
+    engine     Spark: the session, decode and transform, the task writer
+    driver     one run end to end (deliver, backfill, redrive) and its quality gate
+    airflow    the Airflow adapter (DAG factory, tasks, notifiers)   } siblings: neither
+    web        the dead-letter web app, served as an Airflow plugin  } imports the other
+    devstack   local PostgreSQL, local Airflow, demo data, the chaos checker: for `make up`
+               and the tests, never imported by the runtime
+    cli        the `tidemark` command and the spark-submit entry point
+"""
+
+# Bottom first; a tuple holds sibling layers, which may not import each other.
+LAYERS = (("core",), ("quality",), ("config",), ("ledger",), ("protocol",), ("sources",),
+          ("engine",), ("driver",), ("airflow", "web"), ("devstack",), ("cli",))

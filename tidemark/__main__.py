@@ -1,3 +1,3 @@
-from tidemark.cli import main
+from tidemark.cli.main import main
 
 main()

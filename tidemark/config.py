@@ -12,8 +12,8 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tidemark import dsn as dsnmod
-from tidemark.errors import ConfigError
+from tidemark.core import dsn as dsnmod
+from tidemark.core.errors import ConfigError
 
 IDENT = r"^[a-z_][a-z0-9_]{0,39}$"
 TABLE = r"^([a-z_][a-z0-9_]*\.)?[a-z_][a-z0-9_]*$"
@@ -163,7 +163,7 @@ class Limits(_Model):
 
 
 class Alerts(_Model):
-    """Where failed tasks and maintenance findings are reported (see tidemark/alerts.py)."""
+    """Where failed tasks and maintenance findings are reported (see tidemark/airflow/alerts.py)."""
 
     email: list[str] = []  # addresses; empty = no e-mail
     smtp_conn_id: Annotated[str, Field(min_length=1)] = "smtp_default"
@@ -188,7 +188,7 @@ class Alerts(_Model):
 
 
 class Orchestration(_Model):
-    """How Airflow runs the pipeline's tasks (tidemark/dags.py)."""
+    """How Airflow runs the pipeline's tasks (tidemark/airflow/dags.py)."""
 
     retries: Annotated[int, Field(ge=0, le=20)] = 2
     retry_delay_seconds: Annotated[int, Field(ge=1)] = 60
@@ -241,7 +241,7 @@ class Pipeline(_Model):
                                                for i, s in enumerate(self.sinks)]
         if all(q.empty for _, q in scopes):
             return
-        from tidemark import quality as gx
+        from tidemark.quality import checks as gx
 
         for prefix, q in scopes:
             for i, exp in enumerate(gx.parse_expectations(q.rows, where, f"{prefix}.rows")):

@@ -3,6 +3,8 @@
 Driver side, a source plans: which partitions exist, where each starts, and how far it is
 safe to read. Executor side, it reads exactly one range into Arrow batches. Nothing but
 offsets ever reaches the driver.
+
+May import: protocol, ledger, config, quality, core.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Protocol
 import pyarrow as pa
 
 from tidemark.config import FileArchiveSource, Pipeline, PostgresLogSource
-from tidemark.state import Range
+from tidemark.ledger.state import Range
 
 # Every source yields batches of exactly this schema.
 SCHEMA = pa.schema([

@@ -46,9 +46,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from tidemark.config import FileArchiveSource
-from tidemark.dsn import mask
-from tidemark.errors import TidemarkError
-from tidemark.state import Range
+from tidemark.core.dsn import mask
+from tidemark.core.errors import TidemarkError
+from tidemark.ledger.state import Range
 
 FORMATS = ("parquet", "jsonl")
 COLUMNS = ("partition", "offset", "key", "payload", "headers", "ts")

@@ -20,9 +20,9 @@ import pyarrow as pa
 from psycopg import sql
 
 from tidemark.config import PostgresLogSource
-from tidemark.db import connect, qualified
-from tidemark.errors import TidemarkError
-from tidemark.state import Range
+from tidemark.core.db import connect, qualified
+from tidemark.core.errors import TidemarkError
+from tidemark.ledger.state import Range
 
 
 def _ids(cols) -> dict[str, sql.Identifier]:

@@ -6,7 +6,7 @@ import json
 
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
-from tidemark.state import Range
+from tidemark.ledger.state import Range
 
 
 class RangePartition(InputPartition):

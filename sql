@@ -1,0 +1,1 @@
+tidemark/ledger/sql

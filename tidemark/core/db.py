@@ -1,0 +1,49 @@
+"""PostgreSQL connections: clear errors, masked DSNs, and the classes of failure we retry."""
+
+from __future__ import annotations
+
+import psycopg
+from psycopg import errors as pgerr
+
+from tidemark.core.dsn import mask
+from tidemark.core.errors import TidemarkError
+
+APP_NAME = "tidemark"
+
+def connect(dsn: str, *, autocommit: bool = False, what: str = "database",
+            application: str = APP_NAME, **kwargs) -> psycopg.Connection:
+    try:
+        return psycopg.connect(dsn, autocommit=autocommit, application_name=application,
+                               connect_timeout=10, **kwargs)
+    except psycopg.Error as exc:
+        raise TidemarkError(f"cannot connect to {what} {mask(dsn)}: {one_line(exc)}") from None
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else type(exc).__name__
+    return mask(first)
+
+
+def is_data_error(exc: BaseException) -> bool:
+    """The rows are at fault (bad value, constraint): quarantine them, do not retry."""
+    state = getattr(exc, "sqlstate", None) or ""
+    return state.startswith(("22", "23")) or isinstance(exc, pgerr.DatatypeMismatch)
+
+
+def require_prepared_transactions(conn: psycopg.Connection, what: str) -> None:
+    value = int(conn.execute("SHOW max_prepared_transactions").fetchone()[0])
+    if value <= 0:
+        raise TidemarkError(
+            f"{what}: max_prepared_transactions is 0 on this server; Tidemark's two-phase commit "
+            f"needs it > 0 (set it in postgresql.conf to at least 2 x tasks x sinks + 10 and "
+            f"restart PostgreSQL)")
+
+
+def quote_ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def qualified(table: str) -> str:
+    """'schema.table' -> '"schema"."table"' (a bare name is left in the search_path)."""
+    return ".".join(quote_ident(p) for p in table.split(".", 1))

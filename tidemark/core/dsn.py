@@ -1,0 +1,65 @@
+"""Connection references: a DSN (with ${ENV} references) or an Airflow connection id.
+
+Resolved lazily, at the moment a connection is opened, so a pipeline file can be validated
+on a machine that cannot reach (or has no secrets for) its databases.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from tidemark.core.errors import ConfigError, TidemarkError
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_PASSWORD = re.compile(r"(?P<pre>://[^:/@\s]+:)(?P<pw>[^@\s]*)(?P<post>@)")
+_KV_PASSWORD = re.compile(r"(password\s*=\s*)('[^']*'|\S+)", re.IGNORECASE)
+
+
+def mask(text: str) -> str:
+    """Hide passwords in anything that may hold a DSN (URI or key=value form)."""
+    text = _PASSWORD.sub(lambda m: f"{m['pre']}***{m['post']}", text)
+    return _KV_PASSWORD.sub(lambda m: f"{m[1]}***", text)
+
+
+def expand_env(value: str, where: str = "DSN") -> str:
+    def sub(m: re.Match) -> str:
+        name = m.group(1)
+        if name not in os.environ:
+            raise ConfigError(where, f"environment variable {name} is not set")
+        return os.environ[name]
+
+    return _ENV_REF.sub(sub, value)
+
+
+def airflow_connection_uri(conn_id: str) -> str:
+    """The URI of an Airflow connection, from Airflow itself when installed, else from the
+    AIRFLOW_CONN_<ID> environment variable Airflow would read."""
+    env = os.environ.get(f"AIRFLOW_CONN_{conn_id.upper()}")
+    if env and not env.lstrip().startswith("{"):
+        return _normalize_scheme(env)
+    try:
+        from airflow.sdk import BaseHook  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - Airflow absent or not configured
+        BaseHook = None
+    if BaseHook is not None:
+        try:
+            conn = BaseHook.get_connection(conn_id)
+        except Exception as exc:  # noqa: BLE001
+            raise TidemarkError(f"Airflow connection {conn_id!r} not found: {exc}") from None
+        return _normalize_scheme(conn.get_uri())
+    raise TidemarkError(f"connection {conn_id!r}: set AIRFLOW_CONN_{conn_id.upper()} or run "
+                        f"inside Airflow")
+
+
+def _normalize_scheme(uri: str) -> str:
+    # Airflow spells it postgres://; libpq accepts both, psycopg too, but keep one spelling.
+    return re.sub(r"^postgres(ql)?(\+\w+)?://", "postgresql://", uri)
+
+
+def resolve(dsn: str | None, conn_id: str | None, where: str) -> str:
+    if dsn:
+        return expand_env(dsn, where)
+    if conn_id:
+        return airflow_connection_uri(conn_id)
+    raise ConfigError(where, "needs a dsn or a conn_id")

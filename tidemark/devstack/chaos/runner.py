@@ -1,0 +1,204 @@
+"""The chaos run: the seeded sequence, recovery and the checker after every step, the final
+catch-up, the report. ``tidemark chaos --seed N --steps K [--keep-dir]``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Callable
+
+from tidemark.devstack.chaos.adapter import InProcess, Subprocess, spark_session
+from tidemark.devstack.chaos.checker import Checker, Problem, Snapshot, Target
+from tidemark.devstack.chaos.ops import Chaos, plan
+from tidemark.devstack.chaos.world import PIPELINE, SINK_TABLE, SINKS, SOURCE_TABLE, World
+
+MAX_SHOWN = 60           # problems printed in full
+CATCH_UP_RUNS = 60       # final runs allowed to bring every sink up to date
+FAULT_EVERY = 3          # every 3rd step is a fault (the first four cover every kind)
+
+
+def echo(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def target(world: World) -> Target:
+    return Target(ledger_dsn=world.ledger_dsn, pipeline=PIPELINE, source_table=SOURCE_TABLE,
+                  sinks={s: (dsn, SINK_TABLE) for s, dsn in world.sink_dsns.items()},
+                  databases=world.databases)
+
+
+def world_params(seed: int) -> tuple[int, int]:
+    r = random.Random(f"tidemark-chaos:{seed}:world")
+    return r.choice([2, 3]), r.randint(25, 60)
+
+
+class _Interrupted(BaseException):
+    pass
+
+
+def _sigterm(signum, frame):
+    raise _Interrupted()
+
+
+def run(seed: int | None, steps: int, keep_dir: bool = False, fault_every: int = FAULT_EVERY,
+        out: Callable[[str], None] = echo) -> int:
+    if seed is None:
+        seed = random.SystemRandom().randrange(1, 10**9)
+    partitions, limit = world_params(seed)
+    out(f"chaos: seed {seed}, {steps} steps, a fault every {fault_every} steps, "
+        f"{partitions} partitions, max {limit} records per partition and run")
+    started = time.monotonic()
+    previous = signal.signal(signal.SIGTERM, _sigterm)
+    world = World.create(partitions, limit)
+    out(f"world: {world.root} (PostgreSQL on 127.0.0.1:{world.cluster.port})")
+    chaos: Chaos | None = None
+    spark = None
+    problems: list[Problem] = []
+    failed_at: str | None = None
+    snap = Snapshot()
+    done = 0
+    try:
+        # Spark's scratch in the world's folder, removed with it.
+        os.environ.setdefault("SPARK_LOCAL_DIRS", str(world.scratch_dir))
+        spark = spark_session()
+        inproc, sub = InProcess(world, spark), Subprocess(world)
+        chaos = Chaos(world, inproc, sub)
+        checker = Checker(target(world))
+        for n in range(1, steps + 1):
+            t0 = time.monotonic()
+            step = plan(seed, n, fault_every)
+            res = chaos.perform(step)
+            problems, snap = settle_and_check(inproc, checker, res.problems)
+            done = n
+            verdict = "ok" if not problems else f"{len(problems)} PROBLEM(S)"
+            out(f"step {n:>4}  {res.desc:<52} {res.outcome}  [{verdict}] "
+                f"{time.monotonic() - t0:.1f}s")
+            if problems:
+                failed_at = str(n)
+                if step.fault and chaos.jobs:
+                    out(f"  last output of {chaos.jobs[-1].log_path.name}:")
+                    for line in chaos.jobs[-1].tail(15).splitlines():
+                        out(f"    {line}")
+                break
+        if failed_at is None:
+            problems, snap = final(world, inproc, checker, chaos, out)
+            if problems:
+                failed_at = f"final (after step {steps})"
+    except (KeyboardInterrupt, _Interrupted):
+        out("chaos: interrupted")
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if chaos is not None:
+            chaos.kill_all()
+        if spark is not None:
+            with contextlib.suppress(Exception):
+                spark.stop()
+        if keep_dir:
+            with contextlib.suppress(Exception):
+                world.stop()
+            out(f"kept: {world.root} (cluster data in {world.cluster.data}, job logs in "
+                f"{world.logs_dir}, pipeline in {world.pipelines_dir}); start it with "
+                f"`python -m tidemark.devstack.localpg start --dir {world.cluster.root} --port "
+                f"{world.cluster.port}`")
+        else:
+            world.destroy()
+    summary(seed, done, chaos, snap, problems, failed_at, time.monotonic() - started, out,
+            keep_dir, fault_every)
+    return 1 if problems else 0
+
+
+def settle_and_check(inproc: InProcess, checker: Checker, found: list[str]
+                     ) -> tuple[list[Problem], Snapshot]:
+    """Recovery (as after every step), then the independent checker."""
+    problems = [Problem("-", "-", "-", f) for f in found]
+    rec = inproc.recover()
+    if not rec.ok:
+        problems.append(Problem("-", "-", "-", f"recovery failed: {rec}"))
+    checked, snap = checker.check()
+    return problems + checked, snap
+
+
+def _behind(chaos: Chaos) -> list[str]:
+    ends = dict(chaos._q(f'SELECT "partition", max("offset") + 1 FROM {SOURCE_TABLE} GROUP BY 1'))
+    cps = chaos.checkpoints()
+    return [f"{s}/p{p} at {cps.get((s, p), 0)} of {end}" for s in SINKS
+            for p, end in sorted(ends.items()) if cps.get((s, p), 0) < end]
+
+
+def final(world: World, inproc: InProcess, checker: Checker, chaos: Chaos,
+          out: Callable[[str], None]) -> tuple[list[Problem], Snapshot]:
+    """A passing pipeline (gate passes, loosest row checks), then runs until every sink is
+    up to date, then the checks once more."""
+    knobs = world.knobs.loosest()
+    world.write_pipeline(knobs)
+    out(f"final: pipeline restored ({knobs.short()}); running until every sink is up to date")
+    found: list[str] = []
+    failures = 0
+    for i in range(1, CATCH_UP_RUNS + 1):
+        behind = _behind(chaos)
+        if not behind:
+            break
+        t0 = time.monotonic()
+        res = inproc.run()
+        out(f"final {i:>3}  run ({', '.join(behind)}): {str(res).splitlines()[0]}  "
+            f"{time.monotonic() - t0:.1f}s")
+        if res.internal_error:
+            found.append(f"final run failed with an internal error: {res.text}")
+            break
+        failures = 0 if res.ok else failures + 1
+        if failures >= 3:
+            found.append(f"sinks cannot catch up with a passing pipeline: 3 runs in a row "
+                         f"failed, last: {res}")
+            break
+    else:
+        found.append(f"sinks still behind after {CATCH_UP_RUNS} runs: {', '.join(_behind(chaos))}")
+    if not found and (behind := _behind(chaos)):
+        found.append(f"sinks behind at the end: {', '.join(behind)}")
+    return settle_and_check(inproc, checker, found)
+
+
+def summary(seed: int, done: int, chaos: Chaos | None, snap: Snapshot, problems: list[Problem],
+            failed_at: str | None, seconds: float, out: Callable[[str], None],
+            keep_dir: bool, fault_every: int) -> None:
+    out("")
+    out(f"steps: {done} in {seconds:.0f}s")
+    if chaos is not None:
+        out("operations: " + _counts(chaos.ops))
+        out("faults: " + (_counts(chaos.faults) or "none"))
+        kinds = {k.split(":", 1)[1]: v for k, v in chaos.appended.items() if ":" in k}
+        out(f"records appended: {chaos.appended['clean']} clean, "
+            f"{chaos.appended['poison']} poison ({_counts(kinds) or '-'})")
+    out("final rows per sink: " + (", ".join(f"{s} {n}" for s, n in snap.rows.items()) or "-"))
+    out("live dead letters per sink: "
+        + (", ".join(f"{s} {n}" for s, n in snap.live.items()) or "-"))
+    out(f"problems found: {len(problems)}")
+    if problems:
+        out("")
+        for p in problems[:MAX_SHOWN]:
+            out(f"  PROBLEM {p}")
+        if len(problems) > MAX_SHOWN:
+            out(f"  ... and {len(problems) - MAX_SHOWN} more")
+        out("")
+        step = failed_at.split()[0] if failed_at else str(done)
+        k = done if not step.isdigit() else int(step)
+        out(f"seed {seed}, first failing step {failed_at}")
+        extra = f" --fault-every {fault_every}" if fault_every != FAULT_EVERY else ""
+        out(f"reproduce: tidemark chaos --seed {seed} --steps {k}{extra}"
+            + ("" if keep_dir else "   (add --keep-dir to keep the databases and job logs)"))
+        out(f"chaos seed={seed} steps={done}: FAILED at step {failed_at}, "
+            f"{len(problems)} problem(s)")
+    else:
+        out(f"chaos seed={seed} steps={done}: PASSED, no problems")
+
+
+def _counts(c) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
+
+
+def main(seed: int | None, steps: int, keep_dir: bool, fault_every: int) -> None:
+    sys.exit(run(seed, steps, keep_dir, fault_every))

@@ -1,0 +1,169 @@
+"""The chaos world: a scratch PostgreSQL cluster, a ledger (which also holds the source log
+``src.log``), two sink databases and one pipeline file, all in one temporary folder."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import psycopg
+import yaml
+
+from tidemark.devstack.airflow_stack import free_port
+from tidemark.devstack.localpg import Cluster
+from tidemark.ledger import migrations
+from tidemark.sources.postgres_log import append, create_log_table
+
+PIPELINE = "chaos"
+SOURCE_TABLE = "src.log"
+SINK_TABLE = "public.orders"
+SINKS = ("a", "b")
+
+# Row checks (amount <= max): clean records have amounts below CLEAN_MAX, out-of-range ones
+# between OUT_OF_RANGE. Sink b always checks at most as much as the pipeline does.
+CLEAN_MAX = 400.0
+OUT_OF_RANGE = (450.0, 2500.0)
+ROWS_MAX = (1000.0, 3000.0)             # the pipeline's row check: tight, loose
+B_ROWS_MAX = (300.0, 700.0, 2000.0)     # sink b's stricter row check
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """What a pipeline edit changes."""
+
+    gate_fails: bool = False            # the batch gate's mean bound fails every real batch
+    on_gate_failure: str = "halt"       # or quarantine_batch
+    rows_max: float = ROWS_MAX[0]
+    b_rows_max: float = B_ROWS_MAX[0]
+    upper_name: bool = False            # transform name -> upper(name)
+
+    def loosest(self) -> Knobs:
+        """A passing gate and the loosest row checks (the end of a chaos run)."""
+        return replace(self, gate_fails=False, rows_max=ROWS_MAX[-1], b_rows_max=B_ROWS_MAX[-1])
+
+    def short(self) -> str:
+        return (f"gate={'FAIL' if self.gate_fails else 'pass'}/{self.on_gate_failure} "
+                f"rows<={self.rows_max:g} b<={self.b_rows_max:g} "
+                f"name={'upper' if self.upper_name else 'plain'}")
+
+
+def _between(column: str, max_value: float) -> dict:
+    return {"expect_column_values_to_be_between": {"column": column, "max_value": max_value}}
+
+
+class World:
+    def __init__(self, root: Path, partitions: int, limit: int, port: int | None = None):
+        self.root = root
+        self.partitions = partitions
+        self.limit = limit
+        self.cluster = Cluster(root / "pg", port or free_port())
+        self.pipelines_dir = root / "pipelines"
+        self.docs_dir = root / "data_docs"
+        self.logs_dir = root / "logs"
+        self.scratch_dir = root / "tmp"   # Spark and temp files of the jobs
+        self.names = {"ledger": "chaos_ledger", "a": "chaos_sink_a", "b": "chaos_sink_b"}
+        self.knobs = Knobs()
+
+    # -- life cycle -----------------------------------------------------------------------
+    @classmethod
+    def create(cls, partitions: int = 2, limit: int = 40, root: Path | None = None) -> World:
+        if root is None:
+            root = Path(tempfile.mkdtemp(prefix="tidemark-chaos-"))
+        root.mkdir(parents=True, exist_ok=True)
+        os.chmod(root, 0o755)  # the server runs as postgres when we are root
+        world = cls(root, partitions, limit)
+        for d in (world.pipelines_dir, world.docs_dir, world.logs_dir, world.scratch_dir):
+            d.mkdir(exist_ok=True)
+        try:
+            world.cluster.start()
+            for db in world.names.values():
+                world.cluster.create_database(db)
+            migrations.upgrade(world.ledger_dsn)
+            with psycopg.connect(world.ledger_dsn) as conn:
+                create_log_table(conn, SOURCE_TABLE)
+            world.write_pipeline()
+        except BaseException:
+            world.destroy()
+            raise
+        return world
+
+    def destroy(self) -> None:
+        try:
+            self.cluster.destroy()
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def stop(self) -> None:
+        """Stop the server and keep the folder (--keep-dir)."""
+        self.cluster.stop()
+
+    def restart_postgres(self) -> None:
+        """An immediate (crash) restart: no checkpoint, crash recovery on start."""
+        c = self.cluster
+        c._run("pg_ctl", "restart", "-w", "-t", "120", "-m", "immediate", "-D", str(c.data),
+               "-l", str(c.logfile), "-o", f"-p {c.port}")
+
+    # -- addresses ------------------------------------------------------------------------
+    @property
+    def ledger_dsn(self) -> str:
+        return self.cluster.dsn(self.names["ledger"])
+
+    @property
+    def sink_dsns(self) -> dict[str, str]:
+        return {s: self.cluster.dsn(self.names[s]) for s in SINKS}
+
+    @property
+    def databases(self) -> list[str]:
+        return list(self.names.values())
+
+    # -- the pipeline ---------------------------------------------------------------------
+    def pipeline_doc(self, knobs: Knobs | None = None) -> dict:
+        k = knobs or self.knobs
+        batch = [{"expect_table_row_count_to_be_between": {"min_value": 0,
+                                                           "max_value": 1_000_000}}]
+        if k.gate_fails:  # every batch of clean records has a mean amount far above 5
+            batch.append({"expect_column_mean_to_be_between": {"column": "amount",
+                                                               "max_value": 5}})
+        sink = {"dsn": None, "table": SINK_TABLE, "key": ["id"]}
+        return {
+            "name": PIPELINE,
+            "description": "tidemark chaos: " + k.short(),
+            "source": {"type": "postgres_log", "dsn": self.ledger_dsn, "table": SOURCE_TABLE},
+            "decode": {"schema": {"id": "bigint", "name": "string", "amount": "double",
+                                  "version": "int"}},
+            "transform": {"select": {"id": "id",
+                                     "name": "upper(name)" if k.upper_name else "name",
+                                     "amount": "amount", "version": "version"},
+                          "required": ["id"]},
+            "sinks": [
+                {**sink, "name": "a", "dsn": self.sink_dsns["a"]},
+                {**sink, "name": "b", "dsn": self.sink_dsns["b"],
+                 "quality": {"rows": [_between("amount", k.b_rows_max)]}},
+            ],
+            "limits": {"max_records_per_partition": self.limit},
+            "quality": {"on_gate_failure": k.on_gate_failure,
+                        "rows": [_between("amount", k.rows_max)],
+                        "batch": batch},
+        }
+
+    def write_pipeline(self, knobs: Knobs | None = None) -> Path:
+        if knobs is not None:
+            self.knobs = knobs
+        path = self.pipelines_dir / f"{PIPELINE}.yaml"
+        tmp = path.with_suffix(".yaml.tmp")
+        tmp.write_text(yaml.safe_dump(self.pipeline_doc(), sort_keys=False))
+        tmp.replace(path)  # a job starting now reads the old or the new file, never half
+        return path
+
+    def knobs_dict(self) -> dict:
+        return asdict(self.knobs)
+
+    # -- the source -----------------------------------------------------------------------
+    def append(self, records: list[tuple[int, bytes | None, bytes | None, str | None]]
+               ) -> dict[int, tuple[int, int]]:
+        """Append (partition, key, payload, headers JSON) records in one transaction."""
+        with psycopg.connect(self.ledger_dsn, application_name="chaos") as conn:
+            return append(conn, SOURCE_TABLE, [(*r, None) for r in records])

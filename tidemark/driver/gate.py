@@ -1,0 +1,195 @@
+"""The data-quality gate of a run (driver side), with Great Expectations.
+
+Runs before anything is written (DESIGN.md: the gate precedes step 2), on the transformed
+batch, cached once so that every expectation reads the same cached rows:
+
+1. pipeline ``quality.rows``: each failing row is quarantined (class ``validation``) for every
+   sink whose range holds it;
+2. pipeline ``quality.batch`` on the rows that remain: if it fails, ``halt`` ends every sink
+   ``dq_failed`` (nothing written, no checkpoint moved), ``quarantine_batch`` quarantines, per
+   sink, that sink's own range (class ``dq_gate``) and lets the checkpoints advance;
+3. the same per sink, on what that sink would receive, for its stricter ``quality``.
+
+The verdicts bind only the sinks of the run, each for its own range (DESIGN.md, "Which sinks
+a verdict applies to"); the writer applies them per sink. A re-delivery never quarantines a
+whole batch: its caller passes ``policy="halt"``.
+
+Results (per expectation, observed values, the GX result, the Data Docs page) go to
+``tidemark.dq_results``.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import psycopg
+from pyspark import StorageLevel
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+
+from tidemark.config import META_PREFIX, Pipeline, Quality
+from tidemark.engine.records import ERR_CLASS
+from tidemark.ledger.state import Range
+from tidemark.quality import checks as quality
+
+PARTITION, OFFSET = quality.PARTITION_COL, quality.OFFSET_COL
+PIPELINE = ""  # the scope of pipeline-level checks
+
+Failures = dict[int, dict[int, str]]  # partition -> offset -> reason
+
+
+@dataclass
+class Verdict:
+    rows: dict[str, Failures] = field(default_factory=dict)     # scope -> row failures
+    quarantine: dict[str, str] = field(default_factory=dict)    # scope -> why (whole batch)
+    halted: dict[str, str] = field(default_factory=dict)        # scope -> why (dq_failed)
+
+
+
+def _summary(outcome: quality.GateOutcome) -> str:
+    parts = []
+    for r in outcome.failed():
+        seen = json.dumps(r.get("observed_value"), default=str)[:80]
+        parts.append(f"{r['expectation']}({_args(r.get('kwargs', {}))}) observed {seen}")
+    return "data-quality gate failed: " + "; ".join(parts)
+
+
+def _args(kwargs: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in kwargs.items() if k in ("column", "min_value",
+                                                                    "max_value", "value_set"))
+
+
+def _without(df: DataFrame, failures: Failures) -> DataFrame:
+    if not failures:
+        return df
+    spark = df.sparkSession
+    bad = spark.createDataFrame([(p, o) for p, offs in failures.items() for o in offs],
+                                "_tm_partition int, _tm_offset bigint")
+    return df.join(F.broadcast(bad), ["_tm_partition", "_tm_offset"], "left_anti")
+
+
+def _in_ranges(df: DataFrame, ranges: list[Range]) -> DataFrame:
+    cond = None
+    for r in ranges:
+        c = ((F.col("_tm_partition") == r.partition) & (F.col("_tm_offset") >= r.start)
+             & (F.col("_tm_offset") < r.end))
+        cond = c if cond is None else cond | c
+    return df.where(cond) if cond is not None else df.limit(0)
+
+
+def _check(df: DataFrame, q: Quality, label: str, docs_dir: str
+           ) -> tuple[Failures, quality.GateOutcome]:
+    failures: Failures = {}
+    if q.rows:
+        rows = quality.parse_expectations(q.rows, label, "quality.rows")
+        for (p, o), reason in quality.row_failures(df, rows).items():
+            failures.setdefault(p, {})[o] = reason
+    batch = quality.parse_expectations(q.batch, label, "quality.batch")
+    outcome = quality.gate(_without(df, failures), batch, docs_dir, label)
+    return failures, outcome
+
+
+def _for_gx(df: DataFrame, checks: list[Quality], where: str) -> DataFrame:
+    """The rows GX reads: decoded, with their index, cached narrow.
+
+    Only the columns the expectations read (all output columns if one may read the whole
+    table): GX's many scans then read a fraction of the batch, and building this second
+    cache costs little. It is filled by GX's first job, with the full batch cache it derives
+    from.
+    """
+    outputs = [c for c in df.columns if not c.startswith(META_PREFIX)]
+    used: set[str] | None = set()
+    for q in checks:
+        for items, part in ((q.rows, "quality.rows"), (q.batch, "quality.batch")):
+            more = quality.columns_read(quality.parse_expectations(items, where, part))
+            used = None if more is None or used is None else used | more
+    # A column the batch lacks: keep them all, so that GX itself reports it.
+    keep = outputs if used is None or not used <= set(outputs) else \
+        [c for c in outputs if c in used]
+    return (df.where(F.col(ERR_CLASS).isNull()).select(PARTITION, OFFSET, *keep)
+            .persist(StorageLevel.MEMORY_AND_DISK))
+
+
+@contextmanager
+def _many_small_queries(spark):
+    """Spark settings for GX's metric queries, restored afterwards.
+
+    GX asks a few dozen one-row questions of the cached batch. Adaptive execution splits each
+    into two jobs and plans it twice; a limited collect that finds few rows (GX's unexpected
+    values, usually none) scans its partitions in one job instead of growing in steps.
+    """
+    conf = {"spark.sql.adaptive.enabled": "false",
+            "spark.sql.limit.initialNumPartitions": str(2**31 - 1)}
+    saved = {k: spark.conf.get(k, None) for k in conf}
+    for k, v in conf.items():
+        spark.conf.set(k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                spark.conf.unset(k)
+            else:
+                spark.conf.set(k, v)
+
+
+def evaluate(pipeline: Pipeline, df: DataFrame, run_id: int, sink_ranges: dict[str, list[Range]],
+             ledger: psycopg.Connection, docs_dir: str, policy: str | None = None) -> Verdict:
+    """``policy`` overrides the pipeline's ``on_gate_failure`` (a re-delivery halts)."""
+    checks = [pipeline.quality] + [s.quality for s in pipeline.sinks if s.name in sink_ranges]
+    good = _for_gx(df, checks, f"pipeline {pipeline.name}")
+    try:
+        with _many_small_queries(df.sparkSession):
+            return _evaluate(pipeline, good, run_id, sink_ranges, ledger, docs_dir,
+                             policy or pipeline.quality.on_gate_failure)
+    finally:
+        good.unpersist()
+
+
+def _evaluate(pipeline: Pipeline, good: DataFrame, run_id: int,
+              sink_ranges: dict[str, list[Range]], ledger: psycopg.Connection,
+              docs_dir: str, policy: str) -> Verdict:
+    verdict = Verdict()
+    label = f"{pipeline.name}-run-{run_id}"
+    failures, outcome = _check(good, pipeline.quality, label, docs_dir)
+    _store(ledger, run_id, PIPELINE, failures, outcome)
+    verdict.rows[PIPELINE] = failures
+    if not outcome.success:
+        why = _summary(outcome)
+        if policy == "halt":
+            verdict.halted = {s: why for s in sink_ranges}
+        else:
+            verdict.quarantine[PIPELINE] = why
+        return verdict
+    kept = _without(good, failures)
+    for sink in pipeline.sinks:
+        if sink.name not in sink_ranges or sink.quality.empty:
+            continue
+        mine = _in_ranges(kept, sink_ranges[sink.name])
+        failures, outcome = _check(mine, sink.quality, f"{label}-{sink.name}", docs_dir)
+        _store(ledger, run_id, sink.name, failures, outcome)
+        verdict.rows[sink.name] = failures
+        if not outcome.success:
+            why = _summary(outcome)
+            if policy == "halt":
+                verdict.halted[sink.name] = why
+            else:
+                verdict.quarantine[sink.name] = why
+    return verdict
+
+
+def _store(ledger: psycopg.Connection, run_id: int, scope: str, failures: Failures,
+           outcome: quality.GateOutcome) -> None:
+    with ledger.transaction():
+        ledger.execute(
+            """INSERT INTO tidemark.dq_results (run_id, scope, success, rows_failed, results,
+                                                raw, docs_path)
+               VALUES (%s, %s, %s, %s, %s, %s, %s)
+               ON CONFLICT (run_id, scope) DO UPDATE SET success = EXCLUDED.success,
+                   rows_failed = EXCLUDED.rows_failed, results = EXCLUDED.results,
+                   raw = EXCLUDED.raw, docs_path = EXCLUDED.docs_path""",
+            (run_id, scope, outcome.success, sum(len(v) for v in failures.values()),
+             json.dumps(outcome.results, default=str), json.dumps(outcome.raw, default=str),
+             outcome.docs_path))

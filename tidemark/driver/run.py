@@ -1,0 +1,544 @@
+"""The driver of one run: the commit protocol of DESIGN.md, end to end, for every mode
+(tidemark/driver/modes.py: deliver, backfill; tidemark/driver/redrive.py: redrive).
+
+claim (lease, epoch, ranges) -> read + decode + transform + write/PREPARE in Spark tasks
+-> check every chosen gid is still prepared -> decide (the commit point, per sink)
+-> COMMIT PREPARED / ROLLBACK PREPARED -> advance checkpoints.
+
+SIGTERM before a sink's decision rolls everything back, releases the leases and exits 143;
+after the decision the run finishes its commits first.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import psycopg
+
+from tidemark.config import Pipeline, PostgresLogSource
+from tidemark.core import faults
+from tidemark.core.db import connect, one_line
+from tidemark.core.dsn import mask
+from tidemark.core.errors import Fenced, Inconsistency, Terminated, TidemarkError
+from tidemark.core.settings import Settings
+from tidemark.driver import gate
+from tidemark.driver.modes import Backfill, Delivery, Mode
+from tidemark.engine import records
+from tidemark.ledger import state
+from tidemark.ledger.migrations import require_current
+from tidemark.ledger.state import Claim, Participant, Range, RunState
+from tidemark.protocol import gids, recovery, sinks, twopc
+from tidemark.protocol.taskspec import SinkTarget, TaskResult, TaskSpec
+
+Log = Callable[[str], None]
+
+
+def stderr_log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass
+class SinkOutcome:
+    sink: str
+    state: str
+    rows: int = 0
+    dead: int = 0
+    superseded: int = 0   # versions not written: a newer one of their key won
+    removed: int = 0      # re-delivery: rows removed (their records now quarantined)
+    resolved: int = 0     # re-delivery: dead letters resolved (their records now delivered)
+    error: str | None = None
+
+
+@dataclass
+class RunReport:
+    run_id: int | None
+    pipeline: str
+    mode: str
+    records: int = 0
+    sinks: dict[str, SinkOutcome] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    message: str = ""
+    redrive: dict | None = None  # redriven / failed_again / skipped dead letters
+
+    @property
+    def ok(self) -> bool:
+        return all(s.state == "committed" for s in self.sinks.values())
+
+    def to_dict(self) -> dict:
+        return {"run_id": self.run_id, "pipeline": self.pipeline, "mode": self.mode,
+                "records": self.records, "seconds": round(self.seconds, 2),
+                "message": self.message, "skipped": self.skipped, "redrive": self.redrive,
+                "sinks": {k: vars(v) for k, v in self.sinks.items()}}
+
+    def summary(self) -> str:
+        if self.run_id is None:
+            return f"{self.pipeline}: {self.message}"
+        lines = [f"run {self.run_id} ({self.pipeline}, {self.mode}): {self.records:,} records "
+                 f"read in {self.seconds:.1f}s"]
+        for s in self.sinks.values():
+            tail = f" - {s.error}" if s.error else ""
+            more = "".join(f", {n:,} {what}" for n, what in (
+                (s.superseded, "superseded by newer versions"), (s.removed, "rows removed"),
+                (s.resolved, "dead letters resolved")) if n)
+            lines.append(f"  sink {s.sink}: {s.state}, {s.rows:,} rows written, "
+                         f"{s.dead:,} quarantined{more}{tail}")
+        for sink, why in self.skipped.items():
+            lines.append(f"  sink {sink}: skipped ({why})")
+        if self.redrive is not None and self.run_id is not None:
+            r = self.redrive
+            lines.append(f"  dead letters: {r['redriven']:,} redriven, "
+                         f"{len(r['failed_again']):,} failed again (still quarantined, "
+                         f"attempts + 1), {len(r['skipped']):,} skipped")
+        return "\n".join(lines)
+
+
+class _Stop:
+    """SIGTERM: abort if no sink has decided yet, else finish committing first."""
+
+    def __init__(self) -> None:
+        self.decided = False
+        self.requested = False
+        self._previous = None
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        if not self.decided:
+            raise Terminated("SIGTERM before the decision: rolled back")
+
+    def check(self) -> None:
+        if self.requested and not self.decided:
+            raise Terminated("SIGTERM before the decision: rolled back")
+
+
+class Run:
+    """One run of the protocol: claim -> write (Spark tasks prepare) -> decide per sink ->
+    finish (COMMIT / ROLLBACK PREPARED) -> advance. ``mode`` says what it delivers."""
+
+    def __init__(self, pipeline: Pipeline, settings: Settings, *, ledger_dsn: str,
+                 all_pipelines: dict[str, Pipeline] | None = None, mode: str | Mode = "run",
+                 backfill: Backfill | None = None, sink_names: list[str] | None = None,
+                 external_id: str | None = None, log: Log = stderr_log, spark=None,
+                 by: str | None = None):
+        self.p = pipeline
+        self.s = settings
+        self.ledger_dsn = ledger_dsn
+        self.all_pipelines = all_pipelines or {pipeline.name: pipeline}
+        self.mode: Mode = mode if isinstance(mode, Mode) else (backfill or Delivery())
+        if self.mode.name == "backfill" and not isinstance(self.mode, Backfill):
+            raise TidemarkError("a backfill needs its range")
+        self.sink_names = sink_names
+        self.external_id = external_id
+        self.log = log
+        self.spark = spark
+        self.by = by
+        self.owner = f"{socket.gethostname()}:{os.getpid()}"
+        self.stop = _Stop()
+        self.clock: dict[str, float] = {}  # phase -> monotonic time it ended
+        self.results: list[TaskResult] = []
+
+    def _mark(self, phase: str) -> None:
+        self.clock[phase] = time.monotonic()
+
+    def _timings(self) -> dict[str, float]:
+        order = ["start", "claim", "write", "decide", "commit"]
+        have = [p for p in order if p in self.clock]
+        return {f"{b}_seconds": round(self.clock[b] - self.clock[a], 3)
+                for a, b in zip(have, have[1:], strict=False)}
+
+    # -- the protocol ----------------------------------------------------------------------
+    def execute(self) -> RunReport:
+        started = time.monotonic()
+        faults.mark_job_process_group()
+        self._mark("start")
+        report = RunReport(None, self.p.name, self.mode.name)
+        resolved = sinks.resolve(self.p, self.sink_names)
+        by_name = {s.name: s for s in resolved}
+        self.ledger = connect(self.ledger_dsn, autocommit=True, what="ledger")
+        try:
+            require_current(self.ledger)
+            sinks.prepare_database(self.ledger, "ledger")
+            rec = recovery.recover(self.ledger_dsn, self.all_pipelines, self.s.gid_prefix,
+                                   self.s.prepared_alert_seconds)
+            if rec.rolled_forward or rec.aborted or rec.rolled_back or not rec.ok:
+                self.log(rec.summary())
+            for err in rec.errors:
+                self.log(f"recovery: {err}")
+            plan, closing = self.mode.planner(self.p)
+            try:
+                claim = state.claim(
+                    self.ledger, pipeline=self.p.name, config=self.p.model_dump(mode="json"),
+                    sinks=list(by_name), mode=self.mode.name, owner=self.owner,
+                    delivery=self.p.delivery, ttl_seconds=self.s.lease_ttl_seconds, plan=plan,
+                    external_id=self.external_id)
+            finally:
+                closing.close()
+            if claim is None:
+                report.message = "up to date: nothing to replay"
+                return report
+            self._mark("claim")
+            report.run_id, report.skipped = claim.run_id, claim.skipped
+            for sink, why in claim.skipped.items():
+                self.log(f"sink {sink} skipped: {why}")
+            self.stop.install()
+            try:
+                self._protocol(claim, by_name, report)
+            except BaseException as exc:
+                # Before any decision nothing may stay behind: roll back now, free the leases.
+                # After one, only recovery may settle what is in doubt.
+                if not self.stop.decided:
+                    why = ("terminated (SIGTERM) before the decision" if isinstance(
+                        exc, Terminated) else f"{type(exc).__name__}: {one_line(exc)}")
+                    self._abort_all(claim, why)
+                raise
+            finally:
+                self.stop.uninstall()
+                state.finish_run(self.ledger, claim.run_id)
+            return report
+        finally:
+            report.seconds = time.monotonic() - started
+            self.ledger.close()
+
+    def _protocol(self, claim: Claim, by_name: dict[str, sinks.ResolvedSink],
+                  report: RunReport) -> None:
+        run_id = claim.run_id
+        read = claim.read_ranges()
+        total = sum(r.size for r in read)
+        self.log(f"run {run_id}: claimed {', '.join(claim.sinks)} "
+                 f"(epochs {', '.join(str(c.epoch) for c in claim.sinks.values())}); "
+                 f"reading {total:,} records from {len(read)} partition(s)")
+        for sink in claim.sinks:
+            report.sinks[sink] = SinkOutcome(sink, "planned")
+        faults.point("after_claim")
+        heart = _Heartbeat(self.ledger_dsn, self.p.name, run_id, self.s.lease_ttl_seconds)
+        heart.start()
+        try:
+            live = self._write(claim, by_name, read, report)
+            self._mark("write")
+            self.stop.check()
+            faults.point("after_prepare")
+            decided = self._decide(claim, live, report)
+            self._mark("decide")
+        finally:
+            heart.stop()
+        faults.point("after_decide")
+        self._finish(claim, by_name, decided, report)
+
+    def _write(self, claim: Claim, by_name, read: list[Range], report: RunReport) -> list[str]:
+        from tidemark.engine.session import session
+
+        run_id, ledger = claim.run_id, self.ledger
+        spark = self.spark or session(self.s.spark_master, f"tidemark-{self.p.name}")
+        self.stop.check()
+        df = records.rows(self.mode.source(spark, self.p, read), self.p)
+        columns = records.output_columns(df)
+        verdict = None
+        checks = self.mode.quality(self.p)
+        if checks.has_quality():
+            from pyspark import StorageLevel
+
+            # Read once: the expectations and the writes all use this cached batch.
+            df = df.persist(StorageLevel.MEMORY_AND_DISK)
+            self.log(f"run {run_id}: checking data quality (Great Expectations)")
+            verdict = gate.evaluate(checks, df, run_id,
+                                    {s: c.ranges for s, c in claim.sinks.items()}, ledger,
+                                    str(self.s.data_docs_dir), self.mode.gate_policy)
+            failed = sum(len(offs) for f in verdict.rows.values() for offs in f.values())
+            self.log(f"run {run_id}: data quality: {failed:,} rows failed, gate "
+                     f"{'failed' if verdict.halted or verdict.quarantine else 'passed'} "
+                     f"(`tidemark dq show {run_id}`)")
+            for sink, why in verdict.halted.items():
+                state.dq_failed(ledger, self.p.name, run_id, sink, why)
+                report.sinks[sink].state, report.sinks[sink].error = "dq_failed", why
+                self.log(f"run {run_id} sink {sink}: dq_failed: {why}")
+        live: list[str] = []
+        for sink in claim.sinks:
+            if verdict and sink in verdict.halted:
+                continue
+            try:
+                sinks.ensure_table(by_name[sink], columns, f"sink {sink}")
+            except TidemarkError as exc:
+                self._abort(run_id, sink, str(exc), report)
+                continue
+            state.start_writing(ledger, self.p.name, run_id, sink)
+            report.sinks[sink].state = "writing"
+            live.append(sink)
+        if not live:
+            if verdict is not None:
+                df.unpersist()
+            return []
+        spec = self._spec(claim, by_name, live, read, [c for c, _ in columns], verdict)
+        from tidemark.engine.writer import RESULT_SCHEMA, make_task
+
+        progress = _Progress(spark, run_id, len(read), self.log)
+        progress.start()
+        try:
+            rows = df.mapInArrow(make_task(spec), RESULT_SCHEMA).collect()
+        except Terminated:
+            spark.sparkContext.cancelAllJobs()
+            raise
+        except Exception as exc:  # the Spark job failed after its retries: abort every sink
+            msg = f"Spark job failed: {_spark_error(exc)}"
+            for sink in live:
+                self._abort(run_id, sink, msg, report)
+            self._rollback_run(claim, by_name, keep=set())
+            raise TidemarkError(f"run {run_id}: {msg}") from None
+        finally:
+            progress.stop()
+            if verdict is not None:
+                df.unpersist()
+        self.results = [TaskResult.model_validate_json(r["result"]) for r in rows]
+        report.records = sum(r.records for r in self.results)
+        accounting = [r.error for r in self.results if r.error]
+        if len(self.results) != self.mode.tasks(read):
+            accounting.append(f"{len(self.results)} task results for "
+                              f"{self.mode.tasks(read)} tasks")
+        if accounting:
+            how = self.p.transform.python or "select"
+            msg = (f"records not accounted for (transform {how}): {accounting[0]}; a "
+                   f"transform must keep every record exactly once (quarantine a bad one)")
+            for sink in live:
+                self._abort(run_id, sink, msg, report)
+            self._rollback_run(claim, by_name, keep=set())
+            raise TidemarkError(f"run {run_id}: {msg}")
+        still: list[str] = []
+        for sink in live:
+            out = report.sinks[sink]
+            mine = [r.sinks[sink] for r in self.results]
+            errors = [m.error for m in mine if m.error]
+            for name in ("rows", "dead", "superseded", "removed", "resolved"):
+                setattr(out, name, sum(getattr(m, name) for m in mine))
+            if not errors:
+                missing = self._not_prepared(sink, by_name)
+                if missing:
+                    errors.append(f"prepared transaction(s) vanished before the decision: "
+                                  f"{', '.join(missing)}")
+            if errors:
+                self._abort(run_id, sink, errors[0], report)
+                continue
+            counts = {"records": sum(m.records for m in mine), "rows": out.rows,
+                      "dead": out.dead, "superseded": out.superseded, "removed": out.removed,
+                      "resolved": out.resolved}
+            state.mark_prepared(ledger, self.p.name, run_id, sink, counts)
+            out.state = "prepared"
+            still.append(sink)
+        return still
+
+    def _spec(self, claim: Claim, by_name, live: list[str], read: list[Range],
+              columns: list[str], verdict: gate.Verdict | None) -> TaskSpec:
+        v = verdict or gate.Verdict()
+        targets = []
+        for s in live:
+            cfg = by_name[s].config
+            targets.append(SinkTarget(
+                name=s, dsn=by_name[s].dsn, table=cfg.table, key=cfg.key, version=cfg.version,
+                ranges={r.partition: (r.start, r.end) for r in claim.sinks[s].ranges},
+                letters=self.mode.letters(s), failed=v.rows.get(s, {}),
+                quarantine=v.quarantine.get(s)))
+        return TaskSpec(
+            run_id=claim.run_id, pipeline=self.p.name, mode=self.mode.name,
+            prefix=self.s.gid_prefix, prepare=self.p.delivery == "exactly_once",
+            lock_timeout_ms=self.s.lock_timeout_ms, ledger_dsn=self.ledger_dsn,
+            columns=columns, by=self.by,
+            reads=self.mode.reads(read, isinstance(self.p.source, PostgresLogSource)),
+            failed=v.rows.get(gate.PIPELINE, {}), quarantine=v.quarantine.get(gate.PIPELINE),
+            sinks=targets)
+
+    def _chosen(self, sink: str) -> list[Participant]:
+        return [Participant(p.gid, p.target, r.task, p.rows)
+                for r in self.results for p in r.participants if p.sink == sink]
+
+    def _not_prepared(self, sink: str, by_name) -> list[str]:
+        if self.p.delivery != "exactly_once":
+            return []
+        missing = []
+        for p in self._chosen(sink):
+            dsn = self.ledger_dsn if p.target == "ledger" else by_name[sink].dsn
+            with connect(dsn, autocommit=True) as conn:
+                if not twopc.is_prepared(conn, p.gid):
+                    missing.append(p.gid)
+        return missing
+
+    def _decide(self, claim: Claim, live: list[str], report: RunReport) -> list[str]:
+        """The commit point, sink by sink. A decision that may have committed (a lost
+        connection during it) is settled by reading the ledger, never rolled back."""
+        decided = []
+        for sink in live:
+            self.stop.check()
+            # From here on SIGTERM no longer aborts: a decided sink finishes its commit.
+            self.stop.decided = True
+            try:
+                state.decide(self.ledger, self.p.name, claim.run_id, sink, self._chosen(sink))
+            except Fenced as exc:
+                self.stop.decided = bool(decided)
+                self._abort(claim.run_id, sink, str(exc), report)
+                continue
+            except psycopg.OperationalError as exc:
+                self._reconnect(claim.run_id)
+                now = state.state_of(self.ledger, claim.run_id, sink)
+                self.log(f"run {claim.run_id} sink {sink}: lost the ledger during the "
+                         f"decision ({one_line(exc)}); the ledger says {now}")
+                if now != RunState.COMMITTING:
+                    self._abort(claim.run_id, sink, f"decision not recorded: {one_line(exc)}",
+                                report)
+                    continue
+            report.sinks[sink].state = "committing"
+            decided.append(sink)
+        return decided
+
+    def _reconnect(self, run_id: int) -> None:
+        """A new ledger session, holding the owner's lock again (recovery may meanwhile have
+        aborted what it saw as orphaned: the transitions then refuse, and we say so)."""
+        self.ledger.close()
+        self.ledger = connect(self.ledger_dsn, autocommit=True, what="ledger")
+        self.ledger.execute("SELECT pg_advisory_lock(%s, %s)", (state.OWNER_LOCK_CLASS, run_id))
+
+    def _finish(self, claim: Claim, by_name, decided: list[str], report: RunReport) -> None:
+        dbs = recovery.Databases(self.ledger_dsn, {self.p.name: self.p},
+                                 application="tidemark-commit")
+        ledger = self.ledger
+        try:
+            keep: set[str] = set()
+            for sink in decided:
+                keep.update(p.gid for p in self._chosen(sink))
+                for _gid, target in recovery.chosen(ledger, claim.run_id, sink):
+                    dbs.conn(dbs.dsn_for(self.p.name, target))  # open before committing
+            for sink in decided:
+                faults.point("before_commit_prepared")
+                lost = recovery.commit_chosen(ledger, dbs, self.p.name, claim.run_id, sink,
+                                              after_each=lambda: faults.point("mid_finish"))
+                if lost:
+                    reason = (f"run {claim.run_id} sink {sink}: chosen transaction(s) "
+                              f"{', '.join(lost)} vanished without their marker rows")
+                    state.halt(ledger, self.p.name, reason)
+                    raise Inconsistency(reason + "; pipeline halted")
+            self._rollback_run(claim, by_name, keep)
+            faults.point("after_finish")
+            self._mark("commit")
+            for sink in decided:
+                try:
+                    state.advance(ledger, self.p.name, claim.run_id, sink, self._timings())
+                except state.IllegalTransition:
+                    # A concurrent recovery rolled it forward first: the same outcome.
+                    if state.state_of(ledger, claim.run_id, sink) != RunState.COMMITTED:
+                        raise
+                report.sinks[sink].state = "committed"
+            faults.point("after_advance")
+        except psycopg.OperationalError as exc:
+            raise TidemarkError(f"run {claim.run_id}: lost a connection while committing "
+                                f"({one_line(exc)}); the outcome is settled by `tidemark "
+                                f"recover` (runs automatically before the next run)") from None
+        finally:
+            dbs.close()
+
+    # -- abort paths -------------------------------------------------------------------------
+    def _abort(self, run_id: int, sink: str, error: str, report: RunReport) -> None:
+        state.abort(self.ledger, self.p.name, run_id, sink, error)
+        report.sinks[sink].state = "aborted"
+        report.sinks[sink].error = error
+        self.log(f"run {run_id} sink {sink}: aborted: {error}")
+
+    def _abort_all(self, claim: Claim, error: str) -> None:
+        for sink in claim.sinks:
+            state.abort(self.ledger, self.p.name, claim.run_id, sink, error)
+        self._rollback_run(claim, {s.name: s for s in sinks.resolve(self.p, list(claim.sinks))},
+                           keep=set())
+
+    def _rollback_run(self, claim: Claim, by_name, keep: set[str]) -> None:
+        """Roll back every prepared transaction of this run that no decision chose."""
+        for dsn in dict.fromkeys([self.ledger_dsn, *(s.dsn for s in by_name.values())]):
+            try:
+                with connect(dsn, autocommit=True) as conn:
+                    for gid, _ in twopc.prepared(conn, gids.like_run(self.s.gid_prefix,
+                                                                     claim.run_id)):
+                        if gid not in keep:
+                            twopc.rollback(conn, gid)
+            except (psycopg.Error, TidemarkError) as exc:
+                # An unreachable sink holds nothing of ours, or recovery's sweep gets it later.
+                self.log(f"run {claim.run_id}: cleanup skipped {mask(dsn)}: {one_line(exc)}")
+
+
+_EXC_LINE = re.compile(r"^([\w.]+(Error|Exception|Terminated|Held|Fenced)): (.*)$")
+
+
+def _spark_error(exc: BaseException) -> str:
+    """The Python exception a failed task raised, as one line, out of Spark's wrapping."""
+    found = None
+    for line in str(exc).splitlines():
+        m = _EXC_LINE.match(line.strip())
+        if m and not m.group(1).startswith(("org.apache", "java.", "py4j")):
+            found = f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(3)}"
+    return mask(found) if found else one_line(exc)
+
+
+class _Heartbeat(threading.Thread):
+    """Renews the run's leases every third of their lifetime. A dropped ledger connection is
+    reopened (a restart or a network blip must not cost the lease); the run is fenced only if
+    the lease really moved or expired, which the decision checks."""
+
+    def __init__(self, dsn: str, pipeline: str, run_id: int, ttl: int):
+        super().__init__(daemon=True, name="tidemark-heartbeat")
+        self.args_ = (dsn, pipeline, run_id, ttl)
+        self._stop_evt = threading.Event()
+        self.beats = 0
+
+    def run(self) -> None:
+        dsn, pipeline, run_id, ttl = self.args_
+        every = max(ttl / 3, 1)
+        while not self._stop_evt.is_set():
+            try:
+                with connect(dsn, autocommit=True, what="ledger",
+                             application="tidemark-heartbeat") as conn:
+                    while not self._stop_evt.wait(every):
+                        if state.heartbeat(conn, pipeline, run_id, ttl) == 0:
+                            return  # the leases moved on: nothing left to renew
+                        self.beats += 1
+            except (psycopg.Error, TidemarkError):
+                self._stop_evt.wait(min(every, 2.0))  # reconnect
+
+    def stop(self) -> None:
+        self._stop_evt.set()
+
+
+class _Progress(threading.Thread):
+    """Prints task progress of the write stage every few seconds."""
+
+    def __init__(self, spark, run_id: int, tasks: int, log: Log, every: float = 5.0):
+        super().__init__(daemon=True, name="tidemark-progress")
+        self.spark, self.run_id, self.tasks, self.log, self.every = spark, run_id, tasks, log, every
+        self._stop_evt = threading.Event()
+
+    def run(self) -> None:
+        tracker = self.spark.sparkContext.statusTracker()
+        started, last = time.monotonic(), None
+        while not self._stop_evt.wait(self.every):
+            done = running = 0
+            for sid in tracker.getActiveStageIds():
+                info = tracker.getStageInfo(sid)
+                if info:
+                    done += info.numCompletedTasks
+                    running += info.numActiveTasks
+            line = (f"run {self.run_id}: writing, {done}/{self.tasks} tasks done, "
+                    f"{running} running, {time.monotonic() - started:.0f}s")
+            if line != last:
+                self.log(line)
+                last = line
+
+    def stop(self) -> None:
+        self._stop_evt.set()

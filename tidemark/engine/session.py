@@ -1,0 +1,92 @@
+"""The SparkSession every Tidemark job uses."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+# Hide credentials inside DSNs wherever Spark prints options or plans.
+LOG4J = Path(__file__).with_name("log4j2.properties")
+REDACT = r"(?i)(password|secret|token)|(://[^:/@\s]+:[^@\s]*@)"
+PACKAGE = Path(__file__).resolve().parent.parent  # the tidemark package
+_SHIPPED: Path | None = None  # this process's zip of the tidemark package
+
+
+def session(master: str | None, app_name: str):
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.appName(app_name)
+    if master:
+        builder = builder.master(master)
+    log4j = f"-Dlog4j2.configurationFile=file:{LOG4J}"
+    builder = (builder
+               .config("spark.driver.extraJavaOptions", log4j)
+               .config("spark.executor.extraJavaOptions", log4j)
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.speculation", "false")  # one attempt per task at a time
+               .config("spark.task.maxFailures", "4")
+               .config("spark.sql.ansi.enabled", "false")
+               .config("spark.sql.shuffle.partitions", "8")
+               # A gated run caches its batch once; compressing that cache cost more CPU
+               # than it saved (bench/replay_bench.py, 2 cores).
+               .config("spark.sql.inMemoryColumnarStorage.compressed", "false")
+               .config("spark.sql.execution.arrow.maxRecordsPerBatch", "20000")
+               .config("spark.sql.redaction.string.regex", REDACT)
+               .config("spark.redaction.regex", REDACT)
+               .config("spark.driver.memory", os.environ.get("TIDEMARK_DRIVER_MEMORY", "3g")))
+    if (master or _submitted_master()).startswith("local"):
+        # Local Spark stays on loopback. On a cluster the executors connect back to the
+        # driver: its address is spark-submit's (--conf spark.driver.host) or Spark's default.
+        builder = (builder.config("spark.driver.bindAddress", "127.0.0.1")
+                   .config("spark.driver.host", "127.0.0.1"))
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel(os.environ.get("TIDEMARK_SPARK_LOG_LEVEL", "ERROR"))
+    # The master may come from the argument or from spark-submit: ask the started context.
+    if not spark.sparkContext.master.startswith("local"):
+        ship_package(spark.sparkContext)
+    return spark
+
+
+def _submitted_master() -> str:
+    """spark-submit's --master when it started this Python (its JVM is up already)."""
+    if "PYSPARK_GATEWAY_PORT" not in os.environ:
+        return "local[*]"  # what Spark uses without a master
+    from pyspark import SparkConf, SparkContext
+
+    SparkContext._ensure_initialized()
+    return SparkConf().get("spark.master", "local[*]")
+
+
+def ship_package(sc) -> Path:
+    """Executors on a cluster (spark://, yarn, k8s://) cannot import the driver's tidemark:
+    zip the package (sources and package data, no __pycache__), once per process and named by
+    its content hash, and add it to the context's Python path (a no-op if already added)."""
+    global _SHIPPED
+    if _SHIPPED is None:
+        files = sorted(p for p in PACKAGE.rglob("*") if p.is_file()
+                       and "__pycache__" not in p.parts
+                       and p.suffix in {".py", ".properties", ".sql"})
+        digest = hashlib.sha256()
+        for f in files:
+            digest.update(f"{f.relative_to(PACKAGE)}\0".encode() + f.read_bytes() + b"\0")
+        folder = Path(tempfile.gettempdir()) / f"tidemark-pyfiles-{os.getuid()}"
+        folder.mkdir(exist_ok=True)
+        target = folder / f"tidemark-{digest.hexdigest()[:16]}.zip"
+        if not target.exists():  # built by another process already: same content
+            fd, tmp = tempfile.mkstemp(dir=folder, suffix=".zip.tmp")
+            with os.fdopen(fd, "wb") as fh, zipfile.ZipFile(fh, "w", zipfile.ZIP_DEFLATED) as z:
+                for f in files:
+                    z.write(f, Path("tidemark") / f.relative_to(PACKAGE))
+            os.replace(tmp, target)  # atomic: concurrent jobs never see half a zip
+        _SHIPPED = target
+    if _SHIPPED.name not in {f.rsplit("/", 1)[-1] for f in sc.listFiles}:
+        sc.addPyFile(str(_SHIPPED))
+    return _SHIPPED

@@ -1,0 +1,593 @@
+"""Executor side of the commit protocol: one Spark task places its range in every sink.
+
+Per task and sink, two transactions, each ending in ``PREPARE TRANSACTION``: on the sink
+database, COPY the rows into a staging table and merge them into the target with a keyed
+upsert guarded by version; on the ledger, that sink's dead letters. Every verdict (decode,
+transform, row-level expectation, batch gate, NULL key, sink write) binds only the sinks
+whose range holds the record (DESIGN.md, "Which sinks a verdict applies to"), so each sink
+gets its own dead letters and nothing is shared between sinks.
+
+Re-delivery (backfill, redrive) leaves a sink as one delivery with the current pipeline
+would: a record that now fails loses its own row in that sink and is quarantined for it; a
+record that now passes is written and its live dead letter for that sink resolved, all in the
+same two-phase commit.
+
+Before it prepares, a task accounts for its whole range (DESIGN.md, "Task accounting"): every
+offset seen exactly once, and per sink rows written + quarantined + superseded = records.
+
+A sink whose connection or statements fail is reported failed in the task's result and
+rolled back; the other sinks carry on. Ledger and source errors fail the task, and Spark
+retries it with a new attempt.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+from collections.abc import Iterator
+
+import numpy as np
+import psycopg
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+from psycopg import sql
+
+from tidemark.core import faults
+from tidemark.core.db import is_data_error, one_line, qualified
+from tidemark.engine.records import ERR_CLASS, ERR_REASON
+from tidemark.protocol import gids, twopc
+from tidemark.protocol.taskspec import Prepared, SinkResult, SinkTarget, Span, TaskResult, TaskSpec
+
+FLUSH_ROWS = 50_000
+REASON_MAX = 200
+DETAIL_MAX = 8_000
+RESULT_SCHEMA = "task int, attempt int, result string"
+PARTITION, OFFSET = "_tm_partition", "_tm_offset"
+
+
+def clamp(text: str, limit: int) -> str:
+    text = text.replace("\x00", "\\0")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def storable_headers(headers: str | None) -> str | None:
+    """Headers as jsonb will take them. PostgreSQL refuses a ``\\u0000`` escape (and anything
+    not JSON): such headers are kept exactly, base64-encoded, so the record still lands in its
+    dead letter instead of failing its own quarantine."""
+    if headers is None:
+        return None
+    if "\\u0000" not in headers:
+        try:
+            json.loads(headers)
+            return headers
+        except ValueError:
+            pass
+    return json.dumps({"_tm_unstorable_headers_base64":
+                       base64.b64encode(headers.encode("utf-8", "surrogatepass")).decode()})
+
+
+def _begin(dsn: str, lock_timeout_ms: int, what: str) -> psycopg.Connection:
+    conn = psycopg.connect(dsn, application_name=f"tidemark-{what}", connect_timeout=10)
+    conn.execute(sql.SQL("SET lock_timeout = {}").format(sql.Literal(f"{lock_timeout_ms}ms")))
+    return conn
+
+
+def _finish(conn: psycopg.Connection, gid: str, run_id: int, prepare: bool) -> None:
+    conn.execute("INSERT INTO tidemark.commits (gid, run_id) VALUES (%s, %s)", (gid, run_id))
+    if prepare:
+        conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+    else:
+        conn.commit()
+
+
+def rollback_earlier_attempts(dsn: str, prefix: str, run_id: int, stage: str, task: int,
+                              attempt: int) -> list[str]:
+    """A retried attempt first rolls back what *earlier* attempts of its task left prepared
+    (no decision can exist yet), or it would wait forever on their row locks. A later attempt
+    (this one is a zombie, say after a lost executor) is never touched."""
+    done = []
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
+        for gid, _age in twopc.prepared(conn, gids.like_task(prefix, run_id, stage, task)):
+            parsed = gids.parse(gid, prefix)
+            if parsed and parsed.task == task and parsed.attempt < attempt \
+                    and twopc.rollback(conn, gid):
+                done.append(gid)
+    return done
+
+
+class DeadLetters:
+    """One sink's dead letters in one ledger transaction (stage ``d.<sink>``)."""
+
+    _COLS = ("pipeline", "sink", "run_id", "source_partition", "source_offset", "key",
+             "payload", "headers", "error_class", "reason", "detail")
+
+    def __init__(self, spec: TaskSpec, sink: str, gid: str):
+        self.spec, self.sink, self.gid = spec, sink, gid
+        self.conn: psycopg.Connection | None = None
+        self.rows = 0
+        self.resolved = 0
+        self.offsets: dict[int, list[int]] = {}  # partition -> offsets quarantined here
+        self.held: dict[tuple[int, int], int] = {}  # redrive: (partition, offset) -> letter id
+        self.failed_again: list[int] = []
+
+    def _open(self) -> psycopg.Connection:
+        if self.conn is not None:
+            return self.conn
+        self.conn = _begin(self.spec.ledger_dsn, self.spec.lock_timeout_ms, "dlq")
+        self.stage_table = sql.SQL("tidemark.{}").format(sql.Identifier(
+            "dlqstage_" + hashlib.sha1(self.gid.encode()).hexdigest()[:20]))
+        cols = sql.SQL(", ").join(sql.Identifier(c) for c in self._COLS)
+        self.conn.execute(sql.SQL(
+            "CREATE UNLOGGED TABLE {} AS SELECT {} FROM tidemark.dlq WITH NO DATA").format(
+            self.stage_table, cols))
+        self.copy_sql = sql.SQL("COPY {} ({}) FROM STDIN").format(self.stage_table, cols)
+        # One letter per (sink, record): quarantined again, it is live again (a redriven or
+        # discarded letter goes back to quarantined) and keeps its history (attempts, who
+        # resolved it before).
+        self.merge_sql = sql.SQL("""
+            INSERT INTO tidemark.dlq AS d ({cols}) SELECT {cols} FROM {stage}
+            ON CONFLICT ON CONSTRAINT dlq_one_per_sink DO UPDATE
+            SET attempts = d.attempts + 1, last_seen = now(), run_id = EXCLUDED.run_id,
+                error_class = EXCLUDED.error_class, reason = EXCLUDED.reason,
+                detail = EXCLUDED.detail, status = 'quarantined'""").format(
+            cols=cols, stage=self.stage_table)
+        return self.conn
+
+    def hold(self, letters: list[int]) -> list[int]:
+        """Redrive: lock this sink's letters that are still quarantined (a concurrent discard
+        waits; one discarded meanwhile is left out). Returns the ids not held."""
+        conn = self._open()
+        for i, part, off in conn.execute(
+                """SELECT id, source_partition, source_offset FROM tidemark.dlq
+                   WHERE id = ANY(%s) AND pipeline = %s AND sink = %s
+                   AND status = 'quarantined' ORDER BY id FOR UPDATE""",
+                (letters, self.spec.pipeline, self.sink)):
+            self.held[(part, off)] = i
+        return sorted(set(letters) - set(self.held.values()))
+
+    def add(self, records: list[dict], error_class: str | None = None,
+            reason: str | None = None, detail: str | None = None) -> None:
+        if not records:
+            return
+        conn = self._open()
+        with conn.cursor().copy(self.copy_sql) as copy:
+            for r in records:
+                part, off = r[PARTITION], r[OFFSET]
+                copy.write_row((
+                    self.spec.pipeline, self.sink, self.spec.run_id, part, off, r["_tm_key"],
+                    r["_tm_payload"], storable_headers(r["_tm_headers"]),
+                    error_class or r[ERR_CLASS], clamp(reason or r[ERR_REASON], REASON_MAX),
+                    clamp(detail, DETAIL_MAX) if detail else None))
+                self.offsets.setdefault(part, []).append(off)
+                if (part, off) in self.held:
+                    self.failed_again.append(self.held[(part, off)])
+        conn.execute(self.merge_sql)
+        conn.execute(sql.SQL("TRUNCATE {}").format(self.stage_table))
+        self.rows += len(records)
+
+    def resolve(self, partition: int, start: int, end: int) -> None:
+        """Re-delivery: the live letters of this sink for the records of ``[start, end)``
+        that passed this time are resolved: the records are in the sink now."""
+        if self.spec.mode == "redrive":
+            ids = [i for (p, _o), i in self.held.items() if p == partition
+                   and i not in set(self.failed_again)]
+            if not ids:
+                return
+            where, args = "id = ANY(%(ids)s)", {"ids": ids}
+            note = f"redriven by run {self.spec.run_id}"
+        else:
+            where = ("source_offset >= %(a)s AND source_offset < %(b)s "
+                     "AND source_offset <> ALL(%(failed)s)")
+            args = {"a": start, "b": end, "failed": self.offsets.get(partition, [])}
+            note = f"delivered again by {self.spec.mode} run {self.spec.run_id}"
+        cur = self._open().execute(
+            f"""UPDATE tidemark.dlq SET status = 'redriven', resolved_by = %(by)s,
+                       resolved_at = now(), note = %(note)s
+                WHERE pipeline = %(pipeline)s AND sink = %(sink)s
+                  AND source_partition = %(p)s AND status <> 'redriven' AND {where}""",
+            {"by": self.spec.by or "tidemark", "note": note, "pipeline": self.spec.pipeline,
+             "sink": self.sink, "p": partition, **args})
+        self.resolved += cur.rowcount
+
+    def prepare(self) -> Prepared | None:
+        if self.conn is None:
+            return None
+        if not self.rows and not self.resolved:
+            self.close()  # nothing to commit: no participant
+            return None
+        self.conn.execute(sql.SQL("DROP TABLE {}").format(self.stage_table))
+        _finish(self.conn, self.gid, self.spec.run_id, self.spec.prepare)
+        self.conn.close()
+        return Prepared(gid=self.gid, target="ledger", sink=self.sink,
+                        rows=self.rows + self.resolved)
+
+    def close(self) -> None:
+        if self.conn is not None and not self.conn.closed:
+            self.conn.close()  # an open, unprepared transaction rolls back
+
+
+class SinkWriter:
+    """One sink's rows in one transaction on its database (stage ``s.<sink>``)."""
+
+    def __init__(self, spec: TaskSpec, target: SinkTarget, gid: str, dead: DeadLetters):
+        self.spec, self.target, self.gid, self.dead = spec, target, gid, dead
+        self.conn: psycopg.Connection | None = None
+        self.out = {"records": 0, "rows": 0, "superseded": 0, "removed": 0}
+        self.failed: str | None = None
+        self.pending: list[pa.RecordBatch] = []
+        self.pending_rows = 0
+
+    def _open(self) -> psycopg.Connection:
+        if self.conn is not None:
+            return self.conn
+        t = self.target
+        self.conn = _begin(t.dsn, self.spec.lock_timeout_ms, "sink")
+        self.stage_table = sql.SQL("tidemark.{}").format(sql.Identifier(
+            "stage_" + hashlib.sha1(self.gid.encode()).hexdigest()[:20]))
+        self.table = sql.SQL(qualified(t.table))
+        cols = [*self.spec.columns, PARTITION, OFFSET, "_tm_run_id"]
+        ident = [sql.Identifier(c) for c in cols]
+        keys = [sql.Identifier(k) for k in t.key]
+        self.conn.execute(sql.SQL("CREATE UNLOGGED TABLE {} (LIKE {})").format(
+            self.stage_table, self.table))
+        self.copy_sql = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(
+            self.stage_table, sql.SQL(", ").join(ident))
+        updates = [sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(c), sql.Identifier(c))
+                   for c in cols if c not in t.key]
+        order = [*keys]
+        newer = sql.SQL("")
+        if t.version:
+            v = sql.Identifier(t.version)
+            order.append(sql.SQL("{} DESC").format(v))
+            newer = sql.SQL("WHEN EXCLUDED.{v} <> t.{v} THEN EXCLUDED.{v} > t.{v} ").format(v=v)
+        label = sql.SQL("{} || concat_ws(', ', {}) || ')'").format(
+            sql.Literal(f"({', '.join(t.key)})=("),
+            sql.SQL(", ").join(sql.SQL("EXCLUDED.{}::text").format(k) for k in keys))
+        # Within one batch keep the newest version of each key; against the table, replace
+        # only an older version: by the declared version column, else by offset within the
+        # same partition. Versions of one key from two partitions have no order without a
+        # version column: that fails the sink, naming the key, instead of picking one.
+        self.merge_sql = sql.SQL("""
+            INSERT INTO {target} AS t ({cols})
+            SELECT DISTINCT ON ({keys}) {cols} FROM {stage}
+            ORDER BY {order}, _tm_partition DESC, _tm_offset DESC
+            ON CONFLICT ({keys}) DO UPDATE SET {updates}
+            WHERE CASE {newer}
+                  WHEN t._tm_partition = EXCLUDED._tm_partition
+                      THEN t._tm_offset <= EXCLUDED._tm_offset
+                  ELSE tidemark.version_conflict({label}, t._tm_partition,
+                                                 EXCLUDED._tm_partition) END""").format(
+            target=self.table, cols=sql.SQL(", ").join(ident), keys=sql.SQL(", ").join(keys),
+            order=sql.SQL(", ").join(order), stage=self.stage_table,
+            updates=sql.SQL(", ").join(updates), newer=newer, label=label)
+        self.truncate_sql = sql.SQL("TRUNCATE {}").format(self.stage_table)
+        self.columns = cols
+        return self.conn
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        if self.failed or batch.num_rows == 0:
+            return
+        self.pending.append(batch)
+        self.pending_rows += batch.num_rows
+        if self.pending_rows >= FLUSH_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.failed or not self.pending:
+            return
+        table = pa.Table.from_batches(self.pending)
+        self.pending, self.pending_rows = [], 0
+        try:
+            self._open()
+            self._check_partitions(table)
+            self._write(table)
+        except psycopg.Error as exc:
+            self._fail(exc)
+        except _VersionConflict as exc:
+            self._fail(exc)
+
+    def _check_partitions(self, table: pa.Table) -> None:
+        """A batch mixing partitions (a redrive's) must not hold one key from two of them
+        unless a version column orders them: the merge's DISTINCT ON would pick one."""
+        t = self.target
+        if t.version or pc.count_distinct(table.column(PARTITION)).as_py() <= 1:
+            return
+        spread = table.group_by(t.key).aggregate([(PARTITION, "count_distinct")])
+        many = spread.filter(pc.greater(spread.column(f"{PARTITION}_count_distinct"), 1))
+        if many.num_rows:
+            key = ", ".join(str(many.column(k)[0].as_py()) for k in t.key)
+            raise _VersionConflict(f"key ({', '.join(t.key)})=({key}) has versions from "
+                                   f"several partitions, which offsets do not order; declare "
+                                   f"a version column for this sink (sinks[].version)")
+
+    def _write(self, table: pa.Table) -> None:
+        try:
+            with self.conn.transaction():  # a savepoint: bisect on bad data
+                buf = io.BytesIO()
+                run_col = pa.array([self.spec.run_id] * table.num_rows, pa.int64())
+                out = table.append_column("_tm_run_id", run_col).select(self.columns)
+                pacsv.write_csv(_for_csv(out), buf,
+                                pacsv.WriteOptions(include_header=False, batch_size=8192))
+                with self.conn.cursor().copy(self.copy_sql) as copy:
+                    copy.write(buf.getbuffer())
+                written = self.conn.execute(self.merge_sql).rowcount
+                self.conn.execute(self.truncate_sql)
+            self.out["rows"] += written
+            self.out["superseded"] += table.num_rows - written
+        except psycopg.Error as exc:
+            if not is_data_error(exc):
+                raise
+            if table.num_rows == 1:
+                self.dead.add(table.to_pylist(), "sink_write", one_line(exc),
+                              f"{exc}\n(sink {self.target.name}, table {self.target.table})")
+                return
+            half = table.num_rows // 2
+            self._write(table.slice(0, half))
+            self._write(table.slice(half))
+
+    def _fail(self, exc: BaseException) -> None:
+        self.failed = f"sink {self.target.name}: {one_line(exc)}"
+        self.close()
+
+    def remove_quarantined(self) -> None:
+        """Re-delivery: a record quarantined now loses its own row in this sink (same
+        partition and offset), in the same transaction as everything else."""
+        if self.failed or not self.dead.offsets:
+            return
+        try:
+            conn = self._open()
+            for part, offs in self.dead.offsets.items():
+                self.out["removed"] += conn.execute(
+                    sql.SQL("DELETE FROM {} WHERE _tm_partition = %s AND _tm_offset = ANY(%s)"
+                            ).format(self.table), (part, offs)).rowcount
+        except psycopg.Error as exc:
+            self._fail(exc)
+
+    def prepare(self) -> Prepared | None:
+        self.flush()
+        if self.spec.redelivery:
+            self.remove_quarantined()
+        if self.failed or self.conn is None:
+            return None  # failed, or nothing to write: no participant
+        try:
+            self.conn.execute(sql.SQL("DROP TABLE {}").format(self.stage_table))
+            _finish(self.conn, self.gid, self.spec.run_id, self.spec.prepare)
+            self.conn.close()
+        except psycopg.Error as exc:
+            self._fail(exc)
+            return None
+        return Prepared(gid=self.gid, target=f"sink:{self.target.name}",
+                        sink=self.target.name, rows=self.out["rows"] + self.out["removed"])
+
+    def close(self) -> None:
+        if self.conn is not None and not self.conn.closed:
+            self.conn.close()
+
+
+class _VersionConflict(Exception):
+    pass
+
+
+def _for_csv(table: pa.Table) -> pa.Table:
+    """PostgreSQL reads bytea in CSV as hex text."""
+    for i, f in enumerate(table.schema):
+        if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type):
+            hexed = pa.array([None if v is None else "\\x" + v.hex()
+                              for v in table.column(i).to_pylist()], pa.string())
+            table = table.set_column(i, f.name, hexed)
+    return table
+
+
+def _by_partition(batch: pa.RecordBatch) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """A source's batches hold one partition; a redrive's may mix them."""
+    parts = batch.column(PARTITION)
+    lo, hi = pc.min_max(parts).values()
+    if lo == hi:
+        yield lo.as_py(), batch
+        return
+    for p in pc.unique(parts).to_pylist():
+        yield p, batch.filter(pc.equal(parts, p))
+
+
+def _offsets_in(batch: pa.RecordBatch, offsets) -> pa.Array:
+    return pc.is_in(batch.column(OFFSET), value_set=pa.array(offsets, pa.int64()))
+
+
+class _Accounts:
+    """Every offset of the task's range seen exactly once (a transform that drops or
+    multiplies rows is caught here, before anything is prepared)."""
+
+    def __init__(self, span: Span | None):
+        self.span = span
+        self.counts = np.zeros(span.size, np.int64) if span else None
+        self.seen: dict[tuple[int, int], int] = {}  # a redrive: few records, any partitions
+        self.stray = 0
+
+    def add(self, partition: int, batch: pa.RecordBatch) -> None:
+        offs = batch.column(OFFSET).to_numpy(zero_copy_only=False)
+        if self.span is None:
+            for o in offs.tolist():
+                self.seen[(partition, o)] = self.seen.get((partition, o), 0) + 1
+            return
+        idx = offs - self.span.start
+        inside = (idx >= 0) & (idx < self.span.size) & (partition == self.span.partition)
+        self.stray += int((~inside).sum())
+        self.counts += np.bincount(idx[inside], minlength=self.span.size)
+
+    def problem(self, expected: set[tuple[int, int]] | None = None) -> str | None:
+        if self.span is None:
+            twice = [k for k, n in self.seen.items() if n > 1]
+            missing = sorted((expected or set()) - set(self.seen))
+            if twice or missing:
+                return (f"{len(twice)} record(s) seen more than once, {len(missing)} missing "
+                        f"(e.g. partition/offset {(twice or missing)[0]})")
+            return None
+        s = self.span
+        dropped = int((self.counts == 0).sum()) if s.dense else 0
+        extra = int(self.counts[self.counts > 1].sum() - (self.counts > 1).sum())
+        if dropped or extra or self.stray:
+            first = int(np.argmax(self.counts != 1)) + s.start if (dropped or extra) else None
+            return (f"partition {s.partition} [{s.start}, {s.end}): {dropped} record(s) "
+                    f"missing, {extra} extra cop(ies), {self.stray} outside the range"
+                    + (f" (first at offset {first})" if first is not None else ""))
+        return None
+
+
+class _Sink:
+    """One sink's part of a task: which of the task's records are its, and their verdicts."""
+
+    def __init__(self, spec: TaskSpec, target: SinkTarget, writer: SinkWriter):
+        self.spec, self.t, self.w = spec, target, writer
+        self.dead = writer.dead
+        self.skipped: list[int] = []  # redrive: letters no longer quarantined
+
+    def scope(self, partition: int, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """The records of ``batch`` this sink must place: its range (run, backfill) or the
+        letters this task holds for it (redrive)."""
+        if self.spec.mode == "redrive":
+            offs = [o for (p, o) in self.dead.held if p == partition]
+            return batch.filter(_offsets_in(batch, offs)) if offs else batch.slice(0, 0)
+        span = self.t.ranges.get(partition)
+        if span is None:
+            return batch.slice(0, 0)
+        off = batch.column(OFFSET)
+        return batch.filter(pc.and_(pc.greater_equal(off, span[0]), pc.less(off, span[1])))
+
+    def place(self, partition: int, batch: pa.RecordBatch) -> None:
+        self.w.out["records"] += batch.num_rows
+        bad = pc.is_valid(batch.column(ERR_CLASS))
+        if pc.any(bad).as_py():  # decode and transform failures
+            self.dead.add(batch.filter(bad).to_pylist())
+            batch = batch.filter(pc.invert(bad))
+        why = self.spec.quarantine or self.t.quarantine
+        if why is not None:  # a failed batch gate under quarantine_batch: this sink's range
+            self.dead.add(batch.to_pylist(), "dq_gate", why)
+            return
+        for failures in (self.spec.failed.get(partition), self.t.failed.get(partition)):
+            if failures and batch.num_rows:
+                hit = _offsets_in(batch, list(failures))
+                if pc.any(hit).as_py():
+                    rows = batch.filter(hit).to_pylist()
+                    for r in rows:
+                        r[ERR_CLASS], r[ERR_REASON] = "validation", failures[r[OFFSET]]
+                    self.dead.add(rows)
+                    batch = batch.filter(pc.invert(hit))
+        for col in (c for c in self.t.key + [self.t.version] if c):
+            nulls = pc.is_null(batch.column(col))
+            if pc.any(nulls).as_py():  # a NULL key would vanish in DISTINCT ON
+                self.dead.add(batch.filter(nulls).to_pylist(), "transform",
+                              f"{'key' if col in self.t.key else 'version'} column {col} "
+                              f"is NULL")
+                batch = batch.filter(pc.invert(nulls))
+        self.w.add(batch)
+
+    def finish(self) -> None:
+        """Flush, then (re-delivery) resolve the letters of what passed this time."""
+        self.w.flush()
+        if not self.spec.redelivery or self.w.failed:
+            return
+        spans = self.t.ranges.items() if self.spec.mode == "backfill" else \
+            ((p, (0, 0)) for p in sorted({p for p, _ in self.dead.held}))
+        for part, (a, b) in spans:
+            self.dead.resolve(part, a, b)
+
+    def result(self) -> SinkResult:
+        o = self.w.out
+        extra = {}
+        if self.spec.mode == "redrive":
+            failed = set(self.dead.failed_again)
+            extra = {"redriven": sorted(i for i in self.dead.held.values() if i not in failed),
+                     "failed_again": sorted(failed), "skipped": self.skipped}
+        return SinkResult(records=o["records"], rows=o["rows"], dead=self.dead.rows,
+                          superseded=o["superseded"], removed=o["removed"],
+                          resolved=self.dead.resolved, error=self.w.failed, **extra)
+
+
+def make_task(spec: TaskSpec):
+    """The function Spark runs per partition (mapInArrow): returns one result row."""
+    shipped = spec.model_dump_json()
+
+    def run_task(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark import TaskContext
+
+        spec = TaskSpec.model_validate_json(shipped)
+        ctx = TaskContext.get()
+        task, attempt = ctx.partitionId(), ctx.attemptNumber()
+        result = _run_task(spec, task, attempt, batches)
+        yield pa.RecordBatch.from_pydict(
+            {"task": [task], "attempt": [attempt], "result": [result.model_dump_json()]},
+            schema=pa.schema([("task", pa.int32()), ("attempt", pa.int32()),
+                              ("result", pa.string())]))
+
+    return run_task
+
+
+def _run_task(spec: TaskSpec, task: int, attempt: int,
+              batches: Iterator[pa.RecordBatch]) -> TaskResult:
+    prefix, run_id = spec.prefix, spec.run_id
+
+    def gid(stage: str) -> str:
+        return str(gids.Gid(prefix, run_id, stage, task, attempt))
+
+    if attempt > 0:
+        rollback_earlier_attempts(spec.ledger_dsn, prefix, run_id, "%", task, attempt)
+        for t in spec.sinks:
+            rollback_earlier_attempts(t.dsn, prefix, run_id, gids.sink_stage(t.name), task,
+                                      attempt)
+    sinks = []
+    for t in spec.sinks:
+        dead = DeadLetters(spec, t.name, gid(gids.dlq_stage(t.name)))
+        sinks.append(_Sink(spec, t, SinkWriter(spec, t, gid(gids.sink_stage(t.name)), dead)))
+    if spec.reads is not None and task >= len(spec.reads):
+        return TaskResult(task=task, attempt=attempt, records=0, error=(
+            f"Spark task {task} beyond the {len(spec.reads)} range(s) read: the transform "
+            f"changed the partitioning (a union, join or repartition)"))
+    span = spec.reads[task] if spec.reads is not None else None
+    accounts = _Accounts(span)
+    seen = 0
+    try:
+        for s in sinks:
+            s.skipped = s.dead.hold(s.t.letters) if spec.mode == "redrive" else []
+        for whole in batches:
+            for partition, batch in _by_partition(whole) if whole.num_rows else ():
+                seen += batch.num_rows
+                accounts.add(partition, batch)
+                for s in sinks:
+                    mine = s.scope(partition, batch)
+                    if mine.num_rows:
+                        s.place(partition, mine)
+        held = {k for s in sinks for k in s.dead.held}
+        problem = accounts.problem(held if span is None else None)
+        if problem is None:
+            for s in sinks:
+                s.finish()
+                r = s.result()
+                if not r.error and r.records != r.rows + r.dead + r.superseded:
+                    problem = (f"sink {s.t.name}: {r.records} records but {r.rows} written + "
+                               f"{r.dead} quarantined + {r.superseded} superseded")
+        if problem is not None:  # nothing is prepared: the driver aborts the run
+            _close(sinks)
+            return TaskResult(task=task, attempt=attempt, records=seen, error=problem)
+        participants, first = [], True
+        for s in sinks:
+            for p in (s.w.prepare(), s.dead.prepare() if not s.w.failed else None):
+                if p:
+                    participants.append(p)
+                    if first:
+                        faults.point("task_after_prepare", attempt)
+                        first = False
+    except BaseException:
+        _close(sinks)
+        raise
+    _close(sinks)  # a failed sink's letters roll back with it
+    return TaskResult(task=task, attempt=attempt, records=seen, participants=participants,
+                      sinks={s.t.name: s.result() for s in sinks})
+
+
+def _close(sinks: list[_Sink]) -> None:
+    for s in sinks:
+        s.w.close()
+        s.dead.close()

@@ -1,0 +1,483 @@
+"""Dead letters (tidemark.dlq): filter, page, count, read, discard, export, render payloads.
+
+The query layer under `tidemark dlq` and the Airflow UI plugin. Every value reaches
+PostgreSQL as a bind parameter; column names come from the fixed lists below and are
+composed with psycopg.sql. Pages are keyset pages on id DESC (no OFFSET): page 2,000 costs
+what page 1 costs (indexes in sql/V003__dlq_browse.sql).
+"""
+
+from __future__ import annotations
+
+import base64
+import getpass
+import json
+import re
+import socket
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime
+from typing import Annotated, Any, Literal
+
+import psycopg
+from psycopg import errors as pgerr
+from psycopg import sql
+from psycopg.rows import dict_row
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tidemark.config import IDENT
+from tidemark.core.errors import BadInput, Busy
+
+ERROR_CLASSES = ("decode", "transform", "validation", "dq_gate", "sink_write")
+STATUSES = ("quarantined", "redriven", "discarded")
+MAX_LIMIT = 1000
+MAX_IDS = 100_000
+MAX_NOTE = 2000
+LOCK_TIMEOUT = "2s"  # a redrive's prepared transaction holds its rows until it settles
+PREVIEW_BYTES = 160
+
+_SUMMARY = ("id", "pipeline", "sink", "run_id", "source_partition", "source_offset",
+            "error_class", "reason", "attempts", "status", "first_seen", "last_seen",
+            "resolved_by", "resolved_at", "note")
+ENVELOPE = ("id", "pipeline", "sink", "run_id", "source_partition", "source_offset", "key",
+            "payload", "headers", "error_class", "reason", "detail", "attempts", "status",
+            "first_seen", "last_seen", "resolved_by", "resolved_at", "note")
+_DLQ = sql.Identifier("tidemark", "dlq")
+
+
+def default_by() -> str:
+    """Who acts, from the command line: OS user@host."""
+    return f"{getpass.getuser()}@{socket.gethostname()}"
+
+
+# -- input ------------------------------------------------------------------------------------
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def parse_ids(value: Any, field_name: str = "ids") -> list[int]:
+    """Dead-letter ids from "4,7 9", [4, "7"], 4 ...; anything else is one clear BadInput."""
+    items: Iterable[Any]
+    if isinstance(value, str):
+        items = value.replace(",", " ").split()
+    elif isinstance(value, int | str):
+        items = [value]
+    elif isinstance(value, Iterable):
+        items = [p for v in value for p in (str(v).replace(",", " ").split() or [v])]
+    else:
+        raise BadInput(f"{field_name} {_show(value)}: expected dead-letter ids")
+    out = []
+    for item in items:
+        text = str(item).strip()
+        if isinstance(item, bool) or not text.isascii() or not text.isdigit() or int(text) <= 0:
+            raise BadInput(f"{field_name}: {_show(item)} is not a dead-letter id "
+                           f"(a positive integer)")
+        out.append(int(text))
+    if len(out) > MAX_IDS:
+        raise BadInput(f"{field_name}: {len(out):,} ids, at most {MAX_IDS:,} at a time")
+    return out
+
+
+def _problem(err: dict) -> str:
+    kind = err["type"]
+    if kind == "literal_error":
+        return "expected one of " + err["ctx"]["expected"].replace("'", "")
+    if kind == "string_pattern_mismatch":
+        return "not a name (lowercase letters, digits and _, at most 40)"
+    if kind.startswith("datetime"):
+        return "not an ISO timestamp (e.g. 2026-05-01T12:00:00Z)"
+    return str(err["msg"]).removeprefix("Value error, ")
+
+
+class Filters(BaseModel):
+    """Which dead letters. Every letter names the sink it applies to (DESIGN.md);
+    no status means every status. ``pipelines`` is not a user filter: callers set it to the
+    pipelines the user may see."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    pipeline: Annotated[str, Field(pattern=IDENT)] | None = None
+    sink: str | None = None
+    error_class: Literal["decode", "transform", "validation", "dq_gate", "sink_write"] | None \
+        = None
+    status: Literal["quarantined", "redriven", "discarded"] | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    ids: list[int] | None = None
+    pipelines: list[str] | None = None
+
+    @field_validator("sink")
+    @classmethod
+    def _sink(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
+        if v in ("-", "(source)"):
+            raise ValueError("every dead letter names its sink now; for records that failed "
+                             "before becoming rows, filter by class decode or transform")
+        if not re.match(IDENT, v):
+            raise ValueError("not a sink name")
+        return v
+
+    @field_validator("since", "until")
+    @classmethod
+    def _aware(cls, v: datetime | None) -> datetime | None:
+        return v.replace(tzinfo=UTC) if v is not None and v.tzinfo is None else v
+
+    @model_validator(mode="after")
+    def _window(self) -> Filters:
+        if self.since and self.until and self.until <= self.since:
+            raise ValueError(f"until ({self.until.isoformat()}) must be after since "
+                             f"({self.since.isoformat()})")
+        return self
+
+    @classmethod
+    def parse(cls, **raw: Any) -> Filters:
+        """From user input (a query string, CLI options): blank means no filter, status
+        ``any`` means every status. Raises BadInput naming the field and the value."""
+        values: dict[str, Any] = {}
+        for name, value in raw.items():
+            if isinstance(value, str):
+                value = value.strip()
+            if value is None or value == "" or value == [] or (name == "status" and
+                                                                value == "any"):
+                continue
+            if name == "ids":
+                value = parse_ids(value)
+            elif name in ("since", "until") and isinstance(value, str) and value.isdigit():
+                # pydantic reads digits as epoch seconds; users mean a date, say so
+                raise BadInput(f"{name} {_show(value)}: not an ISO timestamp "
+                               f"(e.g. 2026-05-01T12:00:00Z)")
+            values[name] = value
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"] if not isinstance(p, int)) or "since/until"
+            shown = f" {_show(err['input'])}" if err["loc"] else ""
+            raise BadInput(f"{where}{shown}: {_problem(err)}") from None
+
+    def without(self, *names: str) -> Filters:
+        return self.model_copy(update=dict.fromkeys(names))
+
+    def query(self) -> dict[str, str]:
+        """The user filters as query-string values (for links that keep them)."""
+        out = {k: v for k, v in {
+            "pipeline": self.pipeline, "sink": self.sink, "error_class": self.error_class,
+            "status": self.status or "any",
+            "since": self.since.isoformat() if self.since else None,
+            "until": self.until.isoformat() if self.until else None}.items() if v}
+        return out
+
+
+def _where(f: Filters, *, status: str | None = None, before: int | None = None):
+    conds: list[sql.Composable] = []
+    args: list[Any] = []
+
+    def add(cond: str, *values: Any) -> None:
+        conds.append(sql.SQL(cond))
+        args.extend(values)
+
+    if f.pipeline:
+        add("pipeline = %s", f.pipeline)
+    if f.pipelines is not None:
+        add("pipeline = ANY(%s::text[])", list(f.pipelines))
+    if f.sink:
+        add("sink = %s", f.sink)
+    if f.error_class:
+        add("error_class = %s::tidemark.error_class", f.error_class)
+    if status or f.status:
+        add("status = %s::tidemark.dlq_status", status or f.status)
+    if f.since:
+        add("last_seen >= %s", f.since)
+    if f.until:
+        add("last_seen < %s", f.until)
+    if f.ids is not None:
+        add("id = ANY(%s::bigint[])", list(f.ids))
+    if before is not None:
+        add("id < %s", before)
+    return (sql.SQL(" AND ").join(conds) if conds else sql.SQL("TRUE")), args
+
+
+def matching_ids(conn: psycopg.Connection, filters: Filters, limit: int = MAX_IDS) -> list[int]:
+    """Ids of the dead letters ``filters`` select, oldest first; BadInput past ``limit``."""
+    where, args = _where(filters)
+    rows = conn.execute(sql.SQL("SELECT id FROM {} WHERE {} ORDER BY id LIMIT {}").format(
+        _DLQ, where, sql.Literal(limit + 1)), args).fetchall()
+    if len(rows) > limit:
+        raise BadInput(f"more than {limit:,} dead letters match; act on them in parts")
+    return [r[0] for r in rows]
+
+
+def _columns(names: Iterable[str]) -> sql.Composable:
+    return sql.SQL(", ").join(sql.Identifier(n) for n in names)
+
+
+# -- reading ------------------------------------------------------------------------------------
+@dataclass
+class Page:
+    rows: list[dict]
+    next_before: int | None  # pass as ``before`` for the next (older) page; None: last page
+
+
+def page(conn: psycopg.Connection, filters: Filters, limit: int = 50,
+         before: int | None = None) -> Page:
+    """Newest first, ``limit`` rows with ids below ``before``. Rows carry the summary columns,
+    ``payload_size`` and ``payload_head`` (the first bytes, for a preview)."""
+    if not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise BadInput(f"limit {_show(limit)}: expected 1 to {MAX_LIMIT}")
+    if before is not None and (not isinstance(before, int) or before <= 0):
+        raise BadInput(f"before {_show(before)}: expected a dead-letter id")
+    cols = sql.SQL("{}, octet_length(payload) AS payload_size, "
+                   "substring(payload FROM 1 FOR {}) AS payload_head").format(
+        _columns(_SUMMARY), sql.Literal(PREVIEW_BYTES))
+    # Without a status filter, merge one index scan per status (PostgreSQL cannot walk
+    # (pipeline, status, id DESC) in id order across statuses by itself).
+    parts, args = [], []
+    for status in ([filters.status] if filters.status else STATUSES):
+        where, a = _where(filters, status=status, before=before)
+        parts.append(sql.SQL("(SELECT {} FROM {} WHERE {} ORDER BY id DESC LIMIT {})").format(
+            cols, _DLQ, where, sql.Literal(limit + 1)))
+        args.extend(a)
+    query = sql.SQL("SELECT * FROM ({}) AS p ORDER BY id DESC LIMIT {}").format(
+        sql.SQL(" UNION ALL ").join(parts), sql.Literal(limit + 1))
+    rows = conn.cursor(row_factory=dict_row).execute(query, args).fetchall()
+    more = len(rows) > limit
+    rows = rows[:limit]
+    for r in rows:
+        r["payload_head"] = bytes(r["payload_head"]) if r["payload_head"] is not None else None
+    return Page(rows, rows[-1]["id"] if more and rows else None)
+
+
+def counts(conn: psycopg.Connection, filters: Filters) -> dict[str, int]:
+    """Records per error class under ``filters`` (every class present, zeros included)."""
+    where, args = _where(filters)
+    rows = conn.execute(sql.SQL("SELECT error_class::text, count(*) FROM {} WHERE {} "
+                                "GROUP BY 1").format(_DLQ, where), args).fetchall()
+    out = dict.fromkeys(ERROR_CLASSES, 0)
+    out.update(dict(rows))
+    return out
+
+
+def counts_by_pipeline(conn: psycopg.Connection,
+                       pipelines: list[str] | None = None) -> dict[str, dict[str, int]]:
+    """Quarantined records per pipeline and error class (for alerting), pipelines with none
+    left out."""
+    where, args = _where(Filters(status="quarantined", pipelines=pipelines))
+    out: dict[str, dict[str, int]] = {}
+    for p, cls, n in conn.execute(sql.SQL(
+            "SELECT pipeline, error_class::text, count(*) FROM {} WHERE {} GROUP BY 1, 2 "
+            "ORDER BY 1, 2").format(_DLQ, where), args):
+        out.setdefault(p, dict.fromkeys(ERROR_CLASSES, 0))[cls] = n
+    return out
+
+
+def pipelines(conn: psycopg.Connection) -> list[str]:
+    """The pipelines that have dead letters (a loose index scan: one probe per pipeline)."""
+    rows = conn.execute("""
+        WITH RECURSIVE p(name) AS (
+            (SELECT pipeline FROM tidemark.dlq ORDER BY pipeline LIMIT 1)
+            UNION ALL
+            SELECT (SELECT pipeline FROM tidemark.dlq WHERE pipeline > p.name
+                    ORDER BY pipeline LIMIT 1)
+            FROM p WHERE p.name IS NOT NULL)
+        SELECT name FROM p WHERE name IS NOT NULL""").fetchall()
+    return [r[0] for r in rows]
+
+
+def owners(conn: psycopg.Connection, ids: list[int]) -> dict[int, tuple[str, str]]:
+    """id -> (pipeline, status) of the ids that exist."""
+    rows = conn.execute("SELECT id, pipeline, status::text FROM tidemark.dlq "
+                        "WHERE id = ANY(%s::bigint[])", (list(ids),)).fetchall()
+    return {i: (p, s) for i, p, s in rows}
+
+
+def get(conn: psycopg.Connection, record_id: int) -> dict | None:
+    """The whole envelope of one dead letter, with ``run`` (its tidemark.runs row; ``airflow``
+    is the parsed external_id when Airflow started it) and ``quality`` (the run's data-quality
+    results: scope, success, docs_path)."""
+    cur = conn.cursor(row_factory=dict_row)
+    rec = cur.execute(sql.SQL("SELECT {} FROM {} WHERE id = %s").format(_columns(ENVELOPE), _DLQ),
+                      (record_id,)).fetchone()
+    if rec is None:
+        return None
+    for k in ("key", "payload"):
+        rec[k] = bytes(rec[k]) if rec[k] is not None else None
+    run = cur.execute("""SELECT run_id, pipeline, mode, owner, created_at, finished_at,
+                                external_id FROM tidemark.runs WHERE run_id = %s""",
+                      (rec["run_id"],)).fetchone()
+    if run is not None:
+        run["airflow"] = airflow_ids(run["external_id"])
+    rec["run"] = run
+    rec["quality"] = cur.execute("""SELECT scope, success, rows_failed, docs_path
+                                    FROM tidemark.dq_results WHERE run_id = %s ORDER BY scope""",
+                                 (rec["run_id"],)).fetchall()
+    return rec
+
+
+def airflow_ids(external_id: str | None) -> dict | None:
+    """{"dag_id", "run_id", "task_id", "try"} when Airflow started the run, else None."""
+    try:
+        data = json.loads(external_id or "")
+    except ValueError:
+        return None
+    ok = isinstance(data, dict) and all(isinstance(data.get(k), str) for k in ("dag_id", "run_id"))
+    return data if ok else None
+
+
+# -- acting -------------------------------------------------------------------------------------
+@dataclass
+class Discarded:
+    changed: list[int] = field(default_factory=list)
+    skipped: dict[int, str] = field(default_factory=dict)  # id -> why
+
+    def to_dict(self) -> dict:
+        return {"discarded": self.changed,
+                "skipped": [{"id": i, "reason": r} for i, r in sorted(self.skipped.items())]}
+
+
+def discard(conn: psycopg.Connection, ids: Iterable[int], note: str | None,
+            by: str | None) -> Discarded:
+    """Mark quarantined records discarded, with who, when and why; others are skipped with the
+    reason. All or nothing: a record locked by a redrive fails the whole call with Busy."""
+    chosen = sorted(set(parse_ids(list(ids))))
+    if not chosen:
+        raise BadInput("ids: give at least one dead-letter id")
+    note = (note or "").strip()
+    if not note:
+        raise BadInput("note: required; say why these records are discarded")
+    if len(note) > MAX_NOTE:
+        raise BadInput(f"note: {len(note):,} characters, at most {MAX_NOTE:,}")
+    by = (by or "").strip()
+    if not by:
+        raise BadInput("by: required; who discards")
+    out = Discarded()
+    with conn.transaction():
+        conn.execute("SELECT set_config('lock_timeout', %s, true)", (LOCK_TIMEOUT,))
+        try:
+            with conn.transaction():  # a savepoint: find who is locked after a timeout
+                rows = conn.execute("SELECT id, status::text FROM tidemark.dlq WHERE id = "
+                                    "ANY(%s::bigint[]) ORDER BY id FOR UPDATE",
+                                    (chosen,)).fetchall()
+        except pgerr.LockNotAvailable:
+            free = {r[0] for r in conn.execute(
+                "SELECT id FROM tidemark.dlq WHERE id = ANY(%s::bigint[]) FOR UPDATE SKIP LOCKED",
+                (chosen,))}
+            exist = {r[0] for r in conn.execute(
+                "SELECT id FROM tidemark.dlq WHERE id = ANY(%s::bigint[])", (chosen,))}
+            locked = sorted(exist - free) or chosen
+            if len(locked) == 1:
+                raise Busy(f"record {locked[0]} is being redriven, try again; nothing was "
+                           f"discarded") from None
+            raise Busy(f"records {', '.join(map(str, locked[:20]))} are being redriven, try "
+                       f"again; nothing was discarded") from None
+        status = dict(rows)
+        for i in chosen:
+            if i not in status:
+                out.skipped[i] = "no such dead letter"
+            elif status[i] != "quarantined":
+                out.skipped[i] = f"already {status[i]}"
+        todo = [i for i in chosen if status.get(i) == "quarantined"]
+        if todo:
+            out.changed = sorted(r[0] for r in conn.execute(
+                """UPDATE tidemark.dlq SET status = 'discarded', resolved_by = %s,
+                          resolved_at = now(), note = %s
+                   WHERE id = ANY(%s::bigint[]) AND status = 'quarantined' RETURNING id""",
+                (by, note, todo)))
+    return out
+
+
+# -- export ---------------------------------------------------------------------------------
+def envelope(row: dict) -> dict:
+    """A JSON-ready envelope: key and payload base64, timestamps ISO 8601."""
+    out = {}
+    for k in ENVELOPE:
+        v = row.get(k)
+        if isinstance(v, bytes | bytearray | memoryview):
+            v = base64.b64encode(bytes(v)).decode("ascii")
+        elif isinstance(v, datetime):
+            v = (v.astimezone(UTC) if v.tzinfo else v).isoformat()
+        elif isinstance(v, date):
+            v = v.isoformat()
+        out[k] = v
+    return out
+
+
+def export(conn: psycopg.Connection, filters: Filters, batch: int = 2000) -> Iterator[str]:
+    """JSON Lines, oldest first, from a server-side cursor: memory stays flat at any size."""
+    where, args = _where(filters)
+    query = sql.SQL("SELECT {} FROM {} WHERE {} ORDER BY id").format(_columns(ENVELOPE), _DLQ,
+                                                                     where)
+    with conn.transaction(), conn.cursor(name="tidemark_dlq_export", row_factory=dict_row) as cur:
+        cur.itersize = batch
+        cur.execute(query, args)
+        for row in cur:
+            yield json.dumps(envelope(row)) + "\n"
+
+
+# -- payloads -------------------------------------------------------------------------------
+def hexdump(data: bytes) -> str:
+    lines = []
+    for off in range(0, len(data), 16):
+        chunk = data[off:off + 16]
+        hx = " ".join(f"{b:02x}" for b in chunk[:8]) + "  " + " ".join(f"{b:02x}"
+                                                                          for b in chunk[8:])
+        text = "".join(chr(b) if 32 <= b < 127 else "." for b in chunk)
+        lines.append(f"{off:08x}  {hx:<48}  |{text}|")
+    return "\n".join(lines)
+
+
+def _text(data: bytes) -> str | None:
+    """The bytes as text when they are valid UTF-8 without control characters."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if any(ord(c) < 32 and c not in "\t\n\r" or c == "\x7f" for c in text):
+        return None
+    return text
+
+
+def render_payload(data: bytes | None, fmt: str = "auto",
+                   limit: int | None = None) -> tuple[str, str]:
+    """(kind, text): "json" pretty-printed when the bytes parse as JSON, "text" when they are
+    UTF-8, else "hex" (a hexdump). ``fmt`` forces text, json or hex; ``limit`` cuts long
+    payloads (in bytes) with a note saying so."""
+    if fmt not in ("auto", "text", "json", "hex"):
+        raise BadInput(f"format {_show(fmt)}: expected one of auto, text, json, hex")
+    data = bytes(data or b"")
+    cut = b""
+    if limit is not None and len(data) > limit:
+        data, cut = data[:limit], data[limit:]
+    note = f"\n... {len(cut):,} more bytes not shown; export the record for all of them" \
+        if cut else ""
+    text = _text(data) if fmt in ("auto", "json") else None
+    if fmt in ("auto", "json") and text is not None and not cut:
+        try:
+            return "json", json.dumps(json.loads(text), indent=2, ensure_ascii=False)
+        except ValueError as exc:
+            if fmt == "json":
+                raise BadInput(f"payload is not JSON: {exc}") from None
+    if fmt == "json":
+        raise BadInput("payload is not JSON" + (" (too long to show parsed)" if cut else
+                                                 ": not UTF-8 text"))
+    if fmt == "text":
+        return "text", data.decode("utf-8", errors="replace") + note
+    if fmt == "auto" and text is not None:
+        return "text", text + note
+    return "hex", hexdump(data) + note
+
+
+def preview(head: bytes | None, size: int | None, width: int = 80) -> str:
+    """One line of a payload for a list: text as is, binary as hex."""
+    if head is None:
+        return ""
+    text = None
+    for trim in range(4):  # the head may end inside a multi-byte character
+        text = _text(head[:len(head) - trim])
+        if text is not None:
+            break
+    if text is None:
+        text = head[:width // 3].hex(" ")
+    text = " ".join(text.split())
+    more = (size or 0) > len(head) or len(text) > width
+    return text[:width] + ("…" if more else "")

@@ -1,0 +1,347 @@
+"""The run state machine of DESIGN.md, per (run, sink).
+
+    planned -> writing -> prepared -> committing -> committed
+    planned/writing/prepared -> aborted
+    planned/writing -> dq_failed
+
+One function per transition; each is exactly one ledger transaction and checks the state it
+leaves, so a transition that no longer applies (recovery got there first, the lease moved)
+fails instead of acting twice.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import psycopg
+
+from tidemark.core.errors import Fenced, LeaseHeld, TidemarkError
+
+OWNER_LOCK_CLASS = 0x746D  # 'tm': session advisory lock (class, run_id) proves the owner lives
+
+
+class RunState(enum.StrEnum):
+    PLANNED = "planned"
+    WRITING = "writing"
+    PREPARED = "prepared"
+    COMMITTING = "committing"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+    DQ_FAILED = "dq_failed"
+
+
+ABORTABLE = (RunState.PLANNED, RunState.WRITING, RunState.PREPARED)
+
+
+class IllegalTransition(TidemarkError):
+    pass
+
+
+@dataclass(frozen=True)
+class Range:
+    partition: int
+    start: int  # inclusive
+    end: int    # exclusive
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class SinkClaim:
+    sink: str
+    epoch: int
+    ranges: list[Range]
+
+
+@dataclass
+class Claim:
+    run_id: int
+    pipeline: str
+    mode: str
+    sinks: dict[str, SinkClaim] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)  # sink -> why it was not claimed
+
+    def read_ranges(self) -> list[Range]:
+        """One read per partition, from the minimum over the claimed sinks."""
+        by_part: dict[int, Range] = {}
+        for sc in self.sinks.values():
+            for r in sc.ranges:
+                if r.size == 0:
+                    continue
+                cur = by_part.get(r.partition)
+                by_part[r.partition] = r if cur is None else Range(
+                    r.partition, min(cur.start, r.start), max(cur.end, r.end))
+        return [by_part[p] for p in sorted(by_part)]
+
+
+# A planner gets {sink: {partition: checkpoint}} of the sinks it may claim, read inside the
+# claim transaction, and returns {sink: [Range]}; an empty list means nothing to do.
+Planner = Callable[[dict[str, dict[int, int]]], dict[str, list[Range]]]
+
+
+def owner_alive_sql(run_col: str) -> str:
+    return f"""EXISTS (SELECT 1 FROM pg_locks lk WHERE lk.locktype = 'advisory'
+        AND lk.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+        AND lk.classid = {OWNER_LOCK_CLASS} AND lk.objid = {run_col} AND lk.objsubid = 2
+        AND lk.granted)"""
+
+
+def ensure_pipeline(conn: psycopg.Connection, name: str, config: dict) -> None:
+    conn.execute("""INSERT INTO tidemark.pipelines (name, config) VALUES (%s, %s)
+                    ON CONFLICT (name) DO UPDATE SET config = EXCLUDED.config, updated_at = now()
+                    WHERE tidemark.pipelines.config IS DISTINCT FROM EXCLUDED.config""",
+                 (name, json.dumps(config)))
+
+
+def claim(conn: psycopg.Connection, *, pipeline: str, config: dict, sinks: Iterable[str],
+          mode: str, owner: str, delivery: str, ttl_seconds: int, plan: Planner,
+          external_id: str | None = None) -> Claim | None:
+    """Take the leases of the free sinks, bump their epochs and insert the run as planned.
+
+    The owner's session advisory lock is taken on ``conn`` and must be held for the run's
+    life. Returns None when no claimed sink has anything to do (nothing is written then).
+    Raises LeaseHeld when every sink is held by another live run.
+    """
+    sinks = list(sinks)
+    with conn.transaction():
+        ensure_pipeline(conn, pipeline, config)
+        halted = conn.execute("SELECT halted_reason FROM tidemark.pipelines WHERE name = %s",
+                              (pipeline,)).fetchone()[0]
+        if halted:
+            raise TidemarkError(f"pipeline {pipeline} is halted: {halted} (inspect, then "
+                                f"`tidemark resume {pipeline}`)")
+        conn.execute("""INSERT INTO tidemark.leases (pipeline, sink)
+                        SELECT %s, unnest(%s::text[]) ON CONFLICT DO NOTHING""",
+                     (pipeline, sinks))
+        leases = conn.execute(f"""
+            SELECT l.sink, l.epoch, l.run_id, l.owner,
+                   l.run_id IS NULL OR l.expires_at < now()
+                       OR NOT {owner_alive_sql('l.run_id')} AS free,
+                   rs.state
+            FROM tidemark.leases l
+            LEFT JOIN tidemark.run_sinks rs ON rs.run_id = l.run_id AND rs.sink = l.sink
+            WHERE l.pipeline = %s AND l.sink = ANY(%s) ORDER BY l.sink FOR UPDATE OF l""",
+                              (pipeline, sinks)).fetchall()
+        free, skipped = [], {}
+        for sink, _epoch, holder, holder_owner, is_free, holder_state in leases:
+            if holder_state == RunState.COMMITTING:
+                skipped[sink] = f"run {holder} is committing; run `tidemark recover` first"
+            elif not is_free:
+                skipped[sink] = f"lease held by run {holder} ({holder_owner})"
+            else:
+                free.append(sink)
+        if not free:
+            raise LeaseHeld(f"pipeline {pipeline}: nothing claimed: " +
+                            "; ".join(f"{s}: {why}" for s, why in skipped.items()))
+        checkpoints: dict[str, dict[int, int]] = {s: {} for s in free}
+        for sink, part, nxt in conn.execute(
+                "SELECT sink, partition, next_offset FROM tidemark.checkpoints "
+                "WHERE pipeline = %s AND sink = ANY(%s)", (pipeline, free)):
+            checkpoints[sink][part] = nxt
+        planned = plan(checkpoints)
+        # Seed the checkpoints of new partitions, even with nothing to read yet: where a sink
+        # starts is decided once (`start: latest` must not move on with every run), and
+        # status shows them before a commit.
+        for sink, rs in plan_seeds(checkpoints, planned).items():
+            for r in rs:
+                conn.execute("""INSERT INTO tidemark.checkpoints (pipeline, sink, partition,
+                                next_offset) VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING""",
+                             (pipeline, sink, r.partition, r.start))
+        work = {s: [r for r in rs if r.size > 0] for s, rs in planned.items()}
+        work = {s: rs for s, rs in work.items() if rs}
+        if not work:
+            return None
+        run_id = conn.execute(
+            """INSERT INTO tidemark.runs (pipeline, mode, delivery, owner, external_id)
+               VALUES (%s, %s, %s, %s, %s) RETURNING run_id""",
+            (pipeline, mode, delivery, owner, external_id)).fetchone()[0]
+        conn.execute("SELECT pg_advisory_lock(%s, %s)", (OWNER_LOCK_CLASS, run_id))
+        result = Claim(run_id, pipeline, mode, skipped=skipped)
+        for sink, rs in work.items():
+            epoch = conn.execute(
+                """UPDATE tidemark.leases SET epoch = epoch + 1, run_id = %s, owner = %s,
+                          expires_at = now() + make_interval(secs => %s)
+                   WHERE pipeline = %s AND sink = %s RETURNING epoch""",
+                (run_id, owner, ttl_seconds, pipeline, sink)).fetchone()[0]
+            conn.execute("""INSERT INTO tidemark.run_sinks (run_id, sink, state, lease_epoch)
+                            VALUES (%s, %s, 'planned', %s)""", (run_id, sink, epoch))
+            with conn.cursor() as cur:
+                cur.executemany(
+                    """INSERT INTO tidemark.run_ranges (run_id, sink, partition, from_offset,
+                       to_offset) VALUES (%s, %s, %s, %s, %s)""",
+                    [(run_id, sink, r.partition, r.start, r.end) for r in rs])
+            result.sinks[sink] = SinkClaim(sink, epoch, rs)
+        return result
+
+
+def plan_seeds(checkpoints: dict[str, dict[int, int]],
+               ranges: dict[str, list[Range]]) -> dict[str, list[Range]]:
+    return {s: [r for r in rs if r.partition not in checkpoints.get(s, {})]
+            for s, rs in ranges.items()}
+
+
+def _transition(conn: psycopg.Connection, run_id: int, sink: str, to: RunState,
+                allowed: Iterable[RunState], **sets) -> None:
+    assigns = ", ".join(f"{k} = %({k})s" for k in sets)
+    params = {"run_id": run_id, "sink": sink, "to": to.value,
+              "allowed": [s.value for s in allowed], **sets}
+    row = conn.execute(
+        f"""UPDATE tidemark.run_sinks SET state = %(to)s, updated_at = now()
+            {', ' + assigns if assigns else ''}
+            WHERE run_id = %(run_id)s AND sink = %(sink)s AND state::text = ANY(%(allowed)s)
+            RETURNING state""", params).fetchone()
+    if row is None:
+        cur = conn.execute("SELECT state FROM tidemark.run_sinks WHERE run_id = %s AND sink = %s",
+                           (run_id, sink)).fetchone()
+        raise IllegalTransition(f"run {run_id} sink {sink}: cannot go to {to.value} from "
+                                f"{cur[0] if cur else 'nowhere'}")
+
+
+def _check_lease(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str) -> None:
+    """The run still holds the sink's lease: same run, same epoch, not expired. Locks the
+    lease row first, as every transition of a (run, sink) does, so that a driver and a
+    recovery never wait on each other in opposite orders."""
+    row = conn.execute(
+        """SELECT l.epoch, l.run_id, rs.lease_epoch, l.expires_at < now()
+           FROM tidemark.run_sinks rs
+           JOIN tidemark.leases l ON l.pipeline = %s AND l.sink = rs.sink
+           WHERE rs.run_id = %s AND rs.sink = %s FOR UPDATE OF l""",
+        (pipeline, run_id, sink)).fetchone()
+    if row is None or row[1] != run_id or row[0] != row[2]:
+        holder = f"run {row[1]} (epoch {row[0]})" if row else "nobody"
+        raise Fenced(f"run {run_id} lost the lease of sink {sink} to {holder}")
+    if row[3]:
+        raise Fenced(f"run {run_id}: its lease of sink {sink} expired (a stalled driver); "
+                     f"another run may take over")
+
+
+def _lock_lease(conn: psycopg.Connection, pipeline: str, sink: str) -> None:
+    conn.execute("SELECT 1 FROM tidemark.leases WHERE pipeline = %s AND sink = %s FOR UPDATE",
+                 (pipeline, sink))
+
+
+def start_writing(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str) -> None:
+    with conn.transaction():
+        _check_lease(conn, pipeline, run_id, sink)
+        _transition(conn, run_id, sink, RunState.WRITING, [RunState.PLANNED])
+
+
+def mark_prepared(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str,
+                  counts: dict) -> None:
+    with conn.transaction():
+        _check_lease(conn, pipeline, run_id, sink)
+        _transition(conn, run_id, sink, RunState.PREPARED, [RunState.WRITING],
+                    counts=json.dumps(counts))
+
+
+@dataclass(frozen=True)
+class Participant:
+    gid: str
+    target: str  # 'ledger' or 'sink:<name>'
+    task: int
+    rows: int
+
+
+def decide(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str,
+           chosen: list[Participant]) -> None:
+    """The commit point: lease still ours (and not expired), chosen gids recorded, state
+    committing, in one ledger transaction."""
+    with conn.transaction():
+        _check_lease(conn, pipeline, run_id, sink)
+        _transition(conn, run_id, sink, RunState.COMMITTING, [RunState.PREPARED])
+        with conn.cursor() as cur:
+            cur.executemany(
+                """INSERT INTO tidemark.participants (run_id, sink, gid, target, task, rows)
+                   VALUES (%s, %s, %s, %s, %s, %s)""",
+                [(run_id, sink, p.gid, p.target, p.task, p.rows) for p in chosen])
+
+
+def state_of(conn: psycopg.Connection, run_id: int, sink: str) -> RunState | None:
+    row = conn.execute("SELECT state::text FROM tidemark.run_sinks WHERE run_id = %s "
+                       "AND sink = %s", (run_id, sink)).fetchone()
+    return RunState(row[0]) if row else None
+
+
+def advance(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str,
+            timings: dict | None = None) -> None:
+    """committing -> committed: checkpoints to the ranges' ends (never backwards), lease freed,
+    counts and timings stored as run metrics."""
+    with conn.transaction():
+        _lock_lease(conn, pipeline, sink)
+        _transition(conn, run_id, sink, RunState.COMMITTED, [RunState.COMMITTING],
+                    timings=json.dumps(timings or {}))
+        conn.execute(
+            """INSERT INTO tidemark.run_metrics (run_id, sink, name, value)
+               SELECT run_id, sink, m.key, m.value::float8 FROM tidemark.run_sinks,
+                      jsonb_each_text(counts || timings) m
+               WHERE run_id = %s AND sink = %s AND jsonb_typeof(counts || timings) = 'object'
+               ON CONFLICT DO NOTHING""", (run_id, sink))
+        conn.execute(
+            """INSERT INTO tidemark.checkpoints AS c (pipeline, sink, partition, next_offset,
+                      updated_by)
+               SELECT %(p)s, rr.sink, rr.partition, rr.to_offset, rr.run_id
+               FROM tidemark.run_ranges rr JOIN tidemark.runs r USING (run_id)
+               WHERE rr.run_id = %(r)s AND rr.sink = %(s)s AND r.mode = 'run'
+               ON CONFLICT (pipeline, sink, partition) DO UPDATE
+               SET next_offset = greatest(c.next_offset, EXCLUDED.next_offset),
+                   updated_at = now(), updated_by = EXCLUDED.updated_by""",
+            {"p": pipeline, "r": run_id, "s": sink})
+        _release(conn, pipeline, run_id, sink)
+
+
+def abort(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, error: str) -> bool:
+    """planned/writing/prepared -> aborted. False if the run had already left those states."""
+    with conn.transaction():
+        _lock_lease(conn, pipeline, sink)
+        try:
+            _transition(conn, run_id, sink, RunState.ABORTED, ABORTABLE, error=error[:2000])
+        except IllegalTransition:
+            return False
+        _release(conn, pipeline, run_id, sink)
+        return True
+
+
+def dq_failed(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str,
+              error: str) -> None:
+    with conn.transaction():
+        _lock_lease(conn, pipeline, sink)
+        _transition(conn, run_id, sink, RunState.DQ_FAILED,
+                    [RunState.PLANNED, RunState.WRITING], error=error[:2000])
+        _release(conn, pipeline, run_id, sink)
+
+
+def _release(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str) -> None:
+    conn.execute("""UPDATE tidemark.leases SET run_id = NULL, owner = NULL, expires_at = NULL
+                    WHERE pipeline = %s AND sink = %s AND run_id = %s""", (pipeline, sink, run_id))
+
+
+def heartbeat(conn: psycopg.Connection, pipeline: str, run_id: int, ttl_seconds: int) -> int:
+    """Extend this run's leases; returns how many it still holds."""
+    with conn.transaction():
+        return conn.execute(
+            """UPDATE tidemark.leases SET expires_at = now() + make_interval(secs => %s)
+               WHERE pipeline = %s AND run_id = %s""", (ttl_seconds, pipeline, run_id)).rowcount
+
+
+def finish_run(conn: psycopg.Connection, run_id: int) -> None:
+    with conn.transaction():
+        conn.execute("UPDATE tidemark.runs SET finished_at = now() WHERE run_id = %s "
+                     "AND finished_at IS NULL", (run_id,))
+
+
+def halt(conn: psycopg.Connection, pipeline: str, reason: str) -> None:
+    with conn.transaction():
+        conn.execute("""UPDATE tidemark.pipelines SET halted_reason = %s, halted_at = now()
+                        WHERE name = %s""", (reason[:2000], pipeline))
+
+
+def resume(conn: psycopg.Connection, pipeline: str) -> bool:
+    with conn.transaction():
+        return conn.execute("""UPDATE tidemark.pipelines SET halted_reason = NULL,
+                               halted_at = NULL WHERE name = %s AND halted_reason IS NOT NULL""",
+                            (pipeline,)).rowcount > 0

@@ -1,0 +1,225 @@
+"""Recovery (DESIGN.md): settle every in-doubt run; leave no orphan prepared transaction.
+
+Runs at the start of every run, on demand (`tidemark recover`) and on a schedule. Holds a
+ledger advisory lock, so two recoveries never interleave; every step is idempotent.
+
+1. ``committing`` (run, sink): commit its chosen gids that are still prepared, then advance.
+   A chosen gid that is gone without its marker row is an inconsistency: halt the pipeline.
+2. ``planned``/``writing``/``prepared`` whose owner is gone (its session advisory lock is
+   released the moment its process dies) or whose lease expired or moved: roll back its
+   sink's prepared transactions and mark it ``aborted``.
+3. Any prepared transaction with our prefix that no live run may still choose: roll back.
+   Runs newer than this recovery's view of the ledger are left alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import psycopg
+
+from tidemark.config import Pipeline
+from tidemark.core.db import connect, one_line
+from tidemark.core.dsn import mask
+from tidemark.core.errors import TidemarkError
+from tidemark.ledger import state
+from tidemark.ledger.state import RunState
+from tidemark.protocol import gids, twopc
+
+LOCK_KEY = 0x7464726B  # 'tdrk'
+
+
+@dataclass
+class Report:
+    rolled_forward: list[tuple[int, str]] = field(default_factory=list)
+    aborted: list[tuple[int, str]] = field(default_factory=list)
+    rolled_back: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+    old_prepared: list[tuple[str, str, float]] = field(default_factory=list)  # db, gid, age
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and not self.lost
+
+    def summary(self) -> str:
+        parts = [f"rolled forward {len(self.rolled_forward)}", f"aborted {len(self.aborted)}",
+                 f"rolled back {len(self.rolled_back)} prepared transaction(s)"]
+        if self.lost:
+            parts.append(f"LOST {len(self.lost)}")
+        if self.errors:
+            parts.append(f"{len(self.errors)} error(s)")
+        return "recovery: " + ", ".join(parts)
+
+
+class Databases:
+    """Autocommit connections to every database in play, opened on first use."""
+
+    def __init__(self, ledger_dsn: str, pipelines: dict[str, Pipeline],
+                 application: str = "tidemark-recover"):
+        self.ledger_dsn = ledger_dsn
+        self.application = application
+        self.sink_dsns: dict[tuple[str, str], str] = {}
+        self.errors: list[str] = []
+        for p in pipelines.values():
+            for s in p.sinks:
+                try:
+                    self.sink_dsns[(p.name, s.name)] = s.resolve(f"pipeline {p.name}: sink {s.name}")
+                except TidemarkError as exc:
+                    self.errors.append(str(exc))
+        self._conns: dict[str, psycopg.Connection] = {}
+
+    def conn(self, dsn: str) -> psycopg.Connection:
+        if dsn not in self._conns:
+            self._conns[dsn] = connect(dsn, autocommit=True, what="database",
+                                       application=self.application)
+        return self._conns[dsn]
+
+    def dsn_for(self, pipeline: str, target: str) -> str:
+        if target == "ledger":
+            return self.ledger_dsn
+        sink = target.split(":", 1)[1]
+        try:
+            return self.sink_dsns[(pipeline, sink)]
+        except KeyError:
+            raise TidemarkError(f"pipeline {pipeline}: sink {sink} is not configured (pipeline "
+                                f"file missing or changed); cannot reach its database") from None
+
+    def all_dsns(self) -> list[str]:
+        return list(dict.fromkeys([self.ledger_dsn, *self.sink_dsns.values()]))
+
+    def close(self) -> None:
+        for c in self._conns.values():
+            c.close()
+
+
+def recover(ledger_dsn: str, pipelines: dict[str, Pipeline], prefix: str,
+            alert_seconds: float = 900.0) -> Report:
+    report = Report()
+    dbs = Databases(ledger_dsn, pipelines)
+    report.errors.extend(dbs.errors)
+    with connect(ledger_dsn, autocommit=True, what="ledger") as ledger:
+        ledger.execute("SELECT pg_advisory_lock(%s)", (LOCK_KEY,))
+        try:
+            horizon = ledger.execute("SELECT coalesce(max(run_id), 0) FROM tidemark.runs"
+                                     ).fetchone()[0]
+            _roll_forward(ledger, dbs, report)
+            _abort_dead(ledger, report)
+            _sweep(ledger, dbs, prefix, horizon, alert_seconds, report)
+        finally:
+            ledger.execute("SELECT pg_advisory_unlock(%s)", (LOCK_KEY,))
+            dbs.close()
+    return report
+
+
+def _roll_forward(ledger: psycopg.Connection, dbs: Databases, report: Report) -> None:
+    rows = ledger.execute("""SELECT rs.run_id, rs.sink, r.pipeline FROM tidemark.run_sinks rs
+                             JOIN tidemark.runs r USING (run_id)
+                             WHERE rs.state = 'committing' ORDER BY rs.run_id""").fetchall()
+    for run_id, sink, pipeline in rows:
+        try:
+            lost = commit_chosen(ledger, dbs, pipeline, run_id, sink)
+        except (psycopg.Error, TidemarkError) as exc:
+            report.errors.append(f"run {run_id} sink {sink}: cannot roll forward: "
+                                 f"{one_line(exc)}")
+            continue
+        if lost:
+            report.lost.extend(lost)
+            state.halt(ledger, pipeline, f"run {run_id} sink {sink}: chosen transaction(s) "
+                       f"{', '.join(lost)} vanished without their marker rows")
+            continue
+        try:
+            state.advance(ledger, pipeline, run_id, sink)
+        except state.IllegalTransition:
+            continue  # its owner got there first
+        except psycopg.Error as exc:
+            report.errors.append(f"run {run_id} sink {sink}: cannot advance: {one_line(exc)}")
+            continue
+        report.rolled_forward.append((run_id, sink))
+
+
+def chosen(ledger: psycopg.Connection, run_id: int, sink: str) -> list[tuple[str, str]]:
+    """(gid, target) of a decision that are not known to be committed yet."""
+    return ledger.execute(
+        "SELECT gid, target FROM tidemark.participants WHERE run_id = %s AND sink = %s "
+        "AND outcome IS DISTINCT FROM 'committed' ORDER BY target, gid", (run_id, sink)).fetchall()
+
+
+def commit_chosen(ledger: psycopg.Connection, dbs: Databases, pipeline: str, run_id: int,
+                  sink: str, after_each=None) -> list[str]:
+    """Commit the decision's gids; returns those that were lost (gone, no marker)."""
+    lost = []
+    for gid, target in chosen(ledger, run_id, sink):
+        outcome = twopc.commit(dbs.conn(dbs.dsn_for(pipeline, target)), gid)
+        if after_each:
+            after_each()
+        ledger.execute("UPDATE tidemark.participants SET outcome = %s WHERE run_id = %s "
+                       "AND sink = %s AND gid = %s", (outcome, run_id, sink, gid))
+        if outcome == "lost":
+            lost.append(gid)
+    return lost
+
+
+def _abort_dead(ledger: psycopg.Connection, report: Report) -> None:
+    rows = ledger.execute(f"""
+        SELECT rs.run_id, rs.sink, r.pipeline,
+               {state.owner_alive_sql('rs.run_id')} AS alive,
+               l.run_id = rs.run_id AND l.epoch = rs.lease_epoch
+                   AND l.expires_at >= now() AS leased
+        FROM tidemark.run_sinks rs JOIN tidemark.runs r USING (run_id)
+        LEFT JOIN tidemark.leases l ON l.pipeline = r.pipeline AND l.sink = rs.sink
+        WHERE rs.state IN ('planned', 'writing', 'prepared')""").fetchall()
+    for run_id, sink, pipeline, alive, leased in rows:
+        if alive and leased:
+            continue
+        why = "owner process is gone" if not alive else "lease expired or taken over"
+        try:
+            if state.abort(ledger, pipeline, run_id, sink, f"recovery: {why}"):
+                report.aborted.append((run_id, sink))
+        except psycopg.Error as exc:  # one bad item never stops the rest
+            report.errors.append(f"run {run_id} sink {sink}: cannot abort: {one_line(exc)}")
+        # Its prepared work is rolled back by the sweep below (same rule as any orphan).
+
+
+def _sweep(ledger: psycopg.Connection, dbs: Databases, prefix: str, horizon: int,
+           alert_seconds: float, report: Report) -> None:
+    live = {}  # run_id -> {sink: state}
+    for run_id, sink, st in ledger.execute(
+            "SELECT run_id, sink, state::text FROM tidemark.run_sinks WHERE run_id <= %s "
+            "AND state IN ('planned', 'writing', 'prepared', 'committing')", (horizon,)):
+        live.setdefault(run_id, {})[sink] = st
+    # Markers matter only while a decision may be in doubt: prune those of settled runs.
+    settled_below = min([*live, horizon + 1])
+    chosen = {r[0] for r in ledger.execute(
+        """SELECT p.gid FROM tidemark.participants p JOIN tidemark.run_sinks rs
+           USING (run_id, sink) WHERE rs.state IN ('committing', 'committed')""")}
+    for dsn in dbs.all_dsns():
+        try:
+            conn = dbs.conn(dsn)
+            found = twopc.prepared(conn, f"{prefix}:%")
+        except (psycopg.Error, TidemarkError) as exc:
+            report.errors.append(f"cannot scan {mask(dsn)}: {one_line(exc)}")
+            continue
+        try:
+            if conn.execute("SELECT to_regclass('tidemark.commits')").fetchone()[0]:
+                conn.execute("""DELETE FROM tidemark.commits WHERE run_id < %s
+                                AND created_at < now() - interval '1 day'""", (settled_below,))
+        except psycopg.Error as exc:
+            report.errors.append(f"cannot prune markers on {mask(dsn)}: {one_line(exc)}")
+        for gid, age in found:
+            g = gids.parse(gid, prefix)
+            if g is None or g.run_id > horizon:
+                continue
+            if gid in chosen or _may_still_choose(live.get(g.run_id, {}), g):
+                if age >= alert_seconds:
+                    report.old_prepared.append((mask(dsn), gid, age))
+                continue
+            try:
+                if twopc.rollback(conn, gid):
+                    report.rolled_back.append(gid)
+            except psycopg.Error as exc:
+                report.errors.append(f"cannot roll back {gid}: {one_line(exc)}")
+
+
+def _may_still_choose(open_sinks: dict[str, str], g: gids.Gid) -> bool:
+    return open_sinks.get(g.sink) not in (None, RunState.COMMITTING)

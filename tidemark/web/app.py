@@ -1,0 +1,535 @@
+"""The dead-letter pages and JSON API that Airflow's API server mounts at /tidemark
+(plugins/tidemark_dlq.py): browse, read, discard, redrive and export dead letters.
+
+Every route depends on ``web_auth.guard`` (declared on the app, so no route can miss it).
+Pages are server-rendered Jinja2 with autoescaping and a Content-Security-Policy that allows
+only this app's own script and stylesheet. Redrive does not run Spark here: it triggers each
+pipeline's ``tidemark_<pipeline>_redrive`` DAG through Airflow's REST API, as the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mimetypes
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Annotated, Any
+from urllib.parse import parse_qs, quote, unquote, urlencode
+
+import httpx
+import psycopg
+from fastapi import Depends, FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import (
+    HTMLResponse,
+    JSONResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+
+from tidemark.core.db import connect, one_line
+from tidemark.core.dsn import mask
+from tidemark.core.errors import BadInput, Busy, NotFound, TidemarkError
+from tidemark.core.settings import get_settings
+from tidemark.ledger import dlq
+from tidemark.web import auth as web_auth
+from tidemark.web.auth import Caller, Forbidden, NotAuthenticated, guard
+
+TEMPLATES = Path(__file__).resolve().parent / "templates" / "dlq"
+STATIC = {"dlq.css": "text/css", "dlq.js": "text/javascript", "icon.svg": "image/svg+xml"}
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+       "connect-src 'self'; form-action 'self'; frame-ancestors 'self'; base-uri 'none'")
+# Data Docs are GX's own HTML (scripts, CDN styles): an opaque-origin sandbox keeps them away
+# from the Airflow session.
+DOCS_CSP = "sandbox allow-scripts allow-popups; frame-ancestors 'self'"
+SHOW_BYTES = 256 * 1024  # payload bytes a page renders; export has them all
+FORM = "application/x-www-form-urlencoded"
+log = logging.getLogger(__name__)
+
+jinja = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=True,
+                    undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+jinja.filters["when"] = lambda iso: f"{iso[:19].replace('T', ' ')} UTC" if iso else "-"
+app = FastAPI(title="Tidemark dead letters", docs_url=None, redoc_url=None, openapi_url=None,
+              dependencies=[Depends(guard)])
+
+
+# -- plumbing ---------------------------------------------------------------------------------
+def _ledger(**kw) -> psycopg.Connection:
+    dsn = get_settings().ledger_dsn
+    if not dsn:
+        raise TidemarkError("no ledger: TIDEMARK_LEDGER_DSN is not set in the environment of "
+                            "Airflow's API server")
+    return connect(dsn, autocommit=True, what="ledger", **kw)
+
+
+def _rel(request: Request) -> str:
+    """The path inside this app (without Airflow's root path and the mount prefix)."""
+    root, path = request.scope.get("root_path", ""), request.url.path
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+def _is_api(request: Request) -> bool:
+    return _rel(request).startswith(("/dlq/api/", "/dlq/static/"))
+
+
+def _wants_html(request: Request) -> bool:
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    return not _is_api(request) or (request.method == "POST" and ctype == FORM)
+
+
+def _links(request: Request) -> dict[str, str]:
+    return {"prefix": request.scope.get("root_path", ""),  # this app, e.g. /tidemark
+            "airflow": request.base_url.path.rstrip("/")}  # Airflow's UI root
+
+
+def _html(request: Request, template: str, status: int = 200, **ctx: Any) -> HTMLResponse:
+    caller: Caller | None = getattr(request.state, "tm_caller", None)
+    body = jinja.get_template(template).render(
+        **_links(request), user=caller.name if caller else "",
+        csrf=web_auth.csrf_token(caller.token) if caller and caller.via_cookie else "", **ctx)
+    return HTMLResponse(body, status_code=status)
+
+
+def _error(request: Request, status: int, message: str) -> Response:
+    message = mask(message)
+    if _wants_html(request):
+        return _html(request, "error.html", status, status_code=status, message=message)
+    return JSONResponse({"detail": message}, status_code=status)
+
+
+@app.middleware("http")
+async def _headers(request: Request, call_next):
+    try:
+        response = await call_next(request)
+    except Exception as exc:  # noqa: BLE001 - never a traceback page; the log has it
+        log.exception("tidemark dead letters: %s %s failed", request.method, request.url.path)
+        response = _error(request, 500, f"internal error ({type(exc).__name__}); the API "
+                                        f"server's log has the details")
+    response.headers.setdefault("Content-Security-Policy", CSP)
+    response.headers.setdefault("Cache-Control", "no-store")
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Referrer-Policy"] = "same-origin"
+    return response
+
+
+@app.exception_handler(NotAuthenticated)
+async def _not_authenticated(request: Request, exc: NotAuthenticated) -> Response:
+    if _is_api(request) or request.method != "GET":
+        return JSONResponse({"detail": f"not authenticated: {exc}"}, status_code=401,
+                            headers={"WWW-Authenticate": "Bearer"})
+    return RedirectResponse(web_auth.login_url(request), status_code=303)
+
+
+@app.exception_handler(Forbidden)
+async def _forbidden(request: Request, exc: Forbidden) -> Response:
+    return _error(request, 403, str(exc))
+
+
+@app.exception_handler(TidemarkError)
+async def _tidemark_error(request: Request, exc: TidemarkError) -> Response:
+    status = 404 if isinstance(exc, NotFound) else 400 if isinstance(exc, BadInput) \
+        else 409 if isinstance(exc, Busy) else 503
+    return _error(request, status, str(exc))
+
+
+@app.exception_handler(psycopg.Error)
+async def _db_error(request: Request, exc: psycopg.Error) -> Response:
+    return _error(request, 503, f"ledger error: {one_line(exc)}")
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    err = exc.errors()[0] if exc.errors() else {}
+    where = ".".join(str(p) for p in err.get("loc", ()) if p not in ("path", "query", "body"))
+    return _error(request, 400, f"{where or 'request'}: {err.get('msg', 'invalid')}")
+
+
+async def _caller(request: Request, caller: Annotated[Caller, Depends(guard)]) -> Caller:
+    request.state.tm_caller = caller  # for the pages' user name and CSRF token
+    return caller
+
+
+CallerDep = Annotated[Caller, Depends(_caller)]
+
+
+# -- input --------------------------------------------------------------------------------------
+def _int(value: str | None, name: str, default: int | None = None) -> int | None:
+    if value is None or value.strip() == "":
+        return default
+    value = value.strip()
+    if not value.isascii() or not value.isdigit():
+        raise BadInput(f"{name} {value[:40]!r}: not a positive integer")
+    return int(value)
+
+
+def _record_id(value: str) -> int:
+    rid = _int(value, "id")
+    if not rid:
+        raise BadInput(f"id {value[:40]!r}: not a dead-letter id")
+    return rid
+
+
+def _filters(request: Request, default_status: str | None) -> dlq.Filters:
+    q = request.query_params
+    return dlq.Filters.parse(
+        pipeline=q.get("pipeline"), sink=q.get("sink"),
+        error_class=q.get("error_class", q.get("class")),
+        status=q.get("status", default_status), since=q.get("since"), until=q.get("until"),
+        ids=q.getlist("ids") or None)
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    """A POST's fields from JSON or a form (``ids`` may repeat in a form)."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    raw = await request.body()
+    if ctype == FORM:
+        form = parse_qs(raw.decode("utf-8", "replace"), keep_blank_values=True)
+        return {k: (v if k == "ids" else v[-1]) for k, v in form.items()}
+    if not raw.strip():
+        return {}
+    if ctype != "application/json":
+        raise BadInput(f"content type {ctype or '(none)'!r}: send application/json or a form")
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise BadInput(f"body is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadInput("body: expected a JSON object")
+    return data
+
+
+def _ids_from(body: dict) -> list[int]:
+    if "ids" not in body or body["ids"] in (None, "", []):
+        raise BadInput("ids: select at least one dead letter")
+    return sorted(set(dlq.parse_ids(body["ids"])))
+
+
+def _back(request: Request, body: dict) -> str:
+    """Where a form's result page links back to: the list with the filters it had."""
+    query = str(body.get("back") or "")
+    safe = urlencode([(k, v) for k, vs in parse_qs(query).items() for v in vs
+                      if k in ("pipeline", "sink", "error_class", "status", "since", "until")])
+    return f"{_links(request)['prefix']}/dlq/" + (f"?{safe}" if safe else "")
+
+
+# -- authorization against the ledger ----------------------------------------------------------
+def _visible(conn: psycopg.Connection, caller: Caller, f: dlq.Filters) -> dlq.Filters:
+    """``f`` narrowed to the pipelines the caller may read (403 if they named another)."""
+    if f.pipeline:
+        web_auth.require(caller, "GET", [f.pipeline])
+        return f
+    if web_auth.may_read_all(caller):
+        return f
+    return f.model_copy(update={"pipelines": web_auth.readable(caller, dlq.pipelines(conn))})
+
+
+def _owned(conn: psycopg.Connection, caller: Caller, ids: list[int],
+           method: str) -> dict[int, tuple[str, str]]:
+    owners = dlq.owners(conn, ids)
+    web_auth.require(caller, method, {p for p, _ in owners.values()})
+    return owners
+
+
+# -- rows for people and programs -----------------------------------------------------------------
+def _iso(v: Any) -> Any:
+    if isinstance(v, datetime):
+        return (v.astimezone(UTC) if v.tzinfo else v).isoformat()
+    return v
+
+
+def _summary(row: dict) -> dict:
+    out = {k: _iso(v) for k, v in row.items() if k != "payload_head"}
+    out["payload_preview"] = dlq.preview(row["payload_head"], row["payload_size"])
+    return out
+
+
+def _docs_href(request: Request, docs_path: str | None) -> str | None:
+    if not docs_path:
+        return None
+    base = get_settings().data_docs_dir.resolve()
+    try:
+        rel = Path(unquote(docs_path)).resolve().relative_to(base)
+    except ValueError:
+        return None
+    return f"{_links(request)['prefix']}/dlq/docs/{quote(rel.as_posix())}"
+
+
+def _airflow_links(request: Request, run: dict | None) -> dict[str, str]:
+    af = (run or {}).get("airflow")
+    if not af:
+        return {}
+    root = _links(request)["airflow"]
+    dag_run = f"{root}/dags/{quote(af['dag_id'], safe='')}/runs/{quote(af['run_id'], safe='')}"
+    out = {"dag_run": dag_run}
+    if isinstance(af.get("task_id"), str):
+        tries = f"?try_number={af['try']}" if isinstance(af.get("try"), int) else ""
+        out["task_log"] = f"{dag_run}/tasks/{quote(af['task_id'], safe='')}{tries}"
+    return out
+
+
+def _record(request: Request, rec: dict, fmt: str) -> dict:
+    kind, text = dlq.render_payload(rec["payload"], fmt, limit=SHOW_BYTES)
+    docs = []
+    if rec["error_class"] in ("validation", "dq_gate"):
+        docs = [{"scope": q["scope"] or "(pipeline)", "success": q["success"],
+                 "href": _docs_href(request, q["docs_path"]), "path": q["docs_path"]}
+                for q in rec["quality"] if q["docs_path"]]
+    return {
+        **dlq.envelope(rec),
+        "payload_size": len(rec["payload"]) if rec["payload"] is not None else None,
+        "payload_rendered": {"kind": kind, "text": text},
+        "key_text": dlq.render_payload(rec["key"], limit=4096)[1] if rec["key"] is not None
+        else None,
+        "run": {k: _iso(v) for k, v in rec["run"].items()} if rec["run"] else None,
+        "links": _airflow_links(request, rec["run"]),
+        "data_docs": docs,
+    }
+
+
+# -- pages ----------------------------------------------------------------------------------------
+def _window(hours: int) -> str:
+    return (datetime.now(UTC) - timedelta(hours=hours)).strftime("%Y-%m-%dT%H:%M")
+
+
+@app.get("/dlq/")
+def list_page(request: Request, caller: CallerDep) -> Response:
+    q = request.query_params
+    f = _filters(request, "quarantined")
+    limit, before = _int(q.get("limit"), "limit", 50), _int(q.get("before"), "before")
+    with _ledger(options="-c statement_timeout=30000") as conn:
+        scoped = _visible(conn, caller, f)
+        pg = dlq.page(conn, scoped, limit, before)
+        by_class = dlq.counts(conn, scoped.without("error_class"))
+        names = dlq.pipelines(conn)
+    names = names if web_auth.may_read_all(caller) else web_auth.readable(caller, names)
+    editable = [p for p in names if _may(caller, "PUT", p)]
+    keep = f.query()
+    plain = {k: v for k, v in keep.items() if k != "error_class"}
+    class_links = [("all classes", sum(by_class.values()), f"?{urlencode(plain)}",
+                    not f.error_class)]
+    class_links += [(c, n, f"?{urlencode({**plain, 'error_class': c})}", c == f.error_class)
+                    for c, n in by_class.items()]
+    return _html(
+        request, "list.html", rows=[_summary(r) for r in pg.rows], next_before=pg.next_before,
+        class_links=class_links, f=f, pipelines=names,
+        can_act=bool(editable), classes=dlq.ERROR_CLASSES, statuses=dlq.STATUSES,
+        keep=keep, query=urlencode(keep), limit=limit, before=before,
+        since_value=f.since.astimezone(UTC).strftime("%Y-%m-%dT%H:%M") if f.since else "",
+        until_value=f.until.astimezone(UTC).strftime("%Y-%m-%dT%H:%M") if f.until else "",
+        windows=[("last hour", _window(1)), ("24 hours", _window(24)),
+                 ("7 days", _window(24 * 7))],
+        urlencode=urlencode)
+
+
+def _may(caller: Caller, method: str, pipeline: str) -> bool:
+    try:
+        web_auth.require(caller, method, [pipeline])
+    except Forbidden:
+        return False
+    return True
+
+
+def _readable(caller, record_id: str) -> dict:
+    """The dead letter ``record_id``, if the caller may read its pipeline."""
+    rid = _record_id(record_id)
+    with _ledger() as conn:
+        rec = dlq.get(conn, rid)
+    if rec is None:
+        raise NotFound(f"no dead letter {rid}")
+    web_auth.require(caller, "GET", [rec["pipeline"]])
+    return rec
+
+
+@app.get("/dlq/record/{record_id}")
+def record_page(request: Request, record_id: str, caller: CallerDep) -> Response:
+    rec = _readable(caller, record_id)
+    fmt = request.query_params.get("format", "auto")
+    view = _record(request, rec, fmt)
+    formats = ["auto", "text", "hex"]
+    if dlq.render_payload(rec["payload"], limit=SHOW_BYTES)[0] == "json":
+        formats.insert(1, "json")
+    return _html(request, "record.html", r=view, fmt=fmt, formats=formats,
+                 can_act=_may(caller, "PUT", rec["pipeline"]),
+                 headers_text=json.dumps(rec["headers"], indent=2, ensure_ascii=False)
+                 if rec["headers"] is not None else None)
+
+
+@app.get("/dlq/docs/{path:path}")
+def data_docs(request: Request, path: str, caller: CallerDep) -> Response:
+    """Great Expectations Data Docs, only from under TIDEMARK_DATA_DOCS_DIR."""
+    base = get_settings().data_docs_dir.resolve()
+    parts = Path(path).parts
+    if not path or path.startswith("/") or ".." in parts or "\x00" in path:
+        raise NotFound(f"no Data Docs page {path!r}")
+    target = (base / path).resolve()
+    if not target.is_relative_to(base) or not target.is_file():
+        raise NotFound(f"no Data Docs page {path!r}")
+    ctype = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
+    return Response(target.read_bytes(), media_type=ctype,
+                    headers={"Content-Security-Policy": DOCS_CSP})
+
+
+@app.get("/dlq/static/{name}")
+def static(name: str, caller: CallerDep) -> Response:
+    if name not in STATIC:
+        raise NotFound(f"no static file {name!r}")
+    return Response((TEMPLATES / name).read_bytes(), media_type=STATIC[name],
+                    headers={"Cache-Control": "private, max-age=300"})
+
+
+# -- JSON API -----------------------------------------------------------------------------------
+@app.get("/dlq/api/records")
+def api_records(request: Request, caller: CallerDep) -> Response:
+    q = request.query_params
+    f = _filters(request, None)
+    limit, before = _int(q.get("limit"), "limit", 50), _int(q.get("before"), "before")
+    with _ledger(options="-c statement_timeout=30000") as conn:
+        pg = dlq.page(conn, _visible(conn, caller, f), limit, before)
+    return JSONResponse({"records": [_summary(r) for r in pg.rows],
+                         "next_before": pg.next_before})
+
+
+@app.get("/dlq/api/records/{record_id}")
+def api_record(request: Request, record_id: str, caller: CallerDep) -> Response:
+    rec = _readable(caller, record_id)
+    fmt = request.query_params.get("format", "auto")
+    return JSONResponse(_record(request, rec, fmt))
+
+
+@app.get("/dlq/api/counts")
+def api_counts(caller: CallerDep) -> Response:
+    """Quarantined records per pipeline and error class: poll it for alerting."""
+    with _ledger(options="-c statement_timeout=30000") as conn:
+        only = None if web_auth.may_read_all(caller) else \
+            web_auth.readable(caller, dlq.pipelines(conn))
+        by_pipeline = dlq.counts_by_pipeline(conn, only)
+    return JSONResponse({"status": "quarantined", "pipelines": by_pipeline,
+                         "total": sum(sum(c.values()) for c in by_pipeline.values())})
+
+
+def _export(f: dlq.Filters) -> Iterator[str]:
+    with _ledger() as conn:
+        yield from dlq.export(conn, f)
+
+
+def _download(f: dlq.Filters) -> StreamingResponse:
+    name = f"dead-letters-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.jsonl"
+    return StreamingResponse(_export(f), media_type="application/x-ndjson",
+                             headers={"Content-Disposition": f'attachment; filename="{name}"'})
+
+
+@app.get("/dlq/api/export")
+def api_export(request: Request, caller: CallerDep) -> Response:
+    f = _filters(request, None)
+    with _ledger() as conn:
+        if f.ids:
+            _owned(conn, caller, f.ids, "GET")
+        f = _visible(conn, caller, f)
+    return _download(f)
+
+
+@app.post("/dlq/api/export")
+async def api_export_selected(request: Request, caller: CallerDep) -> Response:
+    ids = _ids_from(await _body(request))
+
+    def check() -> None:
+        with _ledger() as conn:
+            _owned(conn, caller, ids, "GET")
+
+    await run_in_threadpool(check)
+    return _download(dlq.Filters(ids=ids))
+
+
+@app.post("/dlq/api/discard")
+async def api_discard(request: Request, caller: CallerDep) -> Response:
+    body = await _body(request)
+    ids = _ids_from(body)
+
+    def work() -> dlq.Discarded:
+        with _ledger() as conn:
+            _owned(conn, caller, ids, "PUT")
+            return dlq.discard(conn, ids, body.get("note"), caller.name)
+
+    res = await run_in_threadpool(work)
+    if _wants_html(request):
+        return _html(request, "result.html", title="Discard", back=_back(request, body),
+                     done=[f"Discarded {len(res.changed):,} dead letter(s): "
+                           + ", ".join(map(str, res.changed))] if res.changed else [],
+                     runs=[], skipped=res.to_dict()["skipped"], errors=[])
+    return JSONResponse({**res.to_dict(), "by": caller.name})
+
+
+@app.post("/dlq/api/redrive")
+async def api_redrive(request: Request, caller: CallerDep) -> Response:
+    body = await _body(request)
+    ids = _ids_from(body)
+    out = await run_in_threadpool(_redrive, request, caller, ids)
+    status = 502 if out["errors"] and not out["runs"] else 200
+    if _wants_html(request):
+        return _html(request, "result.html", status, title="Redrive", back=_back(request, body),
+                     done=[], **out)
+    return JSONResponse(out, status_code=status)
+
+
+def _redrive(request: Request, caller: Caller, ids: list[int]) -> dict:
+    """Trigger tidemark_<pipeline>_redrive per pipeline for the quarantined ids, as the
+    caller (their JWT: Airflow authorizes the trigger too)."""
+    with _ledger() as conn:
+        owners = _owned(conn, caller, ids, "PUT")
+    skipped = [{"id": i, "reason": "no such dead letter"} for i in ids if i not in owners]
+    skipped += [{"id": i, "reason": f"already {s}"} for i, (_, s) in sorted(owners.items())
+                if s != "quarantined"]
+    groups: dict[str, list[int]] = {}
+    for i, (p, s) in sorted(owners.items()):
+        if s == "quarantined":
+            groups.setdefault(p, []).append(i)
+    runs, errors = [], []
+    api = f"{str(request.base_url).rstrip('/')}/api/v2"
+    root = _links(request)["airflow"]
+    with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {caller.token}"}) as http:
+        for pipeline, chosen in groups.items():
+            dag = f"{web_auth.dag_id(pipeline)}_redrive"
+            conf = {"ids": chosen, "requested_by": caller.name}
+            try:
+                r = http.post(f"{api}/dags/{quote(dag, safe='')}/dagRuns",
+                              json={"logical_date": None, "conf": conf})
+            except httpx.HTTPError as exc:
+                errors.append({"pipeline": pipeline, "dag_id": dag, "ids": chosen,
+                               "error": f"cannot reach Airflow's API: {exc}"})
+                continue
+            if r.status_code != 200:
+                errors.append({"pipeline": pipeline, "dag_id": dag, "ids": chosen,
+                               "error": _airflow_error(dag, r)})
+                continue
+            run_id = r.json()["dag_run_id"]
+            runs.append({
+                "pipeline": pipeline, "dag_id": dag, "dag_run_id": run_id, "ids": chosen,
+                "url": f"{root}/dags/{quote(dag, safe='')}/runs/{quote(run_id, safe='')}",
+                "paused": _paused(http, f"{api}/dags/{quote(dag, safe='')}")})
+    return {"runs": runs, "skipped": skipped, "errors": errors}
+
+
+def _paused(http: httpx.Client, url: str) -> bool:
+    """A paused DAG's run waits in the queue: say so rather than leave people waiting."""
+    try:
+        r = http.get(url)
+        return r.status_code == 200 and bool(r.json().get("is_paused"))
+    except (httpx.HTTPError, ValueError):
+        return False
+
+
+def _airflow_error(dag: str, r: httpx.Response) -> str:
+    try:
+        detail = r.json().get("detail")
+    except ValueError:
+        detail = None
+    detail = detail if isinstance(detail, str) else json.dumps(detail)[:300] if detail \
+        else r.text[:300]
+    if r.status_code == 404:
+        return f"DAG {dag} not found in Airflow (is the pipeline deployed?): {detail}"
+    return f"Airflow refused to trigger {dag} (HTTP {r.status_code}): {detail}"
