@@ -1,4 +1,4 @@
-"""Checks of DESIGN.md's invariants against the real databases."""
+"""Checks of docs/design.md's invariants against the real databases."""
 
 from __future__ import annotations
 

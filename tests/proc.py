@@ -9,21 +9,16 @@ import subprocess
 import threading
 from pathlib import Path
 
+from tidemark.core import faults
+
 
 class JobProcess:
     """A `tidemark` CLI process in its own process group (a crash kills the whole group)."""
 
     def __init__(self, argv: list[str], env: dict[str, str], pause_dir: Path | None = None,
                  pause_at: str | None = None, crash_at: str | None = None):
-        env = dict(env)
+        env = faults.armed(env, pause_dir, pause_at, crash_at)
         self.pause_dir = pause_dir
-        if pause_at:
-            pause_dir.mkdir(parents=True, exist_ok=True)
-            for name in ("reached", "resume"):
-                os.mkfifo(pause_dir / name)
-            env.update(TIDEMARK_PAUSE_AT=pause_at, TIDEMARK_PAUSE_DIR=str(pause_dir))
-        if crash_at:
-            env["TIDEMARK_CRASH_AT"] = crash_at
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)

@@ -185,10 +185,9 @@ def test_trigger_replays_exactly_once_and_reports(world):
     report = world.xcom("tidemark_orders", run_id, "report")
     assert report["sinks"]["main"]["state"] == "committed"
     assert report["sinks"]["main"]["counts"]["rows"] == N
-    ext = json.loads(env.ledger("SELECT external_id FROM tidemark.runs WHERE run_id = %s",
-                                (report["run_id"],))[0][0])
-    assert (ext["dag_id"], ext["run_id"], ext["task_id"]) == ("tidemark_orders", run_id,
-                                                               "replay")
+    ids = env.ledger("SELECT dag_id, dag_run_id, task_id, try_number FROM tidemark.runs "
+                     "WHERE run_id = %s", (report["run_id"],))[0]
+    assert ids == ("tidemark_orders", run_id, "replay", 1)
 
 
 def test_backfill_params_validated_and_run(world):

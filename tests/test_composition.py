@@ -1,4 +1,4 @@
-"""Features together (DESIGN.md: "Which sinks a verdict applies to", "Re-delivery", "Task
+"""Features together (docs/design.md: "Which sinks a verdict applies to", "Re-delivery", "Task
 accounting"): per-sink runs at different checkpoints, failing gates, backfill over dead
 letters, discard and redrive, key versions, NULL keys, transforms that lose records. Real
 PostgreSQL, Spark and Great Expectations."""

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STUB = (REPO / "dags" / "pipelines" / "flights.py").read_text()
 XSS = b"<script>window.pwned=1</script>"
 AIRFLOW_RUN = {"dag_id": "tidemark_orders", "run_id": "manual__2026-03-01T12:00:00+00:00",
-               "task_id": "replay", "try": 2}
+               "task_id": "replay", "try_number": 2}
 
 
 @dataclass
@@ -61,9 +61,10 @@ class Site:
 def _seed(env: Env, docs_page: Path) -> dict[str, int]:
     with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
         c.execute("INSERT INTO tidemark.pipelines (name) VALUES ('orders'), ('other')")
-        run = c.execute("INSERT INTO tidemark.runs (pipeline, mode, owner, external_id) "
-                        "VALUES ('orders', 'run', 'test:1', %s) RETURNING run_id",
-                        (json.dumps(AIRFLOW_RUN),)).fetchone()[0]
+        run = c.execute("INSERT INTO tidemark.runs (pipeline, mode, owner, dag_id, dag_run_id, "
+                        "task_id, try_number) VALUES ('orders', 'run', 'test:1', %(dag_id)s, "
+                        "%(run_id)s, %(task_id)s, %(try_number)s) RETURNING run_id",
+                        AIRFLOW_RUN).fetchone()[0]
         c.execute("INSERT INTO tidemark.dq_results (run_id, success, docs_path) "
                   "VALUES (%s, false, %s)", (run, str(docs_page)))
         return {

@@ -63,8 +63,8 @@ def planner(root, fmt) -> fa.FileArchivePlanner:
     return fa.FileArchivePlanner(FileArchiveSource(type="file_archive", uri=str(root), format=fmt))
 
 
-def spec(root, fmt) -> dict:
-    return FileArchiveSource(type="file_archive", uri=str(root), format=fmt).model_dump(mode="json")
+def spec(root, fmt) -> FileArchiveSource:
+    return FileArchiveSource(type="file_archive", uri=str(root), format=fmt)
 
 
 def read(root, fmt, p, start, end) -> list[pa.RecordBatch]:

@@ -5,6 +5,7 @@ stack. Pure source analysis (ast), so a violation names the file and line."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,53 @@ def test_every_package_says_what_it_owns_and_may_import():
     for init in sorted(PACKAGE.glob("*/__init__.py")):
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
         assert "May import" in doc, f"{init.relative_to(PACKAGE.parent)}: docstring lacks 'May import'"
+
+
+# SQL naming a tidemark.* table or function, outside the ledger.
+_LEDGER_SQL = re.compile(r"\b(FROM|INTO|UPDATE|JOIN|TABLE|EXISTS)\s+tidemark\.\w+|"
+                         r"tidemark\.\w+\s*\(")
+# The chaos checker reads the databases on its own on purpose: it must not trust the code
+# it checks (tidemark/devstack/chaos/__init__.py).
+_INDEPENDENT = {"tidemark.devstack.chaos.checker"}
+_STATES = re.compile(r"'(planned|writing|prepared|committing|committed|aborted|dq_failed)'")
+
+
+def _strings(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text())
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)}
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
+
+
+def test_only_the_ledger_speaks_sql_to_tidemark_tables():
+    problems = []
+    for module, path in _modules().items():
+        if module.startswith("tidemark.ledger") or module in _INDEPENDENT:
+            continue
+        for line, text in _strings(path):
+            if _LEDGER_SQL.search(text):
+                problems.append(f"{path.relative_to(PACKAGE.parent)}:{line}: "
+                                f"{' '.join(text.split())[:80]}")
+    assert not problems, "SQL on tidemark.* outside tidemark/ledger:\n" + "\n".join(problems)
+
+
+def test_run_states_come_from_the_enum_in_sql_too():
+    problems = []
+    for module, path in _modules().items():
+        if module in _INDEPENDENT:
+            continue
+        for line, text in _strings(path):
+            if _STATES.search(text) and "outcome" not in text:
+                problems.append(f"{path.relative_to(PACKAGE.parent)}:{line}: "
+                                f"{' '.join(text.split())[:80]}")
+    assert not problems, "run states as SQL literals (pass RunState):\n" + "\n".join(problems)
+
+
+def test_the_sql_checks_can_fail():
+    assert _LEDGER_SQL.search("SELECT 1 FROM tidemark.dlq WHERE x")
+    assert _LEDGER_SQL.search("ELSE tidemark.version_conflict(k, 1, 2)")
+    assert not _LEDGER_SQL.search("from tidemark.ledger import dlq")
+    assert _STATES.search("WHERE state = 'committing'")

@@ -12,6 +12,8 @@ from tidemark.core.errors import ConfigError, TidemarkError
 os.environ["GX_ANALYTICS_ENABLED"] = "false"
 
 from tidemark.quality import checks as quality  # noqa: E402
+from tidemark.quality import docs as gx_docs  # noqa: E402
+from tidemark.quality import expectations  # noqa: E402
 
 ORIGINS = ["EWR", "JFK", "LGA"]
 PER_PARTITION = 150
@@ -42,7 +44,7 @@ def flights(local_spark):
 
 
 def _parse(items):
-    return quality.parse_expectations(items, "pipelines/flights.yml", "quality.rows")
+    return expectations.parse_expectations(items, "pipelines/flights.yml", "quality.rows")
 
 
 IN_SET = {"expect_column_values_to_be_in_set": {"column": "origin", "value_set": ORIGINS}}
@@ -61,8 +63,8 @@ def test_parse_builds_gx_expectations():
     assert isinstance(exps[0], gxe.ExpectColumnValuesToBeInSet)
     assert exps[0].column == "origin" and list(exps[0].value_set) == ORIGINS
     assert isinstance(exps[1], gxe.ExpectTableRowCountToBeBetween)
-    assert [quality.is_row_level(e) for e in exps] == [True, False]
-    assert quality.parse_expectations([], "f.yml", "quality") == []
+    assert [expectations.is_row_level(e) for e in exps] == [True, False]
+    assert expectations.parse_expectations([], "f.yml", "quality") == []
 
 
 def test_is_row_level_classifies_aggregates_and_maps():
@@ -80,7 +82,7 @@ def test_is_row_level_classifies_aggregates_and_maps():
             },
         ]
     )
-    assert [quality.is_row_level(e) for e in exps] == [True, True, False, False, True]
+    assert [expectations.is_row_level(e) for e in exps] == [True, True, False, False, True]
 
 
 def test_parse_unknown_name_suggests_closest():
@@ -253,7 +255,7 @@ def test_gate_renders_data_docs(flights, tmp_path: Path):
     index = docs / "gx" / "uncommitted" / "data_docs" / "local_site" / "index.html"
     assert not index.exists()
     second = quality.gate(flights, exps, str(docs), "flights-run-13-warehouse")
-    path, count = quality.build_docs_index(str(docs))
+    path, count = gx_docs.build_docs_index(str(docs))
     assert Path(path) == index.resolve() and count == 2
     listed = index.read_text()
     assert "flights-run-12-warehouse" in listed and "flights-run-13-warehouse" in listed
@@ -267,14 +269,14 @@ def test_gate_renders_data_docs(flights, tmp_path: Path):
 
 
 def test_columns_read_names_what_the_expectations_read():
-    exps = quality.parse_expectations([
+    exps = expectations.parse_expectations([
         {"expect_column_values_to_be_in_set": {"column": "origin", "value_set": ORIGINS}},
         {"expect_column_mean_to_be_between": {"column": "distance", "min_value": 1}},
         {"expect_column_pair_values_a_to_be_greater_than_b": {"column_A": "arr", "column_B": "dep"}},
         {"expect_compound_columns_to_be_unique": {"column_list": ["carrier", "flight"]}},
         {"expect_table_row_count_to_be_between": {"min_value": 1}},
     ], "w", "f")
-    assert quality.columns_read(exps) == {"origin", "distance", "arr", "dep", "carrier", "flight"}
+    assert expectations.columns_read(exps) == {"origin", "distance", "arr", "dep", "carrier", "flight"}
 
 
 @pytest.mark.parametrize("item", [
@@ -286,10 +288,10 @@ def test_columns_read_names_what_the_expectations_read():
                                              "condition_parser": "spark"}},
 ])
 def test_columns_read_is_everything_for_table_checks_and_row_conditions(item):
-    exps = quality.parse_expectations([
+    exps = expectations.parse_expectations([
         {"expect_column_values_to_be_in_set": {"column": "origin", "value_set": ORIGINS}}, item],
         "w", "f")
-    assert quality.columns_read(exps) is None
+    assert expectations.columns_read(exps) is None
 
 
 def test_the_gate_reads_only_the_columns_its_expectations_need(local_spark, flights):

@@ -16,14 +16,14 @@ from tests.invariants import assert_exactly_once
 from tests.proc import JobProcess
 from tidemark.core.errors import Fenced
 from tidemark.engine.writer import rollback_earlier_attempts
-from tidemark.ledger import state
+from tidemark.ledger import markers, state
 from tidemark.ledger.state import Range
 from tidemark.protocol import twopc
 
 
 def _prepare(dsn: str, gid: str) -> None:
     with psycopg.connect(dsn) as c:
-        twopc.ensure_markers(c)
+        markers.ensure(c)
         c.commit()
         c.execute("INSERT INTO tidemark.commits (gid, run_id) VALUES (%s, 7)", (gid,))
         c.execute(psycopg.sql.SQL("PREPARE TRANSACTION {}").format(psycopg.sql.Literal(gid)))

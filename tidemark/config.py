@@ -18,6 +18,13 @@ from tidemark.core.errors import ConfigError
 IDENT = r"^[a-z_][a-z0-9_]{0,39}$"
 TABLE = r"^([a-z_][a-z0-9_]*\.)?[a-z_][a-z0-9_]*$"
 META_PREFIX = "_tm_"
+MAINTENANCE_DAG = "tidemark_maintenance"
+
+
+def dag_id(pipeline: str, kind: str | None = None) -> str:
+    """The Airflow DAG of a pipeline (``kind``: backfill, redrive); its permissions guard the
+    pipeline's dead letters too."""
+    return f"tidemark_{pipeline}" + (f"_{kind}" if kind else "")
 
 # Spark type -> PostgreSQL type for sink columns. The same names are accepted in decode schemas.
 PG_TYPES = {
@@ -241,7 +248,7 @@ class Pipeline(_Model):
                                                for i, s in enumerate(self.sinks)]
         if all(q.empty for _, q in scopes):
             return
-        from tidemark.quality import checks as gx
+        from tidemark.quality import expectations as gx
 
         for prefix, q in scopes:
             for i, exp in enumerate(gx.parse_expectations(q.rows, where, f"{prefix}.rows")):
@@ -253,6 +260,16 @@ class Pipeline(_Model):
 
     def has_quality(self) -> bool:
         return not (self.quality.empty and all(s.quality.empty for s in self.sinks))
+
+    def sink_dsn(self, sink: Sink) -> str:
+        """The DSN of ``sink``'s database: its ``dsn`` (environment expanded) or its Airflow
+        connection; the one way every layer finds a sink."""
+        return sink.resolve(f"pipeline {self.name}: sink {sink.name}")
+
+    def source_dsn(self) -> str:
+        """The DSN of a ``postgres_log`` source's database."""
+        assert isinstance(self.source, PostgresLogSource)
+        return self.source.resolve(f"pipeline {self.name}: source")
 
     def output_columns(self) -> list[str] | None:
         """Columns the transform produces, when knowable without running it."""

@@ -44,6 +44,7 @@ from urllib.parse import quote, urlsplit
 from airflow.sdk import BaseHook, BaseNotifier
 
 from tidemark.core import dsn as dsnmod
+from tidemark.core.text import clamp
 
 DLQ_PATH = "/tidemark/dlq/"  # served by the DLQ UI plugin under the API server's base URL
 ERROR_MAX_CHARS = 300
@@ -100,15 +101,11 @@ def error_line(error: object) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     job = [ln for ln in lines if ln.startswith("tidemark: ")]
     if job:
-        return _clamp(job[-1].removeprefix("tidemark: "))
+        return clamp(job[-1].removeprefix("tidemark: "), ERROR_MAX_CHARS)
     first = lines[0] if lines else ""
     if isinstance(error, BaseException):
         first = f"{type(error).__name__}: {first}" if first else type(error).__name__
-    return _clamp(first or "(no message)")
-
-
-def _clamp(line: str) -> str:
-    return line if len(line) <= ERROR_MAX_CHARS else line[: ERROR_MAX_CHARS - 1] + "…"
+    return clamp(first or "(no message)", ERROR_MAX_CHARS)
 
 
 def _redact(text: str) -> str:

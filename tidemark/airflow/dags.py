@@ -30,13 +30,14 @@ from airflow.sdk import DAG, Param
 from tidemark import config
 from tidemark.airflow import POOL
 from tidemark.airflow import tasks as airflow_tasks
+from tidemark.core.text import clamp
 
 # The spark-submit application, found in the installed package (not imported: it is the job).
 JOB = Path(importlib.util.find_spec("tidemark.cli.spark_job").origin)
 START = datetime(2026, 1, 1, tzinfo=UTC)
-# tidemark.runs.external_id: JSON naming the DAG run and task try (airflow_tasks.parse_external_id)
-EXTERNAL_ID = ('{{ {"dag_id": ti.dag_id, "run_id": run_id, "task_id": ti.task_id, '
-               '"try": ti.try_number} | tojson }}')
+# The task try starting a run (tidemark.ledger.state.AirflowRun), stored as run columns.
+AIRFLOW_RUN = ('{{ {"dag_id": ti.dag_id, "run_id": run_id, "task_id": ti.task_id, '
+               '"try_number": ti.try_number} | tojson }}')
 MAINTENANCE_SCHEDULE = "*/5 * * * *"
 
 
@@ -109,7 +110,7 @@ def _spark(p: config.Pipeline, path: Path, args: list[str]) -> SparkSubmitOperat
         conn_id="spark_default",
         name=f"tidemark-{p.name}",
         application_args=["--pipelines-dir", str(path.parent), *args,
-                          "--external-id", EXTERNAL_ID],
+                          "--airflow-run", AIRFLOW_RUN],
         driver_memory=p.airflow.driver_memory,
         pool=POOL,
     )
@@ -128,7 +129,7 @@ def _report(p: config.Pipeline) -> PythonOperator:
 
 def replay_dag(p: config.Pipeline, path: Path) -> DAG:
     with DAG(
-        dag_id=f"tidemark_{p.name}",
+        dag_id=config.dag_id(p.name),
         description=(p.description or f"Replay {p.name}")[:200],
         doc_md=_doc(p, path, "scheduled replay"),
         schedule=p.schedule,
@@ -145,7 +146,7 @@ def replay_dag(p: config.Pipeline, path: Path) -> DAG:
 def _triggered(p: config.Pipeline, kind: str, description: str, doc: str, params: dict,
                **extra) -> DAG:
     """A DAG ``tidemark_<name>_<kind>`` that runs only when triggered, with a params form."""
-    return DAG(dag_id=f"tidemark_{p.name}_{kind}", description=description[:200], doc_md=doc,
+    return DAG(dag_id=config.dag_id(p.name, kind), description=clamp(description, 200), doc_md=doc,
                schedule=None, start_date=START, catchup=False, max_active_runs=1,
                tags=["tidemark", kind, *p.tags], params=params, default_args=_default_args(p),
                **extra)
@@ -170,15 +171,19 @@ def backfill_dag(p: config.Pipeline, path: Path) -> DAG:
                         "the offset range [from, to) and the sinks. Re-delivery is idempotent "
                         "and never moves checkpoints; a newer version of a key is never "
                         "overwritten."), params) as dag:
-        check = PythonOperator(
-            task_id="check", python_callable=airflow_tasks.check_backfill, retries=0,
-            op_kwargs={"pipeline_file": str(path)})
-        replay = _spark(p, path, [
+        _checked_replay(p, path, "check", airflow_tasks.check_backfill, [
             "backfill", p.name, "--partition", "{{ params.partition }}",
             "--from", "{{ params.from_offset }}", "--to", "{{ params.to_offset }}",
             "--sink", "{{ params.sinks | join(',') }}"])
-        _recover(p, path) >> check >> replay >> _report(p)
     return dag
+
+
+def _checked_replay(p: config.Pipeline, path: Path, task_id: str, check, args: list[str]):
+    """recover -> a check of the trigger's params (no retries: bad input stays bad) ->
+    replay -> report."""
+    first = PythonOperator(task_id=task_id, python_callable=check, retries=0,
+                           op_kwargs={"pipeline_file": str(path)})
+    _recover(p, path) >> first >> _spark(p, path, args) >> _report(p)
 
 
 def redrive_dag(p: config.Pipeline, path: Path) -> DAG:
@@ -206,21 +211,17 @@ def redrive_dag(p: config.Pipeline, path: Path) -> DAG:
                         "reason. Batch-level expectations do not apply to a redrive. The Dead "
                         "letters page triggers this DAG."), params,
                     is_paused_upon_creation=False) as dag:
-        select = PythonOperator(
-            task_id="select", python_callable=airflow_tasks.select_redrive, retries=0,
-            op_kwargs={"pipeline_file": str(path)})
         by = "{{ dag_run.triggering_user_name or params.requested_by or 'airflow' }}"
-        replay = _spark(p, path, [
+        _checked_replay(p, path, "select", airflow_tasks.select_redrive, [
             "dlq", "redrive", p.name, "{{ ti.xcom_pull(task_ids='select') | join(',') }}",
             "--by", by])
-        _recover(p, path) >> select >> replay >> _report(p)
     return dag
 
 
 def maintenance_dag(pipelines_dir: str | Path) -> DAG:
     folder = Path(pipelines_dir)
     with DAG(
-        dag_id="tidemark_maintenance",
+        dag_id=config.MAINTENANCE_DAG,
         description="Recovery sweep; alerts on old prepared transactions, leases, DLQ growth",
         doc_md=("### Tidemark maintenance\n\nEvery few minutes: settles in-doubt runs and rolls "
                 "back orphan prepared transactions (`tidemark recover`), then alerts through "

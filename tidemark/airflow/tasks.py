@@ -6,37 +6,23 @@ from the CLI. Errors a person must act on are raised as one line.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from psycopg.rows import dict_row
 
 from tidemark import config
 from tidemark.core.db import connect
 from tidemark.core.errors import BadInput, TidemarkError
 from tidemark.core.settings import get_settings
+from tidemark.ledger import checkpoints, dlq, runs
 from tidemark.protocol import gids
 
 
-def parse_external_id(value: str | None) -> dict | None:
-    """The Airflow DAG run and task try a ledger run came from (dags.EXTERNAL_ID), if any."""
-    try:
-        data = json.loads(value or "")
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) and "dag_id" in data else None
-
-
 def _ledger() -> str:
-    dsn = get_settings().ledger_dsn
-    if not dsn:
-        raise TidemarkError("TIDEMARK_LEDGER_DSN is not set in Airflow's environment")
-    return dsn
+    return get_settings().ledger("Airflow's workers")
 
 
 def recover(pipelines_dir: str, pipeline: str | None = None) -> str:
-    """Recovery sweep over every pipeline of the folder (DESIGN.md: before every run).
+    """Recovery sweep over every pipeline of the folder (docs/design.md: before every run).
 
     Broken pipeline files are printed, not raised: they show as DAG import errors and in the
     maintenance check. For one ``pipeline``'s DAG only its own problems fail the task.
@@ -73,10 +59,9 @@ def check_backfill(pipeline_file: str, params: dict) -> dict:
         raise BadInput(f"{where}: sinks must be some of {', '.join(known)}; got "
                        f"{', '.join(unknown) or 'none'}")
     with connect(_ledger(), autocommit=True, what="ledger") as c:
-        behind = c.execute(
-            """SELECT sink, next_offset FROM tidemark.checkpoints WHERE pipeline = %s
-               AND partition = %s AND sink = ANY(%s) AND next_offset < %s""",
-            (p.name, partition, sinks, to_offset)).fetchall()
+        at = checkpoints.positions(c, p.name, sinks)
+    behind = [(s, at[s][partition]) for s in sinks
+              if partition in at.get(s, {}) and at[s][partition] < to_offset]
     if behind:
         lines = ", ".join(f"{s} at {o}" for s, o in behind)
         raise BadInput(f"{where}: partition {partition} is committed only up to {lines}; "
@@ -109,25 +94,13 @@ def select_redrive(pipeline_file: str, params: dict) -> list[int]:
 def _ledger_run(pipeline: str, dag_id: str, run_id: str) -> tuple[dict | None, list[dict]]:
     """The latest ledger run a task of this DAG run started, and its sinks."""
     with connect(_ledger(), autocommit=True, what="ledger") as c:
-        cur = c.cursor(row_factory=dict_row)
-        runs = cur.execute(
-            """SELECT run_id, mode, external_id FROM tidemark.runs WHERE pipeline = %s
-               AND external_id IS NOT NULL ORDER BY run_id DESC LIMIT 50""",
-            (pipeline,)).fetchall()
-        mine = [r for r in runs if (ext := parse_external_id(r["external_id"]))
-                and (ext["dag_id"], ext.get("run_id")) == (dag_id, run_id)]
-        if not mine:
-            return None, []
-        sinks = cur.execute(
-            """SELECT sink, state::text AS state, counts, error FROM tidemark.run_sinks
-               WHERE run_id = %s ORDER BY sink""", (mine[0]["run_id"],)).fetchall()
-    return mine[0], sinks
+        return runs.of_dag_run(c, pipeline, dag_id, run_id)
 
 
 def failure(pipeline: str, dag_id: str, run_id: str) -> str | None:
     """Why this DAG run's replay failed, in one line, from the ledger (None if it has no run)."""
     run, sinks = _ledger_run(pipeline, dag_id, run_id)
-    bad = [s for s in sinks if s["state"] not in ("committed", "committing")]
+    bad = [s for s in sinks if s["state"] not in runs.DECIDED]
     if run is None or not bad:
         return None
     return f"run {run['run_id']}: " + "; ".join(f"sink {s['sink']} {s['state']}: {s['error']}"
@@ -178,31 +151,24 @@ def check_health(pipelines: dict[str, config.Pipeline]) -> Health:
     for p in pipelines.values():
         for s in p.sinks:
             try:
-                dsns.setdefault(s.resolve(f"pipeline {p.name}: sink {s.name}"), s.name)
+                dsns.setdefault(p.sink_dsn(s), s.name)
             except TidemarkError as exc:
                 health.problems.append(Problem(p.name, str(exc)))
     with connect(ledger, autocommit=True, what="ledger") as c:
-        run_pipeline = dict(c.execute("SELECT run_id, pipeline FROM tidemark.runs WHERE "
-                                      "finished_at IS NULL OR finished_at > now() - "
-                                      "interval '1 day'").fetchall())
+        run_pipeline = runs.recent_pipelines(c)
         for name, p in pipelines.items():
             age = p.alerts.prepared_max_age_minutes
-            for sink, run_id, minutes in c.execute(
-                    """SELECT l.sink, l.run_id, extract(epoch FROM now() - r.created_at) / 60
-                       FROM tidemark.leases l JOIN tidemark.runs r USING (run_id)
-                       WHERE l.pipeline = %s AND l.run_id IS NOT NULL
-                       AND r.created_at < now() - make_interval(mins => %s)""",
-                    (name, age)).fetchall():
+            for sink, run_id, minutes in runs.long_leases(c, name, age):
                 health.problems.append(Problem(name, f"sink {sink}: lease held by run {run_id} "
                                                      f"for {minutes:.0f} min (> {age})"))
-            count = c.execute("""SELECT count(*) FROM tidemark.dlq WHERE pipeline = %s
-                                 AND status = 'quarantined'""", (name,)).fetchone()[0]
+            count = dlq.quarantined(c, name)
             if count > p.alerts.dlq_max:
                 health.problems.append(Problem(name, f"{count:,} records quarantined in the "
                                                      f"DLQ (> {p.alerts.dlq_max:,})"))
     for dsn, label in dsns.items():
         try:
             with connect(dsn, autocommit=True, what=label) as c:
+                # Every database of the server: an orphan where no sink points any more too.
                 rows = c.execute("""SELECT gid, extract(epoch FROM now() - prepared) / 60
                                     FROM pg_prepared_xacts WHERE gid LIKE %s""",
                                  (f"{prefix}:%",)).fetchall()

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import click
 
-from tidemark.cli.main import Ctx, _run, cli, pass_ctx
+from tidemark.cli.main import Ctx, _run, airflow_run_option, cli, pass_ctx
 from tidemark.core.db import connect
 from tidemark.core.errors import BadInput, NotFound
 from tidemark.ledger import dlq as dlq_mod
+from tidemark.ledger.state import AirflowRun
 
 
 @cli.group("dlq")
@@ -227,12 +228,13 @@ def dlq_counts(ctx: Ctx, as_json: bool) -> None:
 @click.option("--all", "everything", is_flag=True,
               help="Every quarantined record of PIPELINE (narrowed by --class/--sink).")
 @click.option("--by", help="Who asks (recorded on the dead letters; default: user@host).")
-@click.option("--external-id", help="Caller's id for this run (e.g. an Airflow run id).")
+@click.option("--external-id", help="Caller's own id for this run.")
+@airflow_run_option
 @click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
 @pass_ctx
 def dlq_redrive(ctx: Ctx, pipeline: str, ids: tuple[str, ...], error_class: str | None,
                 sink: str | None, everything: bool, by: str | None, external_id: str | None,
-                as_json: bool) -> None:
+                airflow: AirflowRun | None, as_json: bool) -> None:
     """Replay quarantined records (IDS, e.g. 4 7 9 or 4,7,9) through the current pipeline
     code into the sinks, exactly once. Records that pass are written and marked redriven in
     the same two-phase commit; records that fail again stay quarantined with attempts + 1."""
@@ -248,4 +250,4 @@ def dlq_redrive(ctx: Ctx, pipeline: str, ids: tuple[str, ...], error_class: str 
             click.echo(f"{pipeline}: no quarantined records match; nothing to redrive")
             return
     _run(ctx, pipeline, as_json, runner=redrive.Redrive, ids=chosen,
-         by=by or dlq_mod.default_by(), external_id=external_id)
+         by=by or dlq_mod.default_by(), external_id=external_id, airflow=airflow)

@@ -10,12 +10,15 @@ from pathlib import Path
 import click
 import psycopg
 from dotenv import load_dotenv
+from pydantic import ValidationError
 
 from tidemark import config as cfg
 from tidemark.core.db import connect, one_line
 from tidemark.core.dsn import mask
 from tidemark.core.errors import BadInput, ConfigError, TidemarkError
 from tidemark.core.settings import Settings, get_settings
+from tidemark.core.text import clamp
+from tidemark.ledger.state import AirflowRun
 
 ENV_FILE = Path(".tidemark/env")
 
@@ -26,10 +29,7 @@ class Ctx:
 
     @property
     def ledger_dsn(self) -> str:
-        if not self.settings.ledger_dsn:
-            raise TidemarkError("no ledger: set TIDEMARK_LEDGER_DSN (or run `make up`, which "
-                                "writes .tidemark/env)")
-        return self.settings.ledger_dsn
+        return self.settings.ledger()
 
     @property
     def folder(self) -> Path:
@@ -43,6 +43,23 @@ class Ctx:
 
 
 pass_ctx = click.make_pass_decorator(Ctx)
+
+
+def _airflow_run(ctx: click.Context, param: click.Parameter, value: str | None):
+    if value is None:
+        return None
+    try:
+        return AirflowRun.model_validate_json(value)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(map(str, err["loc"])) or "value"
+        raise click.BadParameter(f"{where}: {err['msg']}") from None
+
+
+airflow_run_option = click.option(
+    "--airflow-run", "airflow", callback=_airflow_run, metavar="JSON",
+    help='The Airflow task try starting this run, as the DAGs pass it: {"dag_id": ..., '
+         '"run_id": ..., "task_id": ..., "try_number": ...}.')
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -138,13 +155,15 @@ def _run(ctx: Ctx, name: str, as_json: bool, runner=None, **kw) -> None:
 @cli.command("run")
 @click.argument("pipeline")
 @click.option("--sink", "sinks", multiple=True, help="Only these sinks (default: all).")
-@click.option("--external-id", help="Caller's id for this run (e.g. an Airflow run id).")
+@click.option("--external-id", help="Caller's own id for this run.")
+@airflow_run_option
 @click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
 @pass_ctx
 def run_cmd(ctx: Ctx, pipeline: str, sinks: tuple[str, ...], external_id: str | None,
-            as_json: bool) -> None:
+            airflow: AirflowRun | None, as_json: bool) -> None:
     """Replay the next range of PIPELINE into its sinks, exactly once."""
-    _run(ctx, pipeline, as_json, sink_names=_names(sinks), external_id=external_id)
+    _run(ctx, pipeline, as_json, sink_names=_names(sinks), external_id=external_id,
+         airflow=airflow)
 
 
 @cli.command("backfill")
@@ -155,18 +174,20 @@ def run_cmd(ctx: Ctx, pipeline: str, sinks: tuple[str, ...], external_id: str | 
 @click.option("--to", "end", type=click.IntRange(min=0), required=True,
               help="End offset (exclusive).")
 @click.option("--sink", "sinks", multiple=True, help="Only these sinks (default: all).")
-@click.option("--external-id", help="Caller's id for this run (e.g. an Airflow run id).")
+@click.option("--external-id", help="Caller's own id for this run.")
+@airflow_run_option
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
 def backfill_cmd(ctx: Ctx, pipeline: str, partition: int, start: int, end: int,
-                 sinks: tuple[str, ...], external_id: str | None, as_json: bool) -> None:
+                 sinks: tuple[str, ...], external_id: str | None, airflow: AirflowRun | None,
+                 as_json: bool) -> None:
     """Re-deliver the committed range [FROM, TO) of one partition."""
     from tidemark.driver.run import Backfill
 
     if end <= start:
         raise click.BadParameter(f"--to ({end}) must be greater than --from ({start})")
     _run(ctx, pipeline, as_json, mode="backfill", backfill=Backfill(partition, start, end),
-         sink_names=_names(sinks), external_id=external_id)
+         sink_names=_names(sinks), external_id=external_id, airflow=airflow)
 
 
 @cli.command("recover")
@@ -226,7 +247,7 @@ def dq_show(ctx: Ctx, run_id: int, as_json: bool) -> None:
 @pass_ctx
 def dq_docs(ctx: Ctx) -> None:
     """Rebuild the Data Docs index page, listing every validated run (runs write only their own page)."""
-    from tidemark.quality.checks import build_docs_index
+    from tidemark.quality.docs import build_docs_index
 
     folder = ctx.settings.data_docs_dir
     if not folder.is_dir():
@@ -293,7 +314,7 @@ _PORT = click.option("--port", envvar="TIDEMARK_AIRFLOW_PORT", default=8080, sho
 
 
 @airflow_group.command("up")
-@click.option("--unpause", multiple=True, default=["tidemark_flights", "tidemark_maintenance"],
+@click.option("--unpause", multiple=True, default=[cfg.dag_id("flights"), cfg.MAINTENANCE_DAG],
               show_default=True, help="DAGs to unpause once Airflow has parsed them.")
 @_PORT
 @pass_ctx
@@ -328,7 +349,7 @@ def airflow_down(ctx: Ctx, port: int) -> None:
 @click.option("--keep-dir", is_flag=True, help="Keep the scratch cluster, logs and pipeline.")
 def chaos_cmd(seed: int | None, steps: int, fault_every: int, keep_dir: bool) -> None:
     """Drive a scratch pipeline through a seeded random sequence of operations and faults,
-    checking DESIGN.md's invariants after every step (exit 1 on the first problem)."""
+    checking docs/design.md's invariants after every step (exit 1 on the first problem)."""
     from tidemark.devstack.chaos.runner import main as chaos_main
 
     chaos_main(seed, steps, keep_dir, fault_every)
@@ -356,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # noqa: BLE001 - never a bare traceback to a user
         if os.environ.get("TIDEMARK_DEBUG"):
             raise
-        click.echo(f"tidemark: internal error: {type(exc).__name__}: {mask(str(exc))[:500]} "
+        click.echo(f"tidemark: internal error: {type(exc).__name__}: {clamp(mask(str(exc)), 500)} "
                    f"(set TIDEMARK_DEBUG=1 for the traceback)", err=True)
         sys.exit(70)
     sys.exit(0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 POINTS = (
     "after_claim",          # run planned, lease taken
@@ -23,6 +24,23 @@ POINTS = (
     "after_finish",         # all chosen gids committed, checkpoints not yet advanced
     "after_advance",
 )
+
+
+def armed(env: dict[str, str], pause_dir: Path | None = None, pause_at: str | None = None,
+          crash_at: str | None = None) -> dict[str, str]:
+    """``env`` for a job process that pauses at ``pause_at`` (the FIFOs are made in
+    ``pause_dir``) or crashes at ``crash_at``: the other half of :func:`point`."""
+    env = dict(env)
+    if pause_at:
+        assert pause_at in POINTS, pause_at
+        pause_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("reached", "resume"):
+            os.mkfifo(pause_dir / name)
+        env.update(TIDEMARK_PAUSE_AT=pause_at, TIDEMARK_PAUSE_DIR=str(pause_dir))
+    if crash_at:
+        assert crash_at in POINTS, crash_at
+        env["TIDEMARK_CRASH_AT"] = crash_at
+    return env
 
 
 JOB_PGID = "TIDEMARK_JOB_PGID"

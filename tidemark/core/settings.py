@@ -8,6 +8,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tidemark.core.errors import TidemarkError
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TIDEMARK_", extra="ignore")
@@ -24,6 +26,15 @@ class Settings(BaseSettings):
                                 description="where Great Expectations Data Docs are rendered")
     prepared_alert_seconds: int = Field(900, ge=1,
                                         description="age at which a prepared transaction alerts")
+
+    def ledger(self, where: str = "") -> str:
+        """The ledger's DSN, or one line saying it is not configured (``where``: whose
+        environment lacks it, e.g. "Airflow's API server")."""
+        if not self.ledger_dsn:
+            hint = (f" in the environment of {where}" if where
+                    else " (or run `make up`, which writes .tidemark/env)")
+            raise TidemarkError(f"no ledger: set TIDEMARK_LEDGER_DSN{hint}")
+        return self.ledger_dsn
 
 
 @lru_cache(maxsize=1)

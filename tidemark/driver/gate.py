@@ -1,6 +1,6 @@
 """The data-quality gate of a run (driver side), with Great Expectations.
 
-Runs before anything is written (DESIGN.md: the gate precedes step 2), on the transformed
+Runs before anything is written (docs/design.md: the gate precedes step 2), on the transformed
 batch, cached once so that every expectation reads the same cached rows:
 
 1. pipeline ``quality.rows``: each failing row is quarantined (class ``validation``) for every
@@ -10,7 +10,7 @@ batch, cached once so that every expectation reads the same cached rows:
    sink, that sink's own range (class ``dq_gate``) and lets the checkpoints advance;
 3. the same per sink, on what that sink would receive, for its stricter ``quality``.
 
-The verdicts bind only the sinks of the run, each for its own range (DESIGN.md, "Which sinks
+The verdicts bind only the sinks of the run, each for its own range (docs/design.md, "Which sinks
 a verdict applies to"); the writer applies them per sink. A re-delivery never quarantines a
 whole batch: its caller passes ``policy="halt"``.
 
@@ -32,7 +32,9 @@ from pyspark.sql import functions as F
 from tidemark.config import META_PREFIX, Pipeline, Quality
 from tidemark.engine.records import ERR_CLASS
 from tidemark.ledger.state import Range
+from tidemark.ledger.status import save_dq_result
 from tidemark.quality import checks as quality
+from tidemark.quality import expectations
 
 PARTITION, OFFSET = quality.PARTITION_COL, quality.OFFSET_COL
 PIPELINE = ""  # the scope of pipeline-level checks
@@ -83,10 +85,10 @@ def _check(df: DataFrame, q: Quality, label: str, docs_dir: str
            ) -> tuple[Failures, quality.GateOutcome]:
     failures: Failures = {}
     if q.rows:
-        rows = quality.parse_expectations(q.rows, label, "quality.rows")
+        rows = expectations.parse_expectations(q.rows, label, "quality.rows")
         for (p, o), reason in quality.row_failures(df, rows).items():
             failures.setdefault(p, {})[o] = reason
-    batch = quality.parse_expectations(q.batch, label, "quality.batch")
+    batch = expectations.parse_expectations(q.batch, label, "quality.batch")
     outcome = quality.gate(_without(df, failures), batch, docs_dir, label)
     return failures, outcome
 
@@ -103,7 +105,7 @@ def _for_gx(df: DataFrame, checks: list[Quality], where: str) -> DataFrame:
     used: set[str] | None = set()
     for q in checks:
         for items, part in ((q.rows, "quality.rows"), (q.batch, "quality.batch")):
-            more = quality.columns_read(quality.parse_expectations(items, where, part))
+            more = expectations.columns_read(expectations.parse_expectations(items, where, part))
             used = None if more is None or used is None else used | more
     # A column the batch lacks: keep them all, so that GX itself reports it.
     keep = outputs if used is None or not used <= set(outputs) else \
@@ -182,14 +184,6 @@ def _evaluate(pipeline: Pipeline, good: DataFrame, run_id: int,
 
 def _store(ledger: psycopg.Connection, run_id: int, scope: str, failures: Failures,
            outcome: quality.GateOutcome) -> None:
-    with ledger.transaction():
-        ledger.execute(
-            """INSERT INTO tidemark.dq_results (run_id, scope, success, rows_failed, results,
-                                                raw, docs_path)
-               VALUES (%s, %s, %s, %s, %s, %s, %s)
-               ON CONFLICT (run_id, scope) DO UPDATE SET success = EXCLUDED.success,
-                   rows_failed = EXCLUDED.rows_failed, results = EXCLUDED.results,
-                   raw = EXCLUDED.raw, docs_path = EXCLUDED.docs_path""",
-            (run_id, scope, outcome.success, sum(len(v) for v in failures.values()),
-             json.dumps(outcome.results, default=str), json.dumps(outcome.raw, default=str),
-             outcome.docs_path))
+    save_dq_result(ledger, run_id, scope, outcome.success,
+                   sum(len(v) for v in failures.values()), outcome.results, outcome.raw,
+                   outcome.docs_path)

@@ -1,6 +1,6 @@
 """Redrive: replay quarantined records' stored bytes through the current pipeline code.
 
-A redrive is a re-delivery (DESIGN.md, "Re-delivery") and a mode of the one protocol
+A redrive is a re-delivery (docs/design.md, "Re-delivery") and a mode of the one protocol
 (tidemark/driver/run.py): its records come from the dead letters instead of the log. Each letter
 names the sink it applies to, so each letter goes back to its own sink only. The records go
 through the current decode, transform and row-level expectations (batch-level ones judge
@@ -23,15 +23,15 @@ from tidemark.core.db import connect
 from tidemark.core.errors import BadInput, TidemarkError
 from tidemark.driver.modes import Mode, NothingToClose
 from tidemark.driver.run import Run, RunReport
-from tidemark.ledger.state import Range
+from tidemark.ledger import dlq
+from tidemark.ledger.checkpoints import positions
+from tidemark.ledger.state import Range, RunState
 
 
 def select(conn: psycopg.Connection, pipeline: str, ids: list[int] | None = None,
            error_class: str | None = None, sink: str | None = None) -> list[int]:
     """Ids of the quarantined dead letters of ``pipeline`` to redrive: the given ids, or all
     of an error class and/or sink."""
-    from tidemark.ledger import dlq
-
     f = dlq.Filters.parse(pipeline=pipeline, ids=ids, error_class=error_class, sink=sink,
                           status="quarantined")
     return dlq.matching_ids(conn, f)
@@ -53,15 +53,8 @@ class RedriveMode(Mode):
 
         def plan(free: dict[str, dict[int, int]]) -> dict[str, list[Range]]:
             with connect(self.ledger_dsn, autocommit=True, what="ledger") as conn:
-                rows = conn.execute(
-                    """SELECT id, sink, source_partition, source_offset, status::text, pipeline
-                       FROM tidemark.dlq WHERE id = ANY(%s) ORDER BY id""",
-                    (self.ids,)).fetchall()
-                checkpoints: dict[str, dict[int, int]] = {}
-                for s, part, nxt in conn.execute(
-                        "SELECT sink, partition, next_offset FROM tidemark.checkpoints "
-                        "WHERE pipeline = %s", (pipeline.name,)):
-                    checkpoints.setdefault(s, {})[part] = nxt
+                rows = dlq.placement(conn, self.ids)
+                checkpoints = positions(conn, pipeline.name)
             for i in sorted(set(self.ids) - {r[0] for r in rows}):
                 self.unplaced[i] = "no such dead letter"
             offsets: dict[str, dict[int, list[int]]] = {}
@@ -89,12 +82,7 @@ class RedriveMode(Mode):
     def source(self, spark, pipeline: Pipeline, read: list[Range]):
         """Each record once (several sinks' letters may hold it), from the stored bytes."""
         with connect(self.ledger_dsn, autocommit=True, what="ledger") as conn:
-            rows = conn.execute(
-                """SELECT DISTINCT ON (source_partition, source_offset) source_partition,
-                          source_offset, key, payload, headers::text, NULL::timestamptz
-                   FROM tidemark.dlq WHERE id = ANY(%s)
-                   ORDER BY source_partition, source_offset, id""",
-                ([i for ids in self.by_sink.values() for i in ids],)).fetchall()
+            rows = dlq.records(conn, [i for ids in self.by_sink.values() for i in ids])
         cols = list(zip(*rows, strict=True)) if rows else [[]] * 6
         table = pa.Table.from_arrays([pa.array(list(c), f.type)
                                       for c, f in zip(cols, sources.SCHEMA, strict=True)],
@@ -135,7 +123,7 @@ class Redrive(Run):
         for i, why in sorted(self.redrive.unplaced.items()):
             self.log(f"dead letter {i} not redriven: {why}")
         done = [r for t in self.results for s, r in t.sinks.items()
-                if report.sinks[s].state == "committed"]
+                if report.sinks[s].state == RunState.COMMITTED]
         report.redrive = {
             "redriven": sum(len(r.redriven) for r in done),
             "failed_again": sorted(i for r in done for i in r.failed_again),

@@ -1,4 +1,4 @@
-"""The driver of one run: the commit protocol of DESIGN.md, end to end, for every mode
+"""The driver of one run: the commit protocol of docs/design.md, end to end, for every mode
 (tidemark/driver/modes.py: deliver, backfill; tidemark/driver/redrive.py: redrive).
 
 claim (lease, epoch, ranges) -> read + decode + transform + write/PREPARE in Spark tasks
@@ -32,9 +32,9 @@ from tidemark.core.settings import Settings
 from tidemark.driver import gate
 from tidemark.driver.modes import Backfill, Delivery, Mode
 from tidemark.engine import records
-from tidemark.ledger import state
+from tidemark.ledger import runs, state
 from tidemark.ledger.migrations import require_current
-from tidemark.ledger.state import Claim, Participant, Range, RunState
+from tidemark.ledger.state import AirflowRun, Claim, Participant, Range, RunState
 from tidemark.protocol import gids, recovery, sinks, twopc
 from tidemark.protocol.taskspec import SinkTarget, TaskResult, TaskSpec
 
@@ -71,7 +71,7 @@ class RunReport:
 
     @property
     def ok(self) -> bool:
-        return all(s.state == "committed" for s in self.sinks.values())
+        return all(s.state == RunState.COMMITTED for s in self.sinks.values())
 
     def to_dict(self) -> dict:
         return {"run_id": self.run_id, "pipeline": self.pipeline, "mode": self.mode,
@@ -134,7 +134,8 @@ class Run:
     def __init__(self, pipeline: Pipeline, settings: Settings, *, ledger_dsn: str,
                  all_pipelines: dict[str, Pipeline] | None = None, mode: str | Mode = "run",
                  backfill: Backfill | None = None, sink_names: list[str] | None = None,
-                 external_id: str | None = None, log: Log = stderr_log, spark=None,
+                 external_id: str | None = None, airflow: AirflowRun | None = None,
+                 log: Log = stderr_log, spark=None,
                  by: str | None = None):
         self.p = pipeline
         self.s = settings
@@ -145,6 +146,7 @@ class Run:
             raise TidemarkError("a backfill needs its range")
         self.sink_names = sink_names
         self.external_id = external_id
+        self.airflow = airflow
         self.log = log
         self.spark = spark
         self.by = by
@@ -186,7 +188,7 @@ class Run:
                     self.ledger, pipeline=self.p.name, config=self.p.model_dump(mode="json"),
                     sinks=list(by_name), mode=self.mode.name, owner=self.owner,
                     delivery=self.p.delivery, ttl_seconds=self.s.lease_ttl_seconds, plan=plan,
-                    external_id=self.external_id)
+                    external_id=self.external_id, airflow=self.airflow)
             finally:
                 closing.close()
             if claim is None:
@@ -224,7 +226,7 @@ class Run:
                  f"(epochs {', '.join(str(c.epoch) for c in claim.sinks.values())}); "
                  f"reading {total:,} records from {len(read)} partition(s)")
         for sink in claim.sinks:
-            report.sinks[sink] = SinkOutcome(sink, "planned")
+            report.sinks[sink] = SinkOutcome(sink, RunState.PLANNED)
         faults.point("after_claim")
         heart = _Heartbeat(self.ledger_dsn, self.p.name, run_id, self.s.lease_ttl_seconds)
         heart.start()
@@ -265,7 +267,7 @@ class Run:
                      f"(`tidemark dq show {run_id}`)")
             for sink, why in verdict.halted.items():
                 state.dq_failed(ledger, self.p.name, run_id, sink, why)
-                report.sinks[sink].state, report.sinks[sink].error = "dq_failed", why
+                report.sinks[sink].state, report.sinks[sink].error = RunState.DQ_FAILED, why
                 self.log(f"run {run_id} sink {sink}: dq_failed: {why}")
         live: list[str] = []
         for sink in claim.sinks:
@@ -277,7 +279,7 @@ class Run:
                 self._abort(run_id, sink, str(exc), report)
                 continue
             state.start_writing(ledger, self.p.name, run_id, sink)
-            report.sinks[sink].state = "writing"
+            report.sinks[sink].state = RunState.WRITING
             live.append(sink)
         if not live:
             if verdict is not None:
@@ -336,7 +338,7 @@ class Run:
                       "dead": out.dead, "superseded": out.superseded, "removed": out.removed,
                       "resolved": out.resolved}
             state.mark_prepared(ledger, self.p.name, run_id, sink, counts)
-            out.state = "prepared"
+            out.state = RunState.PREPARED
             still.append(sink)
         return still
 
@@ -398,7 +400,7 @@ class Run:
                     self._abort(claim.run_id, sink, f"decision not recorded: {one_line(exc)}",
                                 report)
                     continue
-            report.sinks[sink].state = "committing"
+            report.sinks[sink].state = RunState.COMMITTING
             decided.append(sink)
         return decided
 
@@ -407,7 +409,7 @@ class Run:
         aborted what it saw as orphaned: the transitions then refuse, and we say so)."""
         self.ledger.close()
         self.ledger = connect(self.ledger_dsn, autocommit=True, what="ledger")
-        self.ledger.execute("SELECT pg_advisory_lock(%s, %s)", (state.OWNER_LOCK_CLASS, run_id))
+        state.hold_owner_lock(self.ledger, run_id)
 
     def _finish(self, claim: Claim, by_name, decided: list[str], report: RunReport) -> None:
         dbs = recovery.Databases(self.ledger_dsn, {self.p.name: self.p},
@@ -417,7 +419,7 @@ class Run:
             keep: set[str] = set()
             for sink in decided:
                 keep.update(p.gid for p in self._chosen(sink))
-                for _gid, target in recovery.chosen(ledger, claim.run_id, sink):
+                for _gid, target in runs.chosen(ledger, claim.run_id, sink):
                     dbs.conn(dbs.dsn_for(self.p.name, target))  # open before committing
             for sink in decided:
                 faults.point("before_commit_prepared")
@@ -438,7 +440,7 @@ class Run:
                     # A concurrent recovery rolled it forward first: the same outcome.
                     if state.state_of(ledger, claim.run_id, sink) != RunState.COMMITTED:
                         raise
-                report.sinks[sink].state = "committed"
+                report.sinks[sink].state = RunState.COMMITTED
             faults.point("after_advance")
         except psycopg.OperationalError as exc:
             raise TidemarkError(f"run {claim.run_id}: lost a connection while committing "
@@ -450,7 +452,7 @@ class Run:
     # -- abort paths -------------------------------------------------------------------------
     def _abort(self, run_id: int, sink: str, error: str, report: RunReport) -> None:
         state.abort(self.ledger, self.p.name, run_id, sink, error)
-        report.sinks[sink].state = "aborted"
+        report.sinks[sink].state = RunState.ABORTED
         report.sinks[sink].error = error
         self.log(f"run {run_id} sink {sink}: aborted: {error}")
 

@@ -4,7 +4,7 @@ Per task and sink, two transactions, each ending in ``PREPARE TRANSACTION``: on 
 database, COPY the rows into a staging table and merge them into the target with a keyed
 upsert guarded by version; on the ledger, that sink's dead letters. Every verdict (decode,
 transform, row-level expectation, batch gate, NULL key, sink write) binds only the sinks
-whose range holds the record (DESIGN.md, "Which sinks a verdict applies to"), so each sink
+whose range holds the record (docs/design.md, "Which sinks a verdict applies to"), so each sink
 gets its own dead letters and nothing is shared between sinks.
 
 Re-delivery (backfill, redrive) leaves a sink as one delivery with the current pipeline
@@ -12,7 +12,7 @@ would: a record that now fails loses its own row in that sink and is quarantined
 record that now passes is written and its live dead letter for that sink resolved, all in the
 same two-phase commit.
 
-Before it prepares, a task accounts for its whole range (DESIGN.md, "Task accounting"): every
+Before it prepares, a task accounts for its whole range (docs/design.md, "Task accounting"): every
 offset seen exactly once, and per sink rows written + quarantined + superseded = records.
 
 A sink whose connection or statements fail is reported failed in the task's result and
@@ -23,7 +23,6 @@ retries it with a new attempt.
 from __future__ import annotations
 
 import base64
-import hashlib
 import io
 import json
 from collections.abc import Iterator
@@ -37,7 +36,9 @@ from psycopg import sql
 
 from tidemark.core import faults
 from tidemark.core.db import is_data_error, one_line, qualified
+from tidemark.core.text import clamp
 from tidemark.engine.records import ERR_CLASS, ERR_REASON
+from tidemark.ledger import letters, markers
 from tidemark.protocol import gids, twopc
 from tidemark.protocol.taskspec import Prepared, SinkResult, SinkTarget, Span, TaskResult, TaskSpec
 
@@ -48,9 +49,9 @@ RESULT_SCHEMA = "task int, attempt int, result string"
 PARTITION, OFFSET = "_tm_partition", "_tm_offset"
 
 
-def clamp(text: str, limit: int) -> str:
-    text = text.replace("\x00", "\\0")
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+def pg_text(text: str, limit: int) -> str:
+    """A reason for a text column: PostgreSQL refuses NUL characters."""
+    return clamp(text.replace("\x00", "\\0"), limit)
 
 
 def storable_headers(headers: str | None) -> str | None:
@@ -76,7 +77,7 @@ def _begin(dsn: str, lock_timeout_ms: int, what: str) -> psycopg.Connection:
 
 
 def _finish(conn: psycopg.Connection, gid: str, run_id: int, prepare: bool) -> None:
-    conn.execute("INSERT INTO tidemark.commits (gid, run_id) VALUES (%s, %s)", (gid, run_id))
+    markers.record(conn, gid, run_id)
     if prepare:
         conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
     else:
@@ -101,9 +102,6 @@ def rollback_earlier_attempts(dsn: str, prefix: str, run_id: int, stage: str, ta
 class DeadLetters:
     """One sink's dead letters in one ledger transaction (stage ``d.<sink>``)."""
 
-    _COLS = ("pipeline", "sink", "run_id", "source_partition", "source_offset", "key",
-             "payload", "headers", "error_class", "reason", "detail")
-
     def __init__(self, spec: TaskSpec, sink: str, gid: str):
         self.spec, self.sink, self.gid = spec, sink, gid
         self.conn: psycopg.Connection | None = None
@@ -117,80 +115,51 @@ class DeadLetters:
         if self.conn is not None:
             return self.conn
         self.conn = _begin(self.spec.ledger_dsn, self.spec.lock_timeout_ms, "dlq")
-        self.stage_table = sql.SQL("tidemark.{}").format(sql.Identifier(
-            "dlqstage_" + hashlib.sha1(self.gid.encode()).hexdigest()[:20]))
-        cols = sql.SQL(", ").join(sql.Identifier(c) for c in self._COLS)
-        self.conn.execute(sql.SQL(
-            "CREATE UNLOGGED TABLE {} AS SELECT {} FROM tidemark.dlq WITH NO DATA").format(
-            self.stage_table, cols))
-        self.copy_sql = sql.SQL("COPY {} ({}) FROM STDIN").format(self.stage_table, cols)
-        # One letter per (sink, record): quarantined again, it is live again (a redriven or
-        # discarded letter goes back to quarantined) and keeps its history (attempts, who
-        # resolved it before).
-        self.merge_sql = sql.SQL("""
-            INSERT INTO tidemark.dlq AS d ({cols}) SELECT {cols} FROM {stage}
-            ON CONFLICT ON CONSTRAINT dlq_one_per_sink DO UPDATE
-            SET attempts = d.attempts + 1, last_seen = now(), run_id = EXCLUDED.run_id,
-                error_class = EXCLUDED.error_class, reason = EXCLUDED.reason,
-                detail = EXCLUDED.detail, status = 'quarantined'""").format(
-            cols=cols, stage=self.stage_table)
+        self.stage = letters.Stage(self.conn, self.gid)
         return self.conn
 
-    def hold(self, letters: list[int]) -> list[int]:
+    def hold(self, ids: list[int]) -> list[int]:
         """Redrive: lock this sink's letters that are still quarantined (a concurrent discard
         waits; one discarded meanwhile is left out). Returns the ids not held."""
         conn = self._open()
-        for i, part, off in conn.execute(
-                """SELECT id, source_partition, source_offset FROM tidemark.dlq
-                   WHERE id = ANY(%s) AND pipeline = %s AND sink = %s
-                   AND status = 'quarantined' ORDER BY id FOR UPDATE""",
-                (letters, self.spec.pipeline, self.sink)):
+        for i, part, off in letters.hold(conn, ids, self.spec.pipeline, self.sink):
             self.held[(part, off)] = i
-        return sorted(set(letters) - set(self.held.values()))
+        return sorted(set(ids) - set(self.held.values()))
 
     def add(self, records: list[dict], error_class: str | None = None,
             reason: str | None = None, detail: str | None = None) -> None:
         if not records:
             return
-        conn = self._open()
-        with conn.cursor().copy(self.copy_sql) as copy:
+        self._open()
+        with self.stage.copy() as copy:
             for r in records:
                 part, off = r[PARTITION], r[OFFSET]
                 copy.write_row((
                     self.spec.pipeline, self.sink, self.spec.run_id, part, off, r["_tm_key"],
                     r["_tm_payload"], storable_headers(r["_tm_headers"]),
-                    error_class or r[ERR_CLASS], clamp(reason or r[ERR_REASON], REASON_MAX),
-                    clamp(detail, DETAIL_MAX) if detail else None))
+                    error_class or r[ERR_CLASS], pg_text(reason or r[ERR_REASON], REASON_MAX),
+                    pg_text(detail, DETAIL_MAX) if detail else None))
                 self.offsets.setdefault(part, []).append(off)
                 if (part, off) in self.held:
                     self.failed_again.append(self.held[(part, off)])
-        conn.execute(self.merge_sql)
-        conn.execute(sql.SQL("TRUNCATE {}").format(self.stage_table))
+        self.stage.merge()
         self.rows += len(records)
 
     def resolve(self, partition: int, start: int, end: int) -> None:
         """Re-delivery: the live letters of this sink for the records of ``[start, end)``
         that passed this time are resolved: the records are in the sink now."""
+        by = self.spec.by or "tidemark"
         if self.spec.mode == "redrive":
             ids = [i for (p, _o), i in self.held.items() if p == partition
                    and i not in set(self.failed_again)]
-            if not ids:
-                return
-            where, args = "id = ANY(%(ids)s)", {"ids": ids}
-            note = f"redriven by run {self.spec.run_id}"
-        else:
-            where = ("source_offset >= %(a)s AND source_offset < %(b)s "
-                     "AND source_offset <> ALL(%(failed)s)")
-            args = {"a": start, "b": end, "failed": self.offsets.get(partition, [])}
-            note = f"delivered again by {self.spec.mode} run {self.spec.run_id}"
-        cur = self._open().execute(
-            f"""UPDATE tidemark.dlq SET status = 'redriven', resolved_by = %(by)s,
-                       resolved_at = now(), note = %(note)s
-                WHERE pipeline = %(pipeline)s AND sink = %(sink)s
-                  AND source_partition = %(p)s AND status <> 'redriven' AND {where}""",
-            {"by": self.spec.by or "tidemark", "note": note, "pipeline": self.spec.pipeline,
-             "sink": self.sink, "p": partition, **args})
-        self.resolved += cur.rowcount
+            if ids:
+                self.resolved += letters.resolve_ids(
+                    self._open(), ids, by, f"redriven by run {self.spec.run_id}")
+            return
+        self.resolved += letters.resolve_range(
+            self._open(), self.spec.pipeline, self.sink, partition, start, end,
+            self.offsets.get(partition, []), by,
+            f"delivered again by {self.spec.mode} run {self.spec.run_id}")
 
     def prepare(self) -> Prepared | None:
         if self.conn is None:
@@ -198,7 +167,7 @@ class DeadLetters:
         if not self.rows and not self.resolved:
             self.close()  # nothing to commit: no participant
             return None
-        self.conn.execute(sql.SQL("DROP TABLE {}").format(self.stage_table))
+        self.stage.drop()
         _finish(self.conn, self.gid, self.spec.run_id, self.spec.prepare)
         self.conn.close()
         return Prepared(gid=self.gid, target="ledger", sink=self.sink,
@@ -225,8 +194,7 @@ class SinkWriter:
             return self.conn
         t = self.target
         self.conn = _begin(t.dsn, self.spec.lock_timeout_ms, "sink")
-        self.stage_table = sql.SQL("tidemark.{}").format(sql.Identifier(
-            "stage_" + hashlib.sha1(self.gid.encode()).hexdigest()[:20]))
+        self.stage_table = markers.stage_table("stage", self.gid)
         self.table = sql.SQL(qualified(t.table))
         cols = [*self.spec.columns, PARTITION, OFFSET, "_tm_run_id"]
         ident = [sql.Identifier(c) for c in cols]
@@ -258,11 +226,12 @@ class SinkWriter:
             WHERE CASE {newer}
                   WHEN t._tm_partition = EXCLUDED._tm_partition
                       THEN t._tm_offset <= EXCLUDED._tm_offset
-                  ELSE tidemark.version_conflict({label}, t._tm_partition,
-                                                 EXCLUDED._tm_partition) END""").format(
+                  ELSE {conflict} END""").format(
             target=self.table, cols=sql.SQL(", ").join(ident), keys=sql.SQL(", ").join(keys),
             order=sql.SQL(", ").join(order), stage=self.stage_table,
-            updates=sql.SQL(", ").join(updates), newer=newer, label=label)
+            updates=sql.SQL(", ").join(updates), newer=newer,
+            conflict=markers.version_conflict(label, sql.SQL("t._tm_partition"),
+                                              sql.SQL("EXCLUDED._tm_partition")))
         self.truncate_sql = sql.SQL("TRUNCATE {}").format(self.stage_table)
         self.columns = cols
         return self.conn

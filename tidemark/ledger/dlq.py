@@ -26,6 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tidemark.config import IDENT
 from tidemark.core.errors import BadInput, Busy
+from tidemark.core.text import shown
+from tidemark.ledger import runs
 
 ERROR_CLASSES = ("decode", "transform", "validation", "dq_gate", "sink_write")
 STATUSES = ("quarantined", "redriven", "discarded")
@@ -50,11 +52,6 @@ def default_by() -> str:
 
 
 # -- input ------------------------------------------------------------------------------------
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def parse_ids(value: Any, field_name: str = "ids") -> list[int]:
     """Dead-letter ids from "4,7 9", [4, "7"], 4 ...; anything else is one clear BadInput."""
     items: Iterable[Any]
@@ -65,12 +62,12 @@ def parse_ids(value: Any, field_name: str = "ids") -> list[int]:
     elif isinstance(value, Iterable):
         items = [p for v in value for p in (str(v).replace(",", " ").split() or [v])]
     else:
-        raise BadInput(f"{field_name} {_show(value)}: expected dead-letter ids")
+        raise BadInput(f"{field_name} {shown(value)}: expected dead-letter ids")
     out = []
     for item in items:
         text = str(item).strip()
         if isinstance(item, bool) or not text.isascii() or not text.isdigit() or int(text) <= 0:
-            raise BadInput(f"{field_name}: {_show(item)} is not a dead-letter id "
+            raise BadInput(f"{field_name}: {shown(item)} is not a dead-letter id "
                            f"(a positive integer)")
         out.append(int(text))
     if len(out) > MAX_IDS:
@@ -90,7 +87,7 @@ def _problem(err: dict) -> str:
 
 
 class Filters(BaseModel):
-    """Which dead letters. Every letter names the sink it applies to (DESIGN.md);
+    """Which dead letters. Every letter names the sink it applies to (docs/design.md);
     no status means every status. ``pipelines`` is not a user filter: callers set it to the
     pipelines the user may see."""
 
@@ -145,7 +142,7 @@ class Filters(BaseModel):
                 value = parse_ids(value)
             elif name in ("since", "until") and isinstance(value, str) and value.isdigit():
                 # pydantic reads digits as epoch seconds; users mean a date, say so
-                raise BadInput(f"{name} {_show(value)}: not an ISO timestamp "
+                raise BadInput(f"{name} {shown(value)}: not an ISO timestamp "
                                f"(e.g. 2026-05-01T12:00:00Z)")
             values[name] = value
         try:
@@ -153,8 +150,8 @@ class Filters(BaseModel):
         except ValidationError as exc:
             err = exc.errors()[0]
             where = ".".join(str(p) for p in err["loc"] if not isinstance(p, int)) or "since/until"
-            shown = f" {_show(err['input'])}" if err["loc"] else ""
-            raise BadInput(f"{where}{shown}: {_problem(err)}") from None
+            given = f" {shown(err['input'])}" if err["loc"] else ""
+            raise BadInput(f"{where}{given}: {_problem(err)}") from None
 
     def without(self, *names: str) -> Filters:
         return self.model_copy(update=dict.fromkeys(names))
@@ -208,6 +205,29 @@ def matching_ids(conn: psycopg.Connection, filters: Filters, limit: int = MAX_ID
     return [r[0] for r in rows]
 
 
+def quarantined(conn: psycopg.Connection, pipeline: str) -> int:
+    """How many of the pipeline's dead letters are live (quarantined)."""
+    return conn.execute("SELECT count(*) FROM tidemark.dlq WHERE pipeline = %s AND status = "
+                        "'quarantined'", (pipeline,)).fetchone()[0]
+
+
+def placement(conn: psycopg.Connection, ids: list[int]) -> list[tuple]:
+    """Redrive: (id, sink, partition, offset, status, pipeline) of each letter, by id."""
+    return conn.execute(
+        """SELECT id, sink, source_partition, source_offset, status::text, pipeline
+           FROM tidemark.dlq WHERE id = ANY(%s) ORDER BY id""", (ids,)).fetchall()
+
+
+def records(conn: psycopg.Connection, ids: list[int]) -> list[tuple]:
+    """Redrive: each source record of the letters once (several sinks' letters may hold it)
+    as (partition, offset, key, payload, headers, NULL timestamp), the sources' schema."""
+    return conn.execute(
+        """SELECT DISTINCT ON (source_partition, source_offset) source_partition,
+                  source_offset, key, payload, headers::text, NULL::timestamptz
+           FROM tidemark.dlq WHERE id = ANY(%s)
+           ORDER BY source_partition, source_offset, id""", (ids,)).fetchall()
+
+
 def _columns(names: Iterable[str]) -> sql.Composable:
     return sql.SQL(", ").join(sql.Identifier(n) for n in names)
 
@@ -224,9 +244,9 @@ def page(conn: psycopg.Connection, filters: Filters, limit: int = 50,
     """Newest first, ``limit`` rows with ids below ``before``. Rows carry the summary columns,
     ``payload_size`` and ``payload_head`` (the first bytes, for a preview)."""
     if not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-        raise BadInput(f"limit {_show(limit)}: expected 1 to {MAX_LIMIT}")
+        raise BadInput(f"limit {shown(limit)}: expected 1 to {MAX_LIMIT}")
     if before is not None and (not isinstance(before, int) or before <= 0):
-        raise BadInput(f"before {_show(before)}: expected a dead-letter id")
+        raise BadInput(f"before {shown(before)}: expected a dead-letter id")
     cols = sql.SQL("{}, octet_length(payload) AS payload_size, "
                    "substring(payload FROM 1 FOR {}) AS payload_head").format(
         _columns(_SUMMARY), sql.Literal(PREVIEW_BYTES))
@@ -293,7 +313,7 @@ def owners(conn: psycopg.Connection, ids: list[int]) -> dict[int, tuple[str, str
 
 def get(conn: psycopg.Connection, record_id: int) -> dict | None:
     """The whole envelope of one dead letter, with ``run`` (its tidemark.runs row; ``airflow``
-    is the parsed external_id when Airflow started it) and ``quality`` (the run's data-quality
+    names the Airflow task try that started it, if any) and ``quality`` (the run's data-quality
     results: scope, success, docs_path)."""
     cur = conn.cursor(row_factory=dict_row)
     rec = cur.execute(sql.SQL("SELECT {} FROM {} WHERE id = %s").format(_columns(ENVELOPE), _DLQ),
@@ -302,26 +322,11 @@ def get(conn: psycopg.Connection, record_id: int) -> dict | None:
         return None
     for k in ("key", "payload"):
         rec[k] = bytes(rec[k]) if rec[k] is not None else None
-    run = cur.execute("""SELECT run_id, pipeline, mode, owner, created_at, finished_at,
-                                external_id FROM tidemark.runs WHERE run_id = %s""",
-                      (rec["run_id"],)).fetchone()
-    if run is not None:
-        run["airflow"] = airflow_ids(run["external_id"])
-    rec["run"] = run
+    rec["run"] = runs.get(conn, rec["run_id"])
     rec["quality"] = cur.execute("""SELECT scope, success, rows_failed, docs_path
                                     FROM tidemark.dq_results WHERE run_id = %s ORDER BY scope""",
                                  (rec["run_id"],)).fetchall()
     return rec
-
-
-def airflow_ids(external_id: str | None) -> dict | None:
-    """{"dag_id", "run_id", "task_id", "try"} when Airflow started the run, else None."""
-    try:
-        data = json.loads(external_id or "")
-    except ValueError:
-        return None
-    ok = isinstance(data, dict) and all(isinstance(data.get(k), str) for k in ("dag_id", "run_id"))
-    return data if ok else None
 
 
 # -- acting -------------------------------------------------------------------------------------
@@ -443,7 +448,7 @@ def render_payload(data: bytes | None, fmt: str = "auto",
     UTF-8, else "hex" (a hexdump). ``fmt`` forces text, json or hex; ``limit`` cuts long
     payloads (in bytes) with a note saying so."""
     if fmt not in ("auto", "text", "json", "hex"):
-        raise BadInput(f"format {_show(fmt)}: expected one of auto, text, json, hex")
+        raise BadInput(f"format {shown(fmt)}: expected one of auto, text, json, hex")
     data = bytes(data or b"")
     cut = b""
     if limit is not None and len(data) > limit:

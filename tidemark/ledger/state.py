@@ -1,4 +1,4 @@
-"""The run state machine of DESIGN.md, per (run, sink).
+"""The run state machine of docs/design.md, per (run, sink).
 
     planned -> writing -> prepared -> committing -> committed
     planned/writing/prepared -> aborted
@@ -17,9 +17,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import psycopg
+from pydantic import BaseModel, ConfigDict
 
 from tidemark.core.errors import Fenced, LeaseHeld, TidemarkError
+from tidemark.core.text import clamp
+from tidemark.ledger.checkpoints import positions
 
+ERROR_MAX = 2000  # characters of an error kept in the ledger
 OWNER_LOCK_CLASS = 0x746D  # 'tm': session advisory lock (class, run_id) proves the owner lives
 
 
@@ -34,6 +38,16 @@ class RunState(enum.StrEnum):
 
 
 ABORTABLE = (RunState.PLANNED, RunState.WRITING, RunState.PREPARED)
+
+
+class AirflowRun(BaseModel):
+    """The Airflow task try that started a run (the DAGs pass it to the job as JSON)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    dag_id: str
+    run_id: str
+    task_id: str | None = None
+    try_number: int | None = None
 
 
 class IllegalTransition(TidemarkError):
@@ -91,6 +105,11 @@ def owner_alive_sql(run_col: str) -> str:
         AND lk.granted)"""
 
 
+def hold_owner_lock(conn: psycopg.Connection, run_id: int) -> None:
+    """The owner's session lock: while this session lives, recovery leaves the run alone."""
+    conn.execute("SELECT pg_advisory_lock(%s, %s)", (OWNER_LOCK_CLASS, run_id))
+
+
 def ensure_pipeline(conn: psycopg.Connection, name: str, config: dict) -> None:
     conn.execute("""INSERT INTO tidemark.pipelines (name, config) VALUES (%s, %s)
                     ON CONFLICT (name) DO UPDATE SET config = EXCLUDED.config, updated_at = now()
@@ -100,7 +119,7 @@ def ensure_pipeline(conn: psycopg.Connection, name: str, config: dict) -> None:
 
 def claim(conn: psycopg.Connection, *, pipeline: str, config: dict, sinks: Iterable[str],
           mode: str, owner: str, delivery: str, ttl_seconds: int, plan: Planner,
-          external_id: str | None = None) -> Claim | None:
+          external_id: str | None = None, airflow: AirflowRun | None = None) -> Claim | None:
     """Take the leases of the free sinks, bump their epochs and insert the run as planned.
 
     The owner's session advisory lock is taken on ``conn`` and must be held for the run's
@@ -138,11 +157,7 @@ def claim(conn: psycopg.Connection, *, pipeline: str, config: dict, sinks: Itera
         if not free:
             raise LeaseHeld(f"pipeline {pipeline}: nothing claimed: " +
                             "; ".join(f"{s}: {why}" for s, why in skipped.items()))
-        checkpoints: dict[str, dict[int, int]] = {s: {} for s in free}
-        for sink, part, nxt in conn.execute(
-                "SELECT sink, partition, next_offset FROM tidemark.checkpoints "
-                "WHERE pipeline = %s AND sink = ANY(%s)", (pipeline, free)):
-            checkpoints[sink][part] = nxt
+        checkpoints = {s: {} for s in free} | positions(conn, pipeline, free)
         planned = plan(checkpoints)
         # Seed the checkpoints of new partitions, even with nothing to read yet: where a sink
         # starts is decided once (`start: latest` must not move on with every run), and
@@ -157,10 +172,13 @@ def claim(conn: psycopg.Connection, *, pipeline: str, config: dict, sinks: Itera
         if not work:
             return None
         run_id = conn.execute(
-            """INSERT INTO tidemark.runs (pipeline, mode, delivery, owner, external_id)
-               VALUES (%s, %s, %s, %s, %s) RETURNING run_id""",
-            (pipeline, mode, delivery, owner, external_id)).fetchone()[0]
-        conn.execute("SELECT pg_advisory_lock(%s, %s)", (OWNER_LOCK_CLASS, run_id))
+            """INSERT INTO tidemark.runs (pipeline, mode, delivery, owner, external_id, dag_id,
+               dag_run_id, task_id, try_number) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)
+               RETURNING run_id""",
+            (pipeline, mode, delivery, owner, external_id, *(
+                (airflow.dag_id, airflow.run_id, airflow.task_id, airflow.try_number)
+                if airflow else (None,) * 4))).fetchone()[0]
+        hold_owner_lock(conn, run_id)
         result = Claim(run_id, pipeline, mode, skipped=skipped)
         for sink, rs in work.items():
             epoch = conn.execute(
@@ -169,7 +187,7 @@ def claim(conn: psycopg.Connection, *, pipeline: str, config: dict, sinks: Itera
                    WHERE pipeline = %s AND sink = %s RETURNING epoch""",
                 (run_id, owner, ttl_seconds, pipeline, sink)).fetchone()[0]
             conn.execute("""INSERT INTO tidemark.run_sinks (run_id, sink, state, lease_epoch)
-                            VALUES (%s, %s, 'planned', %s)""", (run_id, sink, epoch))
+                            VALUES (%s, %s, %s, %s)""", (run_id, sink, RunState.PLANNED, epoch))
             with conn.cursor() as cur:
                 cur.executemany(
                     """INSERT INTO tidemark.run_ranges (run_id, sink, partition, from_offset,
@@ -299,7 +317,7 @@ def abort(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, error
     with conn.transaction():
         _lock_lease(conn, pipeline, sink)
         try:
-            _transition(conn, run_id, sink, RunState.ABORTED, ABORTABLE, error=error[:2000])
+            _transition(conn, run_id, sink, RunState.ABORTED, ABORTABLE, error=clamp(error, ERROR_MAX))
         except IllegalTransition:
             return False
         _release(conn, pipeline, run_id, sink)
@@ -311,7 +329,7 @@ def dq_failed(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str,
     with conn.transaction():
         _lock_lease(conn, pipeline, sink)
         _transition(conn, run_id, sink, RunState.DQ_FAILED,
-                    [RunState.PLANNED, RunState.WRITING], error=error[:2000])
+                    [RunState.PLANNED, RunState.WRITING], error=clamp(error, ERROR_MAX))
         _release(conn, pipeline, run_id, sink)
 
 
@@ -337,7 +355,7 @@ def finish_run(conn: psycopg.Connection, run_id: int) -> None:
 def halt(conn: psycopg.Connection, pipeline: str, reason: str) -> None:
     with conn.transaction():
         conn.execute("""UPDATE tidemark.pipelines SET halted_reason = %s, halted_at = now()
-                        WHERE name = %s""", (reason[:2000], pipeline))
+                        WHERE name = %s""", (clamp(reason, ERROR_MAX), pipeline))
 
 
 def resume(conn: psycopg.Connection, pipeline: str) -> bool:

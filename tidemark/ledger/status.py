@@ -7,14 +7,14 @@ import json
 import psycopg
 from psycopg.rows import dict_row
 
+from tidemark.ledger.checkpoints import listing
+
 
 def pipeline_status(conn: psycopg.Connection, pipeline: str, runs: int = 10) -> dict:
     cur = conn.cursor(row_factory=dict_row)
     row = cur.execute("SELECT halted_reason, halted_at FROM tidemark.pipelines WHERE name = %s",
                       (pipeline,)).fetchone()
-    checkpoints = cur.execute(
-        """SELECT sink, partition, next_offset, updated_at FROM tidemark.checkpoints
-           WHERE pipeline = %s ORDER BY sink, partition""", (pipeline,)).fetchall()
+    checkpoints = listing(conn, pipeline)
     recent = cur.execute(
         """SELECT r.run_id, r.mode, r.created_at, r.finished_at, rs.sink, rs.state::text AS state,
                   rs.counts, rs.error
@@ -84,6 +84,21 @@ def failed_lines(results: list[dict]) -> list[str]:
             lines.append(f"{r.get('expectation')}({args}) observed "
                          f"{json.dumps(r.get('observed_value'), default=str)[:100]}")
     return lines
+
+
+def save_dq_result(conn: psycopg.Connection, run_id: int, scope: str, success: bool,
+                   rows_failed: int, results: list, raw: object, docs_path: str | None) -> None:
+    """A gate's outcome for one scope of a run (pipeline or sink); a retry replaces it."""
+    with conn.transaction():
+        conn.execute(
+            """INSERT INTO tidemark.dq_results (run_id, scope, success, rows_failed, results,
+                                                raw, docs_path)
+               VALUES (%s, %s, %s, %s, %s, %s, %s)
+               ON CONFLICT (run_id, scope) DO UPDATE SET success = EXCLUDED.success,
+                   rows_failed = EXCLUDED.rows_failed, results = EXCLUDED.results,
+                   raw = EXCLUDED.raw, docs_path = EXCLUDED.docs_path""",
+            (run_id, scope, success, rows_failed, json.dumps(results, default=str),
+             json.dumps(raw, default=str), docs_path))
 
 
 def dq_results(conn: psycopg.Connection, run_id: int) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Recovery (DESIGN.md): settle every in-doubt run; leave no orphan prepared transaction.
+"""Recovery (docs/design.md): settle every in-doubt run; leave no orphan prepared transaction.
 
 Runs at the start of every run, on demand (`tidemark recover`) and on a schedule. Holds a
 ledger advisory lock, so two recoveries never interleave; every step is idempotent.
@@ -22,7 +22,7 @@ from tidemark.config import Pipeline
 from tidemark.core.db import connect, one_line
 from tidemark.core.dsn import mask
 from tidemark.core.errors import TidemarkError
-from tidemark.ledger import state
+from tidemark.ledger import markers, runs, state
 from tidemark.ledger.state import RunState
 from tidemark.protocol import gids, twopc
 
@@ -64,7 +64,7 @@ class Databases:
         for p in pipelines.values():
             for s in p.sinks:
                 try:
-                    self.sink_dsns[(p.name, s.name)] = s.resolve(f"pipeline {p.name}: sink {s.name}")
+                    self.sink_dsns[(p.name, s.name)] = p.sink_dsn(s)
                 except TidemarkError as exc:
                     self.errors.append(str(exc))
         self._conns: dict[str, psycopg.Connection] = {}
@@ -101,8 +101,7 @@ def recover(ledger_dsn: str, pipelines: dict[str, Pipeline], prefix: str,
     with connect(ledger_dsn, autocommit=True, what="ledger") as ledger:
         ledger.execute("SELECT pg_advisory_lock(%s)", (LOCK_KEY,))
         try:
-            horizon = ledger.execute("SELECT coalesce(max(run_id), 0) FROM tidemark.runs"
-                                     ).fetchone()[0]
+            horizon = runs.newest(ledger)
             _roll_forward(ledger, dbs, report)
             _abort_dead(ledger, report)
             _sweep(ledger, dbs, prefix, horizon, alert_seconds, report)
@@ -113,10 +112,7 @@ def recover(ledger_dsn: str, pipelines: dict[str, Pipeline], prefix: str,
 
 
 def _roll_forward(ledger: psycopg.Connection, dbs: Databases, report: Report) -> None:
-    rows = ledger.execute("""SELECT rs.run_id, rs.sink, r.pipeline FROM tidemark.run_sinks rs
-                             JOIN tidemark.runs r USING (run_id)
-                             WHERE rs.state = 'committing' ORDER BY rs.run_id""").fetchall()
-    for run_id, sink, pipeline in rows:
+    for run_id, sink, pipeline in runs.committing(ledger):
         try:
             lost = commit_chosen(ledger, dbs, pipeline, run_id, sink)
         except (psycopg.Error, TidemarkError) as exc:
@@ -138,38 +134,22 @@ def _roll_forward(ledger: psycopg.Connection, dbs: Databases, report: Report) ->
         report.rolled_forward.append((run_id, sink))
 
 
-def chosen(ledger: psycopg.Connection, run_id: int, sink: str) -> list[tuple[str, str]]:
-    """(gid, target) of a decision that are not known to be committed yet."""
-    return ledger.execute(
-        "SELECT gid, target FROM tidemark.participants WHERE run_id = %s AND sink = %s "
-        "AND outcome IS DISTINCT FROM 'committed' ORDER BY target, gid", (run_id, sink)).fetchall()
-
-
 def commit_chosen(ledger: psycopg.Connection, dbs: Databases, pipeline: str, run_id: int,
                   sink: str, after_each=None) -> list[str]:
     """Commit the decision's gids; returns those that were lost (gone, no marker)."""
     lost = []
-    for gid, target in chosen(ledger, run_id, sink):
+    for gid, target in runs.chosen(ledger, run_id, sink):
         outcome = twopc.commit(dbs.conn(dbs.dsn_for(pipeline, target)), gid)
         if after_each:
             after_each()
-        ledger.execute("UPDATE tidemark.participants SET outcome = %s WHERE run_id = %s "
-                       "AND sink = %s AND gid = %s", (outcome, run_id, sink, gid))
+        runs.record_outcome(ledger, run_id, sink, gid, outcome)
         if outcome == "lost":
             lost.append(gid)
     return lost
 
 
 def _abort_dead(ledger: psycopg.Connection, report: Report) -> None:
-    rows = ledger.execute(f"""
-        SELECT rs.run_id, rs.sink, r.pipeline,
-               {state.owner_alive_sql('rs.run_id')} AS alive,
-               l.run_id = rs.run_id AND l.epoch = rs.lease_epoch
-                   AND l.expires_at >= now() AS leased
-        FROM tidemark.run_sinks rs JOIN tidemark.runs r USING (run_id)
-        LEFT JOIN tidemark.leases l ON l.pipeline = r.pipeline AND l.sink = rs.sink
-        WHERE rs.state IN ('planned', 'writing', 'prepared')""").fetchall()
-    for run_id, sink, pipeline, alive, leased in rows:
+    for run_id, sink, pipeline, alive, leased in runs.unsettled(ledger):
         if alive and leased:
             continue
         why = "owner process is gone" if not alive else "lease expired or taken over"
@@ -183,16 +163,9 @@ def _abort_dead(ledger: psycopg.Connection, report: Report) -> None:
 
 def _sweep(ledger: psycopg.Connection, dbs: Databases, prefix: str, horizon: int,
            alert_seconds: float, report: Report) -> None:
-    live = {}  # run_id -> {sink: state}
-    for run_id, sink, st in ledger.execute(
-            "SELECT run_id, sink, state::text FROM tidemark.run_sinks WHERE run_id <= %s "
-            "AND state IN ('planned', 'writing', 'prepared', 'committing')", (horizon,)):
-        live.setdefault(run_id, {})[sink] = st
-    # Markers matter only while a decision may be in doubt: prune those of settled runs.
+    live = runs.open_sinks(ledger, horizon)
     settled_below = min([*live, horizon + 1])
-    chosen = {r[0] for r in ledger.execute(
-        """SELECT p.gid FROM tidemark.participants p JOIN tidemark.run_sinks rs
-           USING (run_id, sink) WHERE rs.state IN ('committing', 'committed')""")}
+    chosen = runs.decided_gids(ledger)
     for dsn in dbs.all_dsns():
         try:
             conn = dbs.conn(dsn)
@@ -201,9 +174,7 @@ def _sweep(ledger: psycopg.Connection, dbs: Databases, prefix: str, horizon: int
             report.errors.append(f"cannot scan {mask(dsn)}: {one_line(exc)}")
             continue
         try:
-            if conn.execute("SELECT to_regclass('tidemark.commits')").fetchone()[0]:
-                conn.execute("""DELETE FROM tidemark.commits WHERE run_id < %s
-                                AND created_at < now() - interval '1 day'""", (settled_below,))
+            markers.prune(conn, settled_below)
         except psycopg.Error as exc:
             report.errors.append(f"cannot prune markers on {mask(dsn)}: {one_line(exc)}")
         for gid, age in found:

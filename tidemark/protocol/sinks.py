@@ -10,7 +10,7 @@ from psycopg import sql
 from tidemark.config import Pipeline, Sink
 from tidemark.core.db import connect, qualified, require_prepared_transactions
 from tidemark.core.errors import TidemarkError
-from tidemark.protocol import twopc
+from tidemark.ledger import markers
 
 META_COLUMNS = [("_tm_partition", "integer"), ("_tm_offset", "bigint"), ("_tm_run_id", "bigint")]
 
@@ -27,14 +27,14 @@ class ResolvedSink:
 
 def resolve(pipeline: Pipeline, names: list[str] | None = None) -> list[ResolvedSink]:
     chosen = [pipeline.sink(n) for n in names] if names else pipeline.sinks
-    return [ResolvedSink(s, s.resolve(f"pipeline {pipeline.name}: sink {s.name}"))
+    return [ResolvedSink(s, pipeline.sink_dsn(s))
             for s in chosen]
 
 
 def prepare_database(conn: psycopg.Connection, what: str) -> None:
     """A database we will PREPARE on: prepared transactions on, marker table present."""
     require_prepared_transactions(conn, what)
-    twopc.ensure_markers(conn)
+    markers.ensure(conn)
 
 
 def ensure_table(sink: ResolvedSink, columns: list[tuple[str, str]], what: str) -> None:

@@ -2,7 +2,7 @@
 
 The driver builds one :class:`TaskSpec` per run and Spark ships it to every task as JSON; the
 task validates it, writes, and returns one :class:`TaskResult`, which the driver validates
-before it counts anything or chooses a gid (DESIGN.md, "Task accounting").
+before it counts anything or chooses a gid (docs/design.md, "Task accounting").
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class TaskSpec(_Model):
 
     @property
     def redelivery(self) -> bool:
-        """Backfill and redrive give sinks records they had before (DESIGN.md)."""
+        """Backfill and redrive give sinks records they had before (docs/design.md)."""
         return self.mode != "run"
 
 

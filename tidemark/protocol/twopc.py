@@ -12,37 +12,7 @@ import time
 import psycopg
 from psycopg import errors as pgerr
 
-# SQLSTATE of a key whose versions come from different partitions with no declared order.
-VERSION_CONFLICT = "TM001"
-
-MARKERS_DDL = """
-CREATE SCHEMA IF NOT EXISTS tidemark;
-CREATE TABLE IF NOT EXISTS tidemark.commits (
-    gid        text PRIMARY KEY,
-    run_id     bigint NOT NULL,
-    created_at timestamptz NOT NULL DEFAULT now()
-);
--- Called by a sink merge's guard when a key's stored and incoming versions come from
--- different partitions and the sink declares no version column: offsets do not order them.
-CREATE OR REPLACE FUNCTION tidemark.version_conflict(k text, stored int, incoming int)
-RETURNS boolean LANGUAGE plpgsql AS $$
-BEGIN
-    RAISE EXCEPTION USING ERRCODE = '""" + VERSION_CONFLICT + """',
-        MESSAGE = format('key %s has versions from partitions %s and %s, which offsets do '
-                         'not order; declare a version column for this sink (sinks[].version)',
-                         k, stored, incoming);
-END $$;
-"""
-
-
-def ensure_markers(conn: psycopg.Connection) -> None:
-    have = conn.execute("SELECT to_regclass('tidemark.commits') IS NOT NULL AND "
-                        "to_regprocedure('tidemark.version_conflict(text,int,int)') IS NOT NULL"
-                        ).fetchone()[0]
-    if not have:
-        with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(hashtext('tidemark.commits'))")
-            conn.execute(MARKERS_DDL)
+from tidemark.ledger import markers
 
 
 def prepared(conn: psycopg.Connection, like: str) -> list[tuple[str, float]]:
@@ -55,11 +25,6 @@ def prepared(conn: psycopg.Connection, like: str) -> list[tuple[str, float]]:
 def is_prepared(conn: psycopg.Connection, gid: str) -> bool:
     return conn.execute("SELECT 1 FROM pg_prepared_xacts WHERE database = current_database() "
                         "AND gid = %s", (gid,)).fetchone() is not None
-
-
-def has_marker(conn: psycopg.Connection, gid: str) -> bool:
-    return conn.execute("SELECT 1 FROM tidemark.commits WHERE gid = %s", (gid,)
-                        ).fetchone() is not None
 
 
 def _finish(conn: psycopg.Connection, verb: str, gid: str, busy_seconds: float) -> bool:
@@ -94,4 +59,4 @@ def commit(conn: psycopg.Connection, gid: str, busy_seconds: float = 60.0) -> st
     """
     if _finish(conn, "COMMIT", gid, busy_seconds):
         return "committed"
-    return "committed" if has_marker(conn, gid) else "lost"
+    return "committed" if markers.has(conn, gid) else "lost"

@@ -1,184 +1,32 @@
-"""Data quality with Great Expectations 1.x: row-level quarantine and batch-level gates.
+"""Data quality checks with Great Expectations 1.x over a Spark DataFrame.
 
-Expectations come from a pipeline YAML as ``{snake_case_gx_name: {kwargs}}`` items and are turned
-into real GX expectation objects (:func:`parse_expectations`).  Two uses:
+* :func:`row_failures` runs the *row-level* (column map) expectations as one suite and
+  returns the failing rows keyed by ``(_tm_partition, _tm_offset)``;
+* :func:`gate` runs any expectations as one suite and optionally renders Data Docs
+  (quality/docs.py).
 
-* :func:`row_failures` runs the *row-level* (column map) expectations as one suite over a Spark
-  DataFrame and returns the failing rows keyed by ``(_tm_partition, _tm_offset)``;
-* :func:`gate` runs any expectations as one suite over the DataFrame and optionally renders GX
-  Data Docs (HTML) for the validation into a file-system GX project rooted at ``docs_dir``.
-
-GX is imported lazily (importing it costs seconds) and never phones home: analytics are switched
-off through the environment before the first import, and no cloud mode is ever used.  The
-ephemeral context used for validation is created once per process, as is each docs context.
+The ephemeral context used for validation is created once per process; no cloud mode is
+ever used.
 """
 
 from __future__ import annotations
 
 import datetime
-import difflib
 import json
-import os
-import re
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidemark.core.errors import ConfigError, TidemarkError
-
-os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
+from tidemark.core.errors import TidemarkError
+from tidemark.core.text import clamp, shown
+from tidemark.quality.docs import _render_docs, _safe_name
+from tidemark.quality.expectations import VALUE_REPR_MAX as _VALUE_REPR_MAX
+from tidemark.quality.expectations import _gx, is_row_level
+from tidemark.quality.expectations import lock as _lock
 
 PARTITION_COL = "_tm_partition"
 OFFSET_COL = "_tm_offset"
 _INDEX_COLS = [PARTITION_COL, OFFSET_COL]
-_VALUE_REPR_MAX = 60
-
-_lock = threading.RLock()
 _state: dict[str, Any] = {}
-_docs_contexts: dict[str, Any] = {}
-
-
-def _gx():
-    """Import GX (once) with analytics disabled; returns the ``great_expectations`` module."""
-    os.environ["GX_ANALYTICS_ENABLED"] = "false"
-    import great_expectations as gx
-
-    return gx
-
-
-def _snake(name: str) -> str:
-    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
-
-
-def _registry() -> dict[str, type]:
-    """snake_case expectation name -> GX expectation class (from ``great_expectations.expectations``)."""
-    with _lock:
-        reg = _state.get("registry")
-        if reg is None:
-            _gx()
-            import great_expectations.expectations as gxe
-            from great_expectations.expectations.expectation import Expectation
-
-            reg = {}
-            for attr in dir(gxe):
-                obj = getattr(gxe, attr)
-                if (
-                    isinstance(obj, type)
-                    and issubclass(obj, Expectation)
-                    and attr.startswith("Expect")
-                ):
-                    reg[getattr(obj, "expectation_type", None) or _snake(attr)] = obj
-            _state["registry"] = reg
-        return reg
-
-
-def _pydantic_problem(name: str, exc: Exception) -> str:
-    """One readable line from a pydantic (v1) ValidationError, naming the arguments."""
-    try:
-        errors = exc.errors()  # type: ignore[attr-defined]
-    except Exception:  # not a pydantic error
-        return f"{name}: {exc}"
-    seen: dict[str, list[str]] = {}
-    for err in errors:
-        loc = ".".join(str(p) for p in err.get("loc", ())) or "(arguments)"
-        msg = err.get("msg", "invalid")
-        if msg == "extra fields not permitted":
-            msg = "unknown argument"
-        elif msg == "field required":
-            msg = "missing required argument"
-        msgs = seen.setdefault(loc, [])
-        if msg not in msgs:
-            msgs.append(msg)
-    parts = [f"{loc}: {' or '.join(msgs[:3])}" for loc, msgs in seen.items()]
-    return f"{name}: bad arguments: " + "; ".join(parts)
-
-
-def parse_expectations(items: list, where: str, field: str) -> list:
-    """Turn YAML items ``{expect_x: {kwargs}}`` into GX expectation objects.
-
-    Raises :class:`ConfigError` naming ``field[i]`` for an unknown expectation (with the closest
-    names), an item that is not a one-key mapping, or bad/missing arguments.
-    """
-    if items is None:
-        return []
-    if not isinstance(items, list):
-        raise ConfigError(where, "must be a list of {expectation_name: {arguments}}", field)
-    reg = _registry()
-    out = []
-    for i, item in enumerate(items):
-        path = f"{field}[{i}]"
-        if not isinstance(item, dict) or len(item) != 1:
-            raise ConfigError(
-                where,
-                "must be a one-key mapping {expectation_name: {arguments}}, "
-                f"got {_clamp(repr(item))}",
-                path,
-            )
-        ((name, kwargs),) = item.items()
-        if not isinstance(name, str) or name not in reg:
-            close = difflib.get_close_matches(str(name), list(reg), n=3, cutoff=0.6)
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise ConfigError(where, f"unknown expectation {name!r}{hint}", path)
-        if kwargs is None:
-            kwargs = {}
-        if not isinstance(kwargs, dict):
-            raise ConfigError(
-                where, f"{name}: arguments must be a mapping, got {_clamp(repr(kwargs))}", path
-            )
-        bad = [k for k in kwargs if not isinstance(k, str)]
-        if bad:
-            raise ConfigError(where, f"{name}: argument names must be strings: {bad!r}", path)
-        try:
-            out.append(reg[name](**kwargs))
-        except Exception as exc:  # pydantic ValidationError, or a validator's ValueError
-            raise ConfigError(where, _pydantic_problem(name, exc), path) from None
-    return out
-
-
-def is_row_level(expectation) -> bool:
-    """True for map expectations (values checked row by row), False for aggregate ones."""
-    _gx()
-    from great_expectations.expectations.expectation import (
-        ColumnMapExpectation,
-        ColumnPairMapExpectation,
-        MulticolumnMapExpectation,
-    )
-
-    return isinstance(
-        expectation, (ColumnMapExpectation, ColumnPairMapExpectation, MulticolumnMapExpectation)
-    )
-
-
-_TABLE_ROWS_ONLY = {"expect_table_row_count_to_be_between", "expect_table_row_count_to_equal"}
-
-
-def columns_read(expectations: list) -> set[str] | None:
-    """The columns these expectations read, or None when one may read the whole table.
-
-    Column, column-pair and multicolumn expectations read only their own columns, row counts
-    read none; anything else (table-level checks, row conditions) may read every column.
-    """
-    _gx()
-    from great_expectations.expectations.expectation import (
-        ColumnAggregateExpectation,
-        ColumnMapExpectation,
-        ColumnPairMapExpectation,
-        MulticolumnMapExpectation,
-    )
-
-    used: set[str] = set()
-    for e in expectations:
-        if getattr(e, "row_condition", None):
-            return None
-        if isinstance(e, (ColumnMapExpectation, ColumnAggregateExpectation)):
-            used.add(e.column)
-        elif isinstance(e, ColumnPairMapExpectation):
-            used.update((e.column_A, e.column_B))
-        elif isinstance(e, MulticolumnMapExpectation):
-            used.update(e.column_list)
-        elif e.expectation_type not in _TABLE_ROWS_ONLY:
-            return None
-    return used
 
 
 def _batch_definition():
@@ -214,10 +62,6 @@ def _suite(name: str, expectations: list):
 def _validate(df, suite, result_format):
     batch = _batch_definition().get_batch(batch_parameters={"dataframe": df})
     return batch, batch.validate(suite, result_format=result_format)
-
-
-def _clamp(text: str, limit: int = _VALUE_REPR_MAX) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _json_safe(value):
@@ -257,16 +101,16 @@ def _reason(etype: str, kwargs: dict, row: dict) -> str:
     head = f"{etype}({_domain(kwargs)})"
     if "column" in kwargs:
         value = row.get(kwargs["column"])
-        shown = _clamp(repr(value))
+        seen = shown(value, _VALUE_REPR_MAX)
         if etype == "expect_column_values_to_be_in_set":
-            return f"{head}: {shown} not in set"
+            return f"{head}: {seen} not in set"
         if etype == "expect_column_values_to_not_be_in_set":
-            return f"{head}: {shown} in forbidden set"
+            return f"{head}: {seen} in forbidden set"
         if etype == "expect_column_values_to_not_be_null":
             return f"{head}: null value"
-        return f"{head}: unexpected value {shown}"
+        return f"{head}: unexpected value {seen}"
     values = {k: v for k, v in row.items() if k not in _INDEX_COLS}
-    return f"{head}: unexpected values {_clamp(repr(values))}"
+    return f"{head}: unexpected values {shown(values, _VALUE_REPR_MAX)}"
 
 
 def row_failures(df, expectations: list, max_failures: int = 100_000) -> dict[tuple[int, int], str]:
@@ -290,7 +134,7 @@ def row_failures(df, expectations: list, max_failures: int = 100_000) -> dict[tu
         if r.exception_info and r.exception_info.get("raised_exception"):
             raise TidemarkError(
                 f"{cfg.type}({_domain(dict(cfg.kwargs))}): GX could not evaluate it: "
-                f"{_clamp(str(r.exception_info.get('exception_message')), 300)}"
+                f"{clamp(str(r.exception_info.get('exception_message')), 300)}"
             )
         if r.success:
             continue
@@ -339,66 +183,6 @@ class GateOutcome:
         return [r for r in self.results if not r["success"]]
 
 
-def _docs_context(docs_dir: str):
-    """A file-system GX project rooted at ``docs_dir`` (one per directory per process)."""
-    root = os.path.abspath(docs_dir)
-    with _lock:
-        ctx = _docs_contexts.get(root)
-        if ctx is None:
-            gx = _gx()
-            os.makedirs(root, exist_ok=True)
-            ctx = gx.get_context(mode="file", project_root_dir=root)
-            _docs_contexts[root] = ctx
-        return ctx
-
-
-def _safe_name(label: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("._") or "gate"
-
-
-def _render_docs(docs_dir: str, label: str, batch_id: str, res) -> str:
-    from great_expectations.core.run_identifier import RunIdentifier
-    from great_expectations.data_context.types.resource_identifiers import (
-        ExpectationSuiteIdentifier,
-        ValidationResultIdentifier,
-    )
-
-    ctx = _docs_context(docs_dir)
-    name = _safe_name(label)
-    run_id = RunIdentifier(run_name=name, run_time=datetime.datetime.now(datetime.UTC))
-    key = ValidationResultIdentifier(
-        expectation_suite_identifier=ExpectationSuiteIdentifier(name=name),
-        run_id=run_id,
-        batch_identifier=batch_id,
-    )
-    res.meta["run_id"] = run_id
-    with _lock:
-        ctx.validation_results_store.set(key, res)
-        # Only this run's page: the index lists every stored validation, so rebuilding it in
-        # each run would cost more with every run (`tidemark dq docs` rebuilds it).
-        ctx.build_data_docs(resource_identifiers=[key], build_index=False)
-        urls = ctx.get_docs_sites_urls(resource_identifier=key)
-    for site in urls:
-        url = site.get("site_url")
-        if url:
-            return url.removeprefix("file://")
-    return _index_page(docs_dir)
-
-
-def _index_page(docs_dir: str) -> str:
-    return os.path.join(os.path.abspath(docs_dir), "gx", "uncommitted", "data_docs",
-                        "local_site", "index.html")
-
-
-def build_docs_index(docs_dir: str) -> tuple[str, int]:
-    """Rebuild the Data Docs index page of ``docs_dir``: (its path, validations it lists)."""
-    ctx = _docs_context(docs_dir)
-    with _lock:
-        count = len(ctx.validation_results_store.list_keys())
-        ctx.build_data_docs()
-    return _index_page(docs_dir), count
-
-
 def gate(df, expectations: list, docs_dir: str | None, label: str) -> GateOutcome:
     """Run the batch-level expectations as one GX suite over ``df``; optionally render Data Docs."""
     if not expectations:
@@ -419,7 +203,7 @@ def gate(df, expectations: list, docs_dir: str | None, label: str) -> GateOutcom
             if k in result:
                 item[k] = _json_safe(result[k])
         if r.exception_info and r.exception_info.get("raised_exception"):
-            item["exception"] = _clamp(str(r.exception_info.get("exception_message")), 300)
+            item["exception"] = clamp(str(r.exception_info.get("exception_message")), 300)
         results.append(item)
     docs_path = _render_docs(docs_dir, label, batch.id, res) if docs_dir else None
     return GateOutcome(

@@ -9,12 +9,12 @@ May import: protocol, ledger, config, quality, core.
 
 from __future__ import annotations
 
-import json
 from typing import Protocol
 
 import pyarrow as pa
+from pydantic import BaseModel, ConfigDict
 
-from tidemark.config import FileArchiveSource, Pipeline, PostgresLogSource
+from tidemark.config import FileArchiveSource, Pipeline, PostgresLogSource, Source
 from tidemark.ledger.state import Range
 
 # Every source yields batches of exactly this schema.
@@ -40,41 +40,47 @@ class Planner(Protocol):
 
 def planner(pipeline: Pipeline) -> Planner:
     src = pipeline.source
-    where = f"pipeline {pipeline.name}: source"
     if isinstance(src, PostgresLogSource):
         from tidemark.sources.postgres_log import PostgresLogPlanner
-        return PostgresLogPlanner(src, src.resolve(where))
+        return PostgresLogPlanner(src, pipeline.source_dsn())
     from tidemark.sources.file_archive import FileArchivePlanner
     return FileArchivePlanner(src)
 
 
-def reader_spec(pipeline: Pipeline) -> dict:
-    """What an executor needs to read this pipeline's source (the DSN resolved here)."""
+class ReadJob(BaseModel):
+    """What the driver hands the Spark reader: the source (its DSN resolved on the driver, so
+    executors need no Airflow connection) and the ranges, one Spark partition each."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    source: Source
+    ranges: list[tuple[int, int, int]]  # (partition, start, end)
+
+
+def reader_source(pipeline: Pipeline) -> PostgresLogSource | FileArchiveSource:
+    """The pipeline's source as an executor reads it: a connection resolved to its DSN."""
     src = pipeline.source
-    spec = src.model_dump(mode="json")
     if isinstance(src, PostgresLogSource):
-        spec["dsn"] = src.resolve(f"pipeline {pipeline.name}: source")
-        spec.pop("conn_id", None)
-    return spec
+        return src.model_copy(update={"dsn": pipeline.source_dsn(), "conn_id": None})
+    return src
 
 
-def read_range(spec: dict, r: Range):
-    if spec["type"] == "postgres_log":
+def read_range(source: PostgresLogSource | FileArchiveSource, r: Range):
+    if isinstance(source, PostgresLogSource):
         from tidemark.sources.postgres_log import read_range as impl
     else:
         from tidemark.sources.file_archive import read_range as impl
-    yield from impl(spec, r)
+    yield from impl(source, r)
 
 
 def dataframe(spark, pipeline: Pipeline, ranges: list[Range]):
     """The source records of ``ranges`` as a DataFrame, one Spark partition per range."""
     from tidemark.sources.spark_source import register
     register(spark)
-    payload = {"spec": reader_spec(pipeline),
-               "ranges": [[r.partition, r.start, r.end] for r in ranges]}
+    job = ReadJob(source=reader_source(pipeline),
+                  ranges=[(r.partition, r.start, r.end) for r in ranges])
     return (spark.read.format("tidemark").schema(SPARK_SCHEMA)
-            .option("job", json.dumps(payload)).load())
+            .option("job", job.model_dump_json()).load())
 
 
-__all__ = ["SCHEMA", "SPARK_SCHEMA", "FileArchiveSource", "PostgresLogSource", "dataframe",
-           "planner", "read_range"]
+__all__ = ["SCHEMA", "SPARK_SCHEMA", "FileArchiveSource", "PostgresLogSource", "ReadJob",
+           "dataframe", "planner", "read_range"]

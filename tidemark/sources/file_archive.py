@@ -283,7 +283,7 @@ def _jsonl_last_offset(a: _Archive, path: str, shown: str) -> int | None:
 
 # --- reader ------------------------------------------------------------------------------------
 
-def read_range(spec: dict, r: Range) -> Iterator[pa.RecordBatch]:
+def read_range(src: FileArchiveSource, r: Range) -> Iterator[pa.RecordBatch]:
     """Executor side: the records of ``r`` as batches of :data:`tidemark.sources.SCHEMA`.
 
     Opens only the segments whose ``[base, next base)`` meets ``[r.start, r.end)`` (plus the
@@ -294,10 +294,10 @@ def read_range(spec: dict, r: Range) -> Iterator[pa.RecordBatch]:
 
     if r.size <= 0:
         return
-    fmt = spec.get("format", "parquet")
+    fmt = src.format
     if fmt not in FORMATS:
         raise TidemarkError(f"file archive: unknown format {fmt!r}")
-    a = _Archive(spec["uri"])
+    a = _Archive(src.uri)
     segs = a.segments(r.partition, fmt)
     where = f"file archive {a.shown} partition {r.partition}"
     if not segs or r.start < segs[0][0]:

@@ -1,6 +1,6 @@
 """``postgres_log``: an append-only table ``(partition, offset, key, payload, headers, ts, xid)``.
 
-The watermark rule (DESIGN.md, last section). Offsets must be *dense and commit-ordered per
+The watermark rule (docs/design.md, last section). Offsets must be *dense and commit-ordered per
 partition*: :func:`append` guarantees it by serializing writers of a partition on a head row,
 so offset n+1 never becomes visible before offset n. The reader enforces it rather than trust
 it: it plans only over rows whose writer transaction is older than the oldest transaction
@@ -149,24 +149,24 @@ class PostgresLogPlanner:
         return gap
 
 
-def read_range(spec: dict, r: Range) -> Iterator[pa.RecordBatch]:
+def read_range(src: PostgresLogSource, r: Range) -> Iterator[pa.RecordBatch]:
     """Executor side: COPY one range out in binary and hand it to Spark as Arrow batches."""
     from tidemark.sources import BATCH_ROWS, SCHEMA
 
-    cols = _ids(spec["columns"])
+    cols = _ids(src.columns.model_dump())
     query = sql.SQL("""COPY (SELECT {offset}, {key}, {payload}, {headers}::text, {ts}
         FROM {t} WHERE {partition} = {p} AND {offset} >= {a} AND {offset} < {b}
         ORDER BY {offset}) TO STDOUT (FORMAT binary)""").format(
-        t=_table(spec["table"]), p=sql.Literal(r.partition), a=sql.Literal(r.start),
+        t=_table(src.table), p=sql.Literal(r.partition), a=sql.Literal(r.start),
         b=sql.Literal(r.end), **cols)
     expected = r.start
-    with psycopg.connect(spec["dsn"], autocommit=True, application_name="tidemark-reader") as conn:
+    with psycopg.connect(src.dsn, autocommit=True, application_name="tidemark-reader") as conn:
         with conn.cursor().copy(query) as copy:
             copy.set_types(["int8", "bytea", "bytea", "text", "timestamptz"])
             buf: list[list] = [[], [], [], [], []]
             for row in copy.rows():
                 if row[0] != expected:
-                    raise TidemarkError(f"source {spec['table']} partition {r.partition}: "
+                    raise TidemarkError(f"source {src.table} partition {r.partition}: "
                                         f"expected offset {expected}, found {row[0]} (rows "
                                         f"deleted or rewritten inside a planned range)")
                 expected += 1
@@ -178,7 +178,7 @@ def read_range(spec: dict, r: Range) -> Iterator[pa.RecordBatch]:
             if buf[0]:
                 yield _batch(SCHEMA, r.partition, buf)
     if expected != r.end:
-        raise TidemarkError(f"source {spec['table']} partition {r.partition}: range "
+        raise TidemarkError(f"source {src.table} partition {r.partition}: range "
                             f"[{r.start}, {r.end}) ended at {expected}: rows missing")
 
 

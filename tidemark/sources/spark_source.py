@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from tidemark.ledger.state import Range
@@ -16,15 +14,15 @@ class RangePartition(InputPartition):
 
 
 class _Reader(DataSourceReader):
-    def __init__(self, job: dict):
-        self.job = job
+    def __init__(self, job):
+        self.job = job  # a tidemark.sources.ReadJob
 
     def partitions(self):
-        return [RangePartition(*r) for r in self.job["ranges"]]
+        return [RangePartition(*r) for r in self.job.ranges]
 
     def read(self, partition):
         from tidemark.sources import read_range
-        yield from read_range(self.job["spec"], Range(*partition.range))
+        yield from read_range(self.job.source, Range(*partition.range))
 
 
 class TidemarkSource(DataSource):
@@ -37,7 +35,8 @@ class TidemarkSource(DataSource):
         return SPARK_SCHEMA
 
     def reader(self, schema):
-        return _Reader(json.loads(self.options["job"]))
+        from tidemark.sources import ReadJob
+        return _Reader(ReadJob.model_validate_json(self.options["job"]))
 
 
 def register(spark) -> None:

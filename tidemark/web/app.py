@@ -32,10 +32,12 @@ from fastapi.responses import (
 )
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
+from tidemark.config import dag_id
 from tidemark.core.db import connect, one_line
 from tidemark.core.dsn import mask
 from tidemark.core.errors import BadInput, Busy, NotFound, TidemarkError
 from tidemark.core.settings import get_settings
+from tidemark.core.text import shown
 from tidemark.ledger import dlq
 from tidemark.web import auth as web_auth
 from tidemark.web.auth import Caller, Forbidden, NotAuthenticated, guard
@@ -60,11 +62,8 @@ app = FastAPI(title="Tidemark dead letters", docs_url=None, redoc_url=None, open
 
 # -- plumbing ---------------------------------------------------------------------------------
 def _ledger(**kw) -> psycopg.Connection:
-    dsn = get_settings().ledger_dsn
-    if not dsn:
-        raise TidemarkError("no ledger: TIDEMARK_LEDGER_DSN is not set in the environment of "
-                            "Airflow's API server")
-    return connect(dsn, autocommit=True, what="ledger", **kw)
+    return connect(get_settings().ledger("Airflow's API server"), autocommit=True,
+                   what="ledger", **kw)
 
 
 def _rel(request: Request) -> str:
@@ -163,14 +162,14 @@ def _int(value: str | None, name: str, default: int | None = None) -> int | None
         return default
     value = value.strip()
     if not value.isascii() or not value.isdigit():
-        raise BadInput(f"{name} {value[:40]!r}: not a positive integer")
+        raise BadInput(f"{name} {shown(value, 40)}: not a positive integer")
     return int(value)
 
 
 def _record_id(value: str) -> int:
     rid = _int(value, "id")
     if not rid:
-        raise BadInput(f"id {value[:40]!r}: not a dead-letter id")
+        raise BadInput(f"id {shown(value, 40)}: not a dead-letter id")
     return rid
 
 
@@ -267,7 +266,7 @@ def _airflow_links(request: Request, run: dict | None) -> dict[str, str]:
     dag_run = f"{root}/dags/{quote(af['dag_id'], safe='')}/runs/{quote(af['run_id'], safe='')}"
     out = {"dag_run": dag_run}
     if isinstance(af.get("task_id"), str):
-        tries = f"?try_number={af['try']}" if isinstance(af.get("try"), int) else ""
+        tries = f"?try_number={af['try_number']}" if af.get("try_number") is not None else ""
         out["task_log"] = f"{dag_run}/tasks/{quote(af['task_id'], safe='')}{tries}"
     return out
 
@@ -493,7 +492,7 @@ def _redrive(request: Request, caller: Caller, ids: list[int]) -> dict:
     root = _links(request)["airflow"]
     with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {caller.token}"}) as http:
         for pipeline, chosen in groups.items():
-            dag = f"{web_auth.dag_id(pipeline)}_redrive"
+            dag = dag_id(pipeline, "redrive")
             conf = {"ids": chosen, "requested_by": caller.name}
             try:
                 r = http.post(f"{api}/dags/{quote(dag, safe='')}/dagRuns",

@@ -22,6 +22,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from fastapi import Request
 
+from tidemark.config import dag_id
+
 COOKIE = "_token"  # airflow.api_fastapi.auth.managers.base_auth_manager.COOKIE_NAME_JWT_TOKEN
 CSRF_FIELD = "csrf_token"
 CSRF_HEADER = "x-csrf-token"
@@ -34,10 +36,6 @@ class NotAuthenticated(Exception):
 
 class Forbidden(Exception):
     """Authenticated, not allowed: 403."""
-
-
-def dag_id(pipeline: str) -> str:
-    return f"tidemark_{pipeline}"
 
 
 @dataclass

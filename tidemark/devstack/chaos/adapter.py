@@ -18,6 +18,7 @@ import psycopg
 
 from tidemark.devstack.chaos.faults import Job
 from tidemark.devstack.chaos.world import PIPELINE, World
+from tidemark.ledger.state import RunState
 
 # Exit codes of the CLI (README "Exit codes"): 0 done, 1 failed, 2 bad input, 3 lease held,
 # 4 fenced, 5 halted by an inconsistency, 143 SIGTERM; 70 an internal error (a bug).
@@ -150,7 +151,7 @@ def _report(report) -> str:
         return _one_line(report.message)
     parts = [f"run {report.run_id} {report.mode} {report.records} read"]
     for s in report.sinks.values():
-        tail = f" ({_one_line(s.error, 100)})" if s.error and s.state != "committed" else ""
+        tail = f" ({_one_line(s.error, 100)})" if s.error and s.state != RunState.COMMITTED else ""
         parts.append(f"{s.sink}={s.state}:{s.rows}+{s.dead}dlq{tail}")
     for s, why in report.skipped.items():
         parts.append(f"{s}=skipped ({_one_line(why, 60)})")

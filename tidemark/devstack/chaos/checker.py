@@ -1,4 +1,4 @@
-"""The independent checker: DESIGN.md's invariants read straight from the databases.
+"""The independent checker: docs/design.md's invariants read straight from the databases.
 
 It shares no code with the data path on purpose (plain psycopg and SQL against the source
 log, the sink tables, ``tidemark.dlq``, ``tidemark.checkpoints``, ``tidemark.pipelines``,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psycopg
 
-from tidemark.core.faults import POINTS
+from tidemark.core.faults import armed
 
 KINDS = ("kill", "backends", "pg_restart", "sigstop")
 
@@ -58,19 +58,10 @@ class Job:
 
     def __init__(self, argv: list[str], env: dict[str, str], *, cwd: Path, log_path: Path,
                  pause_dir: Path, pause_at: str | None = None, crash_at: str | None = None):
-        env = dict(env)
+        env = armed(env, pause_dir, pause_at, crash_at)
         self.pause_dir = pause_dir
         self.pause_at = pause_at
         self.log_path = log_path
-        if pause_at:
-            assert pause_at in POINTS, pause_at
-            pause_dir.mkdir(parents=True, exist_ok=True)
-            for name in ("reached", "resume"):
-                os.mkfifo(pause_dir / name)
-            env.update(TIDEMARK_PAUSE_AT=pause_at, TIDEMARK_PAUSE_DIR=str(pause_dir))
-        if crash_at:
-            assert crash_at in POINTS, crash_at
-            env["TIDEMARK_CRASH_AT"] = crash_at
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in wait()/kill()
         self._log.write("$ " + " ".join(argv[1:]) + "\n")
         self._log.flush()

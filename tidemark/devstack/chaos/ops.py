@@ -19,9 +19,11 @@ from dataclasses import dataclass, field, replace
 import psycopg
 
 from tidemark.core.faults import POINTS
+from tidemark.core.text import clamp
 from tidemark.devstack.chaos import world as w
 from tidemark.devstack.chaos.adapter import InProcess, Outcome, Subprocess
 from tidemark.devstack.chaos.faults import KINDS, Job, terminate_backends
+from tidemark.ledger import checkpoints, dlq
 
 OPS = {"append": 14, "append_poison": 10, "run": 18, "run_sink": 10, "backfill": 8,
        "redrive": 8, "discard": 6, "edit": 14}
@@ -143,20 +145,22 @@ class Chaos:
         return f"appended {clean} clean + {poison} poison ({where})"
 
     # -- state the choices must fit -------------------------------------------------------
+    def _ledger(self) -> psycopg.Connection:
+        return psycopg.connect(self.world.ledger_dsn, autocommit=True, application_name="chaos")
+
     def _q(self, sql: str, params=()) -> list[tuple]:
-        with psycopg.connect(self.world.ledger_dsn, autocommit=True,
-                             application_name="chaos") as conn:
+        with self._ledger() as conn:
             return conn.execute(sql, params).fetchall()
 
     def checkpoints(self) -> dict[tuple[str, int], int]:
-        return {(s, p): n for s, p, n in self._q(
-            "SELECT sink, partition, next_offset FROM tidemark.checkpoints WHERE pipeline = %s",
-            (w.PIPELINE,))}
+        with self._ledger() as conn:
+            at = checkpoints.positions(conn, w.PIPELINE)
+        return {(s, p): n for s, parts in at.items() for p, n in parts.items()}
 
     def quarantined(self) -> list[int]:
-        return [i for (i,) in self._q(
-            "SELECT id FROM tidemark.dlq WHERE pipeline = %s AND status = 'quarantined' "
-            "ORDER BY id", (w.PIPELINE,))]
+        with self._ledger() as conn:
+            return dlq.matching_ids(conn, dlq.Filters.parse(pipeline=w.PIPELINE,
+                                                             status="quarantined"))
 
     def _backfill_args(self, rng: random.Random):
         sinks = rng.choice([None, None, ["a"], ["b"]])
@@ -353,5 +357,4 @@ def _sinks(sinks: list[str] | None) -> str:
 
 
 def _short(ids: list[int]) -> str:
-    text = ",".join(map(str, ids))
-    return text if len(text) <= 40 else text[:39] + "…"
+    return clamp(",".join(map(str, ids)), 40)

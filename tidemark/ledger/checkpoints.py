@@ -1,0 +1,28 @@
+"""Checkpoints: per (pipeline, sink, partition), the next offset to deliver. Written only by
+the run state machine (state.py: seeded at a claim, advanced at a commit); read here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import psycopg
+from psycopg.rows import dict_row
+
+
+def listing(conn: psycopg.Connection, pipeline: str,
+            sinks: Iterable[str] | None = None) -> list[dict]:
+    """Rows {sink, partition, next_offset, updated_at}, ordered by sink and partition."""
+    names = None if sinks is None else list(sinks)
+    return conn.cursor(row_factory=dict_row).execute(
+        """SELECT sink, partition, next_offset, updated_at FROM tidemark.checkpoints
+           WHERE pipeline = %s AND (%s::text[] IS NULL OR sink = ANY(%s::text[]))
+           ORDER BY sink, partition""", (pipeline, names, names)).fetchall()
+
+
+def positions(conn: psycopg.Connection, pipeline: str,
+              sinks: Iterable[str] | None = None) -> dict[str, dict[int, int]]:
+    """{sink: {partition: next_offset}} of the pipeline (only ``sinks``, if given)."""
+    out: dict[str, dict[int, int]] = {}
+    for r in listing(conn, pipeline, sinks):
+        out.setdefault(r["sink"], {})[r["partition"]] = r["next_offset"]
+    return out

@@ -1,0 +1,74 @@
+"""Great Expectations Data Docs: each gate's validation rendered as HTML into a file-system
+GX project rooted at the pipeline's docs folder, and the index page over them."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from typing import Any
+
+from tidemark.quality.expectations import _gx
+from tidemark.quality.expectations import lock as _lock
+
+_docs_contexts: dict[str, Any] = {}
+
+
+def _docs_context(docs_dir: str):
+    """A file-system GX project rooted at ``docs_dir`` (one per directory per process)."""
+    root = os.path.abspath(docs_dir)
+    with _lock:
+        ctx = _docs_contexts.get(root)
+        if ctx is None:
+            gx = _gx()
+            os.makedirs(root, exist_ok=True)
+            ctx = gx.get_context(mode="file", project_root_dir=root)
+            _docs_contexts[root] = ctx
+        return ctx
+
+
+def _safe_name(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", label).strip("._") or "gate"
+
+
+def _render_docs(docs_dir: str, label: str, batch_id: str, res) -> str:
+    from great_expectations.core.run_identifier import RunIdentifier
+    from great_expectations.data_context.types.resource_identifiers import (
+        ExpectationSuiteIdentifier,
+        ValidationResultIdentifier,
+    )
+
+    ctx = _docs_context(docs_dir)
+    name = _safe_name(label)
+    run_id = RunIdentifier(run_name=name, run_time=datetime.datetime.now(datetime.UTC))
+    key = ValidationResultIdentifier(
+        expectation_suite_identifier=ExpectationSuiteIdentifier(name=name),
+        run_id=run_id,
+        batch_identifier=batch_id,
+    )
+    res.meta["run_id"] = run_id
+    with _lock:
+        ctx.validation_results_store.set(key, res)
+        # Only this run's page: the index lists every stored validation, so rebuilding it in
+        # each run would cost more with every run (`tidemark dq docs` rebuilds it).
+        ctx.build_data_docs(resource_identifiers=[key], build_index=False)
+        urls = ctx.get_docs_sites_urls(resource_identifier=key)
+    for site in urls:
+        url = site.get("site_url")
+        if url:
+            return url.removeprefix("file://")
+    return _index_page(docs_dir)
+
+
+def _index_page(docs_dir: str) -> str:
+    return os.path.join(os.path.abspath(docs_dir), "gx", "uncommitted", "data_docs",
+                        "local_site", "index.html")
+
+
+def build_docs_index(docs_dir: str) -> tuple[str, int]:
+    """Rebuild the Data Docs index page of ``docs_dir``: (its path, validations it lists)."""
+    ctx = _docs_context(docs_dir)
+    with _lock:
+        count = len(ctx.validation_results_store.list_keys())
+        ctx.build_data_docs()
+    return _index_page(docs_dir), count
