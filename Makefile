@@ -11,7 +11,7 @@ PGDIR  := $(STATE)/pg
 ENVF   := $(STATE)/env
 UV_VERSION := 0.13.9
 
-.PHONY: help venv browser pg up down test lint bench chaos clean
+.PHONY: help venv lock browser pg up down test lint bench chaos clean
 
 help:
 	@echo "make up     local PostgreSQL + ledger + demo data + Airflow (demo DAG unpaused)"
@@ -19,15 +19,34 @@ help:
 	@echo "make test   lint and the whole test suite (starts its own servers)"
 	@echo "make bench  the replay benchmark (2M records)"
 	@echo "make chaos  randomized fault checker (STEPS=300 SEED=<n>; default seed random)"
+	@echo "make lock   recompile requirements.txt from pyproject.toml"
 
 venv: $(VENV)/.installed
 
+$(BIN)/uv:
+	python3 -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check uv==$(UV_VERSION)
+
+# Exactly the lock: `uv pip sync` resolves nothing (so nothing re-adds a package the lock
+# excludes) and removes what the lock does not list. Removing pyspark-client from a venv made
+# before the lock excluded it deletes files it shared with pyspark: reinstall pyspark first.
 $(VENV)/.installed: requirements.txt pyproject.toml
 	python3 -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check uv==$(UV_VERSION)
-	$(BIN)/uv pip install -q --python $(PY) -r requirements.txt
+	if $(BIN)/uv pip show -q --python $(PY) pyspark-client; then \
+	  $(BIN)/uv pip uninstall -q --python $(PY) pyspark-client && \
+	  $(BIN)/uv pip install -q --python $(PY) --no-deps --reinstall-package pyspark \
+	    -r requirements.txt; \
+	fi
+	$(BIN)/uv pip sync -q --python $(PY) requirements.txt
 	$(BIN)/uv pip install -q --python $(PY) --no-deps -e .
 	touch $@
+
+# Recompile requirements.txt from pyproject.toml (every extra), keeping the current pins
+# unless they must move; `make lock UPGRADE=--upgrade` takes the newest allowed versions.
+lock: $(BIN)/uv
+	$(BIN)/uv pip compile pyproject.toml --all-extras --excludes requirements-excludes.txt \
+	  --python-version 3.11 -o requirements.txt $(UPGRADE)
 
 # The browser tests drive Debian's Chromium (Playwright downloads nothing).
 CHROMIUM := /usr/bin/chromium

@@ -208,6 +208,6 @@ def test_dockerfile_installs_requirements_and_tidemark():
     assert re.search(r"^FROM apache/airflow:3\.3\.\d+-python3\.11\b", text, re.M)
     assert "openjdk-17-jre-headless" in text
     assert re.search(r"^COPY requirements\.txt /requirements\.txt$", text, re.M)
-    assert re.search(r"pip install --no-cache-dir -r /requirements\.txt", text)
+    assert re.search(r"pip install --no-cache-dir --no-deps -r /requirements\.txt", text)
     assert re.search(r"pip install .*-e /opt/tidemark", text)
     assert re.search(r"^ENV PYTHONPATH=/opt/tidemark$", text, re.M)
