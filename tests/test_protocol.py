@@ -10,6 +10,7 @@ from tests.invariants import assert_exactly_once
 from tidemark.core.errors import TidemarkError
 from tidemark.driver.run import Backfill
 from tidemark.ledger import state
+from tidemark.protocol.taskspec import TASK_PHASES
 
 
 def test_run_delivers_once_then_only_what_is_new(env, spark):
@@ -29,6 +30,13 @@ def test_run_delivers_once_then_only_what_is_new(env, spark):
                               (report.run_id,)))
     assert metrics["rows"] == 200 and metrics["records"] == 200
     assert metrics["write_seconds"] > 0 and "commit_seconds" in metrics
+    # Where the time went, per phase of the tasks (task-seconds), in the run's metrics too.
+    for phase in TASK_PHASES:
+        assert metrics[f"task_{phase}_seconds"] >= 0, phase
+        assert report.phases[f"task_{phase}_seconds"] == metrics[f"task_{phase}_seconds"]
+    assert metrics["task_read_transform_seconds"] > 0 and metrics["task_copy_seconds"] > 0
+    # A first delivery of new keys COPYs straight into the target: no staging merge.
+    assert metrics["task_merge_seconds"] == 0
     # Every sink row carries partition, offset and run id.
     rows = env.q(env.sink_dsn, "SELECT id, _tm_partition, _tm_offset, _tm_run_id FROM orders "
                  "WHERE id IN (0, 1, 7)")

@@ -36,7 +36,7 @@ from tidemark.ledger import runs, state
 from tidemark.ledger.migrations import require_current
 from tidemark.ledger.state import AirflowRun, Claim, Participant, Range, RunState
 from tidemark.protocol import gids, recovery, sinks, twopc
-from tidemark.protocol.taskspec import SinkTarget, TaskResult, TaskSpec
+from tidemark.protocol.taskspec import TASK_PHASES, SinkTarget, TaskResult, TaskSpec
 
 Log = Callable[[str], None]
 
@@ -68,6 +68,7 @@ class RunReport:
     seconds: float = 0.0
     message: str = ""
     redrive: dict | None = None  # redriven / failed_again / skipped dead letters
+    phases: dict[str, float] = field(default_factory=dict)  # where the time went (seconds)
 
     @property
     def ok(self) -> bool:
@@ -77,6 +78,7 @@ class RunReport:
         return {"run_id": self.run_id, "pipeline": self.pipeline, "mode": self.mode,
                 "records": self.records, "seconds": round(self.seconds, 2),
                 "message": self.message, "skipped": self.skipped, "redrive": self.redrive,
+                "phases": self.phases,
                 "sinks": {k: vars(v) for k, v in self.sinks.items()}}
 
     def summary(self) -> str:
@@ -159,7 +161,7 @@ class Run:
         self.clock[phase] = time.monotonic()
 
     def _timings(self) -> dict[str, float]:
-        order = ["start", "claim", "write", "decide", "commit"]
+        order = ["start", "claim", "gate", "write", "decide", "commit"]
         have = [p for p in order if p in self.clock]
         return {f"{b}_seconds": round(self.clock[b] - self.clock[a], 3)
                 for a, b in zip(have, have[1:], strict=False)}
@@ -262,6 +264,7 @@ class Run:
                                     {s: c.ranges for s, c in claim.sinks.items()}, ledger,
                                     str(self.s.data_docs_dir), self.mode.gate_policy)
             failed = sum(len(offs) for f in verdict.rows.values() for offs in f.values())
+            self._mark("gate")
             self.log(f"run {run_id}: data quality: {failed:,} rows failed, gate "
                      f"{'failed' if verdict.halted or verdict.quarantine else 'passed'} "
                      f"(`tidemark dq show {run_id}`)")
@@ -362,6 +365,22 @@ class Run:
             failed=v.rows.get(gate.PIPELINE, {}), quarantine=v.quarantine.get(gate.PIPELINE),
             sinks=targets)
 
+    def _task_phases(self, sink: str | None) -> dict[str, float]:
+        """Task-seconds per phase summed over the run's tasks: the task's own (waiting on
+        Spark's read, decode and transform; row checks) and its writes to ``sink`` (every
+        sink's if None). Tasks run side by side, so these add up to more than the wall time."""
+        total = dict.fromkeys(TASK_PHASES, 0.0)
+        for r in self.results:
+            parts = [r.phases, *(m.phases for name, m in r.sinks.items()
+                                 if sink is None or name == sink)]
+            for phases in parts:
+                for k, v in phases.items():
+                    total[k] = total.get(k, 0.0) + v
+        return {f"task_{k}_seconds": round(v, 3) for k, v in total.items()}
+
+    def _phases(self) -> dict[str, float]:
+        return {**self._timings(), **self._task_phases(None)}
+
     def _chosen(self, sink: str) -> list[Participant]:
         return [Participant(p.gid, p.target, r.task, p.rows)
                 for r in self.results for p in r.participants if p.sink == sink]
@@ -435,12 +454,14 @@ class Run:
             self._mark("commit")
             for sink in decided:
                 try:
-                    state.advance(ledger, self.p.name, claim.run_id, sink, self._timings())
+                    state.advance(ledger, self.p.name, claim.run_id, sink,
+                                  {**self._timings(), **self._task_phases(sink)})
                 except state.IllegalTransition:
                     # A concurrent recovery rolled it forward first: the same outcome.
                     if state.state_of(ledger, claim.run_id, sink) != RunState.COMMITTED:
                         raise
                 report.sinks[sink].state = RunState.COMMITTED
+            report.phases = self._phases()
             faults.point("after_advance")
         except psycopg.OperationalError as exc:
             raise TidemarkError(f"run {claim.run_id}: lost a connection while committing "

@@ -35,6 +35,7 @@ import pyarrow.csv as pacsv
 from psycopg import sql
 
 from tidemark.core import faults
+from tidemark.core.clock import Phases
 from tidemark.core.db import is_data_error, one_line, qualified
 from tidemark.core.text import clamp
 from tidemark.engine.records import ERR_CLASS, ERR_REASON
@@ -102,8 +103,8 @@ def rollback_earlier_attempts(dsn: str, prefix: str, run_id: int, stage: str, ta
 class DeadLetters:
     """One sink's dead letters in one ledger transaction (stage ``d.<sink>``)."""
 
-    def __init__(self, spec: TaskSpec, sink: str, gid: str):
-        self.spec, self.sink, self.gid = spec, sink, gid
+    def __init__(self, spec: TaskSpec, sink: str, gid: str, phases: Phases):
+        self.spec, self.sink, self.gid, self.phases = spec, sink, gid, phases
         self.conn: psycopg.Connection | None = None
         self.rows = 0
         self.resolved = 0
@@ -167,9 +168,10 @@ class DeadLetters:
         if not self.rows and not self.resolved:
             self.close()  # nothing to commit: no participant
             return None
-        self.stage.drop()
-        _finish(self.conn, self.gid, self.spec.run_id, self.spec.prepare)
-        self.conn.close()
+        with self.phases("prepare"):
+            self.stage.drop()
+            _finish(self.conn, self.gid, self.spec.run_id, self.spec.prepare)
+            self.conn.close()
         return Prepared(gid=self.gid, target="ledger", sink=self.sink,
                         rows=self.rows + self.resolved)
 
@@ -183,11 +185,16 @@ class SinkWriter:
 
     def __init__(self, spec: TaskSpec, target: SinkTarget, gid: str, dead: DeadLetters):
         self.spec, self.target, self.gid, self.dead = spec, target, gid, dead
+        self.phases = dead.phases
         self.conn: psycopg.Connection | None = None
         self.out = {"records": 0, "rows": 0, "superseded": 0, "removed": 0}
         self.failed: str | None = None
         self.pending: list[pa.RecordBatch] = []
         self.pending_rows = 0
+        # A first delivery usually brings keys the target does not have yet: COPY straight
+        # into it and let its unique index prove that (see _copy_direct).
+        self.direct = spec.mode == "run"
+        self.staged = False
 
     def _open(self) -> psycopg.Connection:
         if self.conn is not None:
@@ -199,10 +206,9 @@ class SinkWriter:
         cols = [*self.spec.columns, PARTITION, OFFSET, "_tm_run_id"]
         ident = [sql.Identifier(c) for c in cols]
         keys = [sql.Identifier(k) for k in t.key]
-        self.conn.execute(sql.SQL("CREATE UNLOGGED TABLE {} (LIKE {})").format(
-            self.stage_table, self.table))
-        self.copy_sql = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(
-            self.stage_table, sql.SQL(", ").join(ident))
+        copy = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)")
+        self.copy_sql = copy.format(self.stage_table, sql.SQL(", ").join(ident))
+        self.direct_sql = copy.format(self.table, sql.SQL(", ").join(ident))
         updates = [sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(c), sql.Identifier(c))
                    for c in cols if c not in t.key]
         order = [*keys]
@@ -241,6 +247,8 @@ class SinkWriter:
             return
         self.pending.append(batch)
         self.pending_rows += batch.num_rows
+
+    def flush_full(self) -> None:
         if self.pending_rows >= FLUSH_ROWS:
             self.flush()
 
@@ -272,18 +280,56 @@ class SinkWriter:
                                    f"several partitions, which offsets do not order; declare "
                                    f"a version column for this sink (sinks[].version)")
 
+    def _encode(self, table: pa.Table) -> io.BytesIO:
+        with self.phases("encode"):
+            buf = io.BytesIO()
+            run_col = pa.array([self.spec.run_id] * table.num_rows, pa.int64())
+            out = table.append_column("_tm_run_id", run_col).select(self.columns)
+            pacsv.write_csv(_for_csv(out), buf,
+                            pacsv.WriteOptions(include_header=False, batch_size=8192))
+            return buf
+
     def _write(self, table: pa.Table) -> None:
+        if self.direct and self._copy_direct(table):
+            return
+        self._merge(table)
+
+    def _copy_direct(self, table: pa.Table) -> bool:
+        """COPY the rows straight into the target. That succeeds only if no key of theirs is
+        in the target or twice among them (the unique index on the key, which every sink
+        table has, refuses it), and then it writes exactly what the merge would: every row,
+        nothing superseded. Any data error rolls the savepoint back and the staging merge
+        decides (versions, duplicates, bisecting bad rows); a key already present turns the
+        direct path off for the rest of the task."""
+        buf = self._encode(table)
+        try:
+            with self.conn.transaction(), self.phases("copy"), \
+                    self.conn.cursor().copy(self.direct_sql) as copy:
+                copy.write(buf.getbuffer())
+        except psycopg.Error as exc:
+            if not is_data_error(exc):
+                raise
+            if exc.sqlstate == "23505":  # unique_violation: keys repeat, merge from now on
+                self.direct = False
+            return False
+        self.out["rows"] += table.num_rows
+        return True
+
+    def _merge(self, table: pa.Table) -> None:
+        """Stage the rows, then upsert them into the target, guarded by version; on bad data
+        bisect down to the rows at fault and quarantine them."""
+        if not self.staged:
+            self.conn.execute(sql.SQL("CREATE UNLOGGED TABLE {} (LIKE {})").format(
+                self.stage_table, self.table))
+            self.staged = True
         try:
             with self.conn.transaction():  # a savepoint: bisect on bad data
-                buf = io.BytesIO()
-                run_col = pa.array([self.spec.run_id] * table.num_rows, pa.int64())
-                out = table.append_column("_tm_run_id", run_col).select(self.columns)
-                pacsv.write_csv(_for_csv(out), buf,
-                                pacsv.WriteOptions(include_header=False, batch_size=8192))
-                with self.conn.cursor().copy(self.copy_sql) as copy:
+                buf = self._encode(table)
+                with self.phases("copy"), self.conn.cursor().copy(self.copy_sql) as copy:
                     copy.write(buf.getbuffer())
-                written = self.conn.execute(self.merge_sql).rowcount
-                self.conn.execute(self.truncate_sql)
+                with self.phases("merge"):
+                    written = self.conn.execute(self.merge_sql).rowcount
+                    self.conn.execute(self.truncate_sql)
             self.out["rows"] += written
             self.out["superseded"] += table.num_rows - written
         except psycopg.Error as exc:
@@ -294,8 +340,8 @@ class SinkWriter:
                               f"{exc}\n(sink {self.target.name}, table {self.target.table})")
                 return
             half = table.num_rows // 2
-            self._write(table.slice(0, half))
-            self._write(table.slice(half))
+            self._merge(table.slice(0, half))
+            self._merge(table.slice(half))
 
     def _fail(self, exc: BaseException) -> None:
         self.failed = f"sink {self.target.name}: {one_line(exc)}"
@@ -322,9 +368,11 @@ class SinkWriter:
         if self.failed or self.conn is None:
             return None  # failed, or nothing to write: no participant
         try:
-            self.conn.execute(sql.SQL("DROP TABLE {}").format(self.stage_table))
-            _finish(self.conn, self.gid, self.spec.run_id, self.spec.prepare)
-            self.conn.close()
+            with self.phases("prepare"):
+                if self.staged:
+                    self.conn.execute(sql.SQL("DROP TABLE {}").format(self.stage_table))
+                _finish(self.conn, self.gid, self.spec.run_id, self.spec.prepare)
+                self.conn.close()
         except psycopg.Error as exc:
             self._fail(exc)
             return None
@@ -472,7 +520,8 @@ class _Sink:
                      "failed_again": sorted(failed), "skipped": self.skipped}
         return SinkResult(records=o["records"], rows=o["rows"], dead=self.dead.rows,
                           superseded=o["superseded"], removed=o["removed"],
-                          resolved=self.dead.resolved, error=self.w.failed, **extra)
+                          resolved=self.dead.resolved, error=self.w.failed,
+                          phases=self.w.phases.rounded(), **extra)
 
 
 def make_task(spec: TaskSpec):
@@ -506,9 +555,10 @@ def _run_task(spec: TaskSpec, task: int, attempt: int,
         for t in spec.sinks:
             rollback_earlier_attempts(t.dsn, prefix, run_id, gids.sink_stage(t.name), task,
                                       attempt)
+    phases = Phases()
     sinks = []
     for t in spec.sinks:
-        dead = DeadLetters(spec, t.name, gid(gids.dlq_stage(t.name)))
+        dead = DeadLetters(spec, t.name, gid(gids.dlq_stage(t.name)), Phases())
         sinks.append(_Sink(spec, t, SinkWriter(spec, t, gid(gids.sink_stage(t.name)), dead)))
     if spec.reads is not None and task >= len(spec.reads):
         return TaskResult(task=task, attempt=attempt, records=0, error=(
@@ -520,14 +570,19 @@ def _run_task(spec: TaskSpec, task: int, attempt: int,
     try:
         for s in sinks:
             s.skipped = s.dead.hold(s.t.letters) if spec.mode == "redrive" else []
-        for whole in batches:
-            for partition, batch in _by_partition(whole) if whole.num_rows else ():
-                seen += batch.num_rows
-                accounts.add(partition, batch)
-                for s in sinks:
-                    mine = s.scope(partition, batch)
-                    if mine.num_rows:
-                        s.place(partition, mine)
+        # Upstream of this function Spark reads, decodes and transforms: the time spent
+        # waiting for each next batch is theirs.
+        for whole in phases.waiting("read_transform", batches):
+            with phases("checks"):  # scope, accounting, row verdicts, dead letters
+                for partition, batch in _by_partition(whole) if whole.num_rows else ():
+                    seen += batch.num_rows
+                    accounts.add(partition, batch)
+                    for s in sinks:
+                        mine = s.scope(partition, batch)
+                        if mine.num_rows:
+                            s.place(partition, mine)
+            for s in sinks:
+                s.w.flush_full()
         held = {k for s in sinks for k in s.dead.held}
         problem = accounts.problem(held if span is None else None)
         if problem is None:
@@ -553,7 +608,7 @@ def _run_task(spec: TaskSpec, task: int, attempt: int,
         raise
     _close(sinks)  # a failed sink's letters roll back with it
     return TaskResult(task=task, attempt=attempt, records=seen, participants=participants,
-                      sinks={s.t.name: s.result() for s in sinks})
+                      sinks={s.t.name: s.result() for s in sinks}, phases=phases.rounded())
 
 
 def _close(sinks: list[_Sink]) -> None:

@@ -12,6 +12,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 Mode = Literal["run", "backfill", "redrive"]
+# Where a task's time goes (seconds, TaskResult.phases and SinkResult.phases): waiting for
+# Spark to read, decode and transform the next batch; scoping, accounting and row verdicts;
+# then per sink encoding, COPY, the staging merge, and the marker row with PREPARE.
+TASK_PHASES = ("read_transform", "checks", "encode", "copy", "merge", "prepare")
 Failures = dict[int, dict[int, str]]  # partition -> offset -> reason
 
 
@@ -89,6 +93,7 @@ class SinkResult(_Model):
     failed_again: list[int] = []         # redrive: letter ids quarantined again
     skipped: list[int] = []              # redrive: letter ids no longer quarantined
     error: str | None = None             # this sink failed in this task
+    phases: dict[str, float] = {}        # seconds: encode, copy, merge, prepare
 
 
 class TaskResult(_Model):
@@ -98,3 +103,4 @@ class TaskResult(_Model):
     participants: list[Prepared] = []
     sinks: dict[str, SinkResult] = {}
     error: str | None = None             # the task could not account for its range
+    phases: dict[str, float] = {}        # seconds: read_transform (waiting on Spark), checks
