@@ -27,13 +27,13 @@ CRASH_POINTS = {
 }
 
 
-def _world(env, **pipeline):
+def _world(env):
     env.append_orders(range(300))
     env.append([(0, b"poison", b"{not json", None, None), (1, b"poison2", b"\xff", None, None)])
     sinks = [{"name": "main", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"]},
              {"name": "second", "dsn": env.sink2_dsn, "table": "public.orders",
               "key": ["id"]}]
-    env.pipeline(sinks=sinks, **pipeline)
+    env.pipeline(sinks=sinks)
     return {"main": env.sink_dsn, "second": env.sink2_dsn}
 
 
@@ -82,36 +82,6 @@ def test_crash_at_every_step_then_recover_and_rerun(env, spark, point):
     assert env.ledger("SELECT sink, count(*) FROM tidemark.dlq GROUP BY 1 ORDER BY 1") == \
         [("main", 2), ("second", 2)]
     assert env.ledger("SELECT max(attempts) FROM tidemark.dlq") == [(1,)]
-    assert_exactly_once(env, sinks=sinks)
-
-
-@pytest.mark.parametrize("point", ["task_after_prepare", "after_decide", "mid_finish"])
-def test_crash_of_a_run_split_into_sub_ranges(env, spark, point):
-    """Each partition's 151 records in pieces of at most 40: eight tasks, each its own
-    participant per sink. SIGKILL while some pieces are prepared and others not yet written,
-    after the decision, or between two pieces' COMMIT PREPARED: recovery settles every piece
-    the same way and the rerun places the rest, each record once."""
-    sinks = _world(env, limits={"max_records_per_partition": 100_000,
-                                "max_records_per_task": 40})
-    job = JobProcess(env.cli_argv("run", "orders"), env.cli_env(), crash_at=point)
-    code = job.wait()
-    assert code == -signal.SIGKILL, f"expected SIGKILL at {point}, got {code}:\n{job.output()}"
-    if point != "task_after_prepare":  # decided: every piece was chosen, one gid each
-        tasks = {t for (t,) in env.ledger("SELECT task FROM tidemark.participants "
-                                          "WHERE target = 'sink:main'")}
-        assert tasks == set(range(8)), tasks
-    rep = env.recover()
-    assert rep.ok, rep.errors
-    assert env.prepared() == []
-    decided = CRASH_POINTS[point]
-    for dsn in sinks.values():
-        assert _rows(env, dsn) == (300 if decided else 0), point
-    report = env.run(spark)
-    assert report.ok or report.run_id is None, report.summary()
-    for sink in sinks:
-        assert env.checkpoints(sink=sink) == {0: 151, 1: 151}
-    assert env.ledger("SELECT sink, count(*) FROM tidemark.dlq GROUP BY 1 ORDER BY 1") == \
-        [("main", 2), ("second", 2)]
     assert_exactly_once(env, sinks=sinks)
 
 

@@ -167,8 +167,6 @@ class Sink(Connection):
 
 class Limits(_Model):
     max_records_per_partition: Annotated[int, Field(gt=0)] = 100_000
-    # Records one Spark task reads at most; None: split for the cluster's cores (modes.split).
-    max_records_per_task: Annotated[int, Field(gt=0)] | None = None
 
 
 class Alerts(_Model):

@@ -18,32 +18,6 @@ from tidemark.core.errors import TidemarkError
 from tidemark.ledger.state import Planner, Range
 from tidemark.protocol.taskspec import Span
 
-# Automatic pieces are never smaller: below this a task's fixed cost (connections, a
-# transaction per sink, a Python worker round trip) outweighs what splitting gains.
-MIN_PIECE = 50_000
-
-
-def split(read: list[Range], slots: int, most: int | None = None) -> list[Range]:
-    """The sub-ranges the Spark tasks read, so every core is busy whatever the partition
-    count: each range cut into even pieces of at most ``most`` records (the pipeline's
-    ``limits.max_records_per_task``), or by default of about a share of two waves over the
-    cluster's ``slots`` task slots, and never below :data:`MIN_PIECE`. Each piece is its own
-    task, so its own participant with its own gid (docs/design.md, "Task accounting")."""
-    total = sum(r.size for r in read)
-    size = most or max(MIN_PIECE, -(-total // (2 * max(slots, 1))))
-    out = []
-    for r in read:
-        if r.size <= size:
-            out.append(r)
-            continue
-        # Even pieces, no small tail task: at most `most` records each, or (automatic) at
-        # least `size`.
-        n = -(-r.size // size) if most else r.size // size
-        step = -(-r.size // n)
-        out.extend(Range(r.partition, a, min(a + step, r.end))
-                   for a in range(r.start, r.end, step))
-    return out
-
 
 class Mode(ABC):
     name = "run"
@@ -59,12 +33,8 @@ class Mode(ABC):
     def quality(self, pipeline: Pipeline) -> Pipeline:
         return pipeline
 
-    def pieces(self, pipeline: Pipeline, read: list[Range], slots: int) -> list[Range]:
-        """What the Spark tasks read: the planned ranges split into sub-ranges."""
-        return split(read, slots, pipeline.limits.max_records_per_task)
-
     def reads(self, read: list[Range], dense: bool) -> list[Span] | None:
-        """What task i reads, for its accounting (one Spark task per piece read)."""
+        """What task i reads, for its accounting (one Spark task per range read)."""
         return [Span(partition=r.partition, start=r.start, end=r.end, dense=dense)
                 for r in read]
 

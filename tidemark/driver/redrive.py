@@ -99,9 +99,6 @@ class RedriveMode(Mode):
             "sinks": [s.model_copy(update={"quality": rows_only(s.quality)})
                       for s in pipeline.sinks]})
 
-    def pieces(self, pipeline: Pipeline, read: list[Range], slots: int) -> list[Range]:
-        return read  # the records come from the letters, in one task
-
     def reads(self, read: list[Range], dense: bool):
         return None  # one task over hand-picked records: accounted per record
 

@@ -250,9 +250,6 @@ class Run:
         run_id, ledger = claim.run_id, self.ledger
         spark = self.spark or session(self.s.spark_master, f"tidemark-{self.p.name}")
         self.stop.check()
-        # Sub-ranges, one Spark task each: every core busy whatever the partition count.
-        read = self.mode.pieces(self.p, read, spark.sparkContext.defaultParallelism)
-        self.log(f"run {run_id}: {len(read)} Spark task(s)")
         df = records.rows(self.mode.source(spark, self.p, read), self.p)
         columns = records.output_columns(df)
         verdict = None

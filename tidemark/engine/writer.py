@@ -501,22 +501,15 @@ class _Sink:
                 batch = batch.filter(pc.invert(nulls))
         self.w.add(batch)
 
-    def finish(self, span: Span | None) -> None:
-        """Flush, then (re-delivery) resolve the letters of what passed this time: a
-        backfill's only inside the sub-range this task read (``span``), as the other pieces
-        of the range are other tasks' to resolve."""
+    def finish(self) -> None:
+        """Flush, then (re-delivery) resolve the letters of what passed this time."""
         self.w.flush()
         if not self.spec.redelivery or self.w.failed:
             return
-        if self.spec.mode == "backfill":
-            spans = [(p, (max(a, span.start), min(b, span.end)) if span else (a, b))
-                     for p, (a, b) in self.t.ranges.items()
-                     if span is None or p == span.partition]
-        else:
-            spans = [(p, (0, 0)) for p in sorted({p for p, _ in self.dead.held})]
+        spans = self.t.ranges.items() if self.spec.mode == "backfill" else \
+            ((p, (0, 0)) for p in sorted({p for p, _ in self.dead.held}))
         for part, (a, b) in spans:
-            if self.spec.mode != "backfill" or a < b:
-                self.dead.resolve(part, a, b)
+            self.dead.resolve(part, a, b)
 
     def result(self) -> SinkResult:
         o = self.w.out
@@ -594,7 +587,7 @@ def _run_task(spec: TaskSpec, task: int, attempt: int,
         problem = accounts.problem(held if span is None else None)
         if problem is None:
             for s in sinks:
-                s.finish(span)
+                s.finish()
                 r = s.result()
                 if not r.error and r.records != r.rows + r.dead + r.superseded:
                     problem = (f"sink {s.t.name}: {r.records} records but {r.rows} written + "
