@@ -7,7 +7,7 @@
    exactly-once (PREPARE/COMMIT PREPARED), at-least-once (plain COMMIT per task), and the
    Spark-plus-COPY path: the same read+decode+transform with a plain parallel COPY into the
    table; exactly-once with the demo's Great Expectations suite (the gate's overhead);
-   exactly-once over the one-partition copy (sub-ranges); and the raw ceiling, what
+   exactly-once over the one-partition copy (one task per partition); and the raw ceiling, what
    PostgreSQL itself absorbs: the same rows pre-rendered once, COPY'd by plain psycopg over
    two connections into an identical table, no Spark.
 3. Runs the exactly-once job as users run it, a fresh `tidemark run` process: 2M records
@@ -364,7 +364,7 @@ def main() -> None:
           f"{gate_share:.1%} of the gated run's time, paired per rep (target <= 15%)")
     one = statistics.median(eo[1] / op[1] for eo, op in
                             zip(results["exactly_once"], results["one_partition"], strict=True))
-    print(f"the same records in one partition (split into sub-ranges) replay at {one:.0%} of "
+    print(f"the same records in one partition (one Spark task) replay at {one:.0%} of "
           f"the four-partition rate, paired per rep (target >= 80%)")
     print_phases(split)
     f = fresh["bench_fresh"]
