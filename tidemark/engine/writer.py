@@ -290,18 +290,18 @@ class SinkWriter:
             return buf
 
     def _write(self, table: pa.Table) -> None:
-        if self.direct and self._copy_direct(table):
+        buf = self._encode(table)  # encoded once, whichever path takes it
+        if self.direct and self._copy_direct(table, buf):
             return
-        self._merge(table)
+        self._merge(table, buf)
 
-    def _copy_direct(self, table: pa.Table) -> bool:
+    def _copy_direct(self, table: pa.Table, buf: io.BytesIO) -> bool:
         """COPY the rows straight into the target. That succeeds only if no key of theirs is
         in the target or twice among them (the unique index on the key, which every sink
         table has, refuses it), and then it writes exactly what the merge would: every row,
         nothing superseded. Any data error rolls the savepoint back and the staging merge
         decides (versions, duplicates, bisecting bad rows); a key already present turns the
         direct path off for the rest of the task."""
-        buf = self._encode(table)
         try:
             with self.conn.transaction(), self.phases("copy"), \
                     self.conn.cursor().copy(self.direct_sql) as copy:
@@ -315,7 +315,7 @@ class SinkWriter:
         self.out["rows"] += table.num_rows
         return True
 
-    def _merge(self, table: pa.Table) -> None:
+    def _merge(self, table: pa.Table, buf: io.BytesIO | None = None) -> None:
         """Stage the rows, then upsert them into the target, guarded by version; on bad data
         bisect down to the rows at fault and quarantine them."""
         if not self.staged:
@@ -324,7 +324,8 @@ class SinkWriter:
             self.staged = True
         try:
             with self.conn.transaction():  # a savepoint: bisect on bad data
-                buf = self._encode(table)
+                if buf is None:
+                    buf = self._encode(table)
                 with self.phases("copy"), self.conn.cursor().copy(self.copy_sql) as copy:
                     copy.write(buf.getbuffer())
                 with self.phases("merge"):
