@@ -55,6 +55,7 @@ class SinkOutcome:
     removed: int = 0      # re-delivery: rows removed (their records now quarantined)
     resolved: int = 0     # re-delivery: dead letters resolved (their records now delivered)
     error: str | None = None
+    copy_format: str = ""  # "binary", or "csv: <the column binary COPY cannot carry>"
 
 
 @dataclass
@@ -329,6 +330,10 @@ class Run:
             errors = [m.error for m in mine if m.error]
             for name in ("rows", "dead", "superseded", "removed", "resolved"):
                 setattr(out, name, sum(getattr(m, name) for m in mine))
+            out.copy_format = next((m.copy_format for m in mine if m.copy_format), "")
+            if out.copy_format.startswith("csv"):  # slower, not wrong: say why once per run
+                self.log(f"run {run_id} sink {sink}: rows go by CSV COPY "
+                         f"({out.copy_format[5:]})")
             if not errors:
                 missing = self._not_prepared(sink, by_name)
                 if missing:

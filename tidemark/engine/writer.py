@@ -1,7 +1,8 @@
 """Executor side of the commit protocol: one Spark task places its range in every sink.
 
 Per task and sink, two transactions, each ending in ``PREPARE TRANSACTION``: on the sink
-database, COPY the rows into a staging table and merge them into the target with a keyed
+database, COPY the rows (binary where every column's type allows, see pgbinary) straight into
+the target on a first delivery, or into a staging table merged into the target with a keyed
 upsert guarded by version; on the ledger, that sink's dead letters. Every verdict (decode,
 transform, row-level expectation, batch gate, NULL key, sink write) binds only the sinks
 whose range holds the record (docs/design.md, "Which sinks a verdict applies to"), so each sink
@@ -38,6 +39,7 @@ from tidemark.core import faults
 from tidemark.core.clock import Phases
 from tidemark.core.db import is_data_error, one_line, qualified
 from tidemark.core.text import clamp
+from tidemark.engine import pgbinary
 from tidemark.engine.records import ERR_CLASS, ERR_REASON
 from tidemark.ledger import letters, markers
 from tidemark.protocol import gids, twopc
@@ -195,6 +197,8 @@ class SinkWriter:
         # into it and let its unique index prove that (see _copy_direct).
         self.direct = spec.mode == "run"
         self.staged = False
+        self.copy_format: str | None = None  # "binary" or "csv: <why>", at the first rows
+        self.encoder: pgbinary.Encoder | None = None
 
     def _open(self) -> psycopg.Connection:
         if self.conn is not None:
@@ -206,9 +210,11 @@ class SinkWriter:
         cols = [*self.spec.columns, PARTITION, OFFSET, "_tm_run_id"]
         ident = [sql.Identifier(c) for c in cols]
         keys = [sql.Identifier(k) for k in t.key]
-        copy = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)")
-        self.copy_sql = copy.format(self.stage_table, sql.SQL(", ").join(ident))
-        self.direct_sql = copy.format(self.table, sql.SQL(", ").join(ident))
+        self.ident = sql.SQL(", ").join(ident)
+        self.pg_types = dict(self.conn.execute(
+            """SELECT a.attname, t.typname FROM pg_attribute a JOIN pg_type t
+               ON t.oid = a.atttypid WHERE a.attrelid = %s::regclass AND a.attnum > 0
+               AND NOT a.attisdropped""", (qualified(t.table),)).fetchall())
         updates = [sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(c), sql.Identifier(c))
                    for c in cols if c not in t.key]
         order = [*keys]
@@ -280,14 +286,28 @@ class SinkWriter:
                                    f"several partitions, which offsets do not order; declare "
                                    f"a version column for this sink (sinks[].version)")
 
-    def _encode(self, table: pa.Table) -> io.BytesIO:
+    def _encode(self, table: pa.Table) -> memoryview:
         with self.phases("encode"):
-            buf = io.BytesIO()
-            run_col = pa.array([self.spec.run_id] * table.num_rows, pa.int64())
+            run_col = pa.array(np.full(table.num_rows, self.spec.run_id, np.int64))
             out = table.append_column("_tm_run_id", run_col).select(self.columns)
+            if self.copy_format is None:
+                self._choose_format(out.schema)
+            if self.encoder is not None:
+                return self.encoder.encode(out)
+            buf = io.BytesIO()
             pacsv.write_csv(_for_csv(out), buf,
                             pacsv.WriteOptions(include_header=False, batch_size=8192))
-            return buf
+            return buf.getbuffer()
+
+    def _choose_format(self, schema: pa.Schema) -> None:
+        """Binary COPY when every column's type carries over exactly, else CSV (which lets
+        PostgreSQL parse and cast); decided once per task, the schema is the transform's."""
+        self.encoder, why = pgbinary.encoder(schema, self.pg_types)
+        fmt = "binary" if self.encoder is not None else "csv"
+        self.copy_format = f"csv: {why}" if why else fmt
+        copy = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT {})")
+        self.copy_sql = copy.format(self.stage_table, self.ident, sql.SQL(fmt))
+        self.direct_sql = copy.format(self.table, self.ident, sql.SQL(fmt))
 
     def _write(self, table: pa.Table) -> None:
         buf = self._encode(table)  # encoded once, whichever path takes it
@@ -295,7 +315,7 @@ class SinkWriter:
             return
         self._merge(table, buf)
 
-    def _copy_direct(self, table: pa.Table, buf: io.BytesIO) -> bool:
+    def _copy_direct(self, table: pa.Table, buf: memoryview) -> bool:
         """COPY the rows straight into the target. That succeeds only if no key of theirs is
         in the target or twice among them (the unique index on the key, which every sink
         table has, refuses it), and then it writes exactly what the merge would: every row,
@@ -305,7 +325,7 @@ class SinkWriter:
         try:
             with self.conn.transaction(), self.phases("copy"), \
                     self.conn.cursor().copy(self.direct_sql) as copy:
-                copy.write(buf.getbuffer())
+                copy.write(buf)
         except psycopg.Error as exc:
             if not is_data_error(exc):
                 raise
@@ -315,7 +335,7 @@ class SinkWriter:
         self.out["rows"] += table.num_rows
         return True
 
-    def _merge(self, table: pa.Table, buf: io.BytesIO | None = None) -> None:
+    def _merge(self, table: pa.Table, buf: memoryview | None = None) -> None:
         """Stage the rows, then upsert them into the target, guarded by version; on bad data
         bisect down to the rows at fault and quarantine them."""
         if not self.staged:
@@ -327,7 +347,7 @@ class SinkWriter:
                 if buf is None:
                     buf = self._encode(table)
                 with self.phases("copy"), self.conn.cursor().copy(self.copy_sql) as copy:
-                    copy.write(buf.getbuffer())
+                    copy.write(buf)
                 with self.phases("merge"):
                     written = self.conn.execute(self.merge_sql).rowcount
                     self.conn.execute(self.truncate_sql)
@@ -522,6 +542,7 @@ class _Sink:
         return SinkResult(records=o["records"], rows=o["rows"], dead=self.dead.rows,
                           superseded=o["superseded"], removed=o["removed"],
                           resolved=self.dead.resolved, error=self.w.failed,
+                          copy_format=self.w.copy_format or "",
                           phases=self.w.phases.rounded(), **extra)
 
 

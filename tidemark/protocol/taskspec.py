@@ -93,6 +93,7 @@ class SinkResult(_Model):
     failed_again: list[int] = []         # redrive: letter ids quarantined again
     skipped: list[int] = []              # redrive: letter ids no longer quarantined
     error: str | None = None             # this sink failed in this task
+    copy_format: str = ""                # "binary", or "csv: <why>" (no rows: "")
     phases: dict[str, float] = {}        # seconds: encode, copy, merge, prepare
 
 
