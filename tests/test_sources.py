@@ -6,10 +6,15 @@ import json
 from datetime import UTC, datetime
 
 import psycopg
+import pyarrow as pa
+import pytest
 
 from tidemark.config import PostgresLogSource
+from tidemark.core.errors import TidemarkError
+from tidemark.ledger.state import Range
+from tidemark.sources import BATCH_ROWS, SCHEMA
 from tidemark.sources.file_archive import write_segment
-from tidemark.sources.postgres_log import PostgresLogPlanner
+from tidemark.sources.postgres_log import PostgresLogPlanner, read_range
 
 
 def _planner(env) -> PostgresLogPlanner:
@@ -51,6 +56,52 @@ def test_rows_of_transactions_newer_than_the_oldest_running_one_wait(env):
     assert planner.partitions() == [0]
     assert planner.earliest(0) == 0
     planner.close()
+
+
+def _read(env, r: Range, **src) -> pa.Table:
+    source = PostgresLogSource(type="postgres_log", dsn=env.ledger_dsn,
+                               **{"table": "src.log", **src})
+    batches = list(read_range(source, r))
+    assert all(b.schema == SCHEMA and b.num_rows <= BATCH_ROWS for b in batches)
+    return pa.Table.from_batches(batches, SCHEMA)
+
+
+def test_the_range_reader_gives_every_record_exactly_as_stored(env):
+    bad = b"\xff\xfe not utf-8 \x00"
+    ts = datetime(1999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC)
+    env.append([(1, None, bad, None, ts), (1, b"k", b"{}", '{"h": "\u00e9"}', ts)])
+    env.append([(1, str(i).encode(), b"{}", None, None) for i in range(BATCH_ROWS + 5)])
+    got = _read(env, Range(1, 0, BATCH_ROWS + 7))
+    assert got.column("_tm_offset").to_pylist() == list(range(BATCH_ROWS + 7))
+    assert set(got.column("_tm_partition").to_pylist()) == {1}
+    first = got.slice(0, 2).to_pylist()
+    assert (first[0]["_tm_key"], first[0]["_tm_payload"], first[0]["_tm_headers"]) == \
+        (None, bad, None)
+    assert first[0]["_tm_ts"] == ts and first[1]["_tm_key"] == b"k"
+    assert json.loads(first[1]["_tm_headers"]) == {"h": "é"}
+    assert _read(env, Range(1, 3, 5)).column("_tm_offset").to_pylist() == [3, 4]
+
+
+def test_the_range_reader_refuses_a_gap_or_a_short_range(env):
+    env.append_orders(range(10), partitions=1)
+    env.ledger('DELETE FROM src.log WHERE "offset" = 4 RETURNING 1')
+    with pytest.raises(TidemarkError, match="expected offset 4, found 5"):
+        _read(env, Range(0, 0, 10))
+    with pytest.raises(TidemarkError, match=r"range \[5, 12\) ended at 10: rows missing"):
+        _read(env, Range(0, 5, 12))
+
+
+def test_a_users_log_table_with_a_text_key_and_a_naive_time_reads_as_bytes_and_utc(env):
+    with psycopg.connect(env.ledger_dsn) as c:
+        c.execute("""CREATE TABLE src.mine (p int, o bigint, k text, body bytea, h jsonb,
+        at timestamp, x xid8 DEFAULT pg_current_xact_id(), PRIMARY KEY (p, o));
+        INSERT INTO src.mine (p, o, k, body, h, at) VALUES
+        (0, 0, 'clé', 'x', NULL, '2013-01-01 10:15:00')""")
+    cols = {"partition": "p", "offset": "o", "key": "k", "payload": "body", "headers": "h",
+            "ts": "at", "xid": "x"}
+    row = _read(env, Range(0, 0, 1), table="src.mine", columns=cols).to_pylist()[0]
+    assert row["_tm_key"] == "clé".encode() and row["_tm_payload"] == b"x"
+    assert row["_tm_ts"] == datetime(2013, 1, 1, 10, 15, tzinfo=UTC)
 
 
 def test_append_gives_dense_commit_ordered_offsets_per_partition(env):
