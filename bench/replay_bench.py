@@ -47,6 +47,7 @@ from tidemark.driver.run import Run  # noqa: E402
 from tidemark.engine import pgbinary, records  # noqa: E402
 from tidemark.engine.session import session  # noqa: E402
 from tidemark.engine.writer import _for_csv  # noqa: E402
+from tidemark.ledger import migrations  # noqa: E402
 from tidemark.ledger.state import Range  # noqa: E402
 from tidemark.protocol.taskspec import TASK_PHASES  # noqa: E402
 
@@ -283,6 +284,7 @@ def main() -> None:
     def progress(done, total):
         print(f"\rloading {done:,}/{total:,}", end="", file=sys.stderr, flush=True)
 
+    migrations.upgrade(ledger)  # a new cluster (`make pg`) has an empty ledger database
     for table, repeat, partitions in [(TABLE, REPEAT, 4), (TABLE_1P, REPEAT, 1)] + (
             [] if args.skip_memory else [(TABLE_10M, 5 * REPEAT, 4)]):
         n = demo.load(source, table, repeat=repeat, partitions=partitions, progress=progress)
