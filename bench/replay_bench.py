@@ -199,7 +199,9 @@ def render_rows(spark, folder: Path, parts: list[Range], sink_dsn: str) -> tuple
             encoder, why = pgbinary.encoder(table.schema, types)
             if encoder is None:
                 raise SystemExit(f"bench: binary COPY cannot carry {why}")
-        chunks["binary"].append((bytes(encoder.encode(table)), b.num_rows))
+        body = encoder.encode(table)  # one COPY per connection: header and trailer once
+        chunks["binary"].append((bytes(body[len(pgbinary.HEADER):-len(pgbinary.TRAILER)]),
+                                 b.num_rows))
     return chunks, copy_cols
 
 
@@ -217,8 +219,12 @@ def raw_copy(sink_dsn: str, name: str, chunks: list[tuple[bytes, int]], copy_col
         try:
             with psycopg.connect(sink_dsn) as conn:
                 with conn.cursor().copy(sql) as cp:
+                    if fmt == "binary":
+                        cp.write(pgbinary.HEADER)
                     for data, _ in share:
                         cp.write(data)
+                    if fmt == "binary":
+                        cp.write(pgbinary.TRAILER)
                 conn.commit()
         except BaseException as exc:  # reported after the join
             errors.append(exc)
