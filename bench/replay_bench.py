@@ -184,9 +184,7 @@ def render_rows(spark, folder: Path, parts: list[Range], sink_dsn: str) -> tuple
     cols = [c for c, _ in records.output_columns(df)]
     copy_cols = [*cols, "_tm_partition", "_tm_offset", "_tm_run_id"]
     with psycopg.connect(sink_dsn) as c:
-        types = dict(c.execute("""SELECT a.attname, t.typname FROM pg_attribute a JOIN pg_type t
-            ON t.oid = a.atttypid WHERE a.attrelid = 'bench.bench_eo'::regclass
-            AND a.attnum > 0""").fetchall())
+        types = pgbinary.column_types(c, "bench.bench_eo")
     chunks: dict[str, list[tuple[bytes, int]]] = {"csv": [], "binary": []}
     encoder = None
     for b in df.toArrow().to_batches(max_chunksize=50_000):
@@ -199,9 +197,8 @@ def render_rows(spark, folder: Path, parts: list[Range], sink_dsn: str) -> tuple
             encoder, why = pgbinary.encoder(table.schema, types)
             if encoder is None:
                 raise SystemExit(f"bench: binary COPY cannot carry {why}")
-        body = encoder.encode(table)  # one COPY per connection: header and trailer once
-        chunks["binary"].append((bytes(body[len(pgbinary.HEADER):-len(pgbinary.TRAILER)]),
-                                 b.num_rows))
+        # One COPY per connection: raw_copy sends the header and trailer once.
+        chunks["binary"].append((bytes(encoder.rows(table)), b.num_rows))
     return chunks, copy_cols
 
 

@@ -130,14 +130,25 @@ class Encoder:
         self.count = len(fields).to_bytes(2, "big")
 
     def encode(self, table: pa.Table) -> memoryview:
+        """A whole COPY body: header, rows, trailer."""
+        return memoryview(b"".join((HEADER, self.rows(table), TRAILER)))
+
+    def rows(self, table: pa.Table) -> memoryview:
+        """The rows alone, for a caller that sends several chunks in one COPY."""
         n = table.num_rows
         cols = [enc(table.column(i).combine_chunks()) for i, enc in enumerate(self.fields)]
         rows = pc.binary_join_element_wise(pa.scalar(self.count, pa.large_binary()), *cols, _NONE)
-        if isinstance(rows, pa.ChunkedArray):
-            rows = rows.combine_chunks()
         offsets = np.frombuffer(rows.buffers()[1], np.int64, n + 1, rows.offset * 8)
-        body = memoryview(rows.buffers()[2])[offsets[0]:offsets[-1]] if n else b""
-        return memoryview(b"".join((HEADER, body, TRAILER)))
+        return memoryview(rows.buffers()[2])[offsets[0]:offsets[-1]] if n else memoryview(b"")
+
+
+def column_types(conn, table: str) -> dict[str, str]:
+    """A table's columns and their ``pg_type.typname``, what :func:`encoder` matches against.
+    ``table`` is quoted already (``core.db.qualified``)."""
+    return dict(conn.execute(
+        """SELECT a.attname, t.typname FROM pg_attribute a JOIN pg_type t
+           ON t.oid = a.atttypid WHERE a.attrelid = %s::regclass AND a.attnum > 0
+           AND NOT a.attisdropped""", (table,)).fetchall())
 
 
 def encoder(schema: pa.Schema, pg_types: dict[str, str]) -> tuple[Encoder | None, str]:

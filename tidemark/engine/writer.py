@@ -211,10 +211,7 @@ class SinkWriter:
         ident = [sql.Identifier(c) for c in cols]
         keys = [sql.Identifier(k) for k in t.key]
         self.ident = sql.SQL(", ").join(ident)
-        self.pg_types = dict(self.conn.execute(
-            """SELECT a.attname, t.typname FROM pg_attribute a JOIN pg_type t
-               ON t.oid = a.atttypid WHERE a.attrelid = %s::regclass AND a.attnum > 0
-               AND NOT a.attisdropped""", (qualified(t.table),)).fetchall())
+        self.pg_types = pgbinary.column_types(self.conn, qualified(t.table))
         updates = [sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(c), sql.Identifier(c))
                    for c in cols if c not in t.key]
         order = [*keys]
