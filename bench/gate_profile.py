@@ -1,0 +1,100 @@
+"""Where a gated run's gate step spends its time, Spark job by Spark job.
+
+Runs the bench's gated exactly-once pipeline (the demo suite over 2,020,656 records) twice in
+one warm SparkSession (Tidemark's own), then prints every Spark job of the second run's gate:
+its wall time, its stages' task time and the Python line that started it (a GX metric, the
+cache fill, ...), grouped by that line. Spark's status store keeps the job list whether or not
+the UI runs, so nothing here changes the session's settings.
+
+    .venv/bin/python bench/gate_profile.py
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from dotenv import load_dotenv  # noqa: E402
+from replay_bench import TABLE, REPEAT, pipeline_doc, reset  # noqa: E402
+
+from tidemark import config  # noqa: E402
+from tidemark.core.settings import Settings  # noqa: E402
+from tidemark.devstack import demo  # noqa: E402
+from tidemark.driver.run import Run  # noqa: E402
+from tidemark.engine.session import session  # noqa: E402
+from tidemark.ledger import migrations  # noqa: E402
+
+
+def _seq(scala_seq) -> list:
+    return [scala_seq.apply(i) for i in range(scala_seq.size())]
+
+
+def jobs(spark) -> list[dict]:
+    """Every job Spark's status store holds: id, name (call site), wall and task seconds."""
+    store = spark.sparkContext._jsc.sc().statusStore()
+    out = []
+    for j in _seq(store.jobsList(None)):
+        sub, done = j.submissionTime(), j.completionTime()
+        if sub.isEmpty() or done.isEmpty():
+            continue
+        task_ms = 0
+        for sid in _seq(j.stageIds()):
+            for attempt in _seq(store.stageData(int(sid), False, None, False, None)):
+                task_ms += attempt.executorRunTime()
+        out.append({"id": j.jobId(), "name": j.name(),
+                    "wall": (done.get().getTime() - sub.get().getTime()) / 1000,
+                    "task": task_ms / 1000})
+    return sorted(out, key=lambda j: j["id"])
+
+
+def main() -> None:
+    load_dotenv(REPO / ".tidemark/env", override=False)
+    ledger = os.environ["TIDEMARK_LEDGER_DSN"]
+    source = os.environ.get("TIDEMARK_DEMO_SOURCE_DSN", ledger)
+    sink = os.environ.get("TIDEMARK_DEMO_SINK_DSN", ledger)
+    migrations.upgrade(ledger)
+    demo.load(source, TABLE, repeat=REPEAT, partitions=4)
+    folder = Path(tempfile.mkdtemp(prefix="tidemark-gate-profile-"))
+    (folder / "bench_gate.yaml").write_text(yaml.safe_dump(
+        pipeline_doc("bench_gate", "exactly_once", 600_000, source, sink, True, TABLE),
+        sort_keys=False))
+    settings = Settings(ledger_dsn=ledger, pipelines_dir=folder, spark_master="local[2,4]")
+    spark = session("local[2,4]", "tidemark-gate-profile")
+    for attempt in ("warm-up", "measured"):
+        reset(ledger, sink, "bench_gate")
+        before = {j["id"] for j in jobs(spark)}
+        t = time.perf_counter()
+        report = Run(config.load(folder / "bench_gate.yaml"), settings, ledger_dsn=ledger,
+                     spark=spark, log=lambda m: None).execute()
+        wall = time.perf_counter() - t
+        if not report.ok:
+            raise SystemExit(f"gated run failed: {report.summary()}")
+    print(f"run {wall:.1f} s wall: gate {report.phases.get('gate_seconds', 0):.1f} s, "
+          f"write {report.phases['write_seconds']:.1f} s")
+    new = [j for j in jobs(spark) if j["id"] not in before]
+    print(f"\n{len(new)} Spark jobs; by call site (wall s, task s, jobs):")
+    by: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    for j in new:
+        b = by[j["name"]]
+        b[0] += j["wall"]
+        b[1] += j["task"]
+        b[2] += 1
+    for name, (w, tk, n) in sorted(by.items(), key=lambda kv: -kv[1][0]):
+        print(f"{w:7.2f} {tk:7.2f} {n:4d}  {name}")
+    print("\neach job (id, wall s, task s, call site):")
+    for j in new:
+        print(f"{j['id']:5d} {j['wall']:6.2f} {j['task']:6.2f}  {j['name']}")
+
+
+if __name__ == "__main__":
+    main()
