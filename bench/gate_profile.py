@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from dotenv import load_dotenv  # noqa: E402
-from replay_bench import TABLE, REPEAT, pipeline_doc, reset  # noqa: E402
+from replay_bench import REPEAT, TABLE, pipeline_doc, reset  # noqa: E402
 
 from tidemark import config  # noqa: E402
 from tidemark.core.settings import Settings  # noqa: E402
@@ -70,7 +70,7 @@ def main() -> None:
         sort_keys=False))
     settings = Settings(ledger_dsn=ledger, pipelines_dir=folder, spark_master="local[2,4]")
     spark = session("local[2,4]", "tidemark-gate-profile")
-    for attempt in ("warm-up", "measured"):
+    for _pass in ("warm-up", "measured"):
         reset(ledger, sink, "bench_gate")
         before = {j["id"] for j in jobs(spark)}
         t = time.perf_counter()
