@@ -23,7 +23,7 @@ def assert_exactly_once(env, pipeline: str = "orders", sinks: dict[str, str] | N
             "AND sink = %s AND status::text = ANY(%s)", (pipeline, sink, list(LIVE)))
         placed = delivered + dead
         assert len(placed) == len(set(placed)), f"{sink}: a record is placed twice"
-        superseded = _superseded(env, below)
+        superseded = _superseded(env, below, set(delivered))
         assert set(placed) | superseded >= below, \
             f"{sink}: records below the checkpoint lost: {sorted(below - set(placed))[:5]}"
         assert set(placed) <= below, \
@@ -33,13 +33,19 @@ def assert_exactly_once(env, pipeline: str = "orders", sinks: dict[str, str] | N
         assert left == [], f"prepared transactions left: {left}"
 
 
-def _superseded(env, offsets: set[tuple[int, int]]) -> set[tuple[int, int]]:
-    """Records below the checkpoint whose key has a newer version (same partition, higher
-    offset) below it too: their key's place is the newer version's."""
+def _superseded(env, offsets: set[tuple[int, int]],
+                delivered: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    """Records below the checkpoint whose key has a newer version below it too: a higher offset
+    in the same partition, or (a sink with a version column) the row the sink holds for the key
+    came from another partition. Their key's place is the newer version's."""
     rows = env.ledger('SELECT "partition", "offset", key FROM src.log')
     newest: dict[tuple[int, bytes], int] = {}
+    held: dict[bytes, set[int]] = {}  # key -> partitions of its delivered rows
     for p, o, k in rows:
         if (p, o) in offsets and k is not None:
             newest[(p, bytes(k))] = max(newest.get((p, bytes(k)), o), o)
+            if (p, o) in delivered:
+                held.setdefault(bytes(k), set()).add(p)
     return {(p, o) for p, o, k in rows
-            if (p, o) in offsets and k is not None and newest[(p, bytes(k))] != o}
+            if (p, o) in offsets and k is not None
+            and (newest[(p, bytes(k))] != o or held.get(bytes(k), set()) - {p})}

@@ -199,6 +199,47 @@ def test_versions_of_a_key_from_two_partitions_need_a_declared_order(env, spark)
         [(1, "b", 2), (7, "p1", 2)]
 
 
+def _versions_in_two_partitions(env) -> None:
+    """Key 7 in both partitions of one run; the newer version (3) in partition 0."""
+    def order(i: int, name: str, version: int) -> bytes:
+        return json.dumps({"id": i, "name": name, "version": version}).encode()
+
+    env.append([(0, b"1", order(1, "a", 1), None, None), (0, b"7", order(7, "p0", 3), None, None),
+                (1, b"2", order(2, "b", 1), None, None), (1, b"7", order(7, "p1", 2), None, None),
+                (1, b"3", order(3, "c", 1), None, None)])
+    env.pipeline(source={"type": "postgres_log", "dsn": env.ledger_dsn, "table": "src.log",
+                         "partitions": [0, 1]})
+
+
+def test_one_run_with_versions_of_a_key_in_two_partitions_commits_the_newest(env, spark):
+    # Two tasks writing key 7 would deadlock: the second waits on the first's row, which its
+    # prepared transaction holds until the decision. A short lock timeout makes that a quick
+    # failure here instead of a hang.
+    _versions_in_two_partitions(env)
+    main = {"name": "main", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"],
+            "version": "version"}
+    env.pipeline(source={"type": "postgres_log", "dsn": env.ledger_dsn, "table": "src.log",
+                         "partitions": [0, 1]}, sinks=[main])
+    report = env.run(spark, settings=env.settings(lock_timeout_ms=2000))
+    assert report.ok, report.summary()
+    assert report.sinks["main"].rows == 4 and report.sinks["main"].superseded == 1
+    assert env.q(env.sink_dsn, "SELECT id, name, version FROM orders ORDER BY id") == \
+        [(1, "a", 1), (2, "b", 1), (3, "c", 1), (7, "p0", 3)]
+    assert env.checkpoints() == {0: 2, 1: 3}
+    assert_exactly_once(env)
+
+
+def test_a_key_in_two_partitions_of_one_run_without_a_version_column_says_so(env, spark):
+    _versions_in_two_partitions(env)
+    report = env.run(spark, settings=env.settings(lock_timeout_ms=1000))
+    error = report.sinks["main"].error or ""
+    assert report.sinks["main"].state == "aborted", report.summary()
+    assert "lock timeout" in error and "another task of this run" in error, error
+    assert "declare a version column" in error, error
+    assert set(env.checkpoints().values()) <= {0} and env.prepared() == []
+    assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(0,)]
+
+
 def test_sink_keys_are_never_null(env, spark):
     env.append_orders(range(5), partitions=1)
     env.append([(0, b"nokey", json.dumps({"name": "no id"}).encode(), None, None)])

@@ -4,6 +4,7 @@ exactly once, checkpoints are at the end, and no prepared transaction is left.""
 
 from __future__ import annotations
 
+import json
 import signal
 
 import pytest
@@ -82,6 +83,33 @@ def test_crash_at_every_step_then_recover_and_rerun(env, spark, point):
     assert env.ledger("SELECT sink, count(*) FROM tidemark.dlq GROUP BY 1 ORDER BY 1") == \
         [("main", 2), ("second", 2)]
     assert env.ledger("SELECT max(attempts) FROM tidemark.dlq") == [(1,)]
+    assert_exactly_once(env, sinks=sinks)
+
+
+@pytest.mark.parametrize("point", ["task_after_prepare", "mid_finish"])
+def test_crash_in_a_run_written_by_one_task(env, spark, point):
+    """Sinks with a version column and keys whose versions sit in both partitions: one task
+    writes both ranges (tidemark/driver/run.py, Run._together). A crash before and after the
+    decision, recovery, a rerun: each key once, at its newest version."""
+    env.append_orders(range(300))  # id i in partition i % 2, version 1
+    env.append([((i + 1) % 2, str(i).encode(), json.dumps(
+        {"id": i, "name": f"v2-{i}", "amount": 1.0, "version": 2}).encode(), None, None)
+        for i in range(10)])
+    sinks = {"main": env.sink_dsn, "second": env.sink2_dsn}
+    env.pipeline(sinks=[{"name": n, "dsn": d, "table": "public.orders", "key": ["id"],
+                         "version": "version"} for n, d in sinks.items()])
+    job = JobProcess(env.cli_argv("run", "orders"), env.cli_env(), crash_at=point)
+    assert job.wait() == -signal.SIGKILL, job.output()
+    rep = env.recover()
+    assert rep.ok, rep.errors
+    report = env.run(spark)
+    assert report.ok or report.run_id is None, report.summary()
+    tasks = env.ledger("SELECT DISTINCT split_part(gid, ':', 4) FROM tidemark.participants")
+    assert tasks == [("0",)], tasks
+    for sink, dsn in sinks.items():
+        assert env.checkpoints(sink=sink) == {0: 155, 1: 155}
+        assert env.q(dsn, "SELECT count(*), count(*) FILTER (WHERE version = 2) "
+                          "FROM orders") == [(300, 10)]
     assert_exactly_once(env, sinks=sinks)
 
 

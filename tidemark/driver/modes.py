@@ -33,16 +33,18 @@ class Mode(ABC):
     def quality(self, pipeline: Pipeline) -> Pipeline:
         return pipeline
 
-    def reads(self, read: list[Range], dense: bool) -> list[Span] | None:
-        """What task i reads, for its accounting (one Spark task per range read)."""
-        return [Span(partition=r.partition, start=r.start, end=r.end, dense=dense)
-                for r in read]
+    def reads(self, read: list[Range], dense: bool, together: bool) -> list[list[Span]] | None:
+        """What task i reads, for its accounting: one Spark task per range read, or one task
+        for them all (``together``, see :meth:`tidemark.driver.run.Run._together`)."""
+        spans = [Span(partition=r.partition, start=r.start, end=r.end, dense=dense)
+                 for r in read]
+        return [spans] if together else [[s] for s in spans]
 
     def letters(self, sink: str) -> list[int] | None:
         return None
 
-    def tasks(self, read: list[Range]) -> int:
-        return len(read)
+    def tasks(self, read: list[Range], together: bool) -> int:
+        return 1 if together else len(read)
 
 
 class Delivery(Mode):

@@ -99,13 +99,13 @@ class RedriveMode(Mode):
             "sinks": [s.model_copy(update={"quality": rows_only(s.quality)})
                       for s in pipeline.sinks]})
 
-    def reads(self, read: list[Range], dense: bool):
+    def reads(self, read: list[Range], dense: bool, together: bool):
         return None  # one task over hand-picked records: accounted per record
 
     def letters(self, sink: str) -> list[int] | None:
         return self.by_sink.get(sink, [])
 
-    def tasks(self, read: list[Range]) -> int:
+    def tasks(self, read: list[Range], together: bool) -> int:
         return 1
 
 

@@ -157,6 +157,7 @@ class Run:
         self.stop = _Stop()
         self.clock: dict[str, float] = {}  # phase -> monotonic time it ended
         self.results: list[TaskResult] = []
+        self.together = False  # one task writes every range (set per run: _together)
 
     def _mark(self, phase: str) -> None:
         self.clock[phase] = time.monotonic()
@@ -253,6 +254,7 @@ class Run:
         self.stop.check()
         df = records.rows(self.mode.source(spark, self.p, read), self.p)
         columns = records.output_columns(df)
+        self.together = self._together(claim, by_name, read)
         verdict = None
         checks = self.mode.quality(self.p)
         if checks.has_quality():
@@ -292,10 +294,11 @@ class Run:
         spec = self._spec(claim, by_name, live, read, [c for c, _ in columns], verdict)
         from tidemark.engine.writer import RESULT_SCHEMA, make_task
 
-        progress = _Progress(spark, run_id, len(read), self.log)
+        progress = _Progress(spark, run_id, self.mode.tasks(read, self.together), self.log)
         progress.start()
         try:
-            rows = df.mapInArrow(make_task(spec), RESULT_SCHEMA).collect()
+            rows = (df.coalesce(1) if self.together else df).mapInArrow(
+                make_task(spec), RESULT_SCHEMA).collect()
         except Terminated:
             spark.sparkContext.cancelAllJobs()
             raise
@@ -312,9 +315,9 @@ class Run:
         self.results = [TaskResult.model_validate_json(r["result"]) for r in rows]
         report.records = sum(r.records for r in self.results)
         accounting = [r.error for r in self.results if r.error]
-        if len(self.results) != self.mode.tasks(read):
-            accounting.append(f"{len(self.results)} task results for "
-                              f"{self.mode.tasks(read)} tasks")
+        tasks = self.mode.tasks(read, self.together)
+        if len(self.results) != tasks:
+            accounting.append(f"{len(self.results)} task results for {tasks} tasks")
         if accounting:
             how = self.p.transform.python or "select"
             msg = (f"records not accounted for (transform {how}): {accounting[0]}; a "
@@ -350,6 +353,15 @@ class Run:
             still.append(sink)
         return still
 
+    @staticmethod
+    def _together(claim: Claim, by_name, read: list[Range]) -> bool:
+        """One task writes every range of the run when a sink of it orders the versions of a
+        key by a column: versions of one key may then sit in several partitions, and two tasks
+        writing one key would deadlock. The second waits on the first's row lock, which its
+        prepared transaction holds until the decision, and the decision waits for the second.
+        In one task the staging merge keeps the newest version (docs/design.md, versions)."""
+        return len(read) > 1 and any(by_name[s].config.version for s in claim.sinks)
+
     def _spec(self, claim: Claim, by_name, live: list[str], read: list[Range],
               columns: list[str], verdict: gate.Verdict | None) -> TaskSpec:
         v = verdict or gate.Verdict()
@@ -366,7 +378,8 @@ class Run:
             prefix=self.s.gid_prefix, prepare=self.p.delivery == "exactly_once",
             lock_timeout_ms=self.s.lock_timeout_ms, ledger_dsn=self.ledger_dsn,
             columns=columns, by=self.by,
-            reads=self.mode.reads(read, isinstance(self.p.source, PostgresLogSource)),
+            reads=self.mode.reads(read, isinstance(self.p.source, PostgresLogSource),
+                                  self.together),
             failed=v.rows.get(gate.PIPELINE, {}), quarantine=v.quarantine.get(gate.PIPELINE),
             sinks=targets)
 

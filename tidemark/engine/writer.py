@@ -364,6 +364,28 @@ class SinkWriter:
     def _fail(self, exc: BaseException) -> None:
         self.failed = f"sink {self.target.name}: {one_line(exc)}"
         self.close()
+        if getattr(exc, "sqlstate", None) == "55P03":  # lock_not_available
+            sibling = self._sibling_prepared()
+            if sibling:
+                self.failed += (
+                    f"; the row it waited for is held by another task of this run ({sibling}, "
+                    f"prepared until the decision): a key has versions in two partitions of "
+                    f"this run, which offsets do not order; declare a version column for this "
+                    f"sink (sinks[].version)")
+
+    def _sibling_prepared(self) -> str | None:
+        """A prepared participant of another task of this run on this sink, if any."""
+        me = gids.parse(self.gid, self.spec.prefix)
+        try:
+            with psycopg.connect(self.target.dsn, autocommit=True, connect_timeout=10) as conn:
+                for gid, _age in twopc.prepared(
+                        conn, gids.like_run(self.spec.prefix, self.spec.run_id)):
+                    other = gids.parse(gid, self.spec.prefix)
+                    if other and me and other.stage == me.stage and other.task != me.task:
+                        return gid
+        except psycopg.Error:
+            return None  # the lock timeout is still the error; this only explains it
+        return None
 
     def remove_quarantined(self) -> None:
         """Re-delivery: a record quarantined now loses its own row in this sink (same
@@ -432,42 +454,47 @@ def _offsets_in(batch: pa.RecordBatch, offsets) -> pa.Array:
 
 
 class _Accounts:
-    """Every offset of the task's range seen exactly once (a transform that drops or
+    """Every offset of the task's ranges seen exactly once (a transform that drops or
     multiplies rows is caught here, before anything is prepared)."""
 
-    def __init__(self, span: Span | None):
-        self.span = span
-        self.counts = np.zeros(span.size, np.int64) if span else None
+    def __init__(self, spans: list[Span] | None):
+        self.spans = {s.partition: s for s in spans} if spans is not None else None
+        self.counts = {s.partition: np.zeros(s.size, np.int64) for s in spans or ()}
         self.seen: dict[tuple[int, int], int] = {}  # a redrive: few records, any partitions
         self.stray = 0
 
     def add(self, partition: int, batch: pa.RecordBatch) -> None:
         offs = batch.column(OFFSET).to_numpy(zero_copy_only=False)
-        if self.span is None:
+        if self.spans is None:
             for o in offs.tolist():
                 self.seen[(partition, o)] = self.seen.get((partition, o), 0) + 1
             return
-        idx = offs - self.span.start
-        inside = (idx >= 0) & (idx < self.span.size) & (partition == self.span.partition)
+        span = self.spans.get(partition)
+        if span is None:
+            self.stray += len(offs)
+            return
+        idx = offs - span.start
+        inside = (idx >= 0) & (idx < span.size)
         self.stray += int((~inside).sum())
-        self.counts += np.bincount(idx[inside], minlength=self.span.size)
+        self.counts[partition] += np.bincount(idx[inside], minlength=span.size)
 
     def problem(self, expected: set[tuple[int, int]] | None = None) -> str | None:
-        if self.span is None:
+        if self.spans is None:
             twice = [k for k, n in self.seen.items() if n > 1]
             missing = sorted((expected or set()) - set(self.seen))
             if twice or missing:
                 return (f"{len(twice)} record(s) seen more than once, {len(missing)} missing "
                         f"(e.g. partition/offset {(twice or missing)[0]})")
             return None
-        s = self.span
-        dropped = int((self.counts == 0).sum()) if s.dense else 0
-        extra = int(self.counts[self.counts > 1].sum() - (self.counts > 1).sum())
-        if dropped or extra or self.stray:
-            first = int(np.argmax(self.counts != 1)) + s.start if (dropped or extra) else None
-            return (f"partition {s.partition} [{s.start}, {s.end}): {dropped} record(s) "
-                    f"missing, {extra} extra cop(ies), {self.stray} outside the range"
-                    + (f" (first at offset {first})" if first is not None else ""))
+        for p, s in self.spans.items():
+            counts = self.counts[p]
+            dropped = int((counts == 0).sum()) if s.dense else 0
+            extra = int(counts[counts > 1].sum() - (counts > 1).sum())
+            if dropped or extra or self.stray:
+                first = int(np.argmax(counts != 1)) + s.start if (dropped or extra) else None
+                return (f"partition {s.partition} [{s.start}, {s.end}): {dropped} record(s) "
+                        f"missing, {extra} extra cop(ies), {self.stray} outside the range"
+                        + (f" (first at offset {first})" if first is not None else ""))
         return None
 
 
@@ -581,10 +608,10 @@ def _run_task(spec: TaskSpec, task: int, attempt: int,
         sinks.append(_Sink(spec, t, SinkWriter(spec, t, gid(gids.sink_stage(t.name)), dead)))
     if spec.reads is not None and task >= len(spec.reads):
         return TaskResult(task=task, attempt=attempt, records=0, error=(
-            f"Spark task {task} beyond the {len(spec.reads)} range(s) read: the transform "
-            f"changed the partitioning (a union, join or repartition)"))
-    span = spec.reads[task] if spec.reads is not None else None
-    accounts = _Accounts(span)
+            f"Spark task {task} beyond the {len(spec.reads)} task(s) of the ranges read: the "
+            f"transform changed the partitioning (a union, join or repartition)"))
+    spans = spec.reads[task] if spec.reads is not None else None
+    accounts = _Accounts(spans)
     seen = 0
     try:
         for s in sinks:
@@ -603,7 +630,7 @@ def _run_task(spec: TaskSpec, task: int, attempt: int,
             for s in sinks:
                 s.w.flush_full()
         held = {k for s in sinks for k in s.dead.held}
-        problem = accounts.problem(held if span is None else None)
+        problem = accounts.problem(held if spans is None else None)
         if problem is None:
             for s in sinks:
                 s.finish()

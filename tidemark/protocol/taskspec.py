@@ -62,7 +62,7 @@ class TaskSpec(_Model):
     ledger_dsn: str
     columns: list[str]
     by: str | None = None                # who a re-delivery resolves dead letters for
-    reads: list[Span] | None = None      # task i reads reads[i]; None: a redrive's one task
+    reads: list[list[Span]] | None = None  # task i reads the spans reads[i]; None: a redrive
     failed: Failures = {}                # pipeline-level row expectations' failures
     quarantine: str | None = None        # pipeline batch gate failed under quarantine_batch
     sinks: list[SinkTarget]
