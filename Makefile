@@ -57,10 +57,11 @@ browser:
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q chromium; \
 	fi
 
-# The local cluster, unless TIDEMARK_LEDGER_DSN points at an existing server.
+# The local cluster, unless TIDEMARK_LEDGER_DSN points at an existing server. The env file
+# holds DSNs with passwords: umask 077 creates it 0600.
 pg: venv
 	@mkdir -p $(STATE)
-	@if [ -n "$$TIDEMARK_LEDGER_DSN" ]; then \
+	@umask 077; rm -f $(ENVF); if [ -n "$$TIDEMARK_LEDGER_DSN" ]; then \
 	  echo "using the server at TIDEMARK_LEDGER_DSN"; \
 	  printf 'TIDEMARK_LEDGER_DSN=%s\nTIDEMARK_DEMO_SOURCE_DSN=%s\nTIDEMARK_DEMO_SINK_DSN=%s\n' \
 	    "$$TIDEMARK_LEDGER_DSN" "$${TIDEMARK_DEMO_SOURCE_DSN:-$$TIDEMARK_LEDGER_DSN}" \

@@ -56,3 +56,43 @@ def test_pg_types():
     assert config.pg_type("timestamp") == "timestamptz"
     with pytest.raises(ValueError, match="unsupported type"):
         config.pg_type("map<string,int>")
+
+
+def test_secret_files_are_private_from_the_first_byte(tmp_path):
+    import os
+    import stat
+    import sys
+
+    from tidemark.core.private import write_private
+    from tidemark.devstack.airflow_stack import Stack
+
+    home = tmp_path / "home"
+    seen: list[tuple[str, str, int]] = []  # (audit event, file, mode) of every file in home
+    watching = [False]
+
+    def watch(event: str, _args) -> None:
+        # Python raises an audit event before each open, chmod and rename: a file created
+        # wide and narrowed afterwards is caught at its chmod.
+        if watching[0] and home.is_dir():
+            watching[0] = False  # the look itself raises audit events
+            try:
+                seen.extend((event, f.name, stat.S_IMODE(f.stat().st_mode))
+                            for f in home.iterdir())
+            finally:
+                watching[0] = True
+
+    sys.addaudithook(watch)  # hooks cannot be removed: this one is inert outside the test
+    old = os.umask(0)  # the worst umask: a plain write makes a file 0666
+    watching[0] = True
+    try:
+        stack = Stack(home=home, ledger_dsn="postgresql://x@127.0.0.1/x")
+        stack.password()
+        stack.env()  # generates the keys (stack.json)
+        write_private(home / "passwords.json", '{"u": "p"}')  # replaces a file in place
+    finally:
+        watching[0] = False
+        os.umask(old)
+    assert sorted(f.name for f in home.iterdir()) == ["passwords.json", "stack.json"]
+    assert seen and all(mode == 0o600 for _e, _f, mode in seen), \
+        [s for s in seen if s[2] != 0o600]
+    assert (home / "passwords.json").read_text() == '{"u": "p"}'

@@ -26,6 +26,7 @@ from psycopg import sql
 from tidemark.airflow import POOL
 from tidemark.core.dsn import mask
 from tidemark.core.errors import TidemarkError
+from tidemark.core.private import write_private
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: dags/ and plugins/
 COMPONENTS = ("api-server", "scheduler", "dag-processor")
@@ -88,9 +89,7 @@ class Stack:
             return json.loads(path.read_text())
         state = {"fernet_key": _fernet_key(), "jwt_secret": secrets.token_urlsafe(32),
                  "secret_key": secrets.token_urlsafe(32), "log_port": free_port()}
-        self.home.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(state))
-        path.chmod(0o600)
+        write_private(path, json.dumps(state))
         return state
 
     @property
@@ -101,9 +100,7 @@ class Stack:
         pw = json.loads(self.passwords_file.read_text()) if self.passwords_file.exists() else {}
         if user not in pw:
             pw[user] = secrets.token_urlsafe(12)
-            self.home.mkdir(parents=True, exist_ok=True)
-            self.passwords_file.write_text(json.dumps(pw))
-            self.passwords_file.chmod(0o600)
+            write_private(self.passwords_file, json.dumps(pw))
         return pw[user]
 
     def env(self) -> dict[str, str]:
