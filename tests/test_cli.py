@@ -176,8 +176,16 @@ def test_dq_docs_rebuilds_the_index_or_says_there_is_nothing(env, tmp_path):
     code, out, err = tm(env.cli_env(TIDEMARK_DATA_DOCS_DIR=missing), "dq", "docs")
     assert code != 0 and "Traceback" not in err
     assert f"no Data Docs in {missing}" in err and len(err.strip().splitlines()) == 1
+    docs = env.cli_env(TIDEMARK_DATA_DOCS_DIR=tmp_path / "docs")
     (tmp_path / "docs").mkdir()
-    code, out, err = tm(env.cli_env(TIDEMARK_DATA_DOCS_DIR=tmp_path / "docs"), "dq", "docs")
+    code, out, err = tm(docs, "dq", "docs")  # no pipeline has Data Docs yet
+    assert code != 0 and "no Data Docs in" in err and "Traceback" not in err
+    code, out, err = tm(docs, "dq", "docs", "../etc")
+    assert code == 2 and "'../etc': not a pipeline name" in err
+    code, out, err = tm(docs, "dq", "docs", "orders")  # each pipeline has its own site
     assert code == 0, err
-    index = tmp_path / "docs" / "gx" / "uncommitted" / "data_docs" / "local_site" / "index.html"
-    assert out.strip() == f"{index}: 0 validation(s)" and index.is_file()
+    index = (tmp_path / "docs" / "orders" / "gx" / "uncommitted" / "data_docs" / "local_site"
+             / "index.html")
+    assert out.strip() == f"orders: {index}: 0 validation(s)" and index.is_file()
+    code, out, err = tm(docs, "dq", "docs")
+    assert code == 0 and out.strip() == f"orders: {index}: 0 validation(s)", err

@@ -91,12 +91,18 @@ def site(pg, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dlqweb")
     env = Env(pg, tmp)
     docs = tmp / "docs"
-    page = docs / "gx" / "uncommitted" / "data_docs" / "local_site" / "validations" / "run 1.html"
+    site_root = docs / "orders" / "gx" / "uncommitted" / "data_docs" / "local_site"
+    page = site_root / "validations" / "run 1.html"
     page.parent.mkdir(parents=True)
     page.write_text("<html><body>GX validation result</body></html>")
     secret = tmp / "secret.txt"
     secret.write_text("not for the web")
-    (docs / "escape.txt").symlink_to(secret)
+    (site_root / "escape.txt").symlink_to(secret)
+    # The rest of the GX project is not the site: its config and stored results stay private.
+    (docs / "orders" / "gx" / "great_expectations.yml").write_text("not for the web")
+    (docs / "orders" / "gx" / "uncommitted" / "validations").mkdir()
+    (docs / "orders" / "gx" / "uncommitted" / "validations" / "r.json").write_text(
+        "not for the web")
     ids = _seed(env, page)
     env.pipeline("orders")
     dags = tmp / "dags"
@@ -128,7 +134,7 @@ def _routes() -> list[tuple[str, str]]:
     from tidemark.web.app import app
 
     assert all(isinstance(r, APIRoute) for r in app.routes), app.routes
-    fill = {"record_id": "1", "path": "gx/index.html", "name": "dlq.css"}
+    fill = {"record_id": "1", "pipeline": "orders", "path": "index.html", "name": "dlq.css"}
     return [(m, "/tidemark" + re.sub(r"\{(\w+)(:\w+)?\}", lambda x: fill[x[1]], r.path))
             for r in app.routes for m in sorted(r.methods)]
 
@@ -283,7 +289,7 @@ def test_record_page_escapes_everything_and_links_the_run(site):
         r = c.get(f"/tidemark/dlq/record/{site.ids['json']}")
         assert "Pretty JSON" in r.text and "&#34;amount&#34;: 1000000000.0" in r.text
         docs = re.search(r'href="(/tidemark/dlq/docs/[^"]+)"', r.text)[1]
-        assert docs.endswith("/validations/run%201.html")
+        assert docs == "/tidemark/dlq/docs/orders/validations/run%201.html"
         page = c.get(docs)
         assert page.status_code == 200 and "GX validation result" in page.text
         assert page.headers["content-security-policy"].startswith("sandbox")
@@ -303,8 +309,13 @@ def test_record_page_escapes_everything_and_links_the_run(site):
 
 def test_data_docs_are_served_only_from_their_folder(site):
     with site.client(site.admin) as c:
-        for path in ("%2e%2e/secret.txt", "gx/%2e%2e/%2e%2e/secret.txt", "escape.txt",
-                     "%2fetc%2fpasswd", "..%2fsecret.txt", "gx"):
+        assert c.get("/tidemark/dlq/docs/orders/validations/run%201.html").status_code == 200
+        for path in ("orders/%2e%2e/secret.txt", "orders/validations/%2e%2e/%2e%2e/secret.txt",
+                     "orders/escape.txt", "orders/%2fetc%2fpasswd", "orders/..%2fsecret.txt",
+                     "orders/%2e%2e/%2e%2e/great_expectations.yml", "orders/%2e%2e/validations/r.json",
+                     "orders/gx/great_expectations.yml", "gx/great_expectations.yml",
+                     "orders/", "%2e%2e/orders/validations/run%201.html", "other/index.html",
+                     "orders/validations"):
             r = c.get(f"/tidemark/dlq/docs/{path}")
             assert r.status_code == 404, (path, r.text)
             assert "not for the web" not in r.text

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import pytest
 
 from tests.invariants import assert_exactly_once
 from tests.proc import JobProcess
+from tidemark.quality.docs import site_dir
 
 MAIN = {"name": "main", "table": "public.orders", "key": ["id"]}
 MAX_AMOUNT = {"expect_column_max_to_be_between": {"column": "amount", "max_value": 1000}}
@@ -38,6 +40,11 @@ def test_a_failed_gate_writes_nothing_then_the_fixed_pipeline_delivers_once(env,
     failed = [r for r in results if not r["success"]]
     assert [r["expectation"] for r in failed] == ["expect_column_max_to_be_between"]
     assert failed[0]["observed_value"] == pytest.approx(1e9)
+    # Its Data Docs page is in the pipeline's own GX project, inside the site the web serves.
+    (page,), = env.ledger("SELECT docs_path FROM tidemark.dq_results WHERE run_id = %s",
+                          (report.run_id,))
+    site = Path(site_dir(str(env.settings().docs_dir("orders")))).resolve()
+    assert Path(page).resolve().is_relative_to(site) and Path(page).is_file(), page
 
     # The pipeline is fixed (the bound was wrong): the same range goes through, once.
     env.pipeline(sinks=[sink], quality={"batch": [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -244,17 +245,24 @@ def dq_show(ctx: Ctx, run_id: int, as_json: bool) -> None:
 
 
 @dq.command("docs")
+@click.argument("pipeline", required=False)
 @pass_ctx
-def dq_docs(ctx: Ctx) -> None:
-    """Rebuild the Data Docs index page, listing every validated run (runs write only their own page)."""
+def dq_docs(ctx: Ctx, pipeline: str | None) -> None:
+    """Rebuild the Data Docs index page of PIPELINE (default: of every pipeline with Data Docs),
+    listing every validated run (runs write only their own page)."""
     from tidemark.quality.docs import build_docs_index
 
-    folder = ctx.settings.data_docs_dir
-    if not folder.is_dir():
-        raise TidemarkError(f"no Data Docs in {folder}: no run has been validated yet "
-                            "(set TIDEMARK_DATA_DOCS_DIR if they are elsewhere)")
-    index, count = build_docs_index(str(folder))
-    click.echo(f"{index}: {count:,} validation(s)")
+    base = ctx.settings.data_docs_dir
+    if pipeline is not None and not re.fullmatch(cfg.IDENT, pipeline):
+        raise BadInput(f"pipeline {pipeline!r}: not a pipeline name")
+    folders = [ctx.settings.docs_dir(pipeline)] if pipeline else \
+        sorted(p for p in base.glob("*") if (p / "gx").is_dir())
+    if not folders:
+        raise TidemarkError(f"no Data Docs in {base}: no run has been validated yet (set "
+                            f"TIDEMARK_DATA_DOCS_DIR if they are elsewhere)")
+    for folder in folders:
+        index, count = build_docs_index(str(folder))
+        click.echo(f"{folder.name}: {index}: {count:,} validation(s)")
 
 
 @cli.command("resume")

@@ -27,6 +27,10 @@ class Settings(BaseSettings):
     prepared_alert_seconds: int = Field(900, ge=1,
                                         description="age at which a prepared transaction alerts")
 
+    def docs_dir(self, pipeline: str) -> Path:
+        """A pipeline's own Great Expectations project, where its Data Docs are rendered."""
+        return self.data_docs_dir / pipeline
+
     def ledger(self, where: str = "") -> str:
         """The ledger's DSN, or one line saying it is not configured (``where``: whose
         environment lacks it, e.g. "Airflow's API server")."""

@@ -157,6 +157,8 @@ class Stack:
         ensure_database(self.ledger_dsn, self.metadata_db)
         self._airflow("db", "migrate")
         self._airflow("pools", "set", POOL, "1", "Concurrent Tidemark Spark jobs")
+        if self.env().get("AIRFLOW__CORE__MULTI_TEAM", "").lower() == "true":
+            self._airflow("teams", "sync")  # the teams the DAG bundles name must exist
 
     def _pidfile(self, component: str) -> Path:
         return self.home / "run" / f"{component}.pid"

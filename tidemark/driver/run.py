@@ -265,7 +265,7 @@ class Run:
             self.log(f"run {run_id}: checking data quality (Great Expectations)")
             verdict = gate.evaluate(checks, df, run_id,
                                     {s: c.ranges for s, c in claim.sinks.items()}, ledger,
-                                    str(self.s.data_docs_dir), self.mode.gate_policy)
+                                    str(self.s.docs_dir(self.p.name)), self.mode.gate_policy)
             failed = sum(len(offs) for f in verdict.rows.values() for offs in f.values())
             self._mark("gate")
             self.log(f"run {run_id}: data quality: {failed:,} rows failed, gate "

@@ -1,5 +1,10 @@
 """Great Expectations Data Docs: each gate's validation rendered as HTML into a file-system
-GX project rooted at the pipeline's docs folder, and the index page over them."""
+GX project rooted at the pipeline's docs folder, and the index page over them.
+
+Each pipeline has its own GX project (``<TIDEMARK_DATA_DOCS_DIR>/<pipeline>``): the Dead letters
+page serves a pipeline's site only to those who may read its DAG, and only the rendered site,
+never the rest of the project (its config, the stored validation results).
+"""
 
 from __future__ import annotations
 
@@ -60,9 +65,16 @@ def _render_docs(docs_dir: str, label: str, batch_id: str, res) -> str:
     return _index_page(docs_dir)
 
 
+SITE = ("gx", "uncommitted", "data_docs", "local_site")  # the rendered site in a GX project
+
+
+def site_dir(docs_dir: str) -> str:
+    """The rendered Data Docs site of a GX project: what may be served, nothing else."""
+    return os.path.join(os.path.abspath(docs_dir), *SITE)
+
+
 def _index_page(docs_dir: str) -> str:
-    return os.path.join(os.path.abspath(docs_dir), "gx", "uncommitted", "data_docs",
-                        "local_site", "index.html")
+    return os.path.join(site_dir(docs_dir), "index.html")
 
 
 def build_docs_index(docs_dir: str) -> tuple[str, int]:

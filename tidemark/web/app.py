@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import mimetypes
+import re
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -32,13 +33,14 @@ from fastapi.responses import (
 )
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from tidemark.config import dag_id
+from tidemark.config import IDENT, dag_id
 from tidemark.core.db import connect, one_line
 from tidemark.core.dsn import mask
 from tidemark.core.errors import BadInput, Busy, NotFound, TidemarkError
 from tidemark.core.settings import get_settings
 from tidemark.core.text import shown
 from tidemark.ledger import dlq
+from tidemark.quality.docs import site_dir
 from tidemark.web import auth as web_auth
 from tidemark.web.auth import Caller, Forbidden, NotAuthenticated, guard
 
@@ -247,15 +249,17 @@ def _summary(row: dict) -> dict:
     return out
 
 
-def _docs_href(request: Request, docs_path: str | None) -> str | None:
+def _docs_href(request: Request, pipeline: str, docs_path: str | None) -> str | None:
+    """The page's address under the pipeline's own Data Docs site (None if it is elsewhere,
+    e.g. rendered before Data Docs were kept per pipeline)."""
     if not docs_path:
         return None
-    base = get_settings().data_docs_dir.resolve()
+    site = Path(site_dir(str(get_settings().docs_dir(pipeline)))).resolve()
     try:
-        rel = Path(unquote(docs_path)).resolve().relative_to(base)
+        rel = Path(unquote(docs_path)).resolve().relative_to(site)
     except ValueError:
         return None
-    return f"{_links(request)['prefix']}/dlq/docs/{quote(rel.as_posix())}"
+    return f"{_links(request)['prefix']}/dlq/docs/{quote(pipeline)}/{quote(rel.as_posix())}"
 
 
 def _airflow_links(request: Request, run: dict | None) -> dict[str, str]:
@@ -276,7 +280,7 @@ def _record(request: Request, rec: dict, fmt: str) -> dict:
     docs = []
     if rec["error_class"] in ("validation", "dq_gate"):
         docs = [{"scope": q["scope"] or "(pipeline)", "success": q["success"],
-                 "href": _docs_href(request, q["docs_path"]), "path": q["docs_path"]}
+                 "href": _docs_href(request, rec["pipeline"], q["docs_path"])}
                 for q in rec["quality"] if q["docs_path"]]
     return {
         **dlq.envelope(rec),
@@ -358,16 +362,23 @@ def record_page(request: Request, record_id: str, caller: CallerDep) -> Response
                  if rec["headers"] is not None else None)
 
 
-@app.get("/dlq/docs/{path:path}")
-def data_docs(request: Request, path: str, caller: CallerDep) -> Response:
-    """Great Expectations Data Docs, only from under TIDEMARK_DATA_DOCS_DIR."""
-    base = get_settings().data_docs_dir.resolve()
-    parts = Path(path).parts
-    if not path or path.startswith("/") or ".." in parts or "\x00" in path:
-        raise NotFound(f"no Data Docs page {path!r}")
-    target = (base / path).resolve()
-    if not target.is_relative_to(base) or not target.is_file():
-        raise NotFound(f"no Data Docs page {path!r}")
+@app.get("/dlq/docs/{pipeline}/{path:path}")
+def data_docs(request: Request, pipeline: str, path: str, caller: CallerDep) -> Response:
+    """A page of a pipeline's Great Expectations Data Docs site, to those who may read the
+    pipeline's DAG; nothing else of the GX project (config, stored results)."""
+    missing = NotFound(f"no Data Docs page {path!r} of pipeline {pipeline!r}")
+    if not re.fullmatch(IDENT, pipeline):
+        raise missing
+    try:
+        web_auth.require(caller, "GET", [pipeline])
+    except Forbidden:
+        raise missing from None  # whether it exists is not for this caller to learn
+    site = Path(site_dir(str(get_settings().docs_dir(pipeline)))).resolve()
+    if not path or path.startswith("/") or ".." in Path(path).parts or "\x00" in path:
+        raise missing
+    target = (site / path).resolve()
+    if not target.is_relative_to(site) or not target.is_file():
+        raise missing
     ctype = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
     return Response(target.read_bytes(), media_type=ctype,
                     headers={"Content-Security-Policy": DOCS_CSP})

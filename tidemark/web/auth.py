@@ -129,15 +129,40 @@ def same_origin(request: Request) -> bool:
 
 
 # -- authorization ------------------------------------------------------------------------------
+# Multi-team Airflow: a DAG belongs to its bundle's team, and the auth manager decides only
+# with that team in the request (Airflow's own routes pass it the same way:
+# airflow.api_fastapi.core_api.security.requires_access_dag).
+def _multi_team() -> bool:
+    from airflow.configuration import conf
+
+    return conf.getboolean("core", "multi_team", fallback=False)
+
+
+def _teams(dag_ids: Iterable[str]) -> dict[str, str | None]:
+    """The team of each DAG (multi-team mode; else none)."""
+    if not _multi_team():
+        return {}
+    from airflow.models.dag import DagModel
+
+    return DagModel.get_dag_id_to_team_name_mapping(sorted(set(dag_ids)))
+
+
 def may_read_all(caller: Caller) -> bool:
-    """Read access to every DAG: no need to narrow lists to pipelines one by one."""
+    """Read access to every DAG: no need to narrow lists to pipelines one by one. Never
+    assumed in multi-team mode, where a reader's access depends on each DAG's team."""
+    if _multi_team():
+        return False
     return _auth_manager().is_authorized_dag(method="GET", user=caller.user)
 
 
 def readable(caller: Caller, pipelines: Iterable[str]) -> list[str]:
     by_dag = {dag_id(p): p for p in pipelines}
-    ok = _auth_manager().filter_authorized_dag_ids(dag_ids=set(by_dag), user=caller.user,
-                                                   method="GET")
+    teams = _teams(by_dag)
+    ok: set[str] = set()
+    for team in {teams.get(d) for d in by_dag}:
+        ok |= _auth_manager().filter_authorized_dag_ids(
+            dag_ids={d for d in by_dag if teams.get(d) == team}, user=caller.user,
+            method="GET", team_name=team)
     return sorted(by_dag[d] for d in ok)
 
 
@@ -146,9 +171,11 @@ def require(caller: Caller, method: str, pipelines: Iterable[str]) -> None:
     from airflow.api_fastapi.auth.managers.models.resource_details import DagDetails
 
     am = _auth_manager()
-    for p in sorted(set(pipelines)):
-        if not am.is_authorized_dag(method=method, details=DagDetails(id=dag_id(p)),
-                                    user=caller.user):
+    chosen = sorted(set(pipelines))
+    teams = _teams(dag_id(p) for p in chosen)
+    for p in chosen:
+        details = DagDetails(id=dag_id(p), team_name=teams.get(dag_id(p)))
+        if not am.is_authorized_dag(method=method, details=details, user=caller.user):
             need = "read" if method == "GET" else "edit"
             raise Forbidden(f"{caller.name} may not {'see' if method == 'GET' else 'change'} "
                             f"dead letters of {p}: needs {need} access to DAG {dag_id(p)}")
