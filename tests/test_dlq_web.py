@@ -1,7 +1,7 @@
 """The Dead letters plugin in a real Airflow 3.3 (API server, scheduler, DAG processor) started
 here: Airflow's auth manager in front of every route, read vs edit rights, CSRF and origin
-checks, filters and injection over HTTP, escaping, Data Docs confinement, and redrive through
-the pipeline's redrive DAG."""
+checks, filters and injection over HTTP, escaping, Data Docs confinement, redrive through
+the pipeline's redrive DAG, and bounded payloads."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import base64
 import hashlib
 import hmac
 import json
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -364,3 +365,60 @@ def test_redrive_triggers_the_pipelines_redrive_dag(site):
         got = api.get(f"/dags/{dag}/dagRuns/{run_id}").json()
         assert got["conf"]["ids"] == [ids["json"]]
     assert site.letter(ids["redrive1"])[0] == "quarantined"  # the DAG does that, not the UI
+
+
+# -- bounded payloads ---------------------------------------------------------------------------
+def test_a_10_mb_payload_shows_a_bounded_page_and_downloads_whole(site):
+    payload = b'{"blob": "' + base64.b64encode(os.urandom(7_500_000)) + b'"}'  # 10 MB of text
+    with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
+        rid = add(c, payload=payload)
+        nested = add(c, payload=b"[" * 100_000)  # json.loads: RecursionError, not ValueError
+    with site.client(site.admin) as c:
+        page = c.get(f"/tidemark/dlq/record/{rid}")
+        assert page.status_code == 200, page.text
+        assert len(page.content) < 400_000  # 256 KiB of the payload, escaped, and the page
+        assert "first 262,144 bytes" in page.text and f"{len(payload) - 262_144:,} more bytes" \
+            in page.text
+        href = re.search(r'href="([^"]+)" id="download-payload"', page.text)[1]
+        assert href == f"/tidemark/dlq/api/records/{rid}/payload"
+        api = c.get(f"/tidemark/dlq/api/records/{rid}")
+        assert api.status_code == 200 and len(api.content) < 800_000
+        rec = api.json()
+        assert (rec["payload"], rec["payload_size"], rec["payload_complete"]) == (
+            None, len(payload), False)
+        assert rec["payload_download"] == href
+        with c.stream("GET", href) as r:
+            assert r.status_code == 200 and r.headers["content-type"] == \
+                "application/octet-stream"
+            assert r.headers["content-disposition"] == \
+                f'attachment; filename="dead-letter-{rid}.bin"'
+            digest, got = hashlib.sha256(), 0
+            for chunk in r.iter_bytes():
+                digest.update(chunk)
+                got += len(chunk)
+        assert (got, digest.hexdigest()) == (len(payload), hashlib.sha256(payload).hexdigest())
+        small = c.get(f"/tidemark/dlq/api/records/{site.ids['binary']}/payload")
+        assert small.content == bytes(range(40))
+
+        r = c.get(f"/tidemark/dlq/record/{nested}")
+        assert r.status_code == 200, r.text
+        assert "shown as text" in r.text and "[[[[[[[[" in r.text
+        assert c.get(f"/tidemark/dlq/api/records/{nested}").json()["payload_rendered"][
+            "kind"] == "text"
+        r = c.get(f"/tidemark/dlq/api/records/{nested}", params={"format": "json"})
+        assert r.status_code == 400 and "nested too deeply" in r.json()["detail"]
+    with site.client(site.viewer) as c:  # read access is enough for the bytes; none: 401
+        assert c.get(href).status_code == 200
+    assert httpx.get(site.stack.url + href).status_code == 401
+
+
+def test_export_streams_big_letters_whole(site):
+    payloads = [os.urandom(3_000_000) for _ in range(3)]
+    with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
+        ids = [add(c, pipeline="other", payload=p) for p in payloads]
+    with site.client(site.admin) as c, c.stream(
+            "GET", "/tidemark/dlq/api/export", params={"ids": ",".join(map(str, ids))}) as r:
+        assert r.status_code == 200
+        lines = [json.loads(ln) for ln in r.iter_lines() if ln]
+    assert [x["id"] for x in lines] == ids
+    assert [base64.b64decode(x["payload"]) for x in lines] == payloads

@@ -49,7 +49,7 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' 
 # Data Docs are GX's own HTML (scripts, CDN styles): an opaque-origin sandbox keeps them away
 # from the Airflow session.
 DOCS_CSP = "sandbox allow-scripts allow-popups; frame-ancestors 'self'"
-SHOW_BYTES = 256 * 1024  # payload bytes a page renders; export has them all
+SHOW_BYTES = 256 * 1024  # payload bytes a page renders; the download and export have them all
 FORM = "application/x-www-form-urlencoded"
 log = logging.getLogger(__name__)
 
@@ -272,15 +272,22 @@ def _airflow_links(request: Request, run: dict | None) -> dict[str, str]:
 
 
 def _record(request: Request, rec: dict, fmt: str) -> dict:
-    kind, text = dlq.render_payload(rec["payload"], fmt, limit=SHOW_BYTES)
+    """A letter read with ``payload_limit=SHOW_BYTES``: ``payload`` (base64) only when that
+    is all of it, else null; ``payload_download`` has every byte."""
+    size = rec["payload_size"]
+    kind, text = dlq.render_payload(rec["payload"], fmt, limit=SHOW_BYTES, size=size)
     docs = []
     if rec["error_class"] in ("validation", "dq_gate"):
         docs = [{"scope": q["scope"] or "(pipeline)", "success": q["success"],
                  "href": _docs_href(request, q["docs_path"]), "path": q["docs_path"]}
                 for q in rec["quality"] if q["docs_path"]]
+    whole = size is None or size <= SHOW_BYTES
     return {
-        **dlq.envelope(rec),
-        "payload_size": len(rec["payload"]) if rec["payload"] is not None else None,
+        **dlq.envelope(rec if whole else {**rec, "payload": None}),
+        "payload_size": size,
+        "payload_complete": whole,
+        "payload_download": f"{_links(request)['prefix']}/dlq/api/records/{rec['id']}/payload"
+        if size is not None else None,
         "payload_rendered": {"kind": kind, "text": text},
         "key_text": dlq.render_payload(rec["key"], limit=4096)[1] if rec["key"] is not None
         else None,
@@ -333,14 +340,22 @@ def _may(caller: Caller, method: str, pipeline: str) -> bool:
     return True
 
 
-def _readable(caller, record_id: str) -> dict:
-    """The dead letter ``record_id``, if the caller may read its pipeline."""
+def _seen(conn: psycopg.Connection, caller: Caller, record_id: str) -> int:
+    """The id, if the letter exists (404) and the caller may read its pipeline (403)."""
     rid = _record_id(record_id)
-    with _ledger() as conn:
-        rec = dlq.get(conn, rid)
-    if rec is None:
+    pipeline = dlq.pipeline_of(conn, rid)
+    if pipeline is None:
         raise NotFound(f"no dead letter {rid}")
-    web_auth.require(caller, "GET", [rec["pipeline"]])
+    web_auth.require(caller, "GET", [pipeline])
+    return rid
+
+
+def _readable(caller: Caller, record_id: str) -> dict:
+    """The dead letter ``record_id`` with the first SHOW_BYTES of its payload."""
+    with _ledger() as conn:
+        rec = dlq.get(conn, _seen(conn, caller, record_id), payload_limit=SHOW_BYTES)
+    if rec is None:  # gone since
+        raise NotFound(f"no dead letter {_record_id(record_id)}")
     return rec
 
 
@@ -350,9 +365,11 @@ def record_page(request: Request, record_id: str, caller: CallerDep) -> Response
     fmt = request.query_params.get("format", "auto")
     view = _record(request, rec, fmt)
     formats = ["auto", "text", "hex"]
-    if dlq.render_payload(rec["payload"], limit=SHOW_BYTES)[0] == "json":
+    auto = view["payload_rendered"]["kind"] if fmt == "auto" else dlq.render_payload(
+        rec["payload"], limit=SHOW_BYTES, size=rec["payload_size"])[0]
+    if auto == "json":
         formats.insert(1, "json")
-    return _html(request, "record.html", r=view, fmt=fmt, formats=formats,
+    return _html(request, "record.html", r=view, fmt=fmt, formats=formats, show_bytes=SHOW_BYTES,
                  can_act=_may(caller, "PUT", rec["pipeline"]),
                  headers_text=json.dumps(rec["headers"], indent=2, ensure_ascii=False)
                  if rec["headers"] is not None else None)
@@ -398,6 +415,20 @@ def api_record(request: Request, record_id: str, caller: CallerDep) -> Response:
     rec = _readable(caller, record_id)
     fmt = request.query_params.get("format", "auto")
     return JSONResponse(_record(request, rec, fmt))
+
+
+@app.get("/dlq/api/records/{record_id}/payload")
+def api_payload(record_id: str, caller: CallerDep) -> Response:
+    """Every byte of a letter's payload, streamed in slices (the pages show 256 KiB)."""
+    with _ledger() as conn:
+        rid = _seen(conn, caller, record_id)
+
+    def chunks() -> Iterator[bytes]:
+        with _ledger() as conn:
+            yield from dlq.payload_chunks(conn, rid)
+
+    return StreamingResponse(chunks(), media_type="application/octet-stream", headers={
+        "Content-Disposition": f'attachment; filename="dead-letter-{rid}.bin"'})
 
 
 @app.get("/dlq/api/counts")
