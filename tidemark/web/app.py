@@ -31,6 +31,8 @@ from fastapi.responses import (
     StreamingResponse,
 )
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tidemark.config import dag_id
 from tidemark.core.db import connect, one_line
@@ -50,6 +52,7 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' 
 # from the Airflow session.
 DOCS_CSP = "sandbox allow-scripts allow-popups; frame-ancestors 'self'"
 SHOW_BYTES = 256 * 1024  # payload bytes a page renders; the download and export have them all
+MAX_BODY = 2 * 1024 * 1024  # a POST's body: 100,000 ids and a note fit with room to spare
 FORM = "application/x-www-form-urlencoded"
 log = logging.getLogger(__name__)
 
@@ -99,6 +102,59 @@ def _error(request: Request, status: int, message: str) -> Response:
     if _wants_html(request):
         return _html(request, "error.html", status, status_code=status, message=message)
     return JSONResponse({"detail": message}, status_code=status)
+
+
+class BodyLimit:
+    """Caps a request body at ``limit`` bytes before anything reads it (the CSRF check in
+    ``guard``, the handlers): a Content-Length over it is refused unread, and a chunked body is
+    counted as it arrives. The body (at most ``limit`` bytes) is read here, before
+    authentication, and handed on whole."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length", "").strip()
+        if length.isdigit() and int(length) > self.limit:
+            await self._refuse(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: nobody to answer
+                return
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body: Message | None = {"type": "http.request", "body": b"".join(chunks),
+                                "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal body
+            if body is None:  # after the body: a disconnect, for streamed answers
+                return await receive()
+            message, body = body, None
+            return message
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # The server drops the unread rest of the body after this answer.
+        response = _error(Request(scope), 413, f"request body too large: at most "
+                                               f"{self.limit:,} bytes; send fewer dead-letter "
+                                               f"ids at a time")
+        await response(scope, receive, send)
+
+
+# Added before _headers, so it runs inside it and its 413 gets the same security headers.
+app.add_middleware(BodyLimit)
 
 
 @app.middleware("http")
