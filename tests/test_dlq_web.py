@@ -1,7 +1,8 @@
 """The Dead letters plugin in a real Airflow 3.3 (API server, scheduler, DAG processor) started
 here: Airflow's auth manager in front of every route, read vs edit rights, CSRF and origin
 checks, filters and injection over HTTP, escaping, Data Docs confinement, redrive through
-the pipeline's redrive DAG, bounded bodies and payloads."""
+the pipeline's redrive DAG, bounded bodies and payloads, and answers that say no more than
+needed (a letter one may not see is not found; no ledger host; no server paths)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from tidemark.devstack.airflow_stack import Stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
+SCOPED_USER = "scoped"  # tests/scoped_auth.py: sees and edits the pipeline orders only
+
 STUB = (REPO / "dags" / "pipelines" / "flights.py").read_text()
 XSS = b"<script>window.pwned=1</script>"
 AIRFLOW_RUN = {"dag_id": "tidemark_orders", "run_id": "manual__2026-03-01T12:00:00+00:00",
@@ -40,6 +43,7 @@ class Site:
     secret: Path
     admin: str  # JWTs
     viewer: str
+    scoped: str  # may see and edit the pipeline orders only (tests/scoped_auth.py)
 
     def client(self, token: str | None = None, cookie: str | None = None) -> httpx.Client:
         return httpx.Client(base_url=self.stack.url, timeout=60,
@@ -111,11 +115,20 @@ def site(pg, tmp_path_factory):
     env.dir = dags / "pipelines"
     (env.dir / "orders.py").write_text(STUB)
     stack = Stack(home=tmp / "home", ledger_dsn=env.ledger_dsn, port=free_port(),
-                  dags_folder=dags, env_extra={"TIDEMARK_PIPELINES_DIR": str(env.dir),
-                                               "TIDEMARK_DATA_DOCS_DIR": str(docs)})
+                  dags_folder=dags, env_extra={
+                      "TIDEMARK_PIPELINES_DIR": str(env.dir),
+                      "TIDEMARK_DATA_DOCS_DIR": str(docs),
+                      # Airflow's SimpleAuthManager plus a user who sees one pipeline only
+                      "PYTHONPATH": os.pathsep.join(
+                          [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+                      "AIRFLOW__CORE__AUTH_MANAGER": "tests.scoped_auth.ScopedAuthManager",
+                      "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS":
+                          f"admin:admin,viewer:viewer,{SCOPED_USER}:admin"})
     try:
+        stack.password(SCOPED_USER)
         stack.start()
-        yield Site(env, stack, ids, docs, secret, stack.token("admin"), stack.token("viewer"))
+        yield Site(env, stack, ids, docs, secret, stack.token("admin"), stack.token("viewer"),
+                   stack.token(SCOPED_USER))
     finally:
         stack.stop()
         env.drop()
@@ -458,3 +471,83 @@ def test_request_bodies_are_capped_before_auth_and_parsing(site):
                               "padding": "y" * 1_500_000})  # under the cap: parsed as usual
     assert r.status_code == 200 and f"Discarded 1 dead letter(s): {rid}" in r.text
     assert site.letter(rid)[:2] == ("discarded", "admin")
+
+
+# -- answers that say no more than needed -------------------------------------------------------
+def test_letters_one_may_not_see_are_not_found(site):
+    with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
+        hidden, mine = add(c, pipeline="other"), add(c)
+    missing = 99_998
+    with site.client(site.scoped) as c:
+        listed = [x["id"] for x in c.get("/tidemark/dlq/api/records",
+                                         params={"status": "any"}).json()["records"]]
+        assert mine in listed and hidden not in listed
+        r = c.get("/tidemark/dlq/api/records", params={"pipeline": "other", "status": "any"})
+        assert r.status_code == 200 and r.json()["records"] == []
+        for path in ("/tidemark/dlq/api/records/{}", "/tidemark/dlq/api/records/{}/payload",
+                     "/tidemark/dlq/record/{}"):
+            seen, absent = c.get(path.format(hidden)), c.get(path.format(missing))
+            assert seen.status_code == absent.status_code == 404, (path, seen.text)
+            assert re.sub(rf"\b{hidden}\b", "N", seen.text) == \
+                re.sub(rf"\b{missing}\b", "N", absent.text)
+            assert "other" not in seen.text
+        r = c.post("/tidemark/dlq/api/discard",
+                   json={"ids": [hidden, missing, mine], "note": "scoped"})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"discarded": [mine], "by": SCOPED_USER, "skipped": [
+            {"id": hidden, "reason": "no such dead letter"},
+            {"id": missing, "reason": "no such dead letter"}]}
+        r = c.post("/tidemark/dlq/api/redrive", json={"ids": [hidden, missing]})
+        assert r.status_code == 200 and r.json() == {"runs": [], "errors": [], "skipped": [
+            {"id": hidden, "reason": "no such dead letter"},
+            {"id": missing, "reason": "no such dead letter"}]}
+        for r in (c.post("/tidemark/dlq/api/export", json={"ids": [hidden, mine]}),
+                  c.get("/tidemark/dlq/api/export", params={"ids": f"{hidden},{mine}"})):
+            assert r.status_code == 200
+            assert [json.loads(x)["id"] for x in r.text.splitlines()] == [mine]
+    assert site.letter(hidden)[0] == "quarantined"
+
+
+def test_no_server_paths_in_the_api(site):
+    with site.client(site.admin) as c:
+        r = c.get(f"/tidemark/dlq/api/records/{site.ids['json']}")
+    assert r.status_code == 200
+    (docs,) = r.json()["data_docs"]
+    assert set(docs) == {"scope", "success", "href"}
+    assert docs["href"].endswith("/validations/run%201.html")
+    assert str(site.docs) not in r.text and str(site.env.tmp) not in r.text
+
+
+def test_the_ledger_unavailable_is_a_503_without_its_address(site):
+    port = str(site.env.cluster.port)
+    admin_db = site.env.cluster.dsn("postgres")
+    led = site.env.names["ledger"]
+    with psycopg.connect(admin_db, autocommit=True) as c:  # refused connections
+        c.execute(f'ALTER DATABASE "{led}" ALLOW_CONNECTIONS false')
+        try:
+            with site.client(site.admin) as web:
+                api = web.get("/tidemark/dlq/api/records")
+                page = web.get("/tidemark/dlq/")
+        finally:
+            c.execute(f'ALTER DATABASE "{led}" ALLOW_CONNECTIONS true')
+    assert api.status_code == 503
+    assert api.json() == {"detail": "the ledger database is unavailable; try again later"}
+    assert page.status_code == 503 and port not in page.text and led not in page.text
+    assert re.search(r'id="error-message">([^<]*)<', page.text)[1] == (
+        "the ledger database is unavailable; try again later")
+
+    # A query that fails (here: a lock it may not wait for) says the same, nothing more.
+    with psycopg.connect(site.env.ledger_dsn) as holder, \
+            psycopg.connect(admin_db, autocommit=True) as admin:
+        holder.execute("LOCK TABLE tidemark.dlq IN ACCESS EXCLUSIVE MODE")
+        admin.execute(f"ALTER DATABASE \"{led}\" SET lock_timeout = '200ms'")  # new sessions
+        try:
+            with site.client(site.admin) as web:
+                r = web.get(f"/tidemark/dlq/api/records/{site.ids['json']}")
+        finally:
+            admin.execute(f'ALTER DATABASE "{led}" RESET lock_timeout')
+            holder.rollback()
+    assert r.status_code == 503
+    assert r.json() == {"detail": "the ledger database is unavailable; try again later"}
+    with site.client(site.admin) as web:
+        assert web.get(f"/tidemark/dlq/api/records/{site.ids['json']}").status_code == 200

@@ -53,6 +53,7 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' 
 DOCS_CSP = "sandbox allow-scripts allow-popups; frame-ancestors 'self'"
 SHOW_BYTES = 256 * 1024  # payload bytes a page renders; the download and export have them all
 MAX_BODY = 2 * 1024 * 1024  # a POST's body: 100,000 ids and a note fit with room to spare
+UNAVAILABLE = "the ledger database is unavailable; try again later"
 FORM = "application/x-www-form-urlencoded"
 log = logging.getLogger(__name__)
 
@@ -63,10 +64,18 @@ app = FastAPI(title="Tidemark dead letters", docs_url=None, redoc_url=None, open
               dependencies=[Depends(guard)])
 
 
+class LedgerUnavailable(TidemarkError):
+    """The ledger cannot be reached: 503, without its host or user (the log has them)."""
+
+
 # -- plumbing ---------------------------------------------------------------------------------
 def _ledger(**kw) -> psycopg.Connection:
-    return connect(get_settings().ledger("Airflow's API server"), autocommit=True,
-                   what="ledger", **kw)
+    try:
+        return connect(get_settings().ledger("Airflow's API server"), autocommit=True,
+                       what="ledger", **kw)
+    except TidemarkError as exc:  # names host, port and user: for the log, not for the caller
+        log.warning("tidemark dead letters: %s", mask(str(exc)))
+        raise LedgerUnavailable(UNAVAILABLE) from None
 
 
 def _rel(request: Request) -> str:
@@ -194,7 +203,10 @@ async def _tidemark_error(request: Request, exc: TidemarkError) -> Response:
 
 @app.exception_handler(psycopg.Error)
 async def _db_error(request: Request, exc: psycopg.Error) -> Response:
-    return _error(request, 503, f"ledger error: {one_line(exc)}")
+    # The error names the server, its port and the user: the log has them, masked.
+    log.warning("tidemark dead letters: %s %s: ledger error: %s", request.method,
+                request.url.path, one_line(exc))
+    return _error(request, 503, UNAVAILABLE)
 
 
 @app.exception_handler(RequestValidationError)
@@ -274,10 +286,10 @@ def _back(request: Request, body: dict) -> str:
 
 # -- authorization against the ledger ----------------------------------------------------------
 def _visible(conn: psycopg.Connection, caller: Caller, f: dlq.Filters) -> dlq.Filters:
-    """``f`` narrowed to the pipelines the caller may read (403 if they named another)."""
+    """``f`` narrowed to the pipelines the caller may read; one they named but may not read
+    matches nothing, like a pipeline without dead letters."""
     if f.pipeline:
-        web_auth.require(caller, "GET", [f.pipeline])
-        return f
+        return f if _may(caller, "GET", f.pipeline) else f.model_copy(update={"pipelines": []})
     if web_auth.may_read_all(caller):
         return f
     return f.model_copy(update={"pipelines": web_auth.readable(caller, dlq.pipelines(conn))})
@@ -285,8 +297,15 @@ def _visible(conn: psycopg.Connection, caller: Caller, f: dlq.Filters) -> dlq.Fi
 
 def _owned(conn: psycopg.Connection, caller: Caller, ids: list[int],
            method: str) -> dict[int, tuple[str, str]]:
+    """id -> (pipeline, status) of the ids that exist and that the caller may see: the others
+    are left out, so they read like ids that do not exist. 403 if the caller may see one but
+    not ``method`` it (edit, PUT)."""
     owners = dlq.owners(conn, ids)
-    web_auth.require(caller, method, {p for p, _ in owners.values()})
+    names = {p for p, _ in owners.values()}
+    seen = names if web_auth.may_read_all(caller) else set(web_auth.readable(caller, names))
+    owners = {i: o for i, o in owners.items() if o[0] in seen}
+    if method != "GET":
+        web_auth.require(caller, method, {p for p, _ in owners.values()})
     return owners
 
 
@@ -333,9 +352,9 @@ def _record(request: Request, rec: dict, fmt: str) -> dict:
     size = rec["payload_size"]
     kind, text = dlq.render_payload(rec["payload"], fmt, limit=SHOW_BYTES, size=size)
     docs = []
-    if rec["error_class"] in ("validation", "dq_gate"):
+    if rec["error_class"] in ("validation", "dq_gate"):  # links only: no server paths
         docs = [{"scope": q["scope"] or "(pipeline)", "success": q["success"],
-                 "href": _docs_href(request, q["docs_path"]), "path": q["docs_path"]}
+                 "href": _docs_href(request, q["docs_path"])}
                 for q in rec["quality"] if q["docs_path"]]
     whole = size is None or size <= SHOW_BYTES
     return {
@@ -397,12 +416,12 @@ def _may(caller: Caller, method: str, pipeline: str) -> bool:
 
 
 def _seen(conn: psycopg.Connection, caller: Caller, record_id: str) -> int:
-    """The id, if the letter exists (404) and the caller may read its pipeline (403)."""
+    """The id, if the letter exists and the caller may read its pipeline; a letter they may
+    not see is not found, exactly like one that does not exist."""
     rid = _record_id(record_id)
     pipeline = dlq.pipeline_of(conn, rid)
-    if pipeline is None:
+    if pipeline is None or not _may(caller, "GET", pipeline):
         raise NotFound(f"no dead letter {rid}")
-    web_auth.require(caller, "GET", [pipeline])
     return rid
 
 
@@ -410,7 +429,7 @@ def _readable(caller: Caller, record_id: str) -> dict:
     """The dead letter ``record_id`` with the first SHOW_BYTES of its payload."""
     with _ledger() as conn:
         rec = dlq.get(conn, _seen(conn, caller, record_id), payload_limit=SHOW_BYTES)
-    if rec is None:  # gone since
+    if rec is None:  # gone since: read as never there
         raise NotFound(f"no dead letter {_record_id(record_id)}")
     return rec
 
@@ -512,9 +531,7 @@ def _download(f: dlq.Filters) -> StreamingResponse:
 @app.get("/dlq/api/export")
 def api_export(request: Request, caller: CallerDep) -> Response:
     f = _filters(request, None)
-    with _ledger() as conn:
-        if f.ids:
-            _owned(conn, caller, f.ids, "GET")
+    with _ledger() as conn:  # ids of pipelines the caller may not read are left out
         f = _visible(conn, caller, f)
     return _download(f)
 
@@ -523,12 +540,11 @@ def api_export(request: Request, caller: CallerDep) -> Response:
 async def api_export_selected(request: Request, caller: CallerDep) -> Response:
     ids = _ids_from(await _body(request))
 
-    def check() -> None:
+    def check() -> list[int]:
         with _ledger() as conn:
-            _owned(conn, caller, ids, "GET")
+            return sorted(_owned(conn, caller, ids, "GET"))
 
-    await run_in_threadpool(check)
-    return _download(dlq.Filters(ids=ids))
+    return _download(dlq.Filters(ids=await run_in_threadpool(check)))
 
 
 @app.post("/dlq/api/discard")
@@ -538,8 +554,11 @@ async def api_discard(request: Request, caller: CallerDep) -> Response:
 
     def work() -> dlq.Discarded:
         with _ledger() as conn:
-            _owned(conn, caller, ids, "PUT")
-            return dlq.discard(conn, ids, body.get("note"), caller.name)
+            owners = _owned(conn, caller, ids, "PUT")
+            res = dlq.discard(conn, sorted(owners), body.get("note"), caller.name) if owners \
+                else dlq.Discarded()
+        res.skipped.update({i: "no such dead letter" for i in ids if i not in owners})
+        return res
 
     res = await run_in_threadpool(work)
     if _wants_html(request):
