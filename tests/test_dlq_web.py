@@ -473,6 +473,34 @@ def test_request_bodies_are_capped_before_auth_and_parsing(site):
     assert site.letter(rid)[:2] == ("discarded", "admin")
 
 
+# -- CSRF ---------------------------------------------------------------------------------------
+def test_csrf_tokens_are_masked_per_page_and_outlive_airflows_token_refresh(site):
+    with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
+        first, second, third = add(c), add(c), add(c)
+    with site.client(cookie=site.admin) as c:
+        t1, t2 = form_token(c), form_token(c)
+    assert t1 != t2 and len(t1) == len(t2) == 128  # never the same bytes twice (BREACH)
+    viewer = site.csrf(site.viewer)
+    # Airflow's refresh middleware replaces the _token cookie with a new JWT while a page
+    # stays open: the form rendered under the old one still posts.
+    refreshed = site.stack.token("admin")
+    assert refreshed != site.admin
+    url = "/tidemark/dlq/api/discard"
+    with site.client(cookie=refreshed) as c:
+        for rid, token in ((first, t1), (second, t2)):
+            r = c.post(url, data={"ids": str(rid), "note": "old form", "csrf_token": token})
+            assert r.status_code == 200 and "Discarded 1" in r.text, r.text
+        tampered = t1[:-1] + ("0" if t1[-1] != "0" else "1")
+        for bad in (viewer, tampered, t1[:64], "zz" * 64, ""):  # another user's, broken ones
+            r = c.post(url, data={"ids": str(third), "note": "x", "csrf_token": bad})
+            assert r.status_code == 403 and "CSRF token" in r.text, bad
+            r = c.post(url, json={"ids": [third], "note": "x"}, headers={"X-CSRF-Token": bad}
+                       if bad else {})
+            assert r.status_code == 403, bad
+    assert site.letter(first)[0] == site.letter(second)[0] == "discarded"
+    assert site.letter(third)[0] == "quarantined"
+
+
 # -- answers that say no more than needed -------------------------------------------------------
 def test_letters_one_may_not_see_are_not_found(site):
     with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:

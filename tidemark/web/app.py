@@ -102,7 +102,7 @@ def _html(request: Request, template: str, status: int = 200, **ctx: Any) -> HTM
     caller: Caller | None = getattr(request.state, "tm_caller", None)
     body = jinja.get_template(template).render(
         **_links(request), user=caller.name if caller else "",
-        csrf=web_auth.csrf_token(caller.token) if caller and caller.via_cookie else "", **ctx)
+        csrf=web_auth.csrf_token(caller) if caller and caller.via_cookie else "", **ctx)
     return HTMLResponse(body, status_code=status)
 
 
