@@ -5,12 +5,17 @@ class and status), then times what the page runs: the first page, a page deep in
 (keyset cursor near the oldest rows), a filtered deep page, and the counts by class. Prints
 milliseconds (median of --reps) and the deep/first ratio: keyset paging should keep it
 near 1 however deep the page is.
+
+With --export N: an export of N small letters plus --big letters of 10 MB, timed, with the
+growth of this process's peak RSS: it should stay near the export's byte budget
+(dlq.EXPORT_BYTES) plus one big letter however large N is.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import time
 
@@ -36,6 +41,27 @@ def _fill(conn: psycopg.Connection, n: int) -> None:
     conn.execute("ANALYZE tidemark.dlq")
 
 
+def _export(conn: psycopg.Connection, n: int, big: int) -> None:
+    print(f"filling {n:,} small and {big} 10 MB dead letters ...", flush=True)
+    _fill(conn, n)
+    conn.execute(
+        """INSERT INTO tidemark.dlq (pipeline, sink, run_id, source_partition, source_offset,
+                                     payload, error_class, reason, status)
+           SELECT 'p0', 'big', 1, 0, i, convert_to(repeat(md5(i::text), 327680), 'UTF8'),
+                  'decode', 'big', 'quarantined'
+           FROM generate_series(1, %s) AS i""", (big,))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    t, lines, size = time.perf_counter(), 0, 0
+    for line in dlq.export(conn, dlq.Filters.parse()):
+        lines += 1
+        size += len(line)
+    secs = time.perf_counter() - t
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    print(f"export: {lines:,} letters, {size / 2**20:,.0f} MiB of JSON Lines in {secs:.1f}s "
+          f"({lines / secs:,.0f} letters/s); peak RSS grew {grown:.0f} MiB "
+          f"(budget {dlq.EXPORT_BYTES / 2**20:.0f} MiB + one 10 MB letter)")
+
+
 def _ms(fn, reps: int) -> float:
     times = []
     for _ in range(reps):
@@ -49,6 +75,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=200_000)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--export", type=int, default=0, metavar="N",
+                    help="instead: time an export of N letters (e.g. 1000000)")
+    ap.add_argument("--big", type=int, default=20, help="10 MB letters in the export")
     args = ap.parse_args()
     dsn = os.environ["TIDEMARK_LEDGER_DSN"]
     scratch = dsn.rsplit("/", 1)[0] + "/tidemark_dlq_bench"
@@ -58,6 +87,9 @@ def main() -> None:
             c.execute("CREATE DATABASE tidemark_dlq_bench")
     migrations.upgrade(scratch)
     with psycopg.connect(scratch, autocommit=True) as conn:
+        if args.export:
+            _export(conn, args.export, args.big)
+            return
         print(f"filling {args.rows:,} dead letters ...", flush=True)
         _fill(conn, args.rows)
         oldest = conn.execute("SELECT min(id) FROM tidemark.dlq").fetchone()[0]

@@ -250,6 +250,54 @@ def test_export_jsonl_round_trip(ledger, sample):
     assert len(every) == len(sample) + 1
 
 
+def _big_letters(conn, n: int, size: int) -> list[int]:
+    """n letters of ``size`` bytes each, made by the server (compressible: small on disk)."""
+    return [r[0] for r in conn.execute(
+        """INSERT INTO tidemark.dlq (pipeline, sink, run_id, source_partition, source_offset,
+                                     payload, error_class, reason, status)
+           SELECT 'big', 'main', 1, 0, i, convert_to(repeat(md5(i::text), %s / 32), 'UTF8'),
+                  'decode', 'big letter', 'quarantined'
+           FROM generate_series(1, %s) AS i RETURNING id""", (size, n)).fetchall()]
+
+
+def test_export_memory_is_bounded_by_bytes_not_rows(ledger):
+    """24 letters of 2 MiB (48 MiB): fetched 2,000 rows at a time they would all be in memory
+    at once; by a byte budget the export's peak stays near budget + one letter's lines."""
+    import tracemalloc
+
+    mib = 1024 * 1024
+    ids = _big_letters(ledger, 24, 2 * mib)
+    tracemalloc.start()
+    try:
+        n = 0
+        for line in dlq.export(ledger, dlq.Filters(pipeline="big")):
+            n += 1
+            assert len(line) > 2 * mib  # base64 of the payload and the envelope
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert n == len(ids)
+    assert peak < dlq.EXPORT_BYTES + 16 * mib, f"export peak {peak / mib:.1f} MiB"
+    # a budget smaller than one letter: one letter at a time, every letter once, in order
+    got = [json.loads(x)["id"] for x in dlq.export(ledger, dlq.Filters(pipeline="big"),
+                                                    budget=1)]
+    assert got == ids
+
+
+def test_a_big_payload_is_read_in_slices(ledger):
+    (rid,) = _big_letters(ledger, 1, 3 * 1024 * 1024 + 64)
+    whole = bytes(ledger.execute("SELECT payload FROM tidemark.dlq WHERE id = %s",
+                                 (rid,)).fetchone()[0])
+    head = dlq.get(ledger, rid, payload_limit=1000)
+    assert (head["payload"], head["payload_size"]) == (whole[:1000], len(whole))
+    assert dlq.get(ledger, rid)["payload"] == whole
+    chunks = list(dlq.payload_chunks(ledger, rid, chunk=1024 * 1024))
+    assert [len(c) for c in chunks] == [1024 * 1024] * 3 + [64]
+    assert b"".join(chunks) == whole
+    assert list(dlq.payload_chunks(ledger, 10**9)) == []
+    assert dlq.pipeline_of(ledger, rid) == "big" and dlq.pipeline_of(ledger, 10**9) is None
+
+
 def test_render_payload():
     assert dlq.render_payload(b'{"b": [1, 2], "a": "\xc3\xa9"}') == (
         "json", '{\n  "b": [\n    1,\n    2\n  ],\n  "a": "é"\n}')
@@ -269,6 +317,17 @@ def test_render_payload():
     kind, text = dlq.render_payload(b"a" * 100, limit=10)
     assert kind == "text" and text.startswith("a" * 10 + "\n... 90 more bytes not shown")
     assert dlq.render_payload(None) == ("text", "")
+    # 100,000 nested '[' make json.loads raise RecursionError: text, not a crash
+    assert dlq.render_payload(b"[" * 100_000) == ("text", "[" * 100_000)
+    with pytest.raises(BadInput, match="nested too deeply"):
+        dlq.render_payload(b"[" * 100_000, "json")
+    # only the head of a longer payload (get(..., payload_limit=...)): the note counts the rest
+    kind, text = dlq.render_payload(b'{"a": 1', limit=10, size=5000)
+    assert kind == "text" and text.endswith("4,993 more bytes not shown; download or export "
+                                            "the record for all of them")
+    kind, text = dlq.render_payload("ab€".encode()[:4], limit=4, size=5)  # cut inside the €
+    assert (kind, text.splitlines()) == ("text", ["ab", "... 3 more bytes not shown; download "
+                                                "or export the record for all of them"])
     assert dlq.preview(b'{"id": "\xc3\xa9\xc3', 40) == '{"id": "é…'
 
 

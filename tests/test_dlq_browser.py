@@ -3,8 +3,8 @@ against a real Airflow 3.3 started here, with dead letters a real Spark run quar
 
 Log in, open Dead letters from Airflow's navigation, filter, open a record (its `<script>`
 payload shown, never run), redrive one that now passes (through the redrive DAG, Spark and
-the two-phase commit), discard one with a note; both checked in the ledger. Screenshots go to
-test-artifacts/browser/."""
+the two-phase commit), discard one with a note from a page older than the session cookie;
+both checked in the ledger. Screenshots go to test-artifacts/browser/."""
 
 from __future__ import annotations
 
@@ -127,8 +127,13 @@ def test_review_redrive_and_discard_in_the_browser(site):
         expect(page.get_by_text("paused")).to_have_count(0)  # it runs when triggered
         page.screenshot(path=SHOTS / "04-redrive-requested.png", full_page=True)
 
-        # Discard the unreadable one with a note.
+        # Discard the unreadable one with a note, from a page loaded before Airflow refreshed
+        # its _token cookie (a new JWT for the same user): the form's CSRF token still holds.
         page.goto(stack.url + "/tidemark/dlq/?error_class=decode")
+        old = next(c for c in page.context.cookies() if c["name"] == "_token")
+        page.context.add_cookies([{**old, "value": stack.token("admin")}])
+        assert next(c for c in page.context.cookies() if c["name"] == "_token")["value"] != \
+            old["value"]
         page.check(f"input[name=ids][value='{xss[0]}']")
         page.fill("[name=note]", "not a real order: test payload")
         page.get_by_role("button", name="Discard").click()

@@ -1,14 +1,15 @@
 """The Dead letters plugin in a real Airflow 3.3 (API server, scheduler, DAG processor) started
 here: Airflow's auth manager in front of every route, read vs edit rights, CSRF and origin
-checks, filters and injection over HTTP, escaping, Data Docs confinement, and redrive through
-the pipeline's redrive DAG."""
+checks, filters and injection over HTTP, escaping, Data Docs confinement, redrive through
+the pipeline's redrive DAG, bounded bodies and payloads, and answers that say no more than
+needed (a letter one may not see is not found; no ledger host; no server paths)."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
-import hmac
 import json
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from tidemark.devstack.airflow_stack import Stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
+SCOPED_USER = "scoped"  # tests/scoped_auth.py: sees and edits the pipeline orders only
+
 STUB = (REPO / "dags" / "pipelines" / "flights.py").read_text()
 XSS = b"<script>window.pwned=1</script>"
 AIRFLOW_RUN = {"dag_id": "tidemark_orders", "run_id": "manual__2026-03-01T12:00:00+00:00",
@@ -40,6 +43,7 @@ class Site:
     secret: Path
     admin: str  # JWTs
     viewer: str
+    scoped: str  # may see and edit the pipeline orders only (tests/scoped_auth.py)
 
     def client(self, token: str | None = None, cookie: str | None = None) -> httpx.Client:
         return httpx.Client(base_url=self.stack.url, timeout=60,
@@ -47,8 +51,9 @@ class Site:
                             cookies={"_token": cookie} if cookie else None)
 
     def csrf(self, jwt: str) -> str:
-        key = json.loads((self.stack.home / "stack.json").read_text())["secret_key"]
-        return hmac.new(key.encode(), jwt.encode(), hashlib.sha256).hexdigest()
+        """The CSRF token a page rendered for this session embeds in its forms."""
+        with self.client(cookie=jwt) as c:
+            return form_token(c)
 
     def letter(self, rid: int) -> tuple:
         return self.env.ledger("SELECT status::text, resolved_by, note FROM tidemark.dlq "
@@ -56,6 +61,12 @@ class Site:
 
     def count(self) -> int:
         return self.env.ledger("SELECT count(*) FROM tidemark.dlq")[0][0]
+
+
+def form_token(c: httpx.Client) -> str:
+    page = c.get("/tidemark/dlq/")
+    assert page.status_code == 200, page.text
+    return re.search(r'name="csrf_token" value="([0-9a-f]*)"', page.text)[1]
 
 
 def _seed(env: Env, docs_page: Path) -> dict[str, int]:
@@ -110,11 +121,20 @@ def site(pg, tmp_path_factory):
     env.dir = dags / "pipelines"
     (env.dir / "orders.py").write_text(STUB)
     stack = Stack(home=tmp / "home", ledger_dsn=env.ledger_dsn, port=free_port(),
-                  dags_folder=dags, env_extra={"TIDEMARK_PIPELINES_DIR": str(env.dir),
-                                               "TIDEMARK_DATA_DOCS_DIR": str(docs)})
+                  dags_folder=dags, env_extra={
+                      "TIDEMARK_PIPELINES_DIR": str(env.dir),
+                      "TIDEMARK_DATA_DOCS_DIR": str(docs),
+                      # Airflow's SimpleAuthManager plus a user who sees one pipeline only
+                      "PYTHONPATH": os.pathsep.join(
+                          [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+                      "AIRFLOW__CORE__AUTH_MANAGER": "tests.scoped_auth.ScopedAuthManager",
+                      "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS":
+                          f"admin:admin,viewer:viewer,{SCOPED_USER}:admin"})
     try:
+        stack.password(SCOPED_USER)
         stack.start()
-        yield Site(env, stack, ids, docs, secret, stack.token("admin"), stack.token("viewer"))
+        yield Site(env, stack, ids, docs, secret, stack.token("admin"), stack.token("viewer"),
+                   stack.token(SCOPED_USER))
     finally:
         stack.stop()
         env.drop()
@@ -202,10 +222,8 @@ def test_admin_discards_with_a_note(site):
 
 def test_cookie_posts_need_the_csrf_token_and_our_origin(site):
     rid = site.ids["csrf"]
-    token = site.csrf(site.admin)
     with site.client(cookie=site.admin) as c:
-        page = c.get("/tidemark/dlq/")
-        assert page.status_code == 200 and f'value="{token}"' in page.text
+        token = form_token(c)
         body = {"ids": [rid], "note": "csrf"}
         r = c.post("/tidemark/dlq/api/discard", json=body)
         assert r.status_code == 403 and "CSRF" in r.json()["detail"]
@@ -375,3 +393,200 @@ def test_redrive_triggers_the_pipelines_redrive_dag(site):
         got = api.get(f"/dags/{dag}/dagRuns/{run_id}").json()
         assert got["conf"]["ids"] == [ids["json"]]
     assert site.letter(ids["redrive1"])[0] == "quarantined"  # the DAG does that, not the UI
+
+
+# -- bounded payloads ---------------------------------------------------------------------------
+def test_a_10_mb_payload_shows_a_bounded_page_and_downloads_whole(site):
+    payload = b'{"blob": "' + base64.b64encode(os.urandom(7_500_000)) + b'"}'  # 10 MB of text
+    with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
+        rid = add(c, payload=payload)
+        nested = add(c, payload=b"[" * 100_000)  # json.loads: RecursionError, not ValueError
+    with site.client(site.admin) as c:
+        page = c.get(f"/tidemark/dlq/record/{rid}")
+        assert page.status_code == 200, page.text
+        assert len(page.content) < 400_000  # 256 KiB of the payload, escaped, and the page
+        assert "first 262,144 bytes" in page.text and f"{len(payload) - 262_144:,} more bytes" \
+            in page.text
+        href = re.search(r'href="([^"]+)" id="download-payload"', page.text)[1]
+        assert href == f"/tidemark/dlq/api/records/{rid}/payload"
+        api = c.get(f"/tidemark/dlq/api/records/{rid}")
+        assert api.status_code == 200 and len(api.content) < 800_000
+        rec = api.json()
+        assert (rec["payload"], rec["payload_size"], rec["payload_complete"]) == (
+            None, len(payload), False)
+        assert rec["payload_download"] == href
+        with c.stream("GET", href) as r:
+            assert r.status_code == 200 and r.headers["content-type"] == \
+                "application/octet-stream"
+            assert r.headers["content-disposition"] == \
+                f'attachment; filename="dead-letter-{rid}.bin"'
+            digest, got = hashlib.sha256(), 0
+            for chunk in r.iter_bytes():
+                digest.update(chunk)
+                got += len(chunk)
+        assert (got, digest.hexdigest()) == (len(payload), hashlib.sha256(payload).hexdigest())
+        small = c.get(f"/tidemark/dlq/api/records/{site.ids['binary']}/payload")
+        assert small.content == bytes(range(40))
+
+        r = c.get(f"/tidemark/dlq/record/{nested}")
+        assert r.status_code == 200, r.text
+        assert "shown as text" in r.text and "[[[[[[[[" in r.text
+        assert c.get(f"/tidemark/dlq/api/records/{nested}").json()["payload_rendered"][
+            "kind"] == "text"
+        r = c.get(f"/tidemark/dlq/api/records/{nested}", params={"format": "json"})
+        assert r.status_code == 400 and "nested too deeply" in r.json()["detail"]
+    with site.client(site.viewer) as c:  # read access is enough for the bytes; none: 401
+        assert c.get(href).status_code == 200
+    assert httpx.get(site.stack.url + href).status_code == 401
+
+
+def test_export_streams_big_letters_whole(site):
+    payloads = [os.urandom(3_000_000) for _ in range(3)]
+    with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
+        ids = [add(c, pipeline="other", payload=p) for p in payloads]
+    with site.client(site.admin) as c, c.stream(
+            "GET", "/tidemark/dlq/api/export", params={"ids": ",".join(map(str, ids))}) as r:
+        assert r.status_code == 200
+        lines = [json.loads(ln) for ln in r.iter_lines() if ln]
+    assert [x["id"] for x in lines] == ids
+    assert [base64.b64decode(x["payload"]) for x in lines] == payloads
+
+
+# -- bounded request bodies ---------------------------------------------------------------------
+def test_request_bodies_are_capped_before_auth_and_parsing(site):
+    with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
+        rid = add(c)
+    big = {"ids": [rid], "note": "x" * 3_000_000}
+    url = "/tidemark/dlq/api/discard"
+
+    def chunked():  # no Content-Length: the cap counts the bytes as they come
+        data = json.dumps(big).encode()
+        for i in range(0, len(data), 64 * 1024):
+            yield data[i:i + 64 * 1024]
+
+    for creds in ({}, {"token": site.admin}):
+        with site.client(**creds) as c:
+            r = c.post(url, json=big)
+            assert r.status_code == 413, (creds, r.text)
+            assert r.json()["detail"].startswith("request body too large: at most 2,097,152")
+            assert r.headers["content-security-policy"].startswith("default-src 'none'")
+            r = c.post(url, content=chunked(), headers={"Content-Type": "application/json"})
+            assert r.status_code == 413 and "too large" in r.json()["detail"], r.text
+    with site.client(cookie=site.admin) as c:  # a form gets the error page
+        token = form_token(c)
+        r = c.post(url, data={"ids": str(rid), "note": "x" * 3_000_000, "csrf_token": token})
+        assert r.status_code == 413 and r.headers["content-type"].startswith("text/html")
+        assert "request body too large" in r.text
+        assert site.letter(rid)[0] == "quarantined"
+        r = c.post(url, data={"ids": str(rid), "note": "fits", "csrf_token": token,
+                              "padding": "y" * 1_500_000})  # under the cap: parsed as usual
+    assert r.status_code == 200 and f"Discarded 1 dead letter(s): {rid}" in r.text
+    assert site.letter(rid)[:2] == ("discarded", "admin")
+
+
+# -- CSRF ---------------------------------------------------------------------------------------
+def test_csrf_tokens_are_masked_per_page_and_outlive_airflows_token_refresh(site):
+    with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
+        first, second, third = add(c), add(c), add(c)
+    with site.client(cookie=site.admin) as c:
+        t1, t2 = form_token(c), form_token(c)
+    assert t1 != t2 and len(t1) == len(t2) == 128  # never the same bytes twice (BREACH)
+    viewer = site.csrf(site.viewer)
+    # Airflow's refresh middleware replaces the _token cookie with a new JWT while a page
+    # stays open: the form rendered under the old one still posts.
+    refreshed = site.stack.token("admin")
+    assert refreshed != site.admin
+    url = "/tidemark/dlq/api/discard"
+    with site.client(cookie=refreshed) as c:
+        for rid, token in ((first, t1), (second, t2)):
+            r = c.post(url, data={"ids": str(rid), "note": "old form", "csrf_token": token})
+            assert r.status_code == 200 and "Discarded 1" in r.text, r.text
+        tampered = t1[:-1] + ("0" if t1[-1] != "0" else "1")
+        for bad in (viewer, tampered, t1[:64], "zz" * 64, ""):  # another user's, broken ones
+            r = c.post(url, data={"ids": str(third), "note": "x", "csrf_token": bad})
+            assert r.status_code == 403 and "CSRF token" in r.text, bad
+            r = c.post(url, json={"ids": [third], "note": "x"}, headers={"X-CSRF-Token": bad}
+                       if bad else {})
+            assert r.status_code == 403, bad
+    assert site.letter(first)[0] == site.letter(second)[0] == "discarded"
+    assert site.letter(third)[0] == "quarantined"
+
+
+# -- answers that say no more than needed -------------------------------------------------------
+def test_letters_one_may_not_see_are_not_found(site):
+    with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
+        hidden, mine = add(c, pipeline="other"), add(c)
+    missing = 99_998
+    with site.client(site.scoped) as c:
+        listed = [x["id"] for x in c.get("/tidemark/dlq/api/records",
+                                         params={"status": "any"}).json()["records"]]
+        assert mine in listed and hidden not in listed
+        r = c.get("/tidemark/dlq/api/records", params={"pipeline": "other", "status": "any"})
+        assert r.status_code == 200 and r.json()["records"] == []
+        for path in ("/tidemark/dlq/api/records/{}", "/tidemark/dlq/api/records/{}/payload",
+                     "/tidemark/dlq/record/{}"):
+            seen, absent = c.get(path.format(hidden)), c.get(path.format(missing))
+            assert seen.status_code == absent.status_code == 404, (path, seen.text)
+            assert re.sub(rf"\b{hidden}\b", "N", seen.text) == \
+                re.sub(rf"\b{missing}\b", "N", absent.text)
+            assert "other" not in seen.text
+        r = c.post("/tidemark/dlq/api/discard",
+                   json={"ids": [hidden, missing, mine], "note": "scoped"})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"discarded": [mine], "by": SCOPED_USER, "skipped": [
+            {"id": hidden, "reason": "no such dead letter"},
+            {"id": missing, "reason": "no such dead letter"}]}
+        r = c.post("/tidemark/dlq/api/redrive", json={"ids": [hidden, missing]})
+        assert r.status_code == 200 and r.json() == {"runs": [], "errors": [], "skipped": [
+            {"id": hidden, "reason": "no such dead letter"},
+            {"id": missing, "reason": "no such dead letter"}]}
+        for r in (c.post("/tidemark/dlq/api/export", json={"ids": [hidden, mine]}),
+                  c.get("/tidemark/dlq/api/export", params={"ids": f"{hidden},{mine}"})):
+            assert r.status_code == 200
+            assert [json.loads(x)["id"] for x in r.text.splitlines()] == [mine]
+    assert site.letter(hidden)[0] == "quarantined"
+
+
+def test_no_server_paths_in_the_api(site):
+    with site.client(site.admin) as c:
+        r = c.get(f"/tidemark/dlq/api/records/{site.ids['json']}")
+    assert r.status_code == 200
+    (docs,) = r.json()["data_docs"]
+    assert set(docs) == {"scope", "success", "href"}
+    assert docs["href"].endswith("/validations/run%201.html")
+    assert str(site.docs) not in r.text and str(site.env.tmp) not in r.text
+
+
+def test_the_ledger_unavailable_is_a_503_without_its_address(site):
+    port = str(site.env.cluster.port)
+    admin_db = site.env.cluster.dsn("postgres")
+    led = site.env.names["ledger"]
+    with psycopg.connect(admin_db, autocommit=True) as c:  # refused connections
+        c.execute(f'ALTER DATABASE "{led}" ALLOW_CONNECTIONS false')
+        try:
+            with site.client(site.admin) as web:
+                api = web.get("/tidemark/dlq/api/records")
+                page = web.get("/tidemark/dlq/")
+        finally:
+            c.execute(f'ALTER DATABASE "{led}" ALLOW_CONNECTIONS true')
+    assert api.status_code == 503
+    assert api.json() == {"detail": "the ledger database is unavailable; try again later"}
+    assert page.status_code == 503 and port not in page.text and led not in page.text
+    assert re.search(r'id="error-message">([^<]*)<', page.text)[1] == (
+        "the ledger database is unavailable; try again later")
+
+    # A query that fails (here: a lock it may not wait for) says the same, nothing more.
+    with psycopg.connect(site.env.ledger_dsn) as holder, \
+            psycopg.connect(admin_db, autocommit=True) as admin:
+        holder.execute("LOCK TABLE tidemark.dlq IN ACCESS EXCLUSIVE MODE")
+        admin.execute(f"ALTER DATABASE \"{led}\" SET lock_timeout = '200ms'")  # new sessions
+        try:
+            with site.client(site.admin) as web:
+                r = web.get(f"/tidemark/dlq/api/records/{site.ids['json']}")
+        finally:
+            admin.execute(f'ALTER DATABASE "{led}" RESET lock_timeout')
+            holder.rollback()
+    assert r.status_code == 503
+    assert r.json() == {"detail": "the ledger database is unavailable; try again later"}
+    with site.client(site.admin) as web:
+        assert web.get(f"/tidemark/dlq/api/records/{site.ids['json']}").status_code == 200

@@ -15,9 +15,21 @@ from tidemark.protocol import gids
     ("host=h password=secret user=u", "host=h password=*** user=u"),
     ("postgresql://u@h/db", "postgresql://u@h/db"),
     ("error at postgres://a:b@c/d: boom", "error at postgres://a:***@c/d: boom"),
+    ("postgresql://:pw@h/db", "postgresql://:***@h/db"),  # empty user
+    ("postgresql://u:p%40ss@h/db", "postgresql://u:***@h/db"),  # URL-encoded
+    ("host=h password='a b' user=u", "host=h password=*** user=u"),
+    ("host=h password = 'it\\'s' user=u", "host=h password = *** user=u"),
+    ("postgresql://u@h/db?sslmode=require&password=s3cret&x=1",
+     "postgresql://u@h/db?sslmode=require&password=***&x=1"),
+    ("postgresql://u@h/db?password=s3cret", "postgresql://u@h/db?password=***"),
+    ("PGPASSWORD=s3cret psql -h h", "PGPASSWORD=*** psql -h h"),
+    ("sslpassword=key-pass host=h", "sslpassword=*** host=h"),
+    # a port and a path are no password: only userinfo before '@' is
+    ("see http://127.0.0.1:8080/x@y", "see http://127.0.0.1:8080/x@y"),
 ])
 def test_dsn_masking(raw, masked):
     assert dsn.mask(raw) == masked
+    assert dsn.mask(masked) == masked  # masking twice changes nothing
 
 
 def test_env_references_resolve_lazily(monkeypatch):

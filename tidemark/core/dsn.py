@@ -12,13 +12,21 @@ import re
 from tidemark.core.errors import ConfigError, TidemarkError
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_PASSWORD = re.compile(r"(?P<pre>://[^:/@\s]+:)(?P<pw>[^@\s]*)(?P<post>@)")
-_KV_PASSWORD = re.compile(r"(password\s*=\s*)('[^']*'|\S+)", re.IGNORECASE)
+# URI userinfo: libpq ends it at the first '@' or '/', so a password holds neither (the user
+# may be empty: postgresql://:pw@host).
+_PASSWORD = re.compile(r"(?P<pre>://[^:/@\s]*:)(?P<pw>[^@/\s]*)(?P<post>@)")
+# A URI's query parameter (postgresql://u@h/db?password=pw&sslmode=require): up to the next '&'.
+_QUERY_PASSWORD = re.compile(r"(?P<pre>[?&](?:ssl)?password=)[^&#\s]*", re.IGNORECASE)
+# key=value form, and PGPASSWORD=... in a shell line; a quoted value may hold spaces and \'.
+_KV_PASSWORD = re.compile(r"(?<![?&])(\b(?:PG)?(?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'?|\S+)",
+                          re.IGNORECASE)
 
 
 def mask(text: str) -> str:
-    """Hide passwords in anything that may hold a DSN (URI or key=value form)."""
+    """Hide passwords in anything that may hold a DSN (URI, its query, key=value form) or a
+    PGPASSWORD assignment."""
     text = _PASSWORD.sub(lambda m: f"{m['pre']}***{m['post']}", text)
+    text = _QUERY_PASSWORD.sub(lambda m: f"{m['pre']}***", text)
     return _KV_PASSWORD.sub(lambda m: f"{m[1]}***", text)
 
 

@@ -14,13 +14,14 @@ import json
 import re
 import socket
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
 from typing import Annotated, Any, Literal
 
 import psycopg
 from psycopg import errors as pgerr
-from psycopg import sql
+from psycopg import pq, sql
 from psycopg.rows import dict_row
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -228,6 +229,17 @@ def records(conn: psycopg.Connection, ids: list[int]) -> list[tuple]:
            ORDER BY source_partition, source_offset, id""", (ids,)).fetchall()
 
 
+@contextmanager
+def _snapshot(conn: psycopg.Connection) -> Iterator[None]:
+    """A transaction whose queries all see one snapshot (REPEATABLE READ, read only); inside
+    the caller's own transaction, theirs."""
+    idle = conn.info.transaction_status == pq.TransactionStatus.IDLE
+    with conn.transaction():
+        if idle:
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        yield
+
+
 def _columns(names: Iterable[str]) -> sql.Composable:
     return sql.SQL(", ").join(sql.Identifier(n) for n in names)
 
@@ -311,12 +323,19 @@ def owners(conn: psycopg.Connection, ids: list[int]) -> dict[int, tuple[str, str
     return {i: (p, s) for i, p, s in rows}
 
 
-def get(conn: psycopg.Connection, record_id: int) -> dict | None:
+def get(conn: psycopg.Connection, record_id: int, payload_limit: int | None = None
+        ) -> dict | None:
     """The whole envelope of one dead letter, with ``run`` (its tidemark.runs row; ``airflow``
     names the Airflow task try that started it, if any) and ``quality`` (the run's data-quality
-    results: scope, success, docs_path)."""
+    results: scope, success, docs_path). ``payload_size`` is the payload's length; with
+    ``payload_limit`` ``payload`` holds only its first bytes (PostgreSQL cuts it, so a 10 MB
+    payload never crosses the wire for a page that shows 256 KiB)."""
+    cols = [sql.Identifier(c) if c != "payload" or payload_limit is None else
+            sql.SQL("substring(payload FROM 1 FOR {}) AS payload").format(
+                sql.Literal(payload_limit)) for c in ENVELOPE]
     cur = conn.cursor(row_factory=dict_row)
-    rec = cur.execute(sql.SQL("SELECT {} FROM {} WHERE id = %s").format(_columns(ENVELOPE), _DLQ),
+    rec = cur.execute(sql.SQL("SELECT {}, octet_length(payload) AS payload_size FROM {} "
+                              "WHERE id = %s").format(sql.SQL(", ").join(cols), _DLQ),
                       (record_id,)).fetchone()
     if rec is None:
         return None
@@ -327,6 +346,30 @@ def get(conn: psycopg.Connection, record_id: int) -> dict | None:
                                     FROM tidemark.dq_results WHERE run_id = %s ORDER BY scope""",
                                  (rec["run_id"],)).fetchall()
     return rec
+
+
+def pipeline_of(conn: psycopg.Connection, record_id: int) -> str | None:
+    """The pipeline a dead letter belongs to (None: no such letter), without its bytes."""
+    row = conn.execute("SELECT pipeline FROM tidemark.dlq WHERE id = %s",
+                       (record_id,)).fetchone()
+    return row[0] if row else None
+
+
+def payload_chunks(conn: psycopg.Connection, record_id: int,
+                   chunk: int = 1024 * 1024) -> Iterator[bytes]:
+    """A letter's payload in slices of ``chunk`` bytes, from one snapshot: a download holds
+    one slice in memory, not the whole payload."""
+    with _snapshot(conn):
+        start = 1
+        while True:
+            row = conn.execute("SELECT substring(payload FROM %s FOR %s) FROM tidemark.dlq "
+                               "WHERE id = %s", (start, chunk, record_id)).fetchone()
+            if row is None or not row[0]:
+                return
+            yield bytes(row[0])
+            if len(row[0]) < chunk:
+                return
+            start += chunk
 
 
 # -- acting -------------------------------------------------------------------------------------
@@ -407,16 +450,50 @@ def envelope(row: dict) -> dict:
     return out
 
 
-def export(conn: psycopg.Connection, filters: Filters, batch: int = 2000) -> Iterator[str]:
-    """JSON Lines, oldest first, from a server-side cursor: memory stays flat at any size."""
+EXPORT_BYTES = 8 * 1024 * 1024  # letter bytes an export holds in memory at a time
+
+
+def export(conn: psycopg.Connection, filters: Filters, batch: int = 2000,
+           budget: int = EXPORT_BYTES) -> Iterator[str]:
+    """JSON Lines, oldest first, with memory bounded by bytes, not rows: a server-side cursor
+    walks (id, size) only; the envelopes are fetched in runs of consecutive letters holding at
+    most ``budget`` bytes (or ``batch`` letters), a letter bigger than that alone. One
+    REPEATABLE READ snapshot makes the runs one consistent export."""
     where, args = _where(filters)
-    query = sql.SQL("SELECT {} FROM {} WHERE {} ORDER BY id").format(_columns(ENVELOPE), _DLQ,
-                                                                     where)
-    with conn.transaction(), conn.cursor(name="tidemark_dlq_export", row_factory=dict_row) as cur:
-        cur.itersize = batch
-        cur.execute(query, args)
-        for row in cur:
-            yield json.dumps(envelope(row)) + "\n"
+    sizes = sql.SQL("SELECT id, coalesce(octet_length(payload), 0) + coalesce(octet_length(key), 0)"
+                    " + coalesce(octet_length(detail), 0) + coalesce(octet_length(reason), 0)"
+                    " + coalesce(octet_length(note), 0) + coalesce(pg_column_size(headers), 0)"
+                    " FROM {} WHERE {} ORDER BY id").format(_DLQ, where)
+    # Binary results: a bytea arrives as its bytes, not as hex text twice their size.
+    rows = sql.SQL("SELECT {} FROM {} WHERE id = ANY(%s::bigint[]) ORDER BY id").format(
+        sql.SQL(", ").join(sql.SQL("{}::text AS {}").format(sql.Identifier(c), sql.Identifier(c))
+                           if c in ("error_class", "status") else sql.Identifier(c)
+                           for c in ENVELOPE), _DLQ)
+    with _snapshot(conn):
+        with conn.cursor(name="tidemark_dlq_export") as walk, \
+                conn.cursor(row_factory=dict_row, binary=True) as cur:
+            walk.itersize = batch
+            walk.execute(sizes, args)
+            ids: list[int] = []
+            held = 0
+            for rid, size in walk:
+                if ids and (held + size > budget or len(ids) >= batch):
+                    yield from _lines(cur, rows, ids)
+                    ids, held = [], 0
+                ids.append(rid)
+                held += size
+            if ids:
+                yield from _lines(cur, rows, ids)
+
+
+def _lines(cur: psycopg.Cursor, query: sql.Composable, ids: list[int]) -> Iterator[str]:
+    cur.execute(query, (ids,))
+    while (row := cur.fetchone()) is not None:
+        line = json.dumps(envelope(row))
+        del row  # its bytes go before the line grows
+        line += "\n"  # in place when CPython can: no second copy of a big letter's line
+        yield line
+        del line
 
 
 # -- payloads -------------------------------------------------------------------------------
@@ -442,34 +519,47 @@ def _text(data: bytes) -> str | None:
     return text
 
 
-def render_payload(data: bytes | None, fmt: str = "auto",
-                   limit: int | None = None) -> tuple[str, str]:
+def render_payload(data: bytes | None, fmt: str = "auto", limit: int | None = None,
+                   size: int | None = None) -> tuple[str, str]:
     """(kind, text): "json" pretty-printed when the bytes parse as JSON, "text" when they are
     UTF-8, else "hex" (a hexdump). ``fmt`` forces text, json or hex; ``limit`` cuts long
-    payloads (in bytes) with a note saying so."""
+    payloads (in bytes) with a note saying so. ``size``: the whole payload's length when
+    ``data`` is only its first bytes (``get(..., payload_limit=...)``)."""
     if fmt not in ("auto", "text", "json", "hex"):
         raise BadInput(f"format {shown(fmt)}: expected one of auto, text, json, hex")
     data = bytes(data or b"")
-    cut = b""
+    total = max(size or 0, len(data))
     if limit is not None and len(data) > limit:
-        data, cut = data[:limit], data[limit:]
-    note = f"\n... {len(cut):,} more bytes not shown; export the record for all of them" \
-        if cut else ""
-    text = _text(data) if fmt in ("auto", "json") else None
-    if fmt in ("auto", "json") and text is not None and not cut:
+        data = data[:limit]
+    cut = total > len(data)
+
+    def more(shown_bytes: int) -> str:
+        rest = total - shown_bytes
+        return f"\n... {rest:,} more bytes not shown; download or export the record for all " \
+            f"of them" if rest else ""
+
+    if fmt in ("auto", "json") and not cut and (text := _text(data)) is not None:
         try:
             return "json", json.dumps(json.loads(text), indent=2, ensure_ascii=False)
         except ValueError as exc:
             if fmt == "json":
                 raise BadInput(f"payload is not JSON: {exc}") from None
+        except RecursionError:  # 100,000 nested '[': valid or not, shown as text
+            if fmt == "json":
+                raise BadInput("payload is nested too deeply to pretty-print; see it as text"
+                               ) from None
     if fmt == "json":
         raise BadInput("payload is not JSON" + (" (too long to show parsed)" if cut else
                                                  ": not UTF-8 text"))
     if fmt == "text":
-        return "text", data.decode("utf-8", errors="replace") + note
-    if fmt == "auto" and text is not None:
-        return "text", text + note
-    return "hex", hexdump(data) + note
+        return "text", data.decode("utf-8", errors="replace") + more(len(data))
+    if fmt == "auto":
+        # a cut may split a multi-byte character: drop its first bytes rather than go hex
+        for trim in range(4 if cut else 1):
+            head = data[:len(data) - trim]
+            if (text := _text(head)) is not None:
+                return "text", text + more(len(head))
+    return "hex", hexdump(data) + more(len(data))
 
 
 def preview(head: bytes | None, size: int | None, width: int = 80) -> str:

@@ -32,6 +32,8 @@ from fastapi.responses import (
     StreamingResponse,
 )
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tidemark.config import IDENT, dag_id
 from tidemark.core.db import connect, one_line
@@ -51,7 +53,9 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' 
 # Data Docs are GX's own HTML (scripts, CDN styles): an opaque-origin sandbox keeps them away
 # from the Airflow session.
 DOCS_CSP = "sandbox allow-scripts allow-popups; frame-ancestors 'self'"
-SHOW_BYTES = 256 * 1024  # payload bytes a page renders; export has them all
+SHOW_BYTES = 256 * 1024  # payload bytes a page renders; the download and export have them all
+MAX_BODY = 2 * 1024 * 1024  # a POST's body: 100,000 ids and a note fit with room to spare
+UNAVAILABLE = "the ledger database is unavailable; try again later"
 FORM = "application/x-www-form-urlencoded"
 log = logging.getLogger(__name__)
 
@@ -62,10 +66,18 @@ app = FastAPI(title="Tidemark dead letters", docs_url=None, redoc_url=None, open
               dependencies=[Depends(guard)])
 
 
+class LedgerUnavailable(TidemarkError):
+    """The ledger cannot be reached: 503, without its host or user (the log has them)."""
+
+
 # -- plumbing ---------------------------------------------------------------------------------
 def _ledger(**kw) -> psycopg.Connection:
-    return connect(get_settings().ledger("Airflow's API server"), autocommit=True,
-                   what="ledger", **kw)
+    try:
+        return connect(get_settings().ledger("Airflow's API server"), autocommit=True,
+                       what="ledger", **kw)
+    except TidemarkError as exc:  # names host, port and user: for the log, not for the caller
+        log.warning("tidemark dead letters: %s", mask(str(exc)))
+        raise LedgerUnavailable(UNAVAILABLE) from None
 
 
 def _rel(request: Request) -> str:
@@ -92,7 +104,7 @@ def _html(request: Request, template: str, status: int = 200, **ctx: Any) -> HTM
     caller: Caller | None = getattr(request.state, "tm_caller", None)
     body = jinja.get_template(template).render(
         **_links(request), user=caller.name if caller else "",
-        csrf=web_auth.csrf_token(caller.token) if caller and caller.via_cookie else "", **ctx)
+        csrf=web_auth.csrf_token(caller) if caller and caller.via_cookie else "", **ctx)
     return HTMLResponse(body, status_code=status)
 
 
@@ -101,6 +113,59 @@ def _error(request: Request, status: int, message: str) -> Response:
     if _wants_html(request):
         return _html(request, "error.html", status, status_code=status, message=message)
     return JSONResponse({"detail": message}, status_code=status)
+
+
+class BodyLimit:
+    """Caps a request body at ``limit`` bytes before anything reads it (the CSRF check in
+    ``guard``, the handlers): a Content-Length over it is refused unread, and a chunked body is
+    counted as it arrives. The body (at most ``limit`` bytes) is read here, before
+    authentication, and handed on whole."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length", "").strip()
+        if length.isdigit() and int(length) > self.limit:
+            await self._refuse(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: nobody to answer
+                return
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body: Message | None = {"type": "http.request", "body": b"".join(chunks),
+                                "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal body
+            if body is None:  # after the body: a disconnect, for streamed answers
+                return await receive()
+            message, body = body, None
+            return message
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # The server drops the unread rest of the body after this answer.
+        response = _error(Request(scope), 413, f"request body too large: at most "
+                                               f"{self.limit:,} bytes; send fewer dead-letter "
+                                               f"ids at a time")
+        await response(scope, receive, send)
+
+
+# Added before _headers, so it runs inside it and its 413 gets the same security headers.
+app.add_middleware(BodyLimit)
 
 
 @app.middleware("http")
@@ -140,7 +205,10 @@ async def _tidemark_error(request: Request, exc: TidemarkError) -> Response:
 
 @app.exception_handler(psycopg.Error)
 async def _db_error(request: Request, exc: psycopg.Error) -> Response:
-    return _error(request, 503, f"ledger error: {one_line(exc)}")
+    # The error names the server, its port and the user: the log has them, masked.
+    log.warning("tidemark dead letters: %s %s: ledger error: %s", request.method,
+                request.url.path, one_line(exc))
+    return _error(request, 503, UNAVAILABLE)
 
 
 @app.exception_handler(RequestValidationError)
@@ -220,10 +288,10 @@ def _back(request: Request, body: dict) -> str:
 
 # -- authorization against the ledger ----------------------------------------------------------
 def _visible(conn: psycopg.Connection, caller: Caller, f: dlq.Filters) -> dlq.Filters:
-    """``f`` narrowed to the pipelines the caller may read (403 if they named another)."""
+    """``f`` narrowed to the pipelines the caller may read; one they named but may not read
+    matches nothing, like a pipeline without dead letters."""
     if f.pipeline:
-        web_auth.require(caller, "GET", [f.pipeline])
-        return f
+        return f if _may(caller, "GET", f.pipeline) else f.model_copy(update={"pipelines": []})
     if web_auth.may_read_all(caller):
         return f
     return f.model_copy(update={"pipelines": web_auth.readable(caller, dlq.pipelines(conn))})
@@ -231,8 +299,15 @@ def _visible(conn: psycopg.Connection, caller: Caller, f: dlq.Filters) -> dlq.Fi
 
 def _owned(conn: psycopg.Connection, caller: Caller, ids: list[int],
            method: str) -> dict[int, tuple[str, str]]:
+    """id -> (pipeline, status) of the ids that exist and that the caller may see: the others
+    are left out, so they read like ids that do not exist. 403 if the caller may see one but
+    not ``method`` it (edit, PUT)."""
     owners = dlq.owners(conn, ids)
-    web_auth.require(caller, method, {p for p, _ in owners.values()})
+    names = {p for p, _ in owners.values()}
+    seen = names if web_auth.may_read_all(caller) else set(web_auth.readable(caller, names))
+    owners = {i: o for i, o in owners.items() if o[0] in seen}
+    if method != "GET":
+        web_auth.require(caller, method, {p for p, _ in owners.values()})
     return owners
 
 
@@ -276,15 +351,22 @@ def _airflow_links(request: Request, run: dict | None) -> dict[str, str]:
 
 
 def _record(request: Request, rec: dict, fmt: str) -> dict:
-    kind, text = dlq.render_payload(rec["payload"], fmt, limit=SHOW_BYTES)
+    """A letter read with ``payload_limit=SHOW_BYTES``: ``payload`` (base64) only when that
+    is all of it, else null; ``payload_download`` has every byte."""
+    size = rec["payload_size"]
+    kind, text = dlq.render_payload(rec["payload"], fmt, limit=SHOW_BYTES, size=size)
     docs = []
-    if rec["error_class"] in ("validation", "dq_gate"):
+    if rec["error_class"] in ("validation", "dq_gate"):  # links only: no server paths
         docs = [{"scope": q["scope"] or "(pipeline)", "success": q["success"],
                  "href": _docs_href(request, rec["pipeline"], q["docs_path"])}
                 for q in rec["quality"] if q["docs_path"]]
+    whole = size is None or size <= SHOW_BYTES
     return {
-        **dlq.envelope(rec),
-        "payload_size": len(rec["payload"]) if rec["payload"] is not None else None,
+        **dlq.envelope(rec if whole else {**rec, "payload": None}),
+        "payload_size": size,
+        "payload_complete": whole,
+        "payload_download": f"{_links(request)['prefix']}/dlq/api/records/{rec['id']}/payload"
+        if size is not None else None,
         "payload_rendered": {"kind": kind, "text": text},
         "key_text": dlq.render_payload(rec["key"], limit=4096)[1] if rec["key"] is not None
         else None,
@@ -337,14 +419,22 @@ def _may(caller: Caller, method: str, pipeline: str) -> bool:
     return True
 
 
-def _readable(caller, record_id: str) -> dict:
-    """The dead letter ``record_id``, if the caller may read its pipeline."""
+def _seen(conn: psycopg.Connection, caller: Caller, record_id: str) -> int:
+    """The id, if the letter exists and the caller may read its pipeline; a letter they may
+    not see is not found, exactly like one that does not exist."""
     rid = _record_id(record_id)
-    with _ledger() as conn:
-        rec = dlq.get(conn, rid)
-    if rec is None:
+    pipeline = dlq.pipeline_of(conn, rid)
+    if pipeline is None or not _may(caller, "GET", pipeline):
         raise NotFound(f"no dead letter {rid}")
-    web_auth.require(caller, "GET", [rec["pipeline"]])
+    return rid
+
+
+def _readable(caller: Caller, record_id: str) -> dict:
+    """The dead letter ``record_id`` with the first SHOW_BYTES of its payload."""
+    with _ledger() as conn:
+        rec = dlq.get(conn, _seen(conn, caller, record_id), payload_limit=SHOW_BYTES)
+    if rec is None:  # gone since: read as never there
+        raise NotFound(f"no dead letter {_record_id(record_id)}")
     return rec
 
 
@@ -354,9 +444,11 @@ def record_page(request: Request, record_id: str, caller: CallerDep) -> Response
     fmt = request.query_params.get("format", "auto")
     view = _record(request, rec, fmt)
     formats = ["auto", "text", "hex"]
-    if dlq.render_payload(rec["payload"], limit=SHOW_BYTES)[0] == "json":
+    auto = view["payload_rendered"]["kind"] if fmt == "auto" else dlq.render_payload(
+        rec["payload"], limit=SHOW_BYTES, size=rec["payload_size"])[0]
+    if auto == "json":
         formats.insert(1, "json")
-    return _html(request, "record.html", r=view, fmt=fmt, formats=formats,
+    return _html(request, "record.html", r=view, fmt=fmt, formats=formats, show_bytes=SHOW_BYTES,
                  can_act=_may(caller, "PUT", rec["pipeline"]),
                  headers_text=json.dumps(rec["headers"], indent=2, ensure_ascii=False)
                  if rec["headers"] is not None else None)
@@ -411,6 +503,20 @@ def api_record(request: Request, record_id: str, caller: CallerDep) -> Response:
     return JSONResponse(_record(request, rec, fmt))
 
 
+@app.get("/dlq/api/records/{record_id}/payload")
+def api_payload(record_id: str, caller: CallerDep) -> Response:
+    """Every byte of a letter's payload, streamed in slices (the pages show 256 KiB)."""
+    with _ledger() as conn:
+        rid = _seen(conn, caller, record_id)
+
+    def chunks() -> Iterator[bytes]:
+        with _ledger() as conn:
+            yield from dlq.payload_chunks(conn, rid)
+
+    return StreamingResponse(chunks(), media_type="application/octet-stream", headers={
+        "Content-Disposition": f'attachment; filename="dead-letter-{rid}.bin"'})
+
+
 @app.get("/dlq/api/counts")
 def api_counts(caller: CallerDep) -> Response:
     """Quarantined records per pipeline and error class: poll it for alerting."""
@@ -436,9 +542,7 @@ def _download(f: dlq.Filters) -> StreamingResponse:
 @app.get("/dlq/api/export")
 def api_export(request: Request, caller: CallerDep) -> Response:
     f = _filters(request, None)
-    with _ledger() as conn:
-        if f.ids:
-            _owned(conn, caller, f.ids, "GET")
+    with _ledger() as conn:  # ids of pipelines the caller may not read are left out
         f = _visible(conn, caller, f)
     return _download(f)
 
@@ -447,12 +551,11 @@ def api_export(request: Request, caller: CallerDep) -> Response:
 async def api_export_selected(request: Request, caller: CallerDep) -> Response:
     ids = _ids_from(await _body(request))
 
-    def check() -> None:
+    def check() -> list[int]:
         with _ledger() as conn:
-            _owned(conn, caller, ids, "GET")
+            return sorted(_owned(conn, caller, ids, "GET"))
 
-    await run_in_threadpool(check)
-    return _download(dlq.Filters(ids=ids))
+    return _download(dlq.Filters(ids=await run_in_threadpool(check)))
 
 
 @app.post("/dlq/api/discard")
@@ -462,8 +565,11 @@ async def api_discard(request: Request, caller: CallerDep) -> Response:
 
     def work() -> dlq.Discarded:
         with _ledger() as conn:
-            _owned(conn, caller, ids, "PUT")
-            return dlq.discard(conn, ids, body.get("note"), caller.name)
+            owners = _owned(conn, caller, ids, "PUT")
+            res = dlq.discard(conn, sorted(owners), body.get("note"), caller.name) if owners \
+                else dlq.Discarded()
+        res.skipped.update({i: "no such dead letter" for i in ids if i not in owners})
+        return res
 
     res = await run_in_threadpool(work)
     if _wants_html(request):

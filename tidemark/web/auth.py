@@ -6,15 +6,19 @@ itself, the way Airflow does: the JWT from the ``Authorization: Bearer`` header,
 A pipeline's dead letters belong to its DAG ``tidemark_<pipeline>``: reading them needs read
 access to that DAG, discarding or redriving them needs edit access.
 
-Cookie-authenticated POSTs also need a CSRF token (HMAC-SHA256 of the JWT keyed with
-Airflow's ``[api] secret_key``), and no POST may come from another origin. Airflow is
-imported lazily: this module loads in any process, Airflow's own only use it.
+Cookie-authenticated POSTs also need a CSRF token, and no POST may come from another origin.
+The token is an HMAC-SHA256 of the user's id keyed with Airflow's ``[api] secret_key``: not of
+the JWT, which Airflow refreshes in the cookie while a page stays open. Each response carries
+it masked with fresh random bytes (as Django does), so it never repeats in compressed pages
+(BREACH). Airflow is imported lazily: this module loads in any process, Airflow's own only use
+it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -80,7 +84,7 @@ async def guard(request: Request) -> Caller:
         if not same_origin(request):
             raise Forbidden(f"cross-origin request refused (Origin "
                             f"{request.headers.get('origin')!r})")
-        if caller.via_cookie and not csrf_ok(caller.token, await _csrf_sent(request)):
+        if caller.via_cookie and not csrf_ok(caller, await _csrf_sent(request)):
             raise Forbidden("missing or wrong CSRF token; reload the page and try again")
     return caller
 
@@ -92,13 +96,33 @@ def _secret() -> bytes:
     return conf.get("api", "secret_key").encode()
 
 
-def csrf_token(jwt: str) -> str:
-    """The token a page embeds in its forms: bound to the session, unknown to other sites."""
-    return hmac.new(_secret(), jwt.encode(), hashlib.sha256).hexdigest() if jwt else ""
+def _csrf_secret(caller: Caller) -> bytes:
+    """Bound to the user, unknown to other sites, the same across Airflow's token refreshes."""
+    user = str(caller.user.get_id()).encode()
+    return hmac.new(_secret(), b"tidemark-csrf\x00" + user, hashlib.sha256).digest()
 
 
-def csrf_ok(jwt: str, sent: str | None) -> bool:
-    return bool(jwt and sent) and hmac.compare_digest(csrf_token(jwt), sent)
+def _xor(a: bytes, b: bytes) -> bytes:
+    return bytes(x ^ y for x, y in zip(a, b, strict=True))
+
+
+def csrf_token(caller: Caller) -> str:
+    """The token a page embeds in its forms: hex of a random mask and the secret XOR it, new
+    for every response."""
+    secret = _csrf_secret(caller)
+    pad = secrets.token_bytes(len(secret))
+    return (pad + _xor(pad, secret)).hex()
+
+
+def csrf_ok(caller: Caller, sent: str | None) -> bool:
+    secret = _csrf_secret(caller)
+    try:
+        raw = bytes.fromhex(sent or "")
+    except ValueError:
+        return False
+    if len(raw) != 2 * len(secret):
+        return False
+    return hmac.compare_digest(_xor(raw[:len(secret)], raw[len(secret):]), secret)
 
 
 async def _csrf_sent(request: Request) -> str | None:
