@@ -9,15 +9,25 @@ near 1 however deep the page is.
 With --export N: an export of N small letters plus --big letters of 10 MB, timed, with the
 growth of this process's peak RSS: it should stay near the export's byte budget
 (dlq.EXPORT_BYTES) plus one big letter however large N is.
+
+``--redrive N`` instead times a redrive of N letters as a user runs it after a bad deploy:
+N records in a source log, each quarantined as ``validation`` for one sink, then
+``tidemark dlq redrive bench --class validation --all`` as a fresh process (Spark start-up
+included), on scratch databases. Prints its wall time and the run's phases.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import psycopg
 
@@ -71,6 +81,69 @@ def _ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def _scratch(dsn: str, name: str, fresh: bool = False) -> str:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        if fresh:
+            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        if not c.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
+            c.execute(f'CREATE DATABASE "{name}"')
+    return dsn.rsplit("/", 1)[0] + "/" + name
+
+
+def redrive(dsn: str, n: int) -> None:
+    """A redrive of ``n`` validation letters by the CLI, timed from outside."""
+    from tidemark.sources.postgres_log import append, create_log_table
+
+    ledger = _scratch(dsn, "tidemark_redrive_bench", fresh=True)
+    sink = _scratch(dsn, "tidemark_redrive_bench_sink", fresh=True)
+    migrations.upgrade(ledger)
+    with psycopg.connect(ledger, autocommit=True) as c:
+        create_log_table(c, "src.log")
+        append(c, "src.log", ((i % 2, str(i).encode(), json.dumps(
+            {"id": i, "name": f"order-{i}", "amount": i * 1.25, "version": 1}).encode(),
+            '{"v": 1}', None) for i in range(n)))
+        c.execute("INSERT INTO tidemark.pipelines (name) VALUES ('bench')")
+        c.execute("""INSERT INTO tidemark.checkpoints (pipeline, sink, partition, next_offset)
+                     SELECT 'bench', 'main', "partition", max("offset") + 1 FROM src.log
+                     GROUP BY 3""")
+        c.execute("""INSERT INTO tidemark.dlq (pipeline, sink, run_id, source_partition,
+                         source_offset, key, payload, headers, error_class, reason)
+                     SELECT 'bench', 'main', 1, "partition", "offset", key, payload, headers,
+                            'validation', 'amount: expect_column_values_to_be_between'
+                     FROM src.log""")
+        c.execute("ANALYZE")
+    folder = Path(tempfile.mkdtemp(prefix="tidemark-redrive-bench-"))
+    (folder / "bench.yaml").write_text(json.dumps({
+        "name": "bench",
+        "source": {"type": "postgres_log", "dsn": ledger, "table": "src.log"},
+        "decode": {"schema": {"id": "int", "name": "string", "amount": "double",
+                              "version": "int"}},
+        "transform": {"select": {"id": "id", "name": "name", "amount": "amount",
+                                 "version": "version"}, "required": ["id"]},
+        "sinks": [{"name": "main", "dsn": sink, "table": "public.orders", "key": ["id"]}],
+        "quality": {"rows": [{"expect_column_values_to_be_between": {
+            "column": "amount", "min_value": 0}}]}}))
+    env = {**os.environ, "TIDEMARK_LEDGER_DSN": ledger, "TIDEMARK_PIPELINES_DIR": str(folder),
+           "TIDEMARK_SPARK_MASTER": os.environ.get("TIDEMARK_SPARK_MASTER", "local[2,4]")}
+    argv = [sys.executable, "-m", "tidemark", "dlq", "redrive", "bench", "--class",
+            "validation", "--all", "--by", "bench", "--json"]
+    print(f"redriving {n:,} validation letters: {' '.join(argv[1:])}", flush=True)
+    started = time.monotonic()
+    out = subprocess.run(argv, env=env, capture_output=True, text=True)
+    wall = time.monotonic() - started
+    if out.returncode != 0:
+        raise SystemExit(out.stderr[-3000:])
+    rep = json.loads(out.stdout)
+    with psycopg.connect(ledger, autocommit=True) as c:
+        left = c.execute("SELECT status::text, count(*) FROM tidemark.dlq GROUP BY 1").fetchall()
+    with psycopg.connect(sink, autocommit=True) as c:
+        rows = c.execute("SELECT count(*) FROM public.orders").fetchone()[0]
+    print(f"wall {wall:.1f}s (process, Spark start-up included); run {rep['run_id']} "
+          f"{rep['seconds']:.1f}s; redriven {rep['redrive']['redriven']:,}; sink rows "
+          f"{rows:,}; letters {dict(left)}")
+    print("phases: " + ", ".join(f"{k} {v}" for k, v in rep["phases"].items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=200_000)
@@ -78,13 +151,14 @@ def main() -> None:
     ap.add_argument("--export", type=int, default=0, metavar="N",
                     help="instead: time an export of N letters (e.g. 1000000)")
     ap.add_argument("--big", type=int, default=20, help="10 MB letters in the export")
+    ap.add_argument("--redrive", type=int, metavar="N",
+                    help="time a redrive of N letters by the CLI instead")
     args = ap.parse_args()
     dsn = os.environ["TIDEMARK_LEDGER_DSN"]
-    scratch = dsn.rsplit("/", 1)[0] + "/tidemark_dlq_bench"
-    with psycopg.connect(dsn, autocommit=True) as c:
-        if not c.execute("SELECT 1 FROM pg_database WHERE datname = 'tidemark_dlq_bench'"
-                         ).fetchone():
-            c.execute("CREATE DATABASE tidemark_dlq_bench")
+    if args.redrive:
+        redrive(dsn, args.redrive)
+        return
+    scratch = _scratch(dsn, "tidemark_dlq_bench")
     migrations.upgrade(scratch)
     with psycopg.connect(scratch, autocommit=True) as conn:
         if args.export:

@@ -225,6 +225,42 @@ def test_backfill_params_validated_and_run(world):
     assert report["mode"] == "backfill" and report["sinks"]["main"]["counts"]["rows"] == 10
 
 
+def test_redrive_dag_hands_the_job_a_ledger_request(world):
+    """After a bad deploy: records 0 .. 9 quarantined as validation instead of delivered. The
+    redrive DAG's select task records the selection as a redrive request and the Spark job
+    gets only its id (XCom and command line), then places each record once."""
+    env = world.env
+    world.wait_run("tidemark_orders", world.api.get(
+        "/dags/tidemark_orders/dagRuns", params={"order_by": "-run_after", "limit": 1}
+    ).json()["dag_runs"][0]["dag_run_id"])
+    with psycopg.connect(env.sink_dsn, autocommit=True) as c:
+        c.execute("DELETE FROM public.orders WHERE id < 10")
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
+        c.execute("""INSERT INTO tidemark.dlq (pipeline, sink, run_id, source_partition,
+                         source_offset, key, payload, headers, error_class, reason)
+                     SELECT 'orders', 'main', 1, "partition", "offset", key, payload, headers,
+                            'validation', 'bad deploy'
+                     FROM src.log WHERE convert_from(key, 'UTF8')::int < 10""")
+    r = world.trigger("tidemark_orders_redrive", {"error_class": "validation",
+                                                  "requested_by": "erin"})
+    assert r.status_code == 200, r.text
+    run_id = r.json()["dag_run_id"]
+    assert world.wait_run("tidemark_orders_redrive", run_id) == "success", \
+        world.tasks("tidemark_orders_redrive", run_id)
+    request = world.xcom("tidemark_orders_redrive", run_id, "select")
+    assert isinstance(request, int)
+    assert env.ledger("SELECT pipeline, letters, selection->>'error_class' FROM "
+                      "tidemark.redrive_requests WHERE request_id = %s", (request,)) == \
+        [("orders", 10, "validation")]
+    assert f"--request {request}" in world.log("tidemark_orders_redrive", run_id, "replay")
+    assert env.ledger("SELECT status::text, count(*) FROM tidemark.dlq WHERE pipeline = "
+                      "'orders' GROUP BY 1") == [("redriven", 10)]
+    assert env.q(env.sink_dsn, "SELECT count(*) FROM public.orders")[0][0] == N
+    report = world.xcom("tidemark_orders_redrive", run_id, "report")
+    assert report["mode"] == "redrive" and report["sinks"]["main"]["state"] == "committed"
+    assert env.prepared() == []
+
+
 def test_failed_task_alerts_by_mail_and_webhook(world):
     r = world.trigger("tidemark_gated")
     run_id = r.json()["dag_run_id"]

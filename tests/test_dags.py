@@ -77,7 +77,16 @@ def test_redrive_dag_params_validate(airflow_home):
     ok = copy.deepcopy(dag.params)
     ok.update({"ids": [3, 4], "requested_by": "alice"})
     assert ok.validate()["ids"] == [3, 4]
-    for bad in ({"ids": ["x"]}, {"ids": [0]}, {"error_class": "nope"}, {"sink": "nowhere"}):
+    ok.update({"request": 12})
+    assert ok.validate()["request"] == 12
+    # The job gets a ledger request's id, never the ids: a list of 100,000 would not fit
+    # spark-submit's command line.
+    args = dag.get_task("replay").application_args
+    at = args.index("--request")
+    assert args[at + 1] == "{{ ti.xcom_pull(task_ids='select') }}"
+    assert not any("join" in a for a in args)
+    for bad in ({"ids": ["x"]}, {"ids": [0]}, {"error_class": "nope"}, {"sink": "nowhere"},
+                {"request": 0}, {"request": "x"}):
         p = copy.deepcopy(dag.params)
         with pytest.raises(ParamValidationError):
             p.update(bad)

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +62,15 @@ class Site:
 
     def count(self) -> int:
         return self.env.ledger("SELECT count(*) FROM tidemark.dlq")[0][0]
+
+    def request(self, request_id: int) -> tuple[str, str, list[int]]:
+        """A redrive request: (pipeline, requested_by, its letters' ids)."""
+        pipeline, by = self.env.ledger("SELECT pipeline, requested_by FROM "
+                                       "tidemark.redrive_requests WHERE request_id = %s",
+                                       (request_id,))[0]
+        ids = [i for (i,) in self.env.ledger("SELECT letter_id FROM tidemark.redrive_letters "
+                                             "WHERE request_id = %s ORDER BY 1", (request_id,))]
+        return pipeline, by, ids
 
 
 def form_token(c: httpx.Client) -> str:
@@ -381,9 +391,11 @@ def test_redrive_triggers_the_pipelines_redrive_dag(site):
         assert (run["dag_id"], run["ids"], run["paused"]) == (
             dag, [ids["redrive1"], ids["redrive2"]], True)
         got = api.get(f"/dags/{dag}/dagRuns/{run['dag_run_id']}").json()
-        assert got["conf"] == {"ids": [ids["redrive1"], ids["redrive2"]],
-                               "requested_by": "admin"}
+        # Only the ledger request's id goes to Airflow; its letters are in the ledger.
+        assert got["conf"] == {"request": run["request"], "requested_by": "admin"}
         assert got["triggering_user_name"] == "admin"
+        assert site.request(run["request"]) == ("orders", "admin",
+                                                [ids["redrive1"], ids["redrive2"]])
 
         with site.client(cookie=site.admin) as c:  # the list page's form
             r = c.post("/tidemark/dlq/api/redrive", headers={"Origin": site.stack.url},
@@ -391,7 +403,7 @@ def test_redrive_triggers_the_pipelines_redrive_dag(site):
         assert r.status_code == 200 and "Triggered" in r.text
         run_id = re.search(r"/dags/tidemark_orders_redrive/runs/([^\"]+)\"", r.text)[1]
         got = api.get(f"/dags/{dag}/dagRuns/{run_id}").json()
-        assert got["conf"]["ids"] == [ids["json"]]
+        assert site.request(got["conf"]["request"])[2] == [ids["json"]]
     assert site.letter(ids["redrive1"])[0] == "quarantined"  # the DAG does that, not the UI
 
 
@@ -590,3 +602,64 @@ def test_the_ledger_unavailable_is_a_503_without_its_address(site):
     assert r.json() == {"detail": "the ledger database is unavailable; try again later"}
     with site.client(site.admin) as web:
         assert web.get(f"/tidemark/dlq/api/records/{site.ids['json']}").status_code == 200
+
+
+def test_redrive_all_matching_is_one_request_made_from_the_filters(site):
+    dag = "tidemark_orders_redrive"
+    site.stack.wait_dag(dag)
+    ids = site.ids
+    with site.client(cookie=site.admin) as c:
+        html = c.get("/tidemark/dlq/", params={"pipeline": "orders",
+                                                "error_class": "sink_write"}).text
+    assert 'id="redrive-all"' in html and "Redrive all 2 matching" in html
+    assert 'name="all_matching"' in html and 'name="error_class" value="sink_write"' in html
+    with site.client(site.viewer) as c:
+        html = c.get("/tidemark/dlq/", params={"pipeline": "orders"}).text
+        assert 'id="redrive-all"' not in html
+        r = c.post("/tidemark/dlq/api/redrive", json={"all_matching": True,
+                                                      "pipeline": "orders"})
+        assert r.status_code == 403, r.text
+    with site.stack.api(site.admin) as api:
+        api.patch(f"/dags/{dag}", json={"is_paused": True}).raise_for_status()
+        with site.client(site.admin) as c:
+            r = c.post("/tidemark/dlq/api/redrive", json={"all_matching": True})
+            assert r.status_code == 400 and "pipeline: choose" in r.json()["detail"]
+            r = c.post("/tidemark/dlq/api/redrive", json={
+                "all_matching": True, "pipeline": "orders", "error_class": "sink_write"})
+        assert r.status_code == 200, r.text
+        (run,) = r.json()["runs"]
+        assert (run["letters"], run["ids"]) == (2, [])
+        got = api.get(f"/dags/{dag}/dagRuns/{run['dag_run_id']}").json()
+        assert got["conf"] == {"request": run["request"], "requested_by": "admin"}
+        assert site.request(run["request"]) == ("orders", "admin",
+                                                [ids["redrive1"], ids["redrive2"]])
+        assert site.env.ledger("SELECT selection FROM tidemark.redrive_requests WHERE "
+                               "request_id = %s", (run["request"],)) == \
+            [({"pipeline": "orders", "error_class": "sink_write"},)]
+
+
+def test_redrive_never_calls_the_host_the_client_names(site):
+    """A forged Host header must not choose where the server sends the caller's token: the
+    trap (a listener on a free port) gets no connection, the real Airflow gets the trigger."""
+    dag = "tidemark_orders_redrive"
+    site.stack.wait_dag(dag)
+    trap = socket.socket()
+    trap.bind(("127.0.0.1", 0))
+    trap.listen(8)
+    trap.setblocking(False)
+    try:
+        with site.stack.api(site.admin) as api:
+            api.patch(f"/dags/{dag}", json={"is_paused": True}).raise_for_status()
+            with site.client(site.admin) as c:
+                r = c.post("/tidemark/dlq/api/redrive", json={"ids": [site.ids["redrive2"]]},
+                           headers={"Host": f"127.0.0.1:{trap.getsockname()[1]}"})
+            assert r.status_code == 200, r.text
+            (run,) = r.json()["runs"]
+            got = api.get(f"/dags/{dag}/dagRuns/{run['dag_run_id']}").json()
+            assert got["conf"]["request"] == run["request"]
+        # The trigger was synchronous: had the server connected to the trap, the connection
+        # would be waiting in its backlog now.
+        with pytest.raises(BlockingIOError):
+            trap.accept()
+    finally:
+        trap.close()

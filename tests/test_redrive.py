@@ -115,11 +115,13 @@ def test_redrive_from_the_cli_by_class_and_bad_input(env, spark):
     env.pipeline(sinks=[{"name": "main", "dsn": env.sink_dsn, "table": "public.orders",
                          "key": ["id"]}], quality={"rows": [LOOSER]})
     out = subprocess.run(env.cli_argv("dlq", "redrive", "orders", "--class", "validation",
-                                      "--by", "bob", "--json"),
+                                      "--all", "--by", "bob", "--json"),
                          env=env.cli_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)
     assert rep["mode"] == "redrive" and rep["redrive"]["redriven"] == 19
+    assert env.ledger("SELECT request_id, requested_by, letters FROM "
+                      "tidemark.redrive_requests") == [(rep["redrive"]["request"], "bob", 19)]
     assert _count(env, env.sink_dsn) == 100
     assert env.ledger("SELECT count(*) FROM tidemark.dlq WHERE status = 'redriven' "
                       "AND resolved_by = 'bob'") == [(19,)]
@@ -127,7 +129,10 @@ def test_redrive_from_the_cli_by_class_and_bad_input(env, spark):
 
     for argv, msg in [(["orders"], "give dead-letter ids"),
                       (["orders", "x1"], "'x1' is not a dead-letter id"),
-                      (["orders", "--class", "nope"], "error_class 'nope'")]:
+                      (["orders", "--class", "nope"], "error_class 'nope'"),
+                      (["orders", "4", "--class", "validation"], "not both"),
+                      (["orders", "--request", "1", "--all"], "no ids or filters"),
+                      (["orders", "--request", "999"], "no redrive request 999")]:
         bad = subprocess.run(env.cli_argv("dlq", "redrive", *argv), env=env.cli_env(),
                              capture_output=True, text=True, timeout=120)
         assert bad.returncode != 0 and msg in bad.stderr, bad.stderr
@@ -204,4 +209,69 @@ def test_a_crash_mid_redrive_then_recovery_leaves_it_exactly_once(env, spark, po
     assert _count(env, env.sink_dsn) == 100
     assert env.ledger("SELECT count(*) FROM tidemark.dlq WHERE status = 'redriven' "
                       "AND attempts = 1") == [(19,)]
+    assert_exactly_once(env)
+
+
+N_LARGE = 100_000
+
+
+def large_redrive(env, spark, n: int = N_LARGE, log=lambda m: None):
+    """After a bad deploy: ``n`` records in the log, each quarantined for sink main as
+    ``validation`` (letters made with one INSERT ... SELECT from the log), the sink's
+    checkpoint past them all. Then every validation letter is redriven at once, as
+    `tidemark dlq redrive orders --class validation --all` does: a request made from the
+    filter in the ledger, one run. Returns (report, seconds of the redrive)."""
+    import time
+
+    from tidemark import config
+    from tidemark.driver.redrive import Redrive
+    from tidemark.ledger import dlq, redrives
+
+    env.append_orders(range(n))
+    env.pipeline(quality={"rows": [{"expect_column_values_to_be_between": {
+        "column": "amount", "min_value": 0}}]})
+    with _Conn(env.ledger_dsn) as c:
+        c.execute("INSERT INTO tidemark.pipelines (name) VALUES ('orders')")
+        c.execute("""INSERT INTO tidemark.checkpoints (pipeline, sink, partition, next_offset)
+                     SELECT 'orders', 'main', "partition", max("offset") + 1 FROM src.log
+                     GROUP BY 3""")
+        c.execute("""INSERT INTO tidemark.dlq (pipeline, sink, run_id, source_partition,
+                         source_offset, key, payload, headers, error_class, reason)
+                     SELECT 'orders', 'main', 1, "partition", "offset", key, payload, headers,
+                            'validation', 'amount: expect_column_values_to_be_between'
+                     FROM src.log""")
+        c.execute("ANALYZE tidemark.dlq")
+    all_p, _ = config.load_all(env.dir)
+    started = time.monotonic()
+    with _Conn(env.ledger_dsn) as c:
+        req = redrives.create(c, "orders", "dave", filters=dlq.Filters.parse(
+            error_class="validation"))
+    report = Redrive(all_p["orders"], env.settings(), ledger_dsn=env.ledger_dsn,
+                     request=req.request_id, by="dave", all_pipelines=all_p, spark=spark,
+                     log=log).execute()
+    return report, time.monotonic() - started
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_a_redrive_of_100000_letters_places_each_exactly_once(env, spark, record_property):
+    report, seconds = large_redrive(env, spark)
+    print(f"\nredrive of {N_LARGE:,} letters: {seconds:.1f}s wall "
+          f"(run {report.run_id}: {report.phases})")
+    record_property("redrive_seconds", round(seconds, 1))
+    assert report.ok, report.summary()
+    assert report.redrive["redriven"] == N_LARGE, report.summary()
+    assert report.redrive["failed_again"] == [] and report.redrive["skipped"] == []
+    assert _count(env, env.sink_dsn) == N_LARGE
+    assert _count(env, env.sink_dsn, f"_tm_run_id = {int(report.run_id)}") == N_LARGE
+    assert env.ledger("SELECT status::text, resolved_by, count(*) FROM tidemark.dlq "
+                      "GROUP BY 1, 2") == [("redriven", "dave", N_LARGE)]
+    # The selection lives in the ledger, one row per letter; the job got only its id.
+    request = report.redrive["request"]
+    assert env.ledger("SELECT count(*) FROM tidemark.redrive_letters WHERE request_id = %s",
+                      (request,)) == [(N_LARGE,)]
+    assert env.ledger("SELECT pipeline, requested_by, letters, selection FROM "
+                      "tidemark.redrive_requests") == \
+        [("orders", "dave", N_LARGE, {"pipeline": "orders", "error_class": "validation"})]
+    assert env.prepared() == []
     assert_exactly_once(env)

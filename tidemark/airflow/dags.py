@@ -8,7 +8,9 @@ Per pipeline ``<name>``:
 * ``tidemark_<name>_backfill``: the same job in backfill mode for an offset range chosen in the
   Trigger form (partition, from/to offset, sinks);
 * ``tidemark_<name>_redrive``: quarantined records (ids, or a class/sink) replayed through the
-  current pipeline code (tidemark/driver/redrive.py); the Dead letters page triggers it.
+  current pipeline code (tidemark/driver/redrive.py); the Dead letters page triggers it with
+  a redrive request it made in the ledger. The select task turns the form into such a
+  request; the Spark job gets only its id.
 
 Plus ``tidemark_maintenance``: a recovery sweep and health alerts every few minutes.
 
@@ -178,11 +180,12 @@ def backfill_dag(p: config.Pipeline, path: Path) -> DAG:
     return dag
 
 
-def _checked_replay(p: config.Pipeline, path: Path, task_id: str, check, args: list[str]):
+def _checked_replay(p: config.Pipeline, path: Path, task_id: str, check, args: list[str],
+                    **kwargs):
     """recover -> a check of the trigger's params (no retries: bad input stays bad) ->
     replay -> report."""
     first = PythonOperator(task_id=task_id, python_callable=check, retries=0,
-                           op_kwargs={"pipeline_file": str(path)})
+                           op_kwargs={"pipeline_file": str(path), **kwargs})
     _recover(p, path) >> first >> _spark(p, path, args) >> _report(p)
 
 
@@ -190,6 +193,10 @@ def redrive_dag(p: config.Pipeline, path: Path) -> DAG:
     from tidemark.ledger.dlq import ERROR_CLASSES
 
     params = {
+        "request": Param(None, type=["null", "integer"], minimum=1, title="Redrive request",
+                         description="A redrive request the Dead letters page made (its "
+                                     "letters are in the ledger); the fields below are then "
+                                     "ignored."),
         "ids": Param([], type="array", items={"type": "integer", "minimum": 1},
                      title="Dead-letter ids", description="Quarantined records to redrive."),
         "error_class": Param("", type="string", enum=["", *ERROR_CLASSES], title="Error class",
@@ -212,9 +219,11 @@ def redrive_dag(p: config.Pipeline, path: Path) -> DAG:
                         "letters page triggers this DAG."), params,
                     is_paused_upon_creation=False) as dag:
         by = "{{ dag_run.triggering_user_name or params.requested_by or 'airflow' }}"
+        # The selection goes to the job as a ledger request's id: a list of ids on spark-
+        # submit's command line fails past ~18,000 (the kernel's 128 KiB per argument).
         _checked_replay(p, path, "select", airflow_tasks.select_redrive, [
-            "dlq", "redrive", p.name, "{{ ti.xcom_pull(task_ids='select') | join(',') }}",
-            "--by", by])
+            "dlq", "redrive", p.name, "--request", "{{ ti.xcom_pull(task_ids='select') }}",
+            "--by", by], by=by)
     return dag
 
 

@@ -70,25 +70,38 @@ def check_backfill(pipeline_file: str, params: dict) -> dict:
             "to_offset": to_offset, "sinks": sinks}
 
 
-def select_redrive(pipeline_file: str, params: dict) -> list[int]:
-    """The dead letters the redrive form selects: its ids, or every quarantined record of an
-    error class and/or sink, or (all_quarantined) all of the pipeline's."""
-    from tidemark.driver import redrive
+def select_redrive(pipeline_file: str, params: dict, by: str) -> int:
+    """The redrive form's selection as a redrive request in the ledger; returns its id (the
+    XCom the Spark job gets: never the ids). ``params.request``: one the Dead letters page
+    made; else its ids, or every quarantined record of an error class and/or sink, or
+    (all_quarantined) all of the pipeline's."""
+    from tidemark.ledger import redrives
 
     p = config.load(Path(pipeline_file), deep=False)
+    where = f"redrive of {p.name}"
+    request = params.get("request")
     ids = [int(i) for i in params.get("ids") or []]
     error_class, sink = params.get("error_class") or None, params.get("sink") or None
-    if not (ids or error_class or sink or params.get("all_quarantined")):
-        raise BadInput(f"redrive of {p.name}: give ids, an error class or a sink, or set "
-                       f"all_quarantined")
     with connect(_ledger(), autocommit=True, what="ledger") as c:
-        chosen = redrive.select(c, p.name, ids or None, error_class, sink)
-    print(f"redrive of {p.name}: {len(chosen):,} quarantined dead letter(s) selected")
-    if not chosen:
+        if request:
+            req = redrives.get(c, int(request))
+            if req is None or req.pipeline != p.name:
+                raise BadInput(f"{where}: no redrive request {request} for this pipeline")
+        elif ids:
+            req = redrives.create(c, p.name, by, ids=ids)
+        elif error_class or sink or params.get("all_quarantined"):
+            req = redrives.create(c, p.name, by, filters=dlq.Filters.parse(
+                error_class=error_class, sink=sink))
+        else:
+            raise BadInput(f"{where}: give ids, an error class or a sink, or set "
+                           f"all_quarantined")
+    if req is None:
         from airflow.exceptions import AirflowSkipException
 
-        raise AirflowSkipException(f"redrive of {p.name}: nothing quarantined matches")
-    return chosen
+        raise AirflowSkipException(f"{where}: nothing quarantined matches")
+    print(f"{where}: request {req.request_id} by {req.requested_by}, {req.letters:,} dead "
+          f"letter(s)")
+    return req.request_id
 
 
 def _ledger_run(pipeline: str, dag_id: str, run_id: str) -> tuple[dict | None, list[dict]]:

@@ -225,29 +225,50 @@ def dlq_counts(ctx: Ctx, as_json: bool) -> None:
 @click.argument("ids", nargs=-1)
 @click.option("--class", "error_class", help="Every quarantined record of this error class.")
 @click.option("--sink", help="Every quarantined record of this sink.")
+@click.option("--since", help="Only records last seen at or after this ISO timestamp.")
+@click.option("--until", help="Only records last seen before this ISO timestamp.")
 @click.option("--all", "everything", is_flag=True,
-              help="Every quarantined record of PIPELINE (narrowed by --class/--sink).")
+              help="Every quarantined record of PIPELINE (narrowed by --class/--sink/--since/"
+                   "--until).")
+@click.option("--request", "request", type=click.IntRange(min=1),
+              help="Run an existing redrive request (the redrive DAG's select task makes one).")
 @click.option("--by", help="Who asks (recorded on the dead letters; default: user@host).")
 @click.option("--external-id", help="Caller's own id for this run.")
 @airflow_run_option
 @click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
 @pass_ctx
 def dlq_redrive(ctx: Ctx, pipeline: str, ids: tuple[str, ...], error_class: str | None,
-                sink: str | None, everything: bool, by: str | None, external_id: str | None,
+                sink: str | None, since: str | None, until: str | None, everything: bool,
+                request: int | None, by: str | None, external_id: str | None,
                 airflow: AirflowRun | None, as_json: bool) -> None:
-    """Replay quarantined records (IDS, e.g. 4 7 9 or 4,7,9) through the current pipeline
-    code into the sinks, exactly once. Records that pass are written and marked redriven in
-    the same two-phase commit; records that fail again stay quarantined with attempts + 1."""
+    """Replay quarantined records (IDS, e.g. 4 7 9 or 4,7,9, or all that match the filters)
+    through the current pipeline code into the sinks, exactly once. Records that pass are
+    written and marked redriven in the same two-phase commit; records that fail again stay
+    quarantined with attempts + 1. The selection is kept in the ledger as a redrive request:
+    any number of records (up to 200,000 at a time) goes to the Spark job as its id."""
     from tidemark.driver import redrive
+    from tidemark.ledger import redrives
 
+    by = by or dlq_mod.default_by()
     chosen = _ids(ids)
-    if not chosen:
-        if not (error_class or sink or everything):
+    filtered = bool(error_class or sink or since or until or everything)
+    if request is not None and (chosen or filtered):
+        raise click.UsageError("--request runs a request as it is: no ids or filters with it")
+    if request is None and chosen and filtered:
+        raise click.UsageError("give dead-letter ids or filters (--class/--sink/--all), not both")
+    if request is None and not chosen:
+        if not filtered:
             raise click.UsageError("give dead-letter ids, --class/--sink, or --all")
+        f = dlq_mod.Filters.parse(pipeline=pipeline, error_class=error_class, sink=sink,
+                                  since=since, until=until, status="quarantined")
         with connect(ctx.ledger_dsn, autocommit=True, what="ledger") as conn:
-            chosen = redrive.select(conn, pipeline, None, error_class or None, sink or None)
-        if not chosen:
+            req = redrives.create(conn, pipeline, by, filters=f)
+        if req is None:
             click.echo(f"{pipeline}: no quarantined records match; nothing to redrive")
             return
-    _run(ctx, pipeline, as_json, runner=redrive.Redrive, ids=chosen,
-         by=by or dlq_mod.default_by(), external_id=external_id, airflow=airflow)
+        click.echo(f"redrive request {req.request_id}: {req.letters:,} dead letter(s) of "
+                   f"{pipeline}", err=True)
+        request = req.request_id
+    _run(ctx, pipeline, as_json, runner=redrive.Redrive, request=request,
+         ids=None if request is not None else chosen, by=by, external_id=external_id,
+         airflow=airflow)

@@ -22,6 +22,7 @@ from tidemark.protocol.taskspec import Span
 class Mode(ABC):
     name = "run"
     gate_policy: str | None = None   # None: the pipeline's on_gate_failure
+    request: int | None = None       # redrive: the request whose letters it replays
 
     @abstractmethod
     def planner(self, pipeline: Pipeline) -> tuple[Planner, object]:
@@ -39,9 +40,6 @@ class Mode(ABC):
         spans = [Span(partition=r.partition, start=r.start, end=r.end, dense=dense)
                  for r in read]
         return [spans] if together else [[s] for s in spans]
-
-    def letters(self, sink: str) -> list[int] | None:
-        return None
 
     def tasks(self, read: list[Range], together: bool) -> int:
         return 1 if together else len(read)

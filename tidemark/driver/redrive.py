@@ -4,8 +4,9 @@ A redrive is a re-delivery (docs/design.md, "Re-delivery") and a mode of the one
 (tidemark/driver/run.py): its records come from the dead letters instead of the log. Each letter
 names the sink it applies to, so each letter goes back to its own sink only. The records go
 through the current decode, transform and row-level expectations (batch-level ones judge
-whole batches and do not apply to a hand-picked few). Per sink, one task's ledger
-transaction locks that sink's letters (a concurrent discard waits; a letter discarded
+whole batches and do not apply to a hand-picked few). The letters are a redrive request's
+(tidemark/ledger/redrives.py): only its id travels to the job and its task. Per sink, one
+task's ledger transaction locks that sink's letters (a concurrent discard waits; a letter discarded
 meanwhile is left out), quarantines again those that fail (attempts + 1, the new class and
 reason) and marks the others ``redriven``; it is prepared and chosen with the sink's rows, so
 the status change commits in the same two-phase commit as the sink write. Each sink decides
@@ -14,7 +15,6 @@ on its own. Checkpoints never move.
 
 from __future__ import annotations
 
-import psycopg
 import pyarrow as pa
 
 from tidemark import sources
@@ -23,29 +23,19 @@ from tidemark.core.db import connect
 from tidemark.core.errors import BadInput, TidemarkError
 from tidemark.driver.modes import Mode, NothingToClose
 from tidemark.driver.run import Run, RunReport
-from tidemark.ledger import dlq
-from tidemark.ledger.checkpoints import positions
+from tidemark.ledger import redrives
 from tidemark.ledger.state import Range, RunState
 
-
-def select(conn: psycopg.Connection, pipeline: str, ids: list[int] | None = None,
-           error_class: str | None = None, sink: str | None = None) -> list[int]:
-    """Ids of the quarantined dead letters of ``pipeline`` to redrive: the given ids, or all
-    of an error class and/or sink."""
-    f = dlq.Filters.parse(pipeline=pipeline, ids=ids, error_class=error_class, sink=sink,
-                          status="quarantined")
-    return dlq.matching_ids(conn, f)
+SHOW_UNPLACED = 20  # letters left out, logged one by one; the rest as a count
 
 
 class RedriveMode(Mode):
     name = "redrive"
 
-    def __init__(self, pipeline: Pipeline, ledger_dsn: str, ids: list[int]):
-        if not ids:
-            raise BadInput(f"redrive {pipeline.name}: no dead letters given")
+    def __init__(self, pipeline: Pipeline, ledger_dsn: str, request: int | None):
         self.ledger_dsn = ledger_dsn
-        self.ids = sorted(set(ids))
-        self.by_sink: dict[str, list[int]] = {}
+        self.request = request
+        self.by_sink: dict[str, int] = {}          # sink -> letters planned
         self.unplaced: dict[int, str] = {}         # id -> why it is left out
 
     def planner(self, pipeline: Pipeline):
@@ -53,41 +43,33 @@ class RedriveMode(Mode):
 
         def plan(free: dict[str, dict[int, int]]) -> dict[str, list[Range]]:
             with connect(self.ledger_dsn, autocommit=True, what="ledger") as conn:
-                rows = dlq.placement(conn, self.ids)
-                checkpoints = positions(conn, pipeline.name)
-            for i in sorted(set(self.ids) - {r[0] for r in rows}):
-                self.unplaced[i] = "no such dead letter"
-            offsets: dict[str, dict[int, list[int]]] = {}
-            for i, sink, part, off, status, owner in rows:
-                if owner != pipeline.name:
-                    self.unplaced[i] = f"belongs to pipeline {owner}"
-                elif status != "quarantined":
-                    self.unplaced[i] = f"is {status}"
-                elif sink not in names:
-                    self.unplaced[i] = f"sink {sink} is no longer in the pipeline"
-                elif checkpoints.get(sink, {}).get(part, 0) <= off:
-                    self.unplaced[i] = f"sink {sink} has not got this far yet"
-                else:
-                    self.by_sink.setdefault(sink, []).append(i)
-                    offsets.setdefault(sink, {}).setdefault(part, []).append(off)
-            busy = sorted(set(offsets) - set(free))
+                ranges, self.unplaced = redrives.placement(conn, self.request, pipeline.name,
+                                                           names)
+            out: dict[str, list[Range]] = {}
+            self.by_sink = {}
+            for sink, part, start, end, n in ranges:
+                out.setdefault(sink, []).append(Range(part, start, end))
+                self.by_sink[sink] = self.by_sink.get(sink, 0) + n
+            busy = sorted(set(out) - set(free))
             if busy:  # never redriven while one of its sinks is missed
                 raise TidemarkError(f"redrive of {pipeline.name}: sink(s) {', '.join(busy)} "
                                     f"busy (another run holds the lease); try again when free")
-            return {s: [Range(p, min(o), max(o) + 1) for p, o in sorted(parts.items())]
-                    for s, parts in offsets.items()}
+            return out
 
         return plan, NothingToClose()
 
     def source(self, spark, pipeline: Pipeline, read: list[Range]):
-        """Each record once (several sinks' letters may hold it), from the stored bytes."""
+        """Each record once (several sinks' letters may hold it), from the stored bytes, read
+        from the ledger in chunks straight into Arrow."""
+        batches = []
         with connect(self.ledger_dsn, autocommit=True, what="ledger") as conn:
-            rows = dlq.records(conn, [i for ids in self.by_sink.values() for i in ids])
-        cols = list(zip(*rows, strict=True)) if rows else [[]] * 6
-        table = pa.Table.from_arrays([pa.array(list(c), f.type)
-                                      for c, f in zip(cols, sources.SCHEMA, strict=True)],
-                                     schema=sources.SCHEMA)
-        # One task: the records are few, and each sink's status change is one transaction.
+            for rows in redrives.records(conn, self.request, pipeline.name, list(self.by_sink)):
+                cols = zip(*rows, strict=True)
+                batches.append(pa.RecordBatch.from_arrays(
+                    [pa.array(c, f.type) for c, f in zip(cols, sources.SCHEMA, strict=True)],
+                    schema=sources.SCHEMA))
+        table = pa.Table.from_batches(batches, schema=sources.SCHEMA)
+        # One task: each sink's status change is one transaction with its sink write.
         return spark.createDataFrame(table).coalesce(1)
 
     def quality(self, pipeline: Pipeline) -> Pipeline:
@@ -102,30 +84,50 @@ class RedriveMode(Mode):
     def reads(self, read: list[Range], dense: bool, together: bool):
         return None  # one task over hand-picked records: accounted per record
 
-    def letters(self, sink: str) -> list[int] | None:
-        return self.by_sink.get(sink, [])
-
     def tasks(self, read: list[Range], together: bool) -> int:
         return 1
 
 
 class Redrive(Run):
-    """``tidemark dlq redrive``: a run in redrive mode, with its report of the letters."""
+    """``tidemark dlq redrive``: a run in redrive mode over one redrive request (or ``ids``,
+    for which it creates the request), with its report of the letters."""
 
-    def __init__(self, pipeline: Pipeline, settings, *, ledger_dsn: str, ids: list[int],
-                 by: str, **kw):
-        self.redrive = RedriveMode(pipeline, ledger_dsn, ids)
+    def __init__(self, pipeline: Pipeline, settings, *, ledger_dsn: str, by: str,
+                 request: int | None = None, ids: list[int] | None = None, **kw):
+        if (request is None) == (ids is None):
+            raise ValueError("give a redrive request or ids")
+        if ids is not None and not ids:
+            raise BadInput(f"redrive {pipeline.name}: no dead letters given")
+        self.ids = ids
+        self.redrive = RedriveMode(pipeline, ledger_dsn, request)
         super().__init__(pipeline, settings, ledger_dsn=ledger_dsn, mode=self.redrive, by=by,
                          **kw)
 
+    def _request(self) -> None:
+        with connect(self.ledger_dsn, autocommit=True, what="ledger") as conn:
+            if self.redrive.request is None:
+                req = redrives.create(conn, self.p.name, self.by or "tidemark", ids=self.ids)
+                self.redrive.request = req.request_id
+                return
+            req = redrives.get(conn, self.redrive.request)
+        if req is None or req.pipeline != self.p.name:
+            raise BadInput(f"redrive of {self.p.name}: no redrive request "
+                           f"{self.redrive.request} for this pipeline")
+
     def execute(self) -> RunReport:
+        self._request()
         report = super().execute()
-        for i, why in sorted(self.redrive.unplaced.items()):
+        unplaced = sorted(self.redrive.unplaced.items())
+        for i, why in unplaced[:SHOW_UNPLACED]:
             self.log(f"dead letter {i} not redriven: {why}")
+        if len(unplaced) > SHOW_UNPLACED:
+            self.log(f"... and {len(unplaced) - SHOW_UNPLACED:,} more dead letters not "
+                     f"redriven")
         done = [r for t in self.results for s, r in t.sinks.items()
                 if report.sinks[s].state == RunState.COMMITTED]
         report.redrive = {
-            "redriven": sum(len(r.redriven) for r in done),
+            "request": self.redrive.request,
+            "redriven": sum(r.redriven for r in done),
             "failed_again": sorted(i for r in done for i in r.failed_again),
             "skipped": sorted({i for t in self.results for r in t.sinks.values()
                                for i in r.skipped} | set(self.redrive.unplaced))}
@@ -134,7 +136,8 @@ class Redrive(Run):
         return report
 
     def _protocol(self, claim, by_name, report: RunReport) -> None:
-        n = sum(len(v) for v in self.redrive.by_sink.values())
-        self.log(f"run {claim.run_id}: redriving {n:,} dead letter(s) of {self.p.name} into "
-                 f"{', '.join(claim.sinks)} for {self.by}")
+        n = sum(self.redrive.by_sink.values())
+        self.log(f"run {claim.run_id}: redriving {n:,} dead letter(s) of {self.p.name} "
+                 f"(request {self.redrive.request}) into {', '.join(claim.sinks)} for "
+                 f"{self.by}")
         super()._protocol(claim, by_name, report)

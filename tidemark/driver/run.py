@@ -371,13 +371,13 @@ class Run:
             targets.append(SinkTarget(
                 name=s, dsn=by_name[s].dsn, table=cfg.table, key=cfg.key, version=cfg.version,
                 ranges={r.partition: (r.start, r.end) for r in claim.sinks[s].ranges},
-                letters=self.mode.letters(s), failed=v.rows.get(s, {}),
+                failed=v.rows.get(s, {}),
                 quarantine=v.quarantine.get(s)))
         return TaskSpec(
             run_id=claim.run_id, pipeline=self.p.name, mode=self.mode.name,
             prefix=self.s.gid_prefix, prepare=self.p.delivery == "exactly_once",
             lock_timeout_ms=self.s.lock_timeout_ms, ledger_dsn=self.ledger_dsn,
-            columns=columns, by=self.by,
+            columns=columns, by=self.by, request=self.mode.request,
             reads=self.mode.reads(read, isinstance(self.p.source, PostgresLogSource),
                                   self.together),
             failed=v.rows.get(gate.PIPELINE, {}), quarantine=v.quarantine.get(gate.PIPELINE),

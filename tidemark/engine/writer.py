@@ -41,7 +41,7 @@ from tidemark.core.db import is_data_error, one_line, qualified
 from tidemark.core.text import clamp
 from tidemark.engine import pgbinary
 from tidemark.engine.records import ERR_CLASS, ERR_REASON
-from tidemark.ledger import letters, markers
+from tidemark.ledger import letters, markers, redrives
 from tidemark.protocol import gids, twopc
 from tidemark.protocol.taskspec import Prepared, SinkResult, SinkTarget, Span, TaskResult, TaskSpec
 
@@ -112,6 +112,7 @@ class DeadLetters:
         self.resolved = 0
         self.offsets: dict[int, list[int]] = {}  # partition -> offsets quarantined here
         self.held: dict[tuple[int, int], int] = {}  # redrive: (partition, offset) -> letter id
+        self.held_offsets: dict[int, pa.Array] = {}  # redrive: partition -> offsets held
         self.failed_again: list[int] = []
 
     def _open(self) -> psycopg.Connection:
@@ -121,13 +122,21 @@ class DeadLetters:
         self.stage = letters.Stage(self.conn, self.gid)
         return self.conn
 
-    def hold(self, ids: list[int]) -> list[int]:
-        """Redrive: lock this sink's letters that are still quarantined (a concurrent discard
-        waits; one discarded meanwhile is left out). Returns the ids not held."""
+    def hold(self, request: int) -> list[int]:
+        """Redrive: lock this sink's letters of the request (a concurrent discard waits) and
+        keep those still quarantined. Returns the ids not held (discarded or resolved since
+        the plan)."""
         conn = self._open()
-        for i, part, off in letters.hold(conn, ids, self.spec.pipeline, self.sink):
-            self.held[(part, off)] = i
-        return sorted(set(ids) - set(self.held.values()))
+        skipped, by_part = [], {}
+        for i, part, off, live in redrives.hold(conn, request, self.spec.pipeline, self.sink):
+            if live:
+                self.held[(part, off)] = i
+                by_part.setdefault(part, []).append(off)
+            else:
+                skipped.append(i)
+        # Built once: every batch is scoped against them (a redrive may be 100,000 letters).
+        self.held_offsets = {p: pa.array(offs, pa.int64()) for p, offs in by_part.items()}
+        return skipped
 
     def add(self, records: list[dict], error_class: str | None = None,
             reason: str | None = None, detail: str | None = None) -> None:
@@ -148,17 +157,18 @@ class DeadLetters:
         self.stage.merge()
         self.rows += len(records)
 
+    def resolve_held(self) -> None:
+        """Redrive: the held letters that passed this time are resolved (one statement)."""
+        failed = set(self.failed_again)
+        ids = [i for i in self.held.values() if i not in failed]
+        if ids:
+            self.resolved += letters.resolve_ids(self._open(), ids, self.spec.by or "tidemark",
+                                                 f"redriven by run {self.spec.run_id}")
+
     def resolve(self, partition: int, start: int, end: int) -> None:
         """Re-delivery: the live letters of this sink for the records of ``[start, end)``
         that passed this time are resolved: the records are in the sink now."""
         by = self.spec.by or "tidemark"
-        if self.spec.mode == "redrive":
-            ids = [i for (p, _o), i in self.held.items() if p == partition
-                   and i not in set(self.failed_again)]
-            if ids:
-                self.resolved += letters.resolve_ids(
-                    self._open(), ids, by, f"redriven by run {self.spec.run_id}")
-            return
         self.resolved += letters.resolve_range(
             self._open(), self.spec.pipeline, self.sink, partition, start, end,
             self.offsets.get(partition, []), by,
@@ -460,14 +470,13 @@ class _Accounts:
     def __init__(self, spans: list[Span] | None):
         self.spans = {s.partition: s for s in spans} if spans is not None else None
         self.counts = {s.partition: np.zeros(s.size, np.int64) for s in spans or ()}
-        self.seen: dict[tuple[int, int], int] = {}  # a redrive: few records, any partitions
+        self.seen: dict[int, list[np.ndarray]] = {}  # a redrive: offsets seen, per partition
         self.stray = 0
 
     def add(self, partition: int, batch: pa.RecordBatch) -> None:
         offs = batch.column(OFFSET).to_numpy(zero_copy_only=False)
         if self.spans is None:
-            for o in offs.tolist():
-                self.seen[(partition, o)] = self.seen.get((partition, o), 0) + 1
+            self.seen.setdefault(partition, []).append(offs)
             return
         span = self.spans.get(partition)
         if span is None:
@@ -478,10 +487,20 @@ class _Accounts:
         self.stray += int((~inside).sum())
         self.counts[partition] += np.bincount(idx[inside], minlength=span.size)
 
-    def problem(self, expected: set[tuple[int, int]] | None = None) -> str | None:
+    def problem(self, held: list[dict[int, pa.Array]] | None = None) -> str | None:
+        """``held``: a redrive's letters held per sink (partition -> offsets), every one of
+        which must have been seen exactly once."""
         if self.spans is None:
-            twice = [k for k, n in self.seen.items() if n > 1]
-            missing = sorted((expected or set()) - set(self.seen))
+            twice, missing = [], []
+            none = np.array([], np.int64)
+            parts = set(self.seen) | {p for h in held or () for p in h}
+            for p in sorted(parts):
+                seen, counts = np.unique(np.concatenate(self.seen.get(p) or [none]),
+                                         return_counts=True)
+                want = np.concatenate([h[p].to_numpy(zero_copy_only=False)
+                                       for h in held or () if p in h] or [none])
+                twice += [(p, int(o)) for o in seen[counts > 1]]
+                missing += [(p, int(o)) for o in np.setdiff1d(want, seen)]
             if twice or missing:
                 return (f"{len(twice)} record(s) seen more than once, {len(missing)} missing "
                         f"(e.g. partition/offset {(twice or missing)[0]})")
@@ -510,8 +529,10 @@ class _Sink:
         """The records of ``batch`` this sink must place: its range (run, backfill) or the
         letters this task holds for it (redrive)."""
         if self.spec.mode == "redrive":
-            offs = [o for (p, o) in self.dead.held if p == partition]
-            return batch.filter(_offsets_in(batch, offs)) if offs else batch.slice(0, 0)
+            offs = self.dead.held_offsets.get(partition)
+            if offs is None:
+                return batch.slice(0, 0)
+            return batch.filter(pc.is_in(batch.column(OFFSET), value_set=offs))
         span = self.t.ranges.get(partition)
         if span is None:
             return batch.slice(0, 0)
@@ -551,9 +572,10 @@ class _Sink:
         self.w.flush()
         if not self.spec.redelivery or self.w.failed:
             return
-        spans = self.t.ranges.items() if self.spec.mode == "backfill" else \
-            ((p, (0, 0)) for p in sorted({p for p, _ in self.dead.held}))
-        for part, (a, b) in spans:
+        if self.spec.mode == "redrive":
+            self.dead.resolve_held()
+            return
+        for part, (a, b) in self.t.ranges.items():
             self.dead.resolve(part, a, b)
 
     def result(self) -> SinkResult:
@@ -561,7 +583,7 @@ class _Sink:
         extra = {}
         if self.spec.mode == "redrive":
             failed = set(self.dead.failed_again)
-            extra = {"redriven": sorted(i for i in self.dead.held.values() if i not in failed),
+            extra = {"redriven": len(self.dead.held) - len(failed),
                      "failed_again": sorted(failed), "skipped": self.skipped}
         return SinkResult(records=o["records"], rows=o["rows"], dead=self.dead.rows,
                           superseded=o["superseded"], removed=o["removed"],
@@ -615,7 +637,7 @@ def _run_task(spec: TaskSpec, task: int, attempt: int,
     seen = 0
     try:
         for s in sinks:
-            s.skipped = s.dead.hold(s.t.letters) if spec.mode == "redrive" else []
+            s.skipped = s.dead.hold(spec.request) if spec.mode == "redrive" else []
         # Upstream of this function Spark reads, decodes and transforms: the time spent
         # waiting for each next batch is theirs.
         for whole in phases.waiting("read_transform", batches):
@@ -629,8 +651,8 @@ def _run_task(spec: TaskSpec, task: int, attempt: int,
                             s.place(partition, mine)
             for s in sinks:
                 s.w.flush_full()
-        held = {k for s in sinks for k in s.dead.held}
-        problem = accounts.problem(held if spans is None else None)
+        problem = accounts.problem([s.dead.held_offsets for s in sinks] if spans is None
+                                   else None)
         if problem is None:
             for s in sinks:
                 s.finish()

@@ -196,6 +196,11 @@ def _where(f: Filters, *, status: str | None = None, before: int | None = None):
     return (sql.SQL(" AND ").join(conds) if conds else sql.SQL("TRUE")), args
 
 
+def condition(filters: Filters) -> tuple[sql.Composable, list[Any]]:
+    """The WHERE condition ``filters`` make over tidemark.dlq, and its bind values."""
+    return _where(filters)
+
+
 def matching_ids(conn: psycopg.Connection, filters: Filters, limit: int = MAX_IDS) -> list[int]:
     """Ids of the dead letters ``filters`` select, oldest first; BadInput past ``limit``."""
     where, args = _where(filters)
@@ -210,23 +215,6 @@ def quarantined(conn: psycopg.Connection, pipeline: str) -> int:
     """How many of the pipeline's dead letters are live (quarantined)."""
     return conn.execute("SELECT count(*) FROM tidemark.dlq WHERE pipeline = %s AND status = "
                         "'quarantined'", (pipeline,)).fetchone()[0]
-
-
-def placement(conn: psycopg.Connection, ids: list[int]) -> list[tuple]:
-    """Redrive: (id, sink, partition, offset, status, pipeline) of each letter, by id."""
-    return conn.execute(
-        """SELECT id, sink, source_partition, source_offset, status::text, pipeline
-           FROM tidemark.dlq WHERE id = ANY(%s) ORDER BY id""", (ids,)).fetchall()
-
-
-def records(conn: psycopg.Connection, ids: list[int]) -> list[tuple]:
-    """Redrive: each source record of the letters once (several sinks' letters may hold it)
-    as (partition, offset, key, payload, headers, NULL timestamp), the sources' schema."""
-    return conn.execute(
-        """SELECT DISTINCT ON (source_partition, source_offset) source_partition,
-                  source_offset, key, payload, headers::text, NULL::timestamptz
-           FROM tidemark.dlq WHERE id = ANY(%s)
-           ORDER BY source_partition, source_offset, id""", (ids,)).fetchall()
 
 
 @contextmanager

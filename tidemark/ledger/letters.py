@@ -56,17 +56,6 @@ class Stage:
             self.created = False
 
 
-def hold(conn: psycopg.Connection, ids: list[int], pipeline: str,
-         sink: str) -> list[tuple[int, int, int]]:
-    """Redrive: lock this sink's letters among ``ids`` that are still quarantined (a
-    concurrent discard waits). Returns (id, partition, offset) of those held."""
-    return conn.execute(
-        """SELECT id, source_partition, source_offset FROM tidemark.dlq
-           WHERE id = ANY(%s) AND pipeline = %s AND sink = %s
-           AND status = 'quarantined' ORDER BY id FOR UPDATE""",
-        (ids, pipeline, sink)).fetchall()
-
-
 _RESOLVE = """UPDATE tidemark.dlq SET status = 'redriven', resolved_by = %(by)s,
                      resolved_at = now(), note = %(note)s
               WHERE status <> 'redriven' AND {where}"""

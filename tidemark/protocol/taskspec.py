@@ -47,7 +47,6 @@ class SinkTarget(_Model):
     key: list[str]
     version: str | None = None
     ranges: dict[int, tuple[int, int]]   # partition -> [start, end): this sink's offsets
-    letters: list[int] | None = None     # redrive: the dead letters it replays for this sink
     failed: Failures = {}                # its own row-level expectations' failures
     quarantine: str | None = None        # its batch gate failed under quarantine_batch: why
 
@@ -62,6 +61,7 @@ class TaskSpec(_Model):
     ledger_dsn: str
     columns: list[str]
     by: str | None = None                # who a re-delivery resolves dead letters for
+    request: int | None = None           # redrive: its request (the letters are in the ledger)
     reads: list[list[Span]] | None = None  # task i reads the spans reads[i]; None: a redrive
     failed: Failures = {}                # pipeline-level row expectations' failures
     quarantine: str | None = None        # pipeline batch gate failed under quarantine_batch
@@ -89,7 +89,7 @@ class SinkResult(_Model):
     superseded: int = 0                  # versions not written: a newer one won
     removed: int = 0                     # re-delivery: own rows removed (now quarantined)
     resolved: int = 0                    # re-delivery: live letters resolved (now delivered)
-    redriven: list[int] = []             # redrive: letter ids delivered
+    redriven: int = 0                    # redrive: letters delivered
     failed_again: list[int] = []         # redrive: letter ids quarantined again
     skipped: list[int] = []              # redrive: letter ids no longer quarantined
     error: str | None = None             # this sink failed in this task

@@ -3,8 +3,10 @@
 
 Every route depends on ``web_auth.guard`` (declared on the app, so no route can miss it).
 Pages are server-rendered Jinja2 with autoescaping and a Content-Security-Policy that allows
-only this app's own script and stylesheet. Redrive does not run Spark here: it triggers each
-pipeline's ``tidemark_<pipeline>_redrive`` DAG through Airflow's REST API, as the caller.
+only this app's own script and stylesheet. Redrive does not run Spark here: it records the
+selection as a redrive request in the ledger and triggers the pipeline's
+``tidemark_<pipeline>_redrive`` DAG with the request's id, through Airflow's REST API at
+Airflow's configured address (never the client's Host header), as the caller.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from tidemark.core.dsn import mask
 from tidemark.core.errors import BadInput, Busy, NotFound, TidemarkError
 from tidemark.core.settings import get_settings
 from tidemark.core.text import shown
-from tidemark.ledger import dlq
+from tidemark.ledger import dlq, redrives
 from tidemark.quality.docs import site_dir
 from tidemark.web import auth as web_auth
 from tidemark.web.auth import Caller, Forbidden, NotAuthenticated, guard
@@ -393,6 +395,7 @@ def list_page(request: Request, caller: CallerDep) -> Response:
         names = dlq.pipelines(conn)
     names = names if web_auth.may_read_all(caller) else web_auth.readable(caller, names)
     editable = [p for p in names if _may(caller, "PUT", p)]
+    matching = by_class[f.error_class] if f.error_class else sum(by_class.values())
     keep = f.query()
     plain = {k: v for k, v in keep.items() if k != "error_class"}
     class_links = [("all classes", sum(by_class.values()), f"?{urlencode(plain)}",
@@ -403,6 +406,8 @@ def list_page(request: Request, caller: CallerDep) -> Response:
         request, "list.html", rows=[_summary(r) for r in pg.rows], next_before=pg.next_before,
         class_links=class_links, f=f, pipelines=names,
         can_act=bool(editable), classes=dlq.ERROR_CLASSES, statuses=dlq.STATUSES,
+        redrive_all=bool(f.pipeline in editable and f.status == "quarantined" and matching),
+        matching=matching,
         keep=keep, query=urlencode(keep), limit=limit, before=before,
         since_value=f.since.astimezone(UTC).strftime("%Y-%m-%dT%H:%M") if f.since else "",
         until_value=f.until.astimezone(UTC).strftime("%Y-%m-%dT%H:%M") if f.until else "",
@@ -582,9 +587,18 @@ async def api_discard(request: Request, caller: CallerDep) -> Response:
 
 @app.post("/dlq/api/redrive")
 async def api_redrive(request: Request, caller: CallerDep) -> Response:
+    """Redrive the selected ``ids``, or (``all_matching``) every quarantined letter of one
+    pipeline that the filters (pipeline, sink, error_class, since, until) match."""
     body = await _body(request)
-    ids = _ids_from(body)
-    out = await run_in_threadpool(_redrive, request, caller, ids)
+    if str(body.get("all_matching", "")).lower() in ("1", "true", "on"):
+        f = dlq.Filters.parse(**{k: body.get(k) for k in
+                                 ("pipeline", "sink", "error_class", "since", "until")},
+                              status="quarantined")
+        if not f.pipeline:
+            raise BadInput("pipeline: choose the pipeline whose dead letters to redrive")
+        out = await run_in_threadpool(_redrive_matching, request, caller, f)
+    else:
+        out = await run_in_threadpool(_redrive, request, caller, _ids_from(body))
     status = 502 if out["errors"] and not out["runs"] else 200
     if _wants_html(request):
         return _html(request, "result.html", status, title="Redrive", back=_back(request, body),
@@ -593,8 +607,7 @@ async def api_redrive(request: Request, caller: CallerDep) -> Response:
 
 
 def _redrive(request: Request, caller: Caller, ids: list[int]) -> dict:
-    """Trigger tidemark_<pipeline>_redrive per pipeline for the quarantined ids, as the
-    caller (their JWT: Airflow authorizes the trigger too)."""
+    """The quarantined ``ids``, one redrive request per pipeline."""
     with _ledger() as conn:
         owners = _owned(conn, caller, ids, "PUT")
     skipped = [{"id": i, "reason": "no such dead letter"} for i in ids if i not in owners]
@@ -604,30 +617,73 @@ def _redrive(request: Request, caller: Caller, ids: list[int]) -> dict:
     for i, (p, s) in sorted(owners.items()):
         if s == "quarantined":
             groups.setdefault(p, []).append(i)
+    out = _trigger(request, caller, {p: {"ids": chosen} for p, chosen in groups.items()})
+    return {**out, "skipped": skipped}
+
+
+def _redrive_matching(request: Request, caller: Caller, f: dlq.Filters) -> dict:
+    """Every quarantined letter of ``f.pipeline`` that ``f`` matches now, as one request."""
+    web_auth.require(caller, "PUT", [f.pipeline])
+    out = _trigger(request, caller, {f.pipeline: {"filters": f}})
+    return {**out, "skipped": []}
+
+
+def airflow_api() -> str:
+    """Airflow's REST API at the address Airflow is configured with: ``[api] base_url``, else
+    its own host and port. Never the request's Host header: a client could name any host
+    and the API server would send it the caller's token (server-side request forgery)."""
+    from airflow.configuration import conf
+
+    base = (conf.get("api", "base_url", fallback="") or "").strip()
+    if not base:
+        host = (conf.get("api", "host", fallback="") or "").strip()
+        if host in ("", "0.0.0.0", "::", "[::]"):
+            host = "127.0.0.1"  # listening everywhere: loopback reaches it
+        elif ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        base = f"http://{host}:{conf.getint('api', 'port', fallback=8080)}"
+    return f"{base.rstrip('/')}/api/v2"
+
+
+def _trigger(request: Request, caller: Caller, selections: dict[str, dict]) -> dict:
+    """Per pipeline: a redrive request in the ledger (``ids`` or ``filters``), then
+    tidemark_<pipeline>_redrive triggered with only its id in the conf, as the caller (their
+    JWT: Airflow authorizes the trigger too). A request whose trigger fails is deleted."""
     runs, errors = [], []
-    api = f"{str(request.base_url).rstrip('/')}/api/v2"
+    api = airflow_api()
     root = _links(request)["airflow"]
-    with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {caller.token}"}) as http:
-        for pipeline, chosen in groups.items():
+    with _ledger() as conn, httpx.Client(
+            timeout=30, headers={"Authorization": f"Bearer {caller.token}"},
+            follow_redirects=False) as http:
+        for pipeline, sel in selections.items():
             dag = dag_id(pipeline, "redrive")
-            conf = {"ids": chosen, "requested_by": caller.name}
+            ids = sel.get("ids")
+            req = redrives.create(conn, pipeline, caller.name, ids=ids,
+                                  filters=sel.get("filters"))
+            if req is None:
+                errors.append({"pipeline": pipeline, "dag_id": dag, "ids": [], "letters": 0,
+                               "error": "no quarantined dead letters match"})
+                continue
+            what = {"pipeline": pipeline, "dag_id": dag, "request": req.request_id,
+                    "letters": req.letters, "ids": ids or []}
+            conf = {"request": req.request_id, "requested_by": caller.name}
             try:
                 r = http.post(f"{api}/dags/{quote(dag, safe='')}/dagRuns",
                               json={"logical_date": None, "conf": conf})
             except httpx.HTTPError as exc:
-                errors.append({"pipeline": pipeline, "dag_id": dag, "ids": chosen,
-                               "error": f"cannot reach Airflow's API: {exc}"})
+                redrives.delete(conn, req.request_id)
+                errors.append({**what, "error": f"cannot reach Airflow's API: {exc}"})
                 continue
             if r.status_code != 200:
-                errors.append({"pipeline": pipeline, "dag_id": dag, "ids": chosen,
-                               "error": _airflow_error(dag, r)})
+                redrives.delete(conn, req.request_id)
+                errors.append({**what, "error": _airflow_error(dag, r)})
                 continue
             run_id = r.json()["dag_run_id"]
             runs.append({
-                "pipeline": pipeline, "dag_id": dag, "dag_run_id": run_id, "ids": chosen,
+                **what, "dag_run_id": run_id,
                 "url": f"{root}/dags/{quote(dag, safe='')}/runs/{quote(run_id, safe='')}",
                 "paused": _paused(http, f"{api}/dags/{quote(dag, safe='')}")})
-    return {"runs": runs, "skipped": skipped, "errors": errors}
+    return {"runs": runs, "errors": errors}
 
 
 def _paused(http: httpx.Client, url: str) -> bool:
