@@ -89,7 +89,7 @@ def test_crash_at_every_step_then_recover_and_rerun(env, spark, point):
 @pytest.mark.parametrize("point", ["task_after_prepare", "mid_finish"])
 def test_crash_in_a_run_written_by_one_task(env, spark, point):
     """Sinks with a version column and keys whose versions sit in both partitions: one task
-    writes both ranges (tidemark/driver/run.py, Run._together). A crash before and after the
+    writes both ranges (tidemark/driver/modes.py, Layout "together"). A crash before and after the
     decision, recovery, a rerun: each key once, at its newest version."""
     env.append_orders(range(300))  # id i in partition i % 2, version 1
     env.append([((i + 1) % 2, str(i).encode(), json.dumps(
@@ -110,6 +110,34 @@ def test_crash_in_a_run_written_by_one_task(env, spark, point):
         assert env.checkpoints(sink=sink) == {0: 155, 1: 155}
         assert env.q(dsn, "SELECT count(*), count(*) FILTER (WHERE version = 2) "
                           "FROM orders") == [(300, 10)]
+    assert_exactly_once(env, sinks=sinks)
+
+
+@pytest.mark.parametrize("point", ["task_after_prepare", "mid_finish"])
+def test_crash_in_a_run_spread_over_tasks_by_key(env, spark, point):
+    """One partition read in sub-ranges, its records spread by key over two write tasks
+    (tidemark/driver/modes.py, Layout), each preparing its own transaction per sink. A
+    crash before and after the decision, recovery, a rerun: each record placed once."""
+    env.append([(0, str(i % 400).encode(), json.dumps(
+        {"id": i % 400, "name": f"v{i}", "amount": 1.0, "version": 1}).encode(), None, None)
+        for i in range(2000)])
+    sinks = {"main": env.sink_dsn, "second": env.sink2_dsn}
+    env.pipeline(sinks=[{"name": n, "dsn": d, "table": "public.orders", "key": ["id"]}
+                        for n, d in sinks.items()],
+                 limits={"max_records_per_partition": 5000, "split_min_records": 1000})
+    job = JobProcess(env.cli_argv("run", "orders"), env.cli_env(), crash_at=point)
+    assert job.wait() == -signal.SIGKILL, job.output()
+    rep = env.recover()
+    assert rep.ok, rep.errors
+    report = env.run(spark)
+    assert report.ok or report.run_id is None, report.summary()
+    tasks = env.ledger("SELECT DISTINCT split_part(gid, ':', 4) FROM tidemark.participants "
+                       "ORDER BY 1")
+    assert tasks == [("0",), ("1",)], tasks
+    for sink, dsn in sinks.items():
+        assert env.checkpoints(sink=sink) == {0: 2000}
+        assert env.q(dsn, "SELECT count(*), min(name), max(name) FILTER (WHERE id = 399) "
+                          "FROM orders") == [(400, "v1600", "v1999")]
     assert_exactly_once(env, sinks=sinks)
 
 

@@ -167,6 +167,9 @@ class Sink(Connection):
 
 class Limits(_Model):
     max_records_per_partition: Annotated[int, Field(gt=0)] = 100_000
+    # A run of at least this many records from fewer partitions than Spark has cores spreads
+    # them over one write task per core (docs/pipelines.md, "Parallelism").
+    split_min_records: Annotated[int, Field(gt=0)] = 50_000
 
 
 class Alerts(_Model):

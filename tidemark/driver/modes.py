@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Literal
 
 from tidemark import sources
-from tidemark.config import Pipeline
+from tidemark.config import Pipeline, Sink
 from tidemark.core.errors import TidemarkError
 from tidemark.ledger.state import Planner, Range
 from tidemark.protocol.taskspec import Span
@@ -23,6 +24,7 @@ class Mode(ABC):
     name = "run"
     gate_policy: str | None = None   # None: the pipeline's on_gate_failure
     request: int | None = None       # redrive: the request whose letters it replays
+    spreads = False                  # may spread its records over tasks by key (Layout)
 
     @abstractmethod
     def planner(self, pipeline: Pipeline) -> tuple[Planner, object]:
@@ -34,20 +36,80 @@ class Mode(ABC):
     def quality(self, pipeline: Pipeline) -> Pipeline:
         return pipeline
 
-    def reads(self, read: list[Range], dense: bool, together: bool) -> list[list[Span]] | None:
-        """What task i reads, for its accounting: one Spark task per range read, or one task
-        for them all (``together``, see :meth:`tidemark.driver.run.Run._together`)."""
+    def layout(self, read: list[Range], sinks: list[Sink], *, dense: bool, parallelism: int,
+               split_min: int) -> Layout:
+        """How the records of ``read`` reach the run's Spark write tasks (see :class:`Layout`).
+
+        ``spread`` when a first delivery has fewer ranges than Spark has cores (or versions of
+        a key may sit in several partitions) and is big enough to be worth a shuffle; else one
+        task per range, or one task for them all when a sink orders versions by a column."""
         spans = [Span(partition=r.partition, start=r.start, end=r.end, dense=dense)
                  for r in read]
-        return [spans] if together else [[s] for s in spans]
+        versioned = len(read) > 1 and any(s.version for s in sinks)
+        by = common_key(sinks)
+        total = sum(r.size for r in read)
+        if (self.spreads and dense and by and total >= split_min
+                and (len(read) < parallelism or versioned)):
+            tasks = max(parallelism, len(read))
+            return Layout("spread", tasks, pieces(read, tasks), spread=spans, by=by)
+        if versioned:
+            return Layout("together", 1, read, reads=[spans])
+        return Layout("ranges", len(read), read, reads=[[s] for s in spans])
 
-    def tasks(self, read: list[Range], together: bool) -> int:
-        return 1 if together else len(read)
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run's records reach its Spark write tasks; each task is one participant per
+    database, with its own gid.
+
+    * ``ranges``: task i reads and writes range i (``reads[i]``).
+    * ``together``: one task writes every range (``reads[0]``): versions of one key may sit in
+      several partitions, and two tasks writing one key would deadlock. The second waits on
+      the first's row lock, which its prepared transaction holds until the decision, and the
+      decision waits for the second. In one task the staging merge keeps the newest version.
+    * ``spread``: the source reads ``read`` (the ranges cut into sub-ranges, read side by
+      side), then Spark hash-partitions the records on the sinks' common key columns ``by``
+      into ``tasks`` tasks. Every version of a key lands in one task, so no two tasks write
+      one key; each task accounts for what it saw of ``spread``, and the driver checks that
+      together they saw every offset once (tidemark/protocol/coverage.py).
+    * ``records``: a redrive's one task over hand-picked records, accounted per record.
+    """
+
+    kind: Literal["ranges", "together", "spread", "records"]
+    tasks: int
+    read: list[Range]
+    reads: list[list[Span]] | None = None
+    spread: list[Span] | None = None
+    by: list[str] | None = None
+
+
+def common_key(sinks: list[Sink]) -> list[str]:
+    """The key columns every sink's key has (a row's value on them decides its task)."""
+    if not sinks:
+        return []
+    rest = [set(s.key) for s in sinks[1:]]
+    return [k for k in sinks[0].key if all(k in r for r in rest)]
+
+
+def pieces(read: list[Range], n: int) -> list[Range]:
+    """``read`` cut into about ``n`` sub-ranges of similar size (each range at least one)."""
+    total = sum(r.size for r in read) or 1
+    out = []
+    for r in read:
+        k = max(1, min(r.size, round(n * r.size / total)))
+        step = -(-r.size // k) if r.size else 1
+        out += [Range(r.partition, a, min(a + step, r.end))
+                for a in range(r.start, max(r.end, r.start + 1), step)]
+    return out
 
 
 class Delivery(Mode):
     """The next range of every sink: from its checkpoint (or the pipeline's ``start`` for a
     partition it has none in), at most ``limit`` records from the lowest checkpoint."""
+
+    # A first delivery may spread: a re-delivery resolves the letters of its whole range in
+    # each task, which tasks holding parts of one range would fight over.
+    spreads = True
 
     def planner(self, pipeline: Pipeline):
         limit = pipeline.limits.max_records_per_partition

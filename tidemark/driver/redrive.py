@@ -21,7 +21,7 @@ from tidemark import sources
 from tidemark.config import Pipeline
 from tidemark.core.db import connect
 from tidemark.core.errors import BadInput, TidemarkError
-from tidemark.driver.modes import Mode, NothingToClose
+from tidemark.driver.modes import Layout, Mode, NothingToClose
 from tidemark.driver.run import Run, RunReport
 from tidemark.ledger import redrives
 from tidemark.ledger.state import Range, RunState
@@ -81,11 +81,8 @@ class RedriveMode(Mode):
             "sinks": [s.model_copy(update={"quality": rows_only(s.quality)})
                       for s in pipeline.sinks]})
 
-    def reads(self, read: list[Range], dense: bool, together: bool):
-        return None  # one task over hand-picked records: accounted per record
-
-    def tasks(self, read: list[Range], together: bool) -> int:
-        return 1
+    def layout(self, read: list[Range], sinks, **_) -> Layout:
+        return Layout("records", 1, read)  # one task over hand-picked records
 
 
 class Redrive(Run):

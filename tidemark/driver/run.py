@@ -30,12 +30,12 @@ from tidemark.core.dsn import mask
 from tidemark.core.errors import Fenced, Inconsistency, Terminated, TidemarkError
 from tidemark.core.settings import Settings
 from tidemark.driver import gate
-from tidemark.driver.modes import Backfill, Delivery, Mode
+from tidemark.driver.modes import Backfill, Delivery, Layout, Mode
 from tidemark.engine import records
 from tidemark.ledger import runs, state
 from tidemark.ledger.migrations import require_current
 from tidemark.ledger.state import AirflowRun, Claim, Participant, Range, RunState
-from tidemark.protocol import gids, recovery, sinks, twopc
+from tidemark.protocol import coverage, gids, recovery, sinks, twopc
 from tidemark.protocol.taskspec import TASK_PHASES, SinkTarget, TaskResult, TaskSpec
 
 Log = Callable[[str], None]
@@ -157,7 +157,7 @@ class Run:
         self.stop = _Stop()
         self.clock: dict[str, float] = {}  # phase -> monotonic time it ended
         self.results: list[TaskResult] = []
-        self.together = False  # one task writes every range (set per run: _together)
+        self.layout: Layout | None = None  # how records reach the write tasks (per run)
 
     def _mark(self, phase: str) -> None:
         self.clock[phase] = time.monotonic()
@@ -252,9 +252,18 @@ class Run:
         run_id, ledger = claim.run_id, self.ledger
         spark = self.spark or session(self.s.spark_master, f"tidemark-{self.p.name}")
         self.stop.check()
-        df = records.rows(self.mode.source(spark, self.p, read), self.p)
+        layout = self.layout = self.mode.layout(
+            read, [by_name[s].config for s in claim.sinks],
+            dense=isinstance(self.p.source, PostgresLogSource),
+            parallelism=spark.sparkContext.defaultParallelism,
+            split_min=self.p.limits.split_min_records)
+        if layout.kind in ("spread", "together"):
+            self.log(f"run {run_id}: {layout.tasks} write task(s) over "
+                     f"{len(layout.read)} read(s), "
+                     + (f"records spread by ({', '.join(layout.by)})"
+                        if layout.kind == "spread" else "a sink orders versions by a column"))
+        df = records.rows(self.mode.source(spark, self.p, layout.read), self.p)
         columns = records.output_columns(df)
-        self.together = self._together(claim, by_name, read)
         verdict = None
         checks = self.mode.quality(self.p)
         if checks.has_quality():
@@ -294,11 +303,14 @@ class Run:
         spec = self._spec(claim, by_name, live, read, [c for c, _ in columns], verdict)
         from tidemark.engine.writer import RESULT_SCHEMA, make_task
 
-        progress = _Progress(spark, run_id, self.mode.tasks(read, self.together), self.log)
+        if layout.kind == "spread":
+            df = df.repartition(layout.tasks, *layout.by)
+        elif layout.kind == "together":
+            df = df.coalesce(1)
+        progress = _Progress(spark, run_id, layout.tasks, self.log)
         progress.start()
         try:
-            rows = (df.coalesce(1) if self.together else df).mapInArrow(
-                make_task(spec), RESULT_SCHEMA).collect()
+            rows = df.mapInArrow(make_task(spec), RESULT_SCHEMA).collect()
         except Terminated:
             spark.sparkContext.cancelAllJobs()
             raise
@@ -315,9 +327,13 @@ class Run:
         self.results = [TaskResult.model_validate_json(r["result"]) for r in rows]
         report.records = sum(r.records for r in self.results)
         accounting = [r.error for r in self.results if r.error]
-        tasks = self.mode.tasks(read, self.together)
-        if len(self.results) != tasks:
-            accounting.append(f"{len(self.results)} task results for {tasks} tasks")
+        if len(self.results) != layout.tasks:
+            accounting.append(f"{len(self.results)} task results for {layout.tasks} tasks")
+        elif layout.spread is not None and not accounting:
+            # Each task saw a part of every range: only together do they cover them.
+            problem = coverage.problem(layout.spread, [r.seen for r in self.results])
+            if problem:
+                accounting.append(problem)
         if accounting:
             how = self.p.transform.python or "select"
             msg = (f"records not accounted for (transform {how}): {accounting[0]}; a "
@@ -353,15 +369,6 @@ class Run:
             still.append(sink)
         return still
 
-    @staticmethod
-    def _together(claim: Claim, by_name, read: list[Range]) -> bool:
-        """One task writes every range of the run when a sink of it orders the versions of a
-        key by a column: versions of one key may then sit in several partitions, and two tasks
-        writing one key would deadlock. The second waits on the first's row lock, which its
-        prepared transaction holds until the decision, and the decision waits for the second.
-        In one task the staging merge keeps the newest version (docs/design.md, versions)."""
-        return len(read) > 1 and any(by_name[s].config.version for s in claim.sinks)
-
     def _spec(self, claim: Claim, by_name, live: list[str], read: list[Range],
               columns: list[str], verdict: gate.Verdict | None) -> TaskSpec:
         v = verdict or gate.Verdict()
@@ -378,8 +385,7 @@ class Run:
             prefix=self.s.gid_prefix, prepare=self.p.delivery == "exactly_once",
             lock_timeout_ms=self.s.lock_timeout_ms, ledger_dsn=self.ledger_dsn,
             columns=columns, by=self.by, request=self.mode.request,
-            reads=self.mode.reads(read, isinstance(self.p.source, PostgresLogSource),
-                                  self.together),
+            reads=self.layout.reads, spread=self.layout.spread,
             failed=v.rows.get(gate.PIPELINE, {}), quarantine=v.quarantine.get(gate.PIPELINE),
             sinks=targets)
 

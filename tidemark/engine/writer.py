@@ -42,7 +42,7 @@ from tidemark.core.text import clamp
 from tidemark.engine import pgbinary
 from tidemark.engine.records import ERR_CLASS, ERR_REASON
 from tidemark.ledger import letters, markers, redrives
-from tidemark.protocol import gids, twopc
+from tidemark.protocol import coverage, gids, twopc
 from tidemark.protocol.taskspec import Prepared, SinkResult, SinkTarget, Span, TaskResult, TaskSpec
 
 FLUSH_ROWS = 50_000
@@ -465,11 +465,14 @@ def _offsets_in(batch: pa.RecordBatch, offsets) -> pa.Array:
 
 class _Accounts:
     """Every offset of the task's ranges seen exactly once (a transform that drops or
-    multiplies rows is caught here, before anything is prepared)."""
+    multiplies rows is caught here, before anything is prepared). A spread task sees only
+    part of its ranges: it checks copies and strays, and the driver checks what is missing
+    from every task's ``seen`` (tidemark/protocol/coverage.py)."""
 
-    def __init__(self, spans: list[Span] | None):
+    def __init__(self, spans: list[Span] | None, spread: bool = False):
         self.spans = {s.partition: s for s in spans} if spans is not None else None
-        self.counts = {s.partition: np.zeros(s.size, np.int64) for s in spans or ()}
+        self.spread = spread
+        self.counts = {s.partition: np.zeros(s.size, np.int32) for s in spans or ()}
         self.seen: dict[int, list[np.ndarray]] = {}  # a redrive: offsets seen, per partition
         self.stray = 0
 
@@ -485,7 +488,19 @@ class _Accounts:
         idx = offs - span.start
         inside = (idx >= 0) & (idx < span.size)
         self.stray += int((~inside).sum())
-        self.counts[partition] += np.bincount(idx[inside], minlength=span.size)
+        idx = idx[inside]
+        if not len(idx):
+            return
+        lo, hi = int(idx.min()), int(idx.max())
+        counts = self.counts[partition]
+        if hi - lo < 4 * len(idx):  # a source's batch is a run of offsets: count the window
+            counts[lo:hi + 1] += np.bincount(idx - lo).astype(np.int32)
+        else:  # a spread task's batch is scattered over the range
+            np.add.at(counts, idx, 1)
+
+    def bitmaps(self) -> dict[int, str]:
+        """Spread: the offsets this task saw, per partition (protocol.coverage)."""
+        return {p: coverage.encode(c > 0) for p, c in self.counts.items()}
 
     def problem(self, held: list[dict[int, pa.Array]] | None = None) -> str | None:
         """``held``: a redrive's letters held per sink (partition -> offsets), every one of
@@ -507,10 +522,11 @@ class _Accounts:
             return None
         for p, s in self.spans.items():
             counts = self.counts[p]
-            dropped = int((counts == 0).sum()) if s.dense else 0
+            dropped = int((counts == 0).sum()) if s.dense and not self.spread else 0
             extra = int(counts[counts > 1].sum() - (counts > 1).sum())
             if dropped or extra or self.stray:
-                first = int(np.argmax(counts != 1)) + s.start if (dropped or extra) else None
+                bad = counts > 1 if self.spread else counts != 1
+                first = int(np.argmax(bad)) + s.start if (dropped or extra) else None
                 return (f"partition {s.partition} [{s.start}, {s.end}): {dropped} record(s) "
                         f"missing, {extra} extra cop(ies), {self.stray} outside the range"
                         + (f" (first at offset {first})" if first is not None else ""))
@@ -632,8 +648,9 @@ def _run_task(spec: TaskSpec, task: int, attempt: int,
         return TaskResult(task=task, attempt=attempt, records=0, error=(
             f"Spark task {task} beyond the {len(spec.reads)} task(s) of the ranges read: the "
             f"transform changed the partitioning (a union, join or repartition)"))
-    spans = spec.reads[task] if spec.reads is not None else None
-    accounts = _Accounts(spans)
+    spans = spec.spread if spec.spread is not None else (
+        spec.reads[task] if spec.reads is not None else None)
+    accounts = _Accounts(spans, spread=spec.spread is not None)
     seen = 0
     try:
         for s in sinks:
@@ -676,7 +693,8 @@ def _run_task(spec: TaskSpec, task: int, attempt: int,
         raise
     _close(sinks)  # a failed sink's letters roll back with it
     return TaskResult(task=task, attempt=attempt, records=seen, participants=participants,
-                      sinks={s.t.name: s.result() for s in sinks}, phases=phases.rounded())
+                      sinks={s.t.name: s.result() for s in sinks}, phases=phases.rounded(),
+                      seen=accounts.bitmaps() if accounts.spread else {})
 
 
 def _close(sinks: list[_Sink]) -> None:

@@ -63,6 +63,7 @@ class TaskSpec(_Model):
     by: str | None = None                # who a re-delivery resolves dead letters for
     request: int | None = None           # redrive: its request (the letters are in the ledger)
     reads: list[list[Span]] | None = None  # task i reads the spans reads[i]; None: a redrive
+    spread: list[Span] | None = None     # or every task sees part of these (records by key)
     failed: Failures = {}                # pipeline-level row expectations' failures
     quarantine: str | None = None        # pipeline batch gate failed under quarantine_batch
     sinks: list[SinkTarget]
@@ -104,4 +105,5 @@ class TaskResult(_Model):
     participants: list[Prepared] = []
     sinks: dict[str, SinkResult] = {}
     error: str | None = None             # the task could not account for its range
+    seen: dict[int, str] = {}            # spread: partition -> offsets seen (protocol.coverage)
     phases: dict[str, float] = {}        # seconds: read_transform (waiting on Spark), checks
