@@ -58,7 +58,7 @@ REPEAT = 6
 
 
 def pipeline_doc(name: str, delivery: str, limit: int, source_dsn: str, sink_dsn: str,
-                 gate: bool = False, table: str = TABLE) -> dict:
+                 gate: bool = False, table: str = TABLE, split_min: int | None = None) -> dict:
     doc = yaml.safe_load((REPO / "dags/pipelines/flights.yaml").read_text())
     doc.update(name=name, delivery=delivery, schedule=None)
     if gate:  # the demo suite, with a row-count bound fit for a 2M-record batch
@@ -69,7 +69,8 @@ def pipeline_doc(name: str, delivery: str, limit: int, source_dsn: str, sink_dsn
         doc.pop("quality", None)
     doc["source"].update(table=table, dsn=source_dsn)
     doc["sinks"][0].update(dsn=sink_dsn, table=f"bench.{name}")
-    doc["limits"] = {"max_records_per_partition": limit}
+    doc["limits"] = {"max_records_per_partition": limit,
+                     **({"split_min_records": split_min} if split_min else {})}
     return doc
 
 
@@ -278,6 +279,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=5, help="rotated repetitions per mode")
     ap.add_argument("--skip-memory", action="store_true", help="skip the driver memory runs")
+    ap.add_argument("--modes", help="only these comma-separated warm modes (e.g. "
+                    "exactly_once,one_partition); skips the fresh-process runs")
     args = ap.parse_args()
     load_dotenv(REPO / ".tidemark/env", override=False)
     ledger = os.environ["TIDEMARK_LEDGER_DSN"]
@@ -296,16 +299,18 @@ def main() -> None:
 
     folder = Path(tempfile.mkdtemp(prefix="tidemark-bench-"))
     full = 600_000
-    for name, delivery, limit, gate, table in [
-            ("bench_eo", "exactly_once", full, False, TABLE),
-            ("bench_alo", "at_least_once", full, False, TABLE),
-            ("bench_gate", "exactly_once", full, True, TABLE),
-            ("bench_1p", "exactly_once", 4 * full, False, TABLE_1P),
-            ("bench_fresh", "exactly_once", full, False, TABLE),
-            ("bench_mem_small", "exactly_once", 50_000, False, TABLE),
-            ("bench_mem_10m", "exactly_once", 5 * full, False, TABLE_10M)]:
+    for name, delivery, limit, gate, table, split_min in [
+            ("bench_eo", "exactly_once", full, False, TABLE, None),
+            ("bench_alo", "at_least_once", full, False, TABLE, None),
+            ("bench_gate", "exactly_once", full, True, TABLE, None),
+            ("bench_1p", "exactly_once", 4 * full, False, TABLE_1P, None),
+            ("bench_1p_task", "exactly_once", 4 * full, False, TABLE_1P, 10 ** 12),
+            ("bench_fresh", "exactly_once", full, False, TABLE, None),
+            ("bench_mem_small", "exactly_once", 50_000, False, TABLE, None),
+            ("bench_mem_10m", "exactly_once", 5 * full, False, TABLE_10M, None)]:
         (folder / f"{name}.yaml").write_text(yaml.safe_dump(
-            pipeline_doc(name, delivery, limit, source, sink, gate, table), sort_keys=False))
+            pipeline_doc(name, delivery, limit, source, sink, gate, table, split_min),
+            sort_keys=False))
     settings = Settings(ledger_dsn=ledger, pipelines_dir=folder, spark_master="local[2,4]")
     with psycopg.connect(source) as c:
         ends = dict(c.execute(f'SELECT "partition", max("offset") + 1 FROM {TABLE} GROUP BY 1'))
@@ -326,7 +331,9 @@ def main() -> None:
     modes = [("exactly_once", "bench_eo"), ("at_least_once", "bench_alo"),
              ("plain_copy", "bench_copy"), ("exactly_once_gate", "bench_gate"),
              ("raw_copy", "bench_raw"), ("one_partition", "bench_1p"),
-             ("raw_copy_binary", "bench_raw_bin")]
+             ("raw_copy_binary", "bench_raw_bin"), ("one_partition_one_task", "bench_1p_task")]
+    if args.modes:
+        modes = [m for m in modes if m[0] in args.modes.split(",")]
     results: dict[str, list[tuple[int, float]]] = {m: [] for m, _ in modes}
     for rep in range(args.reps):
         # Rotate the order so that no mode always runs first (or right after the same one).
@@ -349,8 +356,8 @@ def main() -> None:
     rate = {m: statistics.median(r / s for r, s in v) for m, v in results.items()}
     env = {**os.environ, "TIDEMARK_LEDGER_DSN": ledger, "TIDEMARK_SPARK_MASTER": "local[2,4]"}
     fresh = {}
-    for name in ("bench_fresh",) + (() if args.skip_memory else ("bench_mem_small",
-                                                                  "bench_mem_10m")):
+    for name in () if args.modes else ("bench_fresh",) + (
+            () if args.skip_memory else ("bench_mem_small", "bench_mem_10m")):
         reset(ledger, sink, name)
         fresh[name] = fresh_run(folder, name, env)
 
@@ -359,37 +366,52 @@ def main() -> None:
           f"local[2,4], PostgreSQL 15 on 127.0.0.1, median of {args.reps}")
     print("| mode | records/s | vs Spark + plain COPY | vs raw COPY | runs (s) |")
     print("|---|---:|---:|---:|---|")
+    base = "plain_copy" if "plain_copy" in rate else None
+    raw_rate = rate.get("raw_copy")
     for m in ("exactly_once", "at_least_once", "plain_copy", "exactly_once_gate", "raw_copy",
-              "raw_copy_binary", "one_partition"):
+              "raw_copy_binary", "one_partition", "one_partition_one_task"):
+        if m not in rate:
+            continue
         secs = ", ".join(f"{s:.1f}" for _, s in results[m])
-        print(f"| {m} | {rate[m]:,.0f} | {rate[m] / rate['plain_copy']:.0%} | "
-              f"{rate[m] / rate['raw_copy']:.1%} | {secs} |")
-    # Paired within each rep (same minute, same machine state), then the median.
-    overhead = statistics.median(eo[1] / alo[1] - 1 for eo, alo in
-                                 zip(results["exactly_once"], results["at_least_once"],
-                                     strict=True))
-    ceiling = statistics.median(cp[1] / eo[1] for eo, cp in
-                                zip(results["exactly_once"], results["plain_copy"],
-                                    strict=True))
-    gate_share = statistics.median((g[1] - eo[1]) / g[1] for eo, g in
-                                   zip(results["exactly_once"], results["exactly_once_gate"],
-                                       strict=True))
-    print(f"\nexactly-once costs {overhead:+.1%} of time vs at-least-once, paired per rep "
-          f"(target <= +3%); reaches {ceiling:.0%} of Spark + plain COPY")
-    raw = statistics.median(cp[1] / eo[1] for eo, cp in
-                            zip(results["exactly_once"], results["raw_copy"], strict=True))
-    raw_bin = statistics.median(cp[1] / eo[1] for eo, cp in
-                                zip(results["exactly_once"], results["raw_copy_binary"],
-                                    strict=True))
-    print(f"exactly-once reaches {raw:.1%} of the raw COPY ceiling (pre-rendered rows, plain "
-          f"psycopg COPY csv over 2 connections, no Spark), paired per rep (target >= 25%); "
-          f"{raw_bin:.1%} of the same rows by COPY binary, which Tidemark's sinks use")
-    print(f"the demo's data-quality gate (GX, 5 row-level + 4 batch expectations) takes "
-          f"{gate_share:.1%} of the gated run's time, paired per rep (target <= 15%)")
-    one = statistics.median(eo[1] / op[1] for eo, op in
-                            zip(results["exactly_once"], results["one_partition"], strict=True))
-    print(f"the same records in one partition (one Spark task) replay at {one:.0%} of "
-          f"the four-partition rate, paired per rep (target >= 80%)")
+        vs_copy = f"{rate[m] / rate[base]:.0%}" if base else "-"
+        vs_raw = f"{rate[m] / raw_rate:.1%}" if raw_rate else "-"
+        print(f"| {m} | {rate[m]:,.0f} | {vs_copy} | {vs_raw} | {secs} |")
+
+    def paired(a: str, b: str, ratio) -> float | None:
+        """Median over reps of ratio(a's run, b's run): paired within each rep."""
+        if a not in results or b not in results:
+            return None
+        return statistics.median(ratio(x, y) for x, y in zip(results[a], results[b],
+                                                              strict=True))
+
+    # (records, seconds) per run: ratios of times, paired per rep.
+    overhead = paired("exactly_once", "at_least_once", lambda eo, alo: eo[1] / alo[1] - 1)
+    ceiling = paired("exactly_once", "plain_copy", lambda eo, cp: cp[1] / eo[1])
+    if overhead is not None and ceiling is not None:
+        print(f"\nexactly-once costs {overhead:+.1%} of time vs at-least-once, paired per "
+              f"rep (target <= +3%); reaches {ceiling:.0%} of Spark + plain COPY")
+    raw = paired("exactly_once", "raw_copy", lambda eo, cp: cp[1] / eo[1])
+    raw_bin = paired("exactly_once", "raw_copy_binary", lambda eo, cp: cp[1] / eo[1])
+    if raw is not None and raw_bin is not None:
+        print(f"exactly-once reaches {raw:.1%} of the raw COPY ceiling (pre-rendered rows, "
+              f"plain psycopg COPY csv over 2 connections, no Spark), paired per rep (target "
+              f">= 25%); {raw_bin:.1%} of the same rows by COPY binary, which Tidemark's "
+              f"sinks use")
+    gate_share = paired("exactly_once", "exactly_once_gate", lambda eo, g: (g[1] - eo[1]) / g[1])
+    if gate_share is not None:
+        print(f"the demo's data-quality gate (GX, 5 row-level + 4 batch expectations) takes "
+              f"{gate_share:.1%} of the gated run's time, paired per rep (target <= 15%)")
+    one = paired("exactly_once", "one_partition", lambda eo, op: eo[1] / op[1])
+    if one is not None:
+        print(f"the same records in one partition (read in sub-ranges, spread by key over "
+              f"one write task per core) replay at {one:.0%} of the four-partition rate, "
+              f"paired per rep (target >= 80%)")
+    task = paired("one_partition_one_task", "one_partition", lambda t, op: t[1] / op[1])
+    if task is not None:
+        print(f"one partition spread over the cores replays {task:.2f}x as fast as the same "
+              f"partition in one task (limits.split_min_records above the run), paired per rep")
+    if args.modes:
+        return
     print_phases(split)
     f = fresh["bench_fresh"]
     moving = f["phases"].get("gate_seconds", 0) + f["phases"]["write_seconds"]

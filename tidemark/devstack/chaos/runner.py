@@ -33,7 +33,7 @@ def target(world: World) -> Target:
 
 def world_params(seed: int) -> tuple[int, int]:
     r = random.Random(f"tidemark-chaos:{seed}:world")
-    return r.choice([2, 3]), r.randint(25, 60)
+    return r.choice([1, 2, 3]), r.randint(25, 60)
 
 
 class _Interrupted(BaseException):

@@ -39,6 +39,7 @@ class Knobs:
     rows_max: float = ROWS_MAX[0]
     b_rows_max: float = B_ROWS_MAX[0]
     upper_name: bool = False            # transform name -> upper(name)
+    spread: bool = False                # split_min_records 1: spread runs over tasks by key
 
     def loosest(self) -> Knobs:
         """A passing gate and the loosest row checks (the end of a chaos run)."""
@@ -47,7 +48,8 @@ class Knobs:
     def short(self) -> str:
         return (f"gate={'FAIL' if self.gate_fails else 'pass'}/{self.on_gate_failure} "
                 f"rows<={self.rows_max:g} b<={self.b_rows_max:g} "
-                f"name={'upper' if self.upper_name else 'plain'}")
+                f"name={'upper' if self.upper_name else 'plain'}"
+                f"{' spread' if self.spread else ''}")
 
 
 def _between(column: str, max_value: float) -> dict:
@@ -143,7 +145,9 @@ class World:
                 {**sink, "name": "b", "dsn": self.sink_dsns["b"],
                  "quality": {"rows": [_between("amount", k.b_rows_max)]}},
             ],
-            "limits": {"max_records_per_partition": self.limit},
+            # Spread needs fewer partitions than cores (local[2]): a 1-partition world.
+            "limits": {"max_records_per_partition": self.limit,
+                       "split_min_records": 1 if k.spread else 50_000},
             "quality": {"on_gate_failure": k.on_gate_failure,
                         "rows": [_between("amount", k.rows_max)],
                         "batch": batch},
