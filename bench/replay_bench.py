@@ -327,7 +327,8 @@ def main() -> None:
     timed_run(spark, folder, "bench_gate", settings, ledger)
 
     PHASES.clear()  # the warm-ups are not measurements
-    chunks, copy_cols = render_rows(spark, folder, parts, sink)
+    chunks, copy_cols = ({}, []) if args.modes and "raw_copy" not in args.modes else \
+        render_rows(spark, folder, parts, sink)
     modes = [("exactly_once", "bench_eo"), ("at_least_once", "bench_alo"),
              ("plain_copy", "bench_copy"), ("exactly_once_gate", "bench_gate"),
              ("raw_copy", "bench_raw"), ("one_partition", "bench_1p"),
