@@ -108,3 +108,37 @@ def test_secret_files_are_private_from_the_first_byte(tmp_path):
     assert seen and all(mode == 0o600 for _e, _f, mode in seen), \
         [s for s in seen if s[2] != 0o600]
     assert (home / "passwords.json").read_text() == '{"u": "p"}'
+
+
+def test_pieces_cut_ranges_into_about_n_contiguous_sub_ranges():
+    from tidemark.driver.modes import pieces
+    from tidemark.ledger.state import Range
+
+    read = [Range(0, 10, 110), Range(1, 5, 5), Range(2, 0, 3)]
+    out = pieces(read, 4)
+    for r in read:  # each range exactly covered, in order, by its pieces
+        mine = [p for p in out if p.partition == r.partition]
+        assert mine[0].start == r.start and mine[-1].end == r.end
+        assert all(a.end == b.start for a, b in zip(mine, mine[1:], strict=False))
+    assert [p.size for p in out if p.partition == 0] == [25, 25, 25, 25]
+    assert [p for p in out if p.partition == 1] == [Range(1, 5, 5)]
+
+
+def test_spread_coverage_finds_a_missing_and_a_doubled_offset():
+    import numpy as np
+
+    from tidemark.protocol import coverage
+    from tidemark.protocol.taskspec import Span
+
+    span = Span(partition=0, start=100, end=110)
+    a, b = np.zeros(10, bool), np.zeros(10, bool)
+    a[:5], b[5:] = True, True
+    bitmaps = [{0: coverage.encode(a)}, {0: coverage.encode(b)}]
+    assert coverage.problem([span], bitmaps) is None
+    b[7] = False
+    assert "1 record(s) missing" in coverage.problem([span], [bitmaps[0], {0: coverage.encode(b)}])
+    b[7], b[2] = True, True
+    assert "1 seen by two tasks (first at offset 102)" in coverage.problem(
+        [span], [bitmaps[0], {0: coverage.encode(b)}])
+    gaps = span.model_copy(update={"dense": False})  # an archive: a gap is no problem
+    assert coverage.problem([gaps], [bitmaps[0]]) is None
