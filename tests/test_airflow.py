@@ -85,8 +85,9 @@ def _webhook(inbox: Inbox) -> ThreadingHTTPServer:
 
 
 class World:
-    def __init__(self, env: Env, stack: Stack, mails: Inbox, hooks: Inbox):
+    def __init__(self, env: Env, stack: Stack, mails: Inbox, hooks: Inbox, lineage_file: Path):
         self.env, self.stack, self.mails, self.hooks = env, stack, mails, hooks
+        self.lineage_file = lineage_file
         self.api = stack.api()
 
     def trigger(self, dag_id: str, conf: dict | None = None):
@@ -135,6 +136,21 @@ class World:
         return self.api.get("/assets/events", params={"asset_id": ids[0]}
                             ).json()["asset_events"]
 
+    def lineage(self, pred, timeout: float = 120) -> dict:
+        """The first OpenLineage event the file transport wrote that matches ``pred``."""
+        deadline = time.monotonic() + timeout
+        events: list[dict] = []
+        while time.monotonic() < deadline:
+            if self.lineage_file.exists():
+                events = [json.loads(line) for line in
+                          self.lineage_file.read_text().splitlines() if line.strip()]
+                found = [e for e in events if pred(e)]
+                if found:
+                    return found[0]
+            time.sleep(1)  # the listener writes after the task ends: poll the file
+        raise AssertionError(f"no matching OpenLineage event in {timeout}s; jobs: "
+                             f"{sorted({(e['job']['name'], e.get('eventType')) for e in events})}")
+
     def xcom(self, dag_id: str, run_id: str, task: str):
         r = self.api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task}"
                          f"/xcomEntries/return_value")
@@ -169,6 +185,7 @@ def world(pg, tmp_path_factory):
     host = f"postgres://127.0.0.1:{pg.port}/{env.names['sink']}/public"
     (dags / "downstream.py").write_text(DOWNSTREAM.format(uris={
         "downstream_orders": f"{host}/orders", "downstream_gated": f"{host}/gated"}))
+    lineage_file = tmp / "openlineage.jsonl"
     stack = Stack(home=tmp / "home", ledger_dsn=env.ledger_dsn, port=free_port(),
                   dags_folder=dags, env_extra={
                       "TIDEMARK_PIPELINES_DIR": str(env.dir),
@@ -182,12 +199,16 @@ def world(pg, tmp_path_factory):
                       "AIRFLOW_CONN_TIDEMARK_WEBHOOK": json.dumps(
                           {"conn_type": "http",
                            "host": f"http://127.0.0.1:{hook.server_port}/hook/T0K3N"}),
+                      "AIRFLOW__OPENLINEAGE__NAMESPACE": "tidemark-test",
+                      "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(
+                          {"type": "file", "log_file_path": str(lineage_file),
+                           "append": True}),
                   })
     try:
         stack.start()
         for dag_id in ("downstream_orders", "downstream_gated"):
             stack.unpause(dag_id)
-        w = World(env, stack, mails, hooks)
+        w = World(env, stack, mails, hooks, lineage_file)
         yield w
         w.api.close()
     finally:
@@ -229,9 +250,9 @@ def test_trigger_replays_exactly_once_and_reports(world):
     assert ids == ("tidemark_orders", run_id, "replay", 1)
 
 
-def test_commit_emits_sink_asset_event(world):
+def test_commit_emits_sink_asset_event_and_lineage(world):
     """The first commit of orders: an asset event on its sink table (postgres provider URI)
-    that a downstream DAG runs on."""
+    that a downstream DAG runs on, and OpenLineage events for the replay task."""
     env = world.env
     first = env.ledger("SELECT min(run_id) FROM tidemark.runs WHERE pipeline = 'orders'")[0][0]
     uri = f"postgres://127.0.0.1:{env.cluster.port}/{env.names['sink']}/public/orders"
@@ -247,6 +268,22 @@ def test_commit_emits_sink_asset_event(world):
                                {"partition": 1, "from_offset": 0, "to_offset": N // 2}]
     assert extra["counts"]["rows"] == N and extra["counts"]["dead"] == 0
     assert [e["extra"]["run_id"] for e in world.asset_events(uri)][:1] == [first]
+
+    dag_run = env.ledger("SELECT dag_run_id FROM tidemark.runs WHERE run_id = %s", (first,))[0][0]
+    ev = world.lineage(lambda e: e["job"]["name"] == "tidemark_orders.replay"
+                       and e["eventType"] == "COMPLETE"
+                       and e["run"]["facets"].get("airflow", {}).get("dagRun", {}).get(
+                           "run_id") == dag_run)
+    server = f"postgres://127.0.0.1:{env.cluster.port}"
+    assert [(i["namespace"], i["name"]) for i in ev["inputs"]] == [
+        (server, f"{env.names['ledger']}.src.log")]
+    assert [(o["namespace"], o["name"], o["outputFacets"]["outputStatistics"]["rowCount"])
+            for o in ev["outputs"]] == [(server, f"{env.names['sink']}.public.orders", N)]
+    parent = ev["run"]["facets"]["parent"]
+    assert (parent["job"]["namespace"], parent["job"]["name"]) == ("tidemark-test",
+                                                                   "tidemark_orders")
+    world.lineage(lambda e: e["job"]["name"] == "tidemark_orders"  # the DAG run's own events
+                  and e["run"]["runId"] == parent["run"]["runId"])
 
 
 def test_idle_run_skips_spark_and_announces_nothing(world):
@@ -363,6 +400,13 @@ def test_failed_task_alerts_by_mail_and_webhook(world):
     assert world.asset_events(f"postgres://127.0.0.1:{env.cluster.port}/"
                               f"{env.names['sink']}/public/gated") == []
     assert world.runs("downstream_gated") == []
+    # Lineage says what failed: the gate's verdict on the input, nothing written.
+    ev = world.lineage(lambda e: e["job"]["name"] == "tidemark_gated.replay"
+                       and e["eventType"] == "FAIL")
+    checks = ev["inputs"][0]["inputFacets"]["dataQualityAssertions"]["assertions"]
+    assert {"assertion": "expect_table_row_count_to_be_between", "success": False} in [
+        {k: a[k] for k in ("assertion", "success")} for a in checks]
+    assert [o["outputFacets"]["outputStatistics"]["rowCount"] for o in ev["outputs"]] == [0]
 
 
 def test_maintenance_sweeps_and_alerts_on_dlq_growth(world):

@@ -90,9 +90,10 @@ class ReplayOperator(SparkSubmitOperator):
     """SparkSubmitOperator on jobs/replay.py whose failure says what the ledger recorded
     (e.g. the sink that failed and why) instead of the spark-submit command line."""
 
-    def __init__(self, *, pipeline: str, **kwargs):
+    def __init__(self, *, pipeline: str, pipeline_file: str | None = None, **kwargs):
         super().__init__(**kwargs)
         self.pipeline = pipeline
+        self.pipeline_file = pipeline_file
 
     def execute(self, context):
         try:
@@ -103,10 +104,21 @@ class ReplayOperator(SparkSubmitOperator):
                 raise
             raise RuntimeError(why) from exc
 
+    # The OpenLineage provider's listener calls these (tidemark/airflow/lineage.py): the
+    # source log in, the sink tables out, rows and the data-quality outcome as facets.
+    def get_openlineage_facets_on_complete(self, task_instance):
+        from tidemark.airflow.lineage import replay_lineage
+
+        return replay_lineage(self.pipeline_file, task_instance.dag_id, task_instance.run_id)
+
+    def get_openlineage_facets_on_failure(self, task_instance):
+        return self.get_openlineage_facets_on_complete(task_instance)
+
 
 def _spark(p: config.Pipeline, path: Path, args: list[str]) -> SparkSubmitOperator:
     return ReplayOperator(
         pipeline=p.name,
+        pipeline_file=str(path),
         task_id="replay",
         application=str(JOB),
         conn_id="spark_default",
