@@ -25,6 +25,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STUB = (REPO / "dags" / "pipelines" / "flights.py").read_text()
 MAINTENANCE = (REPO / "dags" / "tidemark_maintenance.py").read_text()
 N = 120  # records in the source log (2 partitions)
+# Downstream DAGs scheduled on sink tables, by the postgres provider's asset URI; each returns
+# the extras of the asset events that triggered it.
+DOWNSTREAM = """
+from airflow.sdk import DAG, Asset, task
+
+for dag_id, uri in {uris!r}.items():
+    with DAG(dag_id, schedule=[Asset(uri)], catchup=False, tags=["downstream"]):
+        @task
+        def seen(triggering_asset_events=None, uri=uri):
+            return [e.extra for e in triggering_asset_events[Asset(uri)]]
+
+        seen()
+"""
 
 
 class Inbox:
@@ -72,8 +85,9 @@ def _webhook(inbox: Inbox) -> ThreadingHTTPServer:
 
 
 class World:
-    def __init__(self, env: Env, stack: Stack, mails: Inbox, hooks: Inbox):
+    def __init__(self, env: Env, stack: Stack, mails: Inbox, hooks: Inbox, lineage_file: Path):
         self.env, self.stack, self.mails, self.hooks = env, stack, mails, hooks
+        self.lineage_file = lineage_file
         self.api = stack.api()
 
     def trigger(self, dag_id: str, conf: dict | None = None):
@@ -100,6 +114,42 @@ class World:
                          f"{try_number}", headers={"Accept": "application/json"})
         content = r.json().get("content", [])
         return "\n".join(c.get("event", "") if isinstance(c, dict) else str(c) for c in content)
+
+    def runs(self, dag_id: str) -> list[dict]:
+        return self.api.get(f"/dags/{dag_id}/dagRuns", params={"order_by": "run_after"}
+                            ).json()["dag_runs"]
+
+    def wait_runs(self, dag_id: str, count: int, timeout: float = 240) -> list[dict]:
+        """At least ``count`` runs of ``dag_id`` (an asset-scheduled DAG), all finished."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            runs = self.runs(dag_id)
+            if len(runs) >= count and all(r["state"] in ("success", "failed") for r in runs):
+                return runs
+            time.sleep(2)  # polling the REST API: Airflow offers no run-created event
+        raise AssertionError(f"{dag_id}: {self.runs(dag_id)} after {timeout}s")
+
+    def asset_events(self, uri: str) -> list[dict]:
+        assets = self.api.get("/assets", params={"uri_pattern": uri}).json()["assets"]
+        ids = [a["id"] for a in assets if a["uri"] == uri]
+        assert ids, f"no asset {uri}: {assets}"
+        return self.api.get("/assets/events", params={"asset_id": ids[0]}
+                            ).json()["asset_events"]
+
+    def lineage(self, pred, timeout: float = 120) -> dict:
+        """The first OpenLineage event the file transport wrote that matches ``pred``."""
+        deadline = time.monotonic() + timeout
+        events: list[dict] = []
+        while time.monotonic() < deadline:
+            if self.lineage_file.exists():
+                events = [json.loads(line) for line in
+                          self.lineage_file.read_text().splitlines() if line.strip()]
+                found = [e for e in events if pred(e)]
+                if found:
+                    return found[0]
+            time.sleep(1)  # the listener writes after the task ends: poll the file
+        raise AssertionError(f"no matching OpenLineage event in {timeout}s; jobs: "
+                             f"{sorted({(e['job']['name'], e.get('eventType')) for e in events})}")
 
     def xcom(self, dag_id: str, run_id: str, task: str):
         r = self.api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task}"
@@ -132,6 +182,10 @@ def world(pg, tmp_path_factory):
     for name in ("orders", "gated", "broken"):
         (env.dir / f"{name}.py").write_text(STUB)
     (dags / "tidemark_maintenance.py").write_text(MAINTENANCE)
+    host = f"postgres://127.0.0.1:{pg.port}/{env.names['sink']}/public"
+    (dags / "downstream.py").write_text(DOWNSTREAM.format(uris={
+        "downstream_orders": f"{host}/orders", "downstream_gated": f"{host}/gated"}))
+    lineage_file = tmp / "openlineage.jsonl"
     stack = Stack(home=tmp / "home", ledger_dsn=env.ledger_dsn, port=free_port(),
                   dags_folder=dags, env_extra={
                       "TIDEMARK_PIPELINES_DIR": str(env.dir),
@@ -145,10 +199,16 @@ def world(pg, tmp_path_factory):
                       "AIRFLOW_CONN_TIDEMARK_WEBHOOK": json.dumps(
                           {"conn_type": "http",
                            "host": f"http://127.0.0.1:{hook.server_port}/hook/T0K3N"}),
+                      "AIRFLOW__OPENLINEAGE__NAMESPACE": "tidemark-test",
+                      "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(
+                          {"type": "file", "log_file_path": str(lineage_file),
+                           "append": True}),
                   })
     try:
         stack.start()
-        w = World(env, stack, mails, hooks)
+        for dag_id in ("downstream_orders", "downstream_gated"):
+            stack.unpause(dag_id)
+        w = World(env, stack, mails, hooks, lineage_file)
         yield w
         w.api.close()
     finally:
@@ -188,6 +248,62 @@ def test_trigger_replays_exactly_once_and_reports(world):
     ids = env.ledger("SELECT dag_id, dag_run_id, task_id, try_number FROM tidemark.runs "
                      "WHERE run_id = %s", (report["run_id"],))[0]
     assert ids == ("tidemark_orders", run_id, "replay", 1)
+
+
+def test_commit_emits_sink_asset_event_and_lineage(world):
+    """The first commit of orders: an asset event on its sink table (postgres provider URI)
+    that a downstream DAG runs on, and OpenLineage events for the replay task."""
+    env = world.env
+    first = env.ledger("SELECT min(run_id) FROM tidemark.runs WHERE pipeline = 'orders'")[0][0]
+    uri = f"postgres://127.0.0.1:{env.cluster.port}/{env.names['sink']}/public/orders"
+    run = world.wait_runs("downstream_orders", 1)[0]
+    assert run["state"] == "success" and run["run_type"] == "asset_triggered", run
+    extras = world.xcom("downstream_orders", run["dag_run_id"], "seen")
+    assert len(extras) == 1, extras
+    extra = extras[0]
+    assert {k: extra[k] for k in ("pipeline", "sink", "table", "run_id", "mode")} == {
+        "pipeline": "orders", "sink": "main", "table": "public.orders", "run_id": first,
+        "mode": "run"}
+    assert extra["ranges"] == [{"partition": 0, "from_offset": 0, "to_offset": N // 2},
+                               {"partition": 1, "from_offset": 0, "to_offset": N // 2}]
+    assert extra["counts"]["rows"] == N and extra["counts"]["dead"] == 0
+    assert [e["extra"]["run_id"] for e in world.asset_events(uri)][:1] == [first]
+
+    dag_run = env.ledger("SELECT dag_run_id FROM tidemark.runs WHERE run_id = %s", (first,))[0][0]
+    ev = world.lineage(lambda e: e["job"]["name"] == "tidemark_orders.replay"
+                       and e["eventType"] == "COMPLETE"
+                       and e["run"]["facets"].get("airflow", {}).get("dagRun", {}).get(
+                           "run_id") == dag_run)
+    server = f"postgres://127.0.0.1:{env.cluster.port}"
+    assert [(i["namespace"], i["name"]) for i in ev["inputs"]] == [
+        (server, f"{env.names['ledger']}.src.log")]
+    assert [(o["namespace"], o["name"], o["outputFacets"]["outputStatistics"]["rowCount"])
+            for o in ev["outputs"]] == [(server, f"{env.names['sink']}.public.orders", N)]
+    parent = ev["run"]["facets"]["parent"]
+    assert (parent["job"]["namespace"], parent["job"]["name"]) == ("tidemark-test",
+                                                                   "tidemark_orders")
+    world.lineage(lambda e: e["job"]["name"] == "tidemark_orders"  # the DAG run's own events
+                  and e["run"]["runId"] == parent["run"]["runId"])
+
+
+def test_idle_run_skips_spark_and_announces_nothing(world):
+    """Nothing new since the last commit: the first task says so and replay and report are
+    skipped (no JVM, no Great Expectations), with no asset event."""
+    env = world.env
+    for run in world.runs("tidemark_orders"):
+        world.wait_run("tidemark_orders", run["dag_run_id"])
+    uri = f"postgres://127.0.0.1:{env.cluster.port}/{env.names['sink']}/public/orders"
+    before = len(world.asset_events(uri))
+    r = world.trigger("tidemark_orders")
+    run_id = r.json()["dag_run_id"]
+    assert world.wait_run("tidemark_orders", run_id) == "success"
+    assert world.tasks("tidemark_orders", run_id) == {
+        "recover": "success", "replay": "skipped", "report": "skipped"}
+    assert "orders: up to date: nothing to replay" in world.log("tidemark_orders", run_id,
+                                                                "recover")
+    assert len(world.asset_events(uri)) == before
+    assert env.ledger("SELECT count(*) FROM tidemark.runs WHERE dag_run_id = %s",
+                      (run_id,)) == [(0,)]
 
 
 def test_backfill_params_validated_and_run(world):
@@ -280,6 +396,17 @@ def test_failed_task_alerts_by_mail_and_webhook(world):
     for fact in ("gated", "replay", run_id, "/tidemark/dlq/?pipeline=gated",
                  "data-quality gate failed: expect_table_row_count_to_be_between"):
         assert fact in text
+    # Nothing committed: no asset event, so the DAG scheduled on the sink never ran.
+    assert world.asset_events(f"postgres://127.0.0.1:{env.cluster.port}/"
+                              f"{env.names['sink']}/public/gated") == []
+    assert world.runs("downstream_gated") == []
+    # Lineage says what failed: the gate's verdict on the input, nothing written.
+    ev = world.lineage(lambda e: e["job"]["name"] == "tidemark_gated.replay"
+                       and e["eventType"] == "FAIL")
+    checks = ev["inputs"][0]["inputFacets"]["dataQualityAssertions"]["assertions"]
+    assert {"assertion": "expect_table_row_count_to_be_between", "success": False} in [
+        {k: a[k] for k in ("assertion", "success")} for a in checks]
+    assert [o["outputFacets"]["outputStatistics"]["rowCount"] for o in ev["outputs"]] == [0]
 
 
 def test_maintenance_sweeps_and_alerts_on_dlq_growth(world):

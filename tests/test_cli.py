@@ -189,3 +189,25 @@ def test_dq_docs_rebuilds_the_index_or_says_there_is_nothing(env, tmp_path):
     assert out.strip() == f"orders: {index}: 0 validation(s)" and index.is_file()
     code, out, err = tm(docs, "dq", "docs")
     assert code == 0 and out.strip() == f"orders: {index}: 0 validation(s)", err
+
+
+def test_an_up_to_date_run_is_cheap_and_a_bad_check_stops_a_due_one(env):
+    """With nothing new, `tidemark run` settles recovery and asks the plan before loading Great
+    Expectations or Spark; with records due, a bad expectation still stops it before any
+    claim, naming the file and the field."""
+    bad = {"rows": [{"expect_column_values_to_be_in_sett": {"column": "id", "value_set": [1]}}]}
+    path = env.pipeline(quality=bad)
+    code, out, err = tm(env.cli_env(), "run", "orders", cwd=env.tmp)
+    assert (code, out.strip()) == (0, "orders: up to date: nothing to replay"), err
+    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "tidemark", "run", "orders"],
+                         env=env.cli_env(), cwd=env.tmp, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    loaded = {ln.rsplit("|", 1)[-1].strip() for ln in res.stderr.splitlines()}
+    assert "great_expectations" not in loaded  # (no JVM either: bench/idle_bench.py times it)
+
+    env.append_orders(range(4))
+    code, out, err = tm(env.cli_env(), "run", "orders", cwd=env.tmp)
+    assert code == 2, out + err
+    assert_one_clear_line(err, f"{path}: quality.rows[0]: unknown expectation")
+    assert env.ledger("SELECT count(*) FROM tidemark.runs") == [(0,)]

@@ -50,6 +50,38 @@ def test_repo_dags_import_without_errors(airflow_home):
         assert len(dag.topological_sort()) == len(dag.tasks)  # no cycle
 
 
+def test_replay_dag_skips_spark_when_idle_and_announces_sink_assets(airflow_home):
+    from airflow.providers.standard.operators.python import ShortCircuitOperator
+    from airflow.sdk import AssetAlias
+
+    bag = _bag(REPO / "dags")
+    flights = bag.dags["tidemark_flights"]
+    assert isinstance(flights.get_task("recover"), ShortCircuitOperator)
+    for dag_id in ("tidemark_flights", "tidemark_flights_backfill", "tidemark_flights_redrive"):
+        report = bag.dags[dag_id].get_task("report")
+        assert report.outlets == [AssetAlias("tidemark_flights_sinks")]
+
+
+def test_sink_asset_uri_is_the_postgres_providers():
+    from urllib.parse import urlsplit
+
+    from airflow.providers.postgres.assets.postgres import sanitize_uri
+
+    from tidemark.airflow.assets import table_uri
+
+    cases = {
+        ("postgresql://u:secret@db.example:6543/wh", "public.flights"):
+            "postgres://db.example:6543/wh/public/flights",
+        ("host=db.example dbname=wh user=u password=secret", "flights"):
+            "postgres://db.example:5432/wh/public/flights",
+        ("postgresql:///wh?host=/var/run/postgresql", "s.t"): "postgres://localhost:5432/wh/s/t",
+    }
+    for (dsn, table), uri in cases.items():
+        got = table_uri(dsn, table)
+        assert got == uri
+        assert sanitize_uri(urlsplit(got)).geturl() == got  # already the provider's canonical form
+
+
 def test_backfill_params_validate(airflow_home):
     from airflow.sdk.exceptions import ParamValidationError
 

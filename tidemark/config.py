@@ -232,7 +232,7 @@ class Pipeline(_Model):
             if names.index(name) != i:
                 raise ConfigError(where, f"sink name {name!r} is used twice", f"sinks[{i}].name")
         if deep:
-            self._check_expectations(where)
+            self.check_expectations(where)
         outputs = self.output_columns()
         if outputs is not None:
             for i, sink in enumerate(self.sinks):
@@ -244,7 +244,7 @@ class Pipeline(_Model):
                     raise ConfigError(where, f"version column {sink.version} is not produced "
                                       f"by the transform", f"sinks[{i}].version")
 
-    def _check_expectations(self, where: str) -> None:
+    def check_expectations(self, where: str) -> None:
         """Build every declared expectation now, so a bad name or argument is reported by
         `pipelines validate`, never in the middle of a run."""
         scopes = [("quality", self.quality)] + [(f"sinks[{i}].quality", s.quality)
@@ -361,10 +361,15 @@ def load_all(folder: Path, deep: bool = True
     return good, bad
 
 
-def find(folder: Path, name: str) -> Pipeline:
-    for ext in (".yaml", ".yml"):
-        path = folder / f"{name}{ext}"
-        if path.exists():
-            return load(path)
+def file_of(folder: Path, name: str) -> Path:
+    """The file of pipeline ``name`` in ``folder`` (``.yaml`` when neither exists)."""
+    return next((p for p in (folder / f"{name}.yaml", folder / f"{name}.yml") if p.exists()),
+                folder / f"{name}.yaml")
+
+
+def find(folder: Path, name: str, deep: bool = True) -> Pipeline:
+    path = file_of(folder, name)
+    if path.exists():
+        return load(path, deep)
     known = ", ".join(p.stem for p in pipeline_files(folder)) or "none"
     raise ConfigError(str(folder), f"no pipeline named {name!r} (known: {known})")

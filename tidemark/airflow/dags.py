@@ -26,11 +26,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
-from airflow.providers.standard.operators.python import PythonOperator
-from airflow.sdk import DAG, Param
+from airflow.providers.standard.operators.python import PythonOperator, ShortCircuitOperator
+from airflow.sdk import DAG, AssetAlias, Param
 
 from tidemark import config
-from tidemark.airflow import POOL
+from tidemark.airflow import POOL, assets
 from tidemark.airflow import tasks as airflow_tasks
 from tidemark.core.text import clamp
 
@@ -90,9 +90,10 @@ class ReplayOperator(SparkSubmitOperator):
     """SparkSubmitOperator on jobs/replay.py whose failure says what the ledger recorded
     (e.g. the sink that failed and why) instead of the spark-submit command line."""
 
-    def __init__(self, *, pipeline: str, **kwargs):
+    def __init__(self, *, pipeline: str, pipeline_file: str | None = None, **kwargs):
         super().__init__(**kwargs)
         self.pipeline = pipeline
+        self.pipeline_file = pipeline_file
 
     def execute(self, context):
         try:
@@ -103,10 +104,21 @@ class ReplayOperator(SparkSubmitOperator):
                 raise
             raise RuntimeError(why) from exc
 
+    # The OpenLineage provider's listener calls these (tidemark/airflow/lineage.py): the
+    # source log in, the sink tables out, rows and the data-quality outcome as facets.
+    def get_openlineage_facets_on_complete(self, task_instance):
+        from tidemark.airflow.lineage import replay_lineage
+
+        return replay_lineage(self.pipeline_file, task_instance.dag_id, task_instance.run_id)
+
+    def get_openlineage_facets_on_failure(self, task_instance):
+        return self.get_openlineage_facets_on_complete(task_instance)
+
 
 def _spark(p: config.Pipeline, path: Path, args: list[str]) -> SparkSubmitOperator:
     return ReplayOperator(
         pipeline=p.name,
+        pipeline_file=str(path),
         task_id="replay",
         application=str(JOB),
         conn_id="spark_default",
@@ -123,10 +135,13 @@ def _recover(p: config.Pipeline, path: Path) -> PythonOperator:
                           op_kwargs={"pipelines_dir": str(path.parent), "pipeline": p.name})
 
 
-def _report(p: config.Pipeline) -> PythonOperator:
+def _report(p: config.Pipeline, path: Path) -> PythonOperator:
+    # Its asset events (one per committed sink table) go through the pipeline's alias: which
+    # sinks a run committed is known only once it has run (tidemark/airflow/assets.py).
     return PythonOperator(task_id="report", python_callable=airflow_tasks.report,
                           op_kwargs={"pipeline": p.name, "dag_id": "{{ dag.dag_id }}",
-                                     "run_id": "{{ run_id }}"})
+                                     "run_id": "{{ run_id }}", "pipeline_file": str(path)},
+                          outlets=[AssetAlias(assets.alias_name(p.name))])
 
 
 def replay_dag(p: config.Pipeline, path: Path) -> DAG:
@@ -141,7 +156,12 @@ def replay_dag(p: config.Pipeline, path: Path) -> DAG:
         tags=["tidemark", *p.tags],
         default_args=_default_args(p),
     ) as dag:
-        _recover(p, path) >> _spark(p, path, ["run", p.name]) >> _report(p)
+        # recover also asks whether anything is new: if not, replay and report are skipped
+        # (no JVM, no Great Expectations; the DAG run ends in seconds).
+        first = ShortCircuitOperator(task_id="recover", python_callable=airflow_tasks.pending,
+                                     op_kwargs={"pipelines_dir": str(path.parent),
+                                                "pipeline": p.name})
+        first >> _spark(p, path, ["run", p.name]) >> _report(p, path)
     return dag
 
 
@@ -186,7 +206,7 @@ def _checked_replay(p: config.Pipeline, path: Path, task_id: str, check, args: l
     replay -> report."""
     first = PythonOperator(task_id=task_id, python_callable=check, retries=0,
                            op_kwargs={"pipeline_file": str(path), **kwargs})
-    _recover(p, path) >> first >> _spark(p, path, args) >> _report(p)
+    _recover(p, path) >> first >> _spark(p, path, args) >> _report(p, path)
 
 
 def redrive_dag(p: config.Pipeline, path: Path) -> DAG:

@@ -14,6 +14,7 @@ from tidemark.core.db import connect
 from tidemark.core.errors import BadInput, TidemarkError
 from tidemark.core.settings import get_settings
 from tidemark.ledger import checkpoints, dlq, runs
+from tidemark.ledger.state import RunState
 from tidemark.protocol import gids
 
 
@@ -41,6 +42,22 @@ def recover(pipelines_dir: str, pipeline: str | None = None) -> str:
     if rep.lost or errors:
         raise TidemarkError(f"{rep.summary()}: {(errors or rep.lost)[0]}")
     return rep.summary()
+
+
+def pending(pipelines_dir: str, pipeline: str) -> str | None:
+    """The scheduled DAG's first task: the recovery sweep, then whether any sink of
+    ``pipeline`` has something to replay (the claim's plan, read-only). None when nothing is
+    new: the ShortCircuitOperator then skips replay and report, so an idle run starts no JVM
+    and imports no Great Expectations."""
+    from tidemark.driver.modes import Delivery
+
+    swept = recover(pipelines_dir, pipeline)
+    p = config.find(Path(pipelines_dir), pipeline, deep=False)
+    with connect(_ledger(), autocommit=True, what="ledger") as c:
+        if Delivery().pending(c, p, [s.name for s in p.sinks]):
+            return f"{swept}; {p.name} has records to replay"
+    print(f"{p.name}: up to date: nothing to replay (replay skipped)")
+    return None
 
 
 def check_backfill(pipeline_file: str, params: dict) -> dict:
@@ -120,9 +137,17 @@ def failure(pipeline: str, dag_id: str, run_id: str) -> str | None:
                                                 for s in bad)
 
 
-def report(pipeline: str, dag_id: str, run_id: str) -> dict:
-    """The ledger's record of the run this DAG run started: its state and counts per sink."""
+def report(pipeline: str, dag_id: str, run_id: str, pipeline_file: str | None = None,
+           outlet_events=None) -> dict:
+    """The ledger's record of the run this DAG run started: its state and counts per sink.
+
+    With ``outlet_events`` (Airflow's, for the task's asset alias), one asset event per sink
+    the run committed (tidemark/airflow/assets.py), its extra the run id, mode, ranges and
+    counts: a downstream DAG scheduled on a sink table runs after each commit, never for an
+    aborted or gate-failed run (nothing committed, or this task never runs)."""
     run, sinks = _ledger_run(pipeline, dag_id, run_id)
+    if run is not None and outlet_events is not None and pipeline_file:
+        _emit_assets(config.load(Path(pipeline_file), deep=False), run, sinks, outlet_events)
     if run is None:
         return {"pipeline": pipeline, "run_id": None,
                 "summary": "nothing to replay (no new records, or every sink busy)"}
@@ -135,6 +160,24 @@ def report(pipeline: str, dag_id: str, run_id: str) -> dict:
            "summary": f"run {run['run_id']} ({run['mode']}): " + "; ".join(parts)}
     print(out["summary"])
     return out
+
+
+def _emit_assets(p: config.Pipeline, run: dict, sinks: list[dict], outlet_events) -> None:
+    from airflow.sdk import Asset, AssetAlias
+
+    from tidemark.airflow import assets
+
+    alias = outlet_events[AssetAlias(assets.alias_name(p.name))]
+    declared = {s.name: s for s in p.sinks}
+    for s in sinks:
+        if s["state"] != RunState.COMMITTED or s["sink"] not in declared:
+            continue  # only committed data is announced (a sink since removed: nothing to name)
+        uri = assets.sink_uri(p, declared[s["sink"]])
+        alias.add(Asset(uri), extra={
+            "pipeline": p.name, "sink": s["sink"], "table": declared[s["sink"]].table,
+            "run_id": run["run_id"], "mode": run["mode"], "ranges": s["ranges"],
+            "counts": s["counts"]})
+        print(f"asset event: {uri} (run {run['run_id']}, sink {s['sink']})")
 
 
 # -- maintenance ---------------------------------------------------------------------------

@@ -36,8 +36,8 @@ class Ctx:
     def folder(self) -> Path:
         return self.settings.pipelines_dir
 
-    def pipelines(self) -> dict[str, cfg.Pipeline]:
-        good, bad = cfg.load_all(self.folder)
+    def pipelines(self, deep: bool = True) -> dict[str, cfg.Pipeline]:
+        good, bad = cfg.load_all(self.folder, deep)
         for err in bad:
             click.echo(f"warning: skipped {err}", err=True)
         return good
@@ -144,10 +144,12 @@ def _names(values: tuple[str, ...]) -> list[str] | None:
 def _run(ctx: Ctx, name: str, as_json: bool, runner=None, **kw) -> None:
     from tidemark.driver.run import Run
 
-    all_p = ctx.pipelines()
-    pipeline = all_p.get(name) or cfg.find(ctx.folder, name)
+    # Expectations are built by the run once it knows it has work (Run.execute): an
+    # up-to-date pipeline returns without importing Great Expectations or starting Spark.
+    all_p = ctx.pipelines(deep=False)
+    pipeline = all_p.get(name) or cfg.find(ctx.folder, name, deep=False)
     report = (runner or Run)(pipeline, ctx.settings, ledger_dsn=ctx.ledger_dsn, all_pipelines=all_p,
-                 **kw).execute()
+                 where=str(cfg.file_of(ctx.folder, name)), **kw).execute()
     click.echo(json.dumps(report.to_dict()) if as_json else report.summary())
     if not report.ok:
         sys.exit(1)

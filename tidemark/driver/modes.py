@@ -16,6 +16,7 @@ from typing import Literal
 from tidemark import sources
 from tidemark.config import Pipeline, Sink
 from tidemark.core.errors import TidemarkError
+from tidemark.ledger import state
 from tidemark.ledger.state import Planner, Range
 from tidemark.protocol.taskspec import Span
 
@@ -29,6 +30,11 @@ class Mode(ABC):
     @abstractmethod
     def planner(self, pipeline: Pipeline) -> tuple[Planner, object]:
         """(plan, something to close once the claim is made)."""
+
+    def pending(self, ledger, pipeline: Pipeline, sinks: list[str]) -> bool:
+        """Whether a claim may find work (read-only); a mode that cannot tell cheaply says
+        yes and lets the claim decide."""
+        return True
 
     def source(self, spark, pipeline: Pipeline, read: list[Range]):
         return sources.dataframe(spark, pipeline, read)
@@ -144,6 +150,15 @@ class Delivery(Mode):
                     for s, cps in out.items()}
 
         return plan, src
+
+    def pending(self, ledger, pipeline: Pipeline, sinks: list[str]) -> bool:
+        # The claim's own plan over the current checkpoints, without the claim: an idle
+        # scheduled run ends here, before Spark or Great Expectations is loaded.
+        plan, closing = self.planner(pipeline)
+        try:
+            return state.pending(ledger, pipeline.name, sinks, plan)
+        finally:
+            closing.close()
 
 
 @dataclass

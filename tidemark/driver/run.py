@@ -39,6 +39,7 @@ from tidemark.protocol import coverage, gids, recovery, sinks, twopc
 from tidemark.protocol.taskspec import TASK_PHASES, SinkTarget, TaskResult, TaskSpec
 
 Log = Callable[[str], None]
+UP_TO_DATE = "up to date: nothing to replay"
 
 
 def stderr_log(msg: str) -> None:
@@ -139,8 +140,9 @@ class Run:
                  backfill: Backfill | None = None, sink_names: list[str] | None = None,
                  external_id: str | None = None, airflow: AirflowRun | None = None,
                  log: Log = stderr_log, spark=None,
-                 by: str | None = None):
+                 by: str | None = None, where: str | None = None):
         self.p = pipeline
+        self.where = where or f"pipeline {pipeline.name}"  # names the file in config errors
         self.s = settings
         self.ledger_dsn = ledger_dsn
         self.all_pipelines = all_pipelines or {pipeline.name: pipeline}
@@ -186,6 +188,12 @@ class Run:
                 self.log(rec.summary())
             for err in rec.errors:
                 self.log(f"recovery: {err}")
+            if not self.mode.pending(self.ledger, self.p, list(by_name)):
+                report.message = UP_TO_DATE
+                return report
+            # Only with work to do: building the expectations imports Great Expectations
+            # (seconds), which an idle run must not pay for.
+            self.p.check_expectations(self.where)
             plan, closing = self.mode.planner(self.p)
             try:
                 claim = state.claim(
@@ -196,7 +204,7 @@ class Run:
             finally:
                 closing.close()
             if claim is None:
-                report.message = "up to date: nothing to replay"
+                report.message = UP_TO_DATE
                 return report
             self._mark("claim")
             report.run_id, report.skipped = claim.run_id, claim.skipped

@@ -94,8 +94,14 @@ def of_dag_run(conn: psycopg.Connection, pipeline: str, dag_id: str,
     if run is None:
         return None, []
     sinks = cur.execute(
-        """SELECT sink, state::text AS state, counts, error FROM tidemark.run_sinks
-           WHERE run_id = %s ORDER BY sink""", (run["run_id"],)).fetchall()
+        """SELECT sink, state::text AS state, counts, error,
+                  (SELECT coalesce(json_agg(json_build_object(
+                              'partition', rr.partition, 'from_offset', rr.from_offset,
+                              'to_offset', rr.to_offset) ORDER BY rr.partition), '[]')
+                   FROM tidemark.run_ranges rr
+                   WHERE rr.run_id = rs.run_id AND rr.sink = rs.sink) AS ranges
+           FROM tidemark.run_sinks rs WHERE run_id = %s ORDER BY sink""",
+        (run["run_id"],)).fetchall()
     return run, sinks
 
 

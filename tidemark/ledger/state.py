@@ -197,6 +197,23 @@ def claim(conn: psycopg.Connection, *, pipeline: str, config: dict, sinks: Itera
         return result
 
 
+def pending(conn: psycopg.Connection, pipeline: str, sinks: Iterable[str],
+            plan: Planner) -> bool:
+    """Whether :func:`claim` would find something to do now: read-only (no lease, no run, no
+    seed written), so a scheduler can ask it without paying for a job. Leases are not looked
+    at: a sink held by another run counts, and the claim then says why it waits. A halted
+    pipeline counts too, so that the claim reports the halt."""
+    sinks = list(sinks)
+    row = conn.execute("SELECT halted_reason FROM tidemark.pipelines WHERE name = %s",
+                       (pipeline,)).fetchone()
+    if row and row[0]:
+        return True
+    checkpoints = {s: {} for s in sinks} | positions(conn, pipeline, sinks)
+    planned = plan(checkpoints)
+    return any(r.size > 0 for rs in planned.values() for r in rs) or any(
+        plan_seeds(checkpoints, planned).values())
+
+
 def plan_seeds(checkpoints: dict[str, dict[int, int]],
                ranges: dict[str, list[Range]]) -> dict[str, list[Range]]:
     return {s: [r for r in rs if r.partition not in checkpoints.get(s, {})]
