@@ -67,7 +67,7 @@ class World:
         self.logs_dir = root / "logs"
         self.scratch_dir = root / "tmp"   # Spark and temp files of the jobs
         self.names = {"ledger": "chaos_ledger", "a": "chaos_sink_a", "b": "chaos_sink_b"}
-        self.knobs = Knobs()
+        self.knobs = Knobs(spread=partitions == 1)  # spread needs fewer partitions than cores
 
     # -- life cycle -----------------------------------------------------------------------
     @classmethod
