@@ -584,12 +584,16 @@ class _Progress(threading.Thread):
         started, last = time.monotonic(), None
         while not self._stop_evt.wait(self.every):
             done = running = 0
-            for sid in tracker.getActiveStageIds():
+            total = self.tasks
+            stages = tracker.getActiveStageIds()
+            for sid in stages:
                 info = tracker.getStageInfo(sid)
                 if info:
                     done += info.numCompletedTasks
                     running += info.numActiveTasks
-            line = (f"run {self.run_id}: writing, {done}/{self.tasks} tasks done, "
+                    if len(stages) == 1:  # a spread run reads in one stage, writes in the next
+                        total = info.numTasks
+            line = (f"run {self.run_id}: writing, {done}/{total} tasks done, "
                     f"{running} running, {time.monotonic() - started:.0f}s")
             if line != last:
                 self.log(line)
