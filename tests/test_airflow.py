@@ -7,6 +7,7 @@ from __future__ import annotations
 import email
 import json
 import shutil
+import socket
 import threading
 import time
 from email import policy
@@ -19,6 +20,7 @@ from aiosmtpd.controller import Controller
 
 from tests.conftest import REPO, Env, free_port
 from tidemark.devstack.airflow_stack import Stack
+from tidemark.devstack.localpg import PASSWORD
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -84,10 +86,30 @@ def _webhook(inbox: Inbox) -> ThreadingHTTPServer:
     return srv
 
 
+def _statsd(inbox: Inbox) -> socket.socket:
+    """A StatsD server: Tidemark's metric lines into ``inbox`` (Airflow's own are many)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+
+    def serve():
+        while True:
+            try:
+                data = sock.recv(65535)
+            except OSError:  # closed
+                return
+            for line in data.decode().splitlines():
+                if ".tidemark." in line:
+                    inbox.put(line)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return sock
+
+
 class World:
-    def __init__(self, env: Env, stack: Stack, mails: Inbox, hooks: Inbox, lineage_file: Path):
+    def __init__(self, env: Env, stack: Stack, mails: Inbox, hooks: Inbox, lineage_file: Path,
+                 stats: Inbox):
         self.env, self.stack, self.mails, self.hooks = env, stack, mails, hooks
-        self.lineage_file = lineage_file
+        self.lineage_file, self.stats = lineage_file, stats
         self.api = stack.api()
 
     def trigger(self, dag_id: str, conf: dict | None = None):
@@ -163,14 +185,17 @@ def world(pg, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("airflow")
     env = Env(pg, tmp)
     env.append_orders(range(N))
-    mails, hooks = Inbox(), Inbox()
+    mails, hooks, stats = Inbox(), Inbox(), Inbox()
     smtp = Controller(_Mail(mails), hostname="127.0.0.1", port=free_port())
     smtp.start()
     hook = _webhook(hooks)
+    statsd = _statsd(stats)
     alerts = {"email": ["ops@example.com"], "webhook_conn_id": "tidemark_webhook"}
     fast = {"retries": 0, "driver_memory": "1g"}
-    env.pipeline("orders", alerts=alerts, airflow=fast)
-    env.pipeline("gated", alerts={**alerts, "dlq_max": 0}, airflow=fast,
+    # orders retries (quickly): a failure that must not retry shows as one try.
+    env.pipeline("orders", alerts=alerts, airflow={**fast, "retries": 2,
+                                                   "retry_delay_seconds": 1})
+    env.pipeline("gated", alerts={**alerts, "dlq_max": 0, "lag_max_records": 10}, airflow=fast,
                  sinks=[{"name": "main", "dsn": env.sink_dsn, "table": "public.gated",
                          "key": ["id"]}],
                  quality={"batch": [{"expect_table_row_count_to_be_between":
@@ -203,18 +228,23 @@ def world(pg, tmp_path_factory):
                       "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(
                           {"type": "file", "log_file_path": str(lineage_file),
                            "append": True}),
+                      "AIRFLOW__METRICS__STATSD_ON": "True",
+                      "AIRFLOW__METRICS__STATSD_HOST": "127.0.0.1",
+                      "AIRFLOW__METRICS__STATSD_PORT": str(statsd.getsockname()[1]),
+                      "AIRFLOW__METRICS__STATSD_PREFIX": "airflow",
                   })
     try:
         stack.start()
         for dag_id in ("downstream_orders", "downstream_gated"):
             stack.unpause(dag_id)
-        w = World(env, stack, mails, hooks, lineage_file)
+        w = World(env, stack, mails, hooks, lineage_file, stats)
         yield w
         w.api.close()
     finally:
         stack.stop()
         smtp.stop()
         hook.shutdown()
+        statsd.close()
         env.drop()
 
 
@@ -248,6 +278,19 @@ def test_trigger_replays_exactly_once_and_reports(world):
     ids = env.ledger("SELECT dag_id, dag_run_id, task_id, try_number FROM tidemark.runs "
                      "WHERE run_id = %s", (report["run_id"],))[0]
     assert ids == ("tidemark_orders", run_id, "replay", 1)
+    # The ledger came from the Airflow connection tidemark_ledger (the tasks, and the job
+    # through the env the operator hands it): Airflow's processes have no TIDEMARK_LEDGER_DSN.
+    stack_env = world.stack.env()
+    assert "TIDEMARK_LEDGER_DSN" not in stack_env
+    assert json.loads(stack_env["AIRFLOW_CONN_TIDEMARK_LEDGER"])["password"] == PASSWORD
+    # The report task sent the run's numbers through Airflow's StatsD client.
+    world.stats.wait(lambda m: m == f"airflow.tidemark.records_delivered.orders.main:{N}|c")
+    world.stats.wait(lambda m: m == "airflow.tidemark.records_quarantined.orders.main:0|c")
+    world.stats.wait(lambda m: m == "airflow.tidemark.sink_runs.orders.main.committed:1|c")
+    for timing in ("run_duration.orders", "phase.orders.main.write",
+                   "phase.orders.main.commit", "phase.orders.main.task_copy"):
+        world.stats.wait(lambda m, t=timing: m.startswith(f"airflow.tidemark.{t}:")
+                         and m.endswith("|ms"))
 
 
 def test_commit_emits_sink_asset_event_and_lineage(world):
@@ -407,6 +450,8 @@ def test_failed_task_alerts_by_mail_and_webhook(world):
     assert {"assertion": "expect_table_row_count_to_be_between", "success": False} in [
         {k: a[k] for k in ("assertion", "success")} for a in checks]
     assert [o["outputFacets"]["outputStatistics"]["rowCount"] for o in ev["outputs"]] == [0]
+    # the failed run's outcome still reaches the metrics (sent by replay: report did not run)
+    world.stats.wait(lambda m: m == "airflow.tidemark.sink_runs.gated.main.dq_failed:1|c")
 
 
 def test_maintenance_sweeps_and_alerts_on_dlq_growth(world):
@@ -429,3 +474,59 @@ def test_maintenance_sweeps_and_alerts_on_dlq_growth(world):
     hook = world.hooks.wait(lambda h: "needs attention" in h["json"]["text"])
     assert "quarantined in the DLQ" in hook["json"]["text"]
     assert not [m for m in world.mails.items if "orders: needs attention" in m["Subject"]]
+    # The check's gauges, through Airflow's StatsD client.
+    def gauge(name: str) -> float:
+        line = world.stats.wait(lambda m: m.startswith(f"airflow.tidemark.{name}:")
+                                and m.endswith("|g"))
+        return float(line.split(":")[1].removesuffix("|g"))
+
+    assert gauge("checkpoint_lag.gated.main.0") == gauge("checkpoint_lag.gated.main.1") == 60
+    assert gauge("checkpoint_lag.orders.main.1") == N // 2 - env.checkpoints().get(1, 0)
+    assert gauge("oldest_undelivered_age.gated.main.0") > 0
+    assert gauge("dead_letters.gated.decode") == 1
+    assert gauge("dead_letters.gated.validation") == 0
+    assert gauge("prepared_oldest_age") == 0
+
+
+def test_lag_alerts_once_per_episode(world):
+    """gated never commits (its gate fails): each partition stays 60 records behind, past its
+    lag_max_records of 10. The maintenance run of the test above alerted it; another run
+    alerts the DLQ again but not the lag, whose episode is still open."""
+    first = world.hooks.wait(lambda h: "gated: needs attention" in h["json"]["text"])["json"]
+    for part in (0, 1):
+        assert (f"- sink main partition {part} lags: 60 records behind the source "
+                f"(checkpoint 0, source at 60; > 10)") in first["text"]
+    episodes = world.api.get("/variables/tidemark_lag_episodes").json()
+    assert sorted(json.loads(episodes["value"])) == ["gated/main/0", "gated/main/1"]
+    r = world.trigger("tidemark_maintenance")
+    assert world.wait_run("tidemark_maintenance", r.json()["dag_run_id"]) == "failed"
+    # Every run alerts the DLQ again (the schedule may have added runs): only the first the lag.
+    texts = [h["json"]["text"] for h in world.hooks.items
+             if "gated: needs attention" in h["json"]["text"]]
+    assert len(texts) >= 2 and all("quarantined in the DLQ" in t for t in texts), texts
+    assert ["lags" in t for t in texts] == [True] + [False] * (len(texts) - 1), texts
+    mails = [m.get_body().get_content() for m in world.mails.items
+             if "gated: needs attention" in m["Subject"]]
+    assert ["partition 0 lags" in m for m in mails] == [True] + [False] * (len(mails) - 1)
+
+
+def test_a_halted_pipeline_fails_at_once_without_retry(world):
+    """Exit 5 (halted) fails the replay task on its first try although orders retries twice;
+    the alert says why."""
+    env = world.env
+    env.ledger("""INSERT INTO tidemark.pipelines (name, config, halted_reason, halted_at)
+                  VALUES ('orders', '{}', 'planted by the test', now())
+                  ON CONFLICT (name) DO UPDATE SET halted_reason = EXCLUDED.halted_reason,
+                                                   halted_at = now() RETURNING name""")
+    try:
+        r = world.trigger("tidemark_orders")
+        run_id = r.json()["dag_run_id"]
+        assert world.wait_run("tidemark_orders", run_id) == "failed"
+        ti = world.api.get(f"/dags/tidemark_orders/dagRuns/{run_id}/taskInstances/replay").json()
+        assert (ti["state"], ti["try_number"]) == ("failed", 1), ti
+        text = world.hooks.wait(lambda h: run_id in h["json"]["text"])["json"]["text"]
+        assert "pipeline orders is halted: planted by the test" in text
+        assert "exit 5: not retried" in text
+    finally:
+        env.ledger("UPDATE tidemark.pipelines SET halted_reason = NULL, halted_at = NULL "
+                   "WHERE name = 'orders' RETURNING name")

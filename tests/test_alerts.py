@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import base64
 import email
 import json
 import logging
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 from aiosmtpd.controller import Controller
+from airflow.providers.http.notifications.http import HttpNotifier
 
 from tests.conftest import free_port
 from tidemark import config
@@ -63,6 +65,7 @@ class _Receiver:
     def __init__(self):
         self.bodies: list[dict] = []
         self.paths: list[str] = []
+        self.headers: list[dict] = []
         self.status = 200
         self.arrived = threading.Event()
         receiver = self
@@ -71,6 +74,7 @@ class _Receiver:
             def do_POST(self):  # noqa: N802 - http.server's name
                 raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 receiver.paths.append(self.path)
+                receiver.headers.append(dict(self.headers))
                 receiver.bodies.append(json.loads(raw))
                 self.send_response(receiver.status)
                 self.send_header("Content-Type", "text/plain")
@@ -175,7 +179,7 @@ def test_failed_task_is_posted_to_the_webhook(webhook, monkeypatch):
     monkeypatch.setenv("AIRFLOW__API__BASE_URL", "http://airflow.example:8080")
     p = pipeline("alerts: {webhook_conn_id: tidemark_webhook}\n")
     [hook] = alerts.failure_notifiers(p)
-    assert isinstance(hook, alerts.WebhookNotifier)
+    assert isinstance(hook, alerts.WebhookNotifier) and isinstance(hook, HttpNotifier)
     hook(failure_context(with_log_url=False))
     assert webhook.arrived.wait(WAIT), "no webhook call arrived"
     assert webhook.paths == ["/hook"]
@@ -189,6 +193,18 @@ def test_failed_task_is_posted_to_the_webhook(webhook, monkeypatch):
     assert ("log: http://airflow.example:8080/dags/tidemark_flights/runs/"
             "manual__2026-11-22T03%3A00%3A00%2B00%3A00/tasks/replay?try_number=2") in text
     assert "dead-letter queue: http://airflow.example:8080/tidemark/dlq/?pipeline=flights" in text
+
+
+def test_the_webhook_goes_through_the_http_providers_hook(webhook, monkeypatch):
+    """HttpHook's connection handling applies: a login is basic auth, extra headers are sent."""
+    monkeypatch.setenv("AIRFLOW_CONN_TIDEMARK_WEBHOOK", json.dumps({
+        "conn_type": "http", "host": f"http://127.0.0.1:{webhook.port}/hook", "login": "bot",
+        "password": "pa55word", "extra": {"X-Team": "data"}}))
+    alerts.WebhookNotifier("tidemark_webhook", PIPELINE).post("hello")
+    assert webhook.paths == ["/hook"] and webhook.bodies == [{"text": "hello"}]
+    headers = webhook.headers[0]
+    assert headers["Authorization"] == "Basic " + base64.b64encode(b"bot:pa55word").decode()
+    assert headers["X-Team"] == "data" and headers["Content-Type"] == "application/json"
 
 
 def test_a_failing_webhook_is_logged_masked_and_never_raises(webhook, monkeypatch, caplog,

@@ -180,6 +180,9 @@ class Alerts(_Model):
     webhook_conn_id: Annotated[str, Field(min_length=1)] | None = None  # holds the webhook URL
     dlq_max: Annotated[int, Field(ge=0)] = 10_000  # quarantined DLQ rows before an alert
     prepared_max_age_minutes: Annotated[int, Field(gt=0)] = 30
+    # Lag alert (maintenance), per sink and partition, once per episode; none by default.
+    lag_max_records: Annotated[int, Field(gt=0)] | None = None  # checkpoint behind the source
+    lag_max_minutes: Annotated[float, Field(gt=0)] | None = None  # oldest undelivered record
 
     @field_validator("email", mode="before")
     def _one_address(cls, v):

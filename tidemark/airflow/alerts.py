@@ -19,7 +19,9 @@ and from Airflow connections:
     when the URL has no path of its own: host ``https://hooks.slack.com``, password
     ``services/T0/B0/XX`` (kept in the password, Airflow masks it in logs).
 
-  The body is Slack's plain form ``{"text": "..."}`` (no blocks), which Slack, Mattermost,
+  Sent by the HTTP provider's ``HttpNotifier`` (its ``HttpHook``: the connection's login,
+  extra headers and proxies apply). The body is Slack's plain form ``{"text": "..."}`` (no
+  blocks), which Slack, Mattermost,
   Rocket.Chat, Discord's ``/slack`` endpoint and most chat webhooks accept. Logs name only
   ``scheme://host:port`` of the webhook, never its secret path or token.
 
@@ -31,17 +33,18 @@ message holding ``{{`` or ``{%`` is sent verbatim.
 from __future__ import annotations
 
 import html
-import json
 import logging
 import os
 import re
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
+from functools import cached_property
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+from airflow.providers.http.hooks.http import HttpHook
+from airflow.providers.http.notifications.http import HttpNotifier
 from airflow.sdk import BaseHook, BaseNotifier
+from airflow.sdk.log import mask_secret
 
 from tidemark.core import dsn as dsnmod
 from tidemark.core.text import clamp
@@ -214,13 +217,67 @@ class _Alert(BaseNotifier):
         return None
 
 
-class WebhookNotifier(_Alert):
-    """Posts ``{"text": ...}`` to the Slack-compatible webhook of an Airflow connection."""
+class _WebhookHook(HttpHook):
+    """The HTTP provider's hook, posting to the whole URL its connection describes (the
+    forms above, a superset of HttpHook's) and accepting only a 2xx answer."""
+
+    def url_from_endpoint(self, endpoint: str | None) -> str:
+        return webhook_url(self.get_connection(self.http_conn_id))
+
+    def check_response(self, response) -> None:
+        if not 200 <= response.status_code < 300:
+            raise _HTTPStatus(response.status_code)
+
+
+class _HTTPStatus(Exception):
+    def __init__(self, status: int):
+        super().__init__(f"HTTP {status}")
+
+
+class _Hide(logging.Filter):
+    """Replaces the webhook's secrets in records of a logger that prints URLs (urllib3 logs
+    each request's path at DEBUG)."""
+
+    def __init__(self, secrets: list[str]):
+        super().__init__()
+        self.secrets = sorted((x for x in secrets if x), key=len, reverse=True)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        for x in self.secrets:
+            text = text.replace(x, "***")
+        record.msg, record.args = text, None
+        return True
+
+
+# Loggers that print a request's URL: urllib3's, and the hook's (HttpHook logs the URL, and
+# a connection error's text holding it, before raising), which logs through this stdlib
+# logger so that the filter applies wherever the process sends its logs.
+_HOOK_LOGGER = "tidemark.airflow.alerts.webhook"
+_URL_LOGGERS = ("urllib3.connectionpool", _HOOK_LOGGER)
+
+
+class WebhookNotifier(HttpNotifier):
+    """Posts ``{"text": ...}`` to the Slack-compatible webhook of an Airflow connection,
+    through the HTTP provider's notifier and hook. The URL's path (and a password token) are
+    secrets: registered with Airflow's masker, hidden from urllib3's log, and never in the
+    errors this raises or logs."""
 
     def __init__(self, webhook_conn_id: str, pipeline_name: str | None = None, **kwargs):
-        super().__init__(**kwargs)
+        super().__init__(http_conn_id=webhook_conn_id, method="POST",
+                         headers={"Content-Type": "application/json"},
+                         extra_options={"timeout": WEBHOOK_TIMEOUT_SECONDS}, **kwargs)
         self.webhook_conn_id = webhook_conn_id
         self.pipeline_name = pipeline_name
+
+    @cached_property
+    def hook(self) -> HttpHook:
+        hook = _WebhookHook(method=self.method, http_conn_id=self.http_conn_id)
+        hook._log = logging.getLogger(_HOOK_LOGGER)  # LoggingMixin's logger slot
+        return hook
+
+    def render_template_fields(self, context, jinja_env=None) -> None:
+        return None  # the text is built in Python: an error holding {{ is sent as it is
 
     def post(self, text: str) -> None:
         """Post one message; raises RuntimeError (with a loggable, secret-free message)."""
@@ -231,21 +288,26 @@ class WebhookNotifier(_Alert):
             raise RuntimeError(f"webhook connection {self.webhook_conn_id!r}: "
                                f"{_one_line(exc)}") from None
         where = f"{_origin(url)} (connection {self.webhook_conn_id})"
-        # urllib, not httpx: httpx logs every request's URL at INFO, and the path is the secret.
-        req = urllib.request.Request(url, data=json.dumps({"text": text}).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+        path = urlsplit(url).path
+        secrets = [url, path if len(path) > 1 else "", conn.password or ""]
+        for x in secrets:
+            if x:
+                mask_secret(x)
+        hide = _Hide(secrets)
+        loggers = [logging.getLogger(n) for n in _URL_LOGGERS]
+        for lg in loggers:
+            lg.addFilter(hide)
+        self.json = {"text": text}
         try:
-            with urllib.request.urlopen(req, timeout=WEBHOOK_TIMEOUT_SECONDS) as resp:
-                resp.read()
-                status = resp.status
-        except urllib.error.HTTPError as exc:
-            status = exc.code
+            HttpNotifier.notify(self, {})
+        except _HTTPStatus as exc:
+            raise RuntimeError(f"webhook {where}: {exc}") from None
         except Exception as exc:  # noqa: BLE001
-            path = urlsplit(url).path
-            secrets = (url, path if len(path) > 1 else "", conn.password or "")
             raise RuntimeError(f"webhook {where}: {_one_line(exc, *secrets)}") from None
-        if not 200 <= status < 300:
-            raise RuntimeError(f"webhook {where}: HTTP {status}")
+        finally:
+            self.json = None
+            for lg in loggers:
+                lg.removeFilter(hide)
 
     def notify(self, context) -> None:
         subject, body = alert_text(context, self.pipeline_name)

@@ -22,6 +22,7 @@ its Great Expectations suite (the job does that before it writes anything).
 from __future__ import annotations
 
 import importlib.util
+import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from airflow.sdk import DAG, AssetAlias, Param
 from tidemark import config
 from tidemark.airflow import POOL, assets
 from tidemark.airflow import tasks as airflow_tasks
+from tidemark.core.errors import BadInput, Halted
 from tidemark.core.text import clamp
 
 # The spark-submit application, found in the installed package (not imported: it is the job).
@@ -86,9 +88,25 @@ def _doc(p: config.Pipeline, path: Path, what: str) -> str:
             f"CLI: `tidemark status {p.name}`, `tidemark dq show RUN_ID`.")
 
 
+# The job's exit codes (README "Exit codes") that no retry can cure: bad input (2) and a halted
+# pipeline (5). The task fails at once instead of retrying; anything else retries with backoff.
+NO_RETRY_EXIT_CODES = frozenset({BadInput.exit_code, Halted.exit_code})
+_EXIT_CODE = re.compile(r"Error code is: (-?\d+)")
+
+
+def job_exit_code(hook, exc: BaseException) -> int | None:
+    """spark-submit's exit code: from the hook's process, else from its error message."""
+    code = getattr(getattr(hook, "_submit_sp", None), "returncode", None)
+    if isinstance(code, int):
+        return code
+    m = _EXIT_CODE.search(str(exc))
+    return int(m.group(1)) if m else None
+
+
 class ReplayOperator(SparkSubmitOperator):
     """SparkSubmitOperator on jobs/replay.py whose failure says what the ledger recorded
-    (e.g. the sink that failed and why) instead of the spark-submit command line."""
+    (e.g. the sink that failed and why) instead of the spark-submit command line, and fails
+    without retries when the job exits 2 (bad input) or 5 (halted)."""
 
     def __init__(self, *, pipeline: str, pipeline_file: str | None = None, **kwargs):
         super().__init__(**kwargs)
@@ -96,10 +114,24 @@ class ReplayOperator(SparkSubmitOperator):
         self.pipeline_file = pipeline_file
 
     def execute(self, context):
+        # The job's process cannot ask Airflow for connections: it gets the ledger this task
+        # resolved (connection tidemark_ledger, password masked in logs by Airflow). Set after
+        # templating, so the DSN is not among the rendered fields shown in the UI.
+        self.env_vars = {**(self.env_vars or {}),
+                         "TIDEMARK_LEDGER_DSN": airflow_tasks.ledger_dsn()}
         try:
             return super().execute(context)
         except Exception as exc:
-            why = airflow_tasks.failure(self.pipeline, context["dag"].dag_id, context["run_id"])
+            code = job_exit_code(self._hook, exc)
+            why = airflow_tasks.failure(self.pipeline, context["dag"].dag_id, context["run_id"],
+                                        getattr(context.get("ti"), "try_number", None))
+            if code in NO_RETRY_EXIT_CODES:
+                from airflow.sdk.exceptions import AirflowFailException
+
+                from tidemark.airflow.alerts import error_line
+
+                raise AirflowFailException(f"{why or error_line(exc)} (exit {code}: not "
+                                           f"retried)") from exc
             if why is None:
                 raise
             raise RuntimeError(why) from exc

@@ -7,19 +7,30 @@ from the CLI. Errors a person must act on are raised as one line.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
+import psycopg
+
 from tidemark import config
-from tidemark.core.db import connect
+from tidemark.core.db import connect, one_line
 from tidemark.core.errors import BadInput, TidemarkError
 from tidemark.core.settings import get_settings
+from tidemark.driver import lag
+from tidemark.driver.lag import Lag
 from tidemark.ledger import checkpoints, dlq, runs
 from tidemark.ledger.state import RunState
 from tidemark.protocol import gids
 
 
 def _ledger() -> str:
-    return get_settings().ledger("Airflow's workers")
+    return get_settings().airflow_ledger("Airflow's workers")
+
+
+def ledger_dsn() -> str:
+    """The ledger's DSN as Airflow's tasks see it (connection ``tidemark_ledger``, else
+    TIDEMARK_LEDGER_DSN): what ReplayOperator hands its spark-submit child."""
+    return _ledger()
 
 
 def recover(pipelines_dir: str, pipeline: str | None = None) -> str:
@@ -127,9 +138,16 @@ def _ledger_run(pipeline: str, dag_id: str, run_id: str) -> tuple[dict | None, l
         return runs.of_dag_run(c, pipeline, dag_id, run_id)
 
 
-def failure(pipeline: str, dag_id: str, run_id: str) -> str | None:
-    """Why this DAG run's replay failed, in one line, from the ledger (None if it has no run)."""
+def failure(pipeline: str, dag_id: str, run_id: str, try_number: int | None = None
+            ) -> str | None:
+    """Why this DAG run's replay failed, in one line, from the ledger (None if it has no run).
+    Also sends the metrics of the run this try (``try_number``) started: the report task does
+    not run after a failed replay."""
+    from tidemark.airflow import metrics
+
     run, sinks = _ledger_run(pipeline, dag_id, run_id)
+    if run is not None and try_number is not None and run.get("try_number") == try_number:
+        metrics.safely(metrics.emit_run, pipeline, run, sinks)
     bad = [s for s in sinks if s["state"] not in runs.DECIDED]
     if run is None or not bad:
         return None
@@ -154,6 +172,9 @@ def report(pipeline: str, dag_id: str, run_id: str, pipeline_file: str | None = 
     parts = [f"{s['sink']} {s['state']} {s['counts'].get('rows', 0):,} rows "
              f"{s['counts'].get('dead', 0):,} dead"
              for s in sinks]
+    from tidemark.airflow import metrics
+
+    metrics.safely(metrics.emit_run, pipeline, run, sinks)
     out = {"pipeline": pipeline, "run_id": run["run_id"], "mode": run["mode"],
            "sinks": {s["sink"]: {"state": s["state"], "counts": s["counts"],
                                  "error": s["error"]} for s in sinks},
@@ -185,16 +206,23 @@ def _emit_assets(p: config.Pipeline, run: dict, sinks: list[dict], outlet_events
 class Problem:
     pipeline: str
     what: str
+    # A lag breach's episode, "pipeline/sink/partition": alerted when it starts, not again
+    # while it lasts (maintenance runs every 5 minutes).
+    episode: str | None = None
 
 
 @dataclass
 class Health:
     problems: list[Problem] = field(default_factory=list)
+    lags: dict[str, list[Lag]] = field(default_factory=dict)  # per pipeline, as measured
+    unmeasured: set[str] = field(default_factory=set)  # lag not measured: episodes carry over
+    prepared_oldest_seconds: float = 0.0  # over every database checked
+    dead_letters: dict[str, dict[str, int]] = field(default_factory=dict)  # live, per class
 
-    def by_pipeline(self) -> dict[str, list[str]]:
-        out: dict[str, list[str]] = {}
+    def by_pipeline(self) -> dict[str, list[Problem]]:
+        out: dict[str, list[Problem]] = {}
         for p in self.problems:
-            out.setdefault(p.pipeline, []).append(p.what)
+            out.setdefault(p.pipeline, []).append(p)
         return out
 
 
@@ -212,6 +240,7 @@ def check_health(pipelines: dict[str, config.Pipeline]) -> Health:
                 health.problems.append(Problem(p.name, str(exc)))
     with connect(ledger, autocommit=True, what="ledger") as c:
         run_pipeline = runs.recent_pipelines(c)
+        health.dead_letters = dlq.counts_by_pipeline(c, list(pipelines))
         for name, p in pipelines.items():
             age = p.alerts.prepared_max_age_minutes
             for sink, run_id, minutes in runs.long_leases(c, name, age):
@@ -221,6 +250,13 @@ def check_health(pipelines: dict[str, config.Pipeline]) -> Health:
             if count > p.alerts.dlq_max:
                 health.problems.append(Problem(name, f"{count:,} records quarantined in the "
                                                      f"DLQ (> {p.alerts.dlq_max:,})"))
+            try:
+                health.lags[name] = lag.measure(c, p)
+            except (TidemarkError, psycopg.Error) as exc:
+                health.unmeasured.add(name)
+                health.problems.append(Problem(name, f"lag not measured: {one_line(exc)}"))
+                continue
+            health.problems += lag_problems(p, health.lags[name])
     for dsn, label in dsns.items():
         try:
             with connect(dsn, autocommit=True, what=label) as c:
@@ -232,6 +268,8 @@ def check_health(pipelines: dict[str, config.Pipeline]) -> Health:
             health.problems.append(Problem("-", str(exc)))
             continue
         for gid, minutes in rows:
+            health.prepared_oldest_seconds = max(health.prepared_oldest_seconds,
+                                                 float(minutes) * 60)
             g = gids.parse(gid, prefix)
             name = run_pipeline.get(g.run_id) if g else None
             limit = pipelines[name].alerts.prepared_max_age_minutes if name in pipelines else 30
@@ -242,21 +280,94 @@ def check_health(pipelines: dict[str, config.Pipeline]) -> Health:
     return health
 
 
-def maintenance(pipelines_dir: str) -> str:
-    """The maintenance DAG's check: alert through each pipeline's channels, fail if unhealthy."""
-    from tidemark.airflow import alerts
+def lag_problems(p: config.Pipeline, lags: list[Lag], now: datetime | None = None
+                 ) -> list[Problem]:
+    """The (sink, partition)s past the pipeline's ``alerts.lag_max_records`` /
+    ``lag_max_minutes``, each naming the sink, the partition and the lag."""
+    a = p.alerts
+    out = []
+    for x in lags:
+        why = []
+        if a.lag_max_records is not None and x.records > a.lag_max_records:
+            why.append(f"{x.records:,} records behind the source (checkpoint {x.checkpoint:,}, "
+                       f"source at {x.head:,}; > {a.lag_max_records:,})")
+        minutes = x.age_seconds(now) / 60
+        if a.lag_max_minutes is not None and minutes > a.lag_max_minutes:
+            why.append(f"oldest undelivered record {minutes:,.0f} min old "
+                       f"(> {a.lag_max_minutes:g})")
+        if why:
+            out.append(Problem(p.name, f"sink {x.sink} partition {x.partition} lags: "
+                                       + "; ".join(why),
+                               episode=f"{p.name}/{x.sink}/{x.partition}"))
+    return out
+
+
+def lag_episodes(previous: dict[str, str], health: Health, now: str
+                 ) -> tuple[set[str], dict[str, str]]:
+    """``(new episodes, state to keep)``; the state maps each open episode to when it began.
+    An episode lasts while its breach does: once it ends, the next breach alerts again. The
+    episodes of a pipeline whose lag could not be measured are kept as they were."""
+    state = {k: v for k, v in previous.items() if k.split("/", 1)[0] in health.unmeasured}
+    new = set()
+    for prob in health.problems:
+        if prob.episode:
+            state[prob.episode] = previous.get(prob.episode, now)
+            if prob.episode not in previous:
+                new.add(prob.episode)
+    return new, state
+
+
+class LagEpisodes:
+    """Open lag episodes, kept in the Airflow Variable ``tidemark_lag_episodes`` (JSON
+    ``{"pipeline/sink/partition": "since"}``): durable across task processes and workers,
+    in Airflow's own database beside the DAG runs that raise them, and visible (or reset, to
+    alert again) under Admin -> Variables. Only the maintenance DAG writes it, one run at a
+    time. Alerting state, not data: the ledger stays the data path's alone."""
+
+    KEY = "tidemark_lag_episodes"
+
+    def load(self) -> dict[str, str]:
+        from airflow.sdk import Variable
+
+        return dict(Variable.get(self.KEY, default={}, deserialize_json=True) or {})
+
+    def save(self, state: dict[str, str]) -> None:
+        from airflow.sdk import Variable
+
+        Variable.set(self.KEY, state, serialize_json=True,
+                     description="Tidemark: open lag alert episodes (maintenance DAG)")
+
+
+def maintenance(pipelines_dir: str, episodes: LagEpisodes | None = None) -> str:
+    """The maintenance DAG's check: alert through each pipeline's channels, fail if unhealthy.
+    A lag breach alerts once per episode (``episodes``: where they are kept)."""
+    from tidemark.airflow import alerts, metrics
 
     pipelines, broken = config.load_all(Path(pipelines_dir), deep=False)
     health = check_health(pipelines)
+    metrics.safely(metrics.emit_health, health.lags, health.prepared_oldest_seconds,
+                   health.dead_letters, list(pipelines))
     for b in broken:
         health.problems.append(Problem("-", str(b)))
+    store = episodes or LagEpisodes()
+    previous = store.load()
+    new, state = lag_episodes(previous, health, datetime.now(UTC).isoformat(timespec="seconds"))
+    for name, probs in health.by_pipeline().items():
+        print(f"{name}: " + "; ".join(
+            pr.what + (f" (alerted, since {state[pr.episode]})"
+                       if pr.episode and pr.episode not in new else "") for pr in probs))
+        lines = [pr.what for pr in probs if pr.episode is None or pr.episode in new]
+        if lines and name in pipelines:
+            sent = alerts.send(pipelines[name], f"[tidemark] {name}: needs attention",
+                               "\n".join(f"- {line}" for line in lines))
+            if not sent and alerts.failure_notifiers(pipelines[name]):
+                for pr in probs:  # undelivered: a new episode alerts again next time
+                    if pr.episode in new:
+                        state.pop(pr.episode, None)
+    if state != previous:
+        store.save(state)
     if not health.problems:
         return f"healthy: {len(pipelines)} pipeline(s)"
-    for name, lines in health.by_pipeline().items():
-        print(f"{name}: " + "; ".join(lines))
-        if name in pipelines:
-            alerts.send(pipelines[name], f"[tidemark] {name}: needs attention",
-                        "\n".join(f"- {line}" for line in lines))
     first = health.problems[0]
     raise TidemarkError(f"{len(health.problems)} problem(s), first: {first.pipeline}: "
                         f"{first.what}")

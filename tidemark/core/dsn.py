@@ -60,6 +60,23 @@ def airflow_connection_uri(conn_id: str) -> str:
                         f"inside Airflow")
 
 
+def airflow_connection_if_defined(conn_id: str) -> str | None:
+    """The URI of the Airflow connection ``conn_id``, or None when Airflow is not installed or
+    has no such connection (any other failure raises, masked). Always through Airflow's
+    ``BaseHook``, so that inside a task Airflow masks the password in the logs."""
+    try:
+        from airflow.sdk import BaseHook  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - Airflow absent or not configured
+        return None
+    try:
+        conn = BaseHook.get_connection(conn_id)
+    except Exception as exc:  # noqa: BLE001
+        if type(exc).__name__ == "AirflowNotFoundException":
+            return None
+        raise TidemarkError(f"Airflow connection {conn_id!r}: {mask(str(exc))}") from None
+    return _normalize_scheme(conn.get_uri())
+
+
 def _normalize_scheme(uri: str) -> str:
     # Airflow spells it postgres://; libpq accepts both, psycopg too, but keep one spelling.
     return re.sub(r"^postgres(ql)?(\+\w+)?://", "postgresql://", uri)

@@ -42,6 +42,13 @@ class Inconsistency(TidemarkError):
     exit_code = 5
 
 
+class Halted(TidemarkError):
+    """The pipeline is halted (an earlier Inconsistency): runs are refused until `tidemark
+    resume`. The same exit code, since retrying cannot help either."""
+
+    exit_code = 5
+
+
 class Terminated(TidemarkError):
     """SIGTERM arrived before the decision: the run rolled back."""
 

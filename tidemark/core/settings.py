@@ -15,6 +15,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TIDEMARK_", extra="ignore")
 
     ledger_dsn: str | None = Field(None, description="PostgreSQL DSN of the checkpoint ledger")
+    ledger_conn_id: str = Field("tidemark_ledger", min_length=1,
+                                description="Airflow connection of the ledger (inside Airflow it "
+                                            "wins over ledger_dsn)")
     pipelines_dir: Path = Field(Path("dags/pipelines"), description="folder of pipeline YAML files")
     spark_master: str = Field("local[*,4]", description="Spark master for `tidemark run` "
                               "(local mode retries a failed task up to 4 times)")
@@ -38,6 +41,20 @@ class Settings(BaseSettings):
             hint = (f" in the environment of {where}" if where
                     else " (or run `make up`, which writes .tidemark/env)")
             raise TidemarkError(f"no ledger: set TIDEMARK_LEDGER_DSN{hint}")
+        return self.ledger_dsn
+
+    def airflow_ledger(self, where: str) -> str:
+        """The ledger's DSN inside Airflow: the Airflow connection ``ledger_conn_id`` when
+        Airflow has it (its password then masked in task logs), else ``ledger_dsn``."""
+        from tidemark.core.dsn import airflow_connection_if_defined
+
+        uri = airflow_connection_if_defined(self.ledger_conn_id)
+        if uri:
+            return uri
+        if not self.ledger_dsn:
+            raise TidemarkError(f"no ledger: define the Airflow connection "
+                                f"{self.ledger_conn_id!r} (or set TIDEMARK_LEDGER_DSN in the "
+                                f"environment of {where})")
         return self.ledger_dsn
 
 

@@ -57,6 +57,17 @@ def metadata_url(ledger_dsn: str, database: str = "airflow") -> str:
     return f"postgresql+psycopg2://{auth}{host}:{port}/{database}"
 
 
+def ledger_connection(ledger_dsn: str) -> str:
+    """The ledger as Airflow connection JSON (``AIRFLOW_CONN_TIDEMARK_LEDGER``): libpq's other
+    parameters (sslmode, ...) go to its extra."""
+    info = psycopg.conninfo.conninfo_to_dict(ledger_dsn)
+    conn = {"conn_type": "postgres", "host": info.pop("host", "127.0.0.1"),
+            "port": int(info.pop("port", 5432)), "login": info.pop("user", None),
+            "password": info.pop("password", None), "schema": info.pop("dbname", None),
+            "extra": info}
+    return json.dumps({k: v for k, v in conn.items() if v})
+
+
 def ensure_database(ledger_dsn: str, name: str) -> None:
     with psycopg.connect(ledger_dsn, autocommit=True, connect_timeout=10) as c:
         if not c.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
@@ -137,8 +148,16 @@ class Stack:
             "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(st["log_port"]),
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "10",
             "AIRFLOW__DAG_PROCESSOR__PARSING_PROCESSES": "1",
-            "TIDEMARK_LEDGER_DSN": self.ledger_dsn,
+            # The ledger as Airflow's own connection: tasks, the job they submit and the Dead
+            # letters pages resolve it (tidemark.core.settings.airflow_ledger), and Airflow
+            # masks its password in task logs. TIDEMARK_LEDGER_DSN is for the CLI only.
+            "AIRFLOW_CONN_TIDEMARK_LEDGER": ledger_connection(self.ledger_dsn),
+            # The local cluster's password is the well-known word "tidemark" (localpg), which
+            # Airflow would then mask in every task log line naming a DAG or a path; longer
+            # secrets (any real one) are still masked.
+            "AIRFLOW__LOGGING__MIN_LENGTH_MASKED_SECRET": "9",
         })
+        env.pop("TIDEMARK_LEDGER_DSN", None)
         env.setdefault("AIRFLOW_CONN_SPARK_DEFAULT",
                        json.dumps({"conn_type": "spark", "host": "local[*]"}))
         env.update(self.env_extra)

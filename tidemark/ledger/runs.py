@@ -85,16 +85,18 @@ def long_leases(conn: psycopg.Connection, pipeline: str,
 
 def of_dag_run(conn: psycopg.Connection, pipeline: str, dag_id: str,
                dag_run_id: str) -> tuple[dict | None, list[dict]]:
-    """The latest ledger run a task of this Airflow DAG run started, and its sinks."""
+    """The latest ledger run a task of this Airflow DAG run started (id, mode, created and
+    finished, the task try), and its sinks (state, counts, phase timings, error)."""
     cur = conn.cursor(row_factory=dict_row)
     run = cur.execute(
-        """SELECT run_id, mode FROM tidemark.runs WHERE pipeline = %s AND dag_id = %s
+        """SELECT run_id, mode, created_at, finished_at, try_number FROM tidemark.runs
+           WHERE pipeline = %s AND dag_id = %s
            AND dag_run_id = %s ORDER BY run_id DESC LIMIT 1""",
         (pipeline, dag_id, dag_run_id)).fetchone()
     if run is None:
         return None, []
     sinks = cur.execute(
-        """SELECT sink, state::text AS state, counts, error,
+        """SELECT sink, state::text AS state, counts, timings, error,
                   (SELECT coalesce(json_agg(json_build_object(
                               'partition', rr.partition, 'from_offset', rr.from_offset,
                               'to_offset', rr.to_offset) ORDER BY rr.partition), '[]')

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import psycopg
 from pydantic import BaseModel, ConfigDict
 
-from tidemark.core.errors import Fenced, LeaseHeld, TidemarkError
+from tidemark.core.errors import Fenced, Halted, LeaseHeld, TidemarkError
 from tidemark.core.text import clamp
 from tidemark.ledger.checkpoints import positions
 
@@ -132,7 +132,7 @@ def claim(conn: psycopg.Connection, *, pipeline: str, config: dict, sinks: Itera
         halted = conn.execute("SELECT halted_reason FROM tidemark.pipelines WHERE name = %s",
                               (pipeline,)).fetchone()[0]
         if halted:
-            raise TidemarkError(f"pipeline {pipeline} is halted: {halted} (inspect, then "
+            raise Halted(f"pipeline {pipeline} is halted: {halted} (inspect, then "
                                 f"`tidemark resume {pipeline}`)")
         conn.execute("""INSERT INTO tidemark.leases (pipeline, sink)
                         SELECT %s, unnest(%s::text[]) ON CONFLICT DO NOTHING""",

@@ -9,6 +9,7 @@ May import: protocol, ledger, config, quality, core.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Protocol
 
 import pyarrow as pa
@@ -35,6 +36,9 @@ class Planner(Protocol):
     # The end of what is settled now, for ``start: latest`` (None: nothing settled yet).
     def latest(self, partition: int) -> int | None: ...
     def safe_end(self, partition: int, start: int, limit: int) -> int: ...
+    # When the record at ``offset`` was appended (None: no such record, or the source cannot
+    # tell cheaply): the age of the oldest undelivered record (tidemark/driver/lag.py).
+    def record_time(self, partition: int, offset: int) -> datetime | None: ...
     def close(self) -> None: ...
 
 

@@ -174,6 +174,9 @@ class FileArchivePlanner:
     def latest(self, partition: int) -> int | None:
         return self.end(partition) if self._segs(partition) else None
 
+    def record_time(self, partition: int, offset: int) -> None:
+        return None  # it would mean reading a segment: the lag alert uses the record count
+
     def end(self, partition: int) -> int:
         """Exclusive end of the archive's partition (0 when it has no segment)."""
         if partition not in self._ends:

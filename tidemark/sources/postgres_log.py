@@ -121,6 +121,11 @@ class PostgresLogPlanner:
               AND {xid} < pg_snapshot_xmin(pg_current_snapshot())"""), (partition,)
                                  ).fetchone()[0]
 
+    def record_time(self, partition: int, offset: int) -> datetime | None:
+        row = self.conn.execute(self._q("SELECT {ts} FROM {t} WHERE {partition} = %s "
+                                        "AND {offset} = %s"), (partition, offset)).fetchone()
+        return row[0] if row else None
+
     def latest(self, partition: int) -> int | None:
         first = self.earliest(partition)
         if first is None:

@@ -75,7 +75,7 @@ class LedgerUnavailable(TidemarkError):
 # -- plumbing ---------------------------------------------------------------------------------
 def _ledger(**kw) -> psycopg.Connection:
     try:
-        return connect(get_settings().ledger("Airflow's API server"), autocommit=True,
+        return connect(get_settings().airflow_ledger("Airflow's API server"), autocommit=True,
                        what="ledger", **kw)
     except TidemarkError as exc:  # names host, port and user: for the log, not for the caller
         log.warning("tidemark dead letters: %s", mask(str(exc)))
