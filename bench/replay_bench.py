@@ -181,14 +181,18 @@ def render_rows(spark, folder: Path, parts: list[Range], sink_dsn: str) -> tuple
     import pyarrow.csv as pacsv
 
     p = config.load(folder / "bench_eo.yaml")
-    df = records.rows(sources.dataframe(spark, p, parts), p)
+    df = records.rows(sources.dataframe(spark, p, parts[:1]), p)
     cols = [c for c, _ in records.output_columns(df)]
     copy_cols = [*cols, "_tm_partition", "_tm_offset", "_tm_run_id"]
     with psycopg.connect(sink_dsn) as c:
         types = pgbinary.column_types(c, "bench.bench_eo")
     chunks: dict[str, list[tuple[bytes, int]]] = {"csv": [], "binary": []}
     encoder = None
-    for b in df.toArrow().to_batches(max_chunksize=50_000):
+    # One range at a time: collecting all 2M rows at once can exhaust the driver's heap.
+    batches = (b for part in parts
+               for b in records.rows(sources.dataframe(spark, p, [part]), p).toArrow()
+               .to_batches(max_chunksize=50_000))
+    for b in batches:
         b = b.append_column("_tm_run_id", pa.array([0] * b.num_rows, pa.int64()))
         table = pa.Table.from_batches([b]).select(copy_cols)
         buf = io.BytesIO()
