@@ -117,8 +117,8 @@ class Delivery(Mode):
     # each task, which tasks holding parts of one range would fight over.
     spreads = True
 
-    def planner(self, pipeline: Pipeline):
-        limit = pipeline.limits.max_records_per_partition
+    def planner(self, pipeline: Pipeline, limit: int | None = None):
+        limit = limit or pipeline.limits.max_records_per_partition
         src = sources.planner(pipeline)
 
         def first(partition: int) -> int | None:
@@ -153,8 +153,10 @@ class Delivery(Mode):
 
     def pending(self, ledger, pipeline: Pipeline, sinks: list[str]) -> bool:
         # The claim's own plan over the current checkpoints, without the claim: an idle
-        # scheduled run ends here, before Spark or Great Expectations is loaded.
-        plan, closing = self.planner(pipeline)
+        # scheduled run ends here, before Spark or Great Expectations is loaded. One record
+        # per partition is enough to tell, and keeps this cheap before a big claim (the
+        # plan counts the settled rows of each range it measures).
+        plan, closing = self.planner(pipeline, limit=1)
         try:
             return state.pending(ledger, pipeline.name, sinks, plan)
         finally:
