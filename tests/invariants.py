@@ -35,17 +35,15 @@ def assert_exactly_once(env, pipeline: str = "orders", sinks: dict[str, str] | N
 
 def _superseded(env, offsets: set[tuple[int, int]],
                 delivered: set[tuple[int, int]]) -> set[tuple[int, int]]:
-    """Records below the checkpoint whose key has a newer version below it too: a higher offset
-    in the same partition, or (a sink with a version column) the row the sink holds for the key
-    came from another partition. Their key's place is the newer version's."""
+    """Records below the checkpoint whose key's row in the sink is a newer version: a higher
+    offset of the same partition, or (a sink with a version column) a row from another
+    partition. Their key's place is that row's. A newer version that is not in the sink (a
+    dead letter) places nothing older: the key's last good version must then be there."""
     rows = env.ledger('SELECT "partition", "offset", key FROM src.log')
-    newest: dict[tuple[int, bytes], int] = {}
-    held: dict[bytes, set[int]] = {}  # key -> partitions of its delivered rows
+    held: dict[bytes, list[tuple[int, int]]] = {}  # key -> its delivered rows
     for p, o, k in rows:
-        if (p, o) in offsets and k is not None:
-            newest[(p, bytes(k))] = max(newest.get((p, bytes(k)), o), o)
-            if (p, o) in delivered:
-                held.setdefault(bytes(k), set()).add(p)
+        if (p, o) in delivered and k is not None:
+            held.setdefault(bytes(k), []).append((p, o))
     return {(p, o) for p, o, k in rows
             if (p, o) in offsets and k is not None
-            and (newest[(p, bytes(k))] != o or held.get(bytes(k), set()) - {p})}
+            and any(p2 != p or o2 > o for p2, o2 in held.get(bytes(k), ()))}

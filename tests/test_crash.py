@@ -86,6 +86,18 @@ def test_crash_at_every_step_then_recover_and_rerun(env, spark, point):
     assert_exactly_once(env, sinks=sinks)
 
 
+def _crash_recover_rerun(env, spark, point: str) -> list[str]:
+    """SIGKILL `tidemark run` at ``point``, recover, run again; the Spark tasks that wrote."""
+    job = JobProcess(env.cli_argv("run", "orders"), env.cli_env(), crash_at=point)
+    assert job.wait() == -signal.SIGKILL, job.output()
+    rep = env.recover()
+    assert rep.ok, rep.errors
+    report = env.run(spark)
+    assert report.ok or report.run_id is None, report.summary()
+    return [t for (t,) in env.ledger("SELECT DISTINCT split_part(gid, ':', 4) "
+                                     "FROM tidemark.participants ORDER BY 1")]
+
+
 @pytest.mark.parametrize("point", ["task_after_prepare", "mid_finish"])
 def test_crash_in_a_run_written_by_one_task(env, spark, point):
     """Sinks with a version column and keys whose versions sit in both partitions: one task
@@ -98,14 +110,7 @@ def test_crash_in_a_run_written_by_one_task(env, spark, point):
     sinks = {"main": env.sink_dsn, "second": env.sink2_dsn}
     env.pipeline(sinks=[{"name": n, "dsn": d, "table": "public.orders", "key": ["id"],
                          "version": "version"} for n, d in sinks.items()])
-    job = JobProcess(env.cli_argv("run", "orders"), env.cli_env(), crash_at=point)
-    assert job.wait() == -signal.SIGKILL, job.output()
-    rep = env.recover()
-    assert rep.ok, rep.errors
-    report = env.run(spark)
-    assert report.ok or report.run_id is None, report.summary()
-    tasks = env.ledger("SELECT DISTINCT split_part(gid, ':', 4) FROM tidemark.participants")
-    assert tasks == [("0",)], tasks
+    assert _crash_recover_rerun(env, spark, point) == ["0"]
     for sink, dsn in sinks.items():
         assert env.checkpoints(sink=sink) == {0: 155, 1: 155}
         assert env.q(dsn, "SELECT count(*), count(*) FILTER (WHERE version = 2) "
@@ -125,15 +130,7 @@ def test_crash_in_a_run_spread_over_tasks_by_key(env, spark, point):
     env.pipeline(sinks=[{"name": n, "dsn": d, "table": "public.orders", "key": ["id"]}
                         for n, d in sinks.items()],
                  limits={"max_records_per_partition": 5000, "split_min_records": 1000})
-    job = JobProcess(env.cli_argv("run", "orders"), env.cli_env(), crash_at=point)
-    assert job.wait() == -signal.SIGKILL, job.output()
-    rep = env.recover()
-    assert rep.ok, rep.errors
-    report = env.run(spark)
-    assert report.ok or report.run_id is None, report.summary()
-    tasks = env.ledger("SELECT DISTINCT split_part(gid, ':', 4) FROM tidemark.participants "
-                       "ORDER BY 1")
-    assert tasks == [("0",), ("1",)], tasks
+    assert _crash_recover_rerun(env, spark, point) == ["0", "1"]
     for sink, dsn in sinks.items():
         assert env.checkpoints(sink=sink) == {0: 2000}
         assert env.q(dsn, "SELECT count(*), min(name), max(name) FILTER (WHERE id = 399) "
