@@ -28,7 +28,7 @@ from openlineage.client.generated.output_statistics_output_dataset import (
 
 from tidemark import config
 from tidemark.airflow import assets
-from tidemark.airflow.tasks import _ledger
+from tidemark.airflow.tasks import ledger_dsn
 from tidemark.core.db import connect
 from tidemark.ledger import runs
 from tidemark.ledger.status import dq_results
@@ -64,7 +64,7 @@ def _assertions(rows: list[dict]) -> list[Assertion]:
 def replay_lineage(pipeline_file: str, dag_id: str, run_id: str) -> OperatorLineage:
     """What the ledger run started by this DAG run read and wrote (empty if it has none)."""
     p = config.load(Path(pipeline_file), deep=False)
-    with connect(_ledger(), autocommit=True, what="ledger") as c:
+    with connect(ledger_dsn(), autocommit=True, what="ledger") as c:
         run, sinks = runs.of_dag_run(c, p.name, dag_id, run_id)
         dq = dq_results(c, run["run_id"]) if run else []
     if run is None:
