@@ -144,6 +144,70 @@ def test_a_backfill_leaves_the_sink_as_one_delivery_with_the_current_pipeline_wo
     assert_exactly_once(env)
 
 
+def test_a_backfill_that_removes_a_keys_row_places_its_older_versions_again(env, spark):
+    """Re-delivery removes the row of a record that now fails. The versions of its key that
+    row superseded, inside the range or outside it, were placed only by that row: the key falls
+    back to its newest version that passes now (and a newer one that fails is quarantined), in
+    the same two-phase commit. The sink ends as one delivery with the current pipeline would
+    leave it."""
+    versions = [(7, 1), (8, 2), (8, 60), (9, 3),        # 0 .. 3
+                (7, 100), (8, 100), (9, 100),           # 4 .. 6: the backfill's range [3, 7)
+                (10, 100), (11, 4)]                     # 7, 8
+    env.append([(0, str(i).encode(), json.dumps(
+        {"id": i, "name": f"o{n}", "amount": a, "version": n}).encode(), None, None)
+        for n, (i, a) in enumerate(versions)])
+    env.pipeline()
+    assert env.run(spark).ok
+    assert env.q(env.sink_dsn, "SELECT id, _tm_offset FROM orders ORDER BY id") == \
+        [(7, 4), (8, 5), (9, 6), (10, 7), (11, 8)]
+
+    env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 50}}]})
+    report = env.run(spark, mode="backfill", backfill=Backfill(0, 3, 7))
+    assert report.ok, report.summary()
+    out = report.sinks["main"]
+    # Range: offset 3 superseded at first, 4 .. 6 quarantined and their rows removed. Fallen
+    # back: offsets 0, 1, 3 written, 2 quarantined (amount 60, and no newer row places it).
+    assert (out.removed, out.fallback, out.rows, out.dead) == (3, 4, 3, 4), report.summary()
+    assert env.q(env.sink_dsn, "SELECT id, _tm_offset, amount FROM orders ORDER BY id") == \
+        [(7, 0, 1.0), (8, 1, 2.0), (9, 3, 3.0), (10, 7, 100.0), (11, 8, 4.0)]
+    assert [(r[2], r[3]) for r in letters(env)] == \
+        [(2, "validation"), (4, "validation"), (5, "validation"), (6, "validation")]
+    assert_exactly_once(env)
+
+    # Back to no check: the backfill puts the newest versions back, and resolves the letters
+    # of its range; offset 2 stays quarantined (outside the range), superseded by the row.
+    env.pipeline()
+    again = env.run(spark, mode="backfill", backfill=Backfill(0, 3, 7))
+    assert again.ok and again.sinks["main"].resolved == 3, again.summary()
+    assert env.q(env.sink_dsn, "SELECT id, _tm_offset FROM orders ORDER BY id") == \
+        [(7, 4), (8, 5), (9, 6), (10, 7), (11, 8)]
+    assert_exactly_once(env)
+
+
+def test_a_backfill_falls_back_to_a_version_in_another_partition_by_the_version_column(
+        env, spark):
+    def order(i: int, version: int, amount: float) -> bytes:
+        return json.dumps({"id": i, "name": f"v{version}", "amount": amount,
+                           "version": version}).encode()
+
+    env.append([(1, b"7", order(7, 1, 1.0), None, None), (1, b"8", order(8, 1, 1.0), None, None)])
+    env.append([(0, b"7", order(7, 2, 100.0), None, None), (0, b"8", order(8, 3, 1.0), None, None)])
+    main = {"name": "main", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"],
+            "version": "version"}
+    source = {"type": "postgres_log", "dsn": env.ledger_dsn, "table": "src.log",
+              "partitions": [0, 1]}
+    env.pipeline(source=source, sinks=[main])
+    assert env.run(spark).ok
+    env.pipeline(source=source, sinks=[main],
+                 quality={"rows": [{ROWS: {"column": "amount", "max_value": 50}}]})
+    report = env.run(spark, mode="backfill", backfill=Backfill(0, 0, 2))
+    assert report.ok, report.summary()
+    assert (report.sinks["main"].removed, report.sinks["main"].fallback) == (1, 1)
+    assert env.q(env.sink_dsn, "SELECT id, version, _tm_partition FROM orders ORDER BY id") == \
+        [(7, 1, 1), (8, 3, 0)]
+    assert_exactly_once(env)
+
+
 def test_a_backfill_whose_batch_gate_fails_changes_nothing_whatever_the_policy(env, spark):
     env.append_orders(range(30), partitions=1)
     env.append([(0, b"poison", b"{not json", None, None)])

@@ -182,6 +182,20 @@ def _evaluate(pipeline: Pipeline, good: DataFrame, run_id: int,
     return verdict
 
 
+def row_verdicts(pipeline: Pipeline, df: DataFrame, sink: str, label: str) -> Failures:
+    """The row-level expectations alone (pipeline's, then the sink's) on records outside a
+    run's batch: a backfill's fallback versions (tidemark/driver/fallback.py). No batch
+    gate: they are not a batch."""
+    out: Failures = {}
+    good = df.where(F.col(ERR_CLASS).isNull())
+    for q in (pipeline.quality, pipeline.sink(sink).quality):
+        if q.rows:
+            rows = expectations.parse_expectations(q.rows, label, "quality.rows")
+            for (p, o), reason in quality.row_failures(good, rows).items():
+                out.setdefault(p, {}).setdefault(o, reason)
+    return out
+
+
 def _store(ledger: psycopg.Connection, run_id: int, scope: str, failures: Failures,
            outcome: quality.GateOutcome) -> None:
     save_dq_result(ledger, run_id, scope, outcome.success,

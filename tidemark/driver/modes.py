@@ -26,6 +26,7 @@ class Mode(ABC):
     gate_policy: str | None = None   # None: the pipeline's on_gate_failure
     request: int | None = None       # redrive: the request whose letters it replays
     spreads = False                  # may spread its records over tasks by key (Layout)
+    falls_back = False               # removed rows fall back to older versions (fallback.py)
 
     @abstractmethod
     def planner(self, pipeline: Pipeline) -> tuple[Planner, object]:
@@ -172,6 +173,7 @@ class Backfill(Mode):
     end: int
     name = "backfill"
     gate_policy = "halt"  # re-delivery never quarantines a whole batch
+    falls_back = True
 
     def planner(self, pipeline: Pipeline):
         def plan(checkpoints: dict[str, dict[int, int]]) -> dict[str, list[Range]]:

@@ -29,10 +29,10 @@ from tidemark.core.db import connect, one_line
 from tidemark.core.dsn import mask
 from tidemark.core.errors import Fenced, Inconsistency, Terminated, TidemarkError
 from tidemark.core.settings import Settings
-from tidemark.driver import gate
+from tidemark.driver import fallback, gate
 from tidemark.driver.modes import Backfill, Delivery, Layout, Mode
 from tidemark.engine import records
-from tidemark.ledger import runs, state
+from tidemark.ledger import checkpoints, runs, state
 from tidemark.ledger.migrations import require_current
 from tidemark.ledger.state import AirflowRun, Claim, Participant, Range, RunState
 from tidemark.protocol import coverage, gids, recovery, sinks, twopc
@@ -55,6 +55,7 @@ class SinkOutcome:
     superseded: int = 0   # versions not written: a newer one of their key won
     removed: int = 0      # re-delivery: rows removed (their records now quarantined)
     resolved: int = 0     # re-delivery: dead letters resolved (their records now delivered)
+    fallback: int = 0     # backfill: older versions placed again (their key's row removed)
     error: str | None = None
     copy_format: str = ""  # "binary", or "csv: <the column binary COPY cannot carry>"
 
@@ -92,7 +93,8 @@ class RunReport:
             tail = f" - {s.error}" if s.error else ""
             more = "".join(f", {n:,} {what}" for n, what in (
                 (s.superseded, "superseded by newer versions"), (s.removed, "rows removed"),
-                (s.resolved, "dead letters resolved")) if n)
+                (s.resolved, "dead letters resolved"),
+                (s.fallback, "older versions of their keys placed again")) if n)
             lines.append(f"  sink {s.sink}: {s.state}, {s.rows:,} rows written, "
                          f"{s.dead:,} quarantined{more}{tail}")
         for sink, why in self.skipped.items():
@@ -274,11 +276,14 @@ class Run:
         columns = records.output_columns(df)
         verdict = None
         checks = self.mode.quality(self.p)
-        if checks.has_quality():
+        cached = None
+        if checks.has_quality() or self.mode.falls_back:
             from pyspark import StorageLevel
 
-            # Read once: the expectations and the writes all use this cached batch.
-            df = df.persist(StorageLevel.MEMORY_AND_DISK)
+            # Read once: the expectations, the fallback probe and the writes all use this
+            # cached batch.
+            df = cached = df.persist(StorageLevel.MEMORY_AND_DISK)
+        if checks.has_quality():
             self.log(f"run {run_id}: checking data quality (Great Expectations)")
             verdict = gate.evaluate(checks, df, run_id,
                                     {s: c.ranges for s, c in claim.sinks.items()}, ledger,
@@ -305,10 +310,16 @@ class Run:
             report.sinks[sink].state = RunState.WRITING
             live.append(sink)
         if not live:
-            if verdict is not None:
-                df.unpersist()
+            if cached is not None:
+                cached.unpersist()
             return []
-        spec = self._spec(claim, by_name, live, read, [c for c, _ in columns], verdict)
+        fallen = None
+        if self.mode.falls_back:
+            fallen = self._fallback(spark, df, claim, by_name, live, verdict)
+            if fallen is not None:
+                df = fallen.df
+        spec = self._spec(claim, by_name, live, read, [c for c, _ in columns], verdict,
+                          fallen)
         from tidemark.engine.writer import RESULT_SCHEMA, make_task
 
         if layout.kind == "spread":
@@ -330,8 +341,10 @@ class Run:
             raise TidemarkError(f"run {run_id}: {msg}") from None
         finally:
             progress.stop()
-            if verdict is not None:
-                df.unpersist()
+            if cached is not None:
+                cached.unpersist()
+            if fallen is not None:
+                fallen.release()
         self.results = [TaskResult.model_validate_json(r["result"]) for r in rows]
         report.records = sum(r.records for r in self.results)
         accounting = [r.error for r in self.results if r.error]
@@ -355,7 +368,7 @@ class Run:
             out = report.sinks[sink]
             mine = [r.sinks[sink] for r in self.results]
             errors = [m.error for m in mine if m.error]
-            for name in ("rows", "dead", "superseded", "removed", "resolved"):
+            for name in ("rows", "dead", "superseded", "removed", "resolved", "fallback"):
                 setattr(out, name, sum(getattr(m, name) for m in mine))
             out.copy_format = next((m.copy_format for m in mine if m.copy_format), "")
             if out.copy_format.startswith("csv"):  # slower, not wrong: say why once per run
@@ -371,14 +384,33 @@ class Run:
                 continue
             counts = {"records": sum(m.records for m in mine), "rows": out.rows,
                       "dead": out.dead, "superseded": out.superseded, "removed": out.removed,
-                      "resolved": out.resolved}
+                      "resolved": out.resolved, "fallback": out.fallback}
             state.mark_prepared(ledger, self.p.name, run_id, sink, counts)
             out.state = RunState.PREPARED
             still.append(sink)
         return still
 
+    def _fallback(self, spark, df, claim: Claim, by_name, live: list[str],
+                  verdict: gate.Verdict | None) -> fallback.Fallback | None:
+        """A backfill's fallback versions (tidemark/driver/fallback.py); one write task."""
+        v = verdict or gate.Verdict()
+        cps = checkpoints.positions(self.ledger, self.p.name, live)
+        plans = {}
+        for s in live:
+            failed: dict[int, dict[int, str]] = {}
+            for scope in (gate.PIPELINE, s):
+                for p, offs in v.rows.get(scope, {}).items():
+                    failed.setdefault(p, {}).update(offs)
+            plans[s] = fallback.SinkPlan(by_name[s].config, by_name[s].dsn,
+                                         claim.sinks[s].ranges, cps.get(s, {}), failed)
+        if self.layout.tasks != 1:
+            raise TidemarkError(f"a backfill writes in one task, not {self.layout.tasks}")
+        return fallback.attach(spark, self.p, self.mode, df, plans,
+                               lambda m: self.log(f"run {claim.run_id}: {m}"))
+
     def _spec(self, claim: Claim, by_name, live: list[str], read: list[Range],
-              columns: list[str], verdict: gate.Verdict | None) -> TaskSpec:
+              columns: list[str], verdict: gate.Verdict | None,
+              fallen: fallback.Fallback | None = None) -> TaskSpec:
         v = verdict or gate.Verdict()
         targets = []
         for s in live:
@@ -387,7 +419,8 @@ class Run:
                 name=s, dsn=by_name[s].dsn, table=cfg.table, key=cfg.key, version=cfg.version,
                 ranges={r.partition: (r.start, r.end) for r in claim.sinks[s].ranges},
                 failed=v.rows.get(s, {}),
-                quarantine=v.quarantine.get(s)))
+                quarantine=v.quarantine.get(s),
+                fallback_failed=fallen.failed.get(s, {}) if fallen else {}))
         return TaskSpec(
             run_id=claim.run_id, pipeline=self.p.name, mode=self.mode.name,
             prefix=self.s.gid_prefix, prepare=self.p.delivery == "exactly_once",
@@ -395,7 +428,7 @@ class Run:
             columns=columns, by=self.by, request=self.mode.request,
             reads=self.layout.reads, spread=self.layout.spread,
             failed=v.rows.get(gate.PIPELINE, {}), quarantine=v.quarantine.get(gate.PIPELINE),
-            sinks=targets)
+            fallback=fallen is not None, sinks=targets)
 
     def _task_phases(self, sink: str | None) -> dict[str, float]:
         """Task-seconds per phase summed over the run's tasks: the task's own (waiting on

@@ -43,7 +43,15 @@ from tidemark.engine import pgbinary
 from tidemark.engine.records import ERR_CLASS, ERR_REASON
 from tidemark.ledger import letters, markers, redrives
 from tidemark.protocol import coverage, gids, twopc
-from tidemark.protocol.taskspec import Prepared, SinkResult, SinkTarget, Span, TaskResult, TaskSpec
+from tidemark.protocol.taskspec import (
+    FALLBACK,
+    Prepared,
+    SinkResult,
+    SinkTarget,
+    Span,
+    TaskResult,
+    TaskSpec,
+)
 
 FLUSH_ROWS = 50_000
 REASON_MAX = 200
@@ -114,6 +122,7 @@ class DeadLetters:
         self.held: dict[tuple[int, int], int] = {}  # redrive: (partition, offset) -> letter id
         self.held_offsets: dict[int, pa.Array] = {}  # redrive: partition -> offsets held
         self.failed_again: list[int] = []
+        self.write_failed: set[tuple[int, int]] = set()  # quarantined by their sink write
 
     def _open(self) -> psycopg.Connection:
         if self.conn is not None:
@@ -152,10 +161,17 @@ class DeadLetters:
                     error_class or r[ERR_CLASS], pg_text(reason or r[ERR_REASON], REASON_MAX),
                     pg_text(detail, DETAIL_MAX) if detail else None))
                 self.offsets.setdefault(part, []).append(off)
+                if error_class == "sink_write":
+                    self.write_failed.add((part, off))
                 if (part, off) in self.held:
                     self.failed_again.append(self.held[(part, off)])
         self.stage.merge()
         self.rows += len(records)
+
+    def live(self, partition: int, offsets: list[int]) -> set[int]:
+        """Which of ``offsets`` a live letter for this sink holds (this task's own too)."""
+        return letters.live_offsets(self._open(), self.spec.pipeline, self.sink, partition,
+                                    offsets)
 
     def resolve_held(self) -> None:
         """Redrive: the held letters that passed this time are resolved (one statement)."""
@@ -199,7 +215,7 @@ class SinkWriter:
         self.spec, self.target, self.gid, self.dead = spec, target, gid, dead
         self.phases = dead.phases
         self.conn: psycopg.Connection | None = None
-        self.out = {"records": 0, "rows": 0, "superseded": 0, "removed": 0}
+        self.out = {"records": 0, "rows": 0, "superseded": 0, "removed": 0, "fallback": 0}
         self.failed: str | None = None
         self.pending: list[pa.RecordBatch] = []
         self.pending_rows = 0
@@ -399,22 +415,59 @@ class SinkWriter:
 
     def remove_quarantined(self) -> None:
         """Re-delivery: a record quarantined now loses its own row in this sink (same
-        partition and offset), in the same transaction as everything else."""
+        partition and offset), in the same transaction as everything else. Before it, the
+        driver found the rows that go for failed checks (tidemark/driver/fallback.py) and
+        read the older versions of their keys; a row lost to a failed *write* was not
+        foreseen, and removing it could leave such versions unplaced: the sink fails."""
         if self.failed or not self.dead.offsets:
             return
         try:
             conn = self._open()
             for part, offs in self.dead.offsets.items():
-                self.out["removed"] += conn.execute(
-                    sql.SQL("DELETE FROM {} WHERE _tm_partition = %s AND _tm_offset = ANY(%s)"
-                            ).format(self.table), (part, offs)).rowcount
+                gone = [o for (o,) in conn.execute(
+                    sql.SQL("DELETE FROM {} WHERE _tm_partition = %s AND _tm_offset = ANY(%s) "
+                            "RETURNING _tm_offset").format(self.table), (part, offs))]
+                self.out["removed"] += len(gone)
+                unforeseen = [o for o in gone if (part, o) in self.dead.write_failed]
+                if unforeseen:
+                    self._fail(RuntimeError(
+                        f"the record at partition {part} offset {unforeseen[0]} now fails its "
+                        f"sink write, and its row is in the sink: removing it could leave "
+                        f"older versions of its key unplaced; fix the table or the transform "
+                        f"(the dead letter's reason says what PostgreSQL refused), then "
+                        f"backfill again"))
+                    return
         except psycopg.Error as exc:
             self._fail(exc)
 
+    def own_rows(self, partition: int, offsets: list[int]) -> set[int]:
+        """Which of ``offsets`` of ``partition`` have their own row in this sink."""
+        return {o for (o,) in self._open().execute(
+            sql.SQL("SELECT _tm_offset FROM {} WHERE _tm_partition = %s "
+                    "AND _tm_offset = ANY(%s)").format(self.table), (partition, offsets))}
+
+    def placed_by_newer(self, record: dict) -> bool:
+        """Whether a newer version of ``record``'s key has its row in this sink: by the
+        version column, else a higher offset of the same partition."""
+        t = self.target
+        where = [sql.SQL("{} = %s").format(sql.Identifier(k)) for k in t.key]
+        args = [record[k] for k in t.key]
+        if any(a is None for a in args):
+            return False
+        here = sql.SQL("(_tm_partition = %s AND _tm_offset > %s)")
+        pos = [record[PARTITION], record[OFFSET]]
+        if t.version and record.get(t.version) is not None:
+            newer = sql.SQL("({v} > %s OR ({v} = %s AND {here}))").format(
+                v=sql.Identifier(t.version), here=here)
+            pos = [record[t.version], record[t.version], *pos]
+        else:
+            newer = here
+        return self._open().execute(
+            sql.SQL("SELECT EXISTS (SELECT 1 FROM {} WHERE {} AND {})").format(
+                self.table, sql.SQL(" AND ").join(where), newer), [*args, *pos]).fetchone()[0]
+
     def prepare(self) -> Prepared | None:
         self.flush()
-        if self.spec.redelivery:
-            self.remove_quarantined()
         if self.failed or self.conn is None:
             return None  # failed, or nothing to write: no participant
         try:
@@ -540,6 +593,7 @@ class _Sink:
         self.spec, self.t, self.w = spec, target, writer
         self.dead = writer.dead
         self.skipped: list[int] = []  # redrive: letters no longer quarantined
+        self.fallback: list[pa.RecordBatch] = []  # backfill: versions to fall back on
 
     def scope(self, partition: int, batch: pa.RecordBatch) -> pa.RecordBatch:
         """The records of ``batch`` this sink must place: its range (run, backfill) or the
@@ -584,15 +638,75 @@ class _Sink:
         self.w.add(batch)
 
     def finish(self) -> None:
-        """Flush, then (re-delivery) resolve the letters of what passed this time."""
+        """Flush, then (re-delivery) remove the rows of what fails now, fall back to older
+        versions of their keys, and resolve the letters of what passed this time."""
         self.w.flush()
         if not self.spec.redelivery or self.w.failed:
+            return
+        self.w.remove_quarantined()
+        if self.w.failed:
             return
         if self.spec.mode == "redrive":
             self.dead.resolve_held()
             return
+        self.fall_back()
+        if self.w.failed:
+            return
         for part, (a, b) in self.t.ranges.items():
             self.dead.resolve(part, a, b)
+
+    def fall_back(self) -> None:
+        """Backfill: place again the versions of keys whose row this task removed (the driver
+        read them, outside the range or in it: tidemark/driver/fallback.py). A version that a
+        live letter or its own row places is left alone. One that passes now is merged, so
+        its key's newest passing version gets the row; one that fails now is quarantined
+        unless a newer row of its key places it. Each is counted once: written, quarantined
+        or superseded."""
+        if not self.fallback:
+            return
+        table = pa.Table.from_batches(self.fallback)
+        self.fallback = []
+        good, bad = [], []
+        for part in pc.unique(table.column(PARTITION)).to_pylist():
+            mine = table.filter(pc.equal(table.column(PARTITION), part))
+            offs = mine.column(OFFSET).to_pylist()
+            try:
+                own = self.w.own_rows(part, offs)
+            except psycopg.Error as exc:
+                self.w._fail(exc)
+                return
+            placed = self.dead.live(part, offs) | own
+            if placed:
+                mine = mine.filter(pc.invert(_offsets_in(mine, list(placed))))
+            self.w.out["fallback"] += mine.num_rows
+            fails = pc.is_valid(mine.column(ERR_CLASS))
+            checks = self.t.fallback_failed.get(part) or {}
+            if checks:
+                fails = pc.or_(fails, _offsets_in(mine, list(checks)))
+            for col in (c for c in self.t.key + [self.t.version] if c):
+                fails = pc.or_(fails, pc.is_null(mine.column(col)))
+            good += mine.filter(pc.invert(fails)).to_batches()
+            for r in mine.filter(fails).to_pylist():
+                if r[ERR_CLASS] is None and r[OFFSET] in checks:
+                    r[ERR_CLASS], r[ERR_REASON] = "validation", checks[r[OFFSET]]
+                elif r[ERR_CLASS] is None:
+                    col = next(c for c in self.t.key + [self.t.version] if c and r[c] is None)
+                    r[ERR_CLASS], r[ERR_REASON] = "transform", f"key column {col} is NULL"
+                bad.append(r)
+        for batch in good:
+            self.w.add(batch)
+        self.w.flush()
+        if self.w.failed:
+            return
+        # After the merge: a version that fails now is placed by a newer row of its key, if
+        # one is there; else only a dead letter places it.
+        try:
+            unplaced = [r for r in bad if not self.w.placed_by_newer(r)]
+        except psycopg.Error as exc:
+            self.w._fail(exc)
+            return
+        self.w.out["superseded"] += len(bad) - len(unplaced)
+        self.dead.add(unplaced)
 
     def result(self) -> SinkResult:
         o = self.w.out
@@ -603,6 +717,7 @@ class _Sink:
                      "failed_again": sorted(failed), "skipped": self.skipped}
         return SinkResult(records=o["records"], rows=o["rows"], dead=self.dead.rows,
                           superseded=o["superseded"], removed=o["removed"],
+                          fallback=o["fallback"],
                           resolved=self.dead.resolved, error=self.w.failed,
                           copy_format=self.w.copy_format or "",
                           phases=self.w.phases.rounded(), **extra)
@@ -659,6 +774,8 @@ def _run_task(spec: TaskSpec, task: int, attempt: int,
         # waiting for each next batch is theirs.
         for whole in phases.waiting("read_transform", batches):
             with phases("checks"):  # scope, accounting, row verdicts, dead letters
+                if spec.fallback and whole.num_rows:
+                    whole = _set_aside_fallback(whole, sinks)
                 for partition, batch in _by_partition(whole) if whole.num_rows else ():
                     seen += batch.num_rows
                     accounts.add(partition, batch)
@@ -674,9 +791,11 @@ def _run_task(spec: TaskSpec, task: int, attempt: int,
             for s in sinks:
                 s.finish()
                 r = s.result()
-                if not r.error and r.records != r.rows + r.dead + r.superseded:
-                    problem = (f"sink {s.t.name}: {r.records} records but {r.rows} written + "
-                               f"{r.dead} quarantined + {r.superseded} superseded")
+                if not r.error and r.records + r.fallback != r.rows + r.dead + r.superseded:
+                    problem = (f"sink {s.t.name}: {r.records} records"
+                               + (f" and {r.fallback} fallback versions" if r.fallback else "")
+                               + f" but {r.rows} written + {r.dead} quarantined + "
+                               f"{r.superseded} superseded")
         if problem is not None:  # nothing is prepared: the driver aborts the run
             _close(sinks)
             return TaskResult(task=task, attempt=attempt, records=seen, error=problem)
@@ -695,6 +814,20 @@ def _run_task(spec: TaskSpec, task: int, attempt: int,
     return TaskResult(task=task, attempt=attempt, records=seen, participants=participants,
                       sinks={s.t.name: s.result() for s in sinks}, phases=phases.rounded(),
                       seen=accounts.bitmaps() if accounts.spread else {})
+
+
+def _set_aside_fallback(batch: pa.RecordBatch, sinks: list[_Sink]) -> pa.RecordBatch:
+    """A backfill's fallback versions wait for the end of the range (_Sink.fall_back); the
+    rest is the range, accounted for as usual."""
+    tag = batch.column(FALLBACK)
+    extra = pc.is_valid(tag)
+    if not pc.any(extra).as_py():
+        return batch
+    for s in sinks:
+        mine = batch.filter(pc.equal(tag, s.t.name))
+        if mine.num_rows:
+            s.fallback.append(mine)
+    return batch.filter(pc.invert(extra))
 
 
 def _close(sinks: list[_Sink]) -> None:

@@ -76,3 +76,13 @@ def resolve_range(conn: psycopg.Connection, pipeline: str, sink: str, partition:
         AND source_offset <> ALL(%(failed)s)"""),
         {"pipeline": pipeline, "sink": sink, "p": partition, "a": start, "b": end,
          "failed": failed, "by": by, "note": note}).rowcount
+
+
+def live_offsets(conn: psycopg.Connection, pipeline: str, sink: str, partition: int,
+                 offsets: list[int]) -> set[int]:
+    """Which of ``offsets`` a live letter for ``sink`` holds (quarantined or discarded),
+    as this transaction sees the ledger (its own letters included)."""
+    return {o for (o,) in conn.execute(
+        """SELECT source_offset FROM tidemark.dlq WHERE pipeline = %s AND sink = %s
+           AND source_partition = %s AND source_offset = ANY(%s) AND status <> 'redriven'""",
+        (pipeline, sink, partition, offsets))}

@@ -17,6 +17,9 @@ Mode = Literal["run", "backfill", "redrive"]
 # then per sink encoding, COPY, the staging merge, and the marker row with PREPARE.
 TASK_PHASES = ("read_transform", "checks", "encode", "copy", "merge", "prepare")
 Failures = dict[int, dict[int, str]]  # partition -> offset -> reason
+# A backfill's records outside its batch: versions of a key whose row the backfill removes,
+# tagged with the sink they fall back for (tidemark/driver/fallback.py).
+FALLBACK = "_tm_fallback"
 
 
 class _Model(BaseModel):
@@ -49,6 +52,7 @@ class SinkTarget(_Model):
     ranges: dict[int, tuple[int, int]]   # partition -> [start, end): this sink's offsets
     failed: Failures = {}                # its own row-level expectations' failures
     quarantine: str | None = None        # its batch gate failed under quarantine_batch: why
+    fallback_failed: Failures = {}       # row-level failures of its fallback versions
 
 
 class TaskSpec(_Model):
@@ -66,6 +70,7 @@ class TaskSpec(_Model):
     spread: list[Span] | None = None     # or every task sees part of these (records by key)
     failed: Failures = {}                # pipeline-level row expectations' failures
     quarantine: str | None = None        # pipeline batch gate failed under quarantine_batch
+    fallback: bool = False               # a backfill's fallback versions come too (FALLBACK)
     sinks: list[SinkTarget]
 
     @property
@@ -90,6 +95,7 @@ class SinkResult(_Model):
     superseded: int = 0                  # versions not written: a newer one won
     removed: int = 0                     # re-delivery: own rows removed (now quarantined)
     resolved: int = 0                    # re-delivery: live letters resolved (now delivered)
+    fallback: int = 0                    # backfill: older versions placed again (see FALLBACK)
     redriven: int = 0                    # redrive: letters delivered
     failed_again: list[int] = []         # redrive: letter ids quarantined again
     skipped: list[int] = []              # redrive: letter ids no longer quarantined
