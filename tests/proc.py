@@ -10,10 +10,11 @@ import threading
 from pathlib import Path
 
 from tidemark.core import faults
+from tidemark.devstack.chaos.faults import signal_session
 
 
 class JobProcess:
-    """A `tidemark` CLI process in its own process group (a crash kills the whole group)."""
+    """A `tidemark` CLI process in its own session (a crash kills all of it)."""
 
     def __init__(self, argv: list[str], env: dict[str, str], pause_dir: Path | None = None,
                  pause_at: str | None = None, crash_at: str | None = None):
@@ -56,7 +57,10 @@ class JobProcess:
         self.proc.send_signal(sig)
 
     def kill_group(self) -> None:
+        """SIGKILL the job's session: its process group, and the PySpark worker daemon's
+        (a group of its own in the same session), as a machine crash would."""
         os.killpg(self.proc.pid, signal.SIGKILL)
+        signal_session(self.proc.pid, signal.SIGKILL)
 
     def wait(self, timeout: float = 300) -> int:
         return self.proc.wait(timeout)

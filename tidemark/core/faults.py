@@ -60,8 +60,11 @@ def point(name: str, attempt: int | None = None) -> None:
     if os.environ.get("TIDEMARK_FAIL_AT") == name and attempt == 0:
         raise InjectedFailure(f"injected failure at {name}")
     if os.environ.get("TIDEMARK_CRASH_AT") == name:
-        # PySpark's worker daemon has a process group of its own: kill the job's.
+        # PySpark's worker daemon has a process group of its own: kill the job's, then (in a
+        # Spark task) the daemon's, which holds this worker and its siblings. A worker left
+        # alive would go on preparing after the crash, perhaps after recovery ran.
         os.killpg(int(os.environ.get(JOB_PGID, os.getpgrp())), signal.SIGKILL)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
     if os.environ.get("TIDEMARK_PAUSE_AT") == name and name not in _paused:
         _paused.add(name)
         folder = os.environ["TIDEMARK_PAUSE_DIR"]
