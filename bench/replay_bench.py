@@ -415,9 +415,9 @@ def main() -> None:
     if task is not None:
         print(f"one partition spread over the cores replays {task:.2f}x as fast as the same "
               f"partition in one task (limits.split_min_records above the run), paired per rep")
+    print_phases(split)
     if args.modes:
         return
-    print_phases(split)
     f = fresh["bench_fresh"]
     moving = f["phases"].get("gate_seconds", 0) + f["phases"]["write_seconds"]
     print(f"\nas users run it, a fresh `tidemark run` process (exactly-once, "

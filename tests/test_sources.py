@@ -132,3 +132,85 @@ def test_a_file_archive_pipeline_delivers_exactly_once(env, spark, tmp_path):
     assert ids == [0, 1, 2, 5, 6, 110, 111, 112]
     assert env.run(spark).run_id is None  # up to date
     assert env.prepared() == []
+
+
+# Payloads on which Arrow's parser and Spark's from_json could disagree: each must decode
+# (values, verdict, reason) exactly as Spark alone decodes it.
+_EDGES = [
+    b'{"id": 1, "name": "plain", "amount": 1.5, "ok": true, "big": 9007199254740993}',
+    b'{"id": 2.0}', b'{"id": "3"}', b'{"id": 1e2}', b'{"id": 3000000000}', b'{"id": -0}',
+    b'{"name": 5}', b'{"name": {"x": 1}}', b'{"name": [1]}', b'{"name": null}',
+    b'{"amount": "1.5"}', b'{"amount": NaN}', b'{"amount": Infinity}', b'{"amount": -Infinity}',
+    b'{"amount": 1e400}', b'{"amount": 12345678901234567890}', b'{"amount": 0.1}',
+    b'{"ok": 1}', b'{"ok": "true"}', b'{"big": 9223372036854775808}',
+    b'{"id": 1, "id": 2}', b'[1, 2]', b'5', b'null', b'"text"', b'{}', b'', b'   ',
+    b'{"id": 1}{"id": 2}', b'{"id": 1} {"id": 2}', b'{"id": 1} x', b'{"id": 1,}',
+    b'{"id": 1} null', b'{"id": 1} null {"id": 2}', b' {"id": 13} ', b'{"id": 14} ',
+    b'{\n  "id": 7,\n  "name": "pretty"\n}', b'{"id": 8}\r', b'\xef\xbb\xbf{"id": 9}',
+    b'{"name": "caf\xc3\xa9 \\u00e9 \\ud83d\\ude00"}', b'{"name": "\\ud800"}',
+    b'{"name": "\xff"}', b'{"name": "a\\u0000b"}', b'{"name": "line\\nbreak"}',
+    b'{"name": "\xe2\x80\xa8"}', b'{"ID": 10}', b'{"extra": {"deep": [1, 2]}, "id": 11}',
+    b'{"name": "' + b"x" * 5000 + b'"}', b'{"id": 12, "amount": 3}',
+    *(b'{"at": %s}' % t for t in (
+        b'"2013-08-25T20:00:00Z"', b'"2013-08-25T20:00:00+02:00"', b'"2013-08-25T20:00:00-0530"',
+        b'"2013-08-25 20:00:00Z"', b'"2013-08-25 20:00:00"', b'"2013-08-25"', b'"2013-08-25Z"',
+        b'"2013-08-25T20:00Z"', b'"2013-08-25T20Z"', b'"2013-08-25T20:00:00.123456Z"',
+        b'"2013-08-25T20:00:00.1234567Z"', b'"2013-08-25T20:00:00.5Z"', b'"2013-08-25T23:59:60Z"',
+        b'"0001-01-01T00:00:00Z"', b'"9999-12-31T23:59:59Z"', b'"+12013-01-01T00:00:00Z"',
+        b'"2013-08-25T20:00:00z"', b'"2013-02-30T00:00:00Z"', b'"2013-08-25T24:00:00Z"',
+        b'"20130825T200000Z"', b'"2013-08-25T20:00:00 UTC"', b'1377460800', b'null', b'true')),
+]
+
+
+def test_payloads_the_reader_decodes_with_arrow_decode_as_spark_alone_would(env, spark):
+    from tidemark.driver.modes import Delivery
+    from tidemark.engine import records
+    from tidemark.sources import json_arrow
+
+    clean = [json.dumps({"id": i, "name": f"n{i}", "amount": i / 3, "ok": i % 2 == 0,
+                         "big": i * 10**12}).encode() for i in range(2000)]
+    payloads = clean[:1000] + _EDGES + clean[1000:]
+    env.append([(0, str(i).encode(), p, None, None) for i, p in enumerate(payloads)])
+    env.pipeline(decode={"schema": {"id": "int", "name": "string", "amount": "double",
+                                    "ok": "boolean", "big": "bigint", "at": "timestamp"}},
+                 transform={"select": {"id": "id"}})
+    p = env.load()
+    df = Delivery().source(spark, p, [Range(0, 0, len(payloads))])
+    assert json_arrow.OK in df.columns
+    pre = df.where(json_arrow.OK).count()
+    assert 1000 <= pre < len(payloads), pre  # Arrow took the clean chunks, not every chunk
+
+    from pyspark.sql import functions as F
+
+    # A timestamp as microseconds since the epoch: the instant, in no time zone.
+    cols = ["_tm_offset", "id", "name", "amount", "ok", "big", F.unix_micros("at").alias("at"),
+            records.ERR_CLASS, records.ERR_REASON]
+    fast = records.decode(df, p).select(*cols).orderBy("_tm_offset").collect()
+    alone = df.drop(json_arrow.OK, *(json_arrow.column(i) for i in range(6)))
+    slow = records.decode(alone, p).select(*cols).orderBy("_tm_offset").collect()
+    assert len(fast) == len(payloads)
+    for a, b in zip(fast, slow, strict=True):
+        same = all(x == y or (x != x and y != y) for x, y in zip(a, b, strict=True))  # NaN
+        assert same, (payloads[a["_tm_offset"]][:80], a.asDict(), b.asDict())
+    # Every record Arrow decoded, Spark alone decodes with no verdict.
+    flagged = {r["_tm_offset"] for r in slow if r[records.ERR_CLASS]}
+    ok = {r["_tm_offset"] for r in df.where(json_arrow.OK).select("_tm_offset").collect()}
+    assert not ok & flagged
+    # Each payload on its own, as Arrow reads it: what it accepts, Spark reads the same.
+    fields = json_arrow.fields(p.decode.schema_)
+    accepted = 0
+    for r in slow:
+        one = pa.RecordBatch.from_pydict(
+            {"_tm_payload": pa.array([payloads[r["_tm_offset"]]], pa.binary())})
+        batch = json_arrow.decode(one, fields)
+        at = batch.column(json_arrow.column(5))
+        got = batch.set_column(batch.schema.get_field_index(json_arrow.column(5)),
+                               json_arrow.column(5), at.cast(pa.int64())).to_pylist()[0]
+        if not got[json_arrow.OK]:
+            continue
+        accepted += 1
+        assert r[records.ERR_CLASS] is None, (payloads[r["_tm_offset"]][:80], r.asDict())
+        for i, name in enumerate(fields):
+            x, y = got[json_arrow.column(i)], r[name]
+            assert x == y or (x != x and y != y), (payloads[r["_tm_offset"]][:80], name, x, y)
+    assert accepted > 2000, accepted

@@ -16,6 +16,7 @@ from pyspark.sql.types import DataType
 
 from tidemark.config import META_PREFIX, Pipeline, pg_type
 from tidemark.core.errors import ConfigError
+from tidemark.sources import json_arrow
 
 META = ["_tm_partition", "_tm_offset", "_tm_key", "_tm_payload", "_tm_headers", "_tm_ts"]
 ERR_CLASS, ERR_REASON = "_tm_error_class", "_tm_reason"
@@ -27,11 +28,17 @@ def _ddl(schema: dict[str, str]) -> str:
 
 
 def decode(df: DataFrame, pipeline: Pipeline) -> DataFrame:
+    """Payload JSON to the declared fields. Where the reader already decoded a record with
+    Arrow (``_tm_json_ok``, tidemark/sources/json_arrow.py), its values are taken as they are
+    and Spark's per-row parse is skipped; every other record is parsed here, with its verdict."""
     schema = pipeline.decode.schema_
+    pre = json_arrow.OK in df.columns
+    slow = ~F.col(json_arrow.OK) if pre else F.lit(True)
     text = F.col("_tm_payload").cast("string")
     parsed = F.from_json(text, _ddl(schema) + f", `{_CORRUPT}` string",
                          {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": _CORRUPT})
-    df = df.withColumn(_PARSED, parsed)
+    # CASE WHEN evaluates a branch only for the rows that take it.
+    df = df.withColumn(_PARSED, F.when(slow, parsed) if pre else parsed)
     field = F.col(f"{_PARSED}.{_CORRUPT}")
     # Name the first field whose raw JSON value did not read as its declared type.
     mismatch = F.coalesce(*[
@@ -41,13 +48,16 @@ def decode(df: DataFrame, pipeline: Pipeline) -> DataFrame:
                         F.substring(F.get_json_object(text, f"$['{name}']"), 1, 60),
                         F.lit(f"' as {typ}")))
         for name, typ in schema.items()], F.lit("payload is not a JSON object"))
-    reason = (F.when(F.col("_tm_payload").isNull() | (F.length("_tm_payload") == 0),
-                     F.lit("empty payload"))
+    reason = (F.when(~slow, F.lit(None).cast("string"))
+              .when(F.col("_tm_payload").isNull() | (F.length("_tm_payload") == 0),
+                    F.lit("empty payload"))
               .when(~F.expr("is_valid_utf8(cast(_tm_payload as string))"),
                     F.lit("payload is not valid UTF-8"))
               .when(F.col(_PARSED).isNull(), F.lit("payload is not JSON"))
               .when(field.isNotNull(), mismatch))
-    fields = [F.col(_PARSED)[name].alias(name) for name in schema]
+    fields = [(F.when(F.col(json_arrow.OK), F.col(json_arrow.column(i)))
+               .otherwise(F.col(_PARSED)[name]) if pre else F.col(_PARSED)[name]).alias(name)
+              for i, name in enumerate(schema)]
     return df.select(*META, *fields,
                      F.when(reason.isNotNull(), F.lit("decode")).alias(ERR_CLASS),
                      reason.alias(ERR_REASON))

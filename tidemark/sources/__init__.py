@@ -58,6 +58,21 @@ class ReadJob(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     source: Source
     ranges: list[tuple[int, int, int]]  # (partition, start, end)
+    decoded: dict[str, str] | None = None  # JSON fields the reader decodes (json_arrow)
+
+    def spark_schema(self) -> str:
+        if self.decoded is None:
+            return SPARK_SCHEMA
+        from tidemark.sources import json_arrow
+        return f"{SPARK_SCHEMA}, {json_arrow.spark_columns(self.decoded)}"
+
+    def batches(self, r: Range):
+        if self.decoded is None:
+            yield from read_range(self.source, r)
+            return
+        from tidemark.sources import json_arrow
+        for batch in read_range(self.source, r):
+            yield json_arrow.decode(batch, self.decoded)
 
 
 def reader_source(pipeline: Pipeline) -> PostgresLogSource | FileArchiveSource:
@@ -77,12 +92,16 @@ def read_range(source: PostgresLogSource | FileArchiveSource, r: Range):
 
 
 def dataframe(spark, pipeline: Pipeline, ranges: list[Range]):
-    """The source records of ``ranges`` as a DataFrame, one Spark partition per range."""
+    """The source records of ``ranges`` as a DataFrame, one Spark partition per range; with
+    the payloads' JSON fields already decoded where Arrow can (json_arrow)."""
+    from tidemark.sources import json_arrow
     from tidemark.sources.spark_source import register
+
     register(spark)
     job = ReadJob(source=reader_source(pipeline),
-                  ranges=[(r.partition, r.start, r.end) for r in ranges])
-    return (spark.read.format("tidemark").schema(SPARK_SCHEMA)
+                  ranges=[(r.partition, r.start, r.end) for r in ranges],
+                  decoded=json_arrow.fields(pipeline.decode.schema_))
+    return (spark.read.format("tidemark").schema(job.spark_schema())
             .option("job", job.model_dump_json()).load())
 
 

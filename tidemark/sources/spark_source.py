@@ -21,8 +21,7 @@ class _Reader(DataSourceReader):
         return [RangePartition(*r) for r in self.job.ranges]
 
     def read(self, partition):
-        from tidemark.sources import read_range
-        yield from read_range(self.job.source, Range(*partition.range))
+        yield from self.job.batches(Range(*partition.range))
 
 
 class TidemarkSource(DataSource):
@@ -31,12 +30,14 @@ class TidemarkSource(DataSource):
         return "tidemark"
 
     def schema(self):
-        from tidemark.sources import SPARK_SCHEMA
-        return SPARK_SCHEMA
+        return self._job().spark_schema()
 
     def reader(self, schema):
+        return _Reader(self._job())
+
+    def _job(self):
         from tidemark.sources import ReadJob
-        return _Reader(ReadJob.model_validate_json(self.options["job"]))
+        return ReadJob.model_validate_json(self.options["job"])
 
 
 def register(spark) -> None:
