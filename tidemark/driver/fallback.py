@@ -137,8 +137,9 @@ def attach(spark, pipeline: Pipeline, mode, df: DataFrame, plans: dict[str, Sink
     found = found.persist(StorageLevel.MEMORY_AND_DISK)
     failed = {name: gate.row_verdicts(pipeline, found.where(F.col(FALLBACK) == name), name,
                                       f"pipeline {pipeline.name}") for name in counts}
-    log("fallback versions: " + ", ".join(
-        f"sink {r[FALLBACK]} {r['count']:,}" for r in found.groupBy(FALLBACK).count().collect()))
+    sizes = {r[FALLBACK]: r["count"] for r in found.groupBy(FALLBACK).count().collect()}
+    log("fallback versions: " + ", ".join(f"sink {name} {sizes.get(name, 0):,}"
+                                          for name in counts))
     out = (df.withColumn(FALLBACK, F.lit(None).cast("string")).unionByName(found)
            .coalesce(1))
     return Fallback(out, failed, [hits, found])

@@ -632,10 +632,12 @@ class _Sink:
             nulls = pc.is_null(batch.column(col))
             if pc.any(nulls).as_py():  # a NULL key would vanish in DISTINCT ON
                 self.dead.add(batch.filter(nulls).to_pylist(), "transform",
-                              f"{'key' if col in self.t.key else 'version'} column {col} "
-                              f"is NULL")
+                              self._null_reason(col))
                 batch = batch.filter(pc.invert(nulls))
         self.w.add(batch)
+
+    def _null_reason(self, col: str) -> str:
+        return f"{'key' if col in self.t.key else 'version'} column {col} is NULL"
 
     def finish(self) -> None:
         """Flush, then (re-delivery) remove the rows of what fails now, fall back to older
@@ -691,7 +693,7 @@ class _Sink:
                     r[ERR_CLASS], r[ERR_REASON] = "validation", checks[r[OFFSET]]
                 elif r[ERR_CLASS] is None:
                     col = next(c for c in self.t.key + [self.t.version] if c and r[c] is None)
-                    r[ERR_CLASS], r[ERR_REASON] = "transform", f"key column {col} is NULL"
+                    r[ERR_CLASS], r[ERR_REASON] = "transform", self._null_reason(col)
                 bad.append(r)
         for batch in good:
             self.w.add(batch)
