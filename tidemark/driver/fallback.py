@@ -60,17 +60,10 @@ class Fallback:
             d.unpersist()
 
 
-def _where_ranges(df: DataFrame, ranges: list[Range]) -> DataFrame:
-    cond = F.lit(False)
-    for r in ranges:
-        cond = cond | ((F.col(PART) == r.partition) & (F.col(OFF) >= r.start) & (F.col(OFF) < r.end))
-    return df.where(cond)
-
-
 def _failing(df: DataFrame, s: SinkPlan) -> DataFrame:
     """The records of ``s``'s range it will quarantine: (partition, offset, source key, key)."""
     cols = [c for c in s.config.key + [s.config.version] if c]
-    mine = _where_ranges(df, s.ranges)
+    mine = gate.in_ranges(df, s.ranges)
     cond = F.col(records.ERR_CLASS).isNotNull()
     for c in cols:
         cond = cond | F.col(c).isNull()
@@ -127,7 +120,7 @@ def attach(spark, pipeline: Pipeline, mode, df: DataFrame, plans: dict[str, Sink
         s = plans[name]
         removed = failing[name].join(hits.where(F.col(SINK) == name).drop(SINK), [PART, OFF],
                                      "left_semi")
-        mine = _where_ranges(versions, scope[name])
+        mine = gate.in_ranges(versions, scope[name])
         by_source = mine.join(removed.select("_tm_key").where(F.col("_tm_key").isNotNull())
                               .distinct(), "_tm_key", "left_semi")
         by_key = mine.join(removed.select(*s.config.key).distinct(), s.config.key, "left_semi")

@@ -72,7 +72,8 @@ def _without(df: DataFrame, failures: Failures) -> DataFrame:
     return df.join(F.broadcast(bad), ["_tm_partition", "_tm_offset"], "left_anti")
 
 
-def _in_ranges(df: DataFrame, ranges: list[Range]) -> DataFrame:
+def in_ranges(df: DataFrame, ranges: list[Range]) -> DataFrame:
+    """The records of ``df`` inside ``ranges`` (none if there are none)."""
     cond = None
     for r in ranges:
         c = ((F.col("_tm_partition") == r.partition) & (F.col("_tm_offset") >= r.start)
@@ -169,7 +170,7 @@ def _evaluate(pipeline: Pipeline, good: DataFrame, run_id: int,
     for sink in pipeline.sinks:
         if sink.name not in sink_ranges or sink.quality.empty:
             continue
-        mine = _in_ranges(kept, sink_ranges[sink.name])
+        mine = in_ranges(kept, sink_ranges[sink.name])
         failures, outcome = _check(mine, sink.quality, f"{label}-{sink.name}", docs_dir)
         _store(ledger, run_id, sink.name, failures, outcome)
         verdict.rows[sink.name] = failures

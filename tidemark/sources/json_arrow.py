@@ -6,9 +6,9 @@ bigint, double, string, boolean, timestamp), the reader parses a batch's payload
 ``pyarrow.json`` and hands Spark the typed values with ``_tm_json_ok`` set. Whatever Arrow
 does not read whole, a chunk of 512 records at a time, keeps ``_tm_json_ok`` false and Spark
 decodes it as before (tidemark/engine/records.py): a payload that is not one line from `{` to
-`}`, bad UTF-8, a value of another type, a repeated field, two objects on a line. Spark's per-row verdicts stay the
-reference; Arrow only stands in where it reads exactly what Spark would (tests/test_sources.py
-decodes payloads made to disagree both ways and compares).
+`}`, bad UTF-8, a value of another type, a repeated field, two objects on a line. Spark's
+per-row verdicts stay the reference; Arrow only stands in where it reads exactly what Spark
+would (tests/test_sources.py decodes payloads made to disagree both ways and compares).
 """
 
 from __future__ import annotations
