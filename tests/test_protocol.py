@@ -125,6 +125,62 @@ def test_poison_records_land_in_the_dlq_byte_for_byte_and_the_run_advances(env, 
     assert_exactly_once(env)
 
 
+def test_a_decoded_records_bytes_stay_out_of_the_batch_and_its_letter_reads_them_again(
+        env, spark):
+    """The reader leaves out the payload of a record it decoded; whatever quarantines that
+    record later (transform, row expectation, sink write, a whole-batch gate) reads its bytes
+    again from the source, so the letter holds them byte for byte."""
+    from tidemark import sources
+    from tidemark.ledger.state import Range
+
+    env.append_orders(range(20))
+    env.append([(0, b"transform", b'{"id": 100, "name": "drop-me"}', None, None),
+                (0, b"validation", b'{"id": 101, "name": "v", "amount": 5000.0}', None, None),
+                (0, b"sink_write", b'{"id": 102, "name": "a\\u0000b"}', None, None),
+                (1, b"decode", b'{"id": "one hundred and three"}', None, None)])
+    select = {"id": "id", "name": "nullif(name, 'drop-me')", "amount": "amount",
+              "version": "version"}
+    env.pipeline(transform={"select": select, "required": ["id", "name"]},
+                 quality={"rows": [{"expect_column_values_to_be_between":
+                                    {"column": "amount", "max_value": 1000}}]})
+    pipeline = env.load()
+    # What the batch carries: partition 0's records Arrow decoded have no bytes there.
+    # (Partition 1's bytes stay: Arrow gives up on the chunk of 512 that holds "decode".)
+    ranges = [Range(0, 0, 13), Range(1, 0, 11)]
+    kept = (sources.dataframe(spark, pipeline, ranges).where("_tm_payload IS NOT NULL")
+            .select("_tm_partition").distinct().collect())
+    assert [r[0] for r in kept] == [1]
+
+    report = env.run(spark)
+    assert report.ok, report.summary()
+    same = "SELECT convert_from(d.key, 'UTF8'), d.error_class::text, d.payload = s.payload " \
+           "FROM tidemark.dlq d JOIN src.log s ON (s.partition, s.offset) = " \
+           "(d.source_partition, d.source_offset) ORDER BY 1"
+    assert env.ledger(same) == [("decode", "decode", True), ("sink_write", "sink_write", True),
+                                ("transform", "transform", True),
+                                ("validation", "validation", True)]
+
+    # A whole batch quarantined by its gate: every letter reads its bytes again.
+    env.append_orders(range(200, 230))
+    env.pipeline(quality={"batch": [{"expect_table_row_count_to_be_between": {"max_value": 5}}],
+                          "on_gate_failure": "quarantine_batch"})
+    report = env.run(spark)
+    assert report.ok and report.sinks["main"].dead == 30, report.summary()
+    assert env.ledger(
+        "SELECT count(*), count(*) FILTER (WHERE d.payload = s.payload) FROM tidemark.dlq d "
+        "JOIN src.log s ON (s.partition, s.offset) = (d.source_partition, d.source_offset) "
+        "WHERE d.error_class = 'dq_gate'") == [(30, 30)]
+    assert_exactly_once(env)
+
+    # A record the source does not hold (deleted since): the task fails, loudly.
+    source = sources.payload_source(pipeline)
+    with pytest.raises(TidemarkError, match=r"partition 1: range \[5, 1000\) ended at 26: rows missing"):
+        sources.payloads(source, {1: [5, 999]})
+    stored = env.q(env.ledger_dsn, 'SELECT "partition", "offset", payload FROM src.log '
+                   'WHERE "partition" = 1 AND "offset" IN (3, 5)')
+    assert sources.payloads(source, {1: [5, 3]}) == {(p, o): b for p, o, b in stored}
+
+
 def test_backfill_is_idempotent_and_never_moves_checkpoints_back(env, spark):
     env.append_orders(range(100))
     env.pipeline()

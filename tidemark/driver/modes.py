@@ -40,6 +40,10 @@ class Mode(ABC):
     def source(self, spark, pipeline: Pipeline, read: list[Range]):
         return sources.dataframe(spark, pipeline, read)
 
+    def payloads(self, pipeline: Pipeline):
+        """Where a task reads again a payload its batch left out (None: it left none out)."""
+        return sources.payload_source(pipeline)
+
     def quality(self, pipeline: Pipeline) -> Pipeline:
         return pipeline
 

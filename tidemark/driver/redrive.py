@@ -72,6 +72,9 @@ class RedriveMode(Mode):
         # One task: each sink's status change is one transaction with its sink write.
         return spark.createDataFrame(table).coalesce(1)
 
+    def payloads(self, pipeline: Pipeline):
+        return None  # the stored bytes are the batch's: every payload is carried
+
     def quality(self, pipeline: Pipeline) -> Pipeline:
         def rows_only(q):
             return q.model_copy(update={"batch": []})

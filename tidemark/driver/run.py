@@ -428,7 +428,7 @@ class Run:
             columns=columns, by=self.by, request=self.mode.request,
             reads=self.layout.reads, spread=self.layout.spread,
             failed=v.rows.get(gate.PIPELINE, {}), quarantine=v.quarantine.get(gate.PIPELINE),
-            fallback=fallen is not None, sinks=targets)
+            fallback=fallen is not None, payloads=self.mode.payloads(self.p), sinks=targets)
 
     def _task_phases(self, sink: str | None) -> dict[str, float]:
         """Task-seconds per phase summed over the run's tasks: the task's own (waiting on

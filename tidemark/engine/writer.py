@@ -52,6 +52,7 @@ from tidemark.protocol.taskspec import (
     TaskResult,
     TaskSpec,
 )
+from tidemark.sources import payloads as source_payloads
 
 FLUSH_ROWS = 50_000
 REASON_MAX = 200
@@ -151,6 +152,7 @@ class DeadLetters:
             reason: str | None = None, detail: str | None = None) -> None:
         if not records:
             return
+        self._fill_payloads(records, error_class)
         self._open()
         with self.stage.copy() as copy:
             for r in records:
@@ -167,6 +169,21 @@ class DeadLetters:
                     self.failed_again.append(self.held[(part, off)])
         self.stage.merge()
         self.rows += len(records)
+
+    def _fill_payloads(self, records: list[dict], error_class: str | None) -> None:
+        """The payloads the reader left out (TaskSpec.payloads), read again from the source:
+        a letter keeps its record's bytes. Only a record that failed to decode kept its own."""
+        if self.spec.payloads is None:
+            return
+        left_out = [r for r in records
+                    if r["_tm_payload"] is None and (error_class or r[ERR_CLASS]) != "decode"]
+        wanted: dict[int, list[int]] = {}
+        for r in left_out:
+            wanted.setdefault(r[PARTITION], []).append(r[OFFSET])
+        if wanted:
+            got = source_payloads(self.spec.payloads, wanted)
+            for r in left_out:
+                r["_tm_payload"] = got[(r[PARTITION], r[OFFSET])]
 
     def live(self, partition: int, offsets: list[int]) -> set[int]:
         """Which of ``offsets`` a live letter for this sink holds (this task's own too)."""

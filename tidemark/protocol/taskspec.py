@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from tidemark.config import Source
+
 Mode = Literal["run", "backfill", "redrive"]
 # Where a task's time goes (seconds, TaskResult.phases and SinkResult.phases): waiting for
 # Spark to read, decode and transform the next batch; scoping, accounting and row verdicts;
@@ -71,6 +73,9 @@ class TaskSpec(_Model):
     failed: Failures = {}                # pipeline-level row expectations' failures
     quarantine: str | None = None        # pipeline batch gate failed under quarantine_batch
     fallback: bool = False               # a backfill's fallback versions come too (FALLBACK)
+    # The reader left out the payloads of the records it decoded: a task reads those it
+    # quarantines again from here (tidemark.sources.payload_source). None: all are carried.
+    payloads: Source | None = None
     sinks: list[SinkTarget]
 
     @property

@@ -13,9 +13,11 @@ from datetime import datetime
 from typing import Protocol
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict
 
 from tidemark.config import FileArchiveSource, Pipeline, PostgresLogSource, Source
+from tidemark.core.errors import TidemarkError
 from tidemark.ledger.state import Range
 
 # Every source yields batches of exactly this schema.
@@ -27,6 +29,8 @@ SCHEMA = pa.schema([
 SPARK_SCHEMA = ("_tm_partition int, _tm_offset bigint, _tm_key binary, _tm_payload binary, "
                 "_tm_headers string, _tm_ts timestamp")
 BATCH_ROWS = 20_000
+# Wanted offsets closer than this are read again as one range (payloads()).
+REFETCH_GAP = 4096
 
 
 class Planner(Protocol):
@@ -59,6 +63,7 @@ class ReadJob(BaseModel):
     source: Source
     ranges: list[tuple[int, int, int]]  # (partition, start, end)
     decoded: dict[str, str] | None = None  # JSON fields the reader decodes (json_arrow)
+    trim: bool = False  # leave out the payload of a record it decoded (see payload_source)
 
     def spark_schema(self) -> str:
         if self.decoded is None:
@@ -72,7 +77,7 @@ class ReadJob(BaseModel):
             return
         from tidemark.sources import json_arrow
         for batch in read_range(self.source, r):
-            yield json_arrow.decode(batch, self.decoded)
+            yield json_arrow.decode(batch, self.decoded, trim=self.trim)
 
 
 def reader_source(pipeline: Pipeline) -> PostgresLogSource | FileArchiveSource:
@@ -81,6 +86,57 @@ def reader_source(pipeline: Pipeline) -> PostgresLogSource | FileArchiveSource:
     if isinstance(src, PostgresLogSource):
         return src.model_copy(update={"dsn": pipeline.source_dsn(), "conn_id": None})
     return src
+
+
+def payload_source(pipeline: Pipeline) -> PostgresLogSource | FileArchiveSource | None:
+    """Where a task reads again the payload of a record it quarantines, or None if the batch
+    carries every payload.
+
+    A record the reader decoded has its values in the batch: carrying its bytes too through
+    Spark and on to the writer cost about a tenth of a run, and only a dead letter needs them.
+    So the reader leaves them out, unless the transform may read the payload itself (a Python
+    function, or an expression naming ``_tm_payload``). A record that fails to decode keeps
+    its bytes in the batch.
+    """
+    from tidemark.sources import json_arrow
+
+    t = pipeline.transform
+    if (json_arrow.fields(pipeline.decode.schema_) is None or t.python
+            or any("_tm_payload" in expr for expr in (t.select or {}).values())):
+        return None
+    return reader_source(pipeline)
+
+
+def payloads(source: PostgresLogSource | FileArchiveSource, wanted: dict[int, list[int]]
+             ) -> dict[tuple[int, int], bytes | None]:
+    """Executor side: the stored payloads of chosen records, read again from the source, so
+    that their dead letters keep them byte for byte (see :func:`payload_source`). Offsets
+    close together are read as one range. A record the source no longer holds fails the task:
+    its letter could not keep its bytes."""
+    out: dict[tuple[int, int], bytes | None] = {}
+    for part, offs in wanted.items():
+        offs = sorted(set(offs))
+        first = 0
+        for i in range(1, len(offs) + 1):
+            if i < len(offs) and offs[i] - offs[i - 1] <= REFETCH_GAP:
+                continue
+            need = pa.array(offs[first:i], pa.int64())
+            try:
+                for batch in read_range(source, Range(part, offs[first], offs[i - 1] + 1)):
+                    hit = batch.filter(pc.is_in(batch.column("_tm_offset"), need))
+                    for off, payload in zip(hit.column("_tm_offset").to_pylist(),
+                                            hit.column("_tm_payload").to_pylist(), strict=True):
+                        out[(part, off)] = payload
+            except TidemarkError as exc:
+                raise TidemarkError(f"cannot read quarantined records' payloads again: "
+                                    f"{exc}") from None
+            first = i
+    gone = sorted((p, o) for p, offs in wanted.items() for o in offs if (p, o) not in out)
+    if gone:
+        more = f" and {len(gone) - 1:,} more" if len(gone) > 1 else ""
+        raise TidemarkError(f"source record {gone[0][0]}/{gone[0][1]}{more} is gone from the "
+                            f"source: its dead letter cannot keep its bytes")
+    return out
 
 
 def read_range(source: PostgresLogSource | FileArchiveSource, r: Range):
@@ -93,17 +149,19 @@ def read_range(source: PostgresLogSource | FileArchiveSource, r: Range):
 
 def dataframe(spark, pipeline: Pipeline, ranges: list[Range]):
     """The source records of ``ranges`` as a DataFrame, one Spark partition per range; with
-    the payloads' JSON fields already decoded where Arrow can (json_arrow)."""
+    the payloads' JSON fields already decoded where Arrow can (json_arrow), and those
+    records' payloads left out where :func:`payload_source` allows."""
     from tidemark.sources import json_arrow
     from tidemark.sources.spark_source import register
 
     register(spark)
     job = ReadJob(source=reader_source(pipeline),
                   ranges=[(r.partition, r.start, r.end) for r in ranges],
-                  decoded=json_arrow.fields(pipeline.decode.schema_))
+                  decoded=json_arrow.fields(pipeline.decode.schema_),
+                  trim=payload_source(pipeline) is not None)
     return (spark.read.format("tidemark").schema(job.spark_schema())
             .option("job", job.model_dump_json()).load())
 
 
 __all__ = ["SCHEMA", "SPARK_SCHEMA", "FileArchiveSource", "PostgresLogSource", "ReadJob",
-           "dataframe", "planner", "read_range"]
+           "dataframe", "payload_source", "payloads", "planner", "read_range"]

@@ -86,8 +86,10 @@ def _parse(payload: pa.Array, want: pa.Schema) -> pa.Table | None:
     return table
 
 
-def decode(batch: pa.RecordBatch, decoded: dict[str, str]) -> pa.RecordBatch:
-    """``batch`` with the decoded fields and ``_tm_json_ok`` appended."""
+def decode(batch: pa.RecordBatch, decoded: dict[str, str], trim: bool = False
+           ) -> pa.RecordBatch:
+    """``batch`` with the decoded fields and ``_tm_json_ok`` appended; ``trim``: the payloads
+    of the records decoded here set to NULL (tidemark.sources.payload_source)."""
     schema = pa.schema([(name, TYPES[t]) for name, t in decoded.items()])
     payload = batch.column("_tm_payload")
     whole = _parse(payload, schema)
@@ -103,7 +105,11 @@ def decode(batch: pa.RecordBatch, decoded: dict[str, str]) -> pa.RecordBatch:
                          pa.table({f.name: pa.nulls(len(piece), f.type) for f in schema}))
     table = pa.concat_tables(parts).combine_chunks() if len(parts) > 1 else parts[0]
     flags = pa.concat_arrays(ok) if len(ok) > 1 else ok[0]
-    arrays = [*batch.columns, *(table.column(i).combine_chunks() for i in range(len(schema))),
-              flags]
+    cols = batch.columns
+    if trim:
+        at = batch.schema.get_field_index("_tm_payload")
+        cols = [*cols[:at], pc.if_else(flags, pa.scalar(None, pa.binary()), payload),
+                *cols[at + 1:]]
+    arrays = [*cols, *(table.column(i).combine_chunks() for i in range(len(schema))), flags]
     names = [*batch.schema.names, *(column(i) for i in range(len(schema))), OK]
     return pa.RecordBatch.from_arrays(arrays, names=names)
