@@ -174,11 +174,14 @@ def test_a_decoded_records_bytes_stay_out_of_the_batch_and_its_letter_reads_them
 
     # A record the source does not hold (deleted since): the task fails, loudly.
     source = sources.payload_source(pipeline)
-    with pytest.raises(TidemarkError, match=r"partition 1: range \[5, 1000\) ended at 26: rows missing"):
-        sources.payloads(source, {1: [5, 999]})
+    with sources.PayloadReader(source) as reader, pytest.raises(
+            TidemarkError, match=r"partition 1: range \[5, 1000\) ended at 26: rows missing"):
+        reader.payloads({1: [5, 999]})
     stored = env.q(env.ledger_dsn, 'SELECT "partition", "offset", payload FROM src.log '
-                   'WHERE "partition" = 1 AND "offset" IN (3, 5)')
-    assert sources.payloads(source, {1: [5, 3]}) == {(p, o): b for p, o, b in stored}
+                   'WHERE ("partition", "offset") IN ((1, 3), (1, 5), (0, 2))')
+    with sources.PayloadReader(source) as reader:  # one connection, read twice
+        got = reader.payloads({1: [5, 3]}) | reader.payloads({0: [2]})
+    assert got == {(p, o): b for p, o, b in stored}
 
 
 def test_backfill_is_idempotent_and_never_moves_checkpoints_back(env, spark):

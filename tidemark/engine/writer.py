@@ -52,7 +52,7 @@ from tidemark.protocol.taskspec import (
     TaskResult,
     TaskSpec,
 )
-from tidemark.sources import payloads as source_payloads
+from tidemark.sources import PayloadReader
 
 FLUSH_ROWS = 50_000
 REASON_MAX = 200
@@ -124,6 +124,7 @@ class DeadLetters:
         self.held_offsets: dict[int, pa.Array] = {}  # redrive: partition -> offsets held
         self.failed_again: list[int] = []
         self.write_failed: set[tuple[int, int]] = set()  # quarantined by their sink write
+        self.reader: PayloadReader | None = None  # reads left-out payloads (_fill_payloads)
 
     def _open(self) -> psycopg.Connection:
         if self.conn is not None:
@@ -181,7 +182,9 @@ class DeadLetters:
         for r in left_out:
             wanted.setdefault(r[PARTITION], []).append(r[OFFSET])
         if wanted:
-            got = source_payloads(self.spec.payloads, wanted)
+            if self.reader is None:
+                self.reader = PayloadReader(self.spec.payloads)
+            got = self.reader.payloads(wanted)
             for r in left_out:
                 r["_tm_payload"] = got[(r[PARTITION], r[OFFSET])]
 
@@ -221,6 +224,8 @@ class DeadLetters:
                         rows=self.rows + self.resolved)
 
     def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
         if self.conn is not None and not self.conn.closed:
             self.conn.close()  # an open, unprepared transaction rolls back
 

@@ -107,36 +107,64 @@ def payload_source(pipeline: Pipeline) -> PostgresLogSource | FileArchiveSource 
     return reader_source(pipeline)
 
 
-def payloads(source: PostgresLogSource | FileArchiveSource, wanted: dict[int, list[int]]
-             ) -> dict[tuple[int, int], bytes | None]:
+class PayloadReader:
     """Executor side: the stored payloads of chosen records, read again from the source, so
-    that their dead letters keep them byte for byte (see :func:`payload_source`). Offsets
-    close together are read as one range. A record the source no longer holds fails the task:
-    its letter could not keep its bytes."""
-    out: dict[tuple[int, int], bytes | None] = {}
-    for part, offs in wanted.items():
-        offs = sorted(set(offs))
-        first = 0
-        for i in range(1, len(offs) + 1):
-            if i < len(offs) and offs[i] - offs[i - 1] <= REFETCH_GAP:
-                continue
-            need = pa.array(offs[first:i], pa.int64())
-            try:
-                for batch in read_range(source, Range(part, offs[first], offs[i - 1] + 1)):
-                    hit = batch.filter(pc.is_in(batch.column("_tm_offset"), need))
-                    for off, payload in zip(hit.column("_tm_offset").to_pylist(),
-                                            hit.column("_tm_payload").to_pylist(), strict=True):
-                        out[(part, off)] = payload
-            except TidemarkError as exc:
-                raise TidemarkError(f"cannot read quarantined records' payloads again: "
-                                    f"{exc}") from None
-            first = i
-    gone = sorted((p, o) for p, offs in wanted.items() for o in offs if (p, o) not in out)
-    if gone:
-        more = f" and {len(gone) - 1:,} more" if len(gone) > 1 else ""
-        raise TidemarkError(f"source record {gone[0][0]}/{gone[0][1]}{more} is gone from the "
-                            f"source: its dead letter cannot keep its bytes")
-    return out
+    that their dead letters keep them byte for byte (see :func:`payload_source`). A task keeps
+    one reader, and its one connection, for all its letters; close it at the end."""
+
+    def __init__(self, source: PostgresLogSource | FileArchiveSource):
+        self.source = source
+        self.conn = None
+
+    def _read(self, r: Range):
+        if not isinstance(self.source, PostgresLogSource):
+            return read_range(self.source, r)
+        from tidemark.sources import postgres_log
+
+        if self.conn is None:
+            self.conn = postgres_log.connect_reader(self.source)
+        return postgres_log.read_range(self.source, r, self.conn)
+
+    def payloads(self, wanted: dict[int, list[int]]) -> dict[tuple[int, int], bytes | None]:
+        """``{(partition, offset): payload}`` of ``wanted`` (partition -> offsets). Offsets
+        close together are read as one range. A record the source no longer holds fails the
+        task: its letter could not keep its bytes."""
+        out: dict[tuple[int, int], bytes | None] = {}
+        for part, offs in wanted.items():
+            offs = sorted(set(offs))
+            first = 0
+            for i in range(1, len(offs) + 1):
+                if i < len(offs) and offs[i] - offs[i - 1] <= REFETCH_GAP:
+                    continue
+                need = pa.array(offs[first:i], pa.int64())
+                try:
+                    for batch in self._read(Range(part, offs[first], offs[i - 1] + 1)):
+                        hit = batch.filter(pc.is_in(batch.column("_tm_offset"), need))
+                        for off, payload in zip(hit.column("_tm_offset").to_pylist(),
+                                                hit.column("_tm_payload").to_pylist(),
+                                                strict=True):
+                            out[(part, off)] = payload
+                except TidemarkError as exc:
+                    raise TidemarkError(f"cannot read quarantined records' payloads again: "
+                                        f"{exc}") from None
+                first = i
+        gone = sorted((p, o) for p, offs in wanted.items() for o in offs if (p, o) not in out)
+        if gone:
+            more = f" and {len(gone) - 1:,} more" if len(gone) > 1 else ""
+            raise TidemarkError(f"source record {gone[0][0]}/{gone[0][1]}{more} is gone from "
+                                f"the source: its dead letter cannot keep its bytes")
+        return out
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def __enter__(self) -> PayloadReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def read_range(source: PostgresLogSource | FileArchiveSource, r: Range):
@@ -164,4 +192,4 @@ def dataframe(spark, pipeline: Pipeline, ranges: list[Range]):
 
 
 __all__ = ["SCHEMA", "SPARK_SCHEMA", "FileArchiveSource", "PostgresLogSource", "ReadJob",
-           "dataframe", "payload_source", "payloads", "planner", "read_range"]
+           "PayloadReader", "dataframe", "payload_source", "planner", "read_range"]
