@@ -22,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import psycopg
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,7 +29,14 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 from dotenv import load_dotenv  # noqa: E402
-from replay_bench import REPEAT, TABLE, pipeline_doc, reset  # noqa: E402
+from replay_bench import (  # noqa: E402
+    REPEAT,
+    TABLE,
+    noop_seconds,
+    pipeline_doc,
+    reset,
+    whole_table,
+)
 
 from tidemark import config  # noqa: E402
 from tidemark.core.settings import Settings  # noqa: E402
@@ -40,7 +46,6 @@ from tidemark.driver.run import Run  # noqa: E402
 from tidemark.engine import records  # noqa: E402
 from tidemark.engine.session import session  # noqa: E402
 from tidemark.ledger import migrations  # noqa: E402
-from tidemark.ledger.state import Range  # noqa: E402
 from tidemark.sources import dataframe  # noqa: E402
 
 
@@ -105,14 +110,8 @@ def main() -> None:
     write_job = max(new, key=lambda j: j["id"])  # the run's last job: its write tasks
     gx_jobs = sum(j["wall"] for j in new
                   if j is not write_job and not j["name"].startswith("count at"))
-    pipeline = config.load(folder / "bench_gate.yaml")
-    with psycopg.connect(source) as c:
-        ends = c.execute(f'SELECT "partition", max("offset") + 1 FROM {TABLE} GROUP BY 1')
-        parts = [Range(p, 0, e) for p, e in sorted(ends)]
-    t = time.perf_counter()
-    records.rows(dataframe(spark, pipeline, parts), pipeline).write.format("noop") \
-        .mode("overwrite").save()
-    noop = time.perf_counter() - t
+    pipeline, parts = config.load(folder / "bench_gate.yaml"), whole_table(source)
+    noop = noop_seconds(lambda: records.rows(dataframe(spark, pipeline, parts), pipeline))
     print(f"gate {gate_s:.1f} s = batch cache fill (read, decode, transform, cache) "
           f"{fill['seconds']:.1f} s + GX's Spark jobs {gx_jobs:.1f} s + outside any job "
           f"(GX in Python, Spark planning, ledger) {gate_s - fill['seconds'] - gx_jobs:.1f} s")

@@ -100,20 +100,28 @@ def timed_run(spark, folder: Path, name: str, settings: Settings, ledger_dsn: st
     return report.records, secs
 
 
+def whole_table(source_dsn: str, table: str = TABLE) -> list[Range]:
+    """Every record of a loaded source table, one range per partition."""
+    with psycopg.connect(source_dsn) as c:
+        ends = c.execute(f'SELECT "partition", max("offset") + 1 FROM {table} GROUP BY 1')
+        return [Range(p, 0, e) for p, e in sorted(ends)]
+
+
+def noop_seconds(frame) -> float:
+    """Wall seconds of writing ``frame()`` into Spark's no-op sink."""
+    t = time.perf_counter()
+    frame().write.format("noop").mode("overwrite").save()
+    return time.perf_counter() - t
+
+
 def upstream_split(spark, folder: Path, parts: list[Range]) -> dict[str, float]:
     """Wall seconds of the source read alone and of read + decode + transform, each into
     Spark's no-op sink: how a task's ``read_transform`` wait divides."""
     p = config.load(folder / "bench_eo.yaml")
-    out = {}
-    for label, frame in (("read", lambda: sources.dataframe(spark, p, parts)),
-                         ("read_decode", lambda: records.decode(
-                             sources.dataframe(spark, p, parts), p)),
-                         ("read_decode_transform", lambda: records.rows(
-                             sources.dataframe(spark, p, parts), p))):
-        t = time.perf_counter()
-        frame().write.format("noop").mode("overwrite").save()
-        out[label] = time.perf_counter() - t
-    return out
+    return {label: noop_seconds(frame) for label, frame in (
+        ("read", lambda: sources.dataframe(spark, p, parts)),
+        ("read_decode", lambda: records.decode(sources.dataframe(spark, p, parts), p)),
+        ("read_decode_transform", lambda: records.rows(sources.dataframe(spark, p, parts), p)))}
 
 
 def print_phases(split: dict[str, float]) -> None:
@@ -318,9 +326,7 @@ def main() -> None:
             pipeline_doc(name, delivery, limit, source, sink, gate, table, split_min),
             sort_keys=False))
     settings = Settings(ledger_dsn=ledger, pipelines_dir=folder, spark_master="local[2,4]")
-    with psycopg.connect(source) as c:
-        ends = dict(c.execute(f'SELECT "partition", max("offset") + 1 FROM {TABLE} GROUP BY 1'))
-    parts = [Range(p, 0, e) for p, e in sorted(ends.items())]
+    parts = whole_table(source)
 
     spark = session("local[2,4]", "tidemark-bench")
     # Warm the JVM's JIT, the Python workers and PostgreSQL's caches with one full, untimed
@@ -369,7 +375,7 @@ def main() -> None:
         fresh[name] = fresh_run(folder, name, env)
 
     print()
-    print(f"Tidemark replay benchmark: {sum(ends.values()):,} records, 4 partitions, "
+    print(f"Tidemark replay benchmark: {sum(r.end for r in parts):,} records, 4 partitions, "
           f"local[2,4], PostgreSQL 15 on 127.0.0.1, median of {args.reps}")
     print("| mode | records/s | vs Spark + plain COPY | vs raw COPY | runs (s) |")
     print("|---|---:|---:|---:|---|")
