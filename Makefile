@@ -11,7 +11,7 @@ PGDIR  := $(STATE)/pg
 ENVF   := $(STATE)/env
 UV_VERSION := 0.13.9
 
-.PHONY: help venv lock browser pg up down test lint bench chaos clean
+.PHONY: help venv spark-archive lock browser pg up down test lint bench chaos clean
 
 help:
 	@echo "make up     local PostgreSQL + ledger + demo data + Airflow (demo DAG unpaused)"
@@ -41,6 +41,10 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(BIN)/uv pip sync -q --python $(PY) requirements.txt
 	$(BIN)/uv pip install -q --python $(PY) --no-deps -e .
 	touch $@
+
+# The Spark driver JVM's class archive (tidemark/engine/cds.py): a no-op once built.
+spark-archive: venv
+	$(BIN)/tidemark spark archive
 
 # Recompile requirements.txt from pyproject.toml (every extra), keeping the current pins
 # unless they must move; `make lock UPGRADE=--upgrade` takes the newest allowed versions.
@@ -74,7 +78,7 @@ pg: venv
 	    "$$ledger" "$$ledger" "$$sink" > $(ENVF); \
 	fi
 
-up: pg
+up: pg spark-archive
 	$(BIN)/tidemark db upgrade
 	$(BIN)/tidemark demo load
 	$(BIN)/tidemark airflow up
@@ -89,10 +93,10 @@ down:
 lint: venv
 	$(BIN)/ruff check .
 
-test: venv browser lint
+test: venv browser lint spark-archive
 	$(BIN)/pytest
 
-bench: pg
+bench: pg spark-archive
 	$(BIN)/tidemark db upgrade
 	$(PY) bench/replay_bench.py
 	set -a && . $(ENVF) && set +a && $(PY) bench/dlq_bench.py

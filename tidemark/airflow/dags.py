@@ -35,6 +35,7 @@ from tidemark.airflow import POOL, assets
 from tidemark.airflow import tasks as airflow_tasks
 from tidemark.core.errors import BadInput, Halted
 from tidemark.core.text import clamp
+from tidemark.engine import cds
 
 # The spark-submit application, found in the installed package (not imported: it is the job).
 JOB = Path(importlib.util.find_spec("tidemark.cli.spark_job").origin)
@@ -158,8 +159,16 @@ def _spark(p: config.Pipeline, path: Path, args: list[str]) -> SparkSubmitOperat
         application_args=["--pipelines-dir", str(path.parent), *args,
                           "--airflow-run", AIRFLOW_RUN],
         driver_memory=p.airflow.driver_memory,
+        conf=_driver_conf(),
         pool=POOL,
     )
+
+
+def _driver_conf() -> dict[str, str]:
+    # spark-submit starts the driver's JVM before the job's Python, so the class archive of
+    # `tidemark spark archive` (if built on this machine) goes on its command line.
+    options = cds.java_options()
+    return {"spark.driver.extraJavaOptions": " ".join(options)} if options else {}
 
 
 def _recover(p: config.Pipeline, path: Path) -> PythonOperator:

@@ -97,6 +97,26 @@ def db_upgrade(ctx: Ctx) -> None:
     click.echo(f"ledger {mask(ctx.ledger_dsn)} at schema version {version}")
 
 
+# -- spark ----------------------------------------------------------------------------------
+@cli.group()
+def spark() -> None:
+    """The Spark driver of this machine."""
+
+
+@spark.command("archive")
+@click.option("--force", is_flag=True, help="Build it again even if it exists.")
+def spark_archive(force: bool) -> None:
+    """Build the driver JVM's class archive (once per machine, JVM and Spark version): every
+    run's Spark session then starts about 2 s sooner."""
+    from tidemark.engine import cds
+
+    have = cds.archive()
+    if force or have is None or not have.is_file():
+        click.echo("building the Spark class archive (about 30 s) ...", err=True)
+    path, took = cds.build(force=force)
+    click.echo(f"{path}: up to date" if took is None else f"{path}: built in {took:.0f} s")
+
+
 # -- pipelines ------------------------------------------------------------------------------
 @cli.group()
 def pipelines() -> None:

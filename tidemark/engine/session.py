@@ -16,7 +16,10 @@ PACKAGE = Path(__file__).resolve().parent.parent  # the tidemark package
 _SHIPPED: Path | None = None  # this process's zip of the tidemark package
 
 
-def session(master: str | None, app_name: str):
+def session(master: str | None, app_name: str, java_options: list[str] | None = None):
+    """Tidemark's SparkSession. The driver JVM's options (``java_options``, else the class
+    archive's, tidemark/engine/cds.py) apply when this process starts the JVM; under
+    spark-submit the JVM is up already and spark-submit's own options hold."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
@@ -26,8 +29,12 @@ def session(master: str | None, app_name: str):
     if master:
         builder = builder.master(master)
     log4j = f"-Dlog4j2.configurationFile=file:{LOG4J}"
+    if java_options is None:
+        from tidemark.engine import cds
+
+        java_options = cds.java_options()
     builder = (builder
-               .config("spark.driver.extraJavaOptions", log4j)
+               .config("spark.driver.extraJavaOptions", " ".join([log4j, *java_options]))
                .config("spark.executor.extraJavaOptions", log4j)
                .config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false")

@@ -1,0 +1,65 @@
+"""The Spark driver's class archive (tidemark/engine/cds.py): built once, atomically, and
+mapped by the JVM of every fresh run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+# A fresh process starts Tidemark's session and says whether its JVM maps the archive.
+PROBE = """
+import sys
+from pyspark import SparkContext
+from tidemark.engine.session import session
+spark = session("local[1]", "tidemark-cds-probe")
+pid = SparkContext._gateway.proc.pid  # spark-submit execs the JVM
+with open(f"/proc/{pid}/maps") as maps:
+    print("mapped" if sys.argv[1] in maps.read() else "unmapped")
+print(spark.range(3).count())
+"""
+
+
+def _tidemark(env, *args):
+    return subprocess.run([sys.executable, "-m", "tidemark", *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_the_class_archive_is_built_once_and_mapped_by_a_fresh_session(tmp_path):
+    env = {**os.environ, "TIDEMARK_SPARK_CDS_DIR": str(tmp_path)}
+    first = _tidemark(env, "spark", "archive")
+    assert first.returncode == 0, first.stderr
+    archives = list(tmp_path.iterdir())
+    assert len(archives) == 1 and archives[0].suffix == ".jsa"  # no temporary file left
+    jsa = archives[0]
+    assert first.stdout.strip().startswith(f"{jsa}: built in")
+    built = jsa.stat().st_mtime_ns
+
+    again = _tidemark(env, "spark", "archive")
+    assert again.returncode == 0 and again.stdout.strip() == f"{jsa}: up to date"
+    assert jsa.stat().st_mtime_ns == built
+
+    probe = subprocess.run([sys.executable, "-c", PROBE, str(jsa)], env=env, cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == ["mapped", "3"]  # and no JVM line on stdout
+
+    jsa.unlink()  # without it, a session starts as before
+    probe = subprocess.run([sys.executable, "-c", PROBE, str(jsa)], env=env, cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == ["unmapped", "3"]
+
+
+def test_airflow_passes_the_archive_to_spark_submit_when_built(tmp_path, monkeypatch):
+    from tidemark.airflow.dags import _driver_conf
+    from tidemark.engine import cds
+
+    monkeypatch.setenv("TIDEMARK_SPARK_CDS_DIR", str(tmp_path))
+    assert _driver_conf() == {}
+    cds.archive().write_bytes(b"")  # only its presence matters here
+    opts = _driver_conf()["spark.driver.extraJavaOptions"].split()
+    assert opts[0] == f"-XX:SharedArchiveFile={cds.archive()}"
+    assert "-Xlog:all=warning:stderr" in opts
