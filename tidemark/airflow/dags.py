@@ -35,7 +35,7 @@ from tidemark.airflow import POOL, assets
 from tidemark.airflow import tasks as airflow_tasks
 from tidemark.core.errors import BadInput, Halted
 from tidemark.core.text import clamp
-from tidemark.engine import cds
+from tidemark.engine.session import driver_java_options
 
 # The spark-submit application, found in the installed package (not imported: it is the job).
 JOB = Path(importlib.util.find_spec("tidemark.cli.spark_job").origin)
@@ -165,9 +165,10 @@ def _spark(p: config.Pipeline, path: Path, args: list[str]) -> SparkSubmitOperat
 
 
 def _driver_conf() -> dict[str, str]:
-    # spark-submit starts the driver's JVM before the job's Python, so the class archive of
-    # `tidemark spark archive` (if built on this machine) goes on its command line.
-    options = cds.java_options()
+    # spark-submit starts the driver's JVM before the job's Python, so the JVM options the
+    # session would give it (the class archive if built on this machine, the collector) go
+    # on spark-submit's command line.
+    options = driver_java_options()
     return {"spark.driver.extraJavaOptions": " ".join(options)} if options else {}
 
 

@@ -105,10 +105,10 @@ def _dump(tmp: Path) -> int:
     from pyspark import SparkContext
     from pyspark.sql import functions as F
 
-    from tidemark.engine.session import session
+    from tidemark.engine.session import gc_options, session
 
     spark = session("local[2]", "tidemark-cds",
-                    java_options=[_option("-XX:ArchiveClassesAtExit", tmp),
+                    java_options=[_option("-XX:ArchiveClassesAtExit", tmp), *gc_options(),
                                   "-Xlog:disable", "-Xlog:all=error:stderr"])
 
     def batches(it):

@@ -16,10 +16,27 @@ PACKAGE = Path(__file__).resolve().parent.parent  # the tidemark package
 _SHIPPED: Path | None = None  # this process's zip of the tidemark package
 
 
+def gc_options() -> list[str]:
+    """The driver JVM's collector. On at most 2 cores, Serial: G1 grows the heap under
+    allocation pressure, so the driver's peak RSS followed the run's size (a 2M-record run
+    40-70% above a 200,000-record one), and G1's concurrent threads take the cores the tasks
+    need. Serial keeps the heap at its initial size (within 6% from 200,000 to 10M records;
+    bench/replay_bench.py). On more cores the JVM's default (G1) collects in parallel."""
+    return ["-XX:+UseSerialGC"] if (os.cpu_count() or 1) <= 2 else []
+
+
+def driver_java_options() -> list[str]:
+    """The driver JVM's options: the class archive if built (tidemark/engine/cds.py) and the
+    collector. Airflow hands the same to spark-submit (tidemark/airflow/dags.py)."""
+    from tidemark.engine import cds
+
+    return cds.java_options() + gc_options()
+
+
 def session(master: str | None, app_name: str, java_options: list[str] | None = None):
-    """Tidemark's SparkSession. The driver JVM's options (``java_options``, else the class
-    archive's, tidemark/engine/cds.py) apply when this process starts the JVM; under
-    spark-submit the JVM is up already and spark-submit's own options hold."""
+    """Tidemark's SparkSession. The driver JVM's options (``java_options``, else
+    :func:`driver_java_options`) apply when this process starts the JVM; under spark-submit
+    the JVM is up already and spark-submit's own options hold."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
@@ -30,9 +47,7 @@ def session(master: str | None, app_name: str, java_options: list[str] | None = 
         builder = builder.master(master)
     log4j = f"-Dlog4j2.configurationFile=file:{LOG4J}"
     if java_options is None:
-        from tidemark.engine import cds
-
-        java_options = cds.java_options()
+        java_options = driver_java_options()
     builder = (builder
                .config("spark.driver.extraJavaOptions", " ".join([log4j, *java_options]))
                .config("spark.executor.extraJavaOptions", log4j)
