@@ -315,3 +315,18 @@ def test_the_gate_reads_only_the_columns_its_expectations_need(local_spark, flig
     good = gate._for_gx(df, [missing], "w")
     assert good.columns == ["_tm_partition", "_tm_offset", "origin", "distance", "unused"]
     good.unpersist()
+
+
+def test_the_batch_gate_reads_the_batch_less_exactly_its_failing_rows(flights, monkeypatch):
+    from tidemark.driver import gate
+
+    failures = {0: {7: "origin"}, 1: {42: "origin", 99: "distance"}}
+    every = {(r[0], r[1]) for r in flights.select("_tm_partition", "_tm_offset").collect()}
+    for limit in (gate.FILTER_MAX, 2):  # named in a filter; past the limit, an anti-join
+        monkeypatch.setattr(gate, "FILTER_MAX", limit)
+        left = gate._without(flights, failures)
+        plan = left._jdf.queryExecution().executedPlan().toString()
+        assert ("Broadcast" in plan) == (limit == 2)
+        kept = {(r[0], r[1]) for r in left.select("_tm_partition", "_tm_offset").collect()}
+        assert kept == every - {(0, 7), (1, 42), (1, 99)}
+    assert gate._without(flights, {}) is flights
