@@ -48,6 +48,7 @@ def test_the_class_archive_is_built_once_and_mapped_by_a_fresh_session(tmp_path)
                            capture_output=True, text=True, timeout=300)
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.split() == ["mapped", GC, "3"]  # and no JVM line on stdout
+    assert "log level" not in probe.stderr  # Spark's shell greeting (engine/log4j2.properties)
 
     jsa.unlink()  # without it, a session starts as before
     probe = subprocess.run([sys.executable, "-c", PROBE, str(jsa)], env=env, cwd=REPO,
