@@ -72,8 +72,11 @@ def session(master: str | None, app_name: str, java_options: list[str] | None = 
     if (master or _submitted_master()).startswith("local"):
         # Local Spark stays on loopback. On a cluster the executors connect back to the
         # driver: its address is spark-submit's (--conf spark.driver.host) or Spark's default.
+        # Its Python workers are this machine's, which import tidemark: their daemon
+        # imports PySpark from the installed package (tidemark/engine/worker_daemon.py).
         builder = (builder.config("spark.driver.bindAddress", "127.0.0.1")
-                   .config("spark.driver.host", "127.0.0.1"))
+                   .config("spark.driver.host", "127.0.0.1")
+                   .config("spark.python.daemon.module", "tidemark.engine.worker_daemon"))
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("TIDEMARK_SPARK_LOG_LEVEL", "ERROR"))
     # The master may come from the argument or from spark-submit: ask the started context.

@@ -1,0 +1,60 @@
+"""PySpark's workers import PySpark from the installed package, with its bytecode, not from
+Spark's zip (tidemark/engine/worker_daemon.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tidemark.engine.worker_daemon import installed_first
+
+
+def _zips(home: Path) -> list[str]:
+    lib = home / "python" / "lib"
+    lib.mkdir(parents=True)
+    zips = [lib / "pyspark.zip", lib / "py4j-0.10.9.9-src.zip"]
+    for z in zips:
+        z.write_bytes(b"")
+    return [str(z) for z in zips]
+
+
+def test_the_zips_inside_the_installed_pyspark_leave_the_path(tmp_path):
+    site = tmp_path / "site-packages"
+    (site / "py4j").mkdir(parents=True)
+    home = site / "pyspark"
+    zips = _zips(home)
+    (home / "__init__.py").write_text("")
+    path = [*zips, "/somewhere/else", str(site)]
+    assert installed_first(path) == ["/somewhere/else", str(site)]
+
+
+def test_a_spark_distribution_keeps_its_zips_first(tmp_path):
+    site = tmp_path / "site-packages"
+    (site / "pyspark").mkdir(parents=True)
+    (site / "pyspark" / "__init__.py").write_text("")
+    zips = _zips(tmp_path / "spark-4.0.1-bin-hadoop3")  # SPARK_HOME: a distribution
+    path = [*zips, str(site)]
+    assert installed_first(path) == path
+
+
+def test_py4j_keeps_its_zip_when_it_is_not_installed(tmp_path):
+    site = tmp_path / "site-packages"
+    home = site / "pyspark"
+    zips = _zips(home)
+    (home / "__init__.py").write_text("")
+    assert installed_first([*zips, str(site)]) == [zips[1], str(site)]
+
+
+def _where_pyspark_comes_from(_):
+    import sys
+
+    import pyspark
+
+    return [pyspark.__file__, *(p for p in sys.path if p.endswith(".zip"))]
+
+
+def test_a_local_sessions_workers_import_the_installed_pyspark(spark):
+    import pyspark
+
+    (seen,) = spark.sparkContext.parallelize([0], 1).map(_where_pyspark_comes_from).collect()
+    assert seen[0] == pyspark.__file__  # the driver's: site-packages, not the zip
+    assert not [p for p in seen[1:] if p.endswith("pyspark.zip")]
