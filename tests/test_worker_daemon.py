@@ -1,11 +1,11 @@
-"""PySpark's workers import PySpark from the installed package, with its bytecode, not from
-Spark's zip (tidemark/engine/worker_daemon.py)."""
+"""PySpark's workers and a spark-submit'd driver import PySpark from the installed package,
+with its bytecode, not from Spark's zip of it (tidemark/engine/pythonpath.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tidemark.engine.worker_daemon import installed_first
+from tidemark.engine.pythonpath import installed_first
 
 
 def _zips(home: Path) -> list[str]:

@@ -15,6 +15,9 @@ if __name__ == "__main__":
     here = Path(__file__).resolve().parent
     sys.path[:] = [p for p in sys.path if not p or Path(p).resolve() != here]
     os.environ["TIDEMARK_SPARK_MASTER"] = ""  # let spark-submit's --master stand
+    from tidemark.engine.pythonpath import installed_first
+
+    sys.path[:] = installed_first(sys.path)  # spark-submit put its zip of PySpark first
     from tidemark.cli.main import main
 
     main(sys.argv[1:])
