@@ -66,6 +66,10 @@ def session(master: str | None, app_name: str, java_options: list[str] | None = 
                # then runs interpreted. Falling back to per-expression code is 35% faster
                # (bench/replay_bench.py, decode and transform alone).
                .config("spark.sql.codegen.hugeMethodLimit", "8000")
+               # PySpark 4 sends the Python call site of every Column function to the JVM (five
+               # more round trips each) for the query context of ANSI runtime errors; ANSI is off
+               # and a run builds some 300 Columns: 0.5 s of every fresh run.
+               .config("spark.python.sql.dataFrameDebugging.enabled", "false")
                .config("spark.sql.redaction.string.regex", REDACT)
                .config("spark.redaction.regex", REDACT)
                .config("spark.driver.memory", os.environ.get("TIDEMARK_DRIVER_MEMORY", "3g")))

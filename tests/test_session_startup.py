@@ -1,5 +1,6 @@
-"""PySpark's workers and a spark-submit'd driver import PySpark from the installed package,
-with its bytecode, not from Spark's zip of it (tidemark/engine/pythonpath.py)."""
+"""What a fresh run's session saves at start-up: PySpark's workers and a spark-submit'd driver
+import PySpark from the installed package, with its bytecode, not from Spark's zip of it
+(tidemark/engine/pythonpath.py); building a Column costs no call-site round trips."""
 
 from __future__ import annotations
 
@@ -58,3 +59,10 @@ def test_a_local_sessions_workers_import_the_installed_pyspark(spark):
     (seen,) = spark.sparkContext.parallelize([0], 1).map(_where_pyspark_comes_from).collect()
     assert seen[0] == pyspark.__file__  # the driver's: site-packages, not the zip
     assert not [p for p in seen[1:] if p.endswith("pyspark.zip")]
+
+
+def test_building_a_column_sends_no_call_site_to_the_jvm(spark):
+    from pyspark.errors.utils import is_debugging_enabled
+
+    assert spark.conf.get("spark.python.sql.dataFrameDebugging.enabled") == "false"
+    assert not is_debugging_enabled()
