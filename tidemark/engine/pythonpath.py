@@ -14,8 +14,9 @@ import os
 
 
 def installed_first(path: list[str]) -> list[str]:
-    """``path`` less Spark's pyspark and py4j zips where both lie inside a pyspark package
-    whose parent folder is on ``path`` (pip's pyspark: the same modules, with bytecode)."""
+    """``path`` less Spark's pyspark zip where it lies inside a pyspark package whose parent
+    folder is on ``path`` (pip's pyspark: the same modules, with bytecode), and less py4j's zip
+    beside it where py4j is installed there too."""
     out = list(path)
     on_path = {os.path.realpath(p) for p in path}
     for zipped in path:

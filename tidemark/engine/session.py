@@ -68,7 +68,7 @@ def session(master: str | None, app_name: str, java_options: list[str] | None = 
                .config("spark.sql.codegen.hugeMethodLimit", "8000")
                # PySpark 4 sends the Python call site of every Column function to the JVM (five
                # more round trips each) for the query context of ANSI runtime errors; ANSI is off
-               # and a run builds some 300 Columns: 0.5 s of every fresh run.
+               # and a run builds some 300 Columns: 0.4 s of every fresh run.
                .config("spark.python.sql.dataFrameDebugging.enabled", "false")
                .config("spark.sql.redaction.string.regex", REDACT)
                .config("spark.redaction.regex", REDACT)
