@@ -9,6 +9,7 @@ import pytest
 
 from tests.invariants import assert_exactly_once
 from tests.proc import JobProcess
+from tidemark.core.errors import TidemarkError
 from tidemark.quality.docs import site_dir
 
 MAIN = {"name": "main", "table": "public.orders", "key": ["id"]}
@@ -68,6 +69,31 @@ def test_quarantine_batch_sends_the_whole_range_to_the_dlq_once_and_advances(env
                      "GROUP BY 1")
     assert dlq == [("dq_gate", 31, 1)]
     assert env.checkpoints() == {0: 15, 1: 16}
+    assert_exactly_once(env)
+
+
+def test_a_row_check_gx_cannot_run_aborts_the_run_and_places_nothing(env, spark):
+    # A bad regex fails GX's metric, not a row: the run stops with GX's reason, every record
+    # stays below no checkpoint, and the fixed pipeline then delivers the range once.
+    env.append_orders(range(20))
+    sink = {**MAIN, "dsn": env.sink_dsn}
+    env.pipeline(sinks=[sink], quality={"rows": [
+        {"expect_column_values_to_match_regex": {"column": "name", "regex": "order-("}}]})
+    with pytest.raises(TidemarkError, match=r"expect_column_values_to_match_regex\(column=name\)"
+                       r": GX could not evaluate it: PatternSyntaxException"):
+        env.run(spark)
+    (state, error), = env.ledger("SELECT state::text, error FROM tidemark.run_sinks")
+    assert state == "aborted" and "GX could not evaluate it: PatternSyntaxException" in error
+    assert _sink_rows(env) == 0
+    assert env.ledger("SELECT count(*) FROM tidemark.dlq") == [(0,)]
+    assert env.prepared() == []
+    assert set(env.checkpoints().values()) <= {0}
+
+    env.pipeline(sinks=[sink], quality={"rows": [
+        {"expect_column_values_to_match_regex": {"column": "name", "regex": "order-[0-9]+"}}]})
+    again = env.run(spark)
+    assert again.ok, again.summary()
+    assert _sink_rows(env) == 20
     assert_exactly_once(env)
 
 

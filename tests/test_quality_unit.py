@@ -175,6 +175,33 @@ def test_row_failures_over_limit_raises(flights):
         quality.row_failures(flights, exps, max_failures=10)
 
 
+CANNOT_RUN = [
+    ({"expect_column_values_to_match_regex": {"column": "origin", "regex": "("}},
+     "expect_column_values_to_match_regex(column=origin): GX could not evaluate it: "
+     "PatternSyntaxException: Unclosed group near index 1"),
+    ({"expect_column_values_to_be_in_set": {"column": "nope", "value_set": ORIGINS}},
+     'expect_column_values_to_be_in_set(column=nope): GX could not evaluate it: The column '
+     '"nope" in BatchData does not exist.'),
+    ({"expect_column_values_to_be_between": {"column": "origin", "min_value": 1}},
+     "expect_column_values_to_be_between(column=origin): GX could not evaluate it: "
+     "ColumnValuesBetween metrics cannot be computed on column of type StringType()."),
+]
+
+
+@pytest.mark.parametrize("item, message", CANNOT_RUN)
+def test_an_expectation_gx_cannot_evaluate_is_an_error_not_a_verdict(flights, item, message):
+    # GX reports a failed metric (a bad regex, a missing column, a type it cannot compare)
+    # under the metric's id: a row check that could not run must not pass every row, and a
+    # gate must say why rather than fail with "observed null".
+    exps = _parse([IN_SET, item])
+    with pytest.raises(TidemarkError) as rows:
+        quality.row_failures(flights, exps)
+    assert str(rows.value) == message
+    with pytest.raises(TidemarkError) as batch:
+        quality.gate(flights, exps, None, "cannot-run")
+    assert str(batch.value) == message
+
+
 # --- gate ------------------------------------------------------------------------------------
 
 

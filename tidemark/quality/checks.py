@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,40 @@ def _suite(name: str, expectations: list):
 def _validate(df, suite, result_format):
     batch = _batch_definition().get_batch(batch_parameters={"dataframe": df})
     return batch, batch.validate(suite, result_format=result_format)
+
+
+def _gx_error(result) -> str | None:
+    """Why GX could not evaluate an expectation, as one line, or None. GX reports an error of
+    the expectation itself at the top of ``exception_info`` and an error of one of its metrics
+    (a missing column, a bad regex, a type Spark cannot compare) under that metric's id."""
+    info = result.exception_info or {}
+    for err in [info, *(v for v in info.values() if isinstance(v, dict))]:
+        if err.get("raised_exception"):
+            return clamp(_cause(str(err.get("exception_message") or "")), 300)
+    return None
+
+
+def _cause(message: str) -> str:
+    """The innermost exception of a message: a failed Spark job's comes wrapped by py4j and
+    by Spark's job abort, on one line ("...: java.util.regex.PatternSyntaxException: ...")."""
+    lines = [x.strip() for x in message.strip().splitlines() if x.strip()]
+    if lines and lines[0].startswith("An error occurred while calling"):
+        lines = lines[1:]
+    if not lines:
+        return "no message"
+    starts = [m.start() for m in re.finditer(r"[\w$]+(?:Exception|Error): ", lines[0])]
+    return lines[0][starts[-1]:] if starts else lines[0].removeprefix("Error: ")
+
+
+def _evaluated(result) -> None:
+    """Raises when GX could not evaluate the expectation of ``result``: an expectation that
+    cannot run is a pipeline error, never a verdict on the data (a row check that failed to
+    run must not pass every row)."""
+    err = _gx_error(result)
+    if err is not None:
+        cfg = result.expectation_config
+        raise TidemarkError(f"{cfg.type}({_domain(dict(cfg.kwargs))}): GX could not evaluate "
+                            f"it: {err}")
 
 
 def _json_safe(value):
@@ -131,11 +166,7 @@ def row_failures(df, expectations: list, max_failures: int = 100_000) -> dict[tu
     failing = []
     for r in first.results:
         cfg = r.expectation_config
-        if r.exception_info and r.exception_info.get("raised_exception"):
-            raise TidemarkError(
-                f"{cfg.type}({_domain(dict(cfg.kwargs))}): GX could not evaluate it: "
-                f"{clamp(str(r.exception_info.get('exception_message')), 300)}"
-            )
+        _evaluated(r)
         if r.success:
             continue
         count = (r.result or {}).get("unexpected_count") or 0
@@ -155,7 +186,8 @@ def row_failures(df, expectations: list, max_failures: int = 100_000) -> dict[tu
     }
     _, res = _validate(df, _suite("tidemark-rows-failing", failing), result_format)
     failures: dict[tuple[int, int], str] = {}
-    for r in res.results:  # pass 1 already checked errors and per-expectation counts
+    for r in res.results:  # pass 1 already checked per-expectation counts
+        _evaluated(r)
         cfg = r.expectation_config
         etype, kwargs = cfg.type, dict(cfg.kwargs)
         for row in (r.result or {}).get("unexpected_index_list") or []:
@@ -191,6 +223,7 @@ def gate(df, expectations: list, docs_dir: str | None, label: str) -> GateOutcom
     batch, res = _validate(df, suite, {"result_format": "SUMMARY"})
     results = []
     for r in res.results:
+        _evaluated(r)
         cfg = r.expectation_config
         result = r.result or {}
         item: dict[str, Any] = {
@@ -202,8 +235,6 @@ def gate(df, expectations: list, docs_dir: str | None, label: str) -> GateOutcom
         for k in ("unexpected_count", "unexpected_percent"):
             if k in result:
                 item[k] = _json_safe(result[k])
-        if r.exception_info and r.exception_info.get("raised_exception"):
-            item["exception"] = clamp(str(r.exception_info.get("exception_message")), 300)
         results.append(item)
     docs_path = _render_docs(docs_dir, label, batch.id, res) if docs_dir else None
     return GateOutcome(
