@@ -30,7 +30,10 @@ $(BIN)/uv:
 # Exactly the lock: `uv pip sync` resolves nothing (so nothing re-adds a package the lock
 # excludes) and removes what the lock does not list. Removing pyspark-client from a venv made
 # before the lock excluded it deletes files it shared with pyspark: reinstall pyspark first.
-$(VENV)/.installed: requirements.txt pyproject.toml
+# --compile-bytecode: uv leaves no .pyc, and where PYTHONDONTWRITEBYTECODE is set (CI, many
+# container images) every run, Spark worker and DAG parse compiled GX, pandas and PySpark from
+# source again: 3.3 s of GX's import alone (docs/operations.md, "Start-up").
+$(VENV)/.installed: requirements.txt pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check uv==$(UV_VERSION)
 	if $(BIN)/uv pip show -q --python $(PY) pyspark-client; then \
@@ -38,7 +41,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	  $(BIN)/uv pip install -q --python $(PY) --no-deps --reinstall-package pyspark \
 	    -r requirements.txt; \
 	fi
-	$(BIN)/uv pip sync -q --python $(PY) requirements.txt
+	$(BIN)/uv pip sync -q --compile-bytecode --python $(PY) requirements.txt
 	$(BIN)/uv pip install -q --python $(PY) --no-deps -e .
 	touch $@
 

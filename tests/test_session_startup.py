@@ -4,6 +4,7 @@ import PySpark from the installed package, with its bytecode, not from Spark's z
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from tidemark.engine.pythonpath import installed_first
@@ -66,3 +67,15 @@ def test_building_a_column_sends_no_call_site_to_the_jvm(spark):
 
     assert spark.conf.get("spark.python.sql.dataFrameDebugging.enabled") == "false"
     assert not is_debugging_enabled()
+
+
+def test_the_heavy_imports_of_a_run_find_their_bytecode():
+    # `make` compiles the venv at install: with PYTHONDONTWRITEBYTECODE set (CI, container
+    # images) nothing else would, and every fresh run compiled these from source (GX: 3.3 s).
+    import great_expectations
+    import pandas
+    import pyarrow
+    import pyspark.sql
+
+    for module in (great_expectations, pandas, pyarrow, pyspark.sql):
+        assert Path(importlib.util.cache_from_source(module.__file__)).is_file(), module.__name__
