@@ -251,6 +251,22 @@ def test_gate_failure_reports_failing_expectations(flights):
     assert ok and ok[0]["kwargs"]["column"] == "_tm_offset"
     assert ok[0]["unexpected_count"] == 0
     assert out.raw["success"] is False
+    # A failed gate is read by people: its result lists GX's sample values, which a passing
+    # gate does not spend Spark jobs on.
+    unique = next(r["result"] for r in out.raw["results"]
+                  if r["expectation_config"]["type"] == "expect_column_values_to_be_unique")
+    assert set(unique["partial_unexpected_list"]) <= set(ORIGINS)
+    assert len(unique["partial_unexpected_list"]) == 20
+
+
+def test_a_passing_gate_lists_no_sample_values(flights):
+    mostly = {"expect_column_values_to_be_in_set": {"column": "origin", "value_set": ORIGINS,
+                                                    "mostly": 0.9}}
+    out = quality.gate(flights, _parse([mostly]), None, "flights-run-3-warehouse")
+    assert out.success is True
+    (result,) = [r["result"] for r in out.raw["results"]]
+    assert result["unexpected_count"] == 2
+    assert result.get("partial_unexpected_list", []) == []
 
 
 def test_gate_empty_does_not_start_gx(monkeypatch):
