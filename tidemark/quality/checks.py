@@ -224,6 +224,8 @@ def gate(df, expectations: list, docs_dir: str | None, label: str) -> GateOutcom
     # that passes is not read value by value. A failed one is: it runs again with them, for
     # its results and its Data Docs page.
     batch, res = _validate(df, suite, {"result_format": "SUMMARY", "partial_unexpected_count": 0})
+    for r in res.results:
+        _evaluated(r)  # first: an expectation GX cannot run is not worth a second validation
     if not res.success:
         batch, res = _validate(df, suite, {"result_format": "SUMMARY"})
     results = []
