@@ -273,7 +273,7 @@ def test_gate_empty_does_not_start_gx(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("GX started")
 
-    monkeypatch.setattr(quality, "_validate", boom)
+    monkeypatch.setattr(quality, "validate", boom)
     out = quality.gate(None, [], "/nonexistent/never", "x")
     assert out.success is True and out.results == [] and out.docs_path is None
 
@@ -349,15 +349,12 @@ def test_the_gate_reads_only_the_columns_its_expectations_need(local_spark, flig
                                                                    "min_value": 0}}])
     good = gate._for_gx(df, [narrow], "w")
     assert good.columns == ["_tm_partition", "_tm_offset", "distance"]
-    good.unpersist()
     table = Quality(batch=[{"expect_table_column_count_to_equal": {"value": 4}}])
     good = gate._for_gx(df, [narrow, table], "w")
     assert good.columns == ["_tm_partition", "_tm_offset", "origin", "distance", "unused"]
-    good.unpersist()
     missing = Quality(rows=[{"expect_column_values_to_not_be_null": {"column": "nope"}}])
     good = gate._for_gx(df, [missing], "w")
     assert good.columns == ["_tm_partition", "_tm_offset", "origin", "distance", "unused"]
-    good.unpersist()
 
 
 def test_the_batch_gate_reads_the_batch_less_exactly_its_failing_rows(flights, monkeypatch):

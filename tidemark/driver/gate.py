@@ -25,7 +25,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import psycopg
-from pyspark import StorageLevel
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
@@ -97,23 +96,25 @@ def in_ranges(df: DataFrame, ranges: list[Range]) -> DataFrame:
 def _check(df: DataFrame, q: Quality, label: str, docs_dir: str
            ) -> tuple[Failures, quality.GateOutcome]:
     failures: Failures = {}
-    if q.rows:
-        rows = expectations.parse_expectations(q.rows, label, "quality.rows")
-        for (p, o), reason in quality.row_failures(df, rows).items():
-            failures.setdefault(p, {})[o] = reason
+    rows = expectations.parse_expectations(q.rows, label, "quality.rows") if q.rows else []
     batch = expectations.parse_expectations(q.batch, label, "quality.batch")
-    outcome = quality.gate(_without(df, failures), batch, docs_dir, label)
+    first = quality.first_passes(df, rows, batch, label)
+    if rows:
+        for (p, o), reason in quality.row_failures(df, rows, first=first).items():
+            failures.setdefault(p, {})[o] = reason
+    gate_first = first.gate if first else None
+    if first and first.rows and any(r.success and (r.result or {}).get("unexpected_count")
+                                    for r in first.rows.results):
+        gate_first = None  # a passing row expectation's unexpected rows stay in the batch
+    outcome = quality.gate(_without(df, failures), batch, docs_dir, label, first=gate_first)
     return failures, outcome
 
 
 def _for_gx(df: DataFrame, checks: list[Quality], where: str) -> DataFrame:
-    """The rows GX reads: decoded, with their index, cached narrow.
-
-    Only the columns the expectations read (all output columns if one may read the whole
-    table): GX's many scans then read a fraction of the batch, and building this second
-    cache costs little. It is filled by GX's first job, with the full batch cache it derives
-    from.
-    """
+    """The rows GX reads: decoded, with their index, and only the columns the expectations
+    read (all output columns if one may read the whole table). No cache of its own: the
+    expectations' counts take one scan of the batch cache (tidemark/quality/aggregates.py),
+    which reads only these columns."""
     outputs = [c for c in df.columns if not c.startswith(META_PREFIX)]
     used: set[str] | None = set()
     for q in checks:
@@ -123,17 +124,17 @@ def _for_gx(df: DataFrame, checks: list[Quality], where: str) -> DataFrame:
     # A column the batch lacks: keep them all, so that GX itself reports it.
     keep = outputs if used is None or not used <= set(outputs) else \
         [c for c in outputs if c in used]
-    return (df.where(F.col(ERR_CLASS).isNull()).select(PARTITION, OFFSET, *keep)
-            .persist(StorageLevel.MEMORY_AND_DISK))
+    return df.where(F.col(ERR_CLASS).isNull()).select(PARTITION, OFFSET, *keep)
 
 
 @contextmanager
 def _many_small_queries(spark):
     """Spark settings for GX's metric queries, restored afterwards.
 
-    GX asks a few dozen one-row questions of the cached batch. Adaptive execution splits each
-    into two jobs and plans it twice; a limited collect that finds few rows (GX's unexpected
-    values, usually none) scans its partitions in one job instead of growing in steps.
+    The gate asks one-row questions of the cached batch (a few dozen when GX computes a suite
+    itself). Adaptive execution splits each into two jobs and plans it twice; a limited collect
+    that finds few rows (the failing rows, GX's unexpected values) scans its partitions in one
+    job instead of growing in steps.
     """
     conf = {"spark.sql.adaptive.enabled": "false",
             "spark.sql.limit.initialNumPartitions": str(2**31 - 1)}
@@ -155,12 +156,9 @@ def evaluate(pipeline: Pipeline, df: DataFrame, run_id: int, sink_ranges: dict[s
     """``policy`` overrides the pipeline's ``on_gate_failure`` (a re-delivery halts)."""
     checks = [pipeline.quality] + [s.quality for s in pipeline.sinks if s.name in sink_ranges]
     good = _for_gx(df, checks, f"pipeline {pipeline.name}")
-    try:
-        with _many_small_queries(df.sparkSession):
-            return _evaluate(pipeline, good, run_id, sink_ranges, ledger, docs_dir,
-                             policy or pipeline.quality.on_gate_failure)
-    finally:
-        good.unpersist()
+    with _many_small_queries(df.sparkSession):
+        return _evaluate(pipeline, good, run_id, sink_ranges, ledger, docs_dir,
+                         policy or pipeline.quality.on_gate_failure)
 
 
 def _evaluate(pipeline: Pipeline, good: DataFrame, run_id: int,

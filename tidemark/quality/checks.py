@@ -19,50 +19,15 @@ from typing import Any
 
 from tidemark.core.errors import TidemarkError
 from tidemark.core.text import clamp, shown
+from tidemark.quality import aggregates
 from tidemark.quality.docs import _render_docs, _safe_name
 from tidemark.quality.expectations import VALUE_REPR_MAX as _VALUE_REPR_MAX
-from tidemark.quality.expectations import _gx, is_row_level
-from tidemark.quality.expectations import lock as _lock
+from tidemark.quality.expectations import is_row_level
+from tidemark.quality.validation import suite, validate
 
 PARTITION_COL = "_tm_partition"
 OFFSET_COL = "_tm_offset"
 _INDEX_COLS = [PARTITION_COL, OFFSET_COL]
-_state: dict[str, Any] = {}
-
-
-def _batch_definition():
-    """The process-wide ephemeral context's Spark whole-dataframe batch definition."""
-    with _lock:
-        bd = _state.get("batch_definition")
-        if bd is None:
-            gx = _gx()
-            from great_expectations.data_context.types.base import ProgressBarsConfig
-
-            ctx = gx.get_context(mode="ephemeral")
-            ctx.variables.progress_bars = ProgressBarsConfig(globally=False)
-            # persist=False: the caller caches the DataFrame; GX must not persist (and leak) it.
-            ds = ctx.data_sources.add_spark(name="tidemark", persist=False)
-            asset = ds.add_dataframe_asset(name="records")
-            bd = asset.add_batch_definition_whole_dataframe("whole")
-            _state["context"] = ctx
-            _state["batch_definition"] = bd
-        return bd
-
-
-def _suite(name: str, expectations: list):
-    """A fresh ExpectationSuite holding copies of the expectations (caller's objects untouched)."""
-    _batch_definition()  # the suite resolves GX's current context; make sure it exists
-    gx = _gx()
-    copies = [exp.copy(deep=True, update={"id": None}) for exp in expectations]
-    suite = gx.ExpectationSuite(name=name, expectations=copies)
-    if len(suite.expectations) != len(copies):
-        raise TidemarkError(f"GX rejected an expectation of suite {name!r} (see the log)")
-    return suite
-
-
-def _validate(df, suite, result_format):
-    batch = _batch_definition().get_batch(batch_parameters={"dataframe": df})
-    return batch, batch.validate(suite, result_format=result_format)
 
 
 def _gx_error(result) -> str | None:
@@ -148,23 +113,32 @@ def _reason(etype: str, kwargs: dict, row: dict) -> str:
     return f"{head}: unexpected values {shown(values, _VALUE_REPR_MAX)}"
 
 
-def row_failures(df, expectations: list, max_failures: int = 100_000) -> dict[tuple[int, int], str]:
+ROWS_FIRST = {"result_format": "SUMMARY", "partial_unexpected_count": 0}
+GATE_FIRST = {"result_format": "SUMMARY", "partial_unexpected_count": 0}
+
+
+def row_failures(df, expectations: list, max_failures: int = 100_000,
+                 first: FirstPasses | None = None) -> dict[tuple[int, int], str]:
     """Failing rows of the row-level expectations: ``{(partition, offset): reason}``.
 
-    All row-level expectations run as one GX suite on ``df``; failing rows are identified by GX's
-    ``unexpected_index_column_names``.  The first failing expectation (in the given order) gives a
-    row's reason.  Raises :class:`TidemarkError` when more than ``max_failures`` rows fail.
+    All row-level expectations run as one GX suite on ``df``; failing rows are those GX finds
+    unexpected. A row's reason is its first failing expectation's, in the order GX reports them.
+    Raises :class:`TidemarkError` when more than ``max_failures`` rows fail. ``first``: the
+    suite's first pass and conditions, if :func:`first_passes` computed them.
     """
     row_level = [e for e in expectations if is_row_level(e)]
     if not row_level:
         return {}
-    # Pass 1, SUMMARY: GX bundles the counts of every expectation into few Spark jobs. Only
-    # the expectations that failed pay for pass 2, which lists their failing rows; the limit
-    # is checked before any row index reaches the driver.
-    _, first = _validate(df, _suite("tidemark-rows", row_level),
-                         {"result_format": "SUMMARY", "partial_unexpected_count": 0})
+    # Pass 1, SUMMARY: the counts of every expectation. Only the expectations that failed pay
+    # for pass 2, which lists their failing rows; the limit is checked before any row index
+    # reaches the driver.
+    if first is not None and first.rows is not None:
+        res, conditions = first.rows, first.conditions
+    else:
+        _, res = validate(df, suite("tidemark-rows", row_level), ROWS_FIRST)
+        conditions = {}
     failing = []
-    for r in first.results:
+    for r in res.results:
         cfg = r.expectation_config
         _evaluated(r)
         if r.success:
@@ -175,16 +149,20 @@ def row_failures(df, expectations: list, max_failures: int = 100_000) -> dict[tu
                 f"{cfg.type}({_domain(dict(cfg.kwargs))}): {count} rows fail, more than the "
                 f"{max_failures} allowed for quarantine"
             )
-        failing.append(cfg.to_domain_obj())
+        failing.append(cfg)
     if not failing:
         return {}
+    if conditions:
+        return _listed(df, failing, [conditions[aggregates.key(c)] for c in failing],
+                       max_failures)
     result_format = {
         "result_format": "COMPLETE",
         "unexpected_index_column_names": list(_INDEX_COLS),
         "return_unexpected_index_query": False,
         "partial_unexpected_count": 0,
     }
-    _, res = _validate(df, _suite("tidemark-rows-failing", failing), result_format)
+    _, res = validate(df, suite("tidemark-rows-failing", [c.to_domain_obj() for c in failing]),
+                      result_format)
     failures: dict[tuple[int, int], str] = {}
     for r in res.results:  # pass 1 already checked per-expectation counts
         _evaluated(r)
@@ -194,12 +172,46 @@ def row_failures(df, expectations: list, max_failures: int = 100_000) -> dict[tu
             key = (int(row[PARTITION_COL]), int(row[OFFSET_COL]))
             if key not in failures:
                 failures[key] = _reason(etype, kwargs, row)
-        if len(failures) > max_failures:
-            raise TidemarkError(
-                f"{len(failures)} rows fail row-level expectations, more than the "
-                f"{max_failures} allowed for quarantine"
-            )
+        _limit(len(failures), max_failures)
     return failures
+
+
+def _listed(df, configs: list, conditions: list, max_failures: int
+            ) -> dict[tuple[int, int], str]:
+    """Pass 2 on GX's own conditions: the failing rows of every failing expectation in one
+    Spark job, each with its first expectation's reason (as GX's unexpected index lists)."""
+    from pyspark.sql import functions as F
+
+    read = [_columns_of(dict(c.kwargs)) for c in configs]
+    columns = list(dict.fromkeys(c for cols in read for c in cols))
+    hit = conditions[0]
+    for c in conditions[1:]:
+        hit = hit | c
+    flags = [c.alias(f"_tm_unexpected{k}") for k, c in enumerate(conditions)]
+    rows = (df.where(hit).select(*_INDEX_COLS, *[F.col(c) for c in columns], *flags)
+            .limit(max_failures + 1).collect())
+    _limit(len(rows), max_failures, "+")
+    failures: dict[tuple[int, int], str] = {}
+    for row in rows:
+        k = next(k for k in range(len(configs)) if row[f"_tm_unexpected{k}"])
+        values = {c: row[c] for c in (*_INDEX_COLS, *read[k])}
+        failures[(int(row[PARTITION_COL]), int(row[OFFSET_COL]))] = _reason(
+            configs[k].type, dict(configs[k].kwargs), values)
+    return failures
+
+
+def _columns_of(kwargs: dict) -> list[str]:
+    if "column" in kwargs:
+        return [kwargs["column"]]
+    if "column_A" in kwargs:
+        return [kwargs["column_A"], kwargs["column_B"]]
+    return list(kwargs.get("column_list") or [])
+
+
+def _limit(failed: int, max_failures: int, more: str = "") -> None:
+    if failed > max_failures:
+        raise TidemarkError(f"{failed}{more} rows fail row-level expectations, more than the "
+                            f"{max_failures} allowed for quarantine")
 
 
 @dataclass
@@ -215,19 +227,24 @@ class GateOutcome:
         return [r for r in self.results if not r["success"]]
 
 
-def gate(df, expectations: list, docs_dir: str | None, label: str) -> GateOutcome:
-    """Run the batch-level expectations as one GX suite over ``df``; optionally render Data Docs."""
+def gate(df, expectations: list, docs_dir: str | None, label: str, first=None
+         ) -> GateOutcome:
+    """Run the batch-level expectations as one GX suite over ``df``; optionally render Data Docs.
+    ``first``: the suite and its first (batch, result), if :func:`evaluate` computed them."""
     if not expectations:
         return GateOutcome(success=True)
-    suite = _suite(_safe_name(label), expectations)
     # No sample values at first: listing them takes a Spark job per expectation, and a gate
     # that passes is not read value by value. A failed one is: it runs again with them, for
     # its results and its Data Docs page.
-    batch, res = _validate(df, suite, {"result_format": "SUMMARY", "partial_unexpected_count": 0})
+    if first is None:
+        gate_suite = suite(_safe_name(label), expectations)
+        batch, res = validate(df, gate_suite, GATE_FIRST)
+    else:
+        gate_suite, (batch, res) = first
     for r in res.results:
         _evaluated(r)  # first: an expectation GX cannot run is not worth a second validation
     if not res.success:
-        batch, res = _validate(df, suite, {"result_format": "SUMMARY"})
+        batch, res = validate(df, gate_suite, {"result_format": "SUMMARY"})
     results = []
     for r in res.results:
         _evaluated(r)
@@ -250,3 +267,54 @@ def gate(df, expectations: list, docs_dir: str | None, label: str) -> GateOutcom
         raw=_json_safe(res.to_json_dict()),
         docs_path=docs_path,
     )
+
+
+@dataclass
+class FirstPasses:
+    """What :func:`first_passes` computed: the row suite's first pass with GX's unexpected
+    condition of each of its expectations, and the gate's suite with its first (batch,
+    result)."""
+
+    rows: Any = None
+    conditions: dict = field(default_factory=dict)
+    gate: tuple | None = None
+
+
+def first_passes(df, rows: list, batch: list, label: str) -> FirstPasses | None:
+    """The first passes of the row-level expectations over ``df`` and of the batch gate over
+    the rows none of them finds unexpected, from one Spark job (tidemark/quality/aggregates.py),
+    for :func:`row_failures` and :func:`gate`. None when a metric is not an aggregate known
+    there: GX then computes each suite itself."""
+    rows = [e for e in rows if is_row_level(e)]
+    if not rows and not batch:
+        return None
+    row_suite = suite("tidemark-rows", rows) if rows else None
+    gate_suite = suite(_safe_name(label), batch) if batch else None
+    row_plan = aggregates.plan(df, row_suite, ROWS_FIRST, None, "r", conditions=True) \
+        if rows else None
+    if rows and (row_plan is None or any(aggregates.key(e.configuration) not in
+                                         row_plan.conditions for e in rows)):
+        return None
+    kept = None
+    if row_plan is not None:
+        unexpected = None
+        for c in row_plan.conditions.values():
+            unexpected = c if unexpected is None else unexpected | c
+        kept = ~unexpected
+    gate_plan = aggregates.plan(df, gate_suite, GATE_FIRST, kept, "g") if batch else None
+    if batch and gate_plan is None:
+        return None
+    columns = [*(row_plan.columns if row_plan else []), *(gate_plan.columns if gate_plan else [])]
+    try:
+        row = df.agg(*columns).first()
+    except Exception:  # GX, computing it itself, says which expectation and why
+        return None
+    out = FirstPasses()
+    if row_plan is not None:
+        out.rows, out.conditions = aggregates.judge(row_plan, row, "r")[1], row_plan.conditions
+    if gate_plan is not None:
+        out.gate = (gate_suite, aggregates.judge(gate_plan, row, "g"))
+    for res in (out.rows, out.gate[1][1] if out.gate else None):
+        if res is not None and any(_gx_error(r) for r in res.results):
+            return None
+    return out
