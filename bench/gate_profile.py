@@ -6,8 +6,8 @@ its wall time, its stages' task time and the Python line that started it (a GX m
 cache fill, ...), grouped by that line. Spark's status store keeps the job list whether or not
 the UI runs, so nothing here changes the session's settings.
 
-The batch cache is filled by a count of its own just before the gate (in a gated run GX's first
-metric job fills it), so that the cache fill, GX's metric jobs and the driver's share (the gate
+The batch cache is filled by a count of its own just before the gate (in a gated run the gate's
+first job fills it), so that the cache fill, the gate's jobs and the driver's share (the gate
 step's time outside any Spark job: GX in Python, Spark planning, the ledger) show apart.
 
     .venv/bin/python bench/gate_profile.py
@@ -113,7 +113,7 @@ def main() -> None:
     pipeline, parts = config.load(folder / "bench_gate.yaml"), whole_table(source)
     noop = noop_seconds(lambda: records.rows(dataframe(spark, pipeline, parts), pipeline))
     print(f"gate {gate_s:.1f} s = batch cache fill (read, decode, transform, cache) "
-          f"{fill['seconds']:.1f} s + GX's Spark jobs {gx_jobs:.1f} s + outside any job "
+          f"{fill['seconds']:.1f} s + the checks' Spark jobs {gx_jobs:.1f} s + outside any job "
           f"(GX in Python, Spark planning, ledger) {gate_s - fill['seconds'] - gx_jobs:.1f} s")
     print(f"the same read, decode and transform into Spark's no-op sink: {noop:.1f} s "
           f"(the cache itself: {fill['seconds'] - noop:.1f} s)")

@@ -174,3 +174,22 @@ def test_more_failing_rows_than_allowed_stops_before_listing_them_all(batch):
                               "allowed for quarantine")
     with pytest.raises(TidemarkError, match="114 rows fail row-level expectations"):
         quality.row_failures(batch, rows, max_failures=100)  # GX's own lists: all of them
+
+
+def test_a_sigterm_during_the_one_job_stops_the_run(batch, monkeypatch):
+    from pyspark.sql.classic.dataframe import DataFrame
+
+    from tidemark.core.errors import Terminated
+
+    checks = expectations.parse_expectations(GATE, "w", "quality.batch")
+    for exc, stops in ((Terminated("SIGTERM before the decision"), True),
+                       (RuntimeError("executor lost"), False)):
+        def fail(self, exc=exc):
+            raise exc
+        with monkeypatch.context() as m:
+            m.setattr(DataFrame, "first", fail)
+            if stops:
+                with pytest.raises(Terminated):
+                    quality.first_passes(batch, [], checks, "x")
+            else:  # GX computes the suite itself, and says what fails
+                assert quality.first_passes(batch, [], checks, "x") is None

@@ -307,6 +307,8 @@ def first_passes(df, rows: list, batch: list, label: str) -> FirstPasses | None:
     columns = [*(row_plan.columns if row_plan else []), *(gate_plan.columns if gate_plan else [])]
     try:
         row = df.agg(*columns).first()
+    except TidemarkError:  # SIGTERM (Terminated) and the like: never swallowed
+        raise
     except Exception:  # GX, computing it itself, says which expectation and why
         return None
     out = FirstPasses()
