@@ -202,7 +202,8 @@ def row_verdicts(pipeline: Pipeline, df: DataFrame, sink: str, label: str) -> Fa
     for q in (pipeline.quality, pipeline.sink(sink).quality):
         if q.rows:
             rows = expectations.parse_expectations(q.rows, label, "quality.rows")
-            for (p, o), reason in quality.row_failures(good, rows).items():
+            first = quality.first_passes(good, rows, [], label)
+            for (p, o), reason in quality.row_failures(good, rows, first=first).items():
                 out.setdefault(p, {}).setdefault(o, reason)
     return out
 
