@@ -200,6 +200,14 @@ def test_an_expectation_gx_cannot_evaluate_is_an_error_not_a_verdict(flights, it
     with pytest.raises(TidemarkError) as batch:
         quality.gate(flights, exps, None, "cannot-run")
     assert str(batch.value) == message
+    # As a run checks: the one job of tidemark/quality/aggregates.py fails or is never
+    # planned, and GX, computing the suite itself, says why.
+    from tidemark.config import Quality
+    from tidemark.driver import gate
+
+    with pytest.raises(TidemarkError) as run:
+        gate._check(flights, Quality(rows=[IN_SET, item], batch=[DIST]), "cannot-run", None)
+    assert str(run.value) == message
 
 
 # --- gate ------------------------------------------------------------------------------------

@@ -102,11 +102,8 @@ def _check(df: DataFrame, q: Quality, label: str, docs_dir: str
     if rows:
         for (p, o), reason in quality.row_failures(df, rows, first=first).items():
             failures.setdefault(p, {})[o] = reason
-    gate_first = first.gate if first else None
-    if first and first.rows and any(r.success and (r.result or {}).get("unexpected_count")
-                                    for r in first.rows.results):
-        gate_first = None  # a passing row expectation's unexpected rows stay in the batch
-    outcome = quality.gate(_without(df, failures), batch, docs_dir, label, first=gate_first)
+    outcome = quality.gate(_without(df, failures), batch, docs_dir, label,
+                           first=first.gate if first else None)
     return failures, outcome
 
 

@@ -1,12 +1,14 @@
 """Data quality checks with Great Expectations 1.x over a Spark DataFrame.
 
+* :func:`first_passes` computes what both need from one Spark job, GX judging the values
+  (quality/aggregates.py), when every metric they need is one it knows;
 * :func:`row_failures` runs the *row-level* (column map) expectations as one suite and
   returns the failing rows keyed by ``(_tm_partition, _tm_offset)``;
 * :func:`gate` runs any expectations as one suite and optionally renders Data Docs
   (quality/docs.py).
 
-The ephemeral context used for validation is created once per process; no cloud mode is
-ever used.
+The ephemeral context used for validation is created once per process (quality/validation.py);
+no cloud mode is ever used.
 """
 
 from __future__ import annotations
@@ -284,7 +286,8 @@ def first_passes(df, rows: list, batch: list, label: str) -> FirstPasses | None:
     """The first passes of the row-level expectations over ``df`` and of the batch gate over
     the rows none of them finds unexpected, from one Spark job (tidemark/quality/aggregates.py),
     for :func:`row_failures` and :func:`gate`. None when a metric is not an aggregate known
-    there: GX then computes each suite itself."""
+    there: GX then computes each suite itself (and the gate alone when a row expectation
+    passes with unexpected rows)."""
     rows = [e for e in rows if is_row_level(e)]
     if not rows and not batch:
         return None
@@ -314,7 +317,11 @@ def first_passes(df, rows: list, batch: list, label: str) -> FirstPasses | None:
     out = FirstPasses()
     if row_plan is not None:
         out.rows, out.conditions = aggregates.judge(row_plan, row, "r")[1], row_plan.conditions
-    if gate_plan is not None:
+    # A row expectation that finds unexpected rows yet passes (`mostly`) quarantines none:
+    # they stay in the gate's batch, which the job left them out of.
+    tolerated = out.rows is not None and any(
+        r.success and (r.result or {}).get("unexpected_count") for r in out.rows.results)
+    if gate_plan is not None and not tolerated:
         out.gate = (gate_suite, aggregates.judge(gate_plan, row, "g"))
     for res in (out.rows, out.gate[1][1] if out.gate else None):
         if res is not None and any(_gx_error(r) for r in res.results):
