@@ -115,8 +115,8 @@ def _reason(etype: str, kwargs: dict, row: dict) -> str:
     return f"{head}: unexpected values {shown(values, _VALUE_REPR_MAX)}"
 
 
-ROWS_FIRST = {"result_format": "SUMMARY", "partial_unexpected_count": 0}
-GATE_FIRST = {"result_format": "SUMMARY", "partial_unexpected_count": 0}
+# Both suites' first pass: the counts and observed values, no sample values (a Spark job each).
+FIRST = {"result_format": "SUMMARY", "partial_unexpected_count": 0}
 
 
 def row_failures(df, expectations: list, max_failures: int = 100_000,
@@ -137,7 +137,7 @@ def row_failures(df, expectations: list, max_failures: int = 100_000,
     if first is not None and first.rows is not None:
         res, conditions = first.rows, first.conditions
     else:
-        _, res = validate(df, suite("tidemark-rows", row_level), ROWS_FIRST)
+        _, res = validate(df, suite("tidemark-rows", row_level), FIRST)
         conditions = {}
     failing = []
     for r in res.results:
@@ -240,7 +240,7 @@ def gate(df, expectations: list, docs_dir: str | None, label: str, first=None
     # its results and its Data Docs page.
     if first is None:
         gate_suite = suite(_safe_name(label), expectations)
-        batch, res = validate(df, gate_suite, GATE_FIRST)
+        batch, res = validate(df, gate_suite, FIRST)
     else:
         gate_suite, (batch, res) = first
     for r in res.results:
@@ -293,7 +293,7 @@ def first_passes(df, rows: list, batch: list, label: str) -> FirstPasses | None:
         return None
     row_suite = suite("tidemark-rows", rows) if rows else None
     gate_suite = suite(_safe_name(label), batch) if batch else None
-    row_plan = aggregates.plan(df, row_suite, ROWS_FIRST, None, "r", conditions=True) \
+    row_plan = aggregates.plan(df, row_suite, FIRST, None, "r", conditions=True) \
         if rows else None
     if rows and (row_plan is None or any(aggregates.key(e.configuration) not in
                                          row_plan.conditions for e in rows)):
@@ -304,7 +304,7 @@ def first_passes(df, rows: list, batch: list, label: str) -> FirstPasses | None:
         for c in row_plan.conditions.values():
             unexpected = c if unexpected is None else unexpected | c
         kept = ~unexpected
-    gate_plan = aggregates.plan(df, gate_suite, GATE_FIRST, kept, "g") if batch else None
+    gate_plan = aggregates.plan(df, gate_suite, FIRST, kept, "g") if batch else None
     if batch and gate_plan is None:
         return None
     columns = [*(row_plan.columns if row_plan else []), *(gate_plan.columns if gate_plan else [])]
