@@ -20,16 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidemark.core.errors import TidemarkError
-from tidemark.core.text import clamp, shown
+from tidemark.core.text import clamp
 from tidemark.quality import aggregates
 from tidemark.quality.docs import _render_docs, _safe_name
-from tidemark.quality.expectations import VALUE_REPR_MAX as _VALUE_REPR_MAX
 from tidemark.quality.expectations import is_row_level
+from tidemark.quality.reasons import INDEX_COLS as _INDEX_COLS
+from tidemark.quality.reasons import OFFSET_COL, PARTITION_COL, columns_of, domain, reason
 from tidemark.quality.validation import suite, validate
-
-PARTITION_COL = "_tm_partition"
-OFFSET_COL = "_tm_offset"
-_INDEX_COLS = [PARTITION_COL, OFFSET_COL]
 
 
 def _gx_error(result) -> str | None:
@@ -62,7 +59,7 @@ def _evaluated(result) -> None:
     err = _gx_error(result)
     if err is not None:
         cfg = result.expectation_config
-        raise TidemarkError(f"{cfg.type}({_domain(dict(cfg.kwargs))}): GX could not evaluate "
+        raise TidemarkError(f"{cfg.type}({domain(dict(cfg.kwargs))}): GX could not evaluate "
                             f"it: {err}")
 
 
@@ -89,37 +86,14 @@ def _json_default(obj):
     return str(obj)
 
 
-def _domain(kwargs: dict) -> str:
-    if "column" in kwargs:
-        return f"column={kwargs['column']}"
-    if "column_A" in kwargs:
-        return f"column_A={kwargs['column_A']}, column_B={kwargs.get('column_B')}"
-    if "column_list" in kwargs:
-        return f"column_list={','.join(map(str, kwargs['column_list']))}"
-    return ""
-
-
-def _reason(etype: str, kwargs: dict, row: dict) -> str:
-    head = f"{etype}({_domain(kwargs)})"
-    if "column" in kwargs:
-        value = row.get(kwargs["column"])
-        seen = shown(value, _VALUE_REPR_MAX)
-        if etype == "expect_column_values_to_be_in_set":
-            return f"{head}: {seen} not in set"
-        if etype == "expect_column_values_to_not_be_in_set":
-            return f"{head}: {seen} in forbidden set"
-        if etype == "expect_column_values_to_not_be_null":
-            return f"{head}: null value"
-        return f"{head}: unexpected value {seen}"
-    values = {k: v for k, v in row.items() if k not in _INDEX_COLS}
-    return f"{head}: unexpected values {shown(values, _VALUE_REPR_MAX)}"
-
-
 # Both suites' first pass: the counts and observed values, no sample values (a Spark job each).
 FIRST = {"result_format": "SUMMARY", "partial_unexpected_count": 0}
 
 
-def row_failures(df, expectations: list, max_failures: int = 100_000,
+MAX_FAILURES = 100_000  # failing rows a run may quarantine; more is a wrong check or bad data
+
+
+def row_failures(df, expectations: list, max_failures: int = MAX_FAILURES,
                  first: FirstPasses | None = None) -> dict[tuple[int, int], str]:
     """Failing rows of the row-level expectations: ``{(partition, offset): reason}``.
 
@@ -148,7 +122,7 @@ def row_failures(df, expectations: list, max_failures: int = 100_000,
         count = (r.result or {}).get("unexpected_count") or 0
         if count > max_failures:
             raise TidemarkError(
-                f"{cfg.type}({_domain(dict(cfg.kwargs))}): {count} rows fail, more than the "
+                f"{cfg.type}({domain(dict(cfg.kwargs))}): {count} rows fail, more than the "
                 f"{max_failures} allowed for quarantine"
             )
         failing.append(cfg)
@@ -173,7 +147,7 @@ def row_failures(df, expectations: list, max_failures: int = 100_000,
         for row in (r.result or {}).get("unexpected_index_list") or []:
             key = (int(row[PARTITION_COL]), int(row[OFFSET_COL]))
             if key not in failures:
-                failures[key] = _reason(etype, kwargs, row)
+                failures[key] = reason(etype, kwargs, row)
         _limit(len(failures), max_failures)
     return failures
 
@@ -184,7 +158,7 @@ def _listed(df, configs: list, conditions: list, max_failures: int
     Spark job, each with its first expectation's reason (as GX's unexpected index lists)."""
     from pyspark.sql import functions as F
 
-    read = [_columns_of(dict(c.kwargs)) for c in configs]
+    read = [columns_of(dict(c.kwargs)) for c in configs]
     columns = list(dict.fromkeys(c for cols in read for c in cols))
     hit = conditions[0]
     for c in conditions[1:]:
@@ -197,17 +171,9 @@ def _listed(df, configs: list, conditions: list, max_failures: int
     for row in rows:
         k = next(k for k in range(len(configs)) if row[f"_tm_unexpected{k}"])
         values = {c: row[c] for c in (*_INDEX_COLS, *read[k])}
-        failures[(int(row[PARTITION_COL]), int(row[OFFSET_COL]))] = _reason(
+        failures[(int(row[PARTITION_COL]), int(row[OFFSET_COL]))] = reason(
             configs[k].type, dict(configs[k].kwargs), values)
     return failures
-
-
-def _columns_of(kwargs: dict) -> list[str]:
-    if "column" in kwargs:
-        return [kwargs["column"]]
-    if "column_A" in kwargs:
-        return [kwargs["column_A"], kwargs["column_B"]]
-    return list(kwargs.get("column_list") or [])
 
 
 def _limit(failed: int, max_failures: int, more: str = "") -> None:
@@ -327,3 +293,4 @@ def first_passes(df, rows: list, batch: list, label: str) -> FirstPasses | None:
         if res is not None and any(_gx_error(r) for r in res.results):
             return None
     return out
+
