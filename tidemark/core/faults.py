@@ -17,6 +17,7 @@ from pathlib import Path
 POINTS = (
     "after_claim",          # run planned, lease taken
     "task_after_prepare",   # inside a Spark task, after its first PREPARE TRANSACTION
+    "before_verdict",       # a run checked while writing: every task prepared, not yet judged
     "after_prepare",        # every task prepared, before the decision
     "after_decide",         # decision committed, nothing committed on the sinks yet
     "before_commit_prepared",

@@ -1,7 +1,9 @@
 """The data-quality gate of a run (driver side), with Great Expectations.
 
-Runs before anything is written (docs/design.md: the gate precedes step 2), on the transformed
-batch, cached once so that every expectation reads the same cached rows:
+Either in the job that writes the batch (:func:`speculate`, then :func:`settle` once every task
+has prepared: docs/quality.md, "One pass"), or before anything is written (docs/design.md: the
+gate precedes step 2), on the transformed batch, cached once so that every expectation reads
+the same cached rows (:func:`evaluate`):
 
 1. pipeline ``quality.rows``: each failing row is quarantined (class ``validation``) for every
    sink whose range holds it;
@@ -25,15 +27,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import psycopg
-from pyspark.sql import DataFrame
+from pyspark.sql import DataFrame, Observation
 from pyspark.sql import functions as F
 
 from tidemark.config import META_PREFIX, Pipeline, Quality
 from tidemark.engine.records import ERR_CLASS
 from tidemark.ledger.state import Range
 from tidemark.ledger.status import save_dq_result
+from tidemark.protocol.taskspec import CHECK, RowCheck
 from tidemark.quality import checks as quality
 from tidemark.quality import expectations
+from tidemark.quality.reasons import COLUMN_KWARGS, columns_of
 
 PARTITION, OFFSET = quality.PARTITION_COL, quality.OFFSET_COL
 PIPELINE = ""  # the scope of pipeline-level checks
@@ -188,6 +192,52 @@ def _evaluate(pipeline: Pipeline, good: DataFrame, run_id: int,
             else:
                 verdict.quarantine[sink.name] = why
     return verdict
+
+
+@dataclass
+class Speculation:
+    """The pipeline's checks, run by the job that writes the batch (docs/quality.md, "One
+    pass"): ``df`` carries each record's first failing row check (column CHECK, indexing
+    ``checks``) and observes the aggregates GX judges after the write."""
+
+    df: DataFrame
+    checks: list[RowCheck]
+    plan: quality.OnePass
+    observation: Observation
+    batch: list
+    label: str
+
+
+def speculate(pipeline: Pipeline, df: DataFrame, run_id: int) -> Speculation | None:
+    """The pipeline-level checks in the write job, or None when they need the batch first
+    (a metric that is not a plain aggregate: a median, uniqueness, a row condition)."""
+    q, where = pipeline.quality, f"pipeline {pipeline.name}"
+    rows = expectations.parse_expectations(q.rows, where, "quality.rows") if q.rows else []
+    batch = expectations.parse_expectations(q.batch, where, "quality.batch")
+    label = f"{pipeline.name}-run-{run_id}"
+    plan = quality.one_pass(df, rows, batch, label, F.col(ERR_CLASS).isNull())
+    if plan is None:
+        return None
+    if plan.checks:
+        df = df.withColumn(CHECK, plan.check)
+    observation = Observation()
+    checks = [RowCheck(type=c.type, kwargs={k: v for k, v in dict(c.kwargs).items()
+                                            if k in COLUMN_KWARGS},
+                       columns=columns_of(dict(c.kwargs))) for c in plan.checks]
+    return Speculation(df.observe(observation, *plan.observed), checks, plan, observation,
+                       batch, label)
+
+
+def settle(s: Speculation, run_id: int, records: int, ledger: psycopg.Connection,
+           docs_dir: str) -> quality.Judged:
+    """After the write job: GX's verdicts on what it observed. If the write stands, its
+    results are stored as :func:`evaluate` stores them."""
+    judged = quality.judged(s.plan, s.observation.get, records)
+    if judged.stands:
+        outcome = quality.gate(None, s.batch, docs_dir, s.label, first=judged.gate)
+        save_dq_result(ledger, run_id, PIPELINE, True, judged.failed, outcome.results,
+                       outcome.raw, outcome.docs_path)
+    return judged
 
 
 def row_verdicts(pipeline: Pipeline, df: DataFrame, sink: str, label: str) -> Failures:

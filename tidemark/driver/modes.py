@@ -27,6 +27,9 @@ class Mode(ABC):
     request: int | None = None       # redrive: the request whose letters it replays
     spreads = False                  # may spread its records over tasks by key (Layout)
     falls_back = False               # removed rows fall back to older versions (fallback.py)
+    # May run the pipeline's checks in its write job (docs/quality.md, "One pass"): only a
+    # first delivery, whose batch is the run's own and whose writes replace nothing.
+    checks_while_writing = False
 
     @abstractmethod
     def planner(self, pipeline: Pipeline) -> tuple[Planner, object]:
@@ -121,6 +124,7 @@ class Delivery(Mode):
     # A first delivery may spread: a re-delivery resolves the letters of its whole range in
     # each task, which tasks holding parts of one range would fight over.
     spreads = True
+    checks_while_writing = True
 
     def planner(self, pipeline: Pipeline, limit: int | None = None):
         limit = limit or pipeline.limits.max_records_per_partition

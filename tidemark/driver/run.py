@@ -36,7 +36,13 @@ from tidemark.ledger import checkpoints, runs, state
 from tidemark.ledger.migrations import require_current
 from tidemark.ledger.state import AirflowRun, Claim, Participant, Range, RunState
 from tidemark.protocol import coverage, gids, recovery, sinks, twopc
-from tidemark.protocol.taskspec import TASK_PHASES, SinkTarget, TaskResult, TaskSpec
+from tidemark.protocol.taskspec import (
+    TASK_PHASES,
+    RowCheck,
+    SinkTarget,
+    TaskResult,
+    TaskSpec,
+)
 
 Log = Callable[[str], None]
 UP_TO_DATE = "up to date: nothing to replay"
@@ -137,6 +143,10 @@ class Run:
     """One run of the protocol: claim -> write (Spark tasks prepare) -> decide per sink ->
     finish (COMMIT / ROLLBACK PREPARED) -> advance. ``mode`` says what it delivers."""
 
+    # The pipeline's checks run in the write job where they may (_may_check_while_writing);
+    # tests compare that with checking a cached batch first.
+    one_pass = True
+
     def __init__(self, pipeline: Pipeline, settings: Settings, *, ledger_dsn: str,
                  all_pipelines: dict[str, Pipeline] | None = None, mode: str | Mode = "run",
                  backfill: Backfill | None = None, sink_names: list[str] | None = None,
@@ -167,8 +177,8 @@ class Run:
         self.clock[phase] = time.monotonic()
 
     def _timings(self) -> dict[str, float]:
-        order = ["start", "claim", "gate", "write", "decide", "commit"]
-        have = [p for p in order if p in self.clock]
+        # By time: a one-pass run's gate ends after its write.
+        have = sorted(self.clock, key=self.clock.get)
         return {f"{b}_seconds": round(self.clock[b] - self.clock[a], 3)
                 for a, b in zip(have, have[1:], strict=False)}
 
@@ -245,8 +255,7 @@ class Run:
         heart = _Heartbeat(self.ledger_dsn, self.p.name, run_id, self.s.lease_ttl_seconds)
         heart.start()
         try:
-            live = self._write(claim, by_name, read, report)
-            self._mark("write")
+            live = self._write(claim, by_name, read, report, self.one_pass)
             self.stop.check()
             faults.point("after_prepare")
             decided = self._decide(claim, live, report)
@@ -256,7 +265,12 @@ class Run:
         faults.point("after_decide")
         self._finish(claim, by_name, decided, report)
 
-    def _write(self, claim: Claim, by_name, read: list[Range], report: RunReport) -> list[str]:
+    def _write(self, claim: Claim, by_name, read: list[Range], report: RunReport,
+               one_pass: bool = True, first_attempt: int = 0) -> list[str]:
+        """``one_pass``: the pipeline's checks may run in the write job itself (see
+        :meth:`_may_check_while_writing`); else, or if that write does not stand, the
+        expectations check a cached batch before anything is written (that second write's
+        attempts count from ``first_attempt``)."""
         from tidemark.engine.session import session
 
         run_id, ledger = claim.run_id, self.ledger
@@ -276,14 +290,21 @@ class Run:
         columns = records.output_columns(df)
         verdict = None
         checks = self.mode.quality(self.p)
+        ahead = None
+        if one_pass and checks.has_quality() and self._may_check_while_writing(claim, by_name):
+            ahead = gate.speculate(checks, df, run_id)
+        first = checks.has_quality() and ahead is None  # check a cached batch first
         cached = None
-        if checks.has_quality() or self.mode.falls_back:
+        if first or self.mode.falls_back:
             from pyspark import StorageLevel
 
             # Read once: the expectations, the fallback probe and the writes all use this
             # cached batch.
             df = cached = df.persist(StorageLevel.MEMORY_AND_DISK)
-        if checks.has_quality():
+        if ahead is not None:
+            self.log(f"run {run_id}: checking data quality (Great Expectations) while writing")
+            df = ahead.df
+        elif first:
             self.log(f"run {run_id}: checking data quality (Great Expectations)")
             verdict = gate.evaluate(checks, df, run_id,
                                     {s: c.ranges for s, c in claim.sinks.items()}, ledger,
@@ -294,19 +315,23 @@ class Run:
                      f"{'failed' if verdict.halted or verdict.quarantine else 'passed'} "
                      f"(`tidemark dq show {run_id}`)")
             for sink, why in verdict.halted.items():
+                if report.sinks[sink].state == RunState.ABORTED:
+                    continue
                 state.dq_failed(ledger, self.p.name, run_id, sink, why)
                 report.sinks[sink].state, report.sinks[sink].error = RunState.DQ_FAILED, why
                 self.log(f"run {run_id} sink {sink}: dq_failed: {why}")
         live: list[str] = []
         for sink in claim.sinks:
-            if verdict and sink in verdict.halted:
+            now = report.sinks[sink].state
+            if now == RunState.ABORTED or (verdict and sink in verdict.halted):
                 continue
             try:
                 sinks.ensure_table(by_name[sink], columns, f"sink {sink}")
             except TidemarkError as exc:
                 self._abort(run_id, sink, str(exc), report)
                 continue
-            state.start_writing(ledger, self.p.name, run_id, sink)
+            if now != RunState.WRITING:  # else it writes again (a one-pass write undone)
+                state.start_writing(ledger, self.p.name, run_id, sink)
             report.sinks[sink].state = RunState.WRITING
             live.append(sink)
         if not live:
@@ -319,7 +344,7 @@ class Run:
             if fallen is not None:
                 df = fallen.df
         spec = self._spec(claim, by_name, live, read, [c for c, _ in columns], verdict,
-                          fallen)
+                          fallen, ahead.checks if ahead else [], first_attempt)
         from tidemark.engine.writer import RESULT_SCHEMA, make_task
 
         if layout.kind == "spread":
@@ -328,6 +353,7 @@ class Run:
             df = df.coalesce(1)
         progress = _Progress(spark, run_id, layout.tasks, self.log)
         progress.start()
+        undo = None  # why a one-pass write does not stand
         try:
             rows = df.mapInArrow(make_task(spec), RESULT_SCHEMA).collect()
         except Terminated:
@@ -335,17 +361,32 @@ class Run:
             raise
         except Exception as exc:  # the Spark job failed after its retries: abort every sink
             msg = f"Spark job failed: {_spark_error(exc)}"
-            for sink in live:
-                self._abort(run_id, sink, msg, report)
-            self._rollback_run(claim, by_name, keep=set())
-            raise TidemarkError(f"run {run_id}: {msg}") from None
+            if ahead is None:
+                for sink in live:
+                    self._abort(run_id, sink, msg, report)
+                self._rollback_run(claim, by_name, keep=set())
+                raise TidemarkError(f"run {run_id}: {msg}") from None
+            # Perhaps an expectation Spark cannot evaluate: checking first, GX says which.
+            undo = msg
         finally:
             progress.stop()
             if cached is not None:
                 cached.unpersist()
             if fallen is not None:
                 fallen.release()
-        self.results = [TaskResult.model_validate_json(r["result"]) for r in rows]
+        if undo is None:
+            self.results = [TaskResult.model_validate_json(r["result"]) for r in rows]
+            self._mark("write")
+            if ahead is not None:
+                undo = self._settle(ahead, run_id)
+        if undo is not None:
+            # Nothing is visible before the decision: undo the write, check first, write again.
+            self.log(f"run {run_id}: data quality: {undo}; rolled back the write, checking "
+                     f"the batch before writing it again")
+            self._rollback_run(claim, by_name, keep=set())
+            self.stop.check()
+            return self._write(claim, by_name, read, report, one_pass=False,
+                               first_attempt=gids.REWRITE_ATTEMPT)
         report.records = sum(r.records for r in self.results)
         accounting = [r.error for r in self.results if r.error]
         if len(self.results) != layout.tasks:
@@ -390,6 +431,27 @@ class Run:
             still.append(sink)
         return still
 
+    def _settle(self, ahead: gate.Speculation, run_id: int) -> str | None:
+        """GX's verdict on a write that ran the checks: None if it stands, else why not."""
+        faults.point("before_verdict")
+        judged = gate.settle(ahead, run_id, sum(r.records for r in self.results), self.ledger,
+                             str(self.s.docs_dir(self.p.name)))
+        if not judged.stands:
+            return judged.why
+        self._mark("gate")
+        self.log(f"run {run_id}: data quality: {judged.failed:,} rows failed, gate passed "
+                 f"(`tidemark dq show {run_id}`)")
+        return None
+
+    def _may_check_while_writing(self, claim: Claim, by_name) -> bool:
+        """The pipeline's checks may run in the job that writes the batch (docs/quality.md,
+        "One pass") where nothing it writes is visible before the decision (exactly once),
+        the batch is the run's own (no re-delivery, no fallback versions), no sink has
+        checks of its own, and every sink's table exists (a failed gate creates none)."""
+        return (self.p.delivery == "exactly_once" and self.mode.checks_while_writing
+                and all(by_name[s].config.quality.empty for s in claim.sinks)
+                and all(_table_exists(by_name[s]) for s in claim.sinks))
+
     def _fallback(self, spark, df, claim: Claim, by_name, live: list[str],
                   verdict: gate.Verdict | None) -> fallback.Fallback | None:
         """A backfill's fallback versions (tidemark/driver/fallback.py); one write task."""
@@ -410,7 +472,8 @@ class Run:
 
     def _spec(self, claim: Claim, by_name, live: list[str], read: list[Range],
               columns: list[str], verdict: gate.Verdict | None,
-              fallen: fallback.Fallback | None = None) -> TaskSpec:
+              fallen: fallback.Fallback | None = None,
+              checks: list[RowCheck] | None = None, first_attempt: int = 0) -> TaskSpec:
         v = verdict or gate.Verdict()
         targets = []
         for s in live:
@@ -428,7 +491,8 @@ class Run:
             columns=columns, by=self.by, request=self.mode.request,
             reads=self.layout.reads, spread=self.layout.spread,
             failed=v.rows.get(gate.PIPELINE, {}), quarantine=v.quarantine.get(gate.PIPELINE),
-            fallback=fallen is not None, payloads=self.mode.payloads(self.p), sinks=targets)
+            fallback=fallen is not None, payloads=self.mode.payloads(self.p), sinks=targets,
+            checks=checks or [], first_attempt=first_attempt)
 
     def _task_phases(self, sink: str | None) -> dict[str, float]:
         """Task-seconds per phase summed over the run's tasks: the task's own (waiting on
@@ -560,6 +624,13 @@ class Run:
             except (psycopg.Error, TidemarkError) as exc:
                 # An unreachable sink holds nothing of ours, or recovery's sweep gets it later.
                 self.log(f"run {claim.run_id}: cleanup skipped {mask(dsn)}: {one_line(exc)}")
+
+
+def _table_exists(sink: sinks.ResolvedSink) -> bool:
+    try:
+        return sinks.table_exists(sink)
+    except (psycopg.Error, TidemarkError):  # checking first, the write says what is wrong
+        return False
 
 
 _EXC_LINE = re.compile(r"^([\w.]+(Error|Exception|Terminated|Held|Fenced)): (.*)$")

@@ -44,6 +44,7 @@ from tidemark.engine.records import ERR_CLASS, ERR_REASON
 from tidemark.ledger import letters, markers, redrives
 from tidemark.protocol import coverage, gids, twopc
 from tidemark.protocol.taskspec import (
+    CHECK,
     FALLBACK,
     Prepared,
     SinkResult,
@@ -52,6 +53,7 @@ from tidemark.protocol.taskspec import (
     TaskResult,
     TaskSpec,
 )
+from tidemark.quality import reasons
 from tidemark.sources import PayloadReader
 
 FLUSH_ROWS = 50_000
@@ -641,6 +643,8 @@ class _Sink:
         if why is not None:  # a failed batch gate under quarantine_batch: this sink's range
             self.dead.add(batch.to_pylist(), "dq_gate", why)
             return
+        if self.spec.checks and batch.num_rows:  # the write job ran the row checks
+            batch = self._checked(batch)
         for failures in (self.spec.failed.get(partition), self.t.failed.get(partition)):
             if failures and batch.num_rows:
                 hit = _offsets_in(batch, list(failures))
@@ -657,6 +661,21 @@ class _Sink:
                               self._null_reason(col))
                 batch = batch.filter(pc.invert(nulls))
         self.w.add(batch)
+
+    def _checked(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """Quarantines the records a row check failed (column CHECK: the first one's index in
+        TaskSpec.checks), with the reason the driver would give them; returns the rest."""
+        hit = pc.is_valid(batch.column(CHECK))
+        if not pc.any(hit).as_py():
+            return batch
+        rows = batch.filter(hit).to_pylist()
+        for r in rows:
+            check = self.spec.checks[r[CHECK]]
+            seen = {c: r[c] for c in (PARTITION, OFFSET, *check.columns)}
+            r[ERR_CLASS], r[ERR_REASON] = "validation", reasons.reason(check.type,
+                                                                       check.kwargs, seen)
+        self.dead.add(rows)
+        return batch.filter(pc.invert(hit))
 
     def _null_reason(self, col: str) -> str:
         return f"{'key' if col in self.t.key else 'version'} column {col} is NULL"
@@ -756,7 +775,7 @@ def make_task(spec: TaskSpec):
 
         spec = TaskSpec.model_validate_json(shipped)
         ctx = TaskContext.get()
-        task, attempt = ctx.partitionId(), ctx.attemptNumber()
+        task, attempt = ctx.partitionId(), spec.first_attempt + ctx.attemptNumber()
         result = _run_task(spec, task, attempt, batches)
         yield pa.RecordBatch.from_pydict(
             {"task": [task], "attempt": [attempt], "result": [result.model_dump_json()]},

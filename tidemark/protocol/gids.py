@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A run writes its batch a second time when its one-pass write is undone (docs/quality.md,
+# "One pass"): that write's attempts are numbered from here, past any Spark retry of the first,
+# so its gids are new and each of its tasks first rolls back what the first write left of it.
+REWRITE_ATTEMPT = 100
+
 
 def sink_stage(sink: str) -> str:
     return f"s.{sink}"

@@ -37,6 +37,12 @@ def prepare_database(conn: psycopg.Connection, what: str) -> None:
     markers.ensure(conn)
 
 
+def table_exists(sink: ResolvedSink) -> bool:
+    with connect(sink.dsn, autocommit=True, what=f"sink {sink.name}") as conn:
+        return conn.execute("SELECT to_regclass(%s)",
+                            (qualified(sink.config.table),)).fetchone()[0] is not None
+
+
 def ensure_table(sink: ResolvedSink, columns: list[tuple[str, str]], what: str) -> None:
     cfg = sink.config
     with connect(sink.dsn, autocommit=True, what=what) as conn:

@@ -22,6 +22,9 @@ Failures = dict[int, dict[int, str]]  # partition -> offset -> reason
 # A backfill's records outside its batch: versions of a key whose row the backfill removes,
 # tagged with the sink they fall back for (tidemark/driver/fallback.py).
 FALLBACK = "_tm_fallback"
+# The index (in TaskSpec.checks) of a record's first failing row check, when the write job
+# itself runs the row checks (docs/quality.md, "One pass"); None: it passes them all.
+CHECK = "_tm_check"
 
 
 class _Model(BaseModel):
@@ -41,6 +44,14 @@ class Span(_Model):
     @property
     def size(self) -> int:
         return self.end - self.start
+
+
+class RowCheck(_Model):
+    """A row-level expectation as a task writes its reason (tidemark/quality/reasons.py)."""
+
+    type: str
+    kwargs: dict[str, str | list[str]]   # only those naming its columns
+    columns: list[str]                   # the columns it reads, in its order
 
 
 class SinkTarget(_Model):
@@ -72,11 +83,13 @@ class TaskSpec(_Model):
     spread: list[Span] | None = None     # or every task sees part of these (records by key)
     failed: Failures = {}                # pipeline-level row expectations' failures
     quarantine: str | None = None        # pipeline batch gate failed under quarantine_batch
+    checks: list[RowCheck] = []          # the pipeline's row checks, indexed by CHECK
     fallback: bool = False               # a backfill's fallback versions come too (FALLBACK)
     # The reader left out the payloads of the records it decoded: a task reads those it
     # quarantines again from here (tidemark.sources.payload_source). None: all are carried.
     payloads: Source | None = None
     sinks: list[SinkTarget]
+    first_attempt: int = 0               # added to Spark's attempt number (gids.REWRITE_ATTEMPT)
 
     @property
     def redelivery(self) -> bool:

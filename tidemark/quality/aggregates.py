@@ -52,6 +52,7 @@ class Plan:
     columns: list[Column] = field(default_factory=list)   # aggregates, aliased
     ids: list = field(default_factory=list)               # their GX metric ids
     conditions: dict[str, Column] = field(default_factory=dict)  # key(expectation) -> unexpected
+    order: list[str] = field(default_factory=list)        # key(expectation), as GX reports them
 
 
 def plan(df: DataFrame, suite, result_format: dict, domain: Column | None, tag: str,
@@ -97,7 +98,8 @@ def plan(df: DataFrame, suite, result_format: dict, domain: Column | None, tag: 
                 found[key(e.configuration)] = F.coalesce(cond, F.lit(False))
     if not all(_reads_no_rows(name, result_format) for name in directs):
         return None
-    out = Plan(suite, result_format, empty, conditions=found)
+    out = Plan(suite, result_format, empty, conditions=found,
+               order=[key(r.expectation_config) for r in res.results])
     for i, (mid, cfg) in enumerate(bundles.items()):
         agg = _aggregate(cfg, condition(cfg), domain)
         if agg is None:

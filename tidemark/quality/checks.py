@@ -294,3 +294,100 @@ def first_passes(df, rows: list, batch: list, label: str) -> FirstPasses | None:
             return None
     return out
 
+
+@dataclass
+class OnePass:
+    """The row checks and the gate computed by the job that writes the batch: each record's
+    first failing row check as a column, and the aggregates both suites need, to be observed
+    by that job (``observed``). Great Expectations judges them once it is done
+    (:meth:`judged`)."""
+
+    checks: list                   # the row checks' configs, in the order GX reports them
+    check: Any                     # Column: index in ``checks`` of a record's first failure
+    observed: list                 # Columns: the aggregates, aliased
+    rows: aggregates.Plan | None
+    gate: aggregates.Plan | None
+    gate_suite: Any
+
+
+@dataclass
+class Judged:
+    """Whether what the write job did stands, and if not why; if it does, the rows the row
+    checks quarantined and the gate's (suite, (batch, result)) for :func:`gate`."""
+
+    stands: bool
+    why: str = ""
+    failed: int = 0
+    gate: tuple | None = None
+
+
+_ALL, _FAILED = "_tm_records", "_tm_failed"
+
+
+def one_pass(df, rows: list, batch: list, label: str, domain) -> OnePass | None:
+    """The row checks over the rows of ``df`` where ``domain`` holds, and the gate over those
+    that no row check finds unexpected, as one job computes them while it writes the batch:
+    a record's first failing row check is quarantined by the writer, the gate is judged
+    after. None when a metric is not an aggregate known here (the run checks a cached batch
+    first instead, tidemark/driver/gate.py)."""
+    from pyspark.sql import functions as F
+
+    rows = [e for e in rows if is_row_level(e)]
+    if not rows and not batch:
+        return None
+    row_plan = aggregates.plan(df, suite("tidemark-rows", rows), FIRST, domain, "r",
+                               conditions=True) if rows else None
+    if rows and (row_plan is None or set(row_plan.order) != set(row_plan.conditions)):
+        return None
+    gate_suite = suite(_safe_name(label), batch) if batch else None
+    kept, check, unexpected = domain, None, F.lit(False)
+    if row_plan is not None:
+        for i, k in enumerate(row_plan.order):
+            cond = row_plan.conditions[k]
+            check = F.when(cond, F.lit(i)) if check is None else check.when(cond, F.lit(i))
+            unexpected = unexpected | cond
+        check, kept = F.when(domain, check), domain & ~unexpected
+    gate_plan = aggregates.plan(df, gate_suite, FIRST, kept, "g") if batch else None
+    if batch and gate_plan is None:
+        return None
+    observed = [*(row_plan.columns if row_plan else []), *(gate_plan.columns if gate_plan else []),
+                F.count(F.lit(1)).alias(_ALL),
+                F.count(F.when(domain & unexpected, 1)).alias(_FAILED)]
+    by_key = {aggregates.key(e.configuration): e.configuration for e in rows}
+    return OnePass([by_key[k] for k in (row_plan.order if row_plan else [])], check, observed,
+                   row_plan, gate_plan, gate_suite)
+
+
+def judged(p: OnePass, values, records: int, max_failures: int = MAX_FAILURES) -> Judged:
+    """GX's verdicts on the values the write job observed (``values``; it read ``records``
+    records). The write stands only if it did what checking first would have done: every row
+    check that finds a row fails (so each such row is quarantined), none beyond the limit, and
+    the gate passes. Otherwise (or if GX cannot evaluate an expectation) the run checks a
+    cached batch and writes again."""
+    if values[_ALL] != records:  # a stage ran twice and counted its rows twice
+        return Judged(False, f"the checks counted {values[_ALL]:,} records, the writes "
+                             f"{records:,}")
+    out = Judged(True, failed=values[_FAILED])
+    if p.rows is not None:
+        res = aggregates.judge(p.rows, values, "r")[1]
+        if [aggregates.key(r.expectation_config) for r in res.results] != p.rows.order:
+            return Judged(False, "GX reported the row checks in another order")
+        for r in res.results:
+            count = (r.result or {}).get("unexpected_count") or 0
+            if _gx_error(r):
+                return Judged(False, "GX could not evaluate a row check")
+            if r.success and count:
+                return Judged(False, f"a row check passes with {count:,} unexpected rows "
+                                     f"(`mostly`): they stay in the batch")
+            if count > max_failures:
+                return Judged(False, f"{count:,} rows fail a row check")
+        if out.failed > max_failures:
+            return Judged(False, f"{out.failed:,} rows fail the row checks")
+    if p.gate is not None:
+        out.gate = (p.gate_suite, aggregates.judge(p.gate, values, "g"))
+        res = out.gate[1][1]
+        if any(_gx_error(r) for r in res.results):
+            return Judged(False, "GX could not evaluate a gate expectation")
+        if not res.success:
+            return Judged(False, "the gate failed")
+    return out
