@@ -229,8 +229,8 @@ class Chaos:
 
     def edit(self, rng: random.Random) -> str:
         k = self.world.knobs
-        what = rng.choices(["gate", "policy", "rows", "b_rows", "transform", "spread"],
-                           weights=[35, 15, 20, 15, 15, 15])[0]
+        what = rng.choices(["gate", "policy", "rows", "b_rows", "transform", "spread",
+                            "b_checks"], weights=[35, 15, 20, 15, 15, 15, 15])[0]
         if what == "gate":
             k = replace(k, gate_fails=not k.gate_fails)
         elif what == "policy":
@@ -242,6 +242,8 @@ class Chaos:
             k = replace(k, b_rows_max=rng.choice([m for m in w.B_ROWS_MAX if m != k.b_rows_max]))
         elif what == "spread":
             k = replace(k, spread=not k.spread)
+        elif what == "b_checks":
+            k = replace(k, b_checks=not k.b_checks)
         else:
             k = replace(k, upper_name=not k.upper_name)
         if k.b_rows_max > k.rows_max:  # sink b checks at least as much as the pipeline
