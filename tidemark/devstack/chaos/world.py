@@ -38,9 +38,9 @@ class Knobs:
     on_gate_failure: str = "halt"       # or quarantine_batch
     rows_max: float = ROWS_MAX[0]
     b_rows_max: float = B_ROWS_MAX[0]
-    # Off: sink b has no checks of its own, so that runs check their batch while writing it
-    # (docs/quality.md, "One pass"); on, they check first.
-    b_checks: bool = True
+    # Off (at first): sink b has no checks of its own, so that runs check their batch while
+    # writing it (docs/quality.md, "One pass"); on, they check first.
+    b_checks: bool = False
     upper_name: bool = False            # transform name -> upper(name)
     spread: bool = False                # split_min_records 1: spread runs over tasks by key
 
