@@ -57,6 +57,11 @@ from tidemark.quality import reasons
 from tidemark.sources import PayloadReader
 
 FLUSH_ROWS = 50_000
+# A task's dead letters wait and go to the ledger together (one payload read, one COPY, one
+# merge): row checks find a few records in many batches, and a round trip per batch cost
+# more than the letters. Bounded by count and by the payloads they carry.
+FLUSH_LETTERS = 10_000
+FLUSH_LETTER_BYTES = 64 * 2**20
 REASON_MAX = 200
 DETAIL_MAX = 8_000
 RESULT_SCHEMA = "task int, attempt int, result string"
@@ -127,6 +132,8 @@ class DeadLetters:
         self.failed_again: list[int] = []
         self.write_failed: set[tuple[int, int]] = set()  # quarantined by their sink write
         self.reader: PayloadReader | None = None  # reads left-out payloads (_fill_payloads)
+        self.pending: list[tuple[dict, str, str, str | None]] = []  # (record, class, reason,
+        self.pending_bytes = 0                                      #  detail), not yet written
 
     def _open(self) -> psycopg.Connection:
         if self.conn is not None:
@@ -153,33 +160,44 @@ class DeadLetters:
 
     def add(self, records: list[dict], error_class: str | None = None,
             reason: str | None = None, detail: str | None = None) -> None:
-        if not records:
+        """Quarantine ``records`` for this sink; they reach the ledger at :meth:`flush`."""
+        for r in records:
+            part, off = r[PARTITION], r[OFFSET]
+            self.pending.append((r, error_class or r[ERR_CLASS], reason or r[ERR_REASON],
+                                 detail))
+            self.pending_bytes += len(r["_tm_payload"] or b"")
+            self.offsets.setdefault(part, []).append(off)
+            if error_class == "sink_write":
+                self.write_failed.add((part, off))
+            if (part, off) in self.held:
+                self.failed_again.append(self.held[(part, off)])
+        self.rows += len(records)
+        if len(self.pending) >= FLUSH_LETTERS or self.pending_bytes >= FLUSH_LETTER_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the letters added since the last flush into this sink's ledger transaction."""
+        if not self.pending:
             return
-        self._fill_payloads(records, error_class)
+        pending, self.pending, self.pending_bytes = self.pending, [], 0
+        self._fill_payloads(pending)
         self._open()
         with self.stage.copy() as copy:
-            for r in records:
-                part, off = r[PARTITION], r[OFFSET]
+            for r, error_class, reason, detail in pending:
                 copy.write_row((
-                    self.spec.pipeline, self.sink, self.spec.run_id, part, off, r["_tm_key"],
-                    r["_tm_payload"], storable_headers(r["_tm_headers"]),
-                    error_class or r[ERR_CLASS], pg_text(reason or r[ERR_REASON], REASON_MAX),
+                    self.spec.pipeline, self.sink, self.spec.run_id, r[PARTITION], r[OFFSET],
+                    r["_tm_key"], r["_tm_payload"], storable_headers(r["_tm_headers"]),
+                    error_class, pg_text(reason, REASON_MAX),
                     pg_text(detail, DETAIL_MAX) if detail else None))
-                self.offsets.setdefault(part, []).append(off)
-                if error_class == "sink_write":
-                    self.write_failed.add((part, off))
-                if (part, off) in self.held:
-                    self.failed_again.append(self.held[(part, off)])
         self.stage.merge()
-        self.rows += len(records)
 
-    def _fill_payloads(self, records: list[dict], error_class: str | None) -> None:
+    def _fill_payloads(self, pending: list[tuple[dict, str, str, str | None]]) -> None:
         """The payloads the reader left out (TaskSpec.payloads), read again from the source:
         a letter keeps its record's bytes. Only a record that failed to decode kept its own."""
         if self.spec.payloads is None:
             return
-        left_out = [r for r in records
-                    if r["_tm_payload"] is None and (error_class or r[ERR_CLASS]) != "decode"]
+        left_out = [r for r, error_class, _, _ in pending
+                    if r["_tm_payload"] is None and error_class != "decode"]
         wanted: dict[int, list[int]] = {}
         for r in left_out:
             wanted.setdefault(r[PARTITION], []).append(r[OFFSET])
@@ -192,11 +210,13 @@ class DeadLetters:
 
     def live(self, partition: int, offsets: list[int]) -> set[int]:
         """Which of ``offsets`` a live letter for this sink holds (this task's own too)."""
+        self.flush()
         return letters.live_offsets(self._open(), self.spec.pipeline, self.sink, partition,
                                     offsets)
 
     def resolve_held(self) -> None:
         """Redrive: the held letters that passed this time are resolved (one statement)."""
+        self.flush()
         failed = set(self.failed_again)
         ids = [i for i in self.held.values() if i not in failed]
         if ids:
@@ -206,6 +226,7 @@ class DeadLetters:
     def resolve(self, partition: int, start: int, end: int) -> None:
         """Re-delivery: the live letters of this sink for the records of ``[start, end)``
         that passed this time are resolved: the records are in the sink now."""
+        self.flush()
         by = self.spec.by or "tidemark"
         self.resolved += letters.resolve_range(
             self._open(), self.spec.pipeline, self.sink, partition, start, end,
@@ -213,6 +234,8 @@ class DeadLetters:
             f"delivered again by {self.spec.mode} run {self.spec.run_id}")
 
     def prepare(self) -> Prepared | None:
+        with self.phases("quarantine"):
+            self.flush()
         if self.conn is None:
             return None
         if not self.rows and not self.resolved:

@@ -17,7 +17,8 @@ Mode = Literal["run", "backfill", "redrive"]
 # Where a task's time goes (seconds, TaskResult.phases and SinkResult.phases): waiting for
 # Spark to read, decode and transform the next batch; scoping, accounting and row verdicts;
 # then per sink encoding, COPY, the staging merge, and the marker row with PREPARE.
-TASK_PHASES = ("read_transform", "checks", "encode", "copy", "merge", "prepare")
+TASK_PHASES = ("read_transform", "checks", "encode", "copy", "merge", "quarantine",
+               "prepare")
 Failures = dict[int, dict[int, str]]  # partition -> offset -> reason
 # A backfill's records outside its batch: versions of a key whose row the backfill removes,
 # tagged with the sink they fall back for (tidemark/driver/fallback.py).
