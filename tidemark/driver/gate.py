@@ -215,7 +215,7 @@ def speculate(pipeline: Pipeline, df: DataFrame, run_id: int) -> Speculation | N
     rows = expectations.parse_expectations(q.rows, where, "quality.rows") if q.rows else []
     batch = expectations.parse_expectations(q.batch, where, "quality.batch")
     label = f"{pipeline.name}-run-{run_id}"
-    plan = quality.one_pass(df, rows, batch, label, F.col(ERR_CLASS).isNull())
+    plan = quality.one_pass(df, rows, batch, label, F.col(ERR_CLASS).isNull(), CHECK)
     if plan is None:
         return None
     if plan.checks:

@@ -324,12 +324,16 @@ class Judged:
 _ALL, _FAILED = "_tm_records", "_tm_failed"
 
 
-def one_pass(df, rows: list, batch: list, label: str, domain) -> OnePass | None:
+def one_pass(df, rows: list, batch: list, label: str, domain, check_as: str
+             ) -> OnePass | None:
     """The row checks over the rows of ``df`` where ``domain`` holds, and the gate over those
     that no row check finds unexpected, as one job computes them while it writes the batch:
     a record's first failing row check is quarantined by the writer, the gate is judged
     after. None when a metric is not an aggregate known here (the run checks a cached batch
-    first instead, tidemark/driver/gate.py)."""
+    first instead, tidemark/driver/gate.py).
+
+    ``check`` is to be added to ``df`` as column ``check_as`` before the aggregates are
+    observed: they read it rather than evaluate every row check again in each of them."""
     from pyspark.sql import functions as F
 
     rows = [e for e in rows if is_row_level(e)]
@@ -340,19 +344,19 @@ def one_pass(df, rows: list, batch: list, label: str, domain) -> OnePass | None:
     if rows and (row_plan is None or set(row_plan.order) != set(row_plan.conditions)):
         return None
     gate_suite = suite(_safe_name(label), batch) if batch else None
-    kept, check, unexpected = domain, None, F.lit(False)
+    kept, check, failed = domain, None, F.lit(None)
     if row_plan is not None:
         for i, k in enumerate(row_plan.order):
             cond = row_plan.conditions[k]
             check = F.when(cond, F.lit(i)) if check is None else check.when(cond, F.lit(i))
-            unexpected = unexpected | cond
-        check, kept = F.when(domain, check), domain & ~unexpected
+        # Null outside the domain and where every row check passes.
+        check, failed = F.when(domain, check), F.col(check_as)
+        kept = domain & failed.isNull()
     gate_plan = aggregates.plan(df, gate_suite, FIRST, kept, "g") if batch else None
     if batch and gate_plan is None:
         return None
     observed = [*(row_plan.columns if row_plan else []), *(gate_plan.columns if gate_plan else []),
-                F.count(F.lit(1)).alias(_ALL),
-                F.count(F.when(domain & unexpected, 1)).alias(_FAILED)]
+                F.count(F.lit(1)).alias(_ALL), F.count(failed).alias(_FAILED)]
     by_key = {aggregates.key(e.configuration): e.configuration for e in rows}
     return OnePass([by_key[k] for k in (row_plan.order if row_plan else [])], check, observed,
                    row_plan, gate_plan, gate_suite)
