@@ -37,7 +37,7 @@ from tidemark.ledger.status import save_dq_result
 from tidemark.protocol.taskspec import CHECK, RowCheck
 from tidemark.quality import checks as quality
 from tidemark.quality import expectations
-from tidemark.quality.reasons import COLUMN_KWARGS, columns_of
+from tidemark.quality.reasons import COLUMN_KWARGS
 
 PARTITION, OFFSET = quality.PARTITION_COL, quality.OFFSET_COL
 PIPELINE = ""  # the scope of pipeline-level checks
@@ -222,8 +222,7 @@ def speculate(pipeline: Pipeline, df: DataFrame, run_id: int) -> Speculation | N
         df = df.withColumn(CHECK, plan.check)
     observation = Observation()
     checks = [RowCheck(type=c.type, kwargs={k: v for k, v in dict(c.kwargs).items()
-                                            if k in COLUMN_KWARGS},
-                       columns=columns_of(dict(c.kwargs))) for c in plan.checks]
+                                            if k in COLUMN_KWARGS}) for c in plan.checks]
     return Speculation(df.observe(observation, *plan.observed), checks, plan, observation,
                        batch, label)
 

@@ -694,7 +694,7 @@ class _Sink:
         rows = batch.filter(hit).to_pylist()
         for r in rows:
             check = self.spec.checks[r[CHECK]]
-            seen = {c: r[c] for c in (PARTITION, OFFSET, *check.columns)}
+            seen = {c: r[c] for c in (PARTITION, OFFSET, *reasons.columns_of(check.kwargs))}
             r[ERR_CLASS], r[ERR_REASON] = "validation", reasons.reason(check.type,
                                                                        check.kwargs, seen)
         self.dead.add(rows)

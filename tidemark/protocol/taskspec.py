@@ -16,7 +16,8 @@ from tidemark.config import Source
 Mode = Literal["run", "backfill", "redrive"]
 # Where a task's time goes (seconds, TaskResult.phases and SinkResult.phases): waiting for
 # Spark to read, decode and transform the next batch; scoping, accounting and row verdicts;
-# then per sink encoding, COPY, the staging merge, and the marker row with PREPARE.
+# then per sink encoding, COPY, the staging merge, writing the dead letters, and the marker row
+# with PREPARE.
 TASK_PHASES = ("read_transform", "checks", "encode", "copy", "merge", "quarantine",
                "prepare")
 Failures = dict[int, dict[int, str]]  # partition -> offset -> reason
@@ -52,7 +53,6 @@ class RowCheck(_Model):
 
     type: str
     kwargs: dict[str, str | list[str]]   # only those naming its columns
-    columns: list[str]                   # the columns it reads, in its order
 
 
 class SinkTarget(_Model):
