@@ -1,36 +1,38 @@
-"""A backfill's fallback versions (docs/design.md, "Re-delivery": the sink ends as one delivery
-with the current pipeline would leave it).
+"""A backfill's fallback versions: the driver's part of docs/design.md, "Re-delivery", step 4
+(the task's part is tidemark/engine/redelivery.py).
 
-A backfill removes the row of a record that now fails. If that row was its key's, the older
-versions of the key were placed only by it (superseded): without it they would be placed
-nowhere, and the key would vanish where one delivery would keep its newest version that
-passes. So, before the write:
+A backfill removes every row whose position lies in its range, and places the range again
+with the current pipeline. A key whose row goes and that no record of the range places again
+(its records fail now, or the current pipeline maps them to another key) falls back to its
+newest remaining version that passes now. So, before the write, per sink:
 
-1. probe: of the range's records each sink will quarantine (decode, transform, NULL key,
-   row-level expectations), which have their own row in the sink (asked of the sink by a Spark
-   task: tidemark/engine/probe.py). Usually none, and the backfill goes on as before;
-2. read every version of their keys below the sink's checkpoint, in the range or outside it
-   (the same partition; every partition for a sink that orders versions by a column), matched
-   by source key or by sink key, and judge them by the current row-level expectations;
-3. hand them to the backfill's one write task, tagged with their sink (``FALLBACK``). After it
-   removes the rows, the task places each version no live letter or own row places: merged if
-   it passes (the newest wins), else quarantined unless a newer row of its key places it
-   (tidemark/engine/writer.py, ``_Sink.fall_back``). Same transactions, same decision.
+1. ask the sink for the keys of its rows in the range (one query; what step 1 will remove);
+2. less the keys of the range's records that pass now: the keys that will lose their row
+   (usually none, and the backfill goes on as before);
+3. read every version of those keys below the sink's checkpoint, outside the range (the same
+   partition; every partition for a sink that orders versions by a column), with the current
+   pipeline, and judge them by the current row-level expectations;
+4. hand them to the backfill's one write task, tagged with their sink (``FALLBACK``). After
+   the range is placed, the task walks each lost key's versions newest first. Same
+   transactions, same decision.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import psycopg
+from psycopg import sql
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
+from pyspark.sql.types import StructType
 
 from tidemark import sources
 from tidemark.config import Pipeline, Sink
+from tidemark.core.db import qualified
 from tidemark.driver import gate
 from tidemark.engine import records
-from tidemark.engine.probe import PROBE_SCHEMA, SINK, own_rows
 from tidemark.ledger.state import Range
 from tidemark.protocol.taskspec import FALLBACK, Failures
 
@@ -60,42 +62,70 @@ class Fallback:
             d.unpersist()
 
 
-def _failing(df: DataFrame, s: SinkPlan) -> DataFrame:
-    """The records of ``s``'s range it will quarantine: (partition, offset, source key, key)."""
+def _removed_keys(spark, df: DataFrame, s: SinkPlan) -> DataFrame | None:
+    """The keys of the sink's rows whose position lies in the range (step 1 removes them)."""
+    keys = s.config.key
+    query = sql.SQL("SELECT DISTINCT {} FROM {} WHERE _tm_partition = %s "
+                    "AND _tm_offset >= %s AND _tm_offset < %s").format(
+        sql.SQL(", ").join(sql.Identifier(k) for k in keys), sql.SQL(qualified(s.config.table)))
+    found: list[tuple] = []
+    with psycopg.connect(s.dsn, autocommit=True, connect_timeout=10,
+                         application_name="tidemark-backfill") as conn:
+        for r in s.ranges:
+            found += conn.execute(query, (r.partition, r.start, r.end)).fetchall()
+    if not found:
+        return None
+    schema = StructType([df.schema[k] for k in keys])
+    return spark.createDataFrame(found, schema)
+
+
+def _passing_keys(df: DataFrame, s: SinkPlan) -> DataFrame:
+    """The keys the range's records that pass now will place (step 2)."""
     cols = [c for c in s.config.key + [s.config.version] if c]
-    mine = gate.in_ranges(df, s.ranges)
-    cond = F.col(records.ERR_CLASS).isNotNull()
+    good = gate.in_ranges(df, s.ranges).where(F.col(records.ERR_CLASS).isNull())
     for c in cols:
-        cond = cond | F.col(c).isNull()
-    out = mine.where(cond)
+        good = good.where(F.col(c).isNotNull())
     flagged = [(p, o) for p, offs in s.failed.items() for o in offs]
     if flagged:
         bad = df.sparkSession.createDataFrame(flagged, f"{PART} int, {OFF} bigint")
-        out = out.unionByName(mine.join(F.broadcast(bad), [PART, OFF], "left_semi"))
-    return out.select(PART, OFF, "_tm_key", *s.config.key).dropDuplicates([PART, OFF])
+        good = good.join(F.broadcast(bad), [PART, OFF], "left_anti")
+    return good.select(*s.config.key).distinct()
+
+
+def _within(ranges: list[Range]):
+    cond = F.lit(False)
+    for r in ranges:
+        cond = cond | ((F.col(PART) == r.partition) & (F.col(OFF) >= r.start)
+                       & (F.col(OFF) < r.end))
+    return cond
 
 
 def attach(spark, pipeline: Pipeline, mode, df: DataFrame, plans: dict[str, SinkPlan],
            log) -> Fallback | None:
     """The backfill's records with the fallback versions of every sink appended (one Spark
-    partition: the backfill's one task), or None when no row of a failing record is in any
-    sink."""
-    failing = {name: _failing(df, s) for name, s in plans.items()}
-    probe = None
-    for name, f in failing.items():
-        one = f.select(F.lit(name).alias(SINK), PART, OFF)
-        probe = one if probe is None else probe.unionByName(one)
-    hits = probe.mapInArrow(own_rows({n: (s.dsn, s.config.table) for n, s in plans.items()}),
-                            PROBE_SCHEMA).persist(StorageLevel.MEMORY_AND_DISK)
-    counts = {r[SINK]: r["count"] for r in hits.groupBy(SINK).count().collect()}
-    if not counts:
-        hits.unpersist()
+    partition: the backfill's one task), or None when no key loses its row."""
+    lost: dict[str, DataFrame] = {}
+    cached: list[DataFrame] = []
+    for name, s in plans.items():
+        removed = _removed_keys(spark, df, s)
+        if removed is None:
+            continue
+        keys = removed.join(_passing_keys(df, s), s.config.key, "left_anti") \
+            .persist(StorageLevel.MEMORY_AND_DISK)
+        n = keys.count()
+        if n:
+            lost[name] = keys
+            cached.append(keys)
+            log(f"sink {name}: {n:,} key(s) lose their row in the range and get none back")
+        else:
+            keys.unpersist()
+    if not lost:
         return None
     planner = sources.planner(pipeline)
     try:
         reads: dict[int, Range] = {}
         scope: dict[str, list[Range]] = {}
-        for name in counts:
+        for name in lost:
             s = plans[name]
             parts = (sorted(s.checkpoints) if s.config.version
                      else sorted({r.partition for r in s.ranges}))
@@ -110,29 +140,24 @@ def attach(spark, pipeline: Pipeline, mode, df: DataFrame, plans: dict[str, Sink
             scope[name] = mine
     finally:
         planner.close()
-    for name, n in counts.items():
-        log(f"sink {name}: {n:,} row(s) of records that fail now go; reading the older "
-            f"versions of their keys from "
+    for name in lost:
+        log(f"sink {name}: reading the older versions of those keys from "
             + ", ".join(f"partition {r.partition} [{r.start}, {r.end})" for r in scope[name]))
     versions = records.rows(mode.source(spark, pipeline, list(reads.values())), pipeline)
     found = None
-    for name in counts:
+    for name, keys in lost.items():
         s = plans[name]
-        removed = failing[name].join(hits.where(F.col(SINK) == name).drop(SINK), [PART, OFF],
-                                     "left_semi")
-        mine = gate.in_ranges(versions, scope[name])
-        by_source = mine.join(removed.select("_tm_key").where(F.col("_tm_key").isNotNull())
-                              .distinct(), "_tm_key", "left_semi")
-        by_key = mine.join(removed.select(*s.config.key).distinct(), s.config.key, "left_semi")
-        one = (by_source.unionByName(by_key).dropDuplicates([PART, OFF])
+        outside = gate.in_ranges(versions, scope[name]).where(~_within(s.ranges))
+        one = (outside.join(keys, s.config.key, "left_semi")
                .withColumn(FALLBACK, F.lit(name)))
         found = one if found is None else found.unionByName(one)
     found = found.persist(StorageLevel.MEMORY_AND_DISK)
+    cached.append(found)
     failed = {name: gate.row_verdicts(pipeline, found.where(F.col(FALLBACK) == name), name,
-                                      f"pipeline {pipeline.name}") for name in counts}
+                                      f"pipeline {pipeline.name}") for name in lost}
     sizes = {r[FALLBACK]: r["count"] for r in found.groupBy(FALLBACK).count().collect()}
     log("fallback versions: " + ", ".join(f"sink {name} {sizes.get(name, 0):,}"
-                                          for name in counts))
+                                          for name in lost))
     out = (df.withColumn(FALLBACK, F.lit(None).cast("string")).unionByName(found)
            .coalesce(1))
-    return Fallback(out, failed, [hits, found])
+    return Fallback(out, failed, cached)

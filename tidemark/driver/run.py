@@ -298,7 +298,7 @@ class Run:
         if first or self.mode.falls_back:
             from pyspark import StorageLevel
 
-            # Read once: the expectations, the fallback probe and the writes all use this
+            # Read once: the expectations, the fallback keys and the writes all use this
             # cached batch.
             df = cached = df.persist(StorageLevel.MEMORY_AND_DISK)
         if ahead is not None:

@@ -8,10 +8,8 @@ transform, row-level expectation, batch gate, NULL key, sink write) binds only t
 whose range holds the record (docs/design.md, "Which sinks a verdict applies to"), so each sink
 gets its own dead letters and nothing is shared between sinks.
 
-Re-delivery (backfill, redrive) leaves a sink as one delivery with the current pipeline
-would: a record that now fails loses its own row in that sink and is quarantined for it; a
-record that now passes is written and its live dead letter for that sink resolved, all in the
-same two-phase commit.
+Re-delivery (backfill, redrive) replaces by position, in the same two-phase commit:
+tidemark/engine/redelivery.py.
 
 Before it prepares, a task accounts for its whole range (docs/design.md, "Task accounting"): every
 offset seen exactly once, and per sink rows written + quarantined + superseded = records.
@@ -41,6 +39,7 @@ from tidemark.core.db import is_data_error, one_line, qualified
 from tidemark.core.text import clamp
 from tidemark.engine import pgbinary
 from tidemark.engine.records import ERR_CLASS, ERR_REASON
+from tidemark.engine.redelivery import Redelivery
 from tidemark.ledger import letters, markers, redrives
 from tidemark.protocol import coverage, gids, twopc
 from tidemark.protocol.taskspec import (
@@ -130,7 +129,6 @@ class DeadLetters:
         self.held: dict[tuple[int, int], int] = {}  # redrive: (partition, offset) -> letter id
         self.held_offsets: dict[int, pa.Array] = {}  # redrive: partition -> offsets held
         self.failed_again: list[int] = []
-        self.write_failed: set[tuple[int, int]] = set()  # quarantined by their sink write
         self.reader: PayloadReader | None = None  # reads left-out payloads (_fill_payloads)
         self.pending: list[tuple[dict, str, str, str | None]] = []  # (record, class, reason,
         self.pending_bytes = 0                                      #  detail), not yet written
@@ -167,8 +165,6 @@ class DeadLetters:
                                  detail))
             self.pending_bytes += len(r["_tm_payload"] or b"")
             self.offsets.setdefault(part, []).append(off)
-            if error_class == "sink_write":
-                self.write_failed.add((part, off))
             if (part, off) in self.held:
                 self.failed_again.append(self.held[(part, off)])
         self.rows += len(records)
@@ -208,12 +204,6 @@ class DeadLetters:
             for r in left_out:
                 r["_tm_payload"] = got[(r[PARTITION], r[OFFSET])]
 
-    def live(self, partition: int, offsets: list[int]) -> set[int]:
-        """Which of ``offsets`` a live letter for this sink holds (this task's own too)."""
-        self.flush()
-        return letters.live_offsets(self._open(), self.spec.pipeline, self.sink, partition,
-                                    offsets)
-
     def resolve_held(self) -> None:
         """Redrive: the held letters that passed this time are resolved (one statement)."""
         self.flush()
@@ -232,6 +222,12 @@ class DeadLetters:
             self._open(), self.spec.pipeline, self.sink, partition, start, end,
             self.offsets.get(partition, []), by,
             f"delivered again by {self.spec.mode} run {self.spec.run_id}")
+
+    def resolve_offsets(self, partition: int, offsets: list[int], by: str, note: str) -> None:
+        """Re-delivery: the live letters of these records, placed by a row now."""
+        self.flush()
+        self.resolved += letters.resolve_offsets(self._open(), self.spec.pipeline, self.sink,
+                                                 partition, offsets, by, note)
 
     def prepare(self) -> Prepared | None:
         with self.phases("quarantine"):
@@ -272,6 +268,8 @@ class SinkWriter:
         self.staged = False
         self.copy_format: str | None = None  # "binary" or "csv: <why>", at the first rows
         self.encoder: pgbinary.Encoder | None = None
+        self.redelivery: Redelivery | None = None  # set for backfill and redrive
+        self.write_failed_keys: set[tuple] = set()  # keys of rows PostgreSQL refused
 
     def _open(self) -> psycopg.Connection:
         if self.conn is not None:
@@ -288,32 +286,35 @@ class SinkWriter:
         updates = [sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(c), sql.Identifier(c))
                    for c in cols if c not in t.key]
         order = [*keys]
-        newer = sql.SQL("")
+        # Within one batch keep the newest version of each key; against the table, replace
+        # only an older version: by the declared version column, equal versions broken by
+        # (partition, offset) as DISTINCT ON breaks them within a batch, so every replay
+        # converges on the same row; else by offset within the same partition. Versions of
+        # one key from two partitions have no order without a version column: that fails
+        # the sink, naming the key, instead of picking one.
         if t.version:
             v = sql.Identifier(t.version)
             order.append(sql.SQL("{} DESC").format(v))
-            newer = sql.SQL("WHEN EXCLUDED.{v} <> t.{v} THEN EXCLUDED.{v} > t.{v} ").format(v=v)
-        label = sql.SQL("{} || concat_ws(', ', {}) || ')'").format(
-            sql.Literal(f"({', '.join(t.key)})=("),
-            sql.SQL(", ").join(sql.SQL("EXCLUDED.{}::text").format(k) for k in keys))
-        # Within one batch keep the newest version of each key; against the table, replace
-        # only an older version: by the declared version column, else by offset within the
-        # same partition. Versions of one key from two partitions have no order without a
-        # version column: that fails the sink, naming the key, instead of picking one.
+            guard = sql.SQL("(EXCLUDED.{v}, EXCLUDED._tm_partition, EXCLUDED._tm_offset) "
+                            ">= (t.{v}, t._tm_partition, t._tm_offset)").format(v=v)
+        else:
+            label = sql.SQL("{} || concat_ws(', ', {}) || ')'").format(
+                sql.Literal(f"({', '.join(t.key)})=("),
+                sql.SQL(", ").join(sql.SQL("EXCLUDED.{}::text").format(k) for k in keys))
+            guard = sql.SQL("""CASE WHEN t._tm_partition = EXCLUDED._tm_partition
+                                    THEN t._tm_offset <= EXCLUDED._tm_offset
+                                    ELSE {conflict} END""").format(
+                conflict=markers.version_conflict(label, sql.SQL("t._tm_partition"),
+                                                  sql.SQL("EXCLUDED._tm_partition")))
         self.merge_sql = sql.SQL("""
             INSERT INTO {target} AS t ({cols})
             SELECT DISTINCT ON ({keys}) {cols} FROM {stage}
             ORDER BY {order}, _tm_partition DESC, _tm_offset DESC
             ON CONFLICT ({keys}) DO UPDATE SET {updates}
-            WHERE CASE {newer}
-                  WHEN t._tm_partition = EXCLUDED._tm_partition
-                      THEN t._tm_offset <= EXCLUDED._tm_offset
-                  ELSE {conflict} END""").format(
+            WHERE {guard}""").format(
             target=self.table, cols=sql.SQL(", ").join(ident), keys=sql.SQL(", ").join(keys),
             order=sql.SQL(", ").join(order), stage=self.stage_table,
-            updates=sql.SQL(", ").join(updates), newer=newer,
-            conflict=markers.version_conflict(label, sql.SQL("t._tm_partition"),
-                                              sql.SQL("EXCLUDED._tm_partition")))
+            updates=sql.SQL(", ").join(updates), guard=guard)
         self.truncate_sql = sql.SQL("TRUNCATE {}").format(self.stage_table)
         self.columns = cols
         return self.conn
@@ -335,6 +336,8 @@ class SinkWriter:
         self.pending, self.pending_rows = [], 0
         try:
             self._open()
+            if self.redelivery is not None:
+                self.redelivery.remove()  # by position, before the first row is written
             self._check_partitions(table)
             self._write(table)
         except psycopg.Error as exc:
@@ -427,6 +430,8 @@ class SinkWriter:
             if not is_data_error(exc):
                 raise
             if table.num_rows == 1:
+                self.write_failed_keys.add(tuple(table.column(k)[0].as_py()
+                                                 for k in self.target.key))
                 self.dead.add(table.to_pylist(), "sink_write", one_line(exc),
                               f"{exc}\n(sink {self.target.name}, table {self.target.table})")
                 return
@@ -460,58 +465,11 @@ class SinkWriter:
             return None  # the lock timeout is still the error; this only explains it
         return None
 
-    def remove_quarantined(self) -> None:
-        """Re-delivery: a record quarantined now loses its own row in this sink (same
-        partition and offset), in the same transaction as everything else. Before it, the
-        driver found the rows that go for failed checks (tidemark/driver/fallback.py) and
-        read the older versions of their keys; a row lost to a failed *write* was not
-        foreseen, and removing it could leave such versions unplaced: the sink fails."""
-        if self.failed or not self.dead.offsets:
-            return
-        try:
-            conn = self._open()
-            for part, offs in self.dead.offsets.items():
-                gone = [o for (o,) in conn.execute(
-                    sql.SQL("DELETE FROM {} WHERE _tm_partition = %s AND _tm_offset = ANY(%s) "
-                            "RETURNING _tm_offset").format(self.table), (part, offs))]
-                self.out["removed"] += len(gone)
-                unforeseen = [o for o in gone if (part, o) in self.dead.write_failed]
-                if unforeseen:
-                    self._fail(RuntimeError(
-                        f"the record at partition {part} offset {unforeseen[0]} now fails its "
-                        f"sink write, and its row is in the sink: removing it could leave "
-                        f"older versions of its key unplaced; fix the table or the transform "
-                        f"(the dead letter's reason says what PostgreSQL refused), then "
-                        f"backfill again"))
-                    return
-        except psycopg.Error as exc:
-            self._fail(exc)
-
     def own_rows(self, partition: int, offsets: list[int]) -> set[int]:
         """Which of ``offsets`` of ``partition`` have their own row in this sink."""
         return {o for (o,) in self._open().execute(
             sql.SQL("SELECT _tm_offset FROM {} WHERE _tm_partition = %s "
                     "AND _tm_offset = ANY(%s)").format(self.table), (partition, offsets))}
-
-    def placed_by_newer(self, record: dict) -> bool:
-        """Whether a newer version of ``record``'s key has its row in this sink: by the
-        version column, else a higher offset of the same partition."""
-        t = self.target
-        where = [sql.SQL("{} = %s").format(sql.Identifier(k)) for k in t.key]
-        args = [record[k] for k in t.key]
-        if any(a is None for a in args):
-            return False
-        here = sql.SQL("(_tm_partition = %s AND _tm_offset > %s)")
-        pos = [record[PARTITION], record[OFFSET]]
-        if t.version and record.get(t.version) is not None:
-            newer = sql.SQL("({v} > %s OR ({v} = %s AND {here}))").format(
-                v=sql.Identifier(t.version), here=here)
-            pos = [record[t.version], record[t.version], *pos]
-        else:
-            newer = here
-        return self._open().execute(
-            sql.SQL("SELECT EXISTS (SELECT 1 FROM {} WHERE {} AND {})").format(
-                self.table, sql.SQL(" AND ").join(where), newer), [*args, *pos]).fetchone()[0]
 
     def prepare(self) -> Prepared | None:
         self.flush()
@@ -641,6 +599,8 @@ class _Sink:
         self.dead = writer.dead
         self.skipped: list[int] = []  # redrive: letters no longer quarantined
         self.fallback: list[pa.RecordBatch] = []  # backfill: versions to fall back on
+        if spec.redelivery:
+            writer.redelivery = Redelivery(spec, target, writer, writer.dead)
 
     def scope(self, partition: int, batch: pa.RecordBatch) -> pa.RecordBatch:
         """The records of ``batch`` this sink must place: its range (run, backfill) or the
@@ -704,75 +664,12 @@ class _Sink:
         return f"{'key' if col in self.t.key else 'version'} column {col} is NULL"
 
     def finish(self) -> None:
-        """Flush, then (re-delivery) remove the rows of what fails now, fall back to older
-        versions of their keys, and resolve the letters of what passed this time."""
-        self.w.flush()
-        if not self.spec.redelivery or self.w.failed:
+        """Flush; a re-delivery then falls back and resolves (tidemark/engine/redelivery.py)."""
+        if self.w.redelivery is None:
+            self.w.flush()
             return
-        self.w.remove_quarantined()
-        if self.w.failed:
-            return
-        if self.spec.mode == "redrive":
-            self.dead.resolve_held()
-            return
-        self.fall_back()
-        if self.w.failed:
-            return
-        for part, (a, b) in self.t.ranges.items():
-            self.dead.resolve(part, a, b)
-
-    def fall_back(self) -> None:
-        """Backfill: place again the versions of keys whose row this task removed (the driver
-        read them, outside the range or in it: tidemark/driver/fallback.py). A version that a
-        live letter or its own row places is left alone. One that passes now is merged, so
-        its key's newest passing version gets the row; one that fails now is quarantined
-        unless a newer row of its key places it. Each is counted once: written, quarantined
-        or superseded."""
-        if not self.fallback:
-            return
-        table = pa.Table.from_batches(self.fallback)
+        self.w.redelivery.finish(self.fallback)
         self.fallback = []
-        good, bad = [], []
-        for part in pc.unique(table.column(PARTITION)).to_pylist():
-            mine = table.filter(pc.equal(table.column(PARTITION), part))
-            offs = mine.column(OFFSET).to_pylist()
-            try:
-                own = self.w.own_rows(part, offs)
-            except psycopg.Error as exc:
-                self.w._fail(exc)
-                return
-            placed = self.dead.live(part, offs) | own
-            if placed:
-                mine = mine.filter(pc.invert(_offsets_in(mine, list(placed))))
-            self.w.out["fallback"] += mine.num_rows
-            fails = pc.is_valid(mine.column(ERR_CLASS))
-            checks = self.t.fallback_failed.get(part) or {}
-            if checks:
-                fails = pc.or_(fails, _offsets_in(mine, list(checks)))
-            for col in (c for c in self.t.key + [self.t.version] if c):
-                fails = pc.or_(fails, pc.is_null(mine.column(col)))
-            good += mine.filter(pc.invert(fails)).to_batches()
-            for r in mine.filter(fails).to_pylist():
-                if r[ERR_CLASS] is None and r[OFFSET] in checks:
-                    r[ERR_CLASS], r[ERR_REASON] = "validation", checks[r[OFFSET]]
-                elif r[ERR_CLASS] is None:
-                    col = next(c for c in self.t.key + [self.t.version] if c and r[c] is None)
-                    r[ERR_CLASS], r[ERR_REASON] = "transform", self._null_reason(col)
-                bad.append(r)
-        for batch in good:
-            self.w.add(batch)
-        self.w.flush()
-        if self.w.failed:
-            return
-        # After the merge: a version that fails now is placed by a newer row of its key, if
-        # one is there; else only a dead letter places it.
-        try:
-            unplaced = [r for r in bad if not self.w.placed_by_newer(r)]
-        except psycopg.Error as exc:
-            self.w._fail(exc)
-            return
-        self.w.out["superseded"] += len(bad) - len(unplaced)
-        self.dead.add(unplaced)
 
     def result(self) -> SinkResult:
         o = self.w.out

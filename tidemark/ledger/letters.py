@@ -78,11 +78,11 @@ def resolve_range(conn: psycopg.Connection, pipeline: str, sink: str, partition:
          "failed": failed, "by": by, "note": note}).rowcount
 
 
-def live_offsets(conn: psycopg.Connection, pipeline: str, sink: str, partition: int,
-                 offsets: list[int]) -> set[int]:
-    """Which of ``offsets`` a live letter for ``sink`` holds (quarantined or discarded),
-    as this transaction sees the ledger (its own letters included)."""
-    return {o for (o,) in conn.execute(
-        """SELECT source_offset FROM tidemark.dlq WHERE pipeline = %s AND sink = %s
-           AND source_partition = %s AND source_offset = ANY(%s) AND status <> 'redriven'""",
-        (pipeline, sink, partition, offsets))}
+def resolve_offsets(conn: psycopg.Connection, pipeline: str, sink: str, partition: int,
+                    offsets: list[int], by: str, note: str) -> int:
+    """Re-delivery: the live letters of ``sink`` for these records of ``partition``, placed
+    by a row now (a key fell back to them). Returns how many were resolved."""
+    return conn.execute(_RESOLVE.format(where="""pipeline = %(pipeline)s AND sink = %(sink)s
+        AND source_partition = %(p)s AND source_offset = ANY(%(offs)s)"""),
+        {"pipeline": pipeline, "sink": sink, "p": partition, "offs": offsets, "by": by,
+         "note": note}).rowcount
