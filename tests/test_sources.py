@@ -180,6 +180,27 @@ def test_an_archive_mixing_formats_is_delivered_whole(env, spark, tmp_path, decl
     assert env.prepared() == []
 
 
+def test_records_an_earlier_run_stepped_over_are_placed_by_a_backfill(env, spark, tmp_path):
+    """The repair for an archive read before issue 32's fix: the .jsonl segments' records lie
+    below the checkpoint, placed nowhere; a backfill of the range places them."""
+    from tidemark.driver.modes import Backfill
+
+    archive = tmp_path / "archive"
+    for base in (0, 100):
+        write_segment(str(archive), 0, _archive_records(0, range(base, base + 50)), "parquet")
+    env.pipeline(source={"type": "file_archive", "uri": str(archive), "format": "parquet"})
+    assert env.run(spark).ok  # [50, 100) read as a gap, as the old reader read it
+    for base in (50, 150):  # the .jsonl segments the old reader left out
+        write_segment(str(archive), 0, _archive_records(0, range(base, base + 50)), "jsonl")
+    assert env.run(spark).ok
+    assert env.checkpoints() == {0: 200}
+    assert _placed(env) == [(0, o) for o in (*range(50), *range(100, 200))]
+    assert env.run(spark, mode="backfill", backfill=Backfill(0, 0, 200)).ok
+    assert _placed(env) == [(0, o) for o in range(200)]
+    assert env.checkpoints() == {0: 200}
+    assert env.prepared() == []
+
+
 def _cut(path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[:len(data) // 2])
