@@ -489,3 +489,14 @@ def test_a_damaged_segment_stops_the_run_wherever_it_is(tmp_path, fmt, damage):
             read(tmp_path, None, 0, 5, base + 5)
         path.write_bytes(data)
     assert normalized(rows(read(tmp_path, None, 0, 0, 10))) == expected(0, range(0, 10))
+
+
+def test_a_parquet_segment_without_rows_stops_the_run(tmp_path):
+    fa.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(0, 10)], "parquet")
+    pq.write_table(fa._ARROW_SCHEMA.empty_table(), tmp_path / "partition=0" / seg_name(10, "parquet"))
+    problem = f"{seg_name(10, 'parquet')}: holds no record"
+    with pytest.raises(TidemarkError, match=problem):
+        planner(tmp_path, None).safe_end(0, 0, 100)
+    with pytest.raises(TidemarkError, match=problem):
+        read(tmp_path, None, 0, 5, 11)
+    assert len(rows(read(tmp_path, None, 0, 5, 10))) == 5  # a range below it does not open it
