@@ -211,3 +211,22 @@ def test_an_up_to_date_run_is_cheap_and_a_bad_check_stops_a_due_one(env):
     assert code == 2, out + err
     assert_one_clear_line(err, f"{path}: quality.rows[0]: unknown expectation")
     assert env.ledger("SELECT count(*) FROM tidemark.runs") == [(0,)]
+
+
+def test_a_file_archive_segment_it_cannot_read_is_one_line_and_a_failed_run(env):
+    """Issue 32: a segment the source cannot read (here an unknown extension) was skipped as
+    a compaction gap with exit 0; now the run fails, naming the file, and claims nothing."""
+    from tidemark.sources.file_archive import write_segment
+
+    archive = env.tmp / "archive"
+    recs = [{"partition": 0, "offset": o, "key": None, "payload": b'{"id": 1}', "headers": None,
+             "ts": None} for o in range(3)]
+    write_segment(str(archive), 0, recs, "parquet")
+    bad = archive / "partition=0" / f"{3:020d}.avro"
+    bad.write_bytes(b"Obj\x01")
+    env.pipeline(source={"type": "file_archive", "uri": str(archive), "format": "parquet"})
+    code, out, err = tm(env.cli_env(), "run", "orders", cwd=env.tmp)
+    assert code == 1, out + err
+    assert_one_clear_line(err, f"{bad}: unknown segment format (extension '.avro')")
+    assert env.ledger("SELECT count(*) FROM tidemark.runs") == [(0,)]
+    assert env.checkpoints() == {}

@@ -49,21 +49,30 @@ def archive(request, tmp_path):
     for p, segs in LAYOUT.items():
         for offs in segs:
             fa.write_segment(str(root), p, [rec(p, o) for o in offs], fmt)
-    # Noise the reader must ignore.
-    other = "jsonl" if fmt == "parquet" else "parquet"
+    add_noise(root)
+    return root, fmt
+
+
+# Files that are no segment, which the planner and the reader must ignore.
+NOISE = ["README", "notes.txt", "_SUCCESS", f".{seg_name(0, 'parquet')}.crc",
+         f".{seg_name(30, 'jsonl')}.tmp-0a1b", f"{seg_name(30, 'parquet')}.tmp",
+         f"{seg_name(30, 'parquet')}.crc", f"{seg_name(30, 'jsonl')}._COPYING_"]
+
+
+def add_noise(root) -> None:
     (root / "README.txt").write_text("not a segment")
     (root / "other").mkdir()
-    (root / "partition=0" / "123.parquet").write_bytes(b"garbage")
-    (root / "partition=0" / f"{seg_name(50, fmt)}.tmp").write_bytes(b"garbage")
-    (root / "partition=0" / seg_name(30, other)).write_bytes(b"garbage")
-    return root, fmt
+    (root / "partition=0" / "_temporary" / "0").mkdir(parents=True)
+    (root / "partition=0" / ".hidden").mkdir()
+    for name in NOISE:
+        (root / "partition=0" / name).write_bytes(b"garbage")
 
 
 def planner(root, fmt) -> fa.FileArchivePlanner:
     return fa.FileArchivePlanner(FileArchiveSource(type="file_archive", uri=str(root), format=fmt))
 
 
-def spec(root, fmt) -> FileArchiveSource:
+def spec(root, fmt: str | None) -> FileArchiveSource:
     return FileArchiveSource(type="file_archive", uri=str(root), format=fmt)
 
 
@@ -355,3 +364,139 @@ def test_range_outside_archive(archive):
     with pytest.raises(TidemarkError, match="it has no segment"):
         read(root, fmt, 9, 0, 1)
     assert read(root, fmt, 0, 3, 3) == []
+
+
+# --- formats and names ------------------------------------------------------------------------
+
+def write_mixed(root, p: int, bases: list[int], size: int) -> list[str]:
+    """Segments of ``size`` dense offsets from each base, parquet and JSON Lines in turn."""
+    fmts = [FORMATS[i % 2] for i in range(len(bases))]
+    for base, fmt in zip(bases, fmts, strict=True):
+        fa.write_segment(str(root), p, [rec(p, o) for o in range(base, base + size)], fmt)
+    return fmts
+
+
+@pytest.mark.parametrize("declared", [None, "parquet", "jsonl"])
+def test_a_folder_may_mix_formats_and_each_segment_is_read_by_its_extension(tmp_path, declared):
+    write_mixed(tmp_path, 0, [0, 10, 20, 30], 10)
+    write_mixed(tmp_path, 1, [5, 15], 10)
+    add_noise(tmp_path)
+    src = FileArchiveSource(type="file_archive", uri=str(tmp_path), format=declared)
+    pl = fa.FileArchivePlanner(src)
+    assert pl.partitions() == [0, 1]
+    assert [pl.earliest(p) for p in (0, 1)] == [0, 5]
+    assert [pl.latest(p) for p in (0, 1)] == [40, 25]  # a jsonl last, a parquet last
+    assert pl.safe_end(0, 0, 1000) == 40
+    got = rows(fa.read_range(src, Range(0, 0, 40)))
+    assert normalized(got) == expected(0, range(0, 40))  # none skipped as a gap
+    assert normalized(rows(fa.read_range(src, Range(0, 8, 33)))) == expected(0, range(8, 33))
+    assert normalized(rows(fa.read_range(src, Range(1, 5, 25)))) == expected(1, range(5, 25))
+
+
+def test_tombstones_keep_their_key_in_both_formats(tmp_path):
+    write_mixed(tmp_path, 0, [0, 20], 10)  # offsets 7 (parquet) and 29 (jsonl): tombstones
+    got = {g["_tm_offset"]: g for g in rows(read(tmp_path, None, 0, 0, 30))}
+    for o in (7, 29):
+        assert got[o]["_tm_payload"] is None
+        assert got[o]["_tm_key"] == b"k\x00" + o.to_bytes(8, "big")
+    assert got[9]["_tm_key"] is None and got[9]["_tm_payload"] is not None  # a null key
+
+
+def test_config_accepts_format_and_needs_none():
+    from tidemark.config import parse
+
+    base = ("name: a\nsource: {type: file_archive, uri: /x%s}\ndecode: {schema: {id: int}}\n"
+            "sinks: [{name: s, dsn: 'postgresql://h/d', table: t, key: [id]}]\n")
+    assert parse(base % "", "a.yaml").source.format is None
+    assert parse(base % ", format: jsonl", "a.yaml").source.format == "jsonl"
+
+
+@pytest.mark.parametrize(("name", "problem"), [
+    (seg_name(30, "avro"), "unknown segment format \\(extension '.avro'\\)"),
+    (seg_name(30, "json"), "unknown segment format \\(extension '.json'\\)"),
+    (f"{seg_name(30, 'parquet')}.gz", "unknown segment format \\(extension '.parquet.gz'\\)"),
+    (seg_name(30, "PARQUET"), "unknown segment format"),
+    (f"{30:020d}", "unknown segment format \\(extension 'none'\\)"),
+    ("30.parquet", "not a segment name"),
+    (f"{30:021d}.jsonl", "not a segment name"),
+    ("latest.jsonl", "not a segment name"),
+])
+def test_a_segment_like_name_stops_the_planner_and_the_reader(archive, name, problem):
+    root, fmt = archive
+    (root / "partition=0" / name).write_bytes(b"records nobody could read")
+    where = f"partition=0/{name}: {problem}"
+    with pytest.raises(TidemarkError, match=where):
+        planner(root, fmt).safe_end(0, 0, 100)
+    with pytest.raises(TidemarkError, match=where):
+        planner(root, fmt).earliest(0)
+    with pytest.raises(TidemarkError, match=where):
+        read(root, fmt, 0, 0, 5)  # even a range below it: its records' place is unknown
+    assert planner(root, fmt).safe_end(1, 100, 1000) == 126  # other partitions read on
+
+
+def test_a_folder_named_like_a_segment_stops_the_run(archive):
+    root, fmt = archive
+    (root / "partition=1" / seg_name(130, "parquet")).mkdir()  # e.g. Spark's output folder
+    with pytest.raises(TidemarkError, match=f"{seg_name(130, 'parquet')}: named like a "
+                                            f"segment but not a file"):
+        planner(root, fmt).safe_end(1, 100, 1000)
+
+
+def test_two_segments_with_one_base_stop_the_run(tmp_path):
+    fa.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(0, 5)], "parquet")
+    with pytest.raises(TidemarkError, match="segment exists"):  # write_segment refuses it
+        fa.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(0, 8)], "jsonl")
+    fa.write_segment(str(tmp_path / "x"), 0, [rec(0, o) for o in range(0, 8)], "jsonl")
+    os.rename(tmp_path / "x" / "partition=0" / seg_name(0, "jsonl"),
+              tmp_path / "partition=0" / seg_name(0, "jsonl"))
+    with pytest.raises(TidemarkError, match="base offset 0 is also"):
+        planner(tmp_path, None).safe_end(0, 0, 100)
+    with pytest.raises(TidemarkError, match="base offset 0 is also"):
+        read(tmp_path, None, 0, 0, 5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_segment_must_start_at_its_base(tmp_path, fmt):
+    fa.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(0, 10)], fmt)
+    fa.write_segment(str(tmp_path / "x"), 0, [rec(0, o) for o in range(13, 20)], fmt)
+    os.rename(tmp_path / "x" / "partition=0" / seg_name(13, fmt),
+              tmp_path / "partition=0" / seg_name(10, fmt))  # records 13.. named 10
+    problem = f"{seg_name(10, fmt)}: first record has offset 13, not the base offset 10"
+    with pytest.raises(TidemarkError, match=problem):
+        planner(tmp_path, None).safe_end(0, 0, 100) if fmt == "parquet" else \
+            read(tmp_path, None, 0, 0, 20)
+    with pytest.raises(TidemarkError, match=problem):
+        read(tmp_path, None, 0, 15, 16)  # also when the range starts past its first record
+    assert normalized(rows(read(tmp_path, None, 0, 0, 10))) == expected(0, range(0, 10))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("damage", ["empty", "truncated", "garbage"])
+def test_a_damaged_segment_stops_the_run_wherever_it_is(tmp_path, fmt, damage):
+    for base in (0, 10, 20):
+        fa.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(base, base + 10)], fmt)
+    for base in (10, 20):  # in the middle (the reader finds it), last (the planner does)
+        path = tmp_path / "partition=0" / seg_name(base, fmt)
+        data = path.read_bytes()
+        # JSON Lines: cut inside a line; a cut at a line's end cannot be told from a gap
+        path.write_bytes({"empty": b"", "truncated": data[:len(data) // 2 + 3],
+                          "garbage": b"\x00\xffPAR1 not a segment\n"}[damage])
+        name = f"partition=0/{seg_name(base, fmt)}"
+        if base == 20:
+            with pytest.raises(TidemarkError, match=name):
+                planner(tmp_path, None).safe_end(0, 10, 100)
+        with pytest.raises(TidemarkError, match=name):
+            read(tmp_path, None, 0, 5, base + 5)
+        path.write_bytes(data)
+    assert normalized(rows(read(tmp_path, None, 0, 0, 10))) == expected(0, range(0, 10))
+
+
+def test_a_parquet_segment_without_rows_stops_the_run(tmp_path):
+    fa.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(0, 10)], "parquet")
+    pq.write_table(fa._ARROW_SCHEMA.empty_table(), tmp_path / "partition=0" / seg_name(10, "parquet"))
+    problem = f"{seg_name(10, 'parquet')}: holds no record"
+    with pytest.raises(TidemarkError, match=problem):
+        planner(tmp_path, None).safe_end(0, 0, 100)
+    with pytest.raises(TidemarkError, match=problem):
+        read(tmp_path, None, 0, 5, 11)
+    assert len(rows(read(tmp_path, None, 0, 5, 10))) == 5  # a range below it does not open it

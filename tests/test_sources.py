@@ -134,6 +134,116 @@ def test_a_file_archive_pipeline_delivers_exactly_once(env, spark, tmp_path):
     assert env.prepared() == []
 
 
+def _archive_records(part: int, offsets) -> list[dict]:
+    ts = datetime(2026, 1, 1, tzinfo=UTC)
+    return [{"partition": part, "offset": o, "key": f"{part}-{o}".encode(),
+             "payload": json.dumps({"id": part * 1000 + o, "name": f"n{o}", "amount": 1.0,
+                                    "version": 1}).encode(),
+             "headers": {"seg": o // 50}, "ts": ts} for o in offsets]
+
+
+def _write_mixed(archive, parts=(0, 1), segments: int = 4, size: int = 50, first: int = 0):
+    """``segments`` segments of ``size`` records per partition, Parquet and JSON Lines in
+    turn (the reproduction of issue 32)."""
+    for part in parts:
+        for i in range(segments):
+            base = first + i * size
+            write_segment(str(archive), part, _archive_records(part, range(base, base + size)),
+                          ("parquet", "jsonl")[i % 2])
+
+
+def _placed(env) -> list[tuple[int, int]]:
+    """(partition, offset) of every record in the sink or in a live dead letter."""
+    rows = env.q(env.sink_dsn, "SELECT _tm_partition, _tm_offset FROM orders")
+    dead = env.ledger("SELECT source_partition, source_offset FROM tidemark.dlq "
+                      "WHERE pipeline = 'orders'")
+    return sorted(rows + dead)
+
+
+@pytest.mark.parametrize("declared", [None, "parquet"])
+def test_an_archive_mixing_formats_is_delivered_whole(env, spark, tmp_path, declared):
+    """Issue 32: with format parquet, the .jsonl segments were skipped as gaps (200 of 400
+    records placed, checkpoints past the rest, exit 0)."""
+    archive = tmp_path / "archive"
+    _write_mixed(archive)
+    (archive / "partition=0" / "_SUCCESS").write_bytes(b"")
+    (archive / "partition=1" / "README").write_text("segments of orders")
+    source = {"type": "file_archive", "uri": str(archive)}
+    env.pipeline(source=source if declared is None else {**source, "format": declared})
+    report = env.run(spark)
+    assert report.ok, report.summary()
+    assert report.records == 400
+    assert env.checkpoints() == {0: 200, 1: 200}
+    assert env.ledger("SELECT count(*) FROM tidemark.dlq") == [(0,)]
+    assert _placed(env) == [(p, o) for p in (0, 1) for o in range(200)]  # each exactly once
+    assert env.run(spark).run_id is None  # up to date
+    assert env.prepared() == []
+
+
+def test_records_an_earlier_run_stepped_over_are_placed_by_a_backfill(env, spark, tmp_path):
+    """The repair for an archive read before issue 32's fix: the .jsonl segments' records lie
+    below the checkpoint, placed nowhere; a backfill of the range places them."""
+    from tidemark.driver.modes import Backfill
+
+    archive = tmp_path / "archive"
+    for base in (0, 100):
+        write_segment(str(archive), 0, _archive_records(0, range(base, base + 50)), "parquet")
+    env.pipeline(source={"type": "file_archive", "uri": str(archive), "format": "parquet"})
+    assert env.run(spark).ok  # [50, 100) read as a gap, as the old reader read it
+    for base in (50, 150):  # the .jsonl segments the old reader left out
+        write_segment(str(archive), 0, _archive_records(0, range(base, base + 50)), "jsonl")
+    assert env.run(spark).ok
+    assert env.checkpoints() == {0: 200}
+    assert _placed(env) == [(0, o) for o in (*range(50), *range(100, 200))]
+    assert env.run(spark, mode="backfill", backfill=Backfill(0, 0, 200)).ok
+    assert _placed(env) == [(0, o) for o in range(200)]
+    assert env.checkpoints() == {0: 200}
+    assert env.prepared() == []
+
+
+def _cut(path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+# Each leaves partition 1 with a segment the source cannot read below a good one (at 300).
+_DAMAGES = {
+    "corrupt jsonl": lambda folder: (folder / f"{250:020d}.jsonl").write_bytes(
+        b"\x00\xff{not json\n"),
+    "truncated parquet": lambda folder: _cut(folder / f"{200:020d}.parquet"),
+    "unknown extension": lambda folder: (folder / f"{200:020d}.parquet").rename(
+        folder / f"{200:020d}.avro"),
+    "base offset not its first record": lambda folder: (folder / f"{200:020d}.parquet").rename(
+        folder / f"{190:020d}.parquet"),
+}
+_PROBLEMS = {
+    "corrupt jsonl": f"{250:020d}.jsonl line 1: not JSON",
+    "truncated parquet": f"{200:020d}.parquet: cannot read: ",
+    "unknown extension": f"{200:020d}.avro: unknown segment format",
+    "base offset not its first record": f"{190:020d}.parquet: first record has offset 200, not "
+                                        f"the base offset 190",
+}
+
+
+@pytest.mark.parametrize("damage", list(_DAMAGES))
+def test_a_segment_the_source_cannot_read_fails_the_run_and_keeps_the_checkpoint(
+        env, spark, tmp_path, damage):
+    archive = tmp_path / "archive"
+    _write_mixed(archive)
+    env.pipeline(source={"type": "file_archive", "uri": str(archive)})
+    assert env.run(spark).ok
+    _write_mixed(archive, segments=3, first=200)  # 200.parquet, 250.jsonl, 300.parquet
+    _DAMAGES[damage](archive / "partition=1")
+    with pytest.raises(TidemarkError) as err:
+        env.run(spark)
+    message = str(err.value)
+    assert f"partition=1/{_PROBLEMS[damage]}" in message, message
+    assert "\n" not in message
+    assert env.checkpoints() == {0: 200, 1: 200}  # partition 0's good segments wait too
+    assert _placed(env) == [(p, o) for p in (0, 1) for o in range(200)]
+    assert env.prepared() == []
+
+
 # Payloads on which Arrow's parser and Spark's from_json could disagree: each must decode
 # (values, verdict, reason) exactly as Spark alone decodes it.
 _EDGES = [

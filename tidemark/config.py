@@ -85,7 +85,9 @@ class PostgresLogSource(Connection):
 class FileArchiveSource(_Model):
     type: Literal["file_archive"]
     uri: str
-    format: Literal["parquet", "jsonl"] = "parquet"
+    # Accepted for compatibility, read by nothing: each segment is read by its extension, and
+    # a folder may mix formats (tidemark/sources/file_archive.py).
+    format: Literal["parquet", "jsonl"] | None = None
 
 
 Source = Annotated[PostgresLogSource | FileArchiveSource, Field(discriminator="type")]

@@ -6,14 +6,22 @@ The contract writers follow:
   absolute against the working directory of each process, so give an absolute one), ``file://``,
   ``s3://``, ``gs://``, ``hdfs://``.
 * Layout: ``<uri>/partition=<P>/<base offset, zero-padded to 20 digits>.<ext>``, ``ext`` being
-  the source's ``format`` (``parquet`` or ``jsonl``); ``P`` is written in decimal without leading
-  zeros. A segment is named after the offset of its first record, like Kafka's own segments.
+  ``parquet`` or ``jsonl``; ``P`` is written in decimal without leading zeros. A segment is
+  named after the offset of its first record, like Kafka's own segments, and holds at least
+  one record. Each segment is read by its extension: a folder may mix the two formats. The
+  source's ``format`` field is accepted for compatibility and changes nothing.
 * Segments are immutable once present: write to a temporary name in the same folder (e.g.
   ``.<name>.tmp``) and rename (:func:`write_segment` does). Segment *i* holds offsets
   ``[base_i, base_{i+1})``; the last one ends at its highest offset + 1. New segments must start
-  above that end, and old ones may only be deleted once every checkpoint is past them.
-* Files not matching the pattern are ignored. A ``partition=`` folder whose value is not a
-  partition number is an error naming it.
+  above that end, and old ones may only be deleted once every checkpoint is past them. One base
+  offset, one segment (not a ``.parquet`` and a ``.jsonl`` both).
+* Other files in a partition folder: hidden names (a leading ``.`` or ``_``: temporary files,
+  ``.crc`` checksums, ``_SUCCESS``), names ending in ``.tmp``, ``.crc`` or ``._COPYING_``, and
+  names that look like no segment (``README``) are ignored. A name that looks like one (it
+  starts with a digit, or has a ``.parquet``/``.jsonl`` extension) but is not one
+  (``<base>.avro``, ``<base>.json``, ``<base>.parquet.gz``, an unpadded base, a folder named
+  like a segment) is an error naming it, as is a ``partition=`` folder whose value is not a
+  partition number: skipping it would make its records look like a compaction gap.
 * Each record has ``partition`` (int, equal to its folder's), ``offset`` (int64), ``key`` (bytes
   or null), ``payload`` (bytes, null for a tombstone), ``headers`` (a JSON object or null) and
   ``ts`` (a timestamp; naive means UTC). In parquet ``headers`` is a string column holding the
@@ -22,9 +30,13 @@ The contract writers follow:
 * Records are in strictly increasing offset order within a segment. Offsets may have gaps
   (compacted topics): an absent offset is not a record.
 
-Anything that breaks the contract inside a range being read (a corrupt file, a bad line, a
-record out of order or in the wrong folder) raises :class:`TidemarkError` naming the file: the
-run stops rather than skip records.
+An offset no segment holds is a gap; anything the source cannot read is an error. Listing a
+partition checks every name in it; a segment is checked when a range reads it (and the last
+one whenever the archive's end is planned): a corrupt, empty or truncated file, a first
+record that is not the base offset, a bad line, a record out of order or in the wrong folder
+raise :class:`TidemarkError` naming the file, so the run stops rather than skip records.
+A parquet file carries its footer, so any cut is caught; a JSON Lines file cut inside a line
+is caught, but one cut exactly at a line's end cannot be told from a shorter segment.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ import re
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -53,6 +66,14 @@ from tidemark.ledger.state import Range
 FORMATS = ("parquet", "jsonl")
 COLUMNS = ("partition", "offset", "key", "payload", "headers", "ts")
 _SEGMENT = re.compile(r"^(\d{20})\.(parquet|jsonl)$")
+# What a writer may have meant as a segment: a name that starts with a digit (a base offset)
+# or has a segment format's extension. Such a name that is not a segment's stops the run.
+_SEGMENT_LIKE = re.compile(r"^\d|\.(parquet|jsonl)(\.|$)", re.IGNORECASE)
+_BASE_AND_EXT = re.compile(r"^(\d+)(.*)$")
+# Never records: hidden names (write_segment's .<name>.tmp-…, Hadoop's .<name>.crc), markers
+# (_SUCCESS, _temporary) and files still being copied in.
+_HIDDEN = (".", "_")
+_SCRATCH = (".crc", ".tmp", "._COPYING_")
 _PART_PREFIX = "partition="
 _SECRET_PARAM = re.compile(r"((?:secret|token|password|key|signature|sig)[a-z_]*=)[^&\s]*",
                            re.IGNORECASE)
@@ -109,16 +130,59 @@ class _Archive:
             raise TidemarkError(f"file archive {self.show(path)}: cannot list {what}: "
                                 f"{_first_line(exc)}") from None
 
-    def segments(self, partition: int, fmt: str) -> list[tuple[int, str]]:
-        """``(base, path)`` of the partition's segments, by base (empty if no folder)."""
+    def segments(self, partition: int) -> list[Segment]:
+        """The partition's segments, of every format, by base (empty if no folder).
+
+        The planner and the reader both list through here, so they agree on the segments. A
+        name that looks like a segment but is not one (unknown extension, base offset not 20
+        digits, a folder) raises, and so do two segments with one base: skipping them would
+        make their records look like a compaction gap.
+        """
         entries = self.listdir(self.part_dir(partition), f"partition {partition}") or []
-        out = []
+        out: dict[int, Segment] = {}
         for e in entries:
-            m = _SEGMENT.match(e.base_name)
-            if m and m[2] == fmt and e.type == pafs.FileType.File:
-                out.append((int(m[1]), e.path))
-        out.sort()
-        return out
+            seg = self._segment(e)
+            if seg is None:
+                continue
+            if seg.base in out:
+                raise TidemarkError(f"file archive {self.show(seg.path)}: base offset "
+                                    f"{seg.base} is also {out[seg.base].path.rsplit('/', 1)[-1]}"
+                                    f"'s: keep one segment per base offset")
+            out[seg.base] = seg
+        return [out[b] for b in sorted(out)]
+
+    def _segment(self, e: pafs.FileInfo) -> Segment | None:
+        """The segment ``e`` is, or None for a file that is none (README, _SUCCESS, a
+        temporary file); raises for a name that looks like a segment but is not one."""
+        name = e.base_name
+        if name.startswith(_HIDDEN) or name.endswith(_SCRATCH):
+            return None
+        m = _SEGMENT.match(name)
+        if m is None and not _SEGMENT_LIKE.search(name):
+            return None
+        if m is None:
+            raise TidemarkError(f"file archive {self.show(e.path)}: {_not_a_segment(name)} "
+                                f"(rename it, or hide it behind a leading '.' or '_')")
+        if e.type != pafs.FileType.File:
+            raise TidemarkError(f"file archive {self.show(e.path)}: named like a segment but "
+                                f"not a file")
+        return Segment(int(m[1]), e.path, m[2])
+
+
+class Segment(NamedTuple):
+    base: int  # the offset of its first record, from its name
+    path: str
+    fmt: str  # its extension: parquet or jsonl
+
+
+def _not_a_segment(name: str) -> str:
+    m = _BASE_AND_EXT.match(name)
+    if m and len(m[1]) == 20:
+        ext = m[2] or "none"
+        return (f"unknown segment format (extension {ext!r}): a segment is "
+                f"<base offset>.parquet or <base offset>.jsonl")
+    return ("not a segment name: a segment is <base offset, zero-padded to 20 digits>.parquet "
+            "or .jsonl")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -135,7 +199,7 @@ class FileArchivePlanner:
         self.src = src
         self.archive = _Archive(src.uri)
         self._parts: list[int] | None = None
-        self._segments: dict[int, list[tuple[int, str]]] = {}
+        self._segments: dict[int, list[Segment]] = {}
         self._ends: dict[int, int] = {}
 
     def close(self) -> None:
@@ -162,14 +226,14 @@ class FileArchivePlanner:
             self._parts = sorted(parts)
         return list(self._parts)
 
-    def _segs(self, partition: int) -> list[tuple[int, str]]:
+    def _segs(self, partition: int) -> list[Segment]:
         if partition not in self._segments:
-            self._segments[partition] = self.archive.segments(partition, self.src.format)
+            self._segments[partition] = self.archive.segments(partition)
         return self._segments[partition]
 
     def earliest(self, partition: int) -> int | None:
         segs = self._segs(partition)
-        return segs[0][0] if segs else None
+        return segs[0].base if segs else None
 
     def latest(self, partition: int) -> int | None:
         return self.end(partition) if self._segs(partition) else None
@@ -181,9 +245,7 @@ class FileArchivePlanner:
         """Exclusive end of the archive's partition (0 when it has no segment)."""
         if partition not in self._ends:
             segs = self._segs(partition)
-            self._ends[partition] = (
-                _segment_end(self.archive, segs[-1][1], segs[-1][0], self.src.format)
-                if segs else 0)
+            self._ends[partition] = _segment_end(self.archive, segs[-1]) if segs else 0
         return self._ends[partition]
 
     def safe_end(self, partition: int, start: int, limit: int) -> int:
@@ -195,37 +257,47 @@ class FileArchivePlanner:
         segs = self._segs(partition)
         if not segs:
             return start
-        if start < segs[0][0]:
+        if start < segs[0].base:
             raise TidemarkError(
                 f"file archive {self.archive.shown} partition {partition}: reading from offset "
-                f"{start} but the first segment starts at {segs[0][0]}: offsets "
-                f"[{start}, {segs[0][0]}) are no longer in the archive")
+                f"{start} but the first segment starts at {segs[0].base}: offsets "
+                f"[{start}, {segs[0].base}) are no longer in the archive")
         return max(start, min(start + limit, self.end(partition)))
 
 
-def _segment_end(a: _Archive, path: str, base: int, fmt: str) -> int:
-    """Highest offset in the segment + 1 (``base`` if it is empty), reading as little as
-    possible: the parquet footer statistics, else the offset column; a JSON Lines tail."""
-    shown = a.show(path)
+def _segment_end(a: _Archive, seg: Segment) -> int:
+    """Highest offset in the segment + 1, reading as little as possible: a parquet footer's
+    statistics (else its offset column), a JSON Lines tail."""
+    shown = a.show(seg.path)
     try:
-        if fmt == "parquet":
-            with a.fs.open_input_file(path) as f:
+        if seg.fmt == "parquet":
+            with a.fs.open_input_file(seg.path) as f:
                 pf = pq.ParquetFile(f)
                 _check_columns(pf.schema_arrow.names, shown)
-                top = _stats_max(pf, shown)
-                if top is _NO_STATS:
-                    col = pf.read(columns=["offset"], use_threads=False).column("offset")
-                    top = pc.max(col).as_py() if len(col) else None
+                top = _parquet_bounds(pf, seg.base, shown)[1]
         else:
-            top = _jsonl_last_offset(a, path, shown)
+            top = _jsonl_last_offset(a, seg.path, shown)
     except _IO_ERRORS as exc:
         raise TidemarkError(f"file archive {shown}: cannot read: {_first_line(exc)}") from None
-    if top is None:
-        return base
-    if top < base:
+    if top is None:  # a JSON Lines segment without a line
+        raise _empty(shown)
+    if top < seg.base:
         raise TidemarkError(f"file archive {shown}: highest offset {top} is below the "
-                            f"segment's base offset {base}")
+                            f"segment's base offset {seg.base}")
     return top + 1
+
+
+def _empty(shown: str) -> TidemarkError:
+    # write_segment never writes one: a segment is named after its first record. An empty
+    # file is most often a copy that failed.
+    return TidemarkError(f"file archive {shown}: holds no record (empty or truncated segment)")
+
+
+def _check_base(first: int, base: int, shown: str) -> None:
+    if first != base:
+        raise TidemarkError(f"file archive {shown}: first record has offset {first}, not the "
+                            f"base offset {base} the name gives (a segment is named after "
+                            f"its first record)")
 
 
 _NO_STATS = object()
@@ -253,17 +325,34 @@ def _rg_stats(pf: pq.ParquetFile, j: int | None, i: int) -> tuple[int, int] | No
     return st.min, st.max
 
 
-def _stats_max(pf: pq.ParquetFile, shown: str):
+def _stats_bounds(pf: pq.ParquetFile):
+    """(lowest, highest) offset from the row groups' statistics, None if it has no row,
+    _NO_STATS if a row group has none."""
     j = _offset_column_index(pf)
-    top = None
+    lo = hi = None
     for i in range(pf.metadata.num_row_groups):
         if pf.metadata.row_group(i).num_rows == 0:
             continue
         st = _rg_stats(pf, j, i)
         if st is None:
             return _NO_STATS
-        top = st[1] if top is None else max(top, st[1])
-    return top
+        lo = st[0] if lo is None else min(lo, st[0])
+        hi = st[1] if hi is None else max(hi, st[1])
+    return None if lo is None else (lo, hi)
+
+
+def _parquet_bounds(pf: pq.ParquetFile, base: int, shown: str) -> tuple[int, int]:
+    """(lowest, highest) offset of a parquet segment: from the statistics when every row
+    group has them, else the offset column. Raises if it has no row or does not start at
+    ``base``."""
+    bounds = _stats_bounds(pf)
+    if bounds is _NO_STATS:
+        col = pf.read(columns=["offset"], use_threads=False).column("offset")
+        bounds = (pc.min(col).as_py(), pc.max(col).as_py()) if len(col) else None
+    if bounds is None:
+        raise _empty(shown)
+    _check_base(bounds[0], base, shown)
+    return bounds
 
 
 def _jsonl_last_offset(a: _Archive, path: str, shown: str) -> int | None:
@@ -297,32 +386,29 @@ def read_range(src: FileArchiveSource, r: Range) -> Iterator[pa.RecordBatch]:
 
     if r.size <= 0:
         return
-    fmt = src.format
-    if fmt not in FORMATS:
-        raise TidemarkError(f"file archive: unknown format {fmt!r}")
     a = _Archive(src.uri)
-    segs = a.segments(r.partition, fmt)
+    segs = a.segments(r.partition)
     where = f"file archive {a.shown} partition {r.partition}"
-    if not segs or r.start < segs[0][0]:
-        first = f"the first segment starts at {segs[0][0]}" if segs else "it has no segment"
+    if not segs or r.start < segs[0].base:
+        first = f"the first segment starts at {segs[0].base}" if segs else "it has no segment"
         raise TidemarkError(f"{where}: range [{r.start}, {r.end}) cannot be read: {first} "
                             f"(segments deleted or rewritten inside a planned range)")
-    picked = []
-    for i, (base, path) in enumerate(segs):
-        nxt = segs[i + 1][0] if i + 1 < len(segs) else None
-        if base < r.end and (nxt is None or nxt > r.start):
-            picked.append((base, nxt, path))
+    picked: list[tuple[Segment, int | None]] = []
+    for i, seg in enumerate(segs):
+        nxt = segs[i + 1].base if i + 1 < len(segs) else None
+        if seg.base < r.end and (nxt is None or nxt > r.start):
+            picked.append((seg, nxt))
     if picked[-1][1] is None:  # the range reaches the last segment: it must end inside it
-        base, _, path = picked[-1]
-        end = _segment_end(a, path, base, fmt)
+        last = picked[-1][0]
+        end = _segment_end(a, last)
         if r.end > end:
             raise TidemarkError(f"{where}: range [{r.start}, {r.end}) goes past the end of "
-                                f"the archive ({end}): segment {a.show(path)} rewritten or "
-                                f"truncated")
+                                f"the archive ({end}): segment {a.show(last.path)} rewritten "
+                                f"or truncated")
     out = _Batcher(SCHEMA, BATCH_ROWS)
-    for base, nxt, path in picked:
-        read = _read_parquet if fmt == "parquet" else _read_jsonl
-        for batch in read(a, path, r, base, nxt, BATCH_ROWS):
+    for seg, nxt in picked:
+        read = _read_parquet if seg.fmt == "parquet" else _read_jsonl
+        for batch in read(a, seg.path, r, seg.base, nxt, BATCH_ROWS):
             yield from out.add(batch)
     yield from out.flush()
 
@@ -396,6 +482,7 @@ def _read_parquet(a: _Archive, path: str, r: Range, base: int, nxt: int | None,
         with a.fs.open_input_file(path) as f:
             pf = pq.ParquetFile(f)
             _check_columns(pf.schema_arrow.names, shown)
+            _parquet_bounds(pf, base, shown)  # it starts at its base, wherever r starts
             j = _offset_column_index(pf)
             groups = []
             for i in range(pf.metadata.num_row_groups):
@@ -494,6 +581,8 @@ def _read_jsonl(a: _Archive, path: str, r: Range, base: int, nxt: int | None,
                 at = f"line {lineno}"
                 rec = _json_line(line, shown, at)
                 offset = _int_field(rec, "offset", shown, at)
+                if order.prev is None:  # the first record: lines are read from the first
+                    _check_base(offset, base, shown)
                 order.check([offset], f" {at}")
                 if offset >= r.end:
                     break
@@ -513,6 +602,8 @@ def _read_jsonl(a: _Archive, path: str, r: Range, base: int, nxt: int | None,
                     buf = [[], [], [], [], []]
     except _IO_ERRORS as exc:
         raise TidemarkError(f"file archive {shown}: cannot read: {_first_line(exc)}") from None
+    if order.prev is None:
+        raise _empty(shown)
     if buf[0]:
         yield batch()
 
@@ -589,7 +680,8 @@ def write_segment(uri: str, partition: int, records: list[dict], fmt: str,
 
     ``key``/``payload`` are bytes or None, ``headers`` a dict (or JSON text) or None, ``ts`` a
     datetime (naive means UTC), epoch milliseconds or None. Written under a temporary name then
-    renamed, so readers never see a partial segment; an existing segment is never replaced.
+    renamed, so readers never see a partial segment; an existing segment (of either format)
+    is never replaced.
     """
     if fmt not in FORMATS:
         raise TidemarkError(f"unknown archive format {fmt!r}; use one of {', '.join(FORMATS)}")
@@ -612,9 +704,10 @@ def write_segment(uri: str, partition: int, records: list[dict], fmt: str,
     final, tmp = f"{folder}/{name}", f"{folder}/.{name}.tmp-{uuid.uuid4().hex}"
     try:
         a.fs.create_dir(folder, recursive=True)
-        if a.fs.get_file_info(final).type != pafs.FileType.NotFound:
-            raise TidemarkError(f"file archive {a.show(final)}: segment exists (segments are "
-                                f"immutable)")
+        for other in (f"{folder}/{name.rsplit('.', 1)[0]}.{f}" for f in FORMATS):
+            if a.fs.get_file_info(other).type != pafs.FileType.NotFound:
+                raise TidemarkError(f"file archive {a.show(other)}: segment exists (segments "
+                                    f"are immutable)")
         if fmt == "parquet":
             table = pa.Table.from_pylist([_arrow_row(rec) for rec in records], _ARROW_SCHEMA)
             pq.write_table(table, tmp, filesystem=a.fs, row_group_size=row_group_size)
