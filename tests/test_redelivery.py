@@ -113,3 +113,18 @@ def test_equal_versions_across_partitions_are_broken_by_position_in_and_across_r
     assert env.q(env.sink_dsn, "SELECT id, name FROM orders ORDER BY id") == \
         [(5, "p1"), (6, "p1"), (7, "p0")]
     assert_exactly_once(env)
+
+
+def test_a_backfill_whose_every_record_fails_now_removes_their_rows(env, spark):
+    """No row to write at all: the task still removes the range's rows, and each key falls
+    back to the version before the range that passes now."""
+    env.append([(0, b"1", json.dumps({"id": 1, "name": "x", "amount": a, "version": 1})
+                 .encode(), None, None) for a in (1, 200, 300)])
+    env.pipeline()
+    assert env.run(spark).ok
+    env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]})
+    report = env.run(spark, mode="backfill", backfill=Backfill(0, 1, 3))
+    assert report.ok, report.summary()
+    assert rows(env) == [(1, 0, 1.0)]
+    assert letters(env) == {1: "quarantined", 2: "quarantined"}
+    assert_exactly_once(env)

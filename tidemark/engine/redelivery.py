@@ -58,7 +58,7 @@ class Redelivery:
         if self.removed:
             return
         self.removed = True
-        conn = self.w.conn
+        conn = self.w._open()
         self.lost_table = markers.stage_table("lost", self.w.gid)
         keys = sql.SQL(", ").join(self.keys)
         conn.execute(sql.SQL("CREATE UNLOGGED TABLE {} AS SELECT {} FROM {} WITH NO DATA")
