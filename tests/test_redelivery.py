@@ -128,3 +128,25 @@ def test_a_backfill_whose_every_record_fails_now_removes_their_rows(env, spark):
     assert rows(env) == [(1, 0, 1.0)]
     assert letters(env) == {1: "quarantined", 2: "quarantined"}
     assert_exactly_once(env)
+
+
+def test_a_redrive_of_a_letter_whose_newer_version_is_in_the_sink_resolves_it(env, spark):
+    """A redrive places a record that passes now under the same rule: superseded by the
+    newer row of its key, its letter is resolved and the row stays."""
+    from tidemark import config
+    from tidemark.driver.redrive import Redrive
+
+    env.append([(0, b"1", json.dumps({"id": 1, "name": n, "amount": a, "version": 1})
+                 .encode(), None, None) for n, a in (("old", 500), ("new", 100))])
+    env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 300}}]})
+    assert env.run(spark).ok
+    (letter,) = [i for (i,) in env.ledger("SELECT id FROM tidemark.dlq")]
+    env.pipeline()
+    all_p, _ = config.load_all(env.dir)
+    rep = Redrive(all_p["orders"], env.settings(), ledger_dsn=env.ledger_dsn, ids=[letter],
+                  by="fay", all_pipelines=all_p, spark=spark, log=lambda m: None).execute()
+    assert rep.ok and rep.redrive["redriven"] == 1, rep.summary()
+    assert rep.sinks["main"].superseded == 1
+    assert rows(env, "id, _tm_offset, name") == [(1, 1, "new")]
+    assert letters(env) == {0: "redriven"}
+    assert_exactly_once(env)
