@@ -167,6 +167,35 @@ class PayloadReader:
         self.close()
 
 
+def headers_and_ts(pipeline: Pipeline, wanted: dict[int, list[int]]
+                   ) -> dict[tuple[int, int], tuple[str | None, datetime | None]]:
+    """Driver side: ``{(partition, offset): (headers text, ts)}`` of the ``wanted`` records
+    (partition -> offsets) the source still holds, as a delivery reads them. A position left
+    out is one the source no longer holds (retention, compaction); a source that cannot be
+    read raises. For dead letters from before V007, which kept neither."""
+    src = reader_source(pipeline)
+    if isinstance(src, PostgresLogSource):
+        from tidemark.sources.postgres_log import headers_and_ts as by_offset
+        return by_offset(src, wanted)
+    out: dict[tuple[int, int], tuple[str | None, datetime | None]] = {}
+    plan = planner(pipeline)
+    try:
+        for part, offs in wanted.items():
+            first = plan.earliest(part)
+            held = sorted(o for o in set(offs) if first is not None and o >= first)
+            if not held:  # below the archive's first segment: deleted by retention
+                continue
+            need = pa.array(held, pa.int64())
+            for batch in read_range(src, Range(part, held[0], held[-1] + 1)):
+                hit = batch.filter(pc.is_in(batch.column("_tm_offset"), need))
+                for off, h, ts in zip(*(hit.column(c).to_pylist() for c in
+                                        ("_tm_offset", "_tm_headers", "_tm_ts")), strict=True):
+                    out[(part, off)] = (h, ts)
+    finally:
+        plan.close()
+    return out
+
+
 def read_range(source: PostgresLogSource | FileArchiveSource, r: Range):
     if isinstance(source, PostgresLogSource):
         from tidemark.sources.postgres_log import read_range as impl
@@ -207,4 +236,5 @@ def dataframe(spark, pipeline: Pipeline, ranges: list[Range]):
 
 
 __all__ = ["SCHEMA", "SPARK_SCHEMA", "FileArchiveSource", "PostgresLogSource", "ReadJob",
-           "PayloadReader", "RangeReader", "dataframe", "payload_source", "planner", "read_range"]
+           "PayloadReader", "RangeReader", "dataframe", "headers_and_ts", "payload_source", "planner",
+           "read_range"]
