@@ -9,6 +9,7 @@ May import: protocol, ledger, config, quality, core.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import datetime
 from typing import Protocol
 
@@ -167,6 +168,15 @@ class PayloadReader:
         self.close()
 
 
+def _close_together(offsets: list[int]) -> Iterator[list[int]]:
+    """Sorted ``offsets`` in runs no more than REFETCH_GAP apart: each is read as one range."""
+    first = 0
+    for i in range(1, len(offsets) + 1):
+        if i == len(offsets) or offsets[i] - offsets[i - 1] > REFETCH_GAP:
+            yield offsets[first:i]
+            first = i
+
+
 def headers_and_ts(pipeline: Pipeline, wanted: dict[int, list[int]]
                    ) -> dict[tuple[int, int], tuple[str | None, datetime | None]]:
     """Driver side: ``{(partition, offset): (headers text, ts)}`` of the ``wanted`` records
@@ -182,15 +192,16 @@ def headers_and_ts(pipeline: Pipeline, wanted: dict[int, list[int]]
     try:
         for part, offs in wanted.items():
             first = plan.earliest(part)
+            # below the archive's first segment: deleted by retention
             held = sorted(o for o in set(offs) if first is not None and o >= first)
-            if not held:  # below the archive's first segment: deleted by retention
-                continue
-            need = pa.array(held, pa.int64())
-            for batch in read_range(src, Range(part, held[0], held[-1] + 1)):
-                hit = batch.filter(pc.is_in(batch.column("_tm_offset"), need))
-                for off, h, ts in zip(*(hit.column(c).to_pylist() for c in
-                                        ("_tm_offset", "_tm_headers", "_tm_ts")), strict=True):
-                    out[(part, off)] = (h, ts)
+            for group in _close_together(held):
+                need = pa.array(group, pa.int64())
+                for batch in read_range(src, Range(part, group[0], group[-1] + 1)):
+                    hit = batch.filter(pc.is_in(batch.column("_tm_offset"), need))
+                    for off, h, ts in zip(*(hit.column(c).to_pylist() for c in
+                                            ("_tm_offset", "_tm_headers", "_tm_ts")),
+                                          strict=True):
+                        out[(part, off)] = (h, ts)
     finally:
         plan.close()
     return out
