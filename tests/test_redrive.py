@@ -374,6 +374,7 @@ def test_letters_from_before_v007_get_the_source_fields_or_say_why_not(env, spar
     rep = _redrive(env, spark, [kept, lost])
     assert rep.ok, rep.summary()
     assert rep.redrive["redriven"] == 2 and rep.redrive["source_unknown"] == [lost]
+    assert "1 replayed with a NULL _tm_ts: the source no longer holds" in rep.summary()
     assert env.q(env.sink_dsn, "SELECT id, seen_at, h FROM public.orders WHERE id >= 200 "
                  "ORDER BY id") == [(200, TS, EXACT_HEADERS), (300, None, legacy)]
     rows = {i: (None if h is None else bytes(h).decode(), ts, k, note) for i, h, ts, k, note

@@ -1,4 +1,6 @@
-"""Redrive: replay quarantined records' stored bytes through the current pipeline code.
+"""Redrive: replay quarantined records' stored bytes through the current pipeline code, with
+the key, headers and source timestamp a delivery of them would give (fill_source_fields for
+letters from before ledger V007).
 
 A redrive is a re-delivery (docs/design.md, "Re-delivery") and a mode of the one protocol
 (tidemark/driver/run.py): its records come from the dead letters instead of the log. Each letter
@@ -37,7 +39,7 @@ class RedriveMode(Mode):
         self.request = request
         self.by_sink: dict[str, int] = {}          # sink -> letters planned
         self.unplaced: dict[int, str] = {}         # id -> why it is left out
-        self.source_unknown: list[int] = []        # ids redriven with a NULL timestamp
+        self.source_unknown: list[int] = []        # ids replayed with a NULL timestamp
 
     def planner(self, pipeline: Pipeline):
         names = [s.name for s in pipeline.sinks]
@@ -163,7 +165,7 @@ class Redrive(Run):
             more = f" and {len(unknown) - SHOW_UNPLACED:,} more" \
                 if len(unknown) > SHOW_UNPLACED else ""
             self.log(f"dead letter(s) {shown}{more}: the source no longer holds the record; "
-                     f"redriven with a NULL _tm_ts and the headers as the letter stored them")
+                     f"replayed with a NULL _tm_ts and the headers as the letter stored them")
         if report.run_id is None:
             report.message = "nothing to redrive"
         return report

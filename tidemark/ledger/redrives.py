@@ -177,7 +177,7 @@ def unknown_source(conn: psycopg.Connection, request_id: int, pipeline: str,
 def source_unknown(conn: psycopg.Connection, request_id: int, pipeline: str,
                    sinks: list[str]) -> list[int]:
     """Ids of the placeable letters whose source headers and timestamp are unknown (the
-    source no longer held the record): redriven with a NULL timestamp."""
+    source no longer held the record): replayed with a NULL timestamp."""
     return [i for (i,) in conn.execute(
         "SELECT d.id" + _PLACEABLE + " AND d.status = 'quarantined' "
         "AND d.source_kept IS NOT TRUE ORDER BY d.id", _args(request_id, pipeline, sinks))]
