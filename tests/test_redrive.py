@@ -370,6 +370,20 @@ def test_letters_from_before_v007_get_the_source_fields_or_say_why_not(env, spar
     # Retention took record 300 (partition 1, below the checkpoint) from the log.
     _exec(env, 'DELETE FROM src.log WHERE "partition" = 1 AND key = %s', (b"300",))
 
+    def fields() -> dict[int, tuple]:
+        return {i: (None if h is None else bytes(h).decode(), ts, k, note)
+                for i, h, ts, k, note in env.ledger(
+                    "SELECT id, source_headers, source_ts, source_kept, source_note "
+                    "FROM tidemark.dlq")}
+
+    # Before the fix both fail again: quarantined again, a letter keeps what it knows (the
+    # headers the redrive handed back for the lost one are not the source's).
+    rep = _redrive(env, spark, [kept, lost])
+    assert rep.ok and sorted(rep.redrive["failed_again"]) == sorted([kept, lost]), rep.summary()
+    again = fields()
+    assert again[kept] == (EXACT_HEADERS, TS, True, None)
+    assert again[lost] == (None, None, False, letters.SOURCE_GONE)
+
     _fixed(env, sink)
     rep = _redrive(env, spark, [kept, lost])
     assert rep.ok, rep.summary()
@@ -377,11 +391,7 @@ def test_letters_from_before_v007_get_the_source_fields_or_say_why_not(env, spar
     assert "1 replayed with a NULL _tm_ts: the source no longer holds" in rep.summary()
     assert env.q(env.sink_dsn, "SELECT id, seen_at, h FROM public.orders WHERE id >= 200 "
                  "ORDER BY id") == [(200, TS, EXACT_HEADERS), (300, None, legacy)]
-    rows = {i: (None if h is None else bytes(h).decode(), ts, k, note) for i, h, ts, k, note
-            in env.ledger("SELECT id, source_headers, source_ts, source_kept, source_note "
-                          "FROM tidemark.dlq")}
-    assert rows[kept] == (EXACT_HEADERS, TS, True, None)
-    assert rows[lost] == (None, None, False, letters.SOURCE_GONE)
+    assert fields() == again
     assert "no longer holds this record" in letters.SOURCE_GONE
     # Resolving the letter kept the reason (the note says who redrove it).
     assert env.ledger("SELECT status::text, note FROM tidemark.dlq WHERE id = %s", (lost,)) == \
