@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 from datetime import UTC, datetime
 
 import pytest
@@ -110,8 +111,6 @@ def test_redrive_delivers_what_now_passes_once_and_keeps_what_fails_again(env, s
 
 
 def test_redrive_from_the_cli_by_class_and_bad_input(env, spark):
-    import subprocess
-
     _world(env, spark)
     env.pipeline(sinks=[{"name": "main", "dsn": env.sink_dsn, "table": "public.orders",
                          "key": ["id"]}], quality={"rows": [LOOSER]})
@@ -392,6 +391,11 @@ def test_letters_from_before_v007_get_the_source_fields_or_say_why_not(env, spar
     assert env.q(env.sink_dsn, "SELECT id, seen_at, h FROM public.orders WHERE id >= 200 "
                  "ORDER BY id") == [(200, TS, EXACT_HEADERS), (300, None, legacy)]
     assert fields() == again
+    show = subprocess.run(env.cli_argv("dlq", "show", str(lost)), env=env.cli_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert show.returncode == 0, show.stderr
+    assert f"  source ts  -   {letters.SOURCE_GONE}" in show.stdout
+    assert f"  headers    {legacy}" in show.stdout
     assert "no longer holds this record" in letters.SOURCE_GONE
     # Resolving the letter kept the reason (the note says who redrove it).
     assert env.ledger("SELECT status::text, note FROM tidemark.dlq WHERE id = %s", (lost,)) == \
