@@ -106,10 +106,14 @@ def redrive(dsn: str, n: int) -> None:
         c.execute("""INSERT INTO tidemark.checkpoints (pipeline, sink, partition, next_offset)
                      SELECT 'bench', 'main', "partition", max("offset") + 1 FROM src.log
                      GROUP BY 3""")
+        # As a task writes letters (with the source headers and ts since ledger V007): else
+        # the redrive would first read them from the source, and time that too.
         c.execute("""INSERT INTO tidemark.dlq (pipeline, sink, run_id, source_partition,
-                         source_offset, key, payload, headers, error_class, reason)
+                         source_offset, key, payload, headers, error_class, reason,
+                         source_headers, source_ts, source_kept)
                      SELECT 'bench', 'main', 1, "partition", "offset", key, payload, headers,
-                            'validation', 'amount: expect_column_values_to_be_between'
+                            'validation', 'amount: expect_column_values_to_be_between',
+                            convert_to(headers::text, 'UTF8'), ts, true
                      FROM src.log""")
         c.execute("ANALYZE")
     folder = Path(tempfile.mkdtemp(prefix="tidemark-redrive-bench-"))

@@ -14,6 +14,7 @@ import re
 import shutil
 import socket
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -405,6 +406,30 @@ def test_redrive_triggers_the_pipelines_redrive_dag(site):
         got = api.get(f"/dags/{dag}/dagRuns/{run_id}").json()
         assert site.request(got["conf"]["request"])[2] == [ids["json"]]
     assert site.letter(ids["redrive1"])[0] == "quarantined"  # the DAG does that, not the UI
+
+
+def test_a_record_shows_the_headers_as_the_source_had_them_and_the_source_time(site):
+    """Not the jsonb copy (reordered, \\u0000 base64-wrapped); a letter from before ledger
+    V007 whose record the source no longer held shows the jsonb copy and says why."""
+    from markupsafe import escape
+
+    from tidemark.ledger import letters
+
+    exact = '{"b": 1,  "a": "x\\u0000y"}'
+    with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
+        rid = add(c, headers={"_tm_unstorable_headers_base64": "eA=="},
+                  source_headers=exact.encode(), source_kept=True,
+                  source_ts=datetime(2026, 3, 1, 12, 34, 56, 789012, tzinfo=UTC))
+        old = add(c, headers={"z": 1}, source_kept=False, source_note=letters.SOURCE_GONE)
+    with site.client(site.admin) as c:
+        page = c.get(f"/tidemark/dlq/record/{rid}").text
+        assert f'<pre id="headers">{escape(exact)}</pre>' in page
+        assert '<dd id="source-ts">2026-03-01 12:34:56 UTC</dd>' in page
+        api = c.get(f"/tidemark/dlq/api/records/{rid}").json()
+        assert base64.b64decode(api["source_headers"]).decode() == exact
+        assert api["source_ts"] == "2026-03-01T12:34:56.789012+00:00"
+        page = c.get(f"/tidemark/dlq/record/{old}").text
+        assert '&#34;z&#34;: 1' in page and str(escape(letters.SOURCE_GONE)) in page
 
 
 # -- bounded payloads ---------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 """Migrations against a real PostgreSQL: V005 moves the Airflow identity of old runs from
-the external_id JSON into columns, and leaves other callers' ids alone."""
+the external_id JSON into columns, and leaves other callers' ids alone; V007's letters from
+before it get their source headers and timestamp from the source, or the reason why not."""
 
 from __future__ import annotations
 
 import json
 import uuid
+from datetime import UTC, datetime
 
 import psycopg
 
@@ -57,3 +59,59 @@ def test_the_ledger_enums_are_the_python_enums(env):
     assert labels("run_state") == [s.value for s in RunState]
     assert labels("error_class") == list(ERROR_CLASSES)
     assert labels("dlq_status") == list(STATUSES)
+
+
+def test_v007_letters_from_before_it_get_the_source_fields_or_the_reason(pg, monkeypatch):
+    """A letter written at V006 has no source headers or timestamp after V007 (not known
+    yet). Filled from the source before a redrive reads it: the record's exact headers text
+    and ts where the source holds it; where it does not, NULL and the reason on the letter.
+    Only once: a second fill changes nothing."""
+    from tidemark import config
+    from tidemark.driver.redrive import fill_source_fields
+    from tidemark.ledger import letters, redrives
+    from tidemark.sources.postgres_log import append, create_log_table
+
+    db = f"mig_{uuid.uuid4().hex[:8]}"
+    pg.create_database(db)
+    dsn = pg.dsn(db)
+    everything = migrations.available()
+    monkeypatch.setattr(migrations, "available", lambda: [m for m in everything if m[0] <= 6])
+    assert migrations.upgrade(dsn)[0] == 6
+    exact = '{"z": 1,  "a": "x\\u0000y"}'  # jsonb would reorder, respace, refuse \u0000
+    ts = datetime(2026, 2, 3, 4, 5, 6, 7, tzinfo=UTC)
+    with psycopg.connect(dsn, autocommit=True) as c:
+        create_log_table(c, "src.log")
+        c.execute("ALTER TABLE src.log ALTER COLUMN headers TYPE json")
+        append(c, "src.log", [(0, b"k0", b"{}", exact, ts), (0, b"k1", b"{}", None, ts)])
+        c.execute("INSERT INTO tidemark.pipelines (name) VALUES ('orders')")
+        c.execute("INSERT INTO tidemark.checkpoints (pipeline, sink, partition, next_offset) "
+                  "VALUES ('orders', 'main', 0, 3), ('orders', 'second', 0, 3)")
+        # As V006 wrote them: two sinks' letters for offset 0, one for the gone offset 2.
+        old = [c.execute(
+            "INSERT INTO tidemark.dlq (pipeline, sink, run_id, source_partition, source_offset,"
+            " key, payload, headers, error_class, reason) VALUES ('orders', %s, 1, 0, %s, "
+            "'k', '{}', %s, 'validation', 'r') RETURNING id", (sink, off, headers)
+        ).fetchone()[0] for sink, off, headers in (
+            ("main", 0, '{"_tm_unstorable_headers_base64": "eA=="}'),
+            ("second", 0, '{"_tm_unstorable_headers_base64": "eA=="}'),
+            ("main", 2, '{"old": true}'))]
+    monkeypatch.setattr(migrations, "available", lambda: everything)
+    assert migrations.upgrade(dsn)[0] == everything[-1][0]
+
+    def fields() -> list[tuple]:
+        with psycopg.connect(dsn, autocommit=True) as c:
+            return [(None if h is None else bytes(h).decode(), t, k, n) for h, t, k, n in
+                    c.execute("SELECT source_headers, source_ts, source_kept, source_note "
+                              "FROM tidemark.dlq WHERE id = ANY(%s) ORDER BY id", (old,))]
+
+    assert fields() == [(None, None, None, None)] * 3
+    pipeline = config.parse(json.dumps({
+        "name": "orders", "source": {"type": "postgres_log", "dsn": dsn, "table": "src.log"},
+        "decode": {"schema": {"id": "int"}}, "transform": {"select": {"id": "id"}},
+        "sinks": [{"name": s, "dsn": dsn, "table": "public.t", "key": ["id"]}
+                  for s in ("main", "second")]}), "test", deep=False)
+    with psycopg.connect(dsn, autocommit=True) as c:
+        req = redrives.create(c, "orders", "erin", ids=old)
+    assert fill_source_fields(dsn, pipeline, req.request_id, ["main", "second"]) == 3
+    assert fields() == [(exact, ts, True, None)] * 2 + [(None, None, False, letters.SOURCE_GONE)]
+    assert fill_source_fields(dsn, pipeline, req.request_id, ["main", "second"]) == 0

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+from datetime import UTC, datetime
 
 import pytest
 
@@ -109,8 +111,6 @@ def test_redrive_delivers_what_now_passes_once_and_keeps_what_fails_again(env, s
 
 
 def test_redrive_from_the_cli_by_class_and_bad_input(env, spark):
-    import subprocess
-
     _world(env, spark)
     env.pipeline(sinks=[{"name": "main", "dsn": env.sink_dsn, "table": "public.orders",
                          "key": ["id"]}], quality={"rows": [LOOSER]})
@@ -236,9 +236,11 @@ def large_redrive(env, spark, n: int = N_LARGE, log=lambda m: None):
                      SELECT 'orders', 'main', "partition", max("offset") + 1 FROM src.log
                      GROUP BY 3""")
         c.execute("""INSERT INTO tidemark.dlq (pipeline, sink, run_id, source_partition,
-                         source_offset, key, payload, headers, error_class, reason)
+                         source_offset, key, payload, headers, error_class, reason,
+                         source_headers, source_ts, source_kept)
                      SELECT 'orders', 'main', 1, "partition", "offset", key, payload, headers,
-                            'validation', 'amount: expect_column_values_to_be_between'
+                            'validation', 'amount: expect_column_values_to_be_between',
+                            convert_to(headers::text, 'UTF8'), ts, true
                      FROM src.log""")
         c.execute("ANALYZE tidemark.dlq")
     all_p, _ = config.load_all(env.dir)
@@ -275,3 +277,131 @@ def test_a_redrive_of_100000_letters_places_each_exactly_once(env, spark, record
         [("orders", "dave", N_LARGE, {"pipeline": "orders", "error_class": "validation"})]
     assert env.prepared() == []
     assert_exactly_once(env)
+
+
+# Headers text jsonb would not give back: it reorders keys, drops the extra space, keeps one
+# "b" and refuses \u0000 (the letter's jsonb column holds it base64-wrapped).
+EXACT_HEADERS = '{"b": 1,  "a": "x\\u0000y", "b": 2}'
+TS = datetime(2026, 3, 1, 12, 34, 56, 789012, tzinfo=UTC)
+SEEN = {"id": "id", "name": "name", "amount": "amount", "version": "version",
+        "seen_at": "_tm_ts", "h": "_tm_headers"}
+
+
+def _exec(env, statement: str, params=()) -> None:
+    with _Conn(env.ledger_dsn) as c:
+        c.execute(statement, params)
+
+
+def _seen_world(env, spark, version: str | None):
+    """A source whose headers column keeps the JSON text as written (json, not jsonb), ids
+    1 .. 3 that pass, 200 that fails the row check (amount 250) and 300 that fails to decode
+    (version "v3" is not an int), both with EXACT_HEADERS and TS. The transform reads
+    _tm_ts and _tm_headers; ``version`` is the sink's version column."""
+    _exec(env, "ALTER TABLE src.log ALTER COLUMN headers TYPE json")
+    good = [(i % 2, str(i).encode(), json.dumps({"id": i, "name": f"o{i}", "amount": 1.5,
+                                                  "version": 1}).encode(), '{"ok": 1}', TS)
+            for i in (1, 2, 3)]
+    bad = [(0, b"200", json.dumps({"id": 200, "name": "big", "amount": 250.0,
+                                   "version": 1}).encode(), EXACT_HEADERS, TS),
+           (1, b"300", json.dumps({"id": 300, "name": "v", "amount": 1.0,
+                                   "version": "v3"}).encode(), EXACT_HEADERS, TS)]
+    env.append(good + bad)
+    sink = {"name": "main", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"]}
+    if version:
+        sink["version"] = version
+    env.pipeline(transform={"select": SEEN, "required": ["id"]}, sinks=[sink],
+                 quality={"rows": [ROWS]})
+    rep = env.run(spark)
+    assert rep.ok and rep.sinks["main"].dead == 2, rep.summary()
+    return sink
+
+
+def _fixed(env, sink):
+    """The fix: version may be "v<n>", amounts up to 1000."""
+    env.pipeline(decode={"schema": {"id": "int", "name": "string", "amount": "double",
+                                    "version": "string"}},
+                 transform={"select": {**SEEN, "version": "cast(regexp_replace(version, "
+                                                       "'^v', '') as int)"},
+                            "required": ["id"]},
+                 sinks=[sink], quality={"rows": [LOOSER]})
+
+
+def test_a_redrive_hands_the_transform_the_source_headers_and_timestamp(env, spark):
+    """The letters keep the headers byte for byte and the source timestamp; a redrive hands
+    them to the transform as a delivery would. With the timestamp as the sink's version column
+    the redriven records are placed (a NULL _tm_ts made them fail: version column NULL)."""
+    sink = _seen_world(env, spark, version="seen_at")
+    got = env.ledger("SELECT error_class::text, source_headers, source_ts, source_kept "
+                     "FROM tidemark.dlq ORDER BY source_offset, source_partition")
+    assert sorted(g[0] for g in got) == ["decode", "validation"]
+    for _, stored, ts, kept in got:
+        assert (bytes(stored).decode(), ts, kept) == (EXACT_HEADERS, TS, True)
+    assert env.q(env.sink_dsn, "SELECT seen_at, h FROM public.orders WHERE id = 1") == \
+        [(TS, '{"ok": 1}')]
+
+    _fixed(env, sink)
+    ids = [i for (i,) in env.ledger("SELECT id FROM tidemark.dlq ORDER BY id")]
+    rep = _redrive(env, spark, ids)
+    assert rep.ok, rep.summary()
+    assert rep.redrive["redriven"] == 2 and rep.redrive["failed_again"] == [], rep.redrive
+    assert rep.redrive["source_unknown"] == []
+    assert env.q(env.sink_dsn, "SELECT id, seen_at, h, version FROM public.orders "
+                 "WHERE id >= 200 ORDER BY id") == \
+        [(200, TS, EXACT_HEADERS, 1), (300, TS, EXACT_HEADERS, 3)]
+    assert_exactly_once(env)
+
+
+def test_letters_from_before_v007_get_the_source_fields_or_say_why_not(env, spark):
+    """A letter written before V007 kept neither (its new columns NULL). The redrive reads
+    them from the source; where the source no longer holds the record, the letter says why,
+    and the transform gets a NULL _tm_ts and the headers as the letter stored them."""
+    from tidemark.driver.redrive import fill_source_fields
+    from tidemark.ledger import letters
+
+    sink = _seen_world(env, spark, version=None)
+    # The old shape: what V007 leaves of a letter written before it.
+    _exec(env, "UPDATE tidemark.dlq SET source_headers = NULL, source_ts = NULL, "
+          "source_kept = NULL")
+    kept, lost = (i for (i,) in env.ledger("SELECT id FROM tidemark.dlq ORDER BY source_offset, "
+                                            "source_partition"))
+    legacy = env.ledger("SELECT headers::text FROM tidemark.dlq WHERE id = %s", (lost,))[0][0]
+    assert "_tm_unstorable_headers_base64" in legacy
+    # Retention took record 300 (partition 1, below the checkpoint) from the log.
+    _exec(env, 'DELETE FROM src.log WHERE "partition" = 1 AND key = %s', (b"300",))
+
+    def fields() -> dict[int, tuple]:
+        return {i: (None if h is None else bytes(h).decode(), ts, k, note)
+                for i, h, ts, k, note in env.ledger(
+                    "SELECT id, source_headers, source_ts, source_kept, source_note "
+                    "FROM tidemark.dlq")}
+
+    # Before the fix both fail again: quarantined again, a letter keeps what it knows (the
+    # headers the redrive handed back for the lost one are not the source's).
+    rep = _redrive(env, spark, [kept, lost])
+    assert rep.ok and sorted(rep.redrive["failed_again"]) == sorted([kept, lost]), rep.summary()
+    again = fields()
+    assert again[kept] == (EXACT_HEADERS, TS, True, None)
+    assert again[lost] == (None, None, False, letters.SOURCE_GONE)
+
+    _fixed(env, sink)
+    rep = _redrive(env, spark, [kept, lost])
+    assert rep.ok, rep.summary()
+    assert rep.redrive["redriven"] == 2 and rep.redrive["source_unknown"] == [lost]
+    assert "1 replayed with a NULL _tm_ts: the source no longer holds" in rep.summary()
+    assert env.q(env.sink_dsn, "SELECT id, seen_at, h FROM public.orders WHERE id >= 200 "
+                 "ORDER BY id") == [(200, TS, EXACT_HEADERS), (300, None, legacy)]
+    assert fields() == again
+    show = subprocess.run(env.cli_argv("dlq", "show", str(lost)), env=env.cli_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert show.returncode == 0, show.stderr
+    assert f"  source ts  -   {letters.SOURCE_GONE}" in show.stdout
+    assert f"  headers    {legacy}" in show.stdout
+    assert "no longer holds this record" in letters.SOURCE_GONE
+    # Resolving the letter kept the reason (the note says who redrove it).
+    assert env.ledger("SELECT status::text, note FROM tidemark.dlq WHERE id = %s", (lost,)) == \
+        [("redriven", f"redriven by run {rep.run_id}")]
+
+    # Once known (or known lost), never looked up again.
+    _exec(env, "UPDATE tidemark.dlq SET status = 'quarantined'")
+    assert fill_source_fields(env.ledger_dsn, env.load(), rep.redrive["request"],
+                              ["main"]) == 0

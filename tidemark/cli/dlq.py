@@ -12,6 +12,7 @@ from tidemark.cli.main import Ctx, _run, airflow_run_option, cli, pass_ctx
 from tidemark.core.db import connect
 from tidemark.core.errors import BadInput, NotFound
 from tidemark.ledger import dlq as dlq_mod
+from tidemark.ledger import letters
 from tidemark.ledger.state import AirflowRun
 
 
@@ -139,7 +140,13 @@ def dlq_show(ctx: Ctx, record_id: int, fmt: str, as_json: bool) -> None:
             lines.append(f"  data docs  {q['scope'] or '(pipeline)'}: {q['docs_path']}")
     key = dlq_mod.render_payload(rec["key"])[1] if rec["key"] is not None else "(none)"
     lines.append(f"  key        {key}")
-    lines.append(f"  headers    {json.dumps(rec['headers']) if rec['headers'] else '(none)'}")
+    # As the source had them when the letter kept them; else as jsonb stored them.
+    exact = letters.header_text(rec["source_headers"])
+    shown = exact if exact is not None else json.dumps(rec["headers"]) if rec["headers"] \
+        else "(none)"
+    lines.append(f"  headers    {shown}")
+    lines.append(f"  source ts  {_when(rec['source_ts'])}"
+                 + (f"   {rec['source_note']}" if rec["source_note"] else ""))
     size = len(rec["payload"]) if rec["payload"] is not None else 0
     lines.append(f"  payload    ({kind}, {size:,} bytes)")
     lines.extend(f"    {ln}" for ln in text.splitlines() or ["(empty)"])

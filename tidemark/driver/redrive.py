@@ -1,4 +1,6 @@
-"""Redrive: replay quarantined records' stored bytes through the current pipeline code.
+"""Redrive: replay quarantined records' stored bytes through the current pipeline code, with
+the key, headers and source timestamp a delivery of them would give (fill_source_fields for
+letters from before ledger V007).
 
 A redrive is a re-delivery (docs/design.md, "Re-delivery") and a mode of the one protocol
 (tidemark/driver/run.py): its records come from the dead letters instead of the log. Each letter
@@ -23,7 +25,7 @@ from tidemark.core.db import connect
 from tidemark.core.errors import BadInput, TidemarkError
 from tidemark.driver.modes import Layout, Mode, NothingToClose
 from tidemark.driver.run import Run, RunReport
-from tidemark.ledger import redrives
+from tidemark.ledger import letters, redrives
 from tidemark.ledger.state import Range, RunState
 
 SHOW_UNPLACED = 20  # letters left out, logged one by one; the rest as a count
@@ -37,6 +39,7 @@ class RedriveMode(Mode):
         self.request = request
         self.by_sink: dict[str, int] = {}          # sink -> letters planned
         self.unplaced: dict[int, str] = {}         # id -> why it is left out
+        self.source_unknown: list[int] = []        # ids replayed with a NULL timestamp
 
     def planner(self, pipeline: Pipeline):
         names = [s.name for s in pipeline.sinks]
@@ -62,7 +65,10 @@ class RedriveMode(Mode):
         """Each record once (several sinks' letters may hold it), from the stored bytes, read
         from the ledger in chunks straight into Arrow."""
         batches = []
+        fill_source_fields(self.ledger_dsn, pipeline, self.request, list(self.by_sink))
         with connect(self.ledger_dsn, autocommit=True, what="ledger") as conn:
+            self.source_unknown = redrives.source_unknown(conn, self.request, pipeline.name,
+                                                          list(self.by_sink))
             for rows in redrives.records(conn, self.request, pipeline.name, list(self.by_sink)):
                 cols = zip(*rows, strict=True)
                 batches.append(pa.RecordBatch.from_arrays(
@@ -86,6 +92,27 @@ class RedriveMode(Mode):
 
     def layout(self, read: list[Range], sinks, **_) -> Layout:
         return Layout("records", 1, read)  # one task over hand-picked records
+
+
+def fill_source_fields(ledger_dsn: str, pipeline: Pipeline, request: int,
+                       sinks: list[str]) -> int:
+    """Before a redrive reads its letters: a letter from before V007 kept neither its
+    record's headers as the source had them nor its timestamp. Read them from the source
+    now, or note that the source no longer holds the record (retention, compaction). Each
+    letter once: later redrives find them known. Returns how many letters changed."""
+    with connect(ledger_dsn, autocommit=True, what="ledger") as conn:
+        wanted = redrives.unknown_source(conn, request, pipeline.name, sinks)
+        if not wanted:
+            return 0
+        try:
+            found = sources.headers_and_ts(pipeline, wanted)
+        except TidemarkError as exc:
+            n = sum(len(offs) for offs in wanted.values())
+            raise TidemarkError(f"redrive of {pipeline.name}: {n:,} dead letter(s) from before "
+                                f"V007 need their record's headers and timestamp from the "
+                                f"source, which cannot be read: {exc}") from None
+        gone = [(p, o) for p, offs in wanted.items() for o in offs if (p, o) not in found]
+        return letters.fill_source(conn, pipeline.name, found, gone)
 
 
 class Redrive(Run):
@@ -130,7 +157,15 @@ class Redrive(Run):
             "redriven": sum(r.redriven for r in done),
             "failed_again": sorted(i for r in done for i in r.failed_again),
             "skipped": sorted({i for t in self.results for r in t.sinks.values()
-                               for i in r.skipped} | set(self.redrive.unplaced))}
+                               for i in r.skipped} | set(self.redrive.unplaced)),
+            "source_unknown": self.redrive.source_unknown}
+        unknown = self.redrive.source_unknown
+        if unknown:  # the transform saw no source timestamp for these: say so
+            shown = ", ".join(map(str, unknown[:SHOW_UNPLACED]))
+            more = f" and {len(unknown) - SHOW_UNPLACED:,} more" \
+                if len(unknown) > SHOW_UNPLACED else ""
+            self.log(f"dead letter(s) {shown}{more}: the source no longer holds the record; "
+                     f"replayed with a NULL _tm_ts and the headers as the letter stored them")
         if report.run_id is None:
             report.message = "nothing to redrive"
         return report

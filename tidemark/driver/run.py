@@ -110,6 +110,9 @@ class RunReport:
             lines.append(f"  dead letters: {r['redriven']:,} redriven, "
                          f"{len(r['failed_again']):,} failed again (still quarantined, "
                          f"attempts + 1), {len(r['skipped']):,} skipped")
+            if r.get("source_unknown"):
+                lines.append(f"  {len(r['source_unknown']):,} replayed with a NULL _tm_ts: "
+                             f"the source no longer holds their records (source_note)")
         return "\n".join(lines)
 
 

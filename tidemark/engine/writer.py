@@ -184,7 +184,9 @@ class DeadLetters:
                     self.spec.pipeline, self.sink, self.spec.run_id, r[PARTITION], r[OFFSET],
                     r["_tm_key"], r["_tm_payload"], storable_headers(r["_tm_headers"]),
                     error_class, pg_text(reason, REASON_MAX),
-                    pg_text(detail, DETAIL_MAX) if detail else None))
+                    pg_text(detail, DETAIL_MAX) if detail else None,
+                    # as the source had them: what a redrive hands the transform
+                    letters.header_bytes(r["_tm_headers"]), r["_tm_ts"], True))
         self.stage.merge()
 
     def _fill_payloads(self, pending: list[tuple[dict, str, str, str | None]]) -> None:

@@ -43,7 +43,10 @@ _SUMMARY = ("id", "pipeline", "sink", "run_id", "source_partition", "source_offs
             "resolved_by", "resolved_at", "note")
 ENVELOPE = ("id", "pipeline", "sink", "run_id", "source_partition", "source_offset", "key",
             "payload", "headers", "error_class", "reason", "detail", "attempts", "status",
-            "first_seen", "last_seen", "resolved_by", "resolved_at", "note")
+            "first_seen", "last_seen", "resolved_by", "resolved_at", "note",
+            # the record's headers (bytes of their text) and timestamp as the source had
+            # them, and why not when unknown (sql/V007__dlq_source_record.sql)
+            "source_headers", "source_ts", "source_note")
 _DLQ = sql.Identifier("tidemark", "dlq")
 
 
@@ -327,7 +330,7 @@ def get(conn: psycopg.Connection, record_id: int, payload_limit: int | None = No
                       (record_id,)).fetchone()
     if rec is None:
         return None
-    for k in ("key", "payload"):
+    for k in ("key", "payload", "source_headers"):
         rec[k] = bytes(rec[k]) if rec[k] is not None else None
     rec["run"] = runs.get(conn, rec["run_id"])
     rec["quality"] = cur.execute("""SELECT scope, success, rows_failed, docs_path
@@ -451,6 +454,7 @@ def export(conn: psycopg.Connection, filters: Filters, batch: int = 2000,
     sizes = sql.SQL("SELECT id, coalesce(octet_length(payload), 0) + coalesce(octet_length(key), 0)"
                     " + coalesce(octet_length(detail), 0) + coalesce(octet_length(reason), 0)"
                     " + coalesce(octet_length(note), 0) + coalesce(pg_column_size(headers), 0)"
+                    " + coalesce(octet_length(source_headers), 0)"
                     " FROM {} WHERE {} ORDER BY id").format(_DLQ, where)
     # Binary results: a bytea arrives as its bytes, not as hex text twice their size.
     rows = sql.SQL("SELECT {} FROM {} WHERE id = ANY(%s::bigint[]) ORDER BY id").format(

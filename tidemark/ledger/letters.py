@@ -9,6 +9,7 @@ now succeeds resolves the letters of what it delivered.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from datetime import datetime
 
 import psycopg
 from psycopg import sql
@@ -16,8 +17,18 @@ from psycopg import sql
 from tidemark.ledger import markers
 
 COLUMNS = ("pipeline", "sink", "run_id", "source_partition", "source_offset", "key",
-           "payload", "headers", "error_class", "reason", "detail")
+           "payload", "headers", "error_class", "reason", "detail", "source_headers",
+           "source_ts", "source_kept")
 _COLS = sql.SQL(", ").join(sql.Identifier(c) for c in COLUMNS)
+
+
+def header_bytes(headers: str | None) -> bytes | None:
+    """A record's headers text as ``source_headers`` keeps it: its exact UTF-8 bytes."""
+    return None if headers is None else headers.encode("utf-8", "surrogatepass")
+
+
+def header_text(stored: bytes | None) -> str | None:
+    return None if stored is None else bytes(stored).decode("utf-8", "surrogatepass")
 
 
 class Stage:
@@ -41,12 +52,20 @@ class Stage:
             yield copy
 
     def merge(self) -> None:
+        # A source record never changes: a letter that knows its record's headers and
+        # timestamp (or knows the source lost them) keeps that. A redrive of a lost one hands
+        # back the stored headers, which must not pass for the source's.
         self.conn.execute(sql.SQL("""
             INSERT INTO tidemark.dlq AS d ({cols}) SELECT {cols} FROM {stage}
             ON CONFLICT ON CONSTRAINT dlq_one_per_sink DO UPDATE
             SET attempts = d.attempts + 1, last_seen = now(), run_id = EXCLUDED.run_id,
                 error_class = EXCLUDED.error_class, reason = EXCLUDED.reason,
-                detail = EXCLUDED.detail, status = 'quarantined'""").format(
+                detail = EXCLUDED.detail, status = 'quarantined',
+                source_headers = CASE WHEN d.source_kept IS NULL THEN EXCLUDED.source_headers
+                                      ELSE d.source_headers END,
+                source_ts = CASE WHEN d.source_kept IS NULL THEN EXCLUDED.source_ts
+                                 ELSE d.source_ts END,
+                source_kept = coalesce(d.source_kept, EXCLUDED.source_kept)""").format(
             cols=_COLS, stage=self.table))
         self.conn.execute(sql.SQL("TRUNCATE {}").format(self.table))
 
@@ -86,3 +105,36 @@ def resolve_offsets(conn: psycopg.Connection, pipeline: str, sink: str, partitio
         AND source_partition = %(p)s AND source_offset = ANY(%(offs)s)"""),
         {"pipeline": pipeline, "sink": sink, "p": partition, "offs": offsets, "by": by,
          "note": note}).rowcount
+
+
+SOURCE_GONE = ("source timestamp and headers unknown: the source no longer holds this record "
+               "(a letter from before V007); a redrive hands the transform a NULL _tm_ts and "
+               "the headers as this letter stored them")
+
+
+def fill_source(conn: psycopg.Connection, pipeline: str,
+                found: dict[tuple[int, int], tuple[str | None, datetime | None]],
+                gone: list[tuple[int, int]]) -> int:
+    """Letters from before V007: the headers and timestamp the source still holds for their
+    records (``found``: (partition, offset) -> (headers text, ts)), and for those it no
+    longer holds (``gone``) NULL with the reason in ``source_note``. Every letter of the
+    pipeline at those positions (one per sink); only those not known yet, so running it
+    again changes nothing. Returns how many letters changed."""
+    pos = list(found)
+    with conn.transaction():
+        n = conn.execute("""
+            UPDATE tidemark.dlq d SET source_headers = f.h, source_ts = f.ts, source_kept = true
+            FROM unnest(%s::int[], %s::bigint[], %s::bytea[], %s::timestamptz[])
+                 AS f(p, o, h, ts)
+            WHERE d.pipeline = %s AND d.source_partition = f.p AND d.source_offset = f.o
+              AND d.source_kept IS NULL""",
+            ([p for p, _ in pos], [o for _, o in pos],
+             [header_bytes(found[k][0]) for k in pos], [found[k][1] for k in pos],
+             pipeline)).rowcount
+        n += conn.execute("""
+            UPDATE tidemark.dlq d SET source_kept = false, source_note = %s
+            FROM unnest(%s::int[], %s::bigint[]) AS f(p, o)
+            WHERE d.pipeline = %s AND d.source_partition = f.p AND d.source_offset = f.o
+              AND d.source_kept IS NULL""",
+            (SOURCE_GONE, [p for p, _ in gone], [o for _, o in gone], pipeline)).rowcount
+    return n

@@ -18,7 +18,7 @@ import psycopg
 from psycopg import sql
 
 from tidemark.core.errors import BadInput
-from tidemark.ledger import dlq
+from tidemark.ledger import dlq, letters
 
 # One redrive is one Spark task holding every letter's row lock in one transaction; its
 # records go through the driver's memory once. Tested at 100,000 (tests/test_redrive.py).
@@ -140,17 +140,47 @@ def placement(conn: psycopg.Connection, request_id: int, pipeline: str, sinks: l
 def records(conn: psycopg.Connection, request_id: int, pipeline: str,
             sinks: list[str]) -> Iterator[list[tuple]]:
     """Each source record of the placeable letters once (several sinks' letters may hold it),
-    as (partition, offset, key, payload, headers, NULL timestamp) rows, the sources' schema,
-    in chunks from a server-side cursor: memory holds one chunk of rows at a time."""
+    as (partition, offset, key, payload, headers, timestamp) rows, the sources' schema, in
+    chunks from a server-side cursor: memory holds one chunk of rows at a time.
+
+    Headers and timestamp as the source had them (docs/design.md, "Re-delivery"). For a
+    letter whose source no longer held its record when they were looked up (a letter from
+    before V007, ``source_kept`` false): a NULL timestamp and the headers as the letter
+    stored them (jsonb text). Of one record's letters, one that kept them is read first."""
     query = ("SELECT DISTINCT ON (d.source_partition, d.source_offset) d.source_partition, "
-             "d.source_offset, d.key, d.payload, d.headers::text, NULL::timestamptz"
+             "d.source_offset, d.key, d.payload, CASE WHEN d.source_kept THEN d.source_headers "
+             "END, CASE WHEN d.source_kept IS NOT TRUE THEN d.headers::text END, "
+             "CASE WHEN d.source_kept THEN d.source_ts END"
              + _PLACEABLE + " AND d.status = 'quarantined' "
-             "ORDER BY d.source_partition, d.source_offset, d.id")
+             "ORDER BY d.source_partition, d.source_offset, d.source_kept DESC NULLS LAST, d.id")
     with conn.transaction(), conn.cursor(name="tidemark_redrive_records") as cur:
         cur.itersize = FETCH
         cur.execute(query, _args(request_id, pipeline, sinks))
         while rows := cur.fetchmany(FETCH):
-            yield rows
+            yield [(p, o, k, v, letters.header_text(exact) if exact is not None else stored, ts)
+                   for p, o, k, v, exact, stored, ts in rows]
+
+
+def unknown_source(conn: psycopg.Connection, request_id: int, pipeline: str,
+                   sinks: list[str]) -> dict[int, list[int]]:
+    """The source positions (partition -> offsets) of the placeable letters whose source
+    headers and timestamp the ledger does not know yet (letters from before V007)."""
+    out: dict[int, list[int]] = {}
+    for part, off in conn.execute(
+            "SELECT DISTINCT d.source_partition, d.source_offset" + _PLACEABLE
+            + " AND d.status = 'quarantined' AND d.source_kept IS NULL ORDER BY 1, 2",
+            _args(request_id, pipeline, sinks)):
+        out.setdefault(part, []).append(off)
+    return out
+
+
+def source_unknown(conn: psycopg.Connection, request_id: int, pipeline: str,
+                   sinks: list[str]) -> list[int]:
+    """Ids of the placeable letters whose source headers and timestamp are unknown (the
+    source no longer held the record): replayed with a NULL timestamp."""
+    return [i for (i,) in conn.execute(
+        "SELECT d.id" + _PLACEABLE + " AND d.status = 'quarantined' "
+        "AND d.source_kept IS NOT TRUE ORDER BY d.id", _args(request_id, pipeline, sinks))]
 
 
 def hold(conn: psycopg.Connection, request_id: int, pipeline: str,

@@ -9,6 +9,7 @@ May import: protocol, ledger, config, quality, core.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import datetime
 from typing import Protocol
 
@@ -167,6 +168,45 @@ class PayloadReader:
         self.close()
 
 
+def _close_together(offsets: list[int]) -> Iterator[list[int]]:
+    """Sorted ``offsets`` in runs no more than REFETCH_GAP apart: each is read as one range."""
+    first = 0
+    for i in range(1, len(offsets) + 1):
+        if i == len(offsets) or offsets[i] - offsets[i - 1] > REFETCH_GAP:
+            yield offsets[first:i]
+            first = i
+
+
+def headers_and_ts(pipeline: Pipeline, wanted: dict[int, list[int]]
+                   ) -> dict[tuple[int, int], tuple[str | None, datetime | None]]:
+    """Driver side: ``{(partition, offset): (headers text, ts)}`` of the ``wanted`` records
+    (partition -> offsets) the source still holds, as a delivery reads them. A position left
+    out is one the source no longer holds (retention, compaction); a source that cannot be
+    read raises. For dead letters from before V007, which kept neither."""
+    src = reader_source(pipeline)
+    if isinstance(src, PostgresLogSource):
+        from tidemark.sources.postgres_log import headers_and_ts as by_offset
+        return by_offset(src, wanted)
+    out: dict[tuple[int, int], tuple[str | None, datetime | None]] = {}
+    plan = planner(pipeline)
+    try:
+        for part, offs in wanted.items():
+            first = plan.earliest(part)
+            # below the archive's first segment: deleted by retention
+            held = sorted(o for o in set(offs) if first is not None and o >= first)
+            for group in _close_together(held):
+                need = pa.array(group, pa.int64())
+                for batch in read_range(src, Range(part, group[0], group[-1] + 1)):
+                    hit = batch.filter(pc.is_in(batch.column("_tm_offset"), need))
+                    for off, h, ts in zip(*(hit.column(c).to_pylist() for c in
+                                            ("_tm_offset", "_tm_headers", "_tm_ts")),
+                                          strict=True):
+                        out[(part, off)] = (h, ts)
+    finally:
+        plan.close()
+    return out
+
+
 def read_range(source: PostgresLogSource | FileArchiveSource, r: Range):
     if isinstance(source, PostgresLogSource):
         from tidemark.sources.postgres_log import read_range as impl
@@ -207,4 +247,5 @@ def dataframe(spark, pipeline: Pipeline, ranges: list[Range]):
 
 
 __all__ = ["SCHEMA", "SPARK_SCHEMA", "FileArchiveSource", "PostgresLogSource", "ReadJob",
-           "PayloadReader", "RangeReader", "dataframe", "payload_source", "planner", "read_range"]
+           "PayloadReader", "RangeReader", "dataframe", "headers_and_ts", "payload_source", "planner",
+           "read_range"]

@@ -21,7 +21,7 @@ import pyarrow as pa
 from psycopg import conninfo, sql
 
 from tidemark.config import PostgresLogSource
-from tidemark.core.db import connect, qualified
+from tidemark.core.db import connect, one_line, qualified
 from tidemark.core.errors import TidemarkError
 from tidemark.ledger.state import Range
 
@@ -153,6 +153,28 @@ class PostgresLogPlanner:
             WHERE nxt IS DISTINCT FROM o + 1"""), {"p": partition, "a": start, "b": stop}
                                 ).fetchone()[0]
         return gap
+
+
+def headers_and_ts(src: PostgresLogSource, wanted: dict[int, list[int]]
+                   ) -> dict[tuple[int, int], tuple[str | None, datetime | None]]:
+    """``{(partition, offset): (headers text, ts)}`` of the ``wanted`` records the table
+    still holds (see tidemark.sources.headers_and_ts), cast as :func:`read_range` casts them:
+    the headers' text, a timestamp without time zone as UTC."""
+    query = sql.SQL("SELECT {offset}, {headers}::text, {ts} FROM {t} "
+                    "WHERE {partition} = %s AND {offset} = ANY(%s::bigint[])").format(
+        t=_table(src.table), **_ids(src.columns.model_dump()))
+    out: dict[tuple[int, int], tuple[str | None, datetime | None]] = {}
+    with connect(src.dsn, autocommit=True, what=f"source {src.table} at") as conn:
+        for part, offs in wanted.items():
+            try:
+                rows = conn.execute(query, (part, list(offs))).fetchall()
+            except psycopg.Error as exc:
+                raise TidemarkError(f"source {src.table}: {one_line(exc)}") from None
+            for off, headers, ts in rows:
+                if ts is not None and ts.tzinfo is None:
+                    ts = ts.replace(tzinfo=UTC)
+                out[(part, off)] = (headers, ts)
+    return out
 
 
 def connect_reader(src: PostgresLogSource):

@@ -43,7 +43,7 @@ from tidemark.core.dsn import mask
 from tidemark.core.errors import BadInput, Busy, NotFound, TidemarkError
 from tidemark.core.settings import get_settings
 from tidemark.core.text import shown
-from tidemark.ledger import dlq, redrives
+from tidemark.ledger import dlq, letters, redrives
 from tidemark.quality.docs import site_dir
 from tidemark.web import auth as web_auth
 from tidemark.web.auth import Caller, Forbidden, NotAuthenticated, guard
@@ -455,8 +455,17 @@ def record_page(request: Request, record_id: str, caller: CallerDep) -> Response
         formats.insert(1, "json")
     return _html(request, "record.html", r=view, fmt=fmt, formats=formats, show_bytes=SHOW_BYTES,
                  can_act=_may(caller, "PUT", rec["pipeline"]),
-                 headers_text=json.dumps(rec["headers"], indent=2, ensure_ascii=False)
-                 if rec["headers"] is not None else None)
+                 headers_text=_headers_text(rec))
+
+
+def _headers_text(rec: dict) -> str | None:
+    """The headers as the source had them (exact text); a letter that does not know them
+    (from before ledger V007) as jsonb stored them."""
+    exact = letters.header_text(rec["source_headers"])
+    if exact is not None:
+        return exact
+    return json.dumps(rec["headers"], indent=2, ensure_ascii=False) \
+        if rec["headers"] is not None else None
 
 
 @app.get("/dlq/docs/{pipeline}/{path:path}")
