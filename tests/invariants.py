@@ -6,11 +6,13 @@ LIVE = ("quarantined", "discarded")
 
 
 def assert_exactly_once(env, pipeline: str = "orders", sinks: dict[str, str] | None = None,
-                        table: str = "orders") -> None:
+                        table: str = "orders", tombstones: bool = False) -> None:
     """Invariants 1, 2 and 4, per sink: below its checkpoint each source offset is placed
     exactly once *for that sink* (its own row, or one live dead letter naming that sink; a
     version superseded by a newer one of its key may have neither), nothing at or above the
-    checkpoint is placed, and no prepared transaction is left."""
+    checkpoint is placed, and no prepared transaction is left. ``tombstones``: the sinks
+    delete keys, so a tombstone (a key, no payload) places itself and supersedes what is older
+    in its partition."""
     sinks = sinks or {"main": env.sink_dsn}
     source = env.ledger('SELECT "partition", "offset" FROM src.log')
     assert env.ledger("SELECT count(*) FROM tidemark.dlq WHERE sink IS NULL") == [(0,)]
@@ -18,6 +20,10 @@ def assert_exactly_once(env, pipeline: str = "orders", sinks: dict[str, str] | N
         cps = env.checkpoints(pipeline, sink)
         below = {(p, o) for p, o in source if o < cps.get(p, 0)}
         delivered = env.q(dsn, f"SELECT _tm_partition, _tm_offset FROM {table}")
+        if tombstones:
+            delivered += [(p, o) for p, o in env.ledger(
+                'SELECT "partition", "offset" FROM src.log WHERE payload IS NULL '
+                'AND key IS NOT NULL') if o < cps.get(p, 0)]
         dead = env.ledger(
             "SELECT source_partition, source_offset FROM tidemark.dlq WHERE pipeline = %s "
             "AND sink = %s AND status::text = ANY(%s)", (pipeline, sink, list(LIVE)))

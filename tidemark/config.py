@@ -150,6 +150,12 @@ class PipelineQuality(Quality):
     on_gate_failure: Literal["halt", "quarantine_batch"] = "halt"
 
 
+# What a tombstone (a record with a key and no payload: how a compacted Kafka topic deletes
+# a key) does to a sink: ``delete`` removes the key's row, ``quarantine`` keeps it as a dead
+# letter.
+Tombstones = Literal["quarantine", "delete"]
+
+
 class Sink(Connection):
     name: Annotated[str, Field(pattern=IDENT)]
     table: Annotated[str, Field(pattern=TABLE)]
@@ -160,6 +166,7 @@ class Sink(Connection):
     # and a key whose versions come from two partitions fails the sink with a clear message.
     version: Annotated[str, Field(pattern=IDENT)] | None = None
     quality: Quality = Quality()  # stricter checks for this sink only
+    tombstones: Tombstones | None = None  # None: the pipeline's
 
     @property
     def not_null(self) -> list[str]:
@@ -224,6 +231,7 @@ class Pipeline(_Model):
     decode: Decode
     transform: Transform = Transform()
     sinks: Annotated[list[Sink], Field(min_length=1)]
+    tombstones: Tombstones = "quarantine"
     limits: Limits = Limits()
     quality: PipelineQuality = PipelineQuality()
     alerts: Alerts = Alerts()
@@ -286,6 +294,9 @@ class Pipeline(_Model):
         if self.transform.select is not None:
             return list(self.transform.select)
         return list(self.decode.schema_)
+
+    def tombstones_of(self, sink: Sink) -> Tombstones:
+        return sink.tombstones or self.tombstones
 
     def sink(self, name: str) -> Sink:
         for s in self.sinks:

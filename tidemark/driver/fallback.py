@@ -32,8 +32,9 @@ from tidemark import sources
 from tidemark.config import Pipeline, Sink
 from tidemark.core.db import qualified
 from tidemark.driver import gate
-from tidemark.engine import records
+from tidemark.engine import records, tombstones
 from tidemark.ledger.state import Range
+from tidemark.protocol.sinks import tombstone_table
 from tidemark.protocol.taskspec import FALLBACK, Failures
 
 PART, OFF = "_tm_partition", "_tm_offset"
@@ -63,20 +64,25 @@ class Fallback:
 
 
 def _removed_keys(spark, df: DataFrame, s: SinkPlan) -> DataFrame | None:
-    """The keys of the sink's rows whose position lies in the range (step 1 removes them)."""
+    """The keys of the sink's rows, and tombstones, whose position lies in the range (step 1
+    removes them)."""
     keys = s.config.key
-    query = sql.SQL("SELECT DISTINCT {} FROM {} WHERE _tm_partition = %s "
-                    "AND _tm_offset >= %s AND _tm_offset < %s").format(
-        sql.SQL(", ").join(sql.Identifier(k) for k in keys), sql.SQL(qualified(s.config.table)))
-    found: list[tuple] = []
+    found: set[tuple] = set()
     with psycopg.connect(s.dsn, autocommit=True, connect_timeout=10,
                          application_name="tidemark-backfill") as conn:
-        for r in s.ranges:
-            found += conn.execute(query, (r.partition, r.start, r.end)).fetchall()
+        tables = [sql.SQL(qualified(s.config.table))]
+        if tombstones.exists(conn, s.config.table):
+            tables.append(tombstone_table(s.config.table))
+        for table in tables:
+            query = sql.SQL("SELECT DISTINCT {} FROM {} WHERE _tm_partition = %s "
+                            "AND _tm_offset >= %s AND _tm_offset < %s").format(
+                sql.SQL(", ").join(sql.Identifier(k) for k in keys), table)
+            for r in s.ranges:
+                found |= set(conn.execute(query, (r.partition, r.start, r.end)).fetchall())
     if not found:
         return None
     schema = StructType([df.schema[k] for k in keys])
-    return spark.createDataFrame(found, schema)
+    return spark.createDataFrame(list(found), schema)
 
 
 def _passing_keys(df: DataFrame, s: SinkPlan) -> DataFrame:

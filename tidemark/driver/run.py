@@ -59,9 +59,10 @@ class SinkOutcome:
     rows: int = 0
     dead: int = 0
     superseded: int = 0   # versions not written: a newer one of their key won
-    removed: int = 0      # re-delivery: rows removed (their records now quarantined)
+    removed: int = 0      # re-delivery: rows of the range removed (then placed again)
     resolved: int = 0     # re-delivery: dead letters resolved (their records now delivered)
-    fallback: int = 0     # backfill: older versions placed again (their key's row removed)
+    fallback: int = 0     # backfill: older versions examined for keys that lost their row
+    tombstones: int = 0   # tombstones that delete their key (tombstones: delete)
     error: str | None = None
     copy_format: str = ""  # "binary", or "csv: <the column binary COPY cannot carry>"
 
@@ -100,7 +101,8 @@ class RunReport:
             more = "".join(f", {n:,} {what}" for n, what in (
                 (s.superseded, "superseded by newer versions"), (s.removed, "rows removed"),
                 (s.resolved, "dead letters resolved"),
-                (s.fallback, "older versions of their keys placed again")) if n)
+                (s.fallback, "older versions of their keys placed again"),
+                (s.tombstones, "tombstones")) if n)
             lines.append(f"  sink {s.sink}: {s.state}, {s.rows:,} rows written, "
                          f"{s.dead:,} quarantined{more}{tail}")
         for sink, why in self.skipped.items():
@@ -329,7 +331,8 @@ class Run:
             if now == RunState.ABORTED or (verdict and sink in verdict.halted):
                 continue
             try:
-                sinks.ensure_table(by_name[sink], columns, f"sink {sink}")
+                sinks.ensure_table(by_name[sink], columns, f"sink {sink}", tombstones=(
+                    self.p.tombstones_of(by_name[sink].config) == "delete"))
             except TidemarkError as exc:
                 self._abort(run_id, sink, str(exc), report)
                 continue
@@ -412,7 +415,8 @@ class Run:
             out = report.sinks[sink]
             mine = [r.sinks[sink] for r in self.results]
             errors = [m.error for m in mine if m.error]
-            for name in ("rows", "dead", "superseded", "removed", "resolved", "fallback"):
+            for name in ("rows", "dead", "superseded", "removed", "resolved", "fallback",
+                         "tombstones"):
                 setattr(out, name, sum(getattr(m, name) for m in mine))
             out.copy_format = next((m.copy_format for m in mine if m.copy_format), "")
             if out.copy_format.startswith("csv"):  # slower, not wrong: say why once per run
@@ -428,7 +432,8 @@ class Run:
                 continue
             counts = {"records": sum(m.records for m in mine), "rows": out.rows,
                       "dead": out.dead, "superseded": out.superseded, "removed": out.removed,
-                      "resolved": out.resolved, "fallback": out.fallback}
+                      "resolved": out.resolved, "fallback": out.fallback,
+                      "tombstones": out.tombstones}
             state.mark_prepared(ledger, self.p.name, run_id, sink, counts)
             out.state = RunState.PREPARED
             still.append(sink)
@@ -486,7 +491,8 @@ class Run:
                 ranges={r.partition: (r.start, r.end) for r in claim.sinks[s].ranges},
                 failed=v.rows.get(s, {}),
                 quarantine=v.quarantine.get(s),
-                fallback_failed=fallen.failed.get(s, {}) if fallen else {}))
+                fallback_failed=fallen.failed.get(s, {}) if fallen else {},
+                tombstones=self.p.tombstones_of(cfg)))
         return TaskSpec(
             run_id=claim.run_id, pipeline=self.p.name, mode=self.mode.name,
             prefix=self.s.gid_prefix, prepare=self.p.delivery == "exactly_once",

@@ -20,6 +20,13 @@ from tidemark.sources import json_arrow
 
 META = ["_tm_partition", "_tm_offset", "_tm_key", "_tm_payload", "_tm_headers", "_tm_ts"]
 ERR_CLASS, ERR_REASON = "_tm_error_class", "_tm_reason"
+# A record with a key and no payload: not an error, but not a row either. Its class stays
+# set through the transform and the checks (which judge rows only); each sink then deletes
+# its key or keeps it as a dead letter (config.Tombstones, tidemark/engine/writer.py).
+TOMBSTONE = "tombstone"
+TOMBSTONE_REASON = "tombstone: a key and no payload"
+TOMBSTONE_KEPT = ("tombstone (a key and no payload): this sink keeps tombstones as dead letters "
+                  "(tombstones: quarantine)")
 _PARSED, _CORRUPT = "_tm_json", "_tm_corrupt"
 
 
@@ -48,7 +55,9 @@ def decode(df: DataFrame, pipeline: Pipeline) -> DataFrame:
                         F.substring(F.get_json_object(text, f"$['{name}']"), 1, 60),
                         F.lit(f"' as {typ}")))
         for name, typ in schema.items()], F.lit("payload is not a JSON object"))
+    tombstone = slow & F.col("_tm_payload").isNull() & F.col("_tm_key").isNotNull()
     reason = (F.when(~slow, F.lit(None).cast("string"))
+              .when(tombstone, F.lit(TOMBSTONE_REASON))
               .when(F.col("_tm_payload").isNull() | (F.length("_tm_payload") == 0),
                     F.lit("empty payload"))
               .when(~F.expr("is_valid_utf8(cast(_tm_payload as string))"),
@@ -59,7 +68,8 @@ def decode(df: DataFrame, pipeline: Pipeline) -> DataFrame:
                .otherwise(F.col(_PARSED)[name]) if pre else F.col(_PARSED)[name]).alias(name)
               for i, name in enumerate(schema)]
     return df.select(*META, *fields,
-                     F.when(reason.isNotNull(), F.lit("decode")).alias(ERR_CLASS),
+                     F.when(tombstone, F.lit(TOMBSTONE))
+                     .when(reason.isNotNull(), F.lit("decode")).alias(ERR_CLASS),
                      reason.alias(ERR_REASON))
 
 

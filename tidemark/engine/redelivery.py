@@ -21,13 +21,14 @@ one (if one does, the sink fails and says to backfill instead).
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import psycopg
 import pyarrow as pa
 from psycopg import sql
 
-from tidemark.engine.records import ERR_CLASS, ERR_REASON
+from tidemark.engine.records import ERR_CLASS, ERR_REASON, TOMBSTONE, TOMBSTONE_KEPT
 from tidemark.ledger import markers
 
 if TYPE_CHECKING:
@@ -69,6 +70,9 @@ class Redelivery:
                 "RETURNING {keys}) INSERT INTO {lost} SELECT {keys} FROM gone").format(
                 t=self.w.table, cond=cond, keys=keys, lost=self.lost_table),
                 [part, *args]).rowcount
+            if self.w.tombs is not None:  # a tombstone is a version too: it goes likewise
+                self.w.out["removed"] += self.w.tombs.remove_at(part, cond, args,
+                                                                self.lost_table)
 
     # -- steps 4 and 5 ------------------------------------------------------------------------
     def finish(self, candidates: list[pa.RecordBatch]) -> None:
@@ -129,10 +133,14 @@ class Redelivery:
         placed. A candidate with a row of its own (made under another key by an earlier
         pipeline) is placed as it was and left alone. Returns the placed positions."""
         placed: dict[int, list[int]] = {}
-        if not lost or not candidates:
+        if not lost or not (candidates or self.w.tomb_rows):
             return placed
-        table = pa.Table.from_batches(candidates)
-        rows = [r for r in table.to_pylist() if tuple(r[k] for k in self.t.key) in lost]
+        read = pa.Table.from_batches(candidates) if candidates else None
+        # The range's own tombstones (step 2 applied them) are versions of their keys too:
+        # the walk stops at one, and no older version comes back.
+        rows = [r for r in (read.to_pylist() if read else []) + self.w.tomb_rows
+                if tuple(r[k] for k in self.t.key) in lost]
+        ours = {(r[PARTITION], r[OFFSET]) for r in self.w.tomb_rows}
         own: set[tuple[int, int]] = set()
         by_part: dict[int, list[int]] = {}
         for r in rows:
@@ -147,30 +155,48 @@ class Redelivery:
         for r in rows:
             if (r[PARTITION], r[OFFSET]) not in own:
                 versions.setdefault(tuple(r[k] for k in self.t.key), []).append(r)
-        v = self.t.version
-        good, bad = [], []
+        good, bad, tombs = [], [], []
         for chain in versions.values():
-            # A NULL version orders below every other (it fails, see _fails).
-            chain.sort(key=lambda r: ((r[v] is not None, r[v]) if v else (True, 0),
-                                      r[PARTITION], r[OFFSET]), reverse=True)
+            chain.sort(key=functools.cmp_to_key(self._order), reverse=True)
             for r in chain:
+                mine = (r[PARTITION], r[OFFSET]) in ours
+                if r[ERR_CLASS] == TOMBSTONE and self.t.tombstones == "delete":
+                    if not mine:  # one outside the range: kept as the key's newest version
+                        self.w.out["fallback"] += 1
+                        tombs.append(r)
+                    break
                 self.w.out["fallback"] += 1
                 why = self._fails(r)
                 if why is None:
                     good.append(r)
                     placed.setdefault(r[PARTITION], []).append(r[OFFSET])
                     break
-                if r[ERR_CLASS] is None:
-                    r[ERR_CLASS], r[ERR_REASON] = why
+                r[ERR_CLASS], r[ERR_REASON] = why
                 bad.append(r)
+        self.w.add_tombstones(tombs)
         if good:
-            self.w.add(pa.Table.from_pylist(good, schema=table.schema).to_batches()[0])
-            self.w.flush()
+            self.w.add(pa.Table.from_pylist(good, schema=read.schema).to_batches()[0])
+        self.w.flush()
         self.dead.add(bad)
         return placed
 
+    def _order(self, a: dict, b: dict) -> int:
+        """Version order (docs/design.md): the version column, ties by (partition, offset);
+        where one has no version (a tombstone the transform gave none, or a version that
+        fails), by offset within a partition, and below every versioned one across them."""
+        v = self.t.version
+        if v and a[v] is not None and b[v] is not None:
+            x, y = (a[v], a[PARTITION], a[OFFSET]), (b[v], b[PARTITION], b[OFFSET])
+        elif a[PARTITION] == b[PARTITION]:
+            x, y = a[OFFSET], b[OFFSET]
+        else:
+            x, y = (a[v] is not None, a[PARTITION]), (b[v] is not None, b[PARTITION])
+        return (x > y) - (x < y)
+
     def _fails(self, r: dict) -> tuple[str, str] | None:
         """Why candidate ``r`` fails with the current pipeline (None: it passes)."""
+        if r[ERR_CLASS] == TOMBSTONE:  # where the sink keeps tombstones as letters
+            return "decode", TOMBSTONE_KEPT
         if r[ERR_CLASS] is not None:
             return r[ERR_CLASS], r[ERR_REASON]
         why = (self.t.fallback_failed.get(r[PARTITION]) or {}).get(r[OFFSET])

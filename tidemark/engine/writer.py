@@ -37,8 +37,8 @@ from tidemark.core import faults
 from tidemark.core.clock import Phases
 from tidemark.core.db import is_data_error, one_line, qualified
 from tidemark.core.text import clamp
-from tidemark.engine import pgbinary
-from tidemark.engine.records import ERR_CLASS, ERR_REASON
+from tidemark.engine import pgbinary, tombstones
+from tidemark.engine.records import ERR_CLASS, ERR_REASON, TOMBSTONE, TOMBSTONE_KEPT
 from tidemark.engine.redelivery import Redelivery
 from tidemark.ledger import letters, markers, redrives
 from tidemark.protocol import coverage, gids, twopc
@@ -260,7 +260,8 @@ class SinkWriter:
         self.spec, self.target, self.gid, self.dead = spec, target, gid, dead
         self.phases = dead.phases
         self.conn: psycopg.Connection | None = None
-        self.out = {"records": 0, "rows": 0, "superseded": 0, "removed": 0, "fallback": 0}
+        self.out = {"records": 0, "rows": 0, "superseded": 0, "removed": 0, "fallback": 0,
+                    "tombstones": 0}
         self.failed: str | None = None
         self.pending: list[pa.RecordBatch] = []
         self.pending_rows = 0
@@ -268,6 +269,8 @@ class SinkWriter:
         # into it and let its unique index prove that (see _copy_direct).
         self.direct = spec.mode == "run"
         self.staged = False
+        self.tombs: tombstones.Tombstones | None = None  # the sink ever deleted keys
+        self.tomb_rows: list[dict] = []  # this task's tombstones that delete (redelivery)
         self.copy_format: str | None = None  # "binary" or "csv: <why>", at the first rows
         self.encoder: pgbinary.Encoder | None = None
         self.redelivery: Redelivery | None = None  # set for backfill and redrive
@@ -285,6 +288,10 @@ class SinkWriter:
         keys = [sql.Identifier(k) for k in t.key]
         self.ident = sql.SQL(", ").join(ident)
         self.pg_types = pgbinary.column_types(self.conn, qualified(t.table))
+        if t.tombstones == "delete" or tombstones.exists(self.conn, t.table):
+            self.tombs = tombstones.Tombstones(self.conn, self.gid, self.table, t.table,
+                                               t.key, t.version)
+            self.direct = False  # a direct COPY would skip the tombstones' guard
         updates = [sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(c), sql.Identifier(c))
                    for c in cols if c not in t.key]
         order = [*keys]
@@ -310,13 +317,14 @@ class SinkWriter:
                                                   sql.SQL("EXCLUDED._tm_partition")))
         self.merge_sql = sql.SQL("""
             INSERT INTO {target} AS t ({cols})
-            SELECT DISTINCT ON ({keys}) {cols} FROM {stage}
+            SELECT DISTINCT ON ({keys}) {cols} FROM {stage} s WHERE {live}
             ORDER BY {order}, _tm_partition DESC, _tm_offset DESC
             ON CONFLICT ({keys}) DO UPDATE SET {updates}
             WHERE {guard}""").format(
             target=self.table, cols=sql.SQL(", ").join(ident), keys=sql.SQL(", ").join(keys),
             order=sql.SQL(", ").join(order), stage=self.stage_table,
-            updates=sql.SQL(", ").join(updates), guard=guard)
+            updates=sql.SQL(", ").join(updates), guard=guard,
+            live=self.tombs.not_older("s") if self.tombs else sql.SQL("true"))
         self.truncate_sql = sql.SQL("TRUNCATE {}").format(self.stage_table)
         self.columns = cols
         return self.conn
@@ -331,17 +339,34 @@ class SinkWriter:
         if self.pending_rows >= FLUSH_ROWS:
             self.flush()
 
-    def flush(self) -> None:
-        if self.failed or not self.pending:
+    def add_tombstones(self, rows: list[dict]) -> None:
+        """Tombstones that delete their key (tidemark/engine/tombstones.py), applied at the
+        next flush, after that flush's rows."""
+        if self.failed or not rows:
             return
-        table = pa.Table.from_batches(self.pending)
+        try:
+            self._open()
+        except psycopg.Error as exc:
+            self._fail(exc)
+            return
+        self.tombs.add(rows)
+        self.tomb_rows += rows
+        self.out["tombstones"] += len(rows)
+
+    def flush(self) -> None:
+        if self.failed or not (self.pending or (self.tombs and self.tombs.pending)):
+            return
+        table = pa.Table.from_batches(self.pending) if self.pending else None
         self.pending, self.pending_rows = [], 0
         try:
             self._open()
             if self.redelivery is not None:
                 self.redelivery.remove()  # by position, before the first row is written
-            self._check_partitions(table)
-            self._write(table)
+            if table is not None:
+                self._check_partitions(table)
+                self._write(table)
+            if self.tombs is not None:
+                self.tombs.apply()
         except psycopg.Error as exc:
             self._fail(exc)
         except _VersionConflict as exc:
@@ -481,6 +506,8 @@ class SinkWriter:
             with self.phases("prepare"):
                 if self.staged:
                     self.conn.execute(sql.SQL("DROP TABLE {}").format(self.stage_table))
+                if self.tombs is not None:
+                    self.tombs.drop()
                 _finish(self.conn, self.gid, self.spec.run_id, self.spec.prepare)
                 self.conn.close()
         except psycopg.Error as exc:
@@ -620,11 +647,16 @@ class _Sink:
 
     def place(self, partition: int, batch: pa.RecordBatch) -> None:
         self.w.out["records"] += batch.num_rows
-        bad = pc.is_valid(batch.column(ERR_CLASS))
-        if pc.any(bad).as_py():  # decode and transform failures
-            self.dead.add(batch.filter(bad).to_pylist())
-            batch = batch.filter(pc.invert(bad))
         why = self.spec.quarantine or self.t.quarantine
+        bad = pc.is_valid(batch.column(ERR_CLASS))
+        if pc.any(bad).as_py():  # decode and transform failures, and tombstones
+            rows = batch.filter(bad).to_pylist()
+            batch = batch.filter(pc.invert(bad))
+            tombs = [r for r in rows if r[ERR_CLASS] == TOMBSTONE]
+            if tombs:
+                rows = [r for r in rows if r[ERR_CLASS] != TOMBSTONE] + self._tombstones(tombs,
+                                                                                       why)
+            self.dead.add(rows)
         if why is not None:  # a failed batch gate under quarantine_batch: this sink's range
             self.dead.add(batch.to_pylist(), "dq_gate", why)
             return
@@ -646,6 +678,28 @@ class _Sink:
                               self._null_reason(col))
                 batch = batch.filter(pc.invert(nulls))
         self.w.add(batch)
+
+    def _tombstones(self, tombs: list[dict], why: str | None) -> list[dict]:
+        """Hands the writer the tombstones that delete their key; returns those to quarantine:
+        every one where the sink keeps tombstones, or its batch gate quarantined the range,
+        and one whose key the transform could not derive (from ``_tm_key``)."""
+        deletes, kept = [], []
+        for r in tombs:
+            null = next((k for k in self.t.key if r[k] is None), None)
+            if self.t.tombstones != "delete":
+                r[ERR_CLASS], r[ERR_REASON] = "decode", TOMBSTONE_KEPT
+            elif why is not None:
+                r[ERR_CLASS], r[ERR_REASON] = "dq_gate", why
+            elif null is not None:
+                r[ERR_CLASS], r[ERR_REASON] = "transform", (
+                    f"tombstone: key column {null} is NULL; to delete, the transform must "
+                    f"derive the sink key from _tm_key (a tombstone has no payload)")
+            else:
+                deletes.append(r)
+                continue
+            kept.append(r)
+        self.w.add_tombstones(deletes)
+        return kept
 
     def _checked(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         """Quarantines the records a row check failed (column CHECK: the first one's index in
@@ -682,7 +736,7 @@ class _Sink:
                      "failed_again": sorted(failed), "skipped": self.skipped}
         return SinkResult(records=o["records"], rows=o["rows"], dead=self.dead.rows,
                           superseded=o["superseded"], removed=o["removed"],
-                          fallback=o["fallback"],
+                          fallback=o["fallback"], tombstones=o["tombstones"],
                           resolved=self.dead.resolved, error=self.w.failed,
                           copy_format=self.w.copy_format or "",
                           phases=self.w.phases.rounded(), **extra)
@@ -756,11 +810,12 @@ def _run_task(spec: TaskSpec, task: int, attempt: int,
             for s in sinks:
                 s.finish()
                 r = s.result()
-                if not r.error and r.records + r.fallback != r.rows + r.dead + r.superseded:
+                placed = r.rows + r.dead + r.superseded + r.tombstones
+                if not r.error and r.records + r.fallback != placed:
                     problem = (f"sink {s.t.name}: {r.records} records"
                                + (f" and {r.fallback} fallback versions" if r.fallback else "")
                                + f" but {r.rows} written + {r.dead} quarantined + "
-                               f"{r.superseded} superseded")
+                               f"{r.superseded} superseded + {r.tombstones} tombstones")
         if problem is not None:  # nothing is prepared: the driver aborts the run
             _close(sinks)
             return TaskResult(task=task, attempt=attempt, records=seen, error=problem)

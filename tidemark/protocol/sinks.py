@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import psycopg
@@ -43,7 +44,10 @@ def table_exists(sink: ResolvedSink) -> bool:
                             (qualified(sink.config.table),)).fetchone()[0] is not None
 
 
-def ensure_table(sink: ResolvedSink, columns: list[tuple[str, str]], what: str) -> None:
+def ensure_table(sink: ResolvedSink, columns: list[tuple[str, str]], what: str,
+                 tombstones: bool = False) -> None:
+    """The sink's table, created or checked; with ``tombstones`` (the sink deletes keys) also
+    its tombstone table."""
     cfg = sink.config
     with connect(sink.dsn, autocommit=True, what=what) as conn:
         prepare_database(conn, what)
@@ -55,6 +59,37 @@ def ensure_table(sink: ResolvedSink, columns: list[tuple[str, str]], what: str) 
             _create(conn, cfg, columns)
         else:
             _check(conn, cfg, columns, what)
+        if tombstones:
+            _create_tombstones(conn, cfg)
+
+
+def tombstone_name(table: str) -> str:
+    """Where a sink that deletes keys keeps its tombstones (schema tidemark): the key, the
+    version and the position of the newest tombstone of each deleted key. A re-delivery of an
+    older version must not bring the key back, and the key has no row left to say it is
+    newer."""
+    return "tomb_" + hashlib.sha1(qualified(table).encode()).hexdigest()[:20]
+
+
+def tombstone_table(table: str) -> sql.Composed:
+    return sql.SQL("tidemark.{}").format(sql.Identifier(tombstone_name(table)))
+
+
+def _create_tombstones(conn: psycopg.Connection, cfg: Sink) -> None:
+    name = tombstone_name(cfg.table)
+    if conn.execute("SELECT to_regclass(%s)", (f"tidemark.{name}",)).fetchone()[0]:
+        return
+    tomb = tombstone_table(cfg.table)
+    cols = [*cfg.key, *([cfg.version] if cfg.version else []), "_tm_partition", "_tm_offset"]
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (name,))
+        # The key's and version's types are the table's: CREATE TABLE AS copies them.
+        conn.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} AS SELECT {} FROM {} WITH NO DATA")
+                     .format(tomb, sql.SQL(", ").join(sql.Identifier(c) for c in cols),
+                             sql.SQL(qualified(cfg.table))))
+        conn.execute(sql.SQL("CREATE UNIQUE INDEX IF NOT EXISTS {} ON {} ({})").format(
+            sql.Identifier(f"{name}_key"), tomb,
+            sql.SQL(", ").join(sql.Identifier(k) for k in cfg.key)))
 
 
 def _create(conn: psycopg.Connection, cfg: Sink, columns: list[tuple[str, str]]) -> None:

@@ -67,6 +67,7 @@ class SinkTarget(_Model):
     failed: Failures = {}                # its own row-level expectations' failures
     quarantine: str | None = None        # its batch gate failed under quarantine_batch: why
     fallback_failed: Failures = {}       # row-level failures of its fallback versions
+    tombstones: Literal["quarantine", "delete"] = "quarantine"  # config.Tombstones
 
 
 class TaskSpec(_Model):
@@ -115,6 +116,7 @@ class SinkResult(_Model):
     removed: int = 0                     # re-delivery: own rows removed (now quarantined)
     resolved: int = 0                    # re-delivery: live letters resolved (now delivered)
     fallback: int = 0                    # backfill: older versions placed again (see FALLBACK)
+    tombstones: int = 0                  # tombstones that delete their key (none placed a row)
     redriven: int = 0                    # redrive: letters delivered
     failed_again: list[int] = []         # redrive: letter ids quarantined again
     skipped: list[int] = []              # redrive: letter ids no longer quarantined

@@ -1,0 +1,114 @@
+"""Tombstones (a key and no payload: how a compacted Kafka topic deletes a key), as a pipeline
+declares them (docs/pipelines.md, "Tombstones"; docs/design.md, "Re-delivery"). Real
+PostgreSQL and Spark."""
+
+from __future__ import annotations
+
+import json
+
+from tests.invariants import assert_exactly_once
+from tidemark.driver.run import Backfill
+
+ROWS = "expect_column_values_to_be_between"
+KEYED = {"select": {"id": "cast(cast(_tm_key as string) as int)", "name": "name",
+                    "amount": "amount", "version": "version"}}
+
+
+def order(i: int, amount: float = 1.0) -> tuple:
+    return (0, str(i).encode(), json.dumps({"id": i, "name": f"o{i}", "amount": amount,
+                                            "version": 1}).encode(), None, None)
+
+
+def tombstone(i: int) -> tuple:
+    return (0, str(i).encode(), None, None, None)
+
+
+def ids(env) -> list[tuple]:
+    return env.q(env.sink_dsn, "SELECT id, _tm_offset FROM orders ORDER BY id")
+
+
+def letters(env) -> list[tuple]:
+    return env.ledger("SELECT source_offset, error_class::text, reason, status::text "
+                      "FROM tidemark.dlq ORDER BY source_offset")
+
+
+def test_a_tombstone_deletes_its_keys_row_and_no_backfill_brings_it_back(env, spark):
+    env.append([order(1), order(2)])
+    env.pipeline(transform=KEYED, tombstones="delete")
+    assert env.run(spark).ok
+    env.append([tombstone(1)])
+    report = env.run(spark)
+    assert report.ok and report.sinks["main"].tombstones == 1, report.summary()
+    assert ids(env) == [(2, 1)] and letters(env) == []
+    # Re-delivering the older version of key 1 (offset 0, before the tombstone) places
+    # nothing: the tombstone is its key's newest version.
+    back = env.run(spark, mode="backfill", backfill=Backfill(0, 0, 2))
+    assert back.ok and back.sinks["main"].superseded == 1, back.summary()
+    assert ids(env) == [(2, 1)] and letters(env) == []
+    # A newer version brings the key back.
+    env.append([order(1, 7.0)])
+    assert env.run(spark).ok
+    assert ids(env) == [(1, 3), (2, 1)]
+    assert_exactly_once(env, tombstones=True)
+
+
+def test_tombstones_are_dead_letters_where_the_pipeline_keeps_them(env, spark):
+    env.append([order(1), tombstone(1)])
+    env.pipeline(transform=KEYED)  # tombstones: quarantine, the default
+    assert env.run(spark).ok
+    assert ids(env) == [(1, 0)]
+    assert letters(env) == [(1, "decode", "tombstone (a key and no payload): this sink keeps "
+                             "tombstones as dead letters (tombstones: quarantine)",
+                             "quarantined")]
+    assert_exactly_once(env)
+
+
+def test_a_tombstone_whose_key_the_transform_cannot_derive_is_quarantined(env, spark):
+    env.append([order(1), tombstone(1)])
+    env.pipeline(tombstones="delete")  # id from the payload: a tombstone has none
+    assert env.run(spark).ok
+    assert ids(env) == [(1, 0)]
+    ((off, cls, reason, status),) = letters(env)
+    assert (off, cls, status) == (1, "transform", "quarantined")
+    assert "key column id is NULL" in reason and "_tm_key" in reason, reason
+    assert_exactly_once(env)
+
+
+def test_a_fallback_stops_at_a_tombstone(env, spark):
+    """Key 1: a version, a tombstone, a newer version. The newest fails now: the key falls
+    back, meets the tombstone first, and stays deleted."""
+    env.append([order(1, 10.0), tombstone(1), order(1, 500.0), order(2, 10.0)])
+    env.pipeline(transform=KEYED, tombstones="delete")
+    first = env.run(spark)
+    assert first.ok, first.summary()
+    assert ids(env) == [(1, 2), (2, 3)]
+    env.pipeline(transform=KEYED, tombstones="delete",
+                 quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]})
+    report = env.run(spark, mode="backfill", backfill=Backfill(0, 2, 3))
+    assert report.ok, report.summary()
+    assert ids(env) == [(2, 3)]
+    assert [(o, s) for o, _, _, s in letters(env)] == [(2, "quarantined")]
+    # Kept as tombstones again: the backfill of the whole log leaves key 1 deleted.
+    again = env.run(spark, mode="backfill", backfill=Backfill(0, 0, 4))
+    assert again.ok, again.summary()
+    assert ids(env) == [(2, 3)]
+    assert_exactly_once(env, tombstones=True)
+
+
+def test_a_tombstone_kept_as_a_letter_deletes_its_key_when_redriven(env, spark):
+    from tidemark import config
+    from tidemark.driver.redrive import Redrive
+
+    env.append([order(1), order(2), tombstone(1)])
+    env.pipeline(transform=KEYED)
+    assert env.run(spark).ok
+    (letter,) = [i for (i,) in env.ledger("SELECT id FROM tidemark.dlq")]
+    env.pipeline(transform=KEYED, tombstones="delete")
+    all_p, _ = config.load_all(env.dir)
+    rep = Redrive(all_p["orders"], env.settings(), ledger_dsn=env.ledger_dsn, ids=[letter],
+                  by="fay", all_pipelines=all_p, spark=spark, log=lambda m: None).execute()
+    assert rep.ok and rep.redrive["redriven"] == 1, rep.summary()
+    assert rep.sinks["main"].tombstones == 1
+    assert ids(env) == [(2, 1)]
+    assert [(o, s) for o, _, _, s in letters(env)] == [(2, "redriven")]
+    assert_exactly_once(env, tombstones=True)
