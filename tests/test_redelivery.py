@@ -150,3 +150,25 @@ def test_a_redrive_of_a_letter_whose_newer_version_is_in_the_sink_resolves_it(en
     assert rows(env, "id, _tm_offset, name") == [(1, 1, "new")]
     assert letters(env) == {0: "redriven"}
     assert_exactly_once(env)
+
+
+def test_two_sinks_at_different_checkpoints_converge_under_a_new_key(env, spark):
+    """A key change backfilled over two sinks, one of them further ahead: each ends as one
+    delivery with the current pipeline, and the one ahead keeps what lies past the range."""
+    docs = [{"id": i, "code": c} for i, c in enumerate("ABCD")]
+    env.append([(0, str(d["id"]).encode(), json.dumps(d).encode(), None, None) for d in docs[:3]])
+    sinks = [{"name": n, "dsn": d, "table": "public.codes", "key": ["code"]}
+             for n, d in (("a", env.sink_dsn), ("b", env.sink2_dsn))]
+    decode = {"schema": {"id": "int", "code": "string"}}
+    env.pipeline(decode=decode, transform={"select": {"id": "id", "code": "code"}},
+                 sinks=sinks)
+    assert env.run(spark).ok
+    env.append([(0, b"3", json.dumps(docs[3]).encode(), None, None)])
+    assert env.run(spark, sink_names=["a"]).ok  # a at 4, b at 3
+    env.pipeline(decode=decode, transform={"select": {"id": "id", "code": "lower(code)"}},
+                 sinks=sinks)
+    report = env.run(spark, mode="backfill", backfill=Backfill(0, 1, 3))
+    assert report.ok, report.summary()
+    for dsn, want in ((env.sink_dsn, ["A", "D", "b", "c"]), (env.sink2_dsn, ["A", "b", "c"])):
+        assert [c for (c,) in env.q(dsn, "SELECT code FROM codes ORDER BY code")] == want
+    assert letters(env) == {}
