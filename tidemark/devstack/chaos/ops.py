@@ -330,8 +330,8 @@ class Chaos:
 
     def edit(self, rng: random.Random) -> str:
         k = self.world.knobs
-        what = rng.choices(["gate", "policy", "rows", "b_rows", "transform", "spread",
-                            "b_checks"], weights=[35, 15, 20, 15, 15, 15, 15])[0]
+        what = rng.choices(["gate", "policy", "rows", "rows_min", "b_rows", "transform",
+                            "spread", "b_checks"], weights=[30, 15, 20, 15, 15, 20, 15, 15])[0]
         if what == "gate":
             k = replace(k, gate_fails=not k.gate_fails)
         elif what == "policy":
@@ -339,6 +339,8 @@ class Chaos:
                         else "halt")
         elif what == "rows":
             k = replace(k, rows_max=rng.choice([m for m in w.ROWS_MAX if m != k.rows_max]))
+        elif what == "rows_min":
+            k = replace(k, rows_min=rng.choice([m for m in w.ROWS_MIN if m != k.rows_min]))
         elif what == "b_rows":
             k = replace(k, b_rows_max=rng.choice([m for m in w.B_ROWS_MAX if m != k.b_rows_max]))
         elif what == "spread":

@@ -105,7 +105,7 @@ class Pipeline:
             return None
         amount = d["amount"]
         if amount is not None:  # GX's between passes NULL
-            if amount > self.k.rows_max:
+            if amount > self.k.rows_max or amount < self.k.rows_min:
                 return None
             if self.sink == "b" and self.k.b_checks and amount > self.k.b_rows_max:
                 return None
@@ -198,6 +198,7 @@ class Oracle:
         self.source: dict[Pos, Record] = {}
         self.last_run = 0
         self.last: list[Applied] = []      # what the last sync applied
+        self.aborted: list[Problem] = []   # (run, sink)s the last sync found aborted
 
     # -- learning what happened -----------------------------------------------------------
     def _led(self) -> psycopg.Connection:
@@ -231,7 +232,8 @@ class Oracle:
                     self.source[(p, o)] = Record(p, o, None if payload is None
                                                  else bytes(payload), headers, ts)
             runs = led.execute(
-                """SELECT rs.run_id, rs.sink, r.mode, rs.state::text FROM tidemark.run_sinks rs
+                """SELECT rs.run_id, rs.sink, r.mode, rs.state::text, rs.error
+                   FROM tidemark.run_sinks rs
                    JOIN tidemark.runs r USING (run_id)
                    WHERE r.pipeline = %s AND rs.run_id > %s ORDER BY 1, 2""",
                 (self.t.pipeline, self.last_run)).fetchall()
@@ -253,8 +255,12 @@ class Oracle:
             by_run.setdefault((run_id, s), []).append((p, a, b))
         failed = set(gates)
         done: list[Applied] = []
-        for run_id, s, mode, st in runs:
+        self.aborted = []
+        for run_id, s, mode, st, error in runs:
             self.last_run = max(self.last_run, run_id)
+            if st == "aborted":
+                self.aborted.append(Problem(s, "-", "-", f"{mode} run {run_id} aborted: "
+                                            f"{' '.join(str(error).split())[:300]}"))
             if st != "committed" or s not in self.sinks:
                 continue
             gate_failed = (run_id, "") in failed or (run_id, s) in failed

@@ -89,6 +89,8 @@ def run(seed: int | None, steps: int, keep_dir: bool = False, fault_every: int =
             res = chaos.perform(step)
             problems, snap = settle_and_check(inproc, checker, res.problems)
             problems += content(oracle, chaos, world)
+            if not step.fault:  # chaos asks only what a healthy pipeline can do
+                problems += oracle.aborted
             done = n
             verdict = "ok" if not problems else f"{len(problems)} PROBLEM(S)"
             out(f"step {n:>4}  {res.desc:<52} {res.outcome}  [{verdict}] "

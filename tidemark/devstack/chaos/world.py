@@ -27,6 +27,9 @@ SINKS = ("a", "b")
 CLEAN_MAX = 400.0
 OUT_OF_RANGE = (450.0, 2500.0)
 ROWS_MAX = (1000.0, 3000.0)             # the pipeline's row check: tight, loose
+# Its lower bound: off, or failing small clean amounts. With both bounds moving, a record that
+# failed may pass while a newer version that passed fails (a backfill must fall back).
+ROWS_MIN = (0.0, 100.0)
 B_ROWS_MAX = (300.0, 700.0, 2000.0)     # sink b's stricter row check
 
 # Transform variants an edit switches between. Every variant has the same output columns and
@@ -49,6 +52,7 @@ class Knobs:
     gate_fails: bool = False            # the batch gate's mean bound fails every real batch
     on_gate_failure: str = "halt"       # or quarantine_batch
     rows_max: float = ROWS_MAX[0]
+    rows_min: float = ROWS_MIN[0]
     b_rows_max: float = B_ROWS_MAX[0]
     # Off (at first): sink b has no checks of its own, so that runs check their batch while
     # writing it (docs/quality.md, "One pass"); on, they check first.
@@ -58,18 +62,21 @@ class Knobs:
 
     def loosest(self) -> Knobs:
         """A passing gate and the loosest row checks (the end of a chaos run)."""
-        return replace(self, gate_fails=False, rows_max=ROWS_MAX[-1], b_rows_max=B_ROWS_MAX[-1])
+        return replace(self, gate_fails=False, rows_max=ROWS_MAX[-1], rows_min=ROWS_MIN[0],
+                       b_rows_max=B_ROWS_MAX[-1])
 
     def short(self) -> str:
         return (f"gate={'FAIL' if self.gate_fails else 'pass'}/{self.on_gate_failure} "
-                f"rows<={self.rows_max:g} "
+                f"rows{f'>={self.rows_min:g},' if self.rows_min else ''}<={self.rows_max:g} "
                 f"{f'b<={self.b_rows_max:g}' if self.b_checks else 'b unchecked'} "
                 f"transform={self.variant}"
                 f"{' spread' if self.spread else ''}")
 
 
-def _between(column: str, max_value: float) -> dict:
-    return {"expect_column_values_to_be_between": {"column": column, "max_value": max_value}}
+def _between(column: str, max_value: float, min_value: float = 0.0) -> dict:
+    bounds = {"min_value": min_value} if min_value else {}
+    return {"expect_column_values_to_be_between": {"column": column, **bounds,
+                                                   "max_value": max_value}}
 
 
 @dataclass(frozen=True)
@@ -186,7 +193,7 @@ class World:
             "limits": {"max_records_per_partition": self.limit,
                        "split_min_records": 1 if k.spread else 50_000},
             "quality": {"on_gate_failure": k.on_gate_failure,
-                        "rows": [_between("amount", k.rows_max)],
+                        "rows": [_between("amount", k.rows_max, k.rows_min)],
                         "batch": batch},
         }
 
