@@ -259,7 +259,7 @@ class Oracle:
         for run_id, s, mode, st, error in runs:
             self.last_run = max(self.last_run, run_id)
             if st == "aborted":
-                self.aborted.append(Problem(s, "-", "-", f"{mode} run {run_id} aborted: "
+                self.aborted.append(Problem(s, "-", "-", f"run {run_id} ({mode}) aborted: "
                                             f"{' '.join(str(error).split())[:300]}"))
             if st != "committed" or s not in self.sinks:
                 continue
