@@ -330,8 +330,10 @@ class Chaos:
 
     def edit(self, rng: random.Random) -> str:
         k = self.world.knobs
+        # A failing gate blocks every run and backfill: the next edit most often restores it.
         what = rng.choices(["gate", "policy", "rows", "rows_min", "b_rows", "transform",
-                            "spread", "b_checks"], weights=[30, 15, 20, 15, 15, 20, 15, 15])[0]
+                            "spread", "b_checks"],
+                           weights=[90 if k.gate_fails else 25, 15, 20, 15, 15, 20, 15, 15])[0]
         if what == "gate":
             k = replace(k, gate_fails=not k.gate_fails)
         elif what == "policy":

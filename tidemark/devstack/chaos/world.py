@@ -27,9 +27,10 @@ SINKS = ("a", "b")
 CLEAN_MAX = 400.0
 OUT_OF_RANGE = (450.0, 2500.0)
 ROWS_MAX = (1000.0, 3000.0)             # the pipeline's row check: tight, loose
-# Its lower bound: off, or failing small clean amounts. With both bounds moving, a record that
-# failed may pass while a newer version that passed fails (a backfill must fall back).
-ROWS_MIN = (0.0, 100.0)
+# Its lower bound: off, failing small clean amounts, or every clean one. With both bounds
+# moving, a record that failed may pass while a newer version that passed fails (a backfill
+# must then place the older one, or fall back).
+ROWS_MIN = (0.0, 100.0, 500.0)
 B_ROWS_MAX = (300.0, 700.0, 2000.0)     # sink b's stricter row check
 
 # Transform variants an edit switches between. Every variant has the same output columns and
