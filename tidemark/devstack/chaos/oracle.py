@@ -41,7 +41,7 @@ class Record:
     o: int
     payload: bytes | None
     headers: str | None      # as the source log reads them (jsonb as text)
-    ts: datetime
+    ts: datetime | None
 
 
 @dataclass(frozen=True)
@@ -157,15 +157,16 @@ class SinkModel:
             if row.key not in best or row.order > best[row.key].order:
                 best[row.key] = row
         self._place(best)
-        for k in sorted(lost - set(self.rows)):  # rule 4: fall back, newest first
-            versions = []
-            for pos, rec in source.items():
-                if pos in chosen or pos[1] >= self.checkpoint.get(pos[0], 0):
-                    continue
-                keyed = pipe.keyed(rec)
-                if keyed is not None and keyed[0] == k:
-                    versions.append((keyed[1], rec))
-            for _order, rec in sorted(versions, key=lambda v: v[0], reverse=True):
+        bare = lost - set(self.rows)
+        versions: dict[int, list[tuple[tuple, Record]]] = {k: [] for k in bare}
+        for pos, rec in source.items() if bare else ():  # one pass: every key's versions
+            if pos in chosen or pos[1] >= self.checkpoint.get(pos[0], 0):
+                continue
+            keyed = pipe.keyed(rec)
+            if keyed is not None and keyed[0] in versions:
+                versions[keyed[0]].append((keyed[1], rec))
+        for k in sorted(bare):  # rule 4: fall back, newest first
+            for _order, rec in sorted(versions[k], key=lambda v: v[0], reverse=True):
                 row = pipe.row(rec)
                 if row is None:
                     self.live[(rec.p, rec.o)] = "quarantined"
@@ -327,7 +328,7 @@ class Oracle:
                     continue
                 g = got[0]
                 diff = [f"{c} {g[i]!r} (want {want.cols[i]!r})"
-                        for i, c in enumerate(self.cols) if not _same(g[i], want.cols[i])]
+                        for i, c in enumerate(self.cols) if g[i] != want.cols[i]]
                 if diff:
                     problems.append(Problem(s, p, o, f"wrong row for key {k}: "
                                             + ", ".join(diff)))
@@ -358,6 +359,3 @@ class Oracle:
             return conn.execute(sql.SQL("SELECT {} FROM {}").format(
                 sql.SQL(", ").join(cols), _ident(table))).fetchall()
 
-
-def _same(a, b) -> bool:
-    return a == b
