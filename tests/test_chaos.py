@@ -1,5 +1,6 @@
-"""`tidemark chaos`: its checker finds planted violations, and a short seeded run with every
-kind of fault passes. Real PostgreSQL, Spark and Great Expectations; no mocks."""
+"""`tidemark chaos`: its checker finds planted violations, its content oracle applies the
+re-delivery rule and reports sink rows and letters changed by hand, and a short seeded run with
+every kind of fault passes. Real PostgreSQL, Spark and Great Expectations; no mocks."""
 
 from __future__ import annotations
 
