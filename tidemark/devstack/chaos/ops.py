@@ -132,8 +132,10 @@ class Chaos:
             v = last if last and self.versioned and rng.random() < TIE else last + 1
             self.versions[i] = v
             body = {"id": i, "name": f"order-{i}-v{v}", "amount": amount, "version": v}
-            headers = {"v": v, "trace": f"t-{i}-{v}", "src": "chaos"}  # jsonb reorders keys
-            out.append((p, str(i).encode(), json.dumps(body).encode(), json.dumps(headers)))
+            # Headers a round trip through a parser would change: jsonb keeps "1.50" and
+            # "Zürich" as written (a Python one gives 1.5 and "Z\u00fcrich").
+            headers = f'{{"v": {v}, "trace": "t-{i}-{v}", "zone": "Zürich", "w": 1.50}}'
+            out.append((p, str(i).encode(), json.dumps(body).encode(), headers))
         return out
 
     def clean(self, rng: random.Random) -> tuple:

@@ -169,7 +169,9 @@ class SinkModel:
             for _order, rec in sorted(versions[k], key=lambda v: v[0], reverse=True):
                 row = pipe.row(rec)
                 if row is None:
-                    self.live[(rec.p, rec.o)] = "quarantined"
+                    # Quarantined in turn; a live letter (a discarded one too: the design
+                    # does not say a fallback takes back an operator's discard) places it.
+                    self.live.setdefault((rec.p, rec.o), "quarantined")
                     continue
                 self.rows[k] = row
                 self.live.pop((rec.p, rec.o), None)
