@@ -1,5 +1,6 @@
-"""`tidemark chaos`: its checker finds planted violations, and a short seeded run with every
-kind of fault passes. Real PostgreSQL, Spark and Great Expectations; no mocks."""
+"""`tidemark chaos`: its checker finds planted violations, its content oracle applies the
+re-delivery rule and reports sink rows and letters changed by hand, and a short seeded run with
+every kind of fault passes. Real PostgreSQL, Spark and Great Expectations; no mocks."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from contextlib import contextmanager
 import psycopg
 import pytest
 
+from tidemark.devstack.chaos import world as w
 from tidemark.devstack.chaos.adapter import InProcess
 from tidemark.devstack.chaos.checker import Checker, Problem
 from tidemark.devstack.chaos.faults import KINDS, signal_session
+from tidemark.devstack.chaos.oracle import Oracle, Pipeline, Record, SinkModel
 from tidemark.devstack.chaos.runner import target
 from tidemark.devstack.chaos.world import World
 
@@ -170,6 +173,113 @@ def test_the_checker_finds_each_planted_violation(world, spark):
     with planted(led, ["UPDATE tidemark.pipelines SET halted_reason = 'planted'"],
                  ["UPDATE tidemark.pipelines SET halted_reason = NULL"]) as found:
         _find(found, "-", "-", "-", "is halted: planted")
+
+
+def _records(*orders: tuple[int, float]) -> dict:
+    """Partition 0 records at offsets 0, 1 ..: (id, amount), versions counted per id."""
+    out, seen = {}, {}
+    for o, (i, amount) in enumerate(orders):
+        seen[i] = seen.get(i, 0) + 1
+        body = {"id": i, "name": f"n{i}", "amount": amount, "version": seen[i]}
+        out[(0, o)] = Record(0, o, json.dumps(body).encode(), None, None)
+    return out
+
+
+def _model(m: SinkModel) -> tuple[dict, set]:
+    return ({k: r.pos for k, r in m.rows.items()}, set(m.live))
+
+
+def test_the_oracle_applies_the_redelivery_rule():
+    """The model alone (plain Python): docs/design.md's worked cases."""
+    src = _records((7, 200), (7, 500), (7, 50), (8, 500), (8, 50), (9, 150))
+    feats = w.Features()
+    first = Pipeline(w.Knobs(rows_max=300), feats, "a")
+    m = SinkModel()
+    m.deliver(list(src.values()), first, whole_batch=False)
+    m.checkpoint[0] = 6
+    assert _model(m) == ({7: (0, 2), 8: (0, 4), 9: (0, 5)}, {(0, 1), (0, 3)})
+    # The check becomes amount >= 100: a backfill of [1, 5) places 1 and 3 (7 and 8 hold
+    # them), quarantines 2 and 4, resolves the letters of 1 and 3 (review bug 1).
+    now = Pipeline(w.Knobs(rows_min=100, rows_max=1000), feats, "a")
+    m.redeliver({(0, o) for o in range(1, 5)}, src, now)
+    assert _model(m) == ({7: (0, 1), 8: (0, 3), 9: (0, 5)}, {(0, 2), (0, 4)})
+
+    # A key that loses its row to a record that now fails falls back to its newest version
+    # that passes, outside the range; and a re-keying transform replaces by position.
+    m = SinkModel()
+    m.deliver(list(src.values()), Pipeline(w.Knobs(rows_max=1000), feats, "a"), False)
+    m.checkpoint[0] = 6
+    m.redeliver({(0, 5)}, src, Pipeline(w.Knobs(rows_max=100), feats, "a"))
+    assert _model(m) == ({7: (0, 2), 8: (0, 4)}, {(0, 5)})
+    m.redeliver({(0, 4)}, src, Pipeline(w.Knobs(rows_max=300), feats, "a"))
+    assert _model(m) == ({7: (0, 2), 8: (0, 4)}, {(0, 5)})
+    m.redeliver({(0, 2)}, src, Pipeline(w.Knobs(rows_max=10), feats, "a"))
+    assert _model(m) == ({8: (0, 4)}, {(0, 5), (0, 2), (0, 1), (0, 0)})
+    shifted = Pipeline(w.Knobs(variant="rekey"), feats, "a")
+    m.redeliver(set(src), src, shifted)
+    assert _model(m) == ({7 + w.KEY_SHIFT: (0, 2), 8 + w.KEY_SHIFT: (0, 4),
+                          9 + w.KEY_SHIFT: (0, 5)}, set())
+
+
+def test_the_oracle_finds_hand_made_differences(spark, tmp_path):
+    """Sinks and letters corrupted by hand: every difference is reported, whatever the data
+    path (a correct one delivers exactly the model)."""
+    world = World.create(partitions=2, limit=1000, root=tmp_path / "w")
+    try:
+        world.append([(i % 2, str(i).encode(), json.dumps(
+            {"id": i, "name": f"order-{i}", "amount": 100.0 * i, "version": 1}).encode(), None)
+            for i in range(1, 13)])  # 11 and 12 fail the row check (amount <= 1000)
+        out = InProcess(world, spark).run()
+        assert out.ok, out
+        oracle = Oracle(target(world), world.features)
+        oracle.sync(world.knobs)
+        assert [a.mode for a in oracle.last] == ["run", "run"]
+        assert oracle.compare() == [], "\n".join(map(str, oracle.compare()))
+        a, b, led = world.sink_dsns["a"], world.sink_dsns["b"], world.ledger_dsn
+        def planted(dsn: str, do: list[str], undo: list[str]) -> list[Problem]:
+            _exec(dsn, *do)
+            try:
+                return oracle.compare()
+            finally:
+                _exec(dsn, *undo)
+
+        # A row lost (id 4: partition 0 offset 1).
+        got = planted(a, ["CREATE TABLE saved AS SELECT * FROM public.orders WHERE id = 4",
+                          "DELETE FROM public.orders WHERE id = 4"],
+                      ["INSERT INTO public.orders SELECT * FROM saved", "DROP TABLE saved"])
+        _find(got, "a", 0, 1, "missing row: key 4")
+        assert len(got) == 1, got
+        # A record's row twice, under another key (id 5: partition 1 offset 2).
+        got = planted(b, ["INSERT INTO public.orders SELECT id + 500, name, amount, version, "
+                          "_tm_partition, _tm_offset, _tm_run_id FROM public.orders "
+                          "WHERE id = 5"], ["DELETE FROM public.orders WHERE id = 505"])
+        _find(got, "b", 1, 2, "extra row: key 505")
+        assert len(got) == 1, got
+        # A wrong column value and another record's position (id 6: partition 0 offset 2).
+        got = planted(b, ["UPDATE public.orders SET name = 'x', _tm_offset = 9 WHERE id = 6"],
+                      ["UPDATE public.orders SET name = 'order-6', _tm_offset = 2 "
+                       "WHERE id = 6"])
+        p = _find(got, "b", 0, 2, "wrong row for key 6")
+        assert "name 'x' (want 'order-6')" in p.what and "_tm_offset 9" in p.what, p
+        assert len(got) == 1, got
+        # A letter resolved that must be live (id 11: partition 1 offset 5).
+        where = "sink = 'a' AND source_partition = 1 AND source_offset = 5"
+        got = planted(led, [f"UPDATE tidemark.dlq SET status = 'redriven' WHERE {where}"],
+                      [f"UPDATE tidemark.dlq SET status = 'quarantined' WHERE {where}"])
+        _find(got, "a", 1, 5, "letter should be live")
+        assert len(got) == 1, got
+        # A live letter for a delivered record (id 3), a letter discarded behind its back.
+        where = "sink = 'a' AND source_partition = 0 AND source_offset = 5"
+        got = planted(led, [_letter("b", 1, 1),
+                            f"UPDATE tidemark.dlq SET status = 'discarded' WHERE {where}"],
+                      ["DELETE FROM tidemark.dlq WHERE reason = 'planted'",
+                       f"UPDATE tidemark.dlq SET status = 'quarantined' WHERE {where}"])
+        _find(got, "b", 1, 1, "should not be live")
+        _find(got, "a", 0, 5, "is discarded, should be quarantined")
+        assert len(got) == 2, got
+        assert oracle.compare() == []
+    finally:
+        world.destroy()
 
 
 def test_a_short_seeded_run_with_every_kind_of_fault_passes(tmp_path):

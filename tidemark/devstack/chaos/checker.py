@@ -8,12 +8,13 @@ by being shared with its judge. What it checks, per sink and partition (invarian
 
 - every source offset below that sink's checkpoint is placed exactly once for that sink: its
   own row in the sink, or a newer version of its key in the sink (same ``_tm_partition``,
-  higher ``_tm_offset``), or exactly one live dead letter for that sink (status quarantined
+  higher ``_tm_offset``; with a version column, a higher ``(version, partition, offset)``), or exactly one live dead letter for that sink (status quarantined
   or discarded). Never its own row and a live letter; never two live letters;
 - nothing at or above the checkpoint is placed (no sink row, no live letter for that sink);
 - a dead letter names its sink (sink NULL is a problem), and its payload and key are the
   source record's bytes;
-- a sink row's id (and version) are those of its source record's payload;
+- a sink row's id (and version) are those of its source record's payload (its id, or the id
+  shifted by ``key_shift`` where a transform variant maps keys so);
 - checkpoints never move backwards between two checks, nor past the end of the source;
 - after recovery: no prepared transaction on any database, no run left in an open state,
   no halted pipeline.
@@ -52,6 +53,11 @@ class Target:
     source_table: str                    # in the ledger database
     sinks: dict[str, tuple[str, str]]    # name -> (dsn, table)
     databases: list[str]                 # every database whose prepared transactions count
+    key_shift: int | None = None         # a sink key may also be the payload's id + this
+    versioned: bool = False              # the sinks order versions by the version column
+
+    def keys(self, pid: int) -> tuple[int, ...]:
+        return (pid,) if self.key_shift is None else (pid, pid + self.key_shift)
 
 
 @dataclass
@@ -156,10 +162,10 @@ class Checker:
         # -- per sink and partition: exactly once below, nothing at or above ----------------
         for s in self.t.sinks:
             by_pos: dict[tuple[int, int], tuple] = {}
-            by_id: dict[int, tuple[int, int]] = {}
+            by_id: dict[int, tuple[int, int, int | None]] = {}
             for rid, version, p, o in rows[s]:
                 by_pos[(p, o)] = (rid, version)
-                by_id[rid] = (p, o)
+                by_id[rid] = (p, o, version)
                 cp = checkpoints.get((s, p), 0)
                 if (p, o) not in source:
                     problems.append(Problem(s, p, o, f"sink row id {rid} for a record that is "
@@ -169,7 +175,7 @@ class Checker:
                 if pid is None:
                     problems.append(Problem(s, p, o, f"sink row id {rid} for a record whose "
                                             f"payload has no readable id"))
-                elif pid != rid:
+                elif rid not in self.t.keys(pid):
                     problems.append(Problem(s, p, o, f"sink row id {rid} but its source "
                                             f"record's id is {pid}"))
                 elif pversion is not None and version is not None and pversion != version:
@@ -195,10 +201,15 @@ class Checker:
                                             f"letter(s) {_ids(mine)}"))
                 if own or mine:
                     continue
-                pid, _ = parsed[(p, o)]
-                newer = by_id.get(pid) if pid is not None else None
-                if newer and newer[0] == p and newer[1] > o:
+                pid, pversion = parsed[(p, o)]
+                newer = None
+                for k in self.t.keys(pid) if pid is not None else ():
+                    if (row := by_id.get(k)) and self._newer(row, p, o, pversion):
+                        newer = row
+                if newer is not None:
                     continue
+                newer = next((by_id[k] for k in self.t.keys(pid) if pid is not None
+                              and k in by_id), None)
                 what = f"below the checkpoint {cp} but not placed: no sink row"
                 if pid is not None:
                     what += (f", id {pid} in the sink at {newer[0]}:{newer[1]}" if newer
@@ -241,6 +252,16 @@ class Checker:
             problems.append(Problem("-", "-", "-", f"pipeline {self.t.pipeline} is halted: "
                                     f"{halted[0]}"))
         return sorted(set(problems), key=_order), snap
+
+    def _newer(self, row: tuple[int, int, int | None], p: int, o: int,
+               version: int | None) -> bool:
+        """Whether the sink row at ``row`` (partition, offset, version) is a newer version
+        than the record at ``p:o``."""
+        rp, ro, rv = row
+        if self.t.versioned:
+            return (rv if rv is not None else -1, rp, ro) > (
+                version if version is not None else -1, p, o)
+        return rp == p and ro > o
 
     def _sink_rows(self, dsn: str, table: str) -> list[tuple]:
         with psycopg.connect(dsn, autocommit=True, application_name=APP) as conn:

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 import psycopg
@@ -25,12 +27,17 @@ from tidemark.devstack.chaos.adapter import InProcess, Outcome, Subprocess
 from tidemark.devstack.chaos.faults import KINDS, Job, terminate_backends
 from tidemark.ledger import checkpoints, dlq
 
-OPS = {"append": 14, "append_poison": 10, "run": 18, "run_sink": 10, "backfill": 8,
-       "redrive": 8, "discard": 6, "edit": 14}
+OPS = {"append": 12, "append_poison": 8, "append_chain": 8, "run": 18, "run_sink": 10,
+       "backfill": 10, "redrive": 8, "discard": 5, "edit": 14}
 POISON = ("not_json", "bad_utf8", "wrong_type", "null_id", "empty", "out_of_range")
 JOB_OPS = {"run": 60, "run_sink": 15, "backfill": 15, "redrive": 10}
 STOP_TTL = 10           # lease TTL of a job that gets SIGSTOPped (the settings' minimum)
 JOB_TIMEOUT = 300       # a job that outlives this after its fault is hung (a problem)
+TIE = 0.3               # versioned worlds: a new version repeats the last one's number
+
+# What a run's log says about how it ran (tidemark/driver/run.py's messages): its layout
+# (tidemark/driver/modes.py Layout) and its quality path (docs/quality.md, "One pass").
+_RUN_LINE = re.compile(r"\brun (\d+)(?: sink \w+)?: (.*)")
 
 
 @dataclass
@@ -87,26 +94,53 @@ class Chaos:
         self.faults: Counter[str] = Counter()
         self.appended: Counter[str] = Counter()
         self.jobs: list[Job] = []
+        self.versioned = world.features.versioned
+        self.last_part: dict[int, int] = {}
+        # What this step asked of dead letters (the oracle's input): ids redriven, discarded.
+        self.redrive_ids: list[int] = []
+        self.discard_ids: list[int] = []
+        # run id -> (layout, quality path) as its log tells them.
+        self.paths: dict[int, dict[str, str]] = {}
 
     # -- records ------------------------------------------------------------------------------
-    def _new_version(self, rng: random.Random) -> tuple[int, int]:
+    # An order is drawn as ("order", id, amount, partition) and gets its version number once
+    # the batch is shuffled (_versioned), so versions grow with offsets within a partition.
+    def _new_id(self, rng: random.Random) -> int:
         if self.ids and rng.random() < 0.15:
-            i = self.ids[rng.randrange(len(self.ids))]
-            self.versions[i] += 1
-        else:
-            i, self.next_id = self.next_id, self.next_id + 1
-            self.ids.append(i)
-            self.versions[i] = 1
-        return i, self.versions[i]
+            return self.ids[rng.randrange(len(self.ids))]
+        i, self.next_id = self.next_id, self.next_id + 1
+        self.ids.append(i)
+        return i
 
-    def _order(self, i: int, v: int, amount: float) -> tuple:
-        body = {"id": i, "name": f"order-{i}-v{v}", "amount": amount, "version": v}
-        return (i % self.P, str(i).encode(), json.dumps(body).encode(), json.dumps({"v": v}))
+    def _part(self, i: int, rng: random.Random) -> int:
+        """An id's partition: its own; in a versioned world a new version may go anywhere."""
+        if self.versioned and i in self.versions and rng.random() < 0.5:
+            return rng.randrange(self.P)
+        return i % self.P
+
+    def _draft(self, i: int, amount: float, rng: random.Random) -> tuple:
+        return ("order", i, amount, self._part(i, rng))
+
+    def _versioned(self, recs: list[tuple], rng: random.Random) -> list[tuple]:
+        out = []
+        for r in recs:
+            if r[0] != "order":
+                out.append(r)
+                continue
+            _, i, amount, p = r
+            last = self.versions.get(i, 0)
+            v = last if last and self.versioned and rng.random() < TIE else last + 1
+            self.versions[i] = v
+            body = {"id": i, "name": f"order-{i}-v{v}", "amount": amount, "version": v}
+            # Headers a round trip through a parser would change: jsonb keeps "1.50" and
+            # "Zürich" as written (a Python one gives 1.5 and "Z\u00fcrich").
+            headers = f'{{"v": {v}, "trace": "t-{i}-{v}", "zone": "Zürich", "w": 1.50}}'
+            out.append((p, str(i).encode(), json.dumps(body).encode(), headers))
+        return out
 
     def clean(self, rng: random.Random) -> tuple:
-        i, v = self._new_version(rng)
         self.appended["clean"] += 1
-        return self._order(i, v, round(rng.uniform(0, w.CLEAN_MAX), 2))
+        return self._draft(self._new_id(rng), round(rng.uniform(0, w.CLEAN_MAX), 2), rng)
 
     def poison(self, rng: random.Random) -> tuple:
         kind = rng.choice(POISON)
@@ -115,8 +149,7 @@ class Chaos:
         p = rng.randrange(self.P)
         tag = rng.randrange(10**6)
         if kind == "out_of_range":  # a real order (new id or new version) failing row checks
-            i, v = self._new_version(rng)
-            return self._order(i, v, round(rng.uniform(*w.OUT_OF_RANGE), 2))
+            return self._draft(self._new_id(rng), round(rng.uniform(*w.OUT_OF_RANGE), 2), rng)
         if kind == "wrong_type":
             if rng.random() < 0.5:
                 payload = json.dumps({"id": f"order-{tag}", "name": "x", "amount": 1.0,
@@ -137,12 +170,28 @@ class Chaos:
             payload = b"" if rng.random() < 0.5 else None
         return (p, f"poison-{kind}-{tag}".encode(), payload, None)
 
-    def append(self, rng: random.Random, clean: int, poison: int = 0) -> str:
+    def chain(self, rng: random.Random) -> list[tuple]:
+        """A long version chain: many versions of a few ids, some failing the row checks."""
+        ids = [self._new_id(rng) if not self.ids or rng.random() < 0.3
+               else self.ids[rng.randrange(len(self.ids))] for _ in range(rng.randint(1, 3))]
+        recs = []
+        for _ in range(rng.randint(6, 16)):
+            bad = rng.random() < 0.3
+            amount = rng.uniform(*w.OUT_OF_RANGE) if bad else rng.uniform(0, w.CLEAN_MAX)
+            recs.append(self._draft(ids[rng.randrange(len(ids))], round(amount, 2), rng))
+            self.appended["chain"] += 1
+        return recs
+
+    def append(self, rng: random.Random, clean: int, poison: int = 0, chain: bool = False
+               ) -> str:
         recs = [self.clean(rng) for _ in range(clean)] + [self.poison(rng) for _ in range(poison)]
+        if chain:
+            recs += self.chain(rng)
         rng.shuffle(recs)
-        spans = self.world.append(recs)
+        spans = self.world.append(self._versioned(recs, rng))
         where = " ".join(f"p{p}:{a}-{b}" for p, (a, b) in sorted(spans.items()))
-        return f"appended {clean} clean + {poison} poison ({where})"
+        what = f"{clean} clean + {poison} poison" + (" + a version chain" if chain else "")
+        return f"appended {what} ({where})"
 
     # -- state the choices must fit -------------------------------------------------------
     def _ledger(self) -> psycopg.Connection:
@@ -165,14 +214,32 @@ class Chaos:
     def _backfill_args(self, rng: random.Random):
         sinks = rng.choice([None, None, ["a"], ["b"]])
         p = rng.randrange(self.P)
-        u1, u2 = rng.random(), rng.random()
+        u1, u2, in_chain, u3 = rng.random(), rng.random(), rng.random() < 0.5, rng.random()
         cps = self.checkpoints()
         m = min(cps.get((s, p), 0) for s in (sinks or w.SINKS))
         if m == 0:
             return None
+        if in_chain and (span := self._in_chain(p, m, random.Random(u3))):
+            return p, *span, sinks
         start = int(u1 * m)
         end = start + 1 + int(u2 * (m - start - 1))
         return p, start, end, sinks
+
+    def _in_chain(self, p: int, below: int, r: random.Random) -> tuple[int, int] | None:
+        """A range that starts or ends between two versions of one key (three or more of
+        its versions below ``below``), or None."""
+        chains = self._q(f"""SELECT array_agg("offset" ORDER BY "offset") FROM {w.SOURCE_TABLE}
+                             WHERE "partition" = %s AND "offset" < %s GROUP BY key
+                             HAVING count(*) >= 3 ORDER BY key""", (p, below))
+        if not chains:
+            return None
+        offs = chains[r.randrange(len(chains))][0]
+        i = r.randrange(1, len(offs))                   # after the first version
+        start = offs[i] if r.random() < 0.5 else r.randint(0, offs[i])
+        j = r.randrange(i, len(offs))
+        end = offs[j] + (1 if j == i or r.random() < 0.3 else 0)  # before version j, often
+        end = end if r.random() < 0.7 else r.randint(end, below)  # or past the chain
+        return start, max(end, start + 1)
 
     def _letters(self, rng: random.Random, most: int) -> list[int]:
         k, u = rng.randint(1, most), rng.random()
@@ -186,10 +253,13 @@ class Chaos:
     def perform(self, step: Step) -> Result:
         rng = step.rng
         self.ops[step.op if not step.fault else f"fault:{step.fault}"] += 1
+        self.redrive_ids, self.discard_ids = [], []
         if step.op == "append" and step.n == 1:  # a first batch, with some poison
             return Result("append", self.append(rng, rng.randint(60, 120), rng.randint(3, 8)))
         if step.op == "append":
             return Result("append", self.append(rng, rng.randint(5, 40)))
+        if step.op == "append_chain":
+            return Result("append chain", self.append(rng, rng.randint(0, 5), chain=True))
         if step.op == "append_poison":
             return Result("append poison", self.append(rng, rng.randint(0, 10),
                                                        rng.randint(1, 6)))
@@ -209,12 +279,16 @@ class Chaos:
             ids = self._letters(rng, 8)
             if not ids:
                 return Result("redrive", "skipped: no quarantined letters")
+            self.redrive_ids = ids
             return self._inproc(f"redrive {_short(ids)}", self.inproc.redrive(ids))
         if step.op == "discard":
             ids = self._letters(rng, 3)
             if not ids:
                 return Result("discard", "skipped: no quarantined letters")
-            return self._inproc(f"discard {_short(ids)}", self.inproc.discard(ids))
+            out = self.inproc.discard(ids)
+            if out.ok:  # all or nothing (tidemark/ledger/dlq.py discard)
+                self.discard_ids = ids
+            return self._inproc(f"discard {_short(ids)}", out)
         if step.op == "edit":
             return Result("edit", self.edit(rng))
         if step.op == "fault":
@@ -222,15 +296,46 @@ class Chaos:
         raise AssertionError(step.op)
 
     def _inproc(self, desc: str, out: Outcome) -> Result:
+        self.seen(self.inproc.log)
         res = Result(desc, str(out).splitlines()[0])
         if out.internal_error:
             res.problems.append(f"`{desc}` (no fault) failed with an internal error: {out.text}")
         return res
 
+    def seen(self, lines: Iterable[str]) -> None:
+        """Learn each run's layout and quality path from its log lines."""
+        for line in lines:
+            m = _RUN_LINE.search(line)
+            if not m:
+                continue
+            run, text = int(m[1]), m[2]
+            got = self.paths.setdefault(run, {})
+            if "write task(s) over" in text:
+                got["layout"] = "spread" if "spread by" in text else "together"
+            elif "while writing" in text:
+                got["quality"] = "one pass"
+            elif "rolled back the write, checking the batch" in text:
+                got["quality"] = "fallback"
+            elif "checking data quality" in text and got.get("quality") != "fallback":
+                got["quality"] = "checking first"
+
+    def coverage(self) -> dict[str, Counter[str]]:
+        """How many runs took each layout and quality path (a run that logged a quality
+        path but no layout message wrote one task per range)."""
+        layouts: Counter[str] = Counter()
+        quality: Counter[str] = Counter()
+        for got in self.paths.values():
+            if "quality" in got:
+                quality[got["quality"]] += 1
+                layouts[got.get("layout", "ranges")] += 1
+        return {"layouts": layouts, "quality paths": quality}
+
     def edit(self, rng: random.Random) -> str:
         k = self.world.knobs
-        what = rng.choices(["gate", "policy", "rows", "b_rows", "transform", "spread",
-                            "b_checks"], weights=[35, 15, 20, 15, 15, 15, 15])[0]
+        # A failing gate blocks every run and backfill: the next edit most often restores it.
+        what = rng.choices(["gate", "policy", "rows", "rows_min", "b_rows", "transform",
+                            "spread", "b_checks"],
+                           weights=[90 if k.gate_fails else 25, 15, 20, 15, 15, 20, 15, 15])[0]
         if what == "gate":
             k = replace(k, gate_fails=not k.gate_fails)
         elif what == "policy":
@@ -238,6 +343,8 @@ class Chaos:
                         else "halt")
         elif what == "rows":
             k = replace(k, rows_max=rng.choice([m for m in w.ROWS_MAX if m != k.rows_max]))
+        elif what == "rows_min":
+            k = replace(k, rows_min=rng.choice([m for m in w.ROWS_MIN if m != k.rows_min]))
         elif what == "b_rows":
             k = replace(k, b_rows_max=rng.choice([m for m in w.B_ROWS_MAX if m != k.b_rows_max]))
         elif what == "spread":
@@ -245,7 +352,7 @@ class Chaos:
         elif what == "b_checks":
             k = replace(k, b_checks=not k.b_checks)
         else:
-            k = replace(k, upper_name=not k.upper_name)
+            k = replace(k, variant=rng.choice([v for v in w.VARIANTS if v != k.variant]))
         if k.b_rows_max > k.rows_max:  # sink b checks at least as much as the pipeline
             k = replace(k, b_rows_max=max(m for m in w.B_ROWS_MAX if m <= k.rows_max))
         self.world.write_pipeline(k)
@@ -279,6 +386,7 @@ class Chaos:
             ids = self._letters(letters_rng, 8)
             if ids:
                 job, what = self.sub.redrive(ids, **how), f"redrive {_short(ids)}"
+                self.redrive_ids = ids
         elif op == "run_sink":
             sink = w.SINKS[int(sink_u * len(w.SINKS))]
             job, what = self.sub.run([sink], **how), f"run --sink {sink}"
@@ -305,6 +413,7 @@ class Chaos:
             if job.alive():
                 job.kill()
                 job.wait(30)
+            self.seen(job.tail(10_000).splitlines())
         res.outcome = "; ".join(n for n in notes if n)
         res.outcome += f" [log {job.log_path.name}]"
         return res
@@ -339,6 +448,7 @@ class Chaos:
                 res.problems.append(f"recover during SIGSTOP: internal error: {rec.text}")
             if run_meanwhile:
                 out = self.inproc.run()
+                self.seen(self.inproc.log)
                 notes.append(f"run meanwhile: {str(out).splitlines()[0]}")
                 if out.internal_error:
                     res.problems.append(f"run while a job was stopped: internal error: "

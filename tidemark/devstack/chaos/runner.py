@@ -14,7 +14,16 @@ from collections.abc import Callable
 from tidemark.devstack.chaos.adapter import InProcess, Subprocess, spark_session
 from tidemark.devstack.chaos.checker import Checker, Problem, Snapshot, Target
 from tidemark.devstack.chaos.ops import Chaos, plan
-from tidemark.devstack.chaos.world import PIPELINE, SINK_TABLE, SINKS, SOURCE_TABLE, World
+from tidemark.devstack.chaos.oracle import Oracle
+from tidemark.devstack.chaos.world import (
+    KEY_SHIFT,
+    PIPELINE,
+    SINK_TABLE,
+    SINKS,
+    SOURCE_TABLE,
+    Features,
+    World,
+)
 
 MAX_SHOWN = 60           # problems printed in full
 CATCH_UP_RUNS = 60       # final runs allowed to bring every sink up to date
@@ -28,12 +37,16 @@ def echo(line: str = "") -> None:
 def target(world: World) -> Target:
     return Target(ledger_dsn=world.ledger_dsn, pipeline=PIPELINE, source_table=SOURCE_TABLE,
                   sinks={s: (dsn, SINK_TABLE) for s, dsn in world.sink_dsns.items()},
-                  databases=world.databases)
+                  databases=world.databases, key_shift=KEY_SHIFT,
+                  versioned=world.features.versioned)
 
 
-def world_params(seed: int) -> tuple[int, int]:
+def world_params(seed: int) -> tuple[int, int, Features]:
     r = random.Random(f"tidemark-chaos:{seed}:world")
-    return r.choice([1, 2, 3]), r.randint(25, 60)
+    partitions, limit = r.choice([1, 2, 3]), r.randint(25, 60)
+    # A version column needs two partitions to order anything across them.
+    versioned = partitions > 1 and r.random() < 0.3
+    return partitions, limit, Features(versioned=versioned, meta=r.random() < 0.3)
 
 
 class _Interrupted(BaseException):
@@ -48,12 +61,13 @@ def run(seed: int | None, steps: int, keep_dir: bool = False, fault_every: int =
         out: Callable[[str], None] = echo) -> int:
     if seed is None:
         seed = random.SystemRandom().randrange(1, 10**9)
-    partitions, limit = world_params(seed)
+    partitions, limit, features = world_params(seed)
     out(f"chaos: seed {seed}, {steps} steps, a fault every {fault_every} steps, "
-        f"{partitions} partitions, max {limit} records per partition and run")
+        f"{partitions} partitions, max {limit} records per partition and run, "
+        f"pipeline: {features.short()}")
     started = time.monotonic()
     previous = signal.signal(signal.SIGTERM, _sigterm)
-    world = World.create(partitions, limit)
+    world = World.create(partitions, limit, features=features)
     out(f"world: {world.root} (PostgreSQL on 127.0.0.1:{world.cluster.port})")
     chaos: Chaos | None = None
     spark = None
@@ -68,16 +82,22 @@ def run(seed: int | None, steps: int, keep_dir: bool = False, fault_every: int =
         inproc, sub = InProcess(world, spark), Subprocess(world)
         chaos = Chaos(world, inproc, sub)
         checker = Checker(target(world))
+        oracle = Oracle(target(world), features)
         for n in range(1, steps + 1):
             t0 = time.monotonic()
             step = plan(seed, n, fault_every)
             res = chaos.perform(step)
             problems, snap = settle_and_check(inproc, checker, res.problems)
+            problems += content(oracle, chaos, world)
+            if not step.fault:  # chaos asks only what a healthy pipeline can do
+                problems += oracle.aborted
             done = n
             verdict = "ok" if not problems else f"{len(problems)} PROBLEM(S)"
             out(f"step {n:>4}  {res.desc:<52} {res.outcome}  [{verdict}] "
                 f"{time.monotonic() - t0:.1f}s")
             if problems:
+                for a in oracle.last:
+                    out(f"  model applied: run {a.run_id} sink {a.sink} {a.mode} {a.what}")
                 failed_at = str(n)
                 if step.fault and chaos.jobs:
                     out(f"  last output of {chaos.jobs[-1].log_path.name}:")
@@ -86,6 +106,7 @@ def run(seed: int | None, steps: int, keep_dir: bool = False, fault_every: int =
                 break
         if failed_at is None:
             problems, snap = final(world, inproc, checker, chaos, out)
+            problems += content(oracle, chaos, world)
             if problems:
                 failed_at = f"final (after step {steps})"
     except (KeyboardInterrupt, _Interrupted):
@@ -110,6 +131,15 @@ def run(seed: int | None, steps: int, keep_dir: bool = False, fault_every: int =
     summary(seed, done, chaos, snap, problems, failed_at, time.monotonic() - started, out,
             keep_dir, fault_every)
     return 1 if problems else 0
+
+
+def content(oracle: Oracle, chaos: Chaos, world: World) -> list[Problem]:
+    """The oracle learns what this step committed, then compares every sink and the DLQ."""
+    asked = set(chaos.redrive_ids) | set(chaos.discard_ids)
+    letters = oracle.letters(asked) if asked else {}
+    oracle.sync(world.knobs, {i: letters[i] for i in chaos.redrive_ids if i in letters},
+                {i: letters[i] for i in chaos.discard_ids if i in letters})
+    return oracle.compare()
 
 
 def settle_and_check(inproc: InProcess, checker: Checker, found: list[str]
@@ -170,6 +200,8 @@ def summary(seed: int, done: int, chaos: Chaos | None, snap: Snapshot, problems:
     if chaos is not None:
         out("operations: " + _counts(chaos.ops))
         out("faults: " + (_counts(chaos.faults) or "none"))
+        for what, c in chaos.coverage().items():
+            out(f"{what} (runs, from their logs): " + (_counts(c) or "none"))
         kinds = {k.split(":", 1)[1]: v for k, v in chaos.appended.items() if ":" in k}
         out(f"records appended: {chaos.appended['clean']} clean, "
             f"{chaos.appended['poison']} poison ({_counts(kinds) or '-'})")

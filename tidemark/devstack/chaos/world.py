@@ -27,7 +27,23 @@ SINKS = ("a", "b")
 CLEAN_MAX = 400.0
 OUT_OF_RANGE = (450.0, 2500.0)
 ROWS_MAX = (1000.0, 3000.0)             # the pipeline's row check: tight, loose
+# Its lower bound: off, failing small clean amounts, or every clean one. With both bounds
+# moving, a record that failed may pass while a newer version that passed fails (a backfill
+# must then place the older one, or fall back).
+ROWS_MIN = (0.0, 100.0, 500.0)
 B_ROWS_MAX = (300.0, 700.0, 2000.0)     # sink b's stricter row check
+
+# Transform variants an edit switches between. Every variant has the same output columns and
+# types (the sink table is created once, by the first run), keeps the key NOT NULL and only
+# changes expressions: ``rekey`` maps each id to another key, so a re-delivery must replace by
+# position (docs/design.md, "Re-delivery"). The chaos oracle (oracle.py) applies the same
+# mapping in plain Python: keep ``KEY_SHIFT`` and these expressions in step with it.
+KEY_SHIFT = 1_000_000
+VARIANTS: dict[str, dict[str, str]] = {
+    "plain": {"id": "id", "name": "name"},
+    "upper": {"id": "id", "name": "upper(name)"},
+    "rekey": {"id": f"id + {KEY_SHIFT}", "name": "name"},
+}
 
 
 @dataclass(frozen=True)
@@ -37,34 +53,56 @@ class Knobs:
     gate_fails: bool = False            # the batch gate's mean bound fails every real batch
     on_gate_failure: str = "halt"       # or quarantine_batch
     rows_max: float = ROWS_MAX[0]
+    rows_min: float = ROWS_MIN[0]
     b_rows_max: float = B_ROWS_MAX[0]
     # Off (at first): sink b has no checks of its own, so that runs check their batch while
     # writing it (docs/quality.md, "One pass"); on, they check first.
     b_checks: bool = False
-    upper_name: bool = False            # transform name -> upper(name)
+    variant: str = "plain"              # a transform of VARIANTS
     spread: bool = False                # split_min_records 1: spread runs over tasks by key
 
     def loosest(self) -> Knobs:
         """A passing gate and the loosest row checks (the end of a chaos run)."""
-        return replace(self, gate_fails=False, rows_max=ROWS_MAX[-1], b_rows_max=B_ROWS_MAX[-1])
+        return replace(self, gate_fails=False, rows_max=ROWS_MAX[-1], rows_min=ROWS_MIN[0],
+                       b_rows_max=B_ROWS_MAX[-1])
 
     def short(self) -> str:
         return (f"gate={'FAIL' if self.gate_fails else 'pass'}/{self.on_gate_failure} "
-                f"rows<={self.rows_max:g} "
+                f"rows{f'>={self.rows_min:g},' if self.rows_min else ''}<={self.rows_max:g} "
                 f"{f'b<={self.b_rows_max:g}' if self.b_checks else 'b unchecked'} "
-                f"name={'upper' if self.upper_name else 'plain'}"
+                f"transform={self.variant}"
                 f"{' spread' if self.spread else ''}")
 
 
-def _between(column: str, max_value: float) -> dict:
-    return {"expect_column_values_to_be_between": {"column": column, "max_value": max_value}}
+def _between(column: str, max_value: float, min_value: float = 0.0) -> dict:
+    bounds = {"min_value": min_value} if min_value else {}
+    return {"expect_column_values_to_be_between": {"column": column, **bounds,
+                                                   "max_value": max_value}}
+
+
+@dataclass(frozen=True)
+class Features:
+    """What a world's pipeline declares for its whole life (its sink table never changes)."""
+
+    # The sinks order versions by the payload's ``version`` column; versions of one id may
+    # then sit in several partitions, with equal versions across partitions (ties).
+    versioned: bool = False
+    # The transform reads the source's metadata into columns: seen_at (``_tm_ts``) and hdr
+    # (``_tm_headers``), which a redrive must hand over as the source had them.
+    meta: bool = False
+
+    def short(self) -> str:
+        on = [n for n, v in (("versioned", self.versioned), ("ts+headers", self.meta)) if v]
+        return ", ".join(on) or "plain"
 
 
 class World:
-    def __init__(self, root: Path, partitions: int, limit: int, port: int | None = None):
+    def __init__(self, root: Path, partitions: int, limit: int, port: int | None = None,
+                 features: Features = Features()):
         self.root = root
         self.partitions = partitions
         self.limit = limit
+        self.features = features
         self.cluster = Cluster(root / "pg", port or free_port())
         self.pipelines_dir = root / "pipelines"
         self.docs_dir = root / "data_docs"
@@ -75,12 +113,13 @@ class World:
 
     # -- life cycle -----------------------------------------------------------------------
     @classmethod
-    def create(cls, partitions: int = 2, limit: int = 40, root: Path | None = None) -> World:
+    def create(cls, partitions: int = 2, limit: int = 40, root: Path | None = None,
+               features: Features = Features()) -> World:
         if root is None:
             root = Path(tempfile.mkdtemp(prefix="tidemark-chaos-"))
         root.mkdir(parents=True, exist_ok=True)
         os.chmod(root, 0o755)  # the server runs as postgres when we are root
-        world = cls(root, partitions, limit)
+        world = cls(root, partitions, limit, features=features)
         for d in (world.pipelines_dir, world.docs_dir, world.logs_dir, world.scratch_dir):
             d.mkdir(exist_ok=True)
         try:
@@ -133,17 +172,18 @@ class World:
         if k.gate_fails:  # every batch of clean records has a mean amount far above 5
             batch.append({"expect_column_mean_to_be_between": {"column": "amount",
                                                                "max_value": 5}})
-        sink = {"dsn": None, "table": SINK_TABLE, "key": ["id"]}
+        sink = {"dsn": None, "table": SINK_TABLE, "key": ["id"],
+                **({"version": "version"} if self.features.versioned else {})}
+        select = {**VARIANTS[k.variant], "amount": "amount", "version": "version"}
+        if self.features.meta:
+            select.update({"seen_at": "_tm_ts", "hdr": "_tm_headers"})
         return {
             "name": PIPELINE,
             "description": "tidemark chaos: " + k.short(),
             "source": {"type": "postgres_log", "dsn": self.ledger_dsn, "table": SOURCE_TABLE},
             "decode": {"schema": {"id": "bigint", "name": "string", "amount": "double",
                                   "version": "int"}},
-            "transform": {"select": {"id": "id",
-                                     "name": "upper(name)" if k.upper_name else "name",
-                                     "amount": "amount", "version": "version"},
-                          "required": ["id"]},
+            "transform": {"select": select, "required": ["id"]},
             "sinks": [
                 {**sink, "name": "a", "dsn": self.sink_dsns["a"]},
                 {**sink, "name": "b", "dsn": self.sink_dsns["b"],
@@ -154,7 +194,7 @@ class World:
             "limits": {"max_records_per_partition": self.limit,
                        "split_min_records": 1 if k.spread else 50_000},
             "quality": {"on_gate_failure": k.on_gate_failure,
-                        "rows": [_between("amount", k.rows_max)],
+                        "rows": [_between("amount", k.rows_max, k.rows_min)],
                         "batch": batch},
         }
 

@@ -1,0 +1,363 @@
+"""The chaos oracle: what every sink and the DLQ must hold, row for row.
+
+It keeps its own model of the world, independent of the data path (nothing from
+tidemark.engine, driver or quality): the source records, and per sink the rows and live
+dead letters that docs/design.md's delivery and re-delivery rules leave, computed in plain
+Python from each record and the pipeline version (``Knobs``) that last delivered or
+re-delivered it. The model's own decode, transform (world.VARIANTS, the same mapping) and
+row checks mirror the pipeline file world.py writes.
+
+What it learns from outside: which (run, sink) committed, its mode and ranges
+(``tidemark.run_sinks``, ``run_ranges``: a failed or rolled-back run changes nothing), and a
+batch gate's verdict (``tidemark.dq_results``: the gate's mean is the data path's to compute,
+the model only applies what a failing verdict means). A redrive's records are the letters
+chaos asked for. After every step, :meth:`Oracle.compare` reads each sink and the live
+letters (one query each) and reports every difference.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import psycopg
+from psycopg import sql
+
+from tidemark.devstack.chaos import world as w
+from tidemark.devstack.chaos.checker import APP, Problem, Target, _ident
+
+Pos = tuple[int, int]
+LIVE = ("quarantined", "discarded")
+# The decode schema world.py declares, as the JSON types that read as each field.
+FIELDS: dict[str, tuple[type, ...]] = {"id": (int,), "name": (str,), "amount": (int, float),
+                                       "version": (int,)}
+
+
+@dataclass(frozen=True)
+class Record:
+    p: int
+    o: int
+    payload: bytes | None
+    headers: str | None      # as the source log reads them (jsonb as text)
+    ts: datetime | None
+
+
+@dataclass(frozen=True)
+class Row:
+    key: int
+    order: tuple              # version order of the key: larger is newer
+    cols: tuple               # the sink's columns, COLUMNS order
+
+    @property
+    def pos(self) -> Pos:
+        return self.cols[-2], self.cols[-1]
+
+
+def decode(payload: bytes | None) -> dict | None:
+    """The record's fields, or None where the pipeline's decode quarantines it (empty, not
+    UTF-8, not a JSON object, a field that does not read as its declared type)."""
+    if not payload:
+        return None
+    try:
+        doc = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    out = {}
+    for name, types in FIELDS.items():
+        v = doc.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, types)):
+            return None
+        out[name] = float(v) if name == "amount" and v is not None else v
+    return out
+
+
+class Pipeline:
+    """One pipeline version for one sink, in plain Python."""
+
+    def __init__(self, knobs: w.Knobs, features: w.Features, sink: str):
+        self.k, self.f, self.sink = knobs, features, sink
+
+    def key_of(self, d: dict) -> int:
+        return d["id"] + (w.KEY_SHIFT if self.k.variant == "rekey" else 0)
+
+    def order(self, rec: Record, d: dict) -> tuple:
+        if self.f.versioned:  # equal versions: (partition, offset) breaks the tie
+            return (d["version"] if d["version"] is not None else -1, rec.p, rec.o)
+        return (rec.p, rec.o)
+
+    def keyed(self, rec: Record) -> tuple[int, tuple] | None:
+        """(key, version order) of a record this pipeline can key, passing or not."""
+        d = decode(rec.payload)
+        if d is None or d["id"] is None:
+            return None
+        return self.key_of(d), self.order(rec, d)
+
+    def row(self, rec: Record) -> Row | None:
+        """The record's row, or None where this pipeline quarantines it for this sink."""
+        d = decode(rec.payload)
+        if d is None or d["id"] is None:                 # decode; required id
+            return None
+        if self.f.versioned and d["version"] is None:    # the version column is NOT NULL
+            return None
+        amount = d["amount"]
+        if amount is not None:  # GX's between passes NULL
+            if amount > self.k.rows_max or amount < self.k.rows_min:
+                return None
+            if self.sink == "b" and self.k.b_checks and amount > self.k.b_rows_max:
+                return None
+        name = d["name"]
+        if name is not None and self.k.variant == "upper":
+            name = name.upper()
+        cols: tuple = (self.key_of(d), name, amount, d["version"])
+        if self.f.meta:
+            cols += (rec.ts, rec.headers)
+        return Row(self.key_of(d), self.order(rec, d), cols + (rec.p, rec.o))
+
+
+def columns(features: w.Features) -> list[str]:
+    meta = ["seen_at", "hdr"] if features.meta else []
+    return ["id", "name", "amount", "version", *meta, "_tm_partition", "_tm_offset"]
+
+
+@dataclass
+class SinkModel:
+    rows: dict[int, Row] = field(default_factory=dict)         # key -> row
+    live: dict[Pos, str] = field(default_factory=dict)         # record -> letter status
+    checkpoint: dict[int, int] = field(default_factory=dict)   # partition -> next offset
+
+    def deliver(self, recs: list[Record], pipe: Pipeline, whole_batch: bool) -> None:
+        """A first delivery: the newest passing version per key wins against the sink;
+        every failing record gets a live letter (all of them when the gate quarantines)."""
+        best: dict[int, Row] = {}
+        for rec in recs:
+            row = None if whole_batch else pipe.row(rec)
+            if row is None:
+                self.live[(rec.p, rec.o)] = "quarantined"
+            elif row.key not in best or row.order > best[row.key].order:
+                best[row.key] = row
+        self._place(best)
+
+    def redeliver(self, chosen: set[Pos], source: dict[Pos, Record], pipe: Pipeline) -> None:
+        """docs/design.md "Re-delivery", steps 1-5, for the records at ``chosen``."""
+        lost = {k for k, r in self.rows.items() if r.pos in chosen}
+        for k in lost:
+            del self.rows[k]
+        best: dict[int, Row] = {}
+        for pos in sorted(chosen):
+            row = pipe.row(source[pos])
+            if row is None:
+                self.live[pos] = "quarantined"
+                continue
+            # It passes: its own row or a newer version's places it (rule 5).
+            self.live.pop(pos, None)
+            if row.key not in best or row.order > best[row.key].order:
+                best[row.key] = row
+        self._place(best)
+        bare = lost - set(self.rows)
+        versions: dict[int, list[tuple[tuple, Record]]] = {k: [] for k in bare}
+        for pos, rec in source.items() if bare else ():  # one pass: every key's versions
+            if pos in chosen or pos[1] >= self.checkpoint.get(pos[0], 0):
+                continue
+            keyed = pipe.keyed(rec)
+            if keyed is not None and keyed[0] in versions:
+                versions[keyed[0]].append((keyed[1], rec))
+        for k in sorted(bare):  # rule 4: fall back, newest first
+            for _order, rec in sorted(versions[k], key=lambda v: v[0], reverse=True):
+                row = pipe.row(rec)
+                if row is None:
+                    # Quarantined in turn; a live letter (a discarded one too: the design
+                    # does not say a fallback takes back an operator's discard) places it.
+                    self.live.setdefault((rec.p, rec.o), "quarantined")
+                    continue
+                self.rows[k] = row
+                self.live.pop((rec.p, rec.o), None)
+                break
+
+    def _place(self, best: dict[int, Row]) -> None:
+        for k, row in best.items():
+            cur = self.rows.get(k)
+            if cur is None or row.order > cur.order:
+                self.rows[k] = row
+
+
+@dataclass
+class Applied:
+    run_id: int
+    sink: str
+    mode: str
+    what: str
+
+
+class Oracle:
+    def __init__(self, target: Target, features: w.Features):
+        self.t = target
+        self.f = features
+        self.cols = columns(features)
+        self.sinks = {s: SinkModel() for s in target.sinks}
+        self.source: dict[Pos, Record] = {}
+        self.last_run = 0
+        self.last: list[Applied] = []      # what the last sync applied
+        self.aborted: list[Problem] = []   # (run, sink)s the last sync found aborted
+
+    # -- learning what happened -----------------------------------------------------------
+    def _led(self) -> psycopg.Connection:
+        return psycopg.connect(self.t.ledger_dsn, autocommit=True, application_name=APP)
+
+    def letters(self, ids: Iterable[int]) -> dict[int, tuple[str, int, int]]:
+        """Dead letter id -> (sink, partition, offset): what a letter holds never changes."""
+        with self._led() as led:
+            return {i: (s, p, o) for i, s, p, o in led.execute(
+                "SELECT id, sink, source_partition, source_offset FROM tidemark.dlq "
+                "WHERE id = ANY(%s)", (list(ids),))}
+
+    def sync(self, knobs: w.Knobs, redrive: dict[int, tuple[str, int, int]] | None = None,
+             discarded: dict[int, tuple[str, int, int]] | None = None) -> list[Applied]:
+        """Apply every (run, sink) committed since the last sync, with ``knobs`` (the
+        pipeline of this step); ``redrive``: the letters this step's redrive asked for;
+        ``discarded``: letters this step discarded."""
+        with self._led() as led:
+            known = {p: o for p, o in led.execute(sql.SQL(
+                'SELECT "partition", max("offset") FROM {} GROUP BY 1').format(
+                _ident(self.t.source_table)))}
+            have = {}
+            for (p, o) in self.source:
+                have[p] = max(have.get(p, -1), o)
+            if any(have.get(p, -1) < o for p, o in known.items()):
+                for p, o, payload, headers, ts in led.execute(sql.SQL(
+                        'SELECT "partition", "offset", payload, headers::text, ts FROM {} '
+                        'WHERE "offset" > coalesce((%s::jsonb ->> "partition"::text)::bigint, '
+                        "-1)").format(_ident(self.t.source_table)),
+                        (json.dumps({str(k): v for k, v in have.items()}),)):
+                    self.source[(p, o)] = Record(p, o, None if payload is None
+                                                 else bytes(payload), headers, ts)
+            runs = led.execute(
+                """SELECT rs.run_id, rs.sink, r.mode, rs.state::text, rs.error
+                   FROM tidemark.run_sinks rs
+                   JOIN tidemark.runs r USING (run_id)
+                   WHERE r.pipeline = %s AND rs.run_id > %s ORDER BY 1, 2""",
+                (self.t.pipeline, self.last_run)).fetchall()
+            if not runs:
+                ranges, gates = [], []
+            else:
+                ids = sorted({r[0] for r in runs})
+                ranges = led.execute(
+                    "SELECT run_id, sink, partition, from_offset, to_offset "
+                    "FROM tidemark.run_ranges WHERE run_id = ANY(%s)", (ids,)).fetchall()
+                gates = led.execute("SELECT run_id, scope FROM tidemark.dq_results "
+                                    "WHERE run_id = ANY(%s) AND NOT success", (ids,)).fetchall()
+        if discarded:
+            for s, p, o in discarded.values():
+                if self.sinks[s].live.get((p, o)) == "quarantined":
+                    self.sinks[s].live[(p, o)] = "discarded"
+        by_run: dict[tuple[int, str], list[tuple[int, int, int]]] = {}
+        for run_id, s, p, a, b in ranges:
+            by_run.setdefault((run_id, s), []).append((p, a, b))
+        failed = set(gates)
+        done: list[Applied] = []
+        self.aborted = []
+        for run_id, s, mode, st, error in runs:
+            self.last_run = max(self.last_run, run_id)
+            if st == "aborted":
+                self.aborted.append(Problem(s, "-", "-", f"run {run_id} ({mode}) aborted: "
+                                            f"{' '.join(str(error).split())[:300]}"))
+            if st != "committed" or s not in self.sinks:
+                continue
+            gate_failed = (run_id, "") in failed or (run_id, s) in failed
+            done.append(self._apply(run_id, s, mode, sorted(by_run.get((run_id, s), [])),
+                                    gate_failed, knobs, redrive or {}))
+        self.last = done
+        return done
+
+    def _apply(self, run_id: int, s: str, mode: str, ranges: list[tuple[int, int, int]],
+               gate_failed: bool, knobs: w.Knobs, redrive: dict[int, tuple[str, int, int]]
+               ) -> Applied:
+        m, pipe = self.sinks[s], Pipeline(knobs, self.f, s)
+        span = " ".join(f"p{p}[{a},{b})" for p, a, b in ranges)
+        if mode == "run":
+            recs = [self.source[(p, o)] for p, a, b in ranges for o in range(a, b)
+                    if (p, o) in self.source]
+            whole = gate_failed and knobs.on_gate_failure == "quarantine_batch"
+            if not gate_failed or whole:
+                m.deliver(recs, pipe, whole)
+            for p, _a, b in ranges:
+                m.checkpoint[p] = max(m.checkpoint.get(p, 0), b)
+            return Applied(run_id, s, mode, span + (" gate quarantined" if whole else ""))
+        if mode == "backfill":
+            if not gate_failed:  # a backfill whose gate fails changes nothing
+                chosen = {(p, o) for p, a, b in ranges for o in range(a, b)
+                          if (p, o) in self.source}
+                m.redeliver(chosen, self.source, pipe)
+            return Applied(run_id, s, mode, span)
+        chosen = {(p, o) for ls, p, o in redrive.values()
+                  if ls == s and m.live.get((p, o)) == "quarantined"}
+        m.redeliver(chosen, self.source, pipe)
+        return Applied(run_id, s, mode, f"{len(chosen)} letter(s)")
+
+    # -- comparing ------------------------------------------------------------------------
+    def compare(self) -> list[Problem]:
+        problems: list[Problem] = []
+        with self._led() as led:
+            letters = led.execute(
+                "SELECT sink, source_partition, source_offset, status::text, id "
+                "FROM tidemark.dlq WHERE pipeline = %s AND status::text = ANY(%s)",
+                (self.t.pipeline, list(LIVE))).fetchall()
+        have_live: dict[str, dict[Pos, tuple[str, int]]] = {s: {} for s in self.sinks}
+        for s, p, o, status, lid in letters:
+            if s in have_live:
+                have_live[s][(p, o)] = (status, lid)
+        for s, (dsn, table) in self.t.sinks.items():
+            m = self.sinks[s]
+            rows = self._rows(dsn, table)
+            have: dict[int, list[tuple]] = {}
+            for r in rows:
+                have.setdefault(r[0], []).append(tuple(r))
+            for k in sorted(set(have) | set(m.rows)):
+                want = m.rows.get(k)
+                got = have.get(k, [])
+                if want is None:
+                    for g in got:
+                        problems.append(Problem(s, g[-2], g[-1], f"extra row: key {k} "
+                                                f"{self._show(g)} should not be in the sink"))
+                    continue
+                p, o = want.pos
+                if not got:
+                    problems.append(Problem(s, p, o, f"missing row: key {k} should hold "
+                                            f"{self._show(want.cols)}"))
+                    continue
+                g = got[0]
+                diff = [f"{c} {g[i]!r} (want {want.cols[i]!r})"
+                        for i, c in enumerate(self.cols) if g[i] != want.cols[i]]
+                if diff:
+                    problems.append(Problem(s, p, o, f"wrong row for key {k}: "
+                                            + ", ".join(diff)))
+            for pos in sorted(set(m.live) | set(have_live[s])):
+                want_st = m.live.get(pos)
+                got_st = have_live[s].get(pos)
+                if got_st is None:
+                    problems.append(Problem(s, *pos, f"letter should be live "
+                                            f"({want_st}) but none is"))
+                elif want_st is None:
+                    problems.append(Problem(s, *pos, f"live letter {got_st[1]} "
+                                            f"({got_st[0]}) should not be live"))
+                elif want_st != got_st[0]:
+                    problems.append(Problem(s, *pos, f"letter {got_st[1]} is {got_st[0]}, "
+                                            f"should be {want_st}"))
+        return problems
+
+    def _show(self, cols: tuple) -> str:
+        return "(" + ", ".join(f"{c}={v!r}" for c, v in zip(self.cols, cols, strict=True)
+                               if not c.startswith("_tm_")) + f" from {cols[-2]}:{cols[-1]})"
+
+    def _rows(self, dsn: str, table: str) -> list[tuple]:
+        with psycopg.connect(dsn, autocommit=True, application_name=APP) as conn:
+            if conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is None:
+                return []
+            cols = [sql.SQL("{}::text").format(sql.Identifier(c)) if c == "hdr"
+                    else sql.Identifier(c) for c in self.cols]
+            return conn.execute(sql.SQL("SELECT {} FROM {}").format(
+                sql.SQL(", ").join(cols), _ident(table))).fetchall()
+
