@@ -129,9 +129,10 @@ class Redelivery:
     def _fall_back(self, lost: set[tuple], candidates: list[pa.RecordBatch]
                    ) -> dict[int, list[int]]:
         """Step 4: per lost key, its candidate versions newest first (version column, then
-        partition and offset); each that fails now is quarantined, the first that passes is
-        placed. A candidate with a row of its own (made under another key by an earlier
-        pipeline) is placed as it was and left alone. Returns the placed positions."""
+        partition and offset); each that fails now is quarantined (one a live letter holds
+        already keeps it as it is), the first that passes is placed. A candidate with a row
+        of its own (made under another key by an earlier pipeline) is placed as it was and
+        left alone: placing it again would place it twice. Returns the placed positions."""
         placed: dict[int, list[int]] = {}
         if not lost or not (candidates or self.w.tomb_rows):
             return placed
@@ -142,12 +143,14 @@ class Redelivery:
                 if tuple(r[k] for k in self.t.key) in lost]
         ours = {(r[PARTITION], r[OFFSET]) for r in self.w.tomb_rows}
         own: set[tuple[int, int]] = set()
+        lettered: set[tuple[int, int]] = set()
         by_part: dict[int, list[int]] = {}
         for r in rows:
             by_part.setdefault(r[PARTITION], []).append(r[OFFSET])
         try:
             for part, offs in by_part.items():
                 own |= {(part, o) for o in self.w.own_rows(part, offs)}
+                lettered |= {(part, o) for o in self.dead.live(part, offs)}
         except psycopg.Error as exc:
             self.w._fail(exc)
             return placed
@@ -165,8 +168,10 @@ class Redelivery:
                         self.w.out["fallback"] += 1
                         tombs.append(r)
                     break
-                self.w.out["fallback"] += 1
                 why = self._fails(r)
+                if why is not None and (r[PARTITION], r[OFFSET]) in lettered:
+                    continue  # placed by its letter as it was (an operator's discard stands)
+                self.w.out["fallback"] += 1
                 if why is None:
                     good.append(r)
                     placed.setdefault(r[PARTITION], []).append(r[OFFSET])

@@ -225,6 +225,12 @@ class DeadLetters:
             self.offsets.get(partition, []), by,
             f"delivered again by {self.spec.mode} run {self.spec.run_id}")
 
+    def live(self, partition: int, offsets: list[int]) -> set[int]:
+        """Which of ``offsets`` a live letter for this sink holds (this task's own too)."""
+        self.flush()
+        return letters.live_offsets(self._open(), self.spec.pipeline, self.sink, partition,
+                                    offsets)
+
     def resolve_offsets(self, partition: int, offsets: list[int], by: str, note: str) -> None:
         """Re-delivery: the live letters of these records, placed by a row now."""
         self.flush()

@@ -97,6 +97,16 @@ def resolve_range(conn: psycopg.Connection, pipeline: str, sink: str, partition:
          "failed": failed, "by": by, "note": note}).rowcount
 
 
+def live_offsets(conn: psycopg.Connection, pipeline: str, sink: str, partition: int,
+                 offsets: list[int]) -> set[int]:
+    """Which of ``offsets`` a live letter for ``sink`` holds (quarantined or discarded),
+    as this transaction sees the ledger (its own letters included)."""
+    return {o for (o,) in conn.execute(
+        """SELECT source_offset FROM tidemark.dlq WHERE pipeline = %s AND sink = %s
+           AND source_partition = %s AND source_offset = ANY(%s) AND status <> 'redriven'""",
+        (pipeline, sink, partition, offsets))}
+
+
 def resolve_offsets(conn: psycopg.Connection, pipeline: str, sink: str, partition: int,
                     offsets: list[int], by: str, note: str) -> int:
     """Re-delivery: the live letters of ``sink`` for these records of ``partition``, placed

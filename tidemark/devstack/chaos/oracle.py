@@ -159,8 +159,11 @@ class SinkModel:
         self._place(best)
         bare = lost - set(self.rows)
         versions: dict[int, list[tuple[tuple, Record]]] = {k: [] for k in bare}
+        # A record with a row of its own (under another key, from an earlier pipeline) is
+        # placed as it was: falling back to it would place it twice.
+        rowed = {r.pos for r in self.rows.values()}
         for pos, rec in source.items() if bare else ():  # one pass: every key's versions
-            if pos in chosen or pos[1] >= self.checkpoint.get(pos[0], 0):
+            if pos in chosen or pos in rowed or pos[1] >= self.checkpoint.get(pos[0], 0):
                 continue
             keyed = pipe.keyed(rec)
             if keyed is not None and keyed[0] in versions:
