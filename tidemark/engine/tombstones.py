@@ -24,7 +24,12 @@ PARTITION, OFFSET = "_tm_partition", "_tm_offset"
 
 
 def newer(a: str, b: str, key: list[str], version: str | None) -> sql.Composed:
-    """SQL: the version aliased ``a`` is at least as new as ``b`` (same key)."""
+    """SQL: the version aliased ``a`` is at least as new as ``b`` (same key), for the merge's
+    guard and the tombstones' alike: the version column, equal versions broken by (partition,
+    offset) as the merge's DISTINCT ON breaks them within a batch, so every replay converges
+    on the same row; without one (or where a tombstone has none), by offset within a
+    partition. Versions of one key from two partitions that nothing orders fail the sink,
+    naming the key, instead of picking one."""
     same = sql.SQL("{a}._tm_partition = {b}._tm_partition").format(a=sql.SQL(a), b=sql.SQL(b))
     by_offset = sql.SQL("{a}._tm_offset >= {b}._tm_offset").format(a=sql.SQL(a), b=sql.SQL(b))
     label = sql.SQL("{} || concat_ws(', ', {}) || ')'").format(

@@ -302,25 +302,10 @@ class SinkWriter:
                    for c in cols if c not in t.key]
         order = [*keys]
         # Within one batch keep the newest version of each key; against the table, replace
-        # only an older version: by the declared version column, equal versions broken by
-        # (partition, offset) as DISTINCT ON breaks them within a batch, so every replay
-        # converges on the same row; else by offset within the same partition. Versions of
-        # one key from two partitions have no order without a version column: that fails
-        # the sink, naming the key, instead of picking one.
+        # only an older version (tombstones.newer: one order everywhere).
         if t.version:
-            v = sql.Identifier(t.version)
-            order.append(sql.SQL("{} DESC").format(v))
-            guard = sql.SQL("(EXCLUDED.{v}, EXCLUDED._tm_partition, EXCLUDED._tm_offset) "
-                            ">= (t.{v}, t._tm_partition, t._tm_offset)").format(v=v)
-        else:
-            label = sql.SQL("{} || concat_ws(', ', {}) || ')'").format(
-                sql.Literal(f"({', '.join(t.key)})=("),
-                sql.SQL(", ").join(sql.SQL("EXCLUDED.{}::text").format(k) for k in keys))
-            guard = sql.SQL("""CASE WHEN t._tm_partition = EXCLUDED._tm_partition
-                                    THEN t._tm_offset <= EXCLUDED._tm_offset
-                                    ELSE {conflict} END""").format(
-                conflict=markers.version_conflict(label, sql.SQL("t._tm_partition"),
-                                                  sql.SQL("EXCLUDED._tm_partition")))
+            order.append(sql.SQL("{} DESC").format(sql.Identifier(t.version)))
+        guard = tombstones.newer("EXCLUDED", "t", t.key, t.version)
         self.merge_sql = sql.SQL("""
             INSERT INTO {target} AS t ({cols})
             SELECT DISTINCT ON ({keys}) {cols} FROM {stage} s WHERE {live}
