@@ -30,7 +30,7 @@ from tidemark.ledger import checkpoints, dlq
 OPS = {"append": 12, "append_poison": 8, "append_chain": 8, "run": 18, "run_sink": 10,
        "backfill": 10, "redrive": 8, "discard": 5, "edit": 14}
 # Worlds with tombstones also append tombstones of existing keys (Features.tombstones).
-TOMBSTONE_OPS = {**OPS, "append_tombstone": 8}
+TOMBSTONE_OPS = {**OPS, "append_tombstone": 12}
 POISON = ("not_json", "bad_utf8", "wrong_type", "null_id", "empty", "out_of_range")
 JOB_OPS = {"run": 60, "run_sink": 15, "backfill": 15, "redrive": 10}
 STOP_TTL = 10           # lease TTL of a job that gets SIGSTOPped (the settings' minimum)

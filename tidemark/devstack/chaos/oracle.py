@@ -254,6 +254,7 @@ class SinkModel:
                 if rec.tombstone and pipe.deletes:
                     # The walk stops: the key stays deleted (one outside the range is kept
                     # as the key's newest version).
+                    self.counts["stopped a fallback"] += 1
                     if (rec.p, rec.o) not in chosen:
                         self._delete([Tomb(k, (rec.p, rec.o), (rec.p, rec.o))], fallback=True)
                     break
