@@ -5,7 +5,12 @@ tidemark.engine, driver or quality): the source records, and per sink the rows a
 dead letters that docs/design.md's delivery and re-delivery rules leave, computed in plain
 Python from each record and the pipeline version (``Knobs``) that last delivered or
 re-delivered it. The model's own decode, transform (world.VARIANTS, the same mapping) and
-row checks mirror the pipeline file world.py writes.
+row checks mirror the pipeline file world.py writes. Tombstones (a key and no payload, in worlds whose transform
+keys rows by the source key) are versions of their key that place no row where the sink's
+``tombstones`` is ``delete`` (``SinkModel.tombs`` is what the sink's tombstone table keeps:
+each deleted key's newest tombstone, which keeps older rows out from then on), and dead
+letters where it is ``quarantine``. The source records come through world.source (a table or
+a folder of segments: source.py).
 
 What it learns from outside: which (run, sink) committed, its mode and ranges
 (``tidemark.run_sinks``, ``run_ranges``: a failed or rolled-back run changes nothing), and a
