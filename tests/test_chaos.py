@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 from contextlib import contextmanager
+from dataclasses import replace
 
 import psycopg
 import pytest
@@ -219,6 +220,41 @@ def test_the_oracle_applies_the_redelivery_rule():
     m.redeliver(set(src), src, shifted)
     assert _model(m) == ({7 + w.KEY_SHIFT: (0, 2), 8 + w.KEY_SHIFT: (0, 4),
                           9 + w.KEY_SHIFT: (0, 5)}, set())
+
+
+def test_the_oracle_models_tombstones():
+    """Tombstones (a key, no payload) in the model: a version of their key that places no row
+    where the sink deletes, a dead letter where it quarantines (docs/pipelines.md)."""
+    def rec(o: int, i: int | str, amount: float | None) -> Record:
+        body = None if amount is None else json.dumps(
+            {"id": i, "name": f"n{i}", "amount": amount, "version": 1}).encode()
+        return Record(0, o, body, None, None, str(i).encode())
+
+    # 7 at 0, its tombstone at 1, a newer 7 at 2; a tombstone whose key is no number at 3.
+    src = {(0, o): r for o, r in enumerate([rec(0, 7, 5.0), rec(1, 7, None), rec(2, 7, 50.0),
+                                            rec(3, "poison", None)])}
+    feats = w.Features(tombstones=True)
+    delete = w.Knobs(tombstones="delete")
+    m = SinkModel()
+    m.deliver([src[(0, 0)], src[(0, 1)]], Pipeline(delete, feats, "a"), False)
+    assert _model(m) == ({}, set()) and m.tombs[7].pos == (0, 1)
+    m.deliver([src[(0, 2)], src[(0, 3)]], Pipeline(delete, feats, "a"), False)
+    m.checkpoint[0] = 4
+    assert _model(m) == ({7: (0, 2)}, {(0, 3)})
+    # 2 fails now: the key falls back and stops at its tombstone, 0 never comes back.
+    m.redeliver({(0, 2)}, src, Pipeline(replace(delete, rows_max=10), feats, "a"))
+    assert _model(m) == ({}, {(0, 2), (0, 3)})
+    # The tombstone re-delivered where the sink keeps tombstones: quarantined, 0 comes back.
+    m.redeliver({(0, 1)}, src, Pipeline(w.Knobs(rows_max=10), feats, "a"))
+    assert _model(m) == ({7: (0, 0)}, {(0, 1), (0, 2), (0, 3)}) and not m.tombs
+    # Quarantined from the start: 2 fails now, the walk leaves the tombstone's letter as it
+    # is and places 0.
+    m = SinkModel()
+    m.deliver(list(src.values()), Pipeline(w.Knobs(), feats, "a"), False)
+    m.checkpoint[0] = 4
+    assert _model(m) == ({7: (0, 2)}, {(0, 1), (0, 3)})
+    m.redeliver({(0, 2)}, src, Pipeline(w.Knobs(rows_max=10), feats, "a"))
+    assert _model(m) == ({7: (0, 0)}, {(0, 1), (0, 2), (0, 3)})
 
 
 def test_the_oracle_finds_hand_made_differences(spark, tmp_path):

@@ -1,7 +1,7 @@
 """`tidemark chaos`: a model-based randomized checker of the replay protocol.
 
-It starts a throwaway PostgreSQL cluster, a source log, two sink databases and a pipeline
-(``world.py``), drives them through a seeded random sequence of operations and faults
+It starts a throwaway PostgreSQL cluster, a source log (a ``postgres_log`` table or a
+``file_archive`` folder: ``source.py``), two sink databases and a pipeline (``world.py``), drives them through a seeded random sequence of operations and faults
 (``ops.py``, ``faults.py``; calls into the library only through ``adapter.py``), and after
 every step runs recovery and an independent checker of docs/design.md's invariants
 (``checker.py``, plain SQL, no code shared with the data path) and an oracle of content

@@ -9,7 +9,10 @@ by being shared with its judge. What it checks, per sink and partition (invarian
 - every source offset below that sink's checkpoint is placed exactly once for that sink: its
   own row in the sink, or a newer version of its key in the sink (same ``_tm_partition``,
   higher ``_tm_offset``; with a version column, a higher ``(version, partition, offset)``), or exactly one live dead letter for that sink (status quarantined
-  or discarded). Never its own row and a live letter; never two live letters;
+  or discarded). Never its own row and a live letter; never two live letters. A tombstone
+  that deletes its key (the sink's tombstone table ``tidemark.tomb_*`` holds it) is placed by
+  itself (neither a row nor a letter), and supersedes the older versions of its key like a
+  row; no row of a key is older than the key's tombstone;
 - nothing at or above the checkpoint is placed (no sink row, no live letter for that sink);
 - a dead letter names its sink (sink NULL is a problem), and its payload and key are the
   source record's bytes;
@@ -23,7 +26,9 @@ by being shared with its judge. What it checks, per sink and partition (invarian
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import psycopg
 from psycopg import sql
@@ -50,14 +55,19 @@ class Target:
 
     ledger_dsn: str
     pipeline: str
-    source_table: str                    # in the ledger database
+    source: Source                       # the source log's records (chaos/source.py)
     sinks: dict[str, tuple[str, str]]    # name -> (dsn, table)
     databases: list[str]                 # every database whose prepared transactions count
     key_shift: int | None = None         # a sink key may also be the payload's id + this
     versioned: bool = False              # the sinks order versions by the version column
+    key_from_key: bool = False           # the sink key is the source key's number (tombstones)
 
     def keys(self, pid: int) -> tuple[int, ...]:
         return (pid,) if self.key_shift is None else (pid, pid + self.key_shift)
+
+
+class Source(Protocol):
+    def records(self) -> list: ...   # of SourceRecord: p, o, key, payload, headers, ts
 
 
 @dataclass
@@ -66,6 +76,7 @@ class Snapshot:
     rows: dict[str, int] = field(default_factory=dict)           # sink -> rows
     live: dict[str, int] = field(default_factory=dict)           # sink -> live letters
     letters: int = 0
+    tombs: dict[str, int] = field(default_factory=dict)          # sink -> deleting tombstones
 
 
 def _ident(table: str) -> sql.Composable:
@@ -101,10 +112,8 @@ class Checker:
     def check(self) -> tuple[list[Problem], Snapshot]:
         problems: list[Problem] = []
         snap = Snapshot()
+        source = {(r.p, r.o): (_b(r.key), _b(r.payload)) for r in self.t.source.records()}
         with psycopg.connect(self.t.ledger_dsn, autocommit=True, application_name=APP) as led:
-            source = {(p, o): (_b(k), _b(v)) for p, o, k, v in led.execute(
-                sql.SQL('SELECT "partition", "offset", key, payload FROM {}').format(
-                    _ident(self.t.source_table)))}
             checkpoints = {(s, p): n for s, p, n in led.execute(
                 "SELECT sink, partition, next_offset FROM tidemark.checkpoints "
                 "WHERE pipeline = %s", (self.t.pipeline,))}
@@ -124,11 +133,12 @@ class Checker:
                 "SELECT database, gid FROM pg_prepared_xacts WHERE database = ANY(%s) "
                 "ORDER BY database, gid", (self.t.databases,)).fetchall()
         rows = {s: self._sink_rows(dsn, table) for s, (dsn, table) in self.t.sinks.items()}
+        tombs = {s: self._tombs(dsn) for s, (dsn, _table) in self.t.sinks.items()}
 
         ends: dict[int, int] = {}
         for p, o in source:
             ends[p] = max(ends.get(p, 0), o + 1)
-        parsed = {pos: _payload_fields(v) for pos, (_k, v) in source.items()}
+        parsed = {pos: self._fields(k, v) for pos, (k, v) in source.items()}
 
         # -- dead letters: their sink, their bytes -----------------------------------------
         live: dict[tuple[str, int, int], list[int]] = {}
@@ -184,10 +194,34 @@ class Checker:
                 if o >= cp:
                     problems.append(Problem(s, p, o, f"sink row id {rid} at or above the "
                                             f"checkpoint {cp}"))
+            tomb_pos: dict[tuple[int, int], int] = {}
+            tomb_id: dict[int, tuple[int, int, None]] = {}
+            for tid, p, o in tombs[s]:
+                tomb_pos[(p, o)] = tid
+                tomb_id[tid] = (p, o, None)
+                cp = checkpoints.get((s, p), 0)
+                if (p, o) not in source:
+                    problems.append(Problem(s, p, o, f"tombstone of key {tid} for a record that "
+                                            f"is not in the source"))
+                    continue
+                skey, spayload = source[(p, o)]
+                if spayload is not None:
+                    problems.append(Problem(s, p, o, f"tombstone of key {tid} for a record "
+                                            f"with a payload"))
+                elif tid not in self.t.keys(parsed[(p, o)][0] or -1):
+                    problems.append(Problem(s, p, o, f"tombstone of key {tid} for a record "
+                                            f"whose key is {skey!r}"))
+                if o >= cp:
+                    problems.append(Problem(s, p, o, f"tombstone of key {tid} at or above the "
+                                            f"checkpoint {cp}"))
+                row = by_id.get(tid)
+                if row and self._newer((p, o, None), row[0], row[1], row[2], tie=True):
+                    problems.append(Problem(s, row[0], row[1], f"sink row id {tid} is older "
+                                            f"than its key's tombstone at {p}:{o}"))
             for (p, o) in sorted(source):
                 cp = checkpoints.get((s, p), 0)
                 mine = live.get((s, p, o), [])
-                own = (p, o) in by_pos
+                own = (p, o) in by_pos or (p, o) in tomb_pos
                 if o >= cp:
                     if mine:
                         problems.append(Problem(s, p, o, f"live dead letter(s) "
@@ -206,6 +240,8 @@ class Checker:
                 for k in self.t.keys(pid) if pid is not None else ():
                     if (row := by_id.get(k)) and self._newer(row, p, o, pversion):
                         newer = row
+                    if (row := tomb_id.get(k)) and self._newer(row, p, o, pversion):
+                        newer = row
                 if newer is not None:
                     continue
                 newer = next((by_id[k] for k in self.t.keys(pid) if pid is not None
@@ -219,6 +255,8 @@ class Checker:
                     what += f" (only {_ids(unnamed[(p, o)])} without a sink)"
                 problems.append(Problem(s, p, o, what))
             snap.rows[s] = len(rows[s])
+            if tombs[s]:
+                snap.tombs[s] = len(tombs[s])
             snap.live[s] = sum(1 for (ls, _p, _o), v in live.items() if ls == s for _ in v)
 
         # -- checkpoints: monotone, within the source ---------------------------------------
@@ -254,14 +292,40 @@ class Checker:
         return sorted(set(problems), key=_order), snap
 
     def _newer(self, row: tuple[int, int, int | None], p: int, o: int,
-               version: int | None) -> bool:
-        """Whether the sink row at ``row`` (partition, offset, version) is a newer version
-        than the record at ``p:o``."""
+               version: int | None, tie: bool = False) -> bool:
+        """Whether the sink row (or tombstone) at ``row`` (partition, offset, version) is a
+        newer version than the record at ``p:o`` (``tie``: or the same)."""
         rp, ro, rv = row
-        if self.t.versioned:
-            return (rv if rv is not None else -1, rp, ro) > (
-                version if version is not None else -1, p, o)
-        return rp == p and ro > o
+        if self.t.versioned and rv is not None:
+            a, b = (rv, rp, ro), (version if version is not None else -1, p, o)
+        else:
+            a, b = (rp == p, ro), (True, o)
+        return a > b or (tie and a == b)
+
+    def _fields(self, key: bytes | None, payload: bytes | None
+                ) -> tuple[int | None, int | None]:
+        """(id, version) of a record: the payload's, the id the key's where sink keys come
+        from source keys (a tombstone's only id)."""
+        pid, version = _payload_fields(payload)
+        if self.t.key_from_key:
+            text = key.decode("ascii", "replace") if key is not None else ""
+            pid = int(text) if re.fullmatch(r"[0-9]+", text) else None
+        return pid, version
+
+    def _tombs(self, dsn: str) -> list[tuple[int, int, int]]:
+        """(key, partition, offset) of the sink's tombstones that delete (its database's one
+        tombstone table, if any run ever deleted a key)."""
+        with psycopg.connect(dsn, autocommit=True, application_name=APP) as conn:
+            names = [r[0] for r in conn.execute(
+                "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE n.nspname = 'tidemark' AND c.relname LIKE 'tomb\\_%' "
+                "AND c.relkind = 'r'")]
+            out = []
+            for name in names:
+                out += conn.execute(sql.SQL(
+                    "SELECT id, _tm_partition, _tm_offset FROM {}").format(
+                    sql.Identifier("tidemark", name))).fetchall()
+            return out
 
     def _sink_rows(self, dsn: str, table: str) -> list[tuple]:
         with psycopg.connect(dsn, autocommit=True, application_name=APP) as conn:

@@ -29,6 +29,8 @@ from tidemark.ledger import checkpoints, dlq
 
 OPS = {"append": 12, "append_poison": 8, "append_chain": 8, "run": 18, "run_sink": 10,
        "backfill": 10, "redrive": 8, "discard": 5, "edit": 14}
+# Worlds with tombstones also append tombstones of existing keys (Features.tombstones).
+TOMBSTONE_OPS = {**OPS, "append_tombstone": 12}
 POISON = ("not_json", "bad_utf8", "wrong_type", "null_id", "empty", "out_of_range")
 JOB_OPS = {"run": 60, "run_sink": 15, "backfill": 15, "redrive": 10}
 STOP_TTL = 10           # lease TTL of a job that gets SIGSTOPped (the settings' minimum)
@@ -59,7 +61,7 @@ def fault_order(seed: int) -> list[str]:
     return kinds
 
 
-def plan(seed: int, n: int, fault_every: int) -> Step:
+def plan(seed: int, n: int, fault_every: int, ops: dict[str, int] = OPS) -> Step:
     rng = step_rng(seed, n)
     if n == 1:
         return Step(n, "append", None, rng)  # something to replay from the start
@@ -68,7 +70,7 @@ def plan(seed: int, n: int, fault_every: int) -> Step:
         order = fault_order(seed)
         kind = order[k] if k < len(order) else rng.choice(KINDS)
         return Step(n, "fault", kind, rng)
-    op = rng.choices(list(OPS), weights=list(OPS.values()))[0]
+    op = rng.choices(list(ops), weights=list(ops.values()))[0]
     return Step(n, op, None, rng)
 
 
@@ -95,6 +97,8 @@ class Chaos:
         self.appended: Counter[str] = Counter()
         self.jobs: list[Job] = []
         self.versioned = world.features.versioned
+        self.tombstones = world.features.tombstones
+        self.op_weights = TOMBSTONE_OPS if self.tombstones else OPS
         self.last_part: dict[int, int] = {}
         # What this step asked of dead letters (the oracle's input): ids redriven, discarded.
         self.redrive_ids: list[int] = []
@@ -124,6 +128,11 @@ class Chaos:
     def _versioned(self, recs: list[tuple], rng: random.Random) -> list[tuple]:
         out = []
         for r in recs:
+            if r[0] == "tomb":  # a key and no payload
+                i = r[1]
+                out.append((i % self.P, str(i).encode(), None,
+                            f'{{"tombstone": true, "trace": "t-{i}-x"}}'))
+                continue
             if r[0] != "order":
                 out.append(r)
                 continue
@@ -182,15 +191,35 @@ class Chaos:
             self.appended["chain"] += 1
         return recs
 
-    def append(self, rng: random.Random, clean: int, poison: int = 0, chain: bool = False
-               ) -> str:
+    def tombs(self, rng: random.Random) -> list[tuple]:
+        """Tombstones of a few existing keys, often with a newer (or older, by shuffling)
+        version of one of them in the same batch."""
+        if not self.ids:
+            return []
+        ids = sorted({self.ids[rng.randrange(len(self.ids))] for _ in range(rng.randint(1, 4))})
+        recs = [("tomb", i) for i in ids]
+        self.appended["tombstone"] += len(recs)
+        if rng.random() < 0.4:
+            recs.append(self._draft(ids[rng.randrange(len(ids))],
+                                    round(rng.uniform(0, w.CLEAN_MAX), 2), rng))
+            self.appended["clean"] += 1
+        return recs
+
+    def append(self, rng: random.Random, clean: int, poison: int = 0, chain: bool = False,
+               tombs: bool = False) -> str:
         recs = [self.clean(rng) for _ in range(clean)] + [self.poison(rng) for _ in range(poison)]
         if chain:
             recs += self.chain(rng)
+        n_tombs = 0
+        if tombs:
+            more = self.tombs(rng)
+            n_tombs = sum(1 for r in more if r[0] == "tomb")
+            recs += more
         rng.shuffle(recs)
-        spans = self.world.append(self._versioned(recs, rng))
+        spans = self.world.append(self._versioned(recs, rng), rng)
         where = " ".join(f"p{p}:{a}-{b}" for p, (a, b) in sorted(spans.items()))
-        what = f"{clean} clean + {poison} poison" + (" + a version chain" if chain else "")
+        what = f"{clean} clean + {poison} poison" + (" + a version chain" if chain else "") \
+            + (f" + {n_tombs} tombstone(s)" if tombs else "")
         return f"appended {what} ({where})"
 
     # -- state the choices must fit -------------------------------------------------------
@@ -228,9 +257,12 @@ class Chaos:
     def _in_chain(self, p: int, below: int, r: random.Random) -> tuple[int, int] | None:
         """A range that starts or ends between two versions of one key (three or more of
         its versions below ``below``), or None."""
-        chains = self._q(f"""SELECT array_agg("offset" ORDER BY "offset") FROM {w.SOURCE_TABLE}
-                             WHERE "partition" = %s AND "offset" < %s GROUP BY key
-                             HAVING count(*) >= 3 ORDER BY key""", (p, below))
+        by_key: dict[bytes | None, list[int]] = {}
+        for rec in self.world.source.records():
+            if rec.p == p and rec.o < below:
+                by_key.setdefault(rec.key, []).append(rec.o)
+        chains = [(sorted(offs),) for key, offs in sorted(by_key.items(), key=lambda kv: (
+            kv[0] is None, kv[0] or b"")) if len(offs) >= 3]
         if not chains:
             return None
         offs = chains[r.randrange(len(chains))][0]
@@ -260,6 +292,8 @@ class Chaos:
             return Result("append", self.append(rng, rng.randint(5, 40)))
         if step.op == "append_chain":
             return Result("append chain", self.append(rng, rng.randint(0, 5), chain=True))
+        if step.op == "append_tombstone":
+            return Result("append tombstone", self.append(rng, rng.randint(0, 5), tombs=True))
         if step.op == "append_poison":
             return Result("append poison", self.append(rng, rng.randint(0, 10),
                                                        rng.randint(1, 6)))
@@ -333,9 +367,13 @@ class Chaos:
     def edit(self, rng: random.Random) -> str:
         k = self.world.knobs
         # A failing gate blocks every run and backfill: the next edit most often restores it.
-        what = rng.choices(["gate", "policy", "rows", "rows_min", "b_rows", "transform",
-                            "spread", "b_checks"],
-                           weights=[90 if k.gate_fails else 25, 15, 20, 15, 15, 20, 15, 15])[0]
+        choices = ["gate", "policy", "rows", "rows_min", "b_rows", "transform", "spread",
+                   "b_checks"]
+        weights = [90 if k.gate_fails else 25, 15, 20, 15, 15, 20, 15, 15]
+        if self.tombstones:
+            choices += ["tombstones", "b_tombstones"]
+            weights += [25, 10]
+        what = rng.choices(choices, weights=weights)[0]
         if what == "gate":
             k = replace(k, gate_fails=not k.gate_fails)
         elif what == "policy":
@@ -351,6 +389,11 @@ class Chaos:
             k = replace(k, spread=not k.spread)
         elif what == "b_checks":
             k = replace(k, b_checks=not k.b_checks)
+        elif what == "tombstones":
+            k = replace(k, tombstones="delete" if k.tombstones == "quarantine" else "quarantine")
+        elif what == "b_tombstones":
+            k = replace(k, b_tombstones=rng.choice([t for t in (None, *w.TOMBSTONES)
+                                                    if t != k.b_tombstones]))
         else:
             k = replace(k, variant=rng.choice([v for v in w.VARIANTS if v != k.variant]))
         if k.b_rows_max > k.rows_max:  # sink b checks at least as much as the pipeline

@@ -5,7 +5,12 @@ tidemark.engine, driver or quality): the source records, and per sink the rows a
 dead letters that docs/design.md's delivery and re-delivery rules leave, computed in plain
 Python from each record and the pipeline version (``Knobs``) that last delivered or
 re-delivered it. The model's own decode, transform (world.VARIANTS, the same mapping) and
-row checks mirror the pipeline file world.py writes.
+row checks mirror the pipeline file world.py writes. Tombstones (a key and no payload, in worlds whose transform
+keys rows by the source key) are versions of their key that place no row where the sink's
+``tombstones`` is ``delete`` (``SinkModel.tombs`` is what the sink's tombstone table keeps:
+each deleted key's newest tombstone, which keeps older rows out from then on), and dead
+letters where it is ``quarantine``. The source records come through world.source (a table or
+a folder of segments: source.py).
 
 What it learns from outside: which (run, sink) committed, its mode and ranges
 (``tidemark.run_sinks``, ``run_ranges``: a failed or rolled-back run changes nothing), and a
@@ -18,6 +23,8 @@ letters (one query each) and reports every difference.
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -42,6 +49,21 @@ class Record:
     payload: bytes | None
     headers: str | None      # as the source log reads them (jsonb as text)
     ts: datetime | None
+    key: bytes | None = None
+
+    @property
+    def tombstone(self) -> bool:
+        """A key and no payload."""
+        return self.payload is None and self.key is not None
+
+
+@dataclass(frozen=True)
+class Tomb:
+    """A tombstone that deletes its key: a version of the key that places no row."""
+
+    key: int
+    order: tuple
+    pos: Pos
 
 
 @dataclass(frozen=True)
@@ -81,8 +103,26 @@ class Pipeline:
     def __init__(self, knobs: w.Knobs, features: w.Features, sink: str):
         self.k, self.f, self.sink = knobs, features, sink
 
-    def key_of(self, d: dict) -> int:
-        return d["id"] + (w.KEY_SHIFT if self.k.variant == "rekey" else 0)
+    @property
+    def deletes(self) -> bool:
+        return self.k.tombstones_of(self.sink) == "delete"
+
+    def key_of(self, d: dict | None, rec: Record) -> int | None:
+        """The sink key: the payload's id, or (worlds with tombstones, world.KEY_ID) the source
+        key's number; None where it is NULL."""
+        if self.f.tombstones:
+            text = rec.key.decode("ascii", "replace") if rec.key is not None else ""
+            i = int(text) if re.fullmatch(r"[0-9]+", text) else None
+        else:
+            i = None if d is None else d["id"]
+        return None if i is None else i + (w.KEY_SHIFT if self.k.variant == "rekey" else 0)
+
+    def tomb(self, rec: Record) -> Tomb | None:
+        """A tombstone that deletes its key for this sink, or None where it is quarantined."""
+        if not self.deletes:
+            return None
+        k = self.key_of(None, rec)
+        return None if k is None else Tomb(k, (rec.p, rec.o), (rec.p, rec.o))
 
     def order(self, rec: Record, d: dict) -> tuple:
         if self.f.versioned:  # equal versions: (partition, offset) breaks the tie
@@ -90,16 +130,20 @@ class Pipeline:
         return (rec.p, rec.o)
 
     def keyed(self, rec: Record) -> tuple[int, tuple] | None:
-        """(key, version order) of a record this pipeline can key, passing or not."""
+        """(key, version order) of a record this pipeline can key, passing or not (a
+        tombstone too, where keys come from source keys)."""
         d = decode(rec.payload)
+        if self.f.tombstones:
+            k = self.key_of(d, rec)
+            return None if k is None else (k, (rec.p, rec.o))
         if d is None or d["id"] is None:
             return None
-        return self.key_of(d), self.order(rec, d)
+        return self.key_of(d, rec), self.order(rec, d)
 
     def row(self, rec: Record) -> Row | None:
         """The record's row, or None where this pipeline quarantines it for this sink."""
         d = decode(rec.payload)
-        if d is None or d["id"] is None:                 # decode; required id
+        if d is None or self.key_of(d, rec) is None:     # decode; required id
             return None
         if self.f.versioned and d["version"] is None:    # the version column is NOT NULL
             return None
@@ -112,10 +156,11 @@ class Pipeline:
         name = d["name"]
         if name is not None and self.k.variant == "upper":
             name = name.upper()
-        cols: tuple = (self.key_of(d), name, amount, d["version"])
+        key = self.key_of(d, rec)
+        cols: tuple = (key, name, amount, d["version"])
         if self.f.meta:
             cols += (rec.ts, rec.headers)
-        return Row(self.key_of(d), self.order(rec, d), cols + (rec.p, rec.o))
+        return Row(key, self.order(rec, d), cols + (rec.p, rec.o))
 
 
 def columns(features: w.Features) -> list[str]:
@@ -128,27 +173,63 @@ class SinkModel:
     rows: dict[int, Row] = field(default_factory=dict)         # key -> row
     live: dict[Pos, str] = field(default_factory=dict)         # record -> letter status
     checkpoint: dict[int, int] = field(default_factory=dict)   # partition -> next offset
+    # key -> its newest tombstone that deleted (what the sink's tombstone table keeps).
+    tombs: dict[int, Tomb] = field(default_factory=dict)
+    counts: Counter = field(default_factory=Counter)           # tombstones: what they did
 
     def deliver(self, recs: list[Record], pipe: Pipeline, whole_batch: bool) -> None:
-        """A first delivery: the newest passing version per key wins against the sink;
-        every failing record gets a live letter (all of them when the gate quarantines)."""
+        """A first delivery: the newest version per key (a row or a tombstone that deletes)
+        wins against the sink; every failing record gets a live letter (all of them when the
+        gate quarantines)."""
         best: dict[int, Row] = {}
+        dead: dict[int, Tomb] = {}
         for rec in recs:
-            row = None if whole_batch else pipe.row(rec)
+            if whole_batch:
+                self._quarantine(rec)
+                continue
+            if rec.tombstone:
+                t = pipe.tomb(rec)
+                if t is None:
+                    self._quarantine(rec)
+                elif t.key not in dead or t.order > dead[t.key].order:
+                    dead[t.key] = t
+                continue
+            row = pipe.row(rec)
             if row is None:
-                self.live[(rec.p, rec.o)] = "quarantined"
+                self._quarantine(rec)
             elif row.key not in best or row.order > best[row.key].order:
                 best[row.key] = row
+        self._delete(dead.values())
         self._place(best)
+
+    def _quarantine(self, rec: Record) -> None:
+        self.live[(rec.p, rec.o)] = "quarantined"
+        if rec.tombstone:
+            self.counts["quarantined"] += 1
 
     def redeliver(self, chosen: set[Pos], source: dict[Pos, Record], pipe: Pipeline) -> None:
         """docs/design.md "Re-delivery", steps 1-5, for the records at ``chosen``."""
         lost = {k for k, r in self.rows.items() if r.pos in chosen}
         for k in lost:
             del self.rows[k]
+        gone = {k for k, t in self.tombs.items() if t.pos in chosen}  # tombstones go too
+        for k in gone:
+            del self.tombs[k]
+        lost |= gone
         best: dict[int, Row] = {}
+        dead: dict[int, Tomb] = {}
         for pos in sorted(chosen):
-            row = pipe.row(source[pos])
+            rec = source[pos]
+            if rec.tombstone:
+                t = pipe.tomb(rec)
+                if t is None:
+                    self._quarantine(rec)
+                    continue
+                self.live.pop(pos, None)  # it places itself (rule 5)
+                if t.key not in dead or t.order > dead[t.key].order:
+                    dead[t.key] = t
+                continue
+            row = pipe.row(rec)
             if row is None:
                 self.live[pos] = "quarantined"
                 continue
@@ -156,9 +237,14 @@ class SinkModel:
             self.live.pop(pos, None)
             if row.key not in best or row.order > best[row.key].order:
                 best[row.key] = row
+        self._delete(dead.values())
         self._place(best)
         bare = lost - set(self.rows)
         versions: dict[int, list[tuple[tuple, Record]]] = {k: [] for k in bare}
+        # The range's own tombstones that delete are versions of their keys too.
+        for t in dead.values():
+            if t.key in versions:
+                versions[t.key].append((t.order, source[t.pos]))
         # A record with a row of its own (under another key, from an earlier pipeline) is
         # placed as it was: falling back to it would place it twice.
         rowed = {r.pos for r in self.rows.values()}
@@ -170,18 +256,44 @@ class SinkModel:
                 versions[keyed[0]].append((keyed[1], rec))
         for k in sorted(bare):  # rule 4: fall back, newest first
             for _order, rec in sorted(versions[k], key=lambda v: v[0], reverse=True):
-                row = pipe.row(rec)
+                if rec.tombstone and pipe.deletes:
+                    # The walk stops: the key stays deleted (one outside the range is kept
+                    # as the key's newest version).
+                    self.counts["stopped a fallback"] += 1
+                    if (rec.p, rec.o) not in chosen:
+                        self._delete([Tomb(k, (rec.p, rec.o), (rec.p, rec.o))], fallback=True)
+                    break
+                row = None if rec.tombstone else pipe.row(rec)
                 if row is None:
                     # Quarantined in turn; a live letter (a discarded one too: the design
                     # does not say a fallback takes back an operator's discard) places it.
+                    if (rec.p, rec.o) not in self.live and rec.tombstone:
+                        self.counts["quarantined in a fallback"] += 1
                     self.live.setdefault((rec.p, rec.o), "quarantined")
                     continue
-                self.rows[k] = row
+                self._place({k: row})
                 self.live.pop((rec.p, rec.o), None)
                 break
 
+    def _delete(self, tombs: Iterable[Tomb], fallback: bool = False) -> None:
+        """Tombstones that delete: each removes its key's row if that is not newer, and is
+        kept as the key's tombstone if it is the newest."""
+        for t in tombs:
+            self.counts["deleted in a fallback" if fallback else "deleted"] += 1
+            cur = self.tombs.get(t.key)
+            if cur is None or t.order >= cur.order:
+                self.tombs[t.key] = t
+            row = self.rows.get(t.key)
+            if row is not None and t.order >= row.order:
+                del self.rows[t.key]
+                self.counts["removed a row"] += 1
+
     def _place(self, best: dict[int, Row]) -> None:
         for k, row in best.items():
+            t = self.tombs.get(k)
+            if t is not None and t.order >= row.order:
+                self.counts["kept an older row out"] += 1
+                continue  # never older than its key's tombstone
             cur = self.rows.get(k)
             if cur is None or row.order > cur.order:
                 self.rows[k] = row
@@ -222,21 +334,12 @@ class Oracle:
         """Apply every (run, sink) committed since the last sync, with ``knobs`` (the
         pipeline of this step); ``redrive``: the letters this step's redrive asked for;
         ``discarded``: letters this step discarded."""
+        have: dict[int, int] = {}
+        for (p, o) in self.source:
+            have[p] = max(have.get(p, -1), o)
+        for r in self.t.source.records(have):
+            self.source[(r.p, r.o)] = Record(r.p, r.o, r.payload, r.headers, r.ts, r.key)
         with self._led() as led:
-            known = {p: o for p, o in led.execute(sql.SQL(
-                'SELECT "partition", max("offset") FROM {} GROUP BY 1').format(
-                _ident(self.t.source_table)))}
-            have = {}
-            for (p, o) in self.source:
-                have[p] = max(have.get(p, -1), o)
-            if any(have.get(p, -1) < o for p, o in known.items()):
-                for p, o, payload, headers, ts in led.execute(sql.SQL(
-                        'SELECT "partition", "offset", payload, headers::text, ts FROM {} '
-                        'WHERE "offset" > coalesce((%s::jsonb ->> "partition"::text)::bigint, '
-                        "-1)").format(_ident(self.t.source_table)),
-                        (json.dumps({str(k): v for k, v in have.items()}),)):
-                    self.source[(p, o)] = Record(p, o, None if payload is None
-                                                 else bytes(payload), headers, ts)
             runs = led.execute(
                 """SELECT rs.run_id, rs.sink, r.mode, rs.state::text, rs.error
                    FROM tidemark.run_sinks rs
@@ -299,6 +402,14 @@ class Oracle:
                   if ls == s and m.live.get((p, o)) == "quarantined"}
         m.redeliver(chosen, self.source, pipe)
         return Applied(run_id, s, mode, f"{len(chosen)} letter(s)")
+
+    @property
+    def tombstone_counts(self) -> Counter:
+        """What the model's tombstones did, over every sink."""
+        out: Counter = Counter()
+        for m in self.sinks.values():
+            out.update(m.counts)
+        return out
 
     # -- comparing ------------------------------------------------------------------------
     def compare(self) -> list[Problem]:

@@ -20,7 +20,6 @@ from tidemark.devstack.chaos.world import (
     PIPELINE,
     SINK_TABLE,
     SINKS,
-    SOURCE_TABLE,
     Features,
     World,
 )
@@ -35,10 +34,10 @@ def echo(line: str = "") -> None:
 
 
 def target(world: World) -> Target:
-    return Target(ledger_dsn=world.ledger_dsn, pipeline=PIPELINE, source_table=SOURCE_TABLE,
+    return Target(ledger_dsn=world.ledger_dsn, pipeline=PIPELINE, source=world.source,
                   sinks={s: (dsn, SINK_TABLE) for s, dsn in world.sink_dsns.items()},
                   databases=world.databases, key_shift=KEY_SHIFT,
-                  versioned=world.features.versioned)
+                  versioned=world.features.versioned, key_from_key=world.features.tombstones)
 
 
 def world_params(seed: int) -> tuple[int, int, Features]:
@@ -46,7 +45,11 @@ def world_params(seed: int) -> tuple[int, int, Features]:
     partitions, limit = r.choice([1, 2, 3]), r.randint(25, 60)
     # A version column needs two partitions to order anything across them.
     versioned = partitions > 1 and r.random() < 0.3
-    return partitions, limit, Features(versioned=versioned, meta=r.random() < 0.3)
+    meta = r.random() < 0.3
+    # A file_archive source; tombstones (only without a version column: world.Features).
+    archive, tombs = r.random() < 0.4, r.random() < 0.5
+    return partitions, limit, Features(versioned=versioned, meta=meta, archive=archive,
+                                       tombstones=tombs and not versioned)
 
 
 class _Interrupted(BaseException):
@@ -72,6 +75,7 @@ def run(seed: int | None, steps: int, keep_dir: bool = False, fault_every: int =
     chaos: Chaos | None = None
     spark = None
     problems: list[Problem] = []
+    oracle: Oracle | None = None
     failed_at: str | None = None
     snap = Snapshot()
     done = 0
@@ -85,7 +89,7 @@ def run(seed: int | None, steps: int, keep_dir: bool = False, fault_every: int =
         oracle = Oracle(target(world), features)
         for n in range(1, steps + 1):
             t0 = time.monotonic()
-            step = plan(seed, n, fault_every)
+            step = plan(seed, n, fault_every, chaos.op_weights)
             res = chaos.perform(step)
             problems, snap = settle_and_check(inproc, checker, res.problems)
             problems += content(oracle, chaos, world)
@@ -129,7 +133,7 @@ def run(seed: int | None, steps: int, keep_dir: bool = False, fault_every: int =
         else:
             world.destroy()
     summary(seed, done, chaos, snap, problems, failed_at, time.monotonic() - started, out,
-            keep_dir, fault_every)
+            keep_dir, fault_every, world, oracle)
     return 1 if problems else 0
 
 
@@ -154,7 +158,7 @@ def settle_and_check(inproc: InProcess, checker: Checker, found: list[str]
 
 
 def _behind(chaos: Chaos) -> list[str]:
-    ends = dict(chaos._q(f'SELECT "partition", max("offset") + 1 FROM {SOURCE_TABLE} GROUP BY 1'))
+    ends = chaos.world.source.ends()
     cps = chaos.checkpoints()
     return [f"{s}/p{p} at {cps.get((s, p), 0)} of {end}" for s in SINKS
             for p, end in sorted(ends.items()) if cps.get((s, p), 0) < end]
@@ -194,7 +198,8 @@ def final(world: World, inproc: InProcess, checker: Checker, chaos: Chaos,
 
 def summary(seed: int, done: int, chaos: Chaos | None, snap: Snapshot, problems: list[Problem],
             failed_at: str | None, seconds: float, out: Callable[[str], None],
-            keep_dir: bool, fault_every: int) -> None:
+            keep_dir: bool, fault_every: int, world: World | None = None,
+            oracle: Oracle | None = None) -> None:
     out("")
     out(f"steps: {done} in {seconds:.0f}s")
     if chaos is not None:
@@ -204,7 +209,20 @@ def summary(seed: int, done: int, chaos: Chaos | None, snap: Snapshot, problems:
             out(f"{what} (runs, from their logs): " + (_counts(c) or "none"))
         kinds = {k.split(":", 1)[1]: v for k, v in chaos.appended.items() if ":" in k}
         out(f"records appended: {chaos.appended['clean']} clean, "
-            f"{chaos.appended['poison']} poison ({_counts(kinds) or '-'})")
+            f"{chaos.appended['poison']} poison ({_counts(kinds) or '-'}), "
+            f"{chaos.appended['tombstone']} tombstone(s)")
+    if world is not None:
+        src = world.source
+        seg = src.segments
+        out(f"source: {src.kind}" + (f" ({seg['parquet']} parquet + {seg['jsonl']} jsonl "
+                                     f"segments, {seg['gaps']} gap(s))"
+                                     if src.kind == "file_archive" else ""))
+    if world is not None and world.features.tombstones and oracle is not None:
+        out("tombstones (model, per sink and delivery): " + (_counts(oracle.tombstone_counts)
+                                                            or "none reached"))
+    if snap.tombs:
+        out("tombstones that delete, at the end: "
+            + ", ".join(f"{s} {n}" for s, n in snap.tombs.items()))
     out("final rows per sink: " + (", ".join(f"{s} {n}" for s, n in snap.rows.items()) or "-"))
     out("live dead letters per sink: "
         + (", ".join(f"{s} {n}" for s, n in snap.live.items()) or "-"))

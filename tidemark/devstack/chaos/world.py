@@ -1,5 +1,6 @@
-"""The chaos world: a scratch PostgreSQL cluster, a ledger (which also holds the source log
-``src.log``), two sink databases and one pipeline file, all in one temporary folder."""
+"""The chaos world: a scratch PostgreSQL cluster, a ledger, a source log (the table ``src.log``
+in the ledger, or a ``file_archive`` folder: source.py), two sink databases and one pipeline
+file, all in one temporary folder."""
 
 from __future__ import annotations
 
@@ -9,13 +10,12 @@ import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import psycopg
 import yaml
 
 from tidemark.devstack.airflow_stack import free_port
+from tidemark.devstack.chaos.source import FileArchive, PostgresLog
 from tidemark.devstack.localpg import Cluster
 from tidemark.ledger import migrations
-from tidemark.sources.postgres_log import append, create_log_table
 
 PIPELINE = "chaos"
 SOURCE_TABLE = "src.log"
@@ -44,6 +44,10 @@ VARIANTS: dict[str, dict[str, str]] = {
     "upper": {"id": "id", "name": "upper(name)"},
     "rekey": {"id": f"id + {KEY_SHIFT}", "name": "name"},
 }
+# Worlds with tombstones derive the sink key from the source key (a tombstone has no payload;
+# every order's key is its id's decimal text, a poison record's key is not a number: NULL).
+KEY_ID = "cast(cast(_tm_key as string) as bigint)"
+TOMBSTONES = ("quarantine", "delete")
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,11 @@ class Knobs:
     b_checks: bool = False
     variant: str = "plain"              # a transform of VARIANTS
     spread: bool = False                # split_min_records 1: spread runs over tasks by key
+    tombstones: str = "quarantine"      # the pipeline's tombstones: (worlds with tombstones)
+    b_tombstones: str | None = None     # sink b's own, or None: the pipeline's
+
+    def tombstones_of(self, sink: str) -> str:
+        return (self.b_tombstones or self.tombstones) if sink == "b" else self.tombstones
 
     def loosest(self) -> Knobs:
         """A passing gate and the loosest row checks (the end of a chaos run)."""
@@ -71,7 +80,9 @@ class Knobs:
                 f"rows{f'>={self.rows_min:g},' if self.rows_min else ''}<={self.rows_max:g} "
                 f"{f'b<={self.b_rows_max:g}' if self.b_checks else 'b unchecked'} "
                 f"transform={self.variant}"
-                f"{' spread' if self.spread else ''}")
+                f"{' spread' if self.spread else ''}"
+                f"{f' tombstones={self.tombstones}' if self.tombstones != 'quarantine' else ''}"
+                f"{f' b_tombstones={self.b_tombstones}' if self.b_tombstones else ''}")
 
 
 def _between(column: str, max_value: float, min_value: float = 0.0) -> dict:
@@ -90,9 +101,17 @@ class Features:
     # The transform reads the source's metadata into columns: seen_at (``_tm_ts``) and hdr
     # (``_tm_headers``), which a redrive must hand over as the source had them.
     meta: bool = False
+    # The source is a file_archive folder (segments of both formats, gaps) instead of a table.
+    archive: bool = False
+    # Tombstones are appended and the transform keys rows by ``_tm_key`` (KEY_ID); edits flip
+    # ``tombstones: delete | quarantine`` (and sink b's own). Only in worlds without a version
+    # column: a tombstone's version would be NULL there (it orders by offset only).
+    tombstones: bool = False
 
     def short(self) -> str:
-        on = [n for n, v in (("versioned", self.versioned), ("ts+headers", self.meta)) if v]
+        on = [n for n, v in (("versioned", self.versioned), ("ts+headers", self.meta),
+                             ("file_archive", self.archive), ("tombstones", self.tombstones))
+              if v]
         return ", ".join(on) or "plain"
 
 
@@ -109,7 +128,11 @@ class World:
         self.logs_dir = root / "logs"
         self.scratch_dir = root / "tmp"   # Spark and temp files of the jobs
         self.names = {"ledger": "chaos_ledger", "a": "chaos_sink_a", "b": "chaos_sink_b"}
-        self.knobs = Knobs(spread=partitions == 1)  # spread needs fewer partitions than cores
+        # Spread needs fewer partitions than cores; a world with tombstones starts deleting.
+        self.knobs = Knobs(spread=partitions == 1,
+                           tombstones="delete" if features.tombstones else "quarantine")
+        self.source = FileArchive(root / "archive") if features.archive else \
+            PostgresLog(self.ledger_dsn, SOURCE_TABLE)
 
     # -- life cycle -----------------------------------------------------------------------
     @classmethod
@@ -127,8 +150,7 @@ class World:
             for db in world.names.values():
                 world.cluster.create_database(db)
             migrations.upgrade(world.ledger_dsn)
-            with psycopg.connect(world.ledger_dsn) as conn:
-                create_log_table(conn, SOURCE_TABLE)
+            world.source.create()
             world.write_pipeline()
         except BaseException:
             world.destroy()
@@ -175,18 +197,23 @@ class World:
         sink = {"dsn": None, "table": SINK_TABLE, "key": ["id"],
                 **({"version": "version"} if self.features.versioned else {})}
         select = {**VARIANTS[k.variant], "amount": "amount", "version": "version"}
+        if self.features.tombstones:
+            select["id"] = KEY_ID + (f" + {KEY_SHIFT}" if k.variant == "rekey" else "")
         if self.features.meta:
             select.update({"seen_at": "_tm_ts", "hdr": "_tm_headers"})
         return {
             "name": PIPELINE,
             "description": "tidemark chaos: " + k.short(),
-            "source": {"type": "postgres_log", "dsn": self.ledger_dsn, "table": SOURCE_TABLE},
+            "source": self.source.spec(),
+            **({"tombstones": k.tombstones} if self.features.tombstones else {}),
             "decode": {"schema": {"id": "bigint", "name": "string", "amount": "double",
                                   "version": "int"}},
             "transform": {"select": select, "required": ["id"]},
             "sinks": [
                 {**sink, "name": "a", "dsn": self.sink_dsns["a"]},
                 {**sink, "name": "b", "dsn": self.sink_dsns["b"],
+                 **({"tombstones": k.b_tombstones} if self.features.tombstones
+                    and k.b_tombstones else {}),
                  **({"quality": {"rows": [_between("amount", k.b_rows_max)]}}
                     if k.b_checks else {})},
             ],
@@ -211,8 +238,8 @@ class World:
         return asdict(self.knobs)
 
     # -- the source -----------------------------------------------------------------------
-    def append(self, records: list[tuple[int, bytes | None, bytes | None, str | None]]
-               ) -> dict[int, tuple[int, int]]:
-        """Append (partition, key, payload, headers JSON) records in one transaction."""
-        with psycopg.connect(self.ledger_dsn, application_name="chaos") as conn:
-            return append(conn, SOURCE_TABLE, [(*r, None) for r in records])
+    def append(self, records: list[tuple[int, bytes | None, bytes | None, str | None]],
+               rng=None) -> dict[int, tuple[int, int]]:
+        """Append (partition, key, payload, headers JSON) records (a file archive draws its
+        segments' formats and gaps from ``rng``)."""
+        return self.source.append(records, rng)
