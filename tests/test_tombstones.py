@@ -112,3 +112,21 @@ def test_a_tombstone_kept_as_a_letter_deletes_its_key_when_redriven(env, spark):
     assert ids(env) == [(2, 1)]
     assert [(o, s) for o, _, _, s in letters(env)] == [(2, "redriven")]
     assert_exactly_once(env, tombstones=True)
+
+
+def test_a_fallback_to_a_tombstone_a_letter_held_applies_it_and_resolves_the_letter(env, spark):
+    """Found by `tidemark chaos --seed 38`: a tombstone kept as a dead letter, then the
+    pipeline deletes; a fallback that meets it applied it and left its letter live (placed
+    twice). Now it is placed once: applied, its letter resolved."""
+    env.append([order(1, 10.0), tombstone(1), order(1, 500.0)])
+    env.pipeline(transform=KEYED)  # tombstones kept as letters
+    assert env.run(spark).ok
+    assert ids(env) == [(1, 2)] and [(o, s) for o, _, _, s in letters(env)] == \
+        [(1, "quarantined")]
+    env.pipeline(transform=KEYED, tombstones="delete",
+                 quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]})
+    report = env.run(spark, mode="backfill", backfill=Backfill(0, 2, 3))
+    assert report.ok, report.summary()
+    assert ids(env) == []
+    assert [(o, s) for o, _, _, s in letters(env)] == [(1, "redriven"), (2, "quarantined")]
+    assert_exactly_once(env, tombstones=True)

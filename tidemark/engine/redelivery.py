@@ -144,6 +144,7 @@ class Redelivery:
         ours = {(r[PARTITION], r[OFFSET]) for r in self.w.tomb_rows}
         own: set[tuple[int, int]] = set()
         lettered: set[tuple[int, int]] = set()
+        applied: set[tuple[int, int]] = set()  # tombstones the sink's table holds
         by_part: dict[int, list[int]] = {}
         for r in rows:
             by_part.setdefault(r[PARTITION], []).append(r[OFFSET])
@@ -151,6 +152,8 @@ class Redelivery:
             for part, offs in by_part.items():
                 own |= {(part, o) for o in self.w.own_rows(part, offs)}
                 lettered |= {(part, o) for o in self.dead.live(part, offs)}
+                if self.w.tombs is not None:
+                    applied |= {(part, o) for o in self.w.tombs.held(part, offs)}
         except psycopg.Error as exc:
             self.w._fail(exc)
             return placed
@@ -162,11 +165,15 @@ class Redelivery:
         for chain in versions.values():
             chain.sort(key=functools.cmp_to_key(self._order), reverse=True)
             for r in chain:
-                mine = (r[PARTITION], r[OFFSET]) in ours
+                pos = (r[PARTITION], r[OFFSET])
+                if r[ERR_CLASS] == TOMBSTONE and (pos in ours or pos in applied):
+                    break  # placed already (by the range, or as it was): the key stays deleted
                 if r[ERR_CLASS] == TOMBSTONE and self.t.tombstones == "delete":
-                    if not mine:  # one outside the range: kept as the key's newest version
-                        self.w.out["fallback"] += 1
-                        tombs.append(r)
+                    # The key stays deleted, this tombstone its newest version now; a letter
+                    # that held it is resolved like a fallen-back row's (step 5).
+                    self.w.out["fallback"] += 1
+                    tombs.append(r)
+                    placed.setdefault(pos[0], []).append(pos[1])
                     break
                 why = self._fails(r)
                 if why is not None and (r[PARTITION], r[OFFSET]) in lettered:

@@ -114,6 +114,12 @@ class Tombstones:
             newer=newer("EXCLUDED", "t", self.key, self.version)))
         self.conn.execute(sql.SQL("TRUNCATE {}").format(self.stage))
 
+    def held(self, partition: int, offsets: list[int]) -> set[int]:
+        """Which of ``offsets`` of ``partition`` are a key's tombstone in the table."""
+        return {o for (o,) in self.conn.execute(sql.SQL(
+            "SELECT _tm_offset FROM {} WHERE _tm_partition = %s AND _tm_offset = ANY(%s)")
+            .format(self.table), (partition, offsets))}
+
     def remove_at(self, partition: int, cond: sql.Composable, args: list,
                   lost: sql.Composable) -> int:
         """Re-delivery, step 1: the tombstones at the range's positions go like its rows,

@@ -254,14 +254,20 @@ class SinkModel:
             keyed = pipe.keyed(rec)
             if keyed is not None and keyed[0] in versions:
                 versions[keyed[0]].append((keyed[1], rec))
+        applied = {t.pos for t in self.tombs.values()}  # the sink's tombstone table
         for k in sorted(bare):  # rule 4: fall back, newest first
             for _order, rec in sorted(versions[k], key=lambda v: v[0], reverse=True):
-                if rec.tombstone and pipe.deletes:
-                    # The walk stops: the key stays deleted (one outside the range is kept
-                    # as the key's newest version).
+                pos = (rec.p, rec.o)
+                if rec.tombstone and pos in applied:
+                    # Placed already (as it was, or by the range): the key stays deleted.
                     self.counts["stopped a fallback"] += 1
-                    if (rec.p, rec.o) not in chosen:
-                        self._delete([Tomb(k, (rec.p, rec.o), (rec.p, rec.o))], fallback=True)
+                    break
+                if rec.tombstone and pipe.deletes:
+                    # The walk stops: the key stays deleted, this tombstone now its newest
+                    # version; a letter that held it is resolved (rule 5).
+                    self.counts["stopped a fallback"] += 1
+                    self._delete([Tomb(k, pos, pos)], fallback=True)
+                    self.live.pop(pos, None)
                     break
                 row = None if rec.tombstone else pipe.row(rec)
                 if row is None:
