@@ -13,13 +13,21 @@ import psycopg
 from tidemark.ledger import migrations, runs
 
 
-def test_v005_moves_airflow_identity_into_columns(pg, monkeypatch):
+def _ledger_at(version: int, pg, monkeypatch) -> tuple[str, list]:
+    """A new ledger database migrated up to ``version`` only, and every migration (to
+    upgrade the rest with)."""
     db = f"mig_{uuid.uuid4().hex[:8]}"
     pg.create_database(db)
     dsn = pg.dsn(db)
     everything = migrations.available()
-    monkeypatch.setattr(migrations, "available", lambda: [m for m in everything if m[0] <= 4])
-    assert migrations.upgrade(dsn)[0] == 4
+    monkeypatch.setattr(migrations, "available",
+                        lambda: [m for m in everything if m[0] <= version])
+    assert migrations.upgrade(dsn)[0] == version
+    return dsn, everything
+
+
+def test_v005_moves_airflow_identity_into_columns(pg, monkeypatch):
+    dsn, everything = _ledger_at(4, pg, monkeypatch)
     old = {"dag_id": "tidemark_orders", "run_id": "scheduled__2026-01-01", "task_id": "replay",
            "try": 3}
     with psycopg.connect(dsn, autocommit=True) as c:
@@ -71,12 +79,7 @@ def test_v007_letters_from_before_it_get_the_source_fields_or_the_reason(pg, mon
     from tidemark.ledger import letters, redrives
     from tidemark.sources.postgres_log import append, create_log_table
 
-    db = f"mig_{uuid.uuid4().hex[:8]}"
-    pg.create_database(db)
-    dsn = pg.dsn(db)
-    everything = migrations.available()
-    monkeypatch.setattr(migrations, "available", lambda: [m for m in everything if m[0] <= 6])
-    assert migrations.upgrade(dsn)[0] == 6
+    dsn, everything = _ledger_at(6, pg, monkeypatch)
     exact = '{"z": 1,  "a": "x\\u0000y"}'  # jsonb would reorder, respace, refuse \u0000
     ts = datetime(2026, 2, 3, 4, 5, 6, 7, tzinfo=UTC)
     with psycopg.connect(dsn, autocommit=True) as c:
