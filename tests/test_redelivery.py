@@ -172,3 +172,27 @@ def test_two_sinks_at_different_checkpoints_converge_under_a_new_key(env, spark)
     for dsn, want in ((env.sink_dsn, ["A", "D", "b", "c"]), (env.sink2_dsn, ["A", "b", "c"])):
         assert [c for (c,) in env.q(dsn, "SELECT code FROM codes ORDER BY code")] == want
     assert letters(env) == {}
+
+
+def test_older_versions_outside_the_range_follow_their_newer_version_to_its_new_key(env, spark):
+    """Chaos seed 27's gap: after a transform change that maps keys anew, the range's newer
+    version now fails. Its old key loses its row and no record maps to it any more; the older
+    version outside the range, which that row placed, now maps to the key the failing version
+    maps to, and that key falls back to it (docs/design.md, "Re-delivery", step 4)."""
+    env.append([(0, b"7", json.dumps({"id": 7, "name": n, "amount": a, "version": 1})
+                 .encode(), None, None) for n, a in (("old", 50), ("new", 500))])
+    sink = {"name": "main", "dsn": env.sink_dsn, "table": "public.moved", "key": ["k"]}
+    decode = {"schema": {"id": "int", "name": "string", "amount": "double"}}
+    select = {"k": "id", "id": "id", "name": "name", "amount": "amount"}
+    env.pipeline(decode=decode, transform={"select": select}, sinks=[sink])
+    assert env.run(spark).ok
+    assert env.q(env.sink_dsn, "SELECT k, name FROM moved") == [(7, "new")]
+
+    env.pipeline(decode=decode, transform={"select": {**select, "k": "id + 100"}}, sinks=[sink],
+                 quality={"rows": [{ROWS: {"column": "amount", "max_value": 300}}]})
+    report = env.run(spark, mode="backfill", backfill=Backfill(0, 1, 2))
+    assert report.ok, report.summary()
+    assert env.q(env.sink_dsn, "SELECT k, name, _tm_offset FROM moved") == [(107, "old", 0)]
+    assert letters(env) == {1: "quarantined"}
+    assert report.sinks["main"].removed == 1 and report.sinks["main"].fallback == 1
+    assert_exactly_once(env, table="moved")

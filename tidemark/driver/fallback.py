@@ -7,13 +7,17 @@ with the current pipeline. A key whose row goes and that no record of the range 
 newest remaining version that passes now. So, before the write, per sink:
 
 1. ask the sink for the keys of its rows in the range (one query; what step 1 will remove);
-2. less the keys of the range's records that pass now: the keys that will lose their row
+2. add the keys the range's records that fail now map to, where such a record had a row (or
+   a tombstone) of its own: after a transform change its older versions outside the range,
+   which that row placed, are versions of that key now (``_moved_keys``);
+3. less the keys of the range's records that pass now: the keys that will lose their row
    (usually none, and the backfill goes on as before);
-3. read every version of those keys below the sink's checkpoint, outside the range (the same
+4. read every version of those keys below the sink's checkpoint, outside the range (the same
    partition; every partition for a sink that orders versions by a column), with the current
    pipeline, and judge them by the current row-level expectations;
-4. hand them to the backfill's one write task, tagged with their sink (``FALLBACK``). After
-   the range is placed, the task walks each lost key's versions newest first. Same
+5. hand them to the backfill's one write task, tagged with their sink (``FALLBACK``), and
+   the keys of 2 in its spec (``SinkTarget.moved``). After the range is placed, the task
+   walks the versions of each of those keys that has no row, newest first. Same
    transactions, same decision.
 """
 
@@ -50,6 +54,7 @@ class SinkPlan:
     ranges: list[Range]
     checkpoints: dict[int, int]
     failed: Failures = field(default_factory=dict)
+    moved: list[tuple] = field(default_factory=list)   # keys of _moved_keys, for the task
 
 
 @dataclass
@@ -57,16 +62,16 @@ class Fallback:
     df: DataFrame                          # the backfill's records, then the fallback versions
     failed: dict[str, Failures]            # sink -> row-level failures of its versions
     cached: list[DataFrame]
+    moved: dict[str, list[tuple]]          # sink -> keys of _moved_keys (step 2 above)
 
     def release(self) -> None:
         for d in self.cached:
             d.unpersist()
 
 
-def _removed_keys(spark, df: DataFrame, s: SinkPlan) -> DataFrame | None:
-    """The keys of the sink's rows, and tombstones, whose position lies in the range (step 1
-    removes them)."""
-    keys = s.config.key
+def _ask(s: SinkPlan, what: sql.Composable, where: str, args: list[tuple]) -> set[tuple]:
+    """``SELECT DISTINCT what ... WHERE _tm_partition = %s AND where`` over the sink's table
+    and its tombstones (a tombstone is a version with a position too), once per ``args``."""
     found: set[tuple] = set()
     with psycopg.connect(s.dsn, autocommit=True, connect_timeout=10,
                          application_name="tidemark-backfill") as conn:
@@ -74,19 +79,28 @@ def _removed_keys(spark, df: DataFrame, s: SinkPlan) -> DataFrame | None:
         if tombstones.exists(conn, s.config.table):
             tables.append(tombstone_table(s.config.table))
         for table in tables:
-            query = sql.SQL("SELECT DISTINCT {} FROM {} WHERE _tm_partition = %s "
-                            "AND _tm_offset >= %s AND _tm_offset < %s").format(
-                sql.SQL(", ").join(sql.Identifier(k) for k in keys), table)
-            for r in s.ranges:
-                found |= set(conn.execute(query, (r.partition, r.start, r.end)).fetchall())
+            query = sql.SQL("SELECT DISTINCT {} FROM {} WHERE _tm_partition = %s AND {}").format(
+                what, table, sql.SQL(where))
+            for a in args:
+                found |= set(conn.execute(query, a).fetchall())
+    return found
+
+
+def _removed_keys(spark, df: DataFrame, s: SinkPlan) -> DataFrame | None:
+    """The keys of the sink's rows, and tombstones, whose position lies in the range (step 1
+    removes them)."""
+    keys = s.config.key
+    found = _ask(s, sql.SQL(", ").join(sql.Identifier(k) for k in keys),
+                 "_tm_offset >= %s AND _tm_offset < %s",
+                 [(r.partition, r.start, r.end) for r in s.ranges])
     if not found:
         return None
     schema = StructType([df.schema[k] for k in keys])
     return spark.createDataFrame(list(found), schema)
 
 
-def _passing_keys(df: DataFrame, s: SinkPlan) -> DataFrame:
-    """The keys the range's records that pass now will place (step 2)."""
+def _passing(df: DataFrame, s: SinkPlan) -> DataFrame:
+    """The range's records that pass now (the sink's step 2 places them)."""
     cols = [c for c in s.config.key + [s.config.version] if c]
     good = gate.in_ranges(df, s.ranges).where(F.col(records.ERR_CLASS).isNull())
     for c in cols:
@@ -95,7 +109,29 @@ def _passing_keys(df: DataFrame, s: SinkPlan) -> DataFrame:
     if flagged:
         bad = df.sparkSession.createDataFrame(flagged, f"{PART} int, {OFF} bigint")
         good = good.join(F.broadcast(bad), [PART, OFF], "left_anti")
-    return good.select(*s.config.key).distinct()
+    return good
+
+
+def _moved_keys(df: DataFrame, s: SinkPlan) -> list[tuple]:
+    """The keys the range's records that do not pass now map to, where such a record has a
+    row or a tombstone in the sink (step 1 removes it). Usually the key that row has; after
+    a transform change, another: the older versions that row placed are that key's now."""
+    keys = s.config.key
+    failing = gate.in_ranges(df, s.ranges).join(_passing(df, s).select(PART, OFF),
+                                                [PART, OFF], "left_anti")
+    for k in keys:
+        failing = failing.where(F.col(k).isNotNull())
+    at: dict[tuple[int, int], tuple] = {
+        (r[PART], r[OFF]): tuple(r[k] for k in keys)
+        for r in failing.select(PART, OFF, *keys).collect()}
+    if not at:
+        return []
+    by_part: dict[int, list[int]] = {}
+    for p, o in at:
+        by_part.setdefault(p, []).append(o)
+    held = _ask(s, sql.SQL("_tm_partition, _tm_offset"), "_tm_offset = ANY(%s)",
+                list(by_part.items()))
+    return sorted({at[pos] for pos in held}, key=repr)
 
 
 def _within(ranges: list[Range]):
@@ -116,7 +152,11 @@ def attach(spark, pipeline: Pipeline, mode, df: DataFrame, plans: dict[str, Sink
         removed = _removed_keys(spark, df, s)
         if removed is None:
             continue
-        keys = removed.join(_passing_keys(df, s), s.config.key, "left_anti") \
+        s.moved = _moved_keys(df, s)
+        if s.moved:
+            removed = removed.unionByName(spark.createDataFrame(s.moved, removed.schema))
+        passing = _passing(df, s).select(*s.config.key).distinct()
+        keys = removed.distinct().join(passing, s.config.key, "left_anti") \
             .persist(StorageLevel.MEMORY_AND_DISK)
         n = keys.count()
         if n:
@@ -166,4 +206,4 @@ def attach(spark, pipeline: Pipeline, mode, df: DataFrame, plans: dict[str, Sink
                                           for name in lost))
     out = (df.withColumn(FALLBACK, F.lit(None).cast("string")).unionByName(found)
            .coalesce(1))
-    return Fallback(out, failed, cached)
+    return Fallback(out, failed, cached, {name: plans[name].moved for name in lost})

@@ -492,6 +492,7 @@ class Run:
                 failed=v.rows.get(s, {}),
                 quarantine=v.quarantine.get(s),
                 fallback_failed=fallen.failed.get(s, {}) if fallen else {},
+                moved=[list(k) for k in fallen.moved.get(s, [])] if fallen else [],
                 tombstones=self.p.tombstones_of(cfg)))
         return TaskSpec(
             run_id=claim.run_id, pipeline=self.p.name, mode=self.mode.name,

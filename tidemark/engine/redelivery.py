@@ -11,7 +11,9 @@ with the current pipeline, and every record outside it as it was. Replace by pos
 3. those that fail now are quarantined for this sink (``_Sink.place``);
 4. :meth:`Redelivery.finish`: a key that lost its row in 1 and has none now falls back to its
    newest remaining version that passes now (the driver read the candidates:
-   tidemark/driver/fallback.py); newer ones that fail now are quarantined in turn;
+   tidemark/driver/fallback.py); newer ones that fail now are quarantined in turn. So does
+   the key a removed row's record maps to now, where it fails now and that key has no row
+   (``SinkTarget.moved``): after a transform change, the versions that row placed are its;
 5. a live letter is resolved when its record ends placed by a row: the range's records that
    passed now, and the version a key fell back to.
 
@@ -82,6 +84,7 @@ class Redelivery:
             return
         try:
             self.remove()  # a range with no row to write still removes its rows
+            self._moved()
             lost = self._lost()
             self._drop()
         except psycopg.Error as exc:
@@ -113,6 +116,17 @@ class Redelivery:
         for part, offs in placed.items():
             self.dead.resolve_offsets(part, offs, by,
                                       f"fallen back to by {self.spec.mode} run {self.spec.run_id}")
+
+    def _moved(self) -> None:
+        """The keys the range's failing records map to now where their rows went (the
+        driver found them): the versions those rows placed are theirs now, so they fall
+        back like the keys that lost their rows."""
+        if not self.t.moved:
+            return
+        with self.w.conn.cursor() as cur:
+            cur.executemany(sql.SQL("INSERT INTO {} ({}) VALUES ({})").format(
+                self.lost_table, sql.SQL(", ").join(self.keys),
+                sql.SQL(", ").join([sql.Placeholder()] * len(self.keys))), self.t.moved)
 
     def _lost(self) -> set[tuple]:
         """Keys whose row step 1 removed and that have none now."""

@@ -7,7 +7,7 @@ before it counts anything or chooses a gid (docs/design.md, "Task accounting").
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -67,6 +67,8 @@ class SinkTarget(_Model):
     failed: Failures = {}                # its own row-level expectations' failures
     quarantine: str | None = None        # its batch gate failed under quarantine_batch: why
     fallback_failed: Failures = {}       # row-level failures of its fallback versions
+    # Keys a backfill's failing records map to now where their rows go (driver/fallback.py).
+    moved: list[list[Any]] = []
     tombstones: Literal["quarantine", "delete"] = "quarantine"  # config.Tombstones
 
 

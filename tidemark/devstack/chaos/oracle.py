@@ -210,12 +210,16 @@ class SinkModel:
     def redeliver(self, chosen: set[Pos], source: dict[Pos, Record], pipe: Pipeline) -> None:
         """docs/design.md "Re-delivery", steps 1-5, for the records at ``chosen``."""
         lost = {k for k, r in self.rows.items() if r.pos in chosen}
-        for k in lost:
-            del self.rows[k]
+        removed = {self.rows.pop(k).pos for k in lost}
         gone = {k for k, t in self.tombs.items() if t.pos in chosen}  # tombstones go too
-        for k in gone:
-            del self.tombs[k]
+        removed |= {self.tombs.pop(k).pos for k in gone}
         lost |= gone
+        # A removed row's record that places no row now: the key it maps to now falls back
+        # too (after a transform change, the older versions that row placed are that key's).
+        for pos in removed:
+            keyed = pipe.keyed(source[pos])
+            if keyed is not None and pipe.row(source[pos]) is None:
+                lost.add(keyed[0])
         best: dict[int, Row] = {}
         dead: dict[int, Tomb] = {}
         for pos in sorted(chosen):
