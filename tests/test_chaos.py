@@ -175,6 +175,20 @@ def test_the_checker_finds_each_planted_violation(world, spark):
                  ["UPDATE tidemark.pipelines SET halted_reason = NULL"]) as found:
         _find(found, "-", "-", "-", "is halted: planted")
 
+    # Records below the checkpoint placed nowhere, one of them with no readable id (partition 0
+    # offsets 10 and 11): both reported (the second once crashed the checker's message).
+    # (A checker of its own: the one above would see the checkpoint move back after.)
+    world.append([(0, b"x", b"not json", None)])
+    _exec(led, "UPDATE tidemark.checkpoints SET next_offset = 12 WHERE sink = 'a' "
+               "AND partition = 0")
+    try:
+        found = Checker(target(world)).check()[0]
+        _find(found, "a", 0, 10, "not placed")
+        _find(found, "a", 0, 11, "not placed")
+    finally:
+        _exec(led, "UPDATE tidemark.checkpoints SET next_offset = 10 WHERE sink = 'a' "
+                   "AND partition = 0")
+
 
 def _records(*orders: tuple[int, float]) -> dict:
     """Partition 0 records at offsets 0, 1 ..: (id, amount), versions counted per id."""

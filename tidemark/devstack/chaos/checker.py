@@ -244,8 +244,8 @@ class Checker:
                         newer = row
                 if newer is not None:
                     continue
-                newer = next((by_id[k] for k in self.t.keys(pid) if pid is not None
-                              and k in by_id), None)
+                newer = next((by_id[k] for k in (self.t.keys(pid) if pid is not None else ())
+                              if k in by_id), None)
                 what = f"below the checkpoint {cp} but not placed: no sink row"
                 if pid is not None:
                     what += (f", id {pid} in the sink at {newer[0]}:{newer[1]}" if newer
