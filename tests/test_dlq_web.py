@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SCOPED_USER = "scoped"  # tests/scoped_auth.py: sees and edits the pipeline orders only
 
-STUB = (REPO / "dags" / "pipelines" / "flights.py").read_text()
+PIPELINES = (REPO / "dags" / "tidemark_pipelines.py").read_text()
 XSS = b"<script>window.pwned=1</script>"
 AIRFLOW_RUN = {"dag_id": "tidemark_orders", "run_id": "manual__2026-03-01T12:00:00+00:00",
                "task_id": "replay", "try_number": 2}
@@ -130,7 +130,7 @@ def site(pg, tmp_path_factory):
     dags = tmp / "dags"
     shutil.move(env.dir, dags / "pipelines")
     env.dir = dags / "pipelines"
-    (env.dir / "orders.py").write_text(STUB)
+    (dags / "tidemark_pipelines.py").write_text(PIPELINES)
     stack = Stack(home=tmp / "home", ledger_dsn=env.ledger_dsn, port=free_port(),
                   dags_folder=dags, env_extra={
                       "TIDEMARK_PIPELINES_DIR": str(env.dir),
