@@ -65,7 +65,7 @@ def runs(conn: psycopg.Connection, *, pipeline: str | None, after: int, limit: i
     else:
         # A run whose driver died has no finished_at: its sinks' last transition is its end.
         where = f"""{_PIPELINE.format(col='r.pipeline')}
-            AND r.run_id < (SELECT max(run_id) FROM newest)
+            -- The newest run of each pipeline: the newest of all (the sweep's horizon) too.
             AND r.run_id < (SELECT n.run_id FROM newest n WHERE n.pipeline = r.pipeline)
             AND NOT EXISTS (SELECT 1 FROM tidemark.run_sinks s WHERE s.run_id = r.run_id
                             AND s.state::text = ANY(%(open)s))
