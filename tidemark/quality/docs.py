@@ -12,6 +12,7 @@ import datetime
 import os
 import re
 from typing import Any
+from urllib.parse import unquote
 
 from tidemark.quality.expectations import _gx
 from tidemark.quality.expectations import lock as _lock
@@ -97,7 +98,8 @@ def validation_files(docs_dir: str, page: str) -> list[tuple[str, str]] | None:
     never trusted to point inside it."""
     pages = os.path.realpath(os.path.join(site_dir(docs_dir), "validations"))
     results = os.path.join(os.path.realpath(docs_dir), *RESULTS)
-    path = os.path.realpath(page)
+    # The ledger keeps the page as GX's site URL gives it: percent-encoded (web/app.py too).
+    path = os.path.realpath(unquote(page))
     rel = os.path.relpath(path, pages)
     if rel.startswith(os.pardir) or not rel.endswith(".html"):
         return None
