@@ -468,7 +468,8 @@ def test_maintenance_sweeps_and_alerts_on_dlq_growth(world):
     assert world.tasks("tidemark_maintenance", run_id)["recover"] == "success", \
         world.log("tidemark_maintenance", run_id, "recover")[-3000:]
     assert world.tasks("tidemark_maintenance", run_id) == {"recover": "success",
-                                                           "check": "failed"}
+                                                           "check": "failed",
+                                                           "prune": "success"}
     mail = world.mails.wait(lambda m: "gated: needs attention" in m["Subject"])
     assert "1 records quarantined in the DLQ (&gt; 0)" in mail.get_body().get_content()
     hook = world.hooks.wait(lambda h: "needs attention" in h["json"]["text"])
