@@ -504,7 +504,8 @@ def test_maintenance_sweeps_and_alerts_on_dlq_growth(world):
     # Recovery could not reach offline's second sink nor resolve noconn's connection: its
     # task fails, and the check still runs, for every pipeline.
     assert world.tasks("tidemark_maintenance", run_id) == {"recover": "failed",
-                                                           "check": "failed"}
+                                                           "check": "failed",
+                                                           "prune": "success"}
     recover_log = world.log("tidemark_maintenance", run_id, "recover")
     assert "nowhere_wh" in recover_log and "127.0.0.1:1" in recover_log, recover_log[-3000:]
     mail = world.mails.wait(lambda m: "gated: needs attention" in m["Subject"])

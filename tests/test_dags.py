@@ -151,3 +151,18 @@ def test_broken_yaml_is_one_import_error_others_load(airflow_home, tmp_path):
     assert {"tidemark_flights", "tidemark_flights_backfill", "tidemark_mine",
             "tidemark_mine_redrive", "tidemark_maintenance"} <= set(bag.dags)
     assert not any("broken" in d for d in bag.dags)
+
+
+def test_maintenance_dag_prunes_beside_the_check(airflow_home):
+    """prune and check run after recover whatever its outcome, side by side: a failing prune
+    neither stops the check nor hides behind it (it fails the DAG run itself)."""
+    from airflow.sdk import TriggerRule
+
+    dag = _bag(REPO / "dags").dags["tidemark_maintenance"]
+    assert {t.task_id for t in dag.tasks} == {"recover", "check", "prune"}
+    prune, check = dag.get_task("prune"), dag.get_task("check")
+    assert prune.upstream_task_ids == {"recover"} and not prune.downstream_task_ids
+    assert check.upstream_task_ids == {"recover"} and not check.downstream_task_ids
+    assert prune.trigger_rule == TriggerRule.ALL_DONE
+    assert check.trigger_rule == TriggerRule.ALL_DONE
+    assert prune.python_callable.__module__ == "tidemark.airflow.tasks"

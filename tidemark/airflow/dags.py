@@ -13,7 +13,8 @@ Per pipeline ``<name>``:
   a redrive request it made in the ledger. The select task turns the form into such a
   request; the Spark job gets only its id.
 
-Plus ``tidemark_maintenance``: a recovery sweep and health alerts every few minutes.
+Plus ``tidemark_maintenance``: a recovery sweep, then health alerts and retention (prune)
+side by side, every few minutes.
 
 Spark jobs share the pool ``tidemark_spark``; failed tasks alert through the pipeline's
 ``alerts`` (tidemark/airflow/alerts.py).  Parsing stays cheap: the YAML is validated without building
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.providers.standard.operators.python import PythonOperator, ShortCircuitOperator
-from airflow.sdk import DAG, AssetAlias, Param
+from airflow.sdk import DAG, AssetAlias, Param, TriggerRule
 
 from tidemark import config
 from tidemark.airflow import POOL, assets
@@ -203,7 +204,7 @@ def _report(p: config.Pipeline, path: Path) -> list[PythonOperator]:
     return [PythonOperator(task_id="report", python_callable=airflow_tasks.report,
                            op_kwargs=kwargs),
             PythonOperator(task_id="announce", python_callable=airflow_tasks.announce,
-                           op_kwargs=kwargs, trigger_rule="all_done",
+                           op_kwargs=kwargs, trigger_rule=TriggerRule.ALL_DONE,
                            outlets=[AssetAlias(assets.alias_name(p.name))])]
 
 
@@ -315,13 +316,15 @@ def maintenance_dag(pipelines_dir: str | Path) -> DAG:
     folder = Path(pipelines_dir)
     with DAG(
         dag_id=config.MAINTENANCE_DAG,
-        description="Recovery sweep; alerts on old prepared transactions, leases, DLQ growth",
+        description="Recovery sweep; alerts on old prepared transactions, leases, DLQ "
+                    "growth; retention",
         doc_md=("### Tidemark maintenance\n\nEvery few minutes: settles in-doubt runs and rolls "
                 "back orphan prepared transactions (`tidemark recover`), then alerts through "
                 "each pipeline's `alerts` channels when a prepared transaction or a lease is "
                 "older than `alerts.prepared_max_age_minutes` or the DLQ holds more than "
                 "`alerts.dlq_max` quarantined records. The check task fails while a problem "
-                "lasts."),
+                "lasts. Beside the check, the prune task deletes what has outlived the "
+                "retention settings (`tidemark prune`, docs/operations.md \"Retention\")."),
         schedule=MAINTENANCE_SCHEDULE,
         start_date=START,
         catchup=False,
@@ -335,6 +338,11 @@ def maintenance_dag(pipelines_dir: str | Path) -> DAG:
         # silence every pipeline's health alerts.
         check = PythonOperator(task_id="check", python_callable=airflow_tasks.maintenance,
                                op_kwargs={"pipelines_dir": str(folder)},
-                               trigger_rule="all_done")
-        sweep >> check
+                               trigger_rule=TriggerRule.ALL_DONE)
+        # Beside the check, not before it: a prune that fails never holds back the alerts,
+        # and fails the DAG run on its own. It runs whatever recovery's outcome: it never
+        # deletes what recovery has still to settle.
+        prune = PythonOperator(task_id="prune", python_callable=airflow_tasks.prune,
+                               trigger_rule=TriggerRule.ALL_DONE)
+        sweep >> [check, prune]
     return dag

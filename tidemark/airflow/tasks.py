@@ -390,6 +390,19 @@ class LagEpisodes:
                      description="Tidemark: open lag alert episodes (maintenance DAG)")
 
 
+def prune() -> dict:
+    """The maintenance DAG's retention: what `tidemark prune` deletes, with the settings of
+    the worker's environment (TIDEMARK_RETENTION_*, TIDEMARK_DATA_DOCS_DIR)."""
+    from tidemark.protocol.prune import Policy
+    from tidemark.protocol.prune import prune as delete_expired
+
+    s = get_settings()
+    summary = delete_expired(_ledger(), Policy.of(s), s.data_docs_dir, progress=print)
+    for line in summary.lines():
+        print(line)
+    return summary.to_dict()
+
+
 def maintenance(pipelines_dir: str, episodes: LagEpisodes | None = None, ti=None) -> str:
     """The maintenance DAG's check: alert through each pipeline's channels, fail if unhealthy.
     It runs whatever the recover task did, and reports that task's errors per pipeline. A lag
