@@ -120,6 +120,9 @@ def test_poison_records_land_in_the_dlq_byte_for_byte_and_the_run_advances(env, 
         assert 0 < len(reason) <= 200
     assert "UTF-8" in dlq["invalid UTF-8"][2]
     assert dlq["wrong type"][2] == "field id: cannot read 'five' as int"
+    # Cut short is not "not an object": the reason says which, and where (docs/dlq.md).
+    assert dlq["invalid JSON"][2] == "payload is not valid JSON: unexpected end at byte 18"
+    assert dlq["not an object"][2] == "payload is not a JSON object (an array)"
     assert dlq["nul-escape"][1:4] == ("sink_write", dlq["nul-escape"][2], "main")
     assert "0x00" in dlq["nul-escape"][2]
     assert_exactly_once(env)
