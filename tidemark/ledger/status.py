@@ -58,8 +58,10 @@ def render(st: dict) -> str:
         rows = counts.get("rows", 0)
         dead = counts.get("dead", counts.get("sink_dead", 0) + counts.get("source_dead", 0))
         err = f"  {r['error'][:100]}" if r["error"] else ""
+        read = counts.get("records", 0)
         out.append(f"    {r['run_id']:>6} {r['mode']:<8} {r['sink']:<16} {r['state']:<10} "
-                   f"{rows:>10,} rows {dead:>7,} dlq  {r['created_at']:%Y-%m-%d %H:%M:%S}{err}")
+                   f"{read:>10,} read {rows:>10,} rows {dead:>7,} dlq  "
+                   f"{r['created_at']:%Y-%m-%d %H:%M:%S}{err}")
     if st["gates"]:
         out.append("  data quality (last gate per scope):")
         for g in st["gates"]:
