@@ -355,8 +355,8 @@ def note_read(conn: psycopg.Connection, run_id: int, records: int) -> None:
     dq_failed): their counts say what the run saw, not nothing."""
     conn.execute("""UPDATE tidemark.run_sinks SET counts = counts || jsonb_build_object(
                         'records', %s::bigint)
-                    WHERE run_id = %s AND state IN ('aborted', 'dq_failed')
-                      AND NOT counts ? 'records'""", (records, run_id))
+                    WHERE run_id = %s AND state::text = ANY(%s) AND NOT counts ? 'records'""",
+                 (records, run_id, [RunState.ABORTED.value, RunState.DQ_FAILED.value]))
 
 
 def _release(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str) -> None:
