@@ -37,7 +37,7 @@ from tidemark.airflow import POOL, assets
 from tidemark.airflow import tasks as airflow_tasks
 from tidemark.core.errors import BadInput, Halted
 from tidemark.core.text import clamp
-from tidemark.engine.session import driver_java_options
+from tidemark.engine.session import driver_java_options, log4j_option
 
 # The spark-submit application, found in the installed package (not imported: it is the job).
 JOB = Path(importlib.util.find_spec("tidemark.cli.spark_job").origin)
@@ -181,10 +181,13 @@ def _spark(p: config.Pipeline, path: Path, args: list[str]) -> SparkSubmitOperat
 
 def _driver_conf() -> dict[str, str]:
     # spark-submit starts the driver's JVM before the job's Python, so the JVM options the
-    # session would give it (the class archive if built on this machine, the collector) go
-    # on spark-submit's command line.
-    options = driver_java_options()
-    return {"spark.driver.extraJavaOptions": " ".join(options)} if options else {}
+    # session would give it (Spark's logging, the class archive if built on this machine, the
+    # collector) go on spark-submit's command line. Without the logging, Spark logs at INFO
+    # until the session sets its level, and again while it shuts down: hundreds of lines
+    # around the job's error in the task log.
+    log4j = log4j_option()
+    return {"spark.driver.extraJavaOptions": " ".join([log4j, *driver_java_options()]),
+            "spark.executor.extraJavaOptions": log4j}
 
 
 def _recover(p: config.Pipeline, path: Path) -> PythonOperator:
