@@ -130,7 +130,7 @@ def redrive(dsn: str, n: int) -> None:
     env = {**os.environ, "TIDEMARK_LEDGER_DSN": ledger, "TIDEMARK_PIPELINES_DIR": str(folder),
            "TIDEMARK_SPARK_MASTER": os.environ.get("TIDEMARK_SPARK_MASTER", "local[2,4]")}
     argv = [sys.executable, "-m", "tidemark", "dlq", "redrive", "bench", "--class",
-            "validation", "--all", "--by", "bench", "--json"]
+            "validation", "--all", "--yes", "--by", "bench", "--json"]
     print(f"redriving {n:,} validation letters: {' '.join(argv[1:])}", flush=True)
     started = time.monotonic()
     out = subprocess.run(argv, env=env, capture_output=True, text=True)

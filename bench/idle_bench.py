@@ -69,7 +69,6 @@ def setup(server_dsn: str, folder: Path) -> str:
                                {"min_value": 1, "max_value": 10 * RECORDS}}]},
         "airflow": {"retries": 0, "driver_memory": "1g"},
     }, sort_keys=False))
-    (folder / "idle.py").write_text((REPO / "dags" / "pipelines" / "flights.py").read_text())
     return dsn
 
 
@@ -94,6 +93,7 @@ def dag_runs(dsn: str, server_dsn: str, tmp: Path, folder: Path, runs: int) -> l
     dags = tmp / "dags"
     dags.mkdir()
     shutil.move(folder, dags / "pipelines")
+    shutil.copy(REPO / "dags" / "tidemark_pipelines.py", dags)
     stack = Stack(home=tmp / "airflow", ledger_dsn=dsn, port=free_port(), dags_folder=dags,
                   metadata_db="airflow_bench_idle",
                   env_extra={"TIDEMARK_PIPELINES_DIR": str(dags / "pipelines")})

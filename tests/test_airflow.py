@@ -17,6 +17,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from aiosmtpd.controller import Controller
+from psycopg.conninfo import conninfo_to_dict
 
 from tests.conftest import REPO, Env, free_port
 from tidemark.devstack.airflow_stack import Stack
@@ -24,7 +25,8 @@ from tidemark.devstack.localpg import PASSWORD
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-STUB = (REPO / "dags" / "pipelines" / "flights.py").read_text()
+PIPELINES = (REPO / "dags" / "tidemark_pipelines.py").read_text()
+PIPELINE_FILES = (REPO / "dags" / "tidemark_pipeline_files.py").read_text()
 MAINTENANCE = (REPO / "dags" / "tidemark_maintenance.py").read_text()
 N = 120  # records in the source log (2 partitions)
 # Downstream DAGs scheduled on sink tables, by the postgres provider's asset URI; each returns
@@ -134,8 +136,16 @@ class World:
     def log(self, dag_id: str, run_id: str, task: str, try_number: int = 1) -> str:
         r = self.api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task}/logs/"
                          f"{try_number}", headers={"Accept": "application/json"})
-        content = r.json().get("content", [])
-        return "\n".join(c.get("event", "") if isinstance(c, dict) else str(c) for c in content)
+        lines = []
+        for c in r.json().get("content", []):
+            if not isinstance(c, dict):
+                lines.append(str(c))
+                continue
+            lines.append(c.get("event", ""))
+            # A task's exception is a structured field of its "failed" line.
+            lines += [f"{e.get('exc_type')}: {e.get('exc_value')}"
+                      for e in c.get("error_detail") or [] if isinstance(e, dict)]
+        return "\n".join(lines)
 
     def runs(self, dag_id: str) -> list[dict]:
         return self.api.get(f"/dags/{dag_id}/dagRuns", params={"order_by": "run_after"}
@@ -201,15 +211,33 @@ def world(pg, tmp_path_factory):
                  quality={"batch": [{"expect_table_row_count_to_be_between":
                                      {"min_value": 1, "max_value": 5}}]})
     (env.dir / "broken.yaml").write_text("name: broken\nsource: {type: kafka}\n")
+    # A new user's pipeline on connections made through Airflow's API (below), one naming a
+    # connection nobody made, and one whose second sink's server is down.
+    env.pipeline("viaconn", airflow=fast,
+                 source={"type": "postgres_log", "conn_id": "newuser_src", "table": "src.log"},
+                 sinks=[{"name": "wh", "conn_id": "newuser_wh", "table": "public.viaconn",
+                         "key": ["id"]}])
+    env.pipeline("noconn", alerts=alerts, airflow=fast,
+                 sinks=[{"name": "main", "conn_id": "nowhere_wh", "table": "public.noconn",
+                         "key": ["id"]}])
+    # On a schedule with a period, which Airflow's own Backfill accepts.
+    env.pipeline("hourly", airflow=fast, schedule="0 * * * *",
+                 sinks=[{"name": "main", "dsn": env.sink_dsn, "table": "public.hourly",
+                         "key": ["id"]}])
+    env.pipeline("offline", alerts=alerts, airflow=fast, sinks=[
+        {"name": "main", "dsn": env.sink_dsn, "table": "public.offline", "key": ["id"]},
+        {"name": "down", "dsn": "postgresql://nobody@127.0.0.1:1/gone?connect_timeout=3",
+         "table": "public.offline", "key": ["id"]}])
     dags = env.dir.parent / "dags"
     shutil.move(env.dir, dags / "pipelines")
     env.dir = dags / "pipelines"
-    for name in ("orders", "gated", "broken"):
-        (env.dir / f"{name}.py").write_text(STUB)
+    (dags / "tidemark_pipelines.py").write_text(PIPELINES)
+    (dags / "tidemark_pipeline_files.py").write_text(PIPELINE_FILES)
     (dags / "tidemark_maintenance.py").write_text(MAINTENANCE)
     host = f"postgres://127.0.0.1:{pg.port}/{env.names['sink']}/public"
     (dags / "downstream.py").write_text(DOWNSTREAM.format(uris={
-        "downstream_orders": f"{host}/orders", "downstream_gated": f"{host}/gated"}))
+        "downstream_orders": f"{host}/orders", "downstream_gated": f"{host}/gated",
+        "downstream_offline": f"{host}/offline"}))
     lineage_file = tmp / "openlineage.jsonl"
     stack = Stack(home=tmp / "home", ledger_dsn=env.ledger_dsn, port=free_port(),
                   dags_folder=dags, env_extra={
@@ -235,9 +263,16 @@ def world(pg, tmp_path_factory):
                   })
     try:
         stack.start()
-        for dag_id in ("downstream_orders", "downstream_gated"):
+        for dag_id in ("downstream_orders", "downstream_gated", "downstream_offline"):
             stack.unpause(dag_id)
         w = World(env, stack, mails, hooks, lineage_file, stats)
+        for conn_id, dsn in (("newuser_src", env.ledger_dsn), ("newuser_wh", env.sink_dsn)):
+            c = conninfo_to_dict(dsn)
+            r = w.api.post("/connections", json={
+                "connection_id": conn_id, "conn_type": "postgres", "host": c["host"],
+                "port": int(c["port"]), "login": c["user"], "password": c["password"],
+                "schema": c["dbname"]})
+            assert r.status_code == 201, r.text
         yield w
         w.api.close()
     finally:
@@ -249,14 +284,15 @@ def world(pg, tmp_path_factory):
 
 
 def test_dags_parsed_and_broken_yaml_is_one_import_error(world):
+    """One DAG file makes every pipeline file's DAGs: the YAML alone is enough."""
     for dag_id in ("tidemark_orders", "tidemark_orders_backfill", "tidemark_gated",
-                   "tidemark_gated_backfill", "tidemark_maintenance"):
+                   "tidemark_gated_backfill", "tidemark_viaconn", "tidemark_offline_redrive",
+                   "tidemark_maintenance"):
         dag = world.stack.wait_dag(dag_id)
         assert "tidemark" in [t["name"] for t in dag["tags"]]
     errors = world.api.get("/importErrors").json()["import_errors"]
-    assert [Path(e["filename"]).name for e in errors] == ["broken.py"]
-    assert "broken.yaml" in errors[0]["stack_trace"]
-    assert "source" in errors[0]["stack_trace"]
+    assert [Path(e["filename"]).name for e in errors] == ["tidemark_pipeline_files.py"]
+    assert "broken.yaml: source" in errors[0]["stack_trace"]
     details = world.api.get("/dags/tidemark_orders/details").json()
     assert details["max_active_runs"] == 1
 
@@ -341,7 +377,7 @@ def test_idle_run_skips_spark_and_announces_nothing(world):
     run_id = r.json()["dag_run_id"]
     assert world.wait_run("tidemark_orders", run_id) == "success"
     assert world.tasks("tidemark_orders", run_id) == {
-        "recover": "success", "replay": "skipped", "report": "skipped"}
+        "recover": "success", "replay": "skipped", "report": "skipped", "announce": "skipped"}
     assert "orders: up to date: nothing to replay" in world.log("tidemark_orders", run_id,
                                                                 "recover")
     assert len(world.asset_events(uri)) == before
@@ -465,14 +501,22 @@ def test_maintenance_sweeps_and_alerts_on_dlq_growth(world):
     r = world.trigger("tidemark_maintenance")
     run_id = r.json()["dag_run_id"]
     assert world.wait_run("tidemark_maintenance", run_id) == "failed"
-    assert world.tasks("tidemark_maintenance", run_id)["recover"] == "success", \
-        world.log("tidemark_maintenance", run_id, "recover")[-3000:]
-    assert world.tasks("tidemark_maintenance", run_id) == {"recover": "success",
-                                                           "check": "failed"}
+    # Recovery could not reach offline's second sink nor resolve noconn's connection: its
+    # task fails, and the check still runs, for every pipeline.
+    assert world.tasks("tidemark_maintenance", run_id) == {"recover": "failed",
+                                                           "check": "failed",
+                                                           "prune": "success"}
+    recover_log = world.log("tidemark_maintenance", run_id, "recover")
+    assert "nowhere_wh" in recover_log and "127.0.0.1:1" in recover_log, recover_log[-3000:]
     mail = world.mails.wait(lambda m: "gated: needs attention" in m["Subject"])
     assert "1 records quarantined in the DLQ (&gt; 0)" in mail.get_body().get_content()
-    hook = world.hooks.wait(lambda h: "needs attention" in h["json"]["text"])
+    hook = world.hooks.wait(lambda h: "gated: needs attention" in h["json"]["text"])
     assert "quarantined in the DLQ" in hook["json"]["text"]
+    # Each broken pipeline alerted on its own, through its own channels.
+    offline = world.hooks.wait(lambda h: "offline: needs attention" in h["json"]["text"])
+    assert "recovery: cannot scan" in offline["json"]["text"]
+    noconn = world.hooks.wait(lambda h: "noconn: needs attention" in h["json"]["text"])
+    assert "nowhere_wh" in noconn["json"]["text"]
     assert not [m for m in world.mails.items if "orders: needs attention" in m["Subject"]]
     # The check's gauges, through Airflow's StatsD client.
     def gauge(name: str) -> float:
@@ -530,3 +574,97 @@ def test_a_halted_pipeline_fails_at_once_without_retry(world):
     finally:
         env.ledger("UPDATE tidemark.pipelines SET halted_reason = NULL, halted_at = NULL "
                    "WHERE name = 'orders' RETURNING name")
+
+
+def test_connections_made_through_airflow_reach_the_job(world):
+    """viaconn reads its source and writes its sink through connections created with
+    Airflow's REST API (the fixture): the spark-submit child gets them from the task."""
+    env = world.env
+    r = world.trigger("tidemark_viaconn")
+    run_id = r.json()["dag_run_id"]
+    assert world.wait_run("tidemark_viaconn", run_id) == "success", \
+        world.log("tidemark_viaconn", run_id, "replay")[-3000:]
+    assert env.q(env.sink_dsn, "SELECT count(*), count(DISTINCT id) FROM public.viaconn") \
+        == [(N, N)]
+    assert env.checkpoints("viaconn", "wh") == {0: N // 2, 1: N // 2}
+
+
+def test_a_connection_airflow_lacks_fails_at_once_naming_it(world):
+    r = world.trigger("tidemark_noconn")
+    run_id = r.json()["dag_run_id"]
+    assert world.wait_run("tidemark_noconn", run_id) == "failed"
+    ti = world.api.get(f"/dags/tidemark_noconn/dagRuns/{run_id}/taskInstances/recover").json()
+    assert (ti["state"], ti["try_number"]) == ("failed", 1), ti
+    text = world.hooks.wait(lambda h: run_id in h["json"]["text"])["json"]["text"]
+    assert ("pipeline noconn: sink main: Airflow connection 'nowhere_wh' does not exist"
+            in text), text
+    assert "not retried" in text
+
+
+def test_a_sink_that_commits_is_announced_when_another_fails(world):
+    """offline commits main and cannot reach down: replay fails (and alerts), and the run
+    still announces main's table, so a DAG scheduled on it runs."""
+    env = world.env
+    r = world.trigger("tidemark_offline")
+    run_id = r.json()["dag_run_id"]
+    assert world.wait_run("tidemark_offline", run_id) == "failed"
+    assert world.tasks("tidemark_offline", run_id) == {
+        "recover": "success", "replay": "failed", "report": "upstream_failed",
+        "announce": "success"}
+    assert env.q(env.sink_dsn, "SELECT count(*) FROM public.offline") == [(N,)]
+    run = world.wait_runs("downstream_offline", 1)[0]
+    assert run["state"] == "success" and run["run_type"] == "asset_triggered", run
+    (extra,) = world.xcom("downstream_offline", run["dag_run_id"], "seen")
+    assert (extra["pipeline"], extra["sink"], extra["counts"]["rows"]) == ("offline", "main", N)
+
+
+def test_airflows_own_backfill_of_the_scheduled_dag_is_refused_saying_why(world):
+    """A run reads from the checkpoints, not by date: Airflow's Backfill of tidemark_hourly
+    would re-deliver nothing and look green. Each of its runs fails at once, saying what to
+    use instead, and writes nothing."""
+    env = world.env
+    world.stack.unpause("tidemark_hourly")  # the scheduler starts no run of a paused DAG
+    r = world.api.post("/backfills", json={
+        "dag_id": "tidemark_hourly", "from_date": "2026-01-01T00:00:00Z",
+        "to_date": "2026-01-01T01:30:00Z", "max_active_runs": 1,
+        "reprocess_behavior": "completed"})
+    assert r.status_code in (200, 201), r.text
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        runs = [x for x in world.runs("tidemark_hourly") if x["run_type"] == "backfill"]
+        if len(runs) >= 2 and all(x["state"] in ("success", "failed") for x in runs):
+            break
+        time.sleep(2)  # polling the REST API: Airflow offers no run-finished event
+    assert len(runs) >= 2 and {x["state"] for x in runs} == {"failed"}, runs
+    for x in runs:
+        ti = world.api.get(f"/dags/tidemark_hourly/dagRuns/{x['dag_run_id']}/taskInstances/"
+                           f"recover").json()
+        assert (ti["state"], ti["try_number"]) == ("failed", 1), ti
+    log = world.log("tidemark_hourly", runs[0]["dag_run_id"], "recover")
+    assert "reads from its checkpoints, not by date" in log
+    assert "tidemark_hourly_backfill" in log
+    assert env.ledger("SELECT count(*) FROM tidemark.runs WHERE dag_run_id = ANY(%s)",
+                      ([x["dag_run_id"] for x in runs],)) == [(0,)]
+
+
+def test_airflows_own_cli_runs_against_the_stack_from_its_env_file(world, tmp_path):
+    """`make up` leaves the settings Airflow's CLI needs (no stray SQLite, no migration
+    prompt), readable by its owner only, and runs the triggerer too."""
+    import subprocess
+    import sys
+
+    f = world.stack.env_file
+    assert f.stat().st_mode & 0o777 == 0o600
+    assert world.stack.health()["triggerer"]["status"] == "healthy"
+    home = tmp_path / "home"
+    home.mkdir()
+    proc = subprocess.run(
+        ["bash", "-c", f"source {f} && airflow dags list -o plain"], cwd=tmp_path,
+        env={"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(home)},
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    listed = {line.split()[0] for line in proc.stdout.splitlines() if line.strip()}
+    assert {"tidemark_orders", "tidemark_orders_backfill", "tidemark_maintenance"} <= listed
+    assert not list(tmp_path.rglob("*.db")), list(tmp_path.rglob("*.db"))
+    backfill = world.api.get("/dags/tidemark_gated_backfill").json()
+    assert backfill["is_paused"] is False  # triggered only: no unpause before its first use

@@ -15,8 +15,9 @@ from tidemark.devstack.localpg import Cluster
 
 
 def tm(env_vars: dict[str, str], *args: str, cwd: Path | None = None):
+    # No terminal and nothing to read: a command that would ask must say --yes instead.
     res = subprocess.run([sys.executable, "-m", "tidemark", *args], env=env_vars, cwd=cwd,
-                         capture_output=True, text=True, timeout=120)
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     return res.returncode, res.stdout, res.stderr
 
 

@@ -39,7 +39,8 @@ def test_repo_dags_import_without_errors(airflow_home):
     assert {"tidemark_flights", "tidemark_flights_backfill", "tidemark_flights_redrive",
             "tidemark_maintenance"} <= set(bag.dags)
     flights = bag.dags["tidemark_flights"]
-    assert [t.task_id for t in flights.topological_sort()] == ["recover", "replay", "report"]
+    assert [t.task_id for t in flights.topological_sort()] == ["recover", "replay", "report",
+                                                               "announce"]
     assert flights.max_active_runs == 1 and "demo" in flights.tags
     replay = flights.get_task("replay")
     assert replay.pool == "tidemark_spark" and replay.retries == 2
@@ -58,8 +59,12 @@ def test_replay_dag_skips_spark_when_idle_and_announces_sink_assets(airflow_home
     flights = bag.dags["tidemark_flights"]
     assert isinstance(flights.get_task("recover"), ShortCircuitOperator)
     for dag_id in ("tidemark_flights", "tidemark_flights_backfill", "tidemark_flights_redrive"):
-        report = bag.dags[dag_id].get_task("report")
-        assert report.outlets == [AssetAlias("tidemark_flights_sinks")]
+        announce = bag.dags[dag_id].get_task("announce")
+        assert announce.outlets == [AssetAlias("tidemark_flights_sinks")]
+        # It runs whatever replay did: a sink that committed is announced when another failed.
+        assert announce.trigger_rule == "all_done"
+        assert announce.upstream_task_ids == {"replay"}
+        assert bag.dags[dag_id].get_task("report").outlets == []
 
 
 def test_sink_asset_uri_is_the_postgres_providers():
@@ -86,7 +91,8 @@ def test_backfill_params_validate(airflow_home):
     from airflow.sdk.exceptions import ParamValidationError
 
     dag = _bag(REPO / "dags").dags["tidemark_flights_backfill"]
-    assert [t.task_id for t in dag.topological_sort()] == ["recover", "check", "replay", "report"]
+    assert [t.task_id for t in dag.topological_sort()] == ["recover", "check", "replay", "report",
+                                                           "announce"]
     params = dag.params
     ok = copy.deepcopy(params)
     ok.update({"partition": 2, "from_offset": 0, "to_offset": 100, "sinks": ["warehouse"]})
@@ -104,7 +110,7 @@ def test_redrive_dag_params_validate(airflow_home):
 
     dag = _bag(REPO / "dags").dags["tidemark_flights_redrive"]
     assert [t.task_id for t in dag.topological_sort()] == ["recover", "select", "replay",
-                                                           "report"]
+                                                           "report", "announce"]
     assert dag.max_active_runs == 1 and dag.get_task("replay").pool == "tidemark_spark"
     ok = copy.deepcopy(dag.params)
     ok.update({"ids": [3, 4], "requested_by": "alice"})
@@ -126,14 +132,37 @@ def test_redrive_dag_params_validate(airflow_home):
 
 
 def test_broken_yaml_is_one_import_error_others_load(airflow_home, tmp_path):
+    """A YAML dropped into pipelines/ is enough for its DAGs; broken ones are the import error
+    of a DAG file that defines no DAG, one line each (file, field, problem), so they never
+    hide the others (Airflow marks every DAG of a file with an import error stale)."""
     dags = tmp_path / "dags"
     shutil.copytree(REPO / "dags", dags)
-    (dags / "pipelines" / "broken.yaml").write_text("name: broken\nsinks: nope\n")
-    shutil.copy(dags / "pipelines" / "flights.py", dags / "pipelines" / "broken.py")
+    pipes = dags / "pipelines"
+    (pipes / "broken.yaml").write_text("name: broken\nsinks: nope\n")
+    (pipes / "bad_key.yml").write_text((pipes / "flights.yaml").read_text()
+                                       .replace("key: [", "keyz: ["))
+    shutil.copy(pipes / "flights.yaml", pipes / "mine.yaml")
     bag = _bag(dags)
-    assert list(bag.import_errors) == ["pipelines/broken.py"] or \
-        [k.rsplit("/", 1)[-1] for k in bag.import_errors] == ["broken.py"]
+    assert [k.rsplit("/", 1)[-1] for k in bag.import_errors] == ["tidemark_pipeline_files.py"]
     (trace,) = bag.import_errors.values()
-    assert "broken.yaml: source: Field required" in trace
-    assert {"tidemark_flights", "tidemark_flights_backfill", "tidemark_maintenance"} \
-        <= set(bag.dags)
+    lines = trace.splitlines()
+    assert any("broken.yaml: source: Field required" in line for line in lines), trace
+    assert any("bad_key.yml: sinks[0].key: Field required" in line for line in lines), trace
+    assert {"tidemark_flights", "tidemark_flights_backfill", "tidemark_mine",
+            "tidemark_mine_redrive", "tidemark_maintenance"} <= set(bag.dags)
+    assert not any("broken" in d for d in bag.dags)
+
+
+def test_maintenance_dag_prunes_beside_the_check(airflow_home):
+    """prune and check run after recover whatever its outcome, side by side: a failing prune
+    neither stops the check nor hides behind it (it fails the DAG run itself)."""
+    from airflow.sdk import TriggerRule
+
+    dag = _bag(REPO / "dags").dags["tidemark_maintenance"]
+    assert {t.task_id for t in dag.tasks} == {"recover", "check", "prune"}
+    prune, check = dag.get_task("prune"), dag.get_task("check")
+    assert prune.upstream_task_ids == {"recover"} and not prune.downstream_task_ids
+    assert check.upstream_task_ids == {"recover"} and not check.downstream_task_ids
+    assert prune.trigger_rule == TriggerRule.ALL_DONE
+    assert check.trigger_rule == TriggerRule.ALL_DONE
+    assert prune.python_callable.__module__ == "tidemark.airflow.tasks"

@@ -8,6 +8,8 @@ import datetime as dt
 import getpass
 import json
 import socket
+import subprocess
+import sys
 
 import psycopg
 import pytest
@@ -428,3 +430,104 @@ def test_cli_injection_is_refused_and_harmless(env, ledger, sample):
         assert code == 2, (opt, out, err)
         assert_one_clear_line(err, "tidemark: error:")
     assert env.ledger("SELECT count(*) FROM tidemark.dlq")[0][0] == len(sample)
+
+
+# -- search on the reason, and acting on everything matching -----------------------------------
+@pytest.fixture
+def reasons(ledger):
+    """Letters whose reasons differ in case and hold LIKE's own wildcards."""
+    return {
+        "amount": add(ledger, cls="validation", reason="expect_column_values_to_be_between("
+                      "column=amount): unexpected value -98.12"),
+        "AMOUNT": add(ledger, cls="validation", reason="AMOUNT is negative"),
+        "pct": add(ledger, cls="decode", reason="100% wrong_value"),
+        "plain": add(ledger, cls="decode", reason="payload is not valid JSON: unexpected end "
+                     "at byte 24"),
+        "gated": add(ledger, pipeline="gated", cls="validation", reason="amount too big"),
+        "done": add(ledger, cls="validation", status="discarded", reason="amount again"),
+    }
+
+
+def test_search_on_the_reason_is_a_substring_in_any_case(ledger, reasons):
+    r = reasons
+    assert ids_of(ledger, reason="amount", status="quarantined") == sorted(
+        [r["amount"], r["AMOUNT"], r["gated"]], reverse=True)
+    assert ids_of(ledger, reason="Amount", status="any") == sorted(
+        [r["amount"], r["AMOUNT"], r["gated"], r["done"]], reverse=True)
+    # combined with the other filters
+    assert ids_of(ledger, reason="amount", pipeline="orders", error_class="validation",
+                  status="quarantined") == \
+        sorted([r["amount"], r["AMOUNT"]], reverse=True)
+    # LIKE's wildcards are plain characters in a search
+    assert ids_of(ledger, reason="100%") == [r["pct"]]
+    assert ids_of(ledger, reason="%") == [r["pct"]]
+    assert ids_of(ledger, reason="wrong%value") == []
+    assert ids_of(ledger, reason="wrong_value") == [r["pct"]]
+    assert ids_of(ledger, reason="  ") == ids_of(ledger)  # blank: no filter
+    assert dlq.counts(ledger, dlq.Filters.parse(reason="AMOUNT"))["validation"] == 4
+    assert dlq.matching(ledger, dlq.Filters.parse(reason="amount", pipeline="orders",
+                                                  status="quarantined")) == 2
+    f = dlq.Filters.parse(reason="amount", pipeline="orders")
+    assert f.query()["reason"] == "amount"
+    assert f.described() == "pipeline orders, reason contains 'amount'"
+    with pytest.raises(BadInput, match="reason .*: 201 characters, at most 200"):
+        dlq.Filters.parse(reason="x" * 201)
+    for evil in INJECTIONS:  # only ever a bind parameter
+        assert ids_of(ledger, reason=evil) == []
+    assert ledger.execute("SELECT count(*) FROM tidemark.dlq").fetchone()[0] == len(reasons)
+
+
+def test_discard_everything_matching_records_who_and_why(env, ledger, reasons):
+    r = reasons
+    f = dlq.Filters.parse(pipeline="orders", reason="amount")
+    with pytest.raises(BadInput, match="note: required"):
+        dlq.discard_matching(ledger, f, " ", "alice")
+    with pytest.raises(BadInput, match=r"2 dead letter\(s\) match now, not the 1 confirmed"):
+        dlq.discard_matching(ledger, f, "bad batch", "alice", expected=1)
+    assert env.ledger("SELECT count(*) FROM tidemark.dlq WHERE status = 'discarded'") == [(1,)]
+    res = dlq.discard_matching(ledger, f, "bad batch", "alice", expected=2)
+    assert res.changed == sorted([r["amount"], r["AMOUNT"]]) and res.skipped == {}
+    assert env.ledger("SELECT resolved_by, note FROM tidemark.dlq WHERE id = %s",
+                      (r["AMOUNT"],)) == [("alice", "bad batch")]
+    # the discarded one and the other pipeline's are untouched
+    assert env.ledger("SELECT note FROM tidemark.dlq WHERE id = %s", (r["done"],)) == [(None,)]
+    assert env.ledger("SELECT status::text FROM tidemark.dlq WHERE id = %s",
+                      (r["gated"],)) == [("quarantined",)]
+    assert dlq.discard_matching(ledger, f, "again", "alice").changed == []
+
+
+def test_cli_search_and_discard_all_matching_asks_first(env, ledger, reasons):
+    r = reasons
+    code, out, err = tm(env.cli_env(), "dlq", "list", "--reason", "AMOUNT", "--json")
+    assert code == 0, err
+    assert [x["id"] for x in json.loads(out)["records"]] == sorted(
+        [r["amount"], r["AMOUNT"], r["gated"]], reverse=True)
+    code, out, err = tm(env.cli_env(), "dlq", "export", "--reason", "100%", "--out", "-")
+    assert code == 0 and [json.loads(ln)["id"] for ln in out.splitlines()] == [r["pct"]]
+
+    argv = ("dlq", "discard", "--pipeline", "orders", "--reason", "amount", "--note", "bad batch")
+    code, out, err = tm(env.cli_env(), *argv)  # no terminal to ask: refused, nothing changed
+    assert code == 2
+    assert_one_clear_line(err, "2 quarantined dead letters match (pipeline orders, reason "
+                          "contains 'amount')", "--yes")
+    res = subprocess.run([sys.executable, "-m", "tidemark", *argv], env=env.cli_env(),
+                         input="n\n", capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "Discard 2 quarantined dead letters" in res.stderr
+    assert "nothing discarded" in res.stderr
+    assert env.ledger("SELECT count(*) FROM tidemark.dlq WHERE status = 'discarded'") == [(1,)]
+    res = subprocess.run([sys.executable, "-m", "tidemark", *argv], env=env.cli_env(),
+                         input="y\n", capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "discarded 2 dead letter(s)" in res.stdout
+    assert env.ledger("SELECT count(*) FROM tidemark.dlq WHERE status = 'discarded' AND "
+                      "note = 'bad batch'") == [(2,)]
+    code, out, err = tm(env.cli_env(), "dlq", "discard", "--class", "decode", "--note", "junk",
+                        "--by", "carol", "--yes")
+    assert code == 0, err
+    assert "discarded 2 dead letter(s)" in out
+    code, out, err = tm(env.cli_env(), "dlq", "discard", str(r["gated"]), "--class", "decode",
+                        "--note", "x")
+    assert code == 2 and "ids or filters" in err
+    code, out, err = tm(env.cli_env(), "dlq", "discard", "--class", "decode", "--note", "x",
+                        "--yes")
+    assert code == 1 and "no quarantined dead letters match" in out

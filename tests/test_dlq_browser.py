@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 CHROMIUM = "/usr/bin/chromium"
 SHOTS = REPO / "test-artifacts" / "browser"
-STUB = (REPO / "dags" / "pipelines" / "flights.py").read_text()
+PIPELINES = (REPO / "dags" / "tidemark_pipelines.py").read_text()
 XSS = b"<script>window.pwned=1</script>"
 NAME = "shop"
 
@@ -53,7 +53,7 @@ def site(pg, spark, tmp_path_factory):
     dags = tmp / "dags"
     shutil.move(env.dir, dags / "pipelines")
     env.dir = dags / "pipelines"
-    (env.dir / f"{NAME}.py").write_text(STUB)
+    (dags / "tidemark_pipelines.py").write_text(PIPELINES)
     stack = Stack(home=tmp / "home", ledger_dsn=env.ledger_dsn, port=free_port(),
                   dags_folder=dags, env_extra={
                       "TIDEMARK_PIPELINES_DIR": str(env.dir),

@@ -18,7 +18,7 @@ from tidemark.devstack.airflow_stack import Stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-STUB = (REPO / "dags" / "pipelines" / "flights.py").read_text()
+PIPELINES = (REPO / "dags" / "tidemark_pipelines.py").read_text()
 TEAMS = {"orders": "team_a", "other": "team_b"}  # pipeline -> the team owning its DAG
 
 
@@ -48,9 +48,9 @@ def teams(pg, tmp_path_factory):
                                 payload=f'{{"marker": "{pipeline}-payload"}}'.encode())
             folder = tmp / f"bundle_{team}"
             env.pipeline(pipeline)
-            folder.mkdir()
-            shutil.move(env.dir / f"{pipeline}.yaml", folder / f"{pipeline}.yaml")
-            (folder / f"{pipeline}.py").write_text(STUB)
+            (folder / "pipelines").mkdir(parents=True)
+            shutil.move(env.dir / f"{pipeline}.yaml", folder / "pipelines" / f"{pipeline}.yaml")
+            (folder / "tidemark_pipelines.py").write_text(PIPELINES)
             bundles.append({"name": f"dags_{team}", "team_name": team,
                             "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
                             "kwargs": {"path": str(folder), "refresh_interval": 10}})

@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SCOPED_USER = "scoped"  # tests/scoped_auth.py: sees and edits the pipeline orders only
 
-STUB = (REPO / "dags" / "pipelines" / "flights.py").read_text()
+PIPELINES = (REPO / "dags" / "tidemark_pipelines.py").read_text()
 XSS = b"<script>window.pwned=1</script>"
 AIRFLOW_RUN = {"dag_id": "tidemark_orders", "run_id": "manual__2026-03-01T12:00:00+00:00",
                "task_id": "replay", "try_number": 2}
@@ -130,7 +130,7 @@ def site(pg, tmp_path_factory):
     dags = tmp / "dags"
     shutil.move(env.dir, dags / "pipelines")
     env.dir = dags / "pipelines"
-    (env.dir / "orders.py").write_text(STUB)
+    (dags / "tidemark_pipelines.py").write_text(PIPELINES)
     stack = Stack(home=tmp / "home", ledger_dsn=env.ledger_dsn, port=free_port(),
                   dags_folder=dags, env_extra={
                       "TIDEMARK_PIPELINES_DIR": str(env.dir),
@@ -636,11 +636,20 @@ def test_redrive_all_matching_is_one_request_made_from_the_filters(site):
     with site.client(cookie=site.admin) as c:
         html = c.get("/tidemark/dlq/", params={"pipeline": "orders",
                                                 "error_class": "sink_write"}).text
-    assert 'id="redrive-all"' in html and "Redrive all 2 matching" in html
-    assert 'name="all_matching"' in html and 'name="error_class" value="sink_write"' in html
+        assert 'id="redrive-all"' in html and "Redrive all 2 matching" in html
+        # The button leads to a confirm step: the count the server finds, then the form.
+        href = re.search(r'id="redrive-all" href="([^"]+)"', html)[1].replace("&amp;", "&")
+        page = c.get(href)
+    assert page.status_code == 200, page.text
+    assert re.search(r"Redrive <b>2</b> quarantined dead letters matching pipeline orders, "
+                     r"class sink_write\?", page.text), page.text
+    assert 'name="all_matching"' in page.text and 'name="expected" value="2"' in page.text
+    assert 'name="error_class" value="sink_write"' in page.text
     with site.client(site.viewer) as c:
         html = c.get("/tidemark/dlq/", params={"pipeline": "orders"}).text
-        assert 'id="redrive-all"' not in html
+        assert 'id="redrive-all"' not in html and 'id="discard-all"' not in html
+        r = c.get("/tidemark/dlq/confirm", params={"action": "redrive", "pipeline": "orders"})
+        assert r.status_code == 403, r.text
         r = c.post("/tidemark/dlq/api/redrive", json={"all_matching": True,
                                                       "pipeline": "orders"})
         assert r.status_code == 403, r.text
@@ -651,7 +660,14 @@ def test_redrive_all_matching_is_one_request_made_from_the_filters(site):
             assert r.status_code == 400 and "pipeline: choose" in r.json()["detail"]
             r = c.post("/tidemark/dlq/api/redrive", json={
                 "all_matching": True, "pipeline": "orders", "error_class": "sink_write"})
-        assert r.status_code == 200, r.text
+            assert r.status_code == 200, r.text
+            # More match than were confirmed: no request, nothing triggered.
+            fewer = c.post("/tidemark/dlq/api/redrive", json={
+                "all_matching": True, "pipeline": "orders", "error_class": "sink_write",
+                "expected": 1})
+        assert fewer.status_code == 502, fewer.text
+        assert fewer.json()["runs"] == [] and "not the 1 confirmed" in \
+            fewer.json()["errors"][0]["error"]
         (run,) = r.json()["runs"]
         assert (run["letters"], run["ids"]) == (2, [])
         got = api.get(f"/dags/{dag}/dagRuns/{run['dag_run_id']}").json()
@@ -688,3 +704,56 @@ def test_redrive_never_calls_the_host_the_client_names(site):
             trap.accept()
     finally:
         trap.close()
+
+
+def test_search_on_the_reason_and_discard_all_matching_after_a_confirm_step(site):
+    env = site.env
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
+        bad = [add(c, pipeline="other", cls="validation",
+                   reason=f"expect_column_values_to_be_between(column=amount): unexpected "
+                          f"value -{i}.5") for i in range(3)]
+        keep = add(c, pipeline="other", cls="validation", reason="origin 'BOS' not in set")
+    with site.client(site.admin) as c:
+        r = c.get("/tidemark/dlq/api/records", params={"pipeline": "other",
+                                                        "reason": "COLUMN=AMOUNT"})
+        assert sorted(x["id"] for x in r.json()["records"]) == bad
+        r = c.get("/tidemark/dlq/api/records", params={"reason": "x" * 201})
+        assert r.status_code == 400 and "at most 200" in r.json()["detail"]
+        for evil in INJECTIONS:
+            r = c.get("/tidemark/dlq/api/records", params={"reason": evil})
+            assert r.status_code == 200 and r.json()["records"] == []
+    with site.client(cookie=site.admin) as c:
+        html = c.get("/tidemark/dlq/", params={"pipeline": "other", "reason": "amount"}).text
+        assert 'name="reason" value="amount"' in html
+        assert "Discard all 3 matching" in html
+        href = re.search(r'id="discard-all" href="([^"]+)"', html)[1].replace("&amp;", "&")
+        page = c.get(href)
+        assert page.status_code == 200, page.text
+        assert "Discard <b>3</b> quarantined dead letters matching pipeline other, reason " \
+            "contains &#39;amount&#39;?" in page.text
+        form = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)"', page.text))
+        assert form["expected"] == "3" and form["reason"] == "amount"
+        assert form["all_matching"] == "1" and form["csrf_token"]
+        # no CSRF token: refused, as every cookie POST
+        r = c.post("/tidemark/dlq/api/discard", data={**form, "csrf_token": "",
+                                                      "note": "bad amounts"})
+        assert r.status_code == 403
+        r = c.post("/tidemark/dlq/api/discard", data={**form, "note": "bad amounts"},
+                   headers={"Origin": site.stack.url})
+    assert r.status_code == 200, r.text
+    assert "Discarded 3 dead letter(s) matching pipeline other, reason contains" in r.text
+    assert [site.letter(i) for i in bad] == [("discarded", "admin", "bad amounts")] * 3
+    assert site.letter(keep)[0] == "quarantined"
+    with site.client(site.scoped) as c:  # sees and edits orders only: other is not theirs
+        r = c.post("/tidemark/dlq/api/discard", json={
+            "all_matching": True, "pipeline": "other", "note": "x"})
+        assert r.status_code == 403, r.text
+    with site.client(site.admin) as c:
+        r = c.post("/tidemark/dlq/api/discard", json={"all_matching": True, "note": "x"})
+        assert r.status_code == 400 and "pipeline: choose" in r.json()["detail"]
+        r = c.post("/tidemark/dlq/api/discard", json={
+            "all_matching": True, "pipeline": "other", "reason": "BOS", "note": "x",
+            "expected": 0})
+        assert r.status_code == 400 and "1 dead letter(s) match now, not the 0" in \
+            r.json()["detail"]
+    assert site.letter(keep)[0] == "quarantined"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import psycopg
 import pytest
 
 from tests.invariants import assert_exactly_once
@@ -64,6 +65,15 @@ def test_each_sink_advances_on_its_own_and_reads_once_from_the_minimum(env, spar
     assert first.sinks["second"].state == "aborted"
     assert "no_such_database" in first.sinks["second"].error
     assert not first.ok
+    # The aborted sink's run read the records too: the ledger and `status` say how many.
+    assert first.records == 100
+    assert env.ledger("SELECT counts FROM tidemark.run_sinks WHERE sink = 'second'") == \
+        [({"records": 100},)]
+    from tidemark.ledger import status
+    with psycopg.connect(env.ledger_dsn) as c:
+        text = status.render(status.pipeline_status(c, "orders"))
+    line = next(ln for ln in text.splitlines() if " second " in ln and "aborted" in ln)
+    assert line.split()[4:6] == ["100", "read"], line
     assert env.checkpoints(sink="main") == {0: 50, 1: 50}
     assert env.checkpoints(sink="second") == {0: 0, 1: 0}
 
@@ -120,6 +130,9 @@ def test_poison_records_land_in_the_dlq_byte_for_byte_and_the_run_advances(env, 
         assert 0 < len(reason) <= 200
     assert "UTF-8" in dlq["invalid UTF-8"][2]
     assert dlq["wrong type"][2] == "field id: cannot read 'five' as int"
+    # Cut short is not "not an object": the reason says which, and where (docs/dlq.md).
+    assert dlq["invalid JSON"][2] == "payload is not valid JSON: unexpected end at byte 18"
+    assert dlq["not an object"][2] == "payload is not a JSON object (an array)"
     assert dlq["nul-escape"][1:4] == ("sink_write", dlq["nul-escape"][2], "main")
     assert "0x00" in dlq["nul-escape"][2]
     assert_exactly_once(env)

@@ -29,6 +29,9 @@ def test_a_failed_gate_writes_nothing_then_the_fixed_pipeline_delivers_once(env,
     report = env.run(spark)
     assert not report.ok
     assert report.sinks["main"].state == "dq_failed"
+    # It read the batch, wrote none of it: it says how many it read, and so does the ledger.
+    assert report.records == 41 and "41 records read" in report.summary()
+    assert env.ledger("SELECT counts FROM tidemark.run_sinks") == [({"records": 41},)]
     assert "expect_column_max_to_be_between" in report.sinks["main"].error
     assert _sink_rows(env) == 0
     assert env.prepared() == []

@@ -378,3 +378,21 @@ def test_the_batch_gate_reads_the_batch_less_exactly_its_failing_rows(flights, m
         kept = {(r[0], r[1]) for r in left.select("_tm_partition", "_tm_offset").collect()}
         assert kept == every - {(0, 7), (1, 42), (1, 99)}
     assert gate._without(flights, {}) is flights
+
+
+def test_a_failed_in_set_gate_says_how_many_values_and_which(flights):
+    """A column map expectation's result has counts and sample values, not an observed value:
+    the gate's stored result keeps them and its line says them (not `observed null`)."""
+    from tidemark.driver.gate import _summary
+    from tidemark.quality.outcomes import observed
+
+    in_set = {"expect_column_values_to_be_in_set": {"column": "origin", "value_set": ORIGINS}}
+    out = quality.gate(flights, _parse([in_set]), None, "flights-run-4-warehouse")
+    assert out.success is False
+    (failed,) = out.failed()
+    assert failed["element_count"] == 300 and failed["unexpected_count"] == 2
+    assert sorted(failed["partial_unexpected_list"]) == ["BOS", "XXX"]
+    assert observed(failed) in ("2 of 300 values (0.667%) not in the set; e.g. 'XXX', 'BOS'",
+                                "2 of 300 values (0.667%) not in the set; e.g. 'BOS', 'XXX'")
+    assert _summary(out) == ("data-quality gate failed: expect_column_values_to_be_in_set("
+                             f"column=origin, value_set={ORIGINS}) {observed(failed)}")

@@ -115,7 +115,7 @@ def test_redrive_from_the_cli_by_class_and_bad_input(env, spark):
     env.pipeline(sinks=[{"name": "main", "dsn": env.sink_dsn, "table": "public.orders",
                          "key": ["id"]}], quality={"rows": [LOOSER]})
     out = subprocess.run(env.cli_argv("dlq", "redrive", "orders", "--class", "validation",
-                                      "--all", "--by", "bob", "--json"),
+                                      "--all", "--yes", "--by", "bob", "--json"),
                          env=env.cli_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)

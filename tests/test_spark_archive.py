@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.conftest import REPO
 
@@ -64,9 +65,48 @@ def test_airflow_hands_spark_submit_the_sessions_jvm_options(tmp_path, monkeypat
     def options():
         return _driver_conf().get("spark.driver.extraJavaOptions", "").split()
 
+    from tidemark.engine.session import LOG4J
+
     monkeypatch.setenv("TIDEMARK_SPARK_CDS_DIR", str(tmp_path))
     serial = ["-XX:+UseSerialGC"] if GC == "serial" else []
-    assert options() == serial
+    log4j = f"-Dlog4j2.configurationFile=file:{LOG4J}"
+    assert options() == [log4j, *serial]
+    assert _driver_conf()["spark.executor.extraJavaOptions"] == log4j
     cds.archive().write_bytes(b"")  # only its presence matters here
-    assert options() == [f"-XX:SharedArchiveFile={cds.archive()}", "-Xlog:disable",
+    assert options() == [log4j, f"-XX:SharedArchiveFile={cds.archive()}", "-Xlog:disable",
                          "-Xlog:all=warning:stderr", *serial]
+
+
+FAILING_JOB = """
+from tidemark.engine.session import session
+print("tidemark: starting", flush=True)
+spark = session(None, "tidemark-log-probe")
+spark.range(3).count()
+raise SystemExit("tidemark: error: the job's own error line")
+"""
+
+
+def test_a_submitted_jobs_error_is_not_buried_in_spark_info_lines(tmp_path):
+    """Under spark-submit (as Airflow runs the job) the driver's JVM starts before the job's
+    Python: Spark's log level must come from spark-submit's command line, or Spark's INFO
+    start-up and shutdown lines bury the job's error in the task log."""
+    from tidemark.airflow.dags import _driver_conf
+
+    job = tmp_path / "job.py"
+    job.write_text(FAILING_JOB)
+    conf = [a for k, v in _driver_conf().items() for a in ("--conf", f"{k}={v}")]
+    submit = Path(sys.executable).with_name("spark-submit")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
+    # One stream, as Airflow's Spark hook reads it (spark-submit hands the Python process's
+    # stderr on as its stdout).
+    res = subprocess.run([str(submit), "--master", "local[1]", *conf, str(job)], env=env,
+                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, timeout=300)
+    assert res.returncode == 1, res.stdout[-3000:]
+    lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
+    assert not [ln for ln in lines if " INFO " in ln or " WARN " in ln], res.stdout[:3000]
+    # the job's lines, and at most the JVM's own start-up notice
+    assert [ln for ln in lines if not ln.startswith("WARNING: Using incubator modules")] == [
+        "tidemark: starting", "tidemark: error: the job's own error line"], res.stdout[-3000:]

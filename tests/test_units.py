@@ -142,3 +142,109 @@ def test_spread_coverage_finds_a_missing_and_a_doubled_offset():
         [span], [bitmaps[0], {0: coverage.encode(b)}])
     gaps = span.model_copy(update={"dense": False})  # an archive: a gap is no problem
     assert coverage.problem([gaps], [bitmaps[0]]) is None
+
+
+# -- what users read: values in reasons, JSON decode failures, gate results ------------------
+@pytest.mark.parametrize("value, text", [
+    (__import__("decimal").Decimal("-98.12"), "-98.12"),
+    (__import__("decimal").Decimal("1E+3"), "1000"),
+    (703.4, "703.4"),
+    (9999, "9999"),
+    (None, "NULL"),
+    ("text", "'text'"),
+    ("it's", "'it''s'"),
+    (True, "true"),
+    (__import__("datetime").date(2026, 1, 2), "2026-01-02"),
+    (__import__("datetime").datetime(2026, 1, 2, 3, 4, 5), "2026-01-02 03:04:05"),
+    (b"\x00\xff", "'\\x00ff'"),
+    ([1, "a", None], "[1, 'a', NULL]"),
+])
+def test_values_read_as_a_user_writes_them(value, text):
+    from tidemark.core.text import literal
+
+    assert literal(value) == text
+
+
+def test_a_long_value_is_cut_with_an_ellipsis():
+    from tidemark.core.text import literal
+
+    assert literal("x" * 100, 10) == "'xxxxxxxx…"
+
+
+def test_row_check_reasons_show_values_not_reprs():
+    from decimal import Decimal
+
+    from tidemark.quality.reasons import reason
+
+    between = {"column": "amount", "max_value": 0}
+    assert reason("expect_column_values_to_be_between", between,
+                  {"_tm_partition": 0, "_tm_offset": 3, "amount": Decimal("-98.12")}) == \
+        "expect_column_values_to_be_between(column=amount): unexpected value -98.12"
+    assert reason("expect_column_values_to_be_in_set", {"column": "origin"},
+                  {"origin": "BOS"}) == \
+        "expect_column_values_to_be_in_set(column=origin): 'BOS' not in set"
+    pair = {"column_A": "amount", "column_B": "due"}
+    assert reason("expect_column_pair_values_a_to_be_greater_than_b", pair,
+                  {"_tm_partition": 0, "_tm_offset": 3, "amount": Decimal("-98.12"),
+                   "due": __import__("datetime").date(2026, 1, 2)}) == (
+        "expect_column_pair_values_a_to_be_greater_than_b(column_A=amount, column_B=due): "
+        "unexpected values amount = -98.12, due = 2026-01-02")
+    assert reason("expect_multicolumn_sum_to_equal", {"column_list": ["a", "b"]},
+                  {"a": None, "b": "x"}).endswith("unexpected values a = NULL, b = 'x'")
+
+
+@pytest.mark.parametrize("payload, text", [
+    (b'{"id": 1, "amount": 12.5', "payload is not valid JSON: unexpected end at byte 24"),
+    (b'{"id": 1, "amount": }', "payload is not valid JSON: expecting a value at byte 20"),
+    (b'{"id": 1} trailing', "payload is not valid JSON: extra data at byte 10"),
+    (b'[{"id": 1}]', "payload is not a JSON object (an array)"),
+    (b'"text"', "payload is not a JSON object (a string)"),
+    (b"42", "payload is not a JSON object (a number)"),
+    (b"null", "payload is not a JSON object (null)"),
+    (b"true", "payload is not a JSON object (a boolean)"),
+    ('{"name": "é", "x": '.encode(), "payload is not valid JSON: unexpected end at byte 20"),
+])
+def test_a_payload_that_is_no_json_object_says_which(payload, text):
+    from tidemark.engine.json_reasons import decode_reason
+
+    assert decode_reason(payload, "payload is not a JSON object") == text
+
+
+def test_a_field_reason_from_spark_stands():
+    from tidemark.engine.json_reasons import decode_reason
+
+    spark = "field id: cannot read 'x' as bigint"
+    assert decode_reason(b'{"id": "x"}', spark) == spark
+    # Spark read it as no object, Python reads an object (e.g. a duplicate key): Spark's word
+    assert decode_reason(b'{"id": 1}', "payload is not a JSON object") == \
+        "payload is not a JSON object"
+
+
+@pytest.mark.parametrize("result, text", [
+    ({"expectation": "expect_column_values_to_be_in_set", "observed_value": None,
+      "element_count": 480, "missing_count": 0, "unexpected_count": 12,
+      "unexpected_percent": 2.5, "partial_unexpected_list": ["x", "y", "x"]},
+     "12 of 480 values (2.5%) not in the set; e.g. 'x', 'y'"),
+    ({"expectation": "expect_column_values_to_not_be_in_set", "element_count": 10,
+      "missing_count": 2, "unexpected_count": 1, "unexpected_percent": 12.5,
+      "partial_unexpected_list": [7]},
+     "1 of 8 values (12.5%) in the forbidden set; e.g. 7"),
+    ({"expectation": "expect_column_values_to_not_be_null", "element_count": 300,
+      "unexpected_count": 3, "unexpected_percent": 1.0, "partial_unexpected_list": [None]},
+     "3 of 300 values (1%) null"),
+    ({"expectation": "expect_column_values_to_be_between", "unexpected_count": 5,
+      "unexpected_percent": 1 / 3},
+     "5 values (0.333%) out of range"),
+    ({"expectation": "expect_column_value_lengths_to_be_between", "unexpected_count": 1},
+     "1 value unexpected"),
+    ({"expectation": "expect_table_row_count_to_be_between", "observed_value": 300},
+     "observed 300"),
+    ({"expectation": "expect_column_mean_to_be_between", "observed_value": 1e9},
+     "observed 1000000000.0"),
+    ({"expectation": "expect_column_values_to_be_unique", "observed_value": None},
+     "observed nothing"),
+])
+def test_a_gate_result_says_what_was_observed(result, text):
+    from tidemark.quality.outcomes import observed
+
+    assert observed(result) == text

@@ -287,6 +287,12 @@ class Pipeline(_Model):
         assert isinstance(self.source, PostgresLogSource)
         return self.source.resolve(f"pipeline {self.name}: source")
 
+    def conn_ids(self) -> list[tuple[str, str]]:
+        """(where, Airflow connection id) of every database the pipeline names by
+        ``conn_id``: its source and its sinks."""
+        named = [("source", self.source)] + [(f"sink {s.name}", s) for s in self.sinks]
+        return [(where, c.conn_id) for where, c in named if getattr(c, "conn_id", None)]
+
     def output_columns(self) -> list[str] | None:
         """Columns the transform produces, when knowable without running it."""
         if self.transform.python:

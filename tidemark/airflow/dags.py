@@ -1,4 +1,5 @@
-"""Airflow DAGs generated from pipeline YAML files (the DAG files in dags/ are one-liners).
+"""Airflow DAGs generated from pipeline YAML files: dags/tidemark_pipelines.py makes every
+pipeline file's DAGs, dags/tidemark_maintenance.py the maintenance DAG (one-liners both).
 
 Per pipeline ``<name>``:
 
@@ -12,7 +13,8 @@ Per pipeline ``<name>``:
   a redrive request it made in the ledger. The select task turns the form into such a
   request; the Spark job gets only its id.
 
-Plus ``tidemark_maintenance``: a recovery sweep and health alerts every few minutes.
+Plus ``tidemark_maintenance``: a recovery sweep, then health alerts and retention (prune)
+side by side, every few minutes.
 
 Spark jobs share the pool ``tidemark_spark``; failed tasks alert through the pipeline's
 ``alerts`` (tidemark/airflow/alerts.py).  Parsing stays cheap: the YAML is validated without building
@@ -28,14 +30,14 @@ from pathlib import Path
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.providers.standard.operators.python import PythonOperator, ShortCircuitOperator
-from airflow.sdk import DAG, AssetAlias, Param
+from airflow.sdk import DAG, AssetAlias, Param, TriggerRule
 
 from tidemark import config
 from tidemark.airflow import POOL, assets
 from tidemark.airflow import tasks as airflow_tasks
 from tidemark.core.errors import BadInput, Halted
 from tidemark.core.text import clamp
-from tidemark.engine.session import driver_java_options
+from tidemark.engine.session import driver_java_options, log4j_option
 
 # The spark-submit application, found in the installed package (not imported: it is the job).
 JOB = Path(importlib.util.find_spec("tidemark.cli.spark_job").origin)
@@ -46,24 +48,34 @@ AIRFLOW_RUN = ('{{ {"dag_id": ti.dag_id, "run_id": run_id, "task_id": ti.task_id
 MAINTENANCE_SCHEDULE = "*/5 * * * *"
 
 
-def _yaml_for(dag_file: str | Path) -> Path:
-    stem = Path(dag_file).with_suffix("")
-    for ext in (".yaml", ".yml"):
-        if stem.with_suffix(ext).exists():
-            return stem.with_suffix(ext)
-    raise FileNotFoundError(f"{dag_file}: no pipeline file {stem.name}.yaml beside it")
+def pipeline_dags(folder: str | Path) -> dict[str, DAG]:
+    """The DAGs of every pipeline file in ``folder`` that loads (dags/tidemark_pipelines.py):
+    a pipeline file dropped into the folder is enough. Broken ones are left out here and
+    reported by :func:`check_pipeline_files`: Airflow marks every DAG of a file with an import
+    error stale, so one broken file must not be this file's error."""
+    dags: dict[str, DAG] = {}
+    for path in config.pipeline_files(Path(folder)):
+        try:
+            p = config.load(path, deep=False)
+        except BadInput:
+            continue  # check_pipeline_files says what is wrong
+        dags.update((d.dag_id, d) for d in (replay_dag(p, path), backfill_dag(p, path),
+                                           redrive_dag(p, path)))
+    return dags
 
 
-def pipeline_dags(dag_file: str | Path) -> dict[str, DAG]:
-    """The DAGs of the pipeline YAML beside ``dag_file`` (same name, .yaml).
-
-    A broken YAML raises here with the file, field and problem: Airflow shows it as this DAG
-    file's import error, and the other pipelines' DAG files are unaffected.
-    """
-    path = _yaml_for(dag_file)
-    p = config.load(path, deep=False)
-    return {d.dag_id: d for d in (replay_dag(p, path), backfill_dag(p, path),
-                                  redrive_dag(p, path))}
+def check_pipeline_files(folder: str | Path) -> None:
+    """Raise one error with a line per broken pipeline file in ``folder`` (the file, the field,
+    the problem): dags/tidemark_pipeline_files.py, which defines no DAG, so that Airflow shows
+    it as that file's import error and every other pipeline keeps its DAGs."""
+    broken = []
+    for path in config.pipeline_files(Path(folder)):
+        try:
+            config.load(path, deep=False)
+        except BadInput as exc:
+            broken.append(str(exc))
+    if broken:
+        raise BadInput(f"{len(broken)} broken pipeline file(s):\n" + "\n".join(broken))
 
 
 def _default_args(p: config.Pipeline) -> dict:
@@ -109,7 +121,7 @@ class ReplayOperator(SparkSubmitOperator):
     (e.g. the sink that failed and why) instead of the spark-submit command line, and fails
     without retries when the job exits 2 (bad input) or 5 (halted)."""
 
-    def __init__(self, *, pipeline: str, pipeline_file: str | None = None, **kwargs):
+    def __init__(self, *, pipeline: str, pipeline_file: str, **kwargs):
         super().__init__(**kwargs)
         self.pipeline = pipeline
         self.pipeline_file = pipeline_file
@@ -118,7 +130,10 @@ class ReplayOperator(SparkSubmitOperator):
         # The job's process cannot ask Airflow for connections: it gets the ledger this task
         # resolved (connection tidemark_ledger, password masked in logs by Airflow). Set after
         # templating, so the DSN is not among the rendered fields shown in the UI.
-        self.env_vars = {**(self.env_vars or {}),
+        # Likewise every connection the pipeline names (tidemark/airflow/connections.py).
+        named = airflow_tasks.connections_exist(config.load(Path(self.pipeline_file),
+                                                            deep=False))
+        self.env_vars = {**(self.env_vars or {}), **named,
                          "TIDEMARK_LEDGER_DSN": airflow_tasks.ledger_dsn()}
         try:
             return super().execute(context)
@@ -166,10 +181,13 @@ def _spark(p: config.Pipeline, path: Path, args: list[str]) -> SparkSubmitOperat
 
 def _driver_conf() -> dict[str, str]:
     # spark-submit starts the driver's JVM before the job's Python, so the JVM options the
-    # session would give it (the class archive if built on this machine, the collector) go
-    # on spark-submit's command line.
-    options = driver_java_options()
-    return {"spark.driver.extraJavaOptions": " ".join(options)} if options else {}
+    # session would give it (Spark's logging, the class archive if built on this machine, the
+    # collector) go on spark-submit's command line. Without the logging, Spark logs at INFO
+    # until the session sets its level, and again while it shuts down: hundreds of lines
+    # around the job's error in the task log.
+    log4j = log4j_option()
+    return {"spark.driver.extraJavaOptions": " ".join([log4j, *driver_java_options()]),
+            "spark.executor.extraJavaOptions": log4j}
 
 
 def _recover(p: config.Pipeline, path: Path) -> PythonOperator:
@@ -177,13 +195,20 @@ def _recover(p: config.Pipeline, path: Path) -> PythonOperator:
                           op_kwargs={"pipelines_dir": str(path.parent), "pipeline": p.name})
 
 
-def _report(p: config.Pipeline, path: Path) -> PythonOperator:
-    # Its asset events (one per committed sink table) go through the pipeline's alias: which
-    # sinks a run committed is known only once it has run (tidemark/airflow/assets.py).
-    return PythonOperator(task_id="report", python_callable=airflow_tasks.report,
-                          op_kwargs={"pipeline": p.name, "dag_id": "{{ dag.dag_id }}",
-                                     "run_id": "{{ run_id }}", "pipeline_file": str(path)},
-                          outlets=[AssetAlias(assets.alias_name(p.name))])
+def _report(p: config.Pipeline, path: Path) -> list[PythonOperator]:
+    """report (the run's state and counts) and announce (its asset events). announce runs
+    whatever replay did: a run that committed one sink and failed another still announces
+    the one it committed. It is a task of its own because Airflow keeps a task's asset events
+    only when the task succeeds, and report, after a failed replay, must not."""
+    kwargs = {"pipeline": p.name, "dag_id": "{{ dag.dag_id }}", "run_id": "{{ run_id }}",
+              "pipeline_file": str(path)}
+    # The events (one per committed sink table) go through the pipeline's alias: which sinks
+    # a run committed is known only once it has run (tidemark/airflow/assets.py).
+    return [PythonOperator(task_id="report", python_callable=airflow_tasks.report,
+                           op_kwargs=kwargs),
+            PythonOperator(task_id="announce", python_callable=airflow_tasks.announce,
+                           op_kwargs=kwargs, trigger_rule=TriggerRule.ALL_DONE,
+                           outlets=[AssetAlias(assets.alias_name(p.name))])]
 
 
 def replay_dag(p: config.Pipeline, path: Path) -> DAG:
@@ -229,12 +254,13 @@ def backfill_dag(p: config.Pipeline, path: Path) -> DAG:
                        items={"type": "string", "enum": names}, title="Sinks",
                        description="Sinks to re-deliver to."),
     }
+    # Runs only when triggered: paused, its first trigger would wait for an unpause.
     with _triggered(p, "backfill", f"Re-deliver an offset range of {p.name}",
                     _doc(p, path, "backfill an offset range") + (
                         "\n\nTrigger with a configuration: the form asks for the partition, "
                         "the offset range [from, to) and the sinks. Re-delivery is idempotent "
                         "and never moves checkpoints; a newer version of a key is never "
-                        "overwritten."), params) as dag:
+                        "overwritten."), params, is_paused_upon_creation=False) as dag:
         _checked_replay(p, path, "check", airflow_tasks.check_backfill, [
             "backfill", p.name, "--partition", "{{ params.partition }}",
             "--from", "{{ params.from_offset }}", "--to", "{{ params.to_offset }}",
@@ -293,13 +319,15 @@ def maintenance_dag(pipelines_dir: str | Path) -> DAG:
     folder = Path(pipelines_dir)
     with DAG(
         dag_id=config.MAINTENANCE_DAG,
-        description="Recovery sweep; alerts on old prepared transactions, leases, DLQ growth",
+        description="Recovery sweep; alerts on old prepared transactions, leases, DLQ "
+                    "growth; retention",
         doc_md=("### Tidemark maintenance\n\nEvery few minutes: settles in-doubt runs and rolls "
                 "back orphan prepared transactions (`tidemark recover`), then alerts through "
                 "each pipeline's `alerts` channels when a prepared transaction or a lease is "
                 "older than `alerts.prepared_max_age_minutes` or the DLQ holds more than "
                 "`alerts.dlq_max` quarantined records. The check task fails while a problem "
-                "lasts."),
+                "lasts. Beside the check, the prune task deletes what has outlived the "
+                "retention settings (`tidemark prune`, docs/operations.md \"Retention\")."),
         schedule=MAINTENANCE_SCHEDULE,
         start_date=START,
         catchup=False,
@@ -309,7 +337,15 @@ def maintenance_dag(pipelines_dir: str | Path) -> DAG:
     ) as dag:
         sweep = PythonOperator(task_id="recover", python_callable=airflow_tasks.recover,
                                op_kwargs={"pipelines_dir": str(folder)})
+        # The check runs whatever recover did: one pipeline's failed recovery must not
+        # silence every pipeline's health alerts.
         check = PythonOperator(task_id="check", python_callable=airflow_tasks.maintenance,
-                               op_kwargs={"pipelines_dir": str(folder)})
-        sweep >> check
+                               op_kwargs={"pipelines_dir": str(folder)},
+                               trigger_rule=TriggerRule.ALL_DONE)
+        # Beside the check, not before it: a prune that fails never holds back the alerts,
+        # and fails the DAG run on its own. It runs whatever recovery's outcome: it never
+        # deletes what recovery has still to settle.
+        prune = PythonOperator(task_id="prune", python_callable=airflow_tasks.prune,
+                               trigger_rule=TriggerRule.ALL_DONE)
+        sweep >> [check, prune]
     return dag

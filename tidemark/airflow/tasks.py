@@ -33,14 +33,24 @@ def ledger_dsn() -> str:
     return _ledger()
 
 
-def recover(pipelines_dir: str, pipeline: str | None = None) -> str:
+RECOVERY_ERRORS = "recovery_errors"  # the maintenance recover task's XCom: pipeline -> errors
+
+
+def recover(pipelines_dir: str, pipeline: str | None = None, ti=None) -> str:
     """Recovery sweep over every pipeline of the folder (docs/design.md: before every run).
 
+    One pipeline's broken database never stops the others' recovery. A pipeline's own DAG
+    fails only on what stops its run: a connection Airflow lacks or a lost transaction (a
+    sink it cannot reach fails that sink in the run, while its other sinks commit). The
+    maintenance DAG's (``pipeline`` None) fails on any error, and hands each pipeline's to the
+    check task (XCom ``recovery_errors``), which alerts through that pipeline's channels.
     Broken pipeline files are printed, not raised: they show as DAG import errors and in the
-    maintenance check. For one ``pipeline``'s DAG only its own problems fail the task.
+    check.
     """
     from tidemark.protocol.recovery import recover as sweep
 
+    if pipeline is not None:  # its DAG: a connection it names and Airflow lacks stops it here
+        connections_exist(config.find(Path(pipelines_dir), pipeline, deep=False))
     s = get_settings()
     pipelines, broken = config.load_all(Path(pipelines_dir), deep=False)
     rep = sweep(_ledger(), pipelines, s.gid_prefix, s.prepared_alert_seconds)
@@ -49,18 +59,46 @@ def recover(pipelines_dir: str, pipeline: str | None = None) -> str:
         print(f"  skipped: {b}")
     for e in rep.errors:
         print(f"  error: {e}")
-    errors = [e for e in rep.errors if pipeline is None or f"pipeline {pipeline}:" in e]
+    if pipeline is None and ti is not None:
+        ti.xcom_push(key=RECOVERY_ERRORS, value=rep.errors_of)
+    errors = rep.errors if pipeline is None else [
+        e for e in rep.errors_of.get(pipeline, []) if e.startswith(f"pipeline {pipeline}:")]
     if rep.lost or errors:
         raise TidemarkError(f"{rep.summary()}: {(errors or rep.lost)[0]}")
     return rep.summary()
 
 
-def pending(pipelines_dir: str, pipeline: str) -> str | None:
+def connections_exist(p: config.Pipeline) -> dict[str, str]:
+    """The job's ``AIRFLOW_CONN_<ID>`` variables for ``p`` (tidemark/airflow/connections.py).
+    A connection Airflow lacks fails the task at once: no retry can create it."""
+    from tidemark.airflow.connections import job_env
+
+    try:
+        return job_env(p)
+    except BadInput as exc:
+        from airflow.sdk.exceptions import AirflowFailException
+
+        raise AirflowFailException(f"{exc} (not retried)") from None
+
+
+def pending(pipelines_dir: str, pipeline: str, dag_run=None) -> str | None:
     """The scheduled DAG's first task: the recovery sweep, then whether any sink of
     ``pipeline`` has something to replay (the claim's plan, read-only). None when nothing is
     new: the ShortCircuitOperator then skips replay and report, so an idle run starts no JVM
-    and imports no Great Expectations."""
+    and imports no Great Expectations.
+
+    A run of Airflow's own Backfill is refused: a run reads from the checkpoints, not from
+    its date, so it would re-deliver nothing and look as if it had."""
     from tidemark.driver.modes import Delivery
+
+    if getattr(dag_run, "run_type", None) == "backfill":
+        from airflow.sdk.exceptions import AirflowFailException
+
+        raise AirflowFailException(
+            f"{config.dag_id(pipeline)} reads from its checkpoints, not by date: an Airflow "
+            f"backfill of it would re-deliver nothing. Re-deliver an offset range with the DAG "
+            f"{config.dag_id(pipeline, 'backfill')} or `tidemark backfill {pipeline}` (not "
+            f"retried)")
 
     swept = recover(pipelines_dir, pipeline)
     p = config.find(Path(pipelines_dir), pipeline, deep=False)
@@ -155,17 +193,23 @@ def failure(pipeline: str, dag_id: str, run_id: str, try_number: int | None = No
                                                 for s in bad)
 
 
-def report(pipeline: str, dag_id: str, run_id: str, pipeline_file: str | None = None,
-           outlet_events=None) -> dict:
-    """The ledger's record of the run this DAG run started: its state and counts per sink.
-
-    With ``outlet_events`` (Airflow's, for the task's asset alias), one asset event per sink
-    the run committed (tidemark/airflow/assets.py), its extra the run id, mode, ranges and
-    counts: a downstream DAG scheduled on a sink table runs after each commit, never for an
-    aborted or gate-failed run (nothing committed, or this task never runs)."""
+def announce(pipeline: str, dag_id: str, run_id: str, pipeline_file: str,
+             outlet_events=None) -> list[str]:
+    """One asset event per sink the run this DAG run started committed, through the task's
+    asset alias (``outlet_events``: Airflow's), its extra the run id, mode, ranges and counts
+    (tidemark/airflow/assets.py): a downstream DAG scheduled on a sink table runs after each
+    commit, whatever happened to the run's other sinks, and never for a sink that did not
+    commit. Returns the URIs announced."""
     run, sinks = _ledger_run(pipeline, dag_id, run_id)
-    if run is not None and outlet_events is not None and pipeline_file:
-        _emit_assets(config.load(Path(pipeline_file), deep=False), run, sinks, outlet_events)
+    if run is None or outlet_events is None:
+        return []
+    return _emit_assets(config.load(Path(pipeline_file), deep=False), run, sinks,
+                        outlet_events)
+
+
+def report(pipeline: str, dag_id: str, run_id: str, pipeline_file: str | None = None) -> dict:
+    """The ledger's record of the run this DAG run started: its state and counts per sink."""
+    run, sinks = _ledger_run(pipeline, dag_id, run_id)
     if run is None:
         return {"pipeline": pipeline, "run_id": None,
                 "summary": "nothing to replay (no new records, or every sink busy)"}
@@ -183,13 +227,15 @@ def report(pipeline: str, dag_id: str, run_id: str, pipeline_file: str | None = 
     return out
 
 
-def _emit_assets(p: config.Pipeline, run: dict, sinks: list[dict], outlet_events) -> None:
+def _emit_assets(p: config.Pipeline, run: dict, sinks: list[dict], outlet_events
+                 ) -> list[str]:
     from airflow.sdk import Asset, AssetAlias
 
     from tidemark.airflow import assets
 
     alias = outlet_events[AssetAlias(assets.alias_name(p.name))]
     declared = {s.name: s for s in p.sinks}
+    out = []
     for s in sinks:
         if s["state"] != RunState.COMMITTED or s["sink"] not in declared:
             continue  # only committed data is announced (a sink since removed: nothing to name)
@@ -199,6 +245,8 @@ def _emit_assets(p: config.Pipeline, run: dict, sinks: list[dict], outlet_events
             "run_id": run["run_id"], "mode": run["mode"], "ranges": s["ranges"],
             "counts": s["counts"]})
         print(f"asset event: {uri} (run {run['run_id']}, sink {s['sink']})")
+        out.append(uri)
+    return out
 
 
 # -- maintenance ---------------------------------------------------------------------------
@@ -232,12 +280,16 @@ def check_health(pipelines: dict[str, config.Pipeline]) -> Health:
     prefix = get_settings().gid_prefix
     ledger = _ledger()
     dsns = {ledger: "ledger"}
+    users: dict[str, list[str]] = {ledger: ["-"]}  # dsn -> the pipelines with a sink there
     for p in pipelines.values():
         for s in p.sinks:
             try:
-                dsns.setdefault(p.sink_dsn(s), s.name)
+                dsn = p.sink_dsn(s)
             except TidemarkError as exc:
                 health.problems.append(Problem(p.name, str(exc)))
+                continue
+            dsns.setdefault(dsn, f"sink {s.name} of {p.name}")
+            users.setdefault(dsn, []).append(p.name)
     with connect(ledger, autocommit=True, what="ledger") as c:
         run_pipeline = runs.recent_pipelines(c)
         health.dead_letters = dlq.counts_by_pipeline(c, list(pipelines))
@@ -265,7 +317,7 @@ def check_health(pipelines: dict[str, config.Pipeline]) -> Health:
                                     FROM pg_prepared_xacts WHERE gid LIKE %s""",
                                  (f"{prefix}:%",)).fetchall()
         except TidemarkError as exc:
-            health.problems.append(Problem("-", str(exc)))
+            health.problems += [Problem(name, str(exc)) for name in dict.fromkeys(users[dsn])]
             continue
         for gid, minutes in rows:
             health.prepared_oldest_seconds = max(health.prepared_oldest_seconds,
@@ -338,13 +390,30 @@ class LagEpisodes:
                      description="Tidemark: open lag alert episodes (maintenance DAG)")
 
 
-def maintenance(pipelines_dir: str, episodes: LagEpisodes | None = None) -> str:
+def prune() -> dict:
+    """The maintenance DAG's retention: what `tidemark prune` deletes, with the settings of
+    the worker's environment (TIDEMARK_RETENTION_*, TIDEMARK_DATA_DOCS_DIR)."""
+    from tidemark.protocol.prune import Policy
+    from tidemark.protocol.prune import prune as delete_expired
+
+    s = get_settings()
+    summary = delete_expired(_ledger(), Policy.of(s), s.data_docs_dir, progress=print)
+    for line in summary.lines():
+        print(line)
+    return summary.to_dict()
+
+
+def maintenance(pipelines_dir: str, episodes: LagEpisodes | None = None, ti=None) -> str:
     """The maintenance DAG's check: alert through each pipeline's channels, fail if unhealthy.
-    A lag breach alerts once per episode (``episodes``: where they are kept)."""
+    It runs whatever the recover task did, and reports that task's errors per pipeline. A lag
+    breach alerts once per episode (``episodes``: where they are kept)."""
     from tidemark.airflow import alerts, metrics
 
     pipelines, broken = config.load_all(Path(pipelines_dir), deep=False)
     health = check_health(pipelines)
+    swept = ti.xcom_pull(task_ids="recover", key=RECOVERY_ERRORS) if ti is not None else None
+    for name, errors in sorted((swept or {}).items()):
+        health.problems += [Problem(name, f"recovery: {e}") for e in errors]
     metrics.safely(metrics.emit_health, health.lags, health.prepared_oldest_seconds,
                    health.dead_letters, list(pipelines))
     for b in broken:

@@ -42,9 +42,41 @@ def _filter_options(fn):
                      "(default: quarantined; any with --ids)."),
         click.option("--since", help="Last seen at or after this ISO timestamp."),
         click.option("--until", help="Last seen before this ISO timestamp."),
+        click.option("--reason", help="Only reasons containing this text (any case)."),
     ]):
         fn = opt(fn)
     return fn
+
+
+def _confirmed(what: str, n: int, f: dlq_mod.Filters, yes: bool) -> None:
+    """An action on every letter that matches goes ahead only once its count is confirmed:
+    at a prompt naming it, or by --yes. Without a terminal to ask, BadInput says so."""
+    if yes:
+        return
+    f = f.without("status")  # "quarantined dead letters" says it
+    question = f"{what} {n:,} quarantined dead letter{'s' if n != 1 else ''} ({f.described()})?"
+    if not sys.stdin.isatty() and not _piped():
+        raise BadInput(f"{n:,} quarantined dead letters match ({f.described()}); add --yes to "
+                       f"{what.lower()} them without a prompt")
+    if not click.confirm(question, default=False, err=True):
+        click.echo(f"not confirmed: nothing {_past(what)}", err=True)
+        sys.exit(1)
+
+
+def _piped() -> bool:
+    """stdin is a pipe or a file someone gave (an answer), not nothing (/dev/null, closed)."""
+    import os
+    import stat
+
+    try:
+        mode = os.fstat(sys.stdin.fileno()).st_mode
+    except (OSError, ValueError):
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISREG(mode)
+
+
+def _past(what: str) -> str:
+    return {"Discard": "discarded", "Redrive": "redriven"}[what]
 
 
 def _filters(ids: list[int] | None = None, status: str | None = None,
@@ -157,15 +189,55 @@ def dlq_show(ctx: Ctx, record_id: int, fmt: str, as_json: bool) -> None:
 
 
 @dlq.command("discard")
-@click.argument("ids", nargs=-1, required=True)
+@click.argument("ids", nargs=-1)
+@click.option("--pipeline", help="Every quarantined record of this pipeline (with the others: "
+              "that match them all).")
+@click.option("--sink", help="Every quarantined record of this sink.")
+@click.option("--class", "error_class", help="Every quarantined record of this error class.")
+@click.option("--since", help="Only records last seen at or after this ISO timestamp.")
+@click.option("--until", help="Only records last seen before this ISO timestamp.")
+@click.option("--reason", help="Only records whose reason contains this text (any case).")
+@click.option("--all", "everything", is_flag=True,
+              help="Every quarantined record (narrowed by the filters).")
+@click.option("--yes", is_flag=True, help="Do not ask before discarding all that match.")
 @click.option("--note", required=True, help="Why (required; kept with the records).")
 @click.option("--by", help="Who discards (default: user@host).")
 @pass_ctx
-def dlq_discard(ctx: Ctx, ids: tuple[str, ...], note: str, by: str | None) -> None:
-    """Discard quarantined records (IDS, e.g. 4 7 9 or 4,7,9): they stay in the DLQ with
-    status discarded, who, when and the note. Other records are skipped, with the reason."""
+def dlq_discard(ctx: Ctx, ids: tuple[str, ...], pipeline: str | None, sink: str | None,
+                error_class: str | None, since: str | None, until: str | None,
+                reason: str | None, everything: bool, yes: bool, note: str,
+                by: str | None) -> None:
+    """Discard quarantined records (IDS, e.g. 4 7 9 or 4,7,9, or all that match the filters,
+    after a prompt naming how many): they stay in the DLQ with status discarded, who, when
+    and the note. Other records are skipped, with the reason."""
+    chosen = _ids(ids)
+    raw = {"pipeline": pipeline, "sink": sink, "error_class": error_class, "since": since,
+           "until": until, "reason": reason}
+    filtered = everything or any(v not in (None, "") for v in raw.values())
+    if chosen and filtered:
+        raise click.UsageError("give dead-letter ids or filters (--pipeline/--class/--reason/"
+                               "--all ...), not both")
+    if not chosen and not filtered:
+        raise click.UsageError("give dead-letter ids, filters (--pipeline/--class/--reason ...)"
+                               " or --all")
+    by = by or dlq_mod.default_by()
     with connect(ctx.ledger_dsn, autocommit=True, what="ledger") as conn:
-        res = dlq_mod.discard(conn, _ids(ids), note, by or dlq_mod.default_by())
+        if chosen:
+            res = dlq_mod.discard(conn, chosen, note, by)
+        else:
+            f = dlq_mod.Filters.parse(**raw, status="quarantined")
+            n = dlq_mod.matching(conn, f)
+            if n == 0:
+                click.echo(f"no quarantined dead letters match "
+                           f"({f.without('status').described()})")
+                sys.exit(1)
+            _confirmed("Discard", n, f, yes)
+            res = dlq_mod.discard_matching(conn, f, note, by, expected=None if yes else n)
+            click.echo(f"discarded {len(res.changed):,} dead letter(s) matching "
+                       f"{f.without('status').described()}")
+            if not res.changed:
+                sys.exit(1)
+            return
     if res.changed:
         click.echo(f"discarded {len(res.changed):,}: {', '.join(map(str, res.changed))}")
     for i, why in sorted(res.skipped.items()):
@@ -234,9 +306,11 @@ def dlq_counts(ctx: Ctx, as_json: bool) -> None:
 @click.option("--sink", help="Every quarantined record of this sink.")
 @click.option("--since", help="Only records last seen at or after this ISO timestamp.")
 @click.option("--until", help="Only records last seen before this ISO timestamp.")
+@click.option("--reason", help="Only records whose reason contains this text (any case).")
 @click.option("--all", "everything", is_flag=True,
               help="Every quarantined record of PIPELINE (narrowed by --class/--sink/--since/"
-                   "--until).")
+                   "--until/--reason).")
+@click.option("--yes", is_flag=True, help="Do not ask before redriving all that match.")
 @click.option("--request", "request", type=click.IntRange(min=1),
               help="Run an existing redrive request (the redrive DAG's select task makes one).")
 @click.option("--by", help="Who asks (recorded on the dead letters; default: user@host).")
@@ -245,8 +319,8 @@ def dlq_counts(ctx: Ctx, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
 @pass_ctx
 def dlq_redrive(ctx: Ctx, pipeline: str, ids: tuple[str, ...], error_class: str | None,
-                sink: str | None, since: str | None, until: str | None, everything: bool,
-                request: int | None, by: str | None, external_id: str | None,
+                sink: str | None, since: str | None, until: str | None, reason: str | None,
+                everything: bool, yes: bool, request: int | None, by: str | None, external_id: str | None,
                 airflow: AirflowRun | None, as_json: bool) -> None:
     """Replay quarantined records (IDS, e.g. 4 7 9 or 4,7,9, or all that match the filters)
     through the current pipeline code into the sinks, exactly once. Records that pass are
@@ -258,7 +332,7 @@ def dlq_redrive(ctx: Ctx, pipeline: str, ids: tuple[str, ...], error_class: str 
 
     by = by or dlq_mod.default_by()
     chosen = _ids(ids)
-    filtered = bool(error_class or sink or since or until or everything)
+    filtered = bool(error_class or sink or since or until or reason or everything)
     if request is not None and (chosen or filtered):
         raise click.UsageError("--request runs a request as it is: no ids or filters with it")
     if request is None and chosen and filtered:
@@ -267,8 +341,11 @@ def dlq_redrive(ctx: Ctx, pipeline: str, ids: tuple[str, ...], error_class: str 
         if not filtered:
             raise click.UsageError("give dead-letter ids, --class/--sink, or --all")
         f = dlq_mod.Filters.parse(pipeline=pipeline, error_class=error_class, sink=sink,
-                                  since=since, until=until, status="quarantined")
+                                  since=since, until=until, reason=reason, status="quarantined")
         with connect(ctx.ledger_dsn, autocommit=True, what="ledger") as conn:
+            n = dlq_mod.matching(conn, f)
+            if n:
+                _confirmed("Redrive", n, f, yes)
             req = redrives.create(conn, pipeline, by, filters=f)
         if req is None:
             click.echo(f"{pipeline}: no quarantined records match; nothing to redrive")

@@ -327,7 +327,8 @@ def demo_load(ctx: Ctx, repeat: int, table: str, source_dsn: str | None) -> None
 # -- local Airflow ----------------------------------------------------------------------------
 @cli.group("airflow")
 def airflow_group() -> None:
-    """The local Airflow of `make up` (API server, scheduler, DAG processor on 127.0.0.1)."""
+    """The local Airflow of `make up` (API server, scheduler, DAG processor, triggerer on
+    127.0.0.1)."""
 
 
 def _stack(ctx: Ctx, port: int):
@@ -357,6 +358,7 @@ def airflow_up(ctx: Ctx, unpause: tuple[str, ...], port: int) -> None:
         stack.unpause(dag_id)
         click.echo(f"unpaused {dag_id}")
     click.echo(f"Airflow UI: {stack.url}   login: {stack.user} / {stack.password()}")
+    click.echo(f"Airflow's CLI against it: source {stack.env_file}, then `airflow ...`")
 
 
 @airflow_group.command("down")
@@ -386,7 +388,7 @@ def chaos_cmd(seed: int | None, steps: int, fault_every: int, keep_dir: bool) ->
 
 
 # Command groups in their own modules register themselves on `cli`.
-from tidemark.cli import dlq  # noqa: E402, F401
+from tidemark.cli import dlq, retention  # noqa: E402, F401
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 
-from tidemark.core.errors import ConfigError, TidemarkError
+from tidemark.core.errors import BadInput, ConfigError, TidemarkError
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # URI userinfo: libpq ends it at the first '@' or '/', so a password holds neither (the user
@@ -54,10 +54,11 @@ def airflow_connection_uri(conn_id: str) -> str:
         try:
             conn = BaseHook.get_connection(conn_id)
         except Exception as exc:  # noqa: BLE001
-            raise TidemarkError(f"Airflow connection {conn_id!r} not found: {exc}") from None
+            raise BadInput(f"Airflow connection {conn_id!r} not found: "
+                           f"{mask(str(exc))}") from None
         return _normalize_scheme(conn.get_uri())
-    raise TidemarkError(f"connection {conn_id!r}: set AIRFLOW_CONN_{conn_id.upper()} or run "
-                        f"inside Airflow")
+    raise BadInput(f"connection {conn_id!r}: set AIRFLOW_CONN_{conn_id.upper()} or run "
+                   f"inside Airflow")
 
 
 def airflow_connection_if_defined(conn_id: str) -> str | None:

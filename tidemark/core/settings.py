@@ -29,6 +29,15 @@ class Settings(BaseSettings):
                                 description="where Great Expectations Data Docs are rendered")
     prepared_alert_seconds: int = Field(900, ge=1,
                                         description="age at which a prepared transaction alerts")
+    # Retention (`tidemark prune`, the maintenance DAG's prune task; docs/operations.md).
+    retention_letters_days: int = Field(30, ge=0, description="days a resolved dead letter "
+                                        "(redriven or discarded) is kept after it was resolved")
+    retention_runs_days: int = Field(90, ge=0, description="days a finished run is kept, with "
+                                     "its sinks, ranges, participants, metrics, data-quality "
+                                     "results and Data Docs pages")
+    retention_requests_days: int = Field(30, ge=0, description="days a redrive request is kept")
+    retention_batch_size: int = Field(500, ge=1, description="rows (letters, runs, requests) "
+                                      "deleted per ledger transaction")
 
     def docs_dir(self, pipeline: str) -> Path:
         """A pipeline's own Great Expectations project, where its Data Docs are rendered."""

@@ -1,9 +1,9 @@
 """A real local Airflow 3.3 for `make up` and the tests: the separate components, one machine.
 
-The API server, the scheduler (LocalExecutor) and the DAG processor run as background
-processes bound to 127.0.0.1, with their metadata in a PostgreSQL database, sized for a
-2-core machine. State (generated secrets, the login, pid files, logs) lives in ``home``.
-The triggerer is not started: no Tidemark task defers.
+The API server, the scheduler (LocalExecutor), the DAG processor and the triggerer run as
+background processes bound to 127.0.0.1, with their metadata in a PostgreSQL database, sized
+for a 2-core machine. State (generated secrets, the login, pid files, logs) lives in ``home``,
+with ``airflow.env``: the settings to source before running Airflow's own CLI against it.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import secrets
+import shlex
 import signal
 import socket
 import subprocess
@@ -29,7 +30,7 @@ from tidemark.core.errors import TidemarkError
 from tidemark.core.private import write_private
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: dags/ and plugins/
-COMPONENTS = ("api-server", "scheduler", "dag-processor")
+COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
 USER = "admin"
 
 
@@ -164,6 +165,22 @@ class Stack:
         return env
 
     # -- lifecycle -------------------------------------------------------------------------
+    @property
+    def env_file(self) -> Path:
+        return self.home / "airflow.env"
+
+    def write_env_file(self) -> Path:
+        """The settings Airflow's processes run with, as ``export`` lines to source before
+        running Airflow's own CLI against this stack (``airflow dags list``, ``airflow
+        backfill create``). Only the owner may read it: it holds the metadata database's
+        password and the stack's keys."""
+        env = self.env()
+        keys = sorted(k for k in env if k.startswith(("AIRFLOW", "TIDEMARK_", "PYSPARK_")))
+        lines = [f"export {k}={shlex.quote(env[k])}" for k in keys]
+        write_private(self.env_file, "# source this file to run `airflow ...` against the "
+                      "local Tidemark Airflow\n" + "\n".join(lines) + "\n")
+        return self.env_file
+
     def _airflow(self, *args: str, timeout: float = 600) -> str:
         proc = subprocess.run([sys.executable, "-m", "airflow", *args], env=self.env(),
                               capture_output=True, text=True, timeout=timeout)
@@ -199,6 +216,7 @@ class Stack:
             raise TidemarkError(f"port {self.port} on 127.0.0.1 is taken: set "
                                 f"TIDEMARK_AIRFLOW_PORT to a free one")
         self.migrate()
+        self.write_env_file()
         (self.home / "run").mkdir(parents=True, exist_ok=True)
         (self.home / "logs").mkdir(parents=True, exist_ok=True)
         env = self.env()
@@ -228,7 +246,7 @@ class Stack:
                 h = self.health()
                 states = {k: (v or {}).get("status") for k, v in h.items()}
                 if all(states.get(k) == "healthy"
-                       for k in ("metadatabase", "scheduler", "dag_processor")):
+                       for k in ("metadatabase", "scheduler", "dag_processor", "triggerer")):
                     return
                 last = ", ".join(f"{k} {v}" for k, v in states.items())
             except Exception as exc:  # noqa: BLE001 - not listening yet

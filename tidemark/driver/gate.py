@@ -22,7 +22,6 @@ Results (per expectation, observed values, the GX result, the Data Docs page) go
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -37,6 +36,7 @@ from tidemark.ledger.status import save_dq_result
 from tidemark.protocol.taskspec import CHECK, RowCheck
 from tidemark.quality import checks as quality
 from tidemark.quality import expectations
+from tidemark.quality.outcomes import observed
 from tidemark.quality.reasons import COLUMN_KWARGS
 
 PARTITION, OFFSET = quality.PARTITION_COL, quality.OFFSET_COL
@@ -56,8 +56,7 @@ class Verdict:
 def _summary(outcome: quality.GateOutcome) -> str:
     parts = []
     for r in outcome.failed():
-        seen = json.dumps(r.get("observed_value"), default=str)[:80]
-        parts.append(f"{r['expectation']}({_args(r.get('kwargs', {}))}) observed {seen}")
+        parts.append(f"{r['expectation']}({_args(r.get('kwargs', {}))}) {observed(r)}")
     return "data-quality gate failed: " + "; ".join(parts)
 
 

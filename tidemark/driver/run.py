@@ -240,6 +240,8 @@ class Run:
                 raise
             finally:
                 self.stop.uninstall()
+                if report.records:
+                    state.note_read(self.ledger, claim.run_id, report.records)
                 state.finish_run(self.ledger, claim.run_id)
             return report
         finally:
@@ -316,6 +318,8 @@ class Run:
                                     str(self.s.docs_dir(self.p.name)), self.mode.gate_policy)
             failed = sum(len(offs) for f in verdict.rows.values() for offs in f.values())
             self._mark("gate")
+            if verdict.halted:  # a sink writes none of the batch: still, the run read it
+                report.records = cached.count()
             self.log(f"run {run_id}: data quality: {failed:,} rows failed, gate "
                      f"{'failed' if verdict.halted or verdict.quarantine else 'passed'} "
                      f"(`tidemark dq show {run_id}`)")

@@ -33,6 +33,12 @@ def driver_java_options() -> list[str]:
     return cds.java_options() + gc_options()
 
 
+def log4j_option() -> str:
+    """Spark's logging for Tidemark's JVMs (log4j2.properties: Spark's errors only; the job
+    reports its own progress and errors on stderr)."""
+    return f"-Dlog4j2.configurationFile=file:{LOG4J}"
+
+
 def session(master: str | None, app_name: str, java_options: list[str] | None = None):
     """Tidemark's SparkSession. The driver JVM's options (``java_options``, else
     :func:`driver_java_options`) apply when this process starts the JVM; under spark-submit
@@ -45,7 +51,7 @@ def session(master: str | None, app_name: str, java_options: list[str] | None = 
     builder = SparkSession.builder.appName(app_name)
     if master:
         builder = builder.master(master)
-    log4j = f"-Dlog4j2.configurationFile=file:{LOG4J}"
+    log4j = log4j_option()
     if java_options is None:
         java_options = driver_java_options()
     builder = (builder

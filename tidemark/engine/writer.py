@@ -38,6 +38,7 @@ from tidemark.core.clock import Phases
 from tidemark.core.db import is_data_error, one_line, qualified
 from tidemark.core.text import clamp
 from tidemark.engine import pgbinary, tombstones
+from tidemark.engine.json_reasons import decode_reason
 from tidemark.engine.records import ERR_CLASS, ERR_REASON, TOMBSTONE, TOMBSTONE_KEPT
 from tidemark.engine.redelivery import Redelivery
 from tidemark.ledger import letters, markers, redrives
@@ -180,6 +181,8 @@ class DeadLetters:
         self._open()
         with self.stage.copy() as copy:
             for r, error_class, reason, detail in pending:
+                if error_class == "decode":  # Spark's word made precise, from the bytes
+                    reason = decode_reason(r["_tm_payload"], reason)
                 copy.write_row((
                     self.spec.pipeline, self.sink, self.spec.run_id, r[PARTITION], r[OFFSET],
                     r["_tm_key"], r["_tm_payload"], storable_headers(r["_tm_headers"]),

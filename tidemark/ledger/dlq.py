@@ -35,6 +35,7 @@ STATUSES = ("quarantined", "redriven", "discarded")
 MAX_LIMIT = 1000
 MAX_IDS = 100_000
 MAX_NOTE = 2000
+MAX_SEARCH = 200  # a reason holds at most 200 characters (engine/writer.py, REASON_MAX)
 LOCK_TIMEOUT = "2s"  # a redrive's prepared transaction holds its rows until it settles
 PREVIEW_BYTES = 160
 
@@ -104,8 +105,18 @@ class Filters(BaseModel):
     status: Literal["quarantined", "redriven", "discarded"] | None = None
     since: datetime | None = None
     until: datetime | None = None
+    reason: str | None = None  # a piece of the reason, any case
     ids: list[int] | None = None
     pipelines: list[str] | None = None
+
+    @field_validator("reason")
+    @classmethod
+    def _reason(cls, v: str | None) -> str | None:
+        if v is not None and len(v) > MAX_SEARCH:
+            raise ValueError(f"{len(v):,} characters, at most {MAX_SEARCH}")
+        if v is not None and "\x00" in v:
+            raise ValueError("a reason holds no NUL character")
+        return v
 
     @field_validator("sink")
     @classmethod
@@ -166,8 +177,20 @@ class Filters(BaseModel):
             "pipeline": self.pipeline, "sink": self.sink, "error_class": self.error_class,
             "status": self.status or "any",
             "since": self.since.isoformat() if self.since else None,
-            "until": self.until.isoformat() if self.until else None}.items() if v}
+            "until": self.until.isoformat() if self.until else None,
+            "reason": self.reason}.items() if v}
         return out
+
+    def described(self) -> str:
+        """The filters in words, for a confirmation: "pipeline orders, class validation,
+        reason contains 'amount'"."""
+        parts = [f"{label} {v}" for label, v in (
+            ("pipeline", self.pipeline), ("sink", self.sink), ("class", self.error_class),
+            ("status", self.status), ("last seen from", self.since and self.since.isoformat()),
+            ("until", self.until and self.until.isoformat())) if v]
+        if self.reason:
+            parts.append(f"reason contains {shown(self.reason, MAX_SEARCH + 2)}")
+        return ", ".join(parts) or "no filter"
 
 
 def _where(f: Filters, *, status: str | None = None, before: int | None = None):
@@ -192,6 +215,10 @@ def _where(f: Filters, *, status: str | None = None, before: int | None = None):
         add("last_seen >= %s", f.since)
     if f.until:
         add("last_seen < %s", f.until)
+    if f.reason:
+        # A substring in any case: ILIKE with the pattern's own wildcards escaped. No index
+        # (docs/dlq.md, "Search"): the other filters and the keyset bound the rows it reads.
+        add("reason ILIKE %s", "%" + re.sub(r"([\\%_])", r"\\\1", f.reason) + "%")
     if f.ids is not None:
         add("id = ANY(%s::bigint[])", list(f.ids))
     if before is not None:
@@ -212,6 +239,14 @@ def matching_ids(conn: psycopg.Connection, filters: Filters, limit: int = MAX_ID
     if len(rows) > limit:
         raise BadInput(f"more than {limit:,} dead letters match; act on them in parts")
     return [r[0] for r in rows]
+
+
+def matching(conn: psycopg.Connection, filters: Filters) -> int:
+    """How many dead letters ``filters`` select: what an "all matching" action asks people to
+    confirm."""
+    where, args = _where(filters)
+    return conn.execute(sql.SQL("SELECT count(*) FROM {} WHERE {}").format(_DLQ, where),
+                        args).fetchone()[0]
 
 
 def quarantined(conn: psycopg.Connection, pipeline: str) -> int:
@@ -364,6 +399,19 @@ def payload_chunks(conn: psycopg.Connection, record_id: int,
 
 
 # -- acting -------------------------------------------------------------------------------------
+def _why(note: str | None, by: str | None) -> tuple[str, str]:
+    """A discard's note and who, checked."""
+    note = (note or "").strip()
+    if not note:
+        raise BadInput("note: required; say why these records are discarded")
+    if len(note) > MAX_NOTE:
+        raise BadInput(f"note: {len(note):,} characters, at most {MAX_NOTE:,}")
+    by = (by or "").strip()
+    if not by:
+        raise BadInput("by: required; who discards")
+    return note, by
+
+
 @dataclass
 class Discarded:
     changed: list[int] = field(default_factory=list)
@@ -381,14 +429,7 @@ def discard(conn: psycopg.Connection, ids: Iterable[int], note: str | None,
     chosen = sorted(set(parse_ids(list(ids))))
     if not chosen:
         raise BadInput("ids: give at least one dead-letter id")
-    note = (note or "").strip()
-    if not note:
-        raise BadInput("note: required; say why these records are discarded")
-    if len(note) > MAX_NOTE:
-        raise BadInput(f"note: {len(note):,} characters, at most {MAX_NOTE:,}")
-    by = (by or "").strip()
-    if not by:
-        raise BadInput("by: required; who discards")
+    note, by = _why(note, by)
     out = Discarded()
     with conn.transaction():
         conn.execute("SELECT set_config('lock_timeout', %s, true)", (LOCK_TIMEOUT,))
@@ -423,6 +464,22 @@ def discard(conn: psycopg.Connection, ids: Iterable[int], note: str | None,
                    WHERE id = ANY(%s::bigint[]) AND status = 'quarantined' RETURNING id""",
                 (by, note, todo)))
     return out
+
+
+def discard_matching(conn: psycopg.Connection, filters: Filters, note: str | None,
+                     by: str | None, expected: int | None = None) -> Discarded:
+    """Discard every quarantined letter ``filters`` match now (up to MAX_IDS), as
+    :func:`discard` does ids. ``expected``: the count the caller confirmed; more matching now
+    is refused (nothing discarded): they confirmed fewer. Fewer is fine (some were resolved
+    meanwhile)."""
+    _why(note, by)
+    ids = matching_ids(conn, filters.model_copy(update={"status": "quarantined"}))
+    if expected is not None and len(ids) > expected:
+        raise BadInput(f"{len(ids):,} dead letter(s) match now, not the {expected:,} confirmed; "
+                       f"nothing was discarded, look again")
+    if not ids:
+        return Discarded()
+    return discard(conn, ids, note, by)
 
 
 # -- export ---------------------------------------------------------------------------------

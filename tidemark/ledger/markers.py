@@ -74,3 +74,12 @@ def version_conflict(label: sql.Composable, stored: sql.Composable,
                      incoming: sql.Composable) -> sql.Composed:
     """The merge guard's call that fails a key whose versions no offset orders."""
     return sql.SQL("tidemark.version_conflict({}, {}, {})").format(label, stored, incoming)
+
+
+def forget(conn: psycopg.Connection, prefix: str, run_ids: list[int]) -> int:
+    """Drop this installation's (``prefix``) markers of settled runs whose ledger rows are
+    being deleted (retiring their pipeline); returns how many."""
+    if not conn.execute("SELECT to_regclass('tidemark.commits')").fetchone()[0]:
+        return 0
+    return conn.execute("DELETE FROM tidemark.commits WHERE run_id = ANY(%s) AND gid LIKE %s",
+                        (run_ids, f"{prefix}:%")).rowcount

@@ -350,6 +350,15 @@ def dq_failed(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str,
         _release(conn, pipeline, run_id, sink)
 
 
+def note_read(conn: psycopg.Connection, run_id: int, records: int) -> None:
+    """The records the run read, on its sinks that ended without writing them (aborted,
+    dq_failed): their counts say what the run saw, not nothing."""
+    conn.execute("""UPDATE tidemark.run_sinks SET counts = counts || jsonb_build_object(
+                        'records', %s::bigint)
+                    WHERE run_id = %s AND state::text = ANY(%s) AND NOT counts ? 'records'""",
+                 (records, run_id, [RunState.ABORTED.value, RunState.DQ_FAILED.value]))
+
+
 def _release(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str) -> None:
     conn.execute("""UPDATE tidemark.leases SET run_id = NULL, owner = NULL, expires_at = NULL
                     WHERE pipeline = %s AND sink = %s AND run_id = %s""", (pipeline, sink, run_id))

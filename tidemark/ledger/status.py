@@ -8,6 +8,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from tidemark.ledger.checkpoints import listing
+from tidemark.quality.outcomes import observed
 
 
 def pipeline_status(conn: psycopg.Connection, pipeline: str, runs: int = 10) -> dict:
@@ -57,8 +58,10 @@ def render(st: dict) -> str:
         rows = counts.get("rows", 0)
         dead = counts.get("dead", counts.get("sink_dead", 0) + counts.get("source_dead", 0))
         err = f"  {r['error'][:100]}" if r["error"] else ""
+        read = counts.get("records", 0)
         out.append(f"    {r['run_id']:>6} {r['mode']:<8} {r['sink']:<16} {r['state']:<10} "
-                   f"{rows:>10,} rows {dead:>7,} dlq  {r['created_at']:%Y-%m-%d %H:%M:%S}{err}")
+                   f"{read:>10,} read {rows:>10,} rows {dead:>7,} dlq  "
+                   f"{r['created_at']:%Y-%m-%d %H:%M:%S}{err}")
     if st["gates"]:
         out.append("  data quality (last gate per scope):")
         for g in st["gates"]:
@@ -81,8 +84,7 @@ def failed_lines(results: list[dict]) -> list[str]:
         if not r.get("success"):
             args = ", ".join(f"{k}={v}" for k, v in (r.get("kwargs") or {}).items()
                              if k not in ("result_format", "catch_exceptions", "meta"))
-            lines.append(f"{r.get('expectation')}({args}) observed "
-                         f"{json.dumps(r.get('observed_value'), default=str)[:100]}")
+            lines.append(f"{r.get('expectation')}({args}) {observed(r)}")
     return lines
 
 
@@ -119,8 +121,7 @@ def render_dq(run_id: int, rows: list[dict]) -> str:
             mark = "ok  " if res.get("success") else "FAIL"
             args = ", ".join(f"{k}={v}" for k, v in (res.get("kwargs") or {}).items()
                              if k not in ("result_format", "catch_exceptions", "meta"))
-            out.append(f"    {mark} {res.get('expectation')}({args}) observed "
-                       f"{json.dumps(res.get('observed_value'), default=str)[:100]}")
+            out.append(f"    {mark} {res.get('expectation')}({args}) {observed(res)}")
         if r["docs_path"]:
             out.append(f"    Data Docs: {r['docs_path']}")
     return "\n".join(out)

@@ -37,6 +37,13 @@ class Report:
     lost: list[str] = field(default_factory=list)
     old_prepared: list[tuple[str, str, float]] = field(default_factory=list)  # db, gid, age
     errors: list[str] = field(default_factory=list)
+    # pipeline -> its errors: one pipeline's broken database never fails another's checks.
+    errors_of: dict[str, list[str]] = field(default_factory=dict)
+
+    def error(self, what: str, pipelines) -> None:
+        self.errors.append(what)
+        for name in pipelines:
+            self.errors_of.setdefault(name, []).append(what)
 
     @property
     def ok(self) -> bool:
@@ -60,13 +67,13 @@ class Databases:
         self.ledger_dsn = ledger_dsn
         self.application = application
         self.sink_dsns: dict[tuple[str, str], str] = {}
-        self.errors: list[str] = []
+        self.errors: list[tuple[str, str]] = []  # (pipeline, what)
         for p in pipelines.values():
             for s in p.sinks:
                 try:
                     self.sink_dsns[(p.name, s.name)] = p.sink_dsn(s)
                 except TidemarkError as exc:
-                    self.errors.append(str(exc))
+                    self.errors.append((p.name, str(exc)))
         self._conns: dict[str, psycopg.Connection] = {}
 
     def conn(self, dsn: str) -> psycopg.Connection:
@@ -85,6 +92,12 @@ class Databases:
             raise TidemarkError(f"pipeline {pipeline}: sink {sink} is not configured (pipeline "
                                 f"file missing or changed); cannot reach its database") from None
 
+    def users(self, dsn: str) -> list[str]:
+        """The pipelines with a sink on ``dsn`` (the ledger's: every pipeline)."""
+        if dsn == self.ledger_dsn:
+            return sorted({p for p, _ in self.sink_dsns} | {p for p, _ in self.errors})
+        return sorted({p for (p, _), d in self.sink_dsns.items() if d == dsn})
+
     def all_dsns(self) -> list[str]:
         return list(dict.fromkeys([self.ledger_dsn, *self.sink_dsns.values()]))
 
@@ -97,7 +110,8 @@ def recover(ledger_dsn: str, pipelines: dict[str, Pipeline], prefix: str,
             alert_seconds: float = 900.0) -> Report:
     report = Report()
     dbs = Databases(ledger_dsn, pipelines)
-    report.errors.extend(dbs.errors)
+    for pipeline, what in dbs.errors:
+        report.error(what, [pipeline])
     with connect(ledger_dsn, autocommit=True, what="ledger") as ledger:
         ledger.execute("SELECT pg_advisory_lock(%s)", (LOCK_KEY,))
         try:
@@ -116,8 +130,8 @@ def _roll_forward(ledger: psycopg.Connection, dbs: Databases, report: Report) ->
         try:
             lost = commit_chosen(ledger, dbs, pipeline, run_id, sink)
         except (psycopg.Error, TidemarkError) as exc:
-            report.errors.append(f"run {run_id} sink {sink}: cannot roll forward: "
-                                 f"{one_line(exc)}")
+            report.error(f"run {run_id} sink {sink}: cannot roll forward: {one_line(exc)}",
+                         [pipeline])
             continue
         if lost:
             report.lost.extend(lost)
@@ -129,7 +143,8 @@ def _roll_forward(ledger: psycopg.Connection, dbs: Databases, report: Report) ->
         except state.IllegalTransition:
             continue  # its owner got there first
         except psycopg.Error as exc:
-            report.errors.append(f"run {run_id} sink {sink}: cannot advance: {one_line(exc)}")
+            report.error(f"run {run_id} sink {sink}: cannot advance: {one_line(exc)}",
+                         [pipeline])
             continue
         report.rolled_forward.append((run_id, sink))
 
@@ -157,7 +172,8 @@ def _abort_dead(ledger: psycopg.Connection, report: Report) -> None:
             if state.abort(ledger, pipeline, run_id, sink, f"recovery: {why}"):
                 report.aborted.append((run_id, sink))
         except psycopg.Error as exc:  # one bad item never stops the rest
-            report.errors.append(f"run {run_id} sink {sink}: cannot abort: {one_line(exc)}")
+            report.error(f"run {run_id} sink {sink}: cannot abort: {one_line(exc)}",
+                         [pipeline])
         # Its prepared work is rolled back by the sweep below (same rule as any orphan).
 
 
@@ -171,12 +187,13 @@ def _sweep(ledger: psycopg.Connection, dbs: Databases, prefix: str, horizon: int
             conn = dbs.conn(dsn)
             found = twopc.prepared(conn, f"{prefix}:%")
         except (psycopg.Error, TidemarkError) as exc:
-            report.errors.append(f"cannot scan {mask(dsn)}: {one_line(exc)}")
+            report.error(f"cannot scan {mask(dsn)}: {one_line(exc)}", dbs.users(dsn))
             continue
         try:
             markers.prune(conn, settled_below)
         except psycopg.Error as exc:
-            report.errors.append(f"cannot prune markers on {mask(dsn)}: {one_line(exc)}")
+            report.error(f"cannot prune markers on {mask(dsn)}: {one_line(exc)}",
+                         dbs.users(dsn))
         for gid, age in found:
             g = gids.parse(gid, prefix)
             if g is None or g.run_id > horizon:
@@ -189,7 +206,7 @@ def _sweep(ledger: psycopg.Connection, dbs: Databases, prefix: str, horizon: int
                 if twopc.rollback(conn, gid):
                     report.rolled_back.append(gid)
             except psycopg.Error as exc:
-                report.errors.append(f"cannot roll back {gid}: {one_line(exc)}")
+                report.error(f"cannot roll back {gid}: {one_line(exc)}", dbs.users(dsn))
 
 
 def _may_still_choose(open_sinks: dict[str, str], g: gids.Gid) -> bool:

@@ -224,7 +224,10 @@ def gate(df, expectations: list, docs_dir: str | None, label: str, first=None
             "success": bool(r.success),
             "observed_value": _json_safe(result.get("observed_value")),
         }
-        for k in ("unexpected_count", "unexpected_percent"):
+        # A column map expectation has no observed value: its counts and GX's sample of the
+        # unexpected values (a failed gate's; up to 20) say what it saw (quality/outcomes.py).
+        for k in ("element_count", "missing_count", "unexpected_count", "unexpected_percent",
+                  "partial_unexpected_list"):
             if k in result:
                 item[k] = _json_safe(result[k])
         results.append(item)

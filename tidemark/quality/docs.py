@@ -12,6 +12,7 @@ import datetime
 import os
 import re
 from typing import Any
+from urllib.parse import unquote
 
 from tidemark.quality.expectations import _gx
 from tidemark.quality.expectations import lock as _lock
@@ -84,3 +85,78 @@ def build_docs_index(docs_dir: str) -> tuple[str, int]:
         count = len(ctx.validation_results_store.list_keys())
         ctx.build_data_docs()
     return _index_page(docs_dir), count
+
+
+# -- removal (retention, retiring a pipeline) ------------------------------------------------
+RESULTS = ("gx", "uncommitted", "validations")  # the stored validation results in a GX project
+
+
+def validation_files(docs_dir: str, page: str) -> list[tuple[str, str]] | None:
+    """The files of one rendered validation, each with the folder that holds all of its kind:
+    its page and the stored result it was rendered from (same relative path, .json). None if
+    ``page`` is not a validation page of ``docs_dir``'s site: a path read from the ledger is
+    never trusted to point inside it."""
+    pages = os.path.realpath(os.path.join(site_dir(docs_dir), "validations"))
+    results = os.path.join(os.path.realpath(docs_dir), *RESULTS)
+    # The ledger keeps the page as GX's site URL gives it: percent-encoded (web/app.py too).
+    path = os.path.realpath(unquote(page))
+    rel = os.path.relpath(path, pages)
+    if rel.startswith(os.pardir) or not rel.endswith(".html"):
+        return None
+    return [(path, pages), (os.path.join(results, rel[:-len(".html")] + ".json"), results)]
+
+
+def remove_files(files: list[tuple[str, str]]) -> tuple[int, int]:
+    """Delete each (path, top folder) (missing ones are skipped) and the folders it leaves
+    empty below its top folder; returns (files removed, bytes removed)."""
+    count = size = 0
+    for path, stop in files:
+        try:
+            n = os.stat(path).st_size
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        count, size = count + 1, size + n
+        folder = os.path.dirname(path)
+        while folder.startswith(stop + os.sep):
+            try:
+                os.rmdir(folder)  # only when empty: another run's page may share it
+            except OSError:
+                break
+            folder = os.path.dirname(folder)
+    return count, size
+
+
+def files_size(files: list[tuple[str, str]]) -> tuple[int, int]:
+    """(files, bytes) of those of ``files`` that exist: what :func:`remove_files` would remove
+    (a dry run)."""
+    count = size = 0
+    for path, _ in files:
+        try:
+            size += os.stat(path).st_size
+            count += 1
+        except FileNotFoundError:
+            continue
+    return count, size
+
+
+def tree_size(root: str) -> tuple[int, int]:
+    """(files, bytes) under ``root`` (0, 0 if it does not exist)."""
+    files = size = 0
+    for folder, _, names in os.walk(root):
+        for name in names:
+            try:
+                size += os.lstat(os.path.join(folder, name)).st_size
+                files += 1
+            except FileNotFoundError:
+                continue
+    return files, size
+
+
+def remove_tree(root: str) -> tuple[int, int]:
+    """Delete a pipeline's whole Data Docs project; returns (files, bytes) removed."""
+    import shutil
+
+    counted = tree_size(root)
+    shutil.rmtree(root, ignore_errors=True)
+    return counted

@@ -4,7 +4,7 @@ offending value. Plain Python, no Great Expectations: Spark tasks write these re
 
 from __future__ import annotations
 
-from tidemark.core.text import shown
+from tidemark.core.text import clamp, literal
 from tidemark.quality.expectations import VALUE_REPR_MAX
 
 PARTITION_COL = "_tm_partition"
@@ -34,11 +34,12 @@ def columns_of(kwargs: dict) -> list[str]:
 
 
 def reason(etype: str, kwargs: dict, row: dict) -> str:
-    """``row``: the failing row's index columns and the columns the expectation reads."""
+    """``row``: the failing row's index columns and the columns the expectation reads. Values
+    read as a user writes them (-98.12, 'text', NULL), never as Python reprs."""
     head = f"{etype}({domain(kwargs)})"
     if "column" in kwargs:
         value = row.get(kwargs["column"])
-        seen = shown(value, VALUE_REPR_MAX)
+        seen = literal(value, VALUE_REPR_MAX)
         if etype == "expect_column_values_to_be_in_set":
             return f"{head}: {seen} not in set"
         if etype == "expect_column_values_to_not_be_in_set":
@@ -46,5 +47,6 @@ def reason(etype: str, kwargs: dict, row: dict) -> str:
         if etype == "expect_column_values_to_not_be_null":
             return f"{head}: null value"
         return f"{head}: unexpected value {seen}"
-    values = {k: v for k, v in row.items() if k not in INDEX_COLS}
-    return f"{head}: unexpected values {shown(values, VALUE_REPR_MAX)}"
+    values = ", ".join(f"{k} = {literal(v, VALUE_REPR_MAX)}" for k, v in row.items()
+                       if k not in INDEX_COLS)
+    return f"{head}: unexpected values {clamp(values, 2 * VALUE_REPR_MAX)}"

@@ -251,7 +251,7 @@ def _filters(request: Request, default_status: str | None) -> dlq.Filters:
         pipeline=q.get("pipeline"), sink=q.get("sink"),
         error_class=q.get("error_class", q.get("class")),
         status=q.get("status", default_status), since=q.get("since"), until=q.get("until"),
-        ids=q.getlist("ids") or None)
+        reason=q.get("reason"), ids=q.getlist("ids") or None)
 
 
 async def _body(request: Request) -> dict[str, Any]:
@@ -274,6 +274,27 @@ async def _body(request: Request) -> dict[str, Any]:
     return data
 
 
+MATCHING = ("pipeline", "sink", "error_class", "since", "until", "reason")
+
+
+def _all_matching(body: dict) -> bool:
+    return str(body.get("all_matching", "")).lower() in ("1", "true", "on")
+
+
+def _matching(body: dict, action: str) -> tuple[dlq.Filters, int | None]:
+    """An "all matching" action's filters (one pipeline's quarantined letters) and the count
+    the caller confirmed (``expected``; the page's confirm step always sends it)."""
+    f = dlq.Filters.parse(**{k: body.get(k) for k in MATCHING}, status="quarantined")
+    if not f.pipeline:
+        raise BadInput(f"pipeline: choose the pipeline whose dead letters to {action}")
+    expected = body.get("expected")
+    if expected in (None, ""):
+        return f, None
+    if isinstance(expected, bool) or not str(expected).strip().isdigit():
+        raise BadInput(f"expected {shown(expected, 40)}: not a count")
+    return f, int(str(expected).strip())
+
+
 def _ids_from(body: dict) -> list[int]:
     if "ids" not in body or body["ids"] in (None, "", []):
         raise BadInput("ids: select at least one dead letter")
@@ -284,7 +305,8 @@ def _back(request: Request, body: dict) -> str:
     """Where a form's result page links back to: the list with the filters it had."""
     query = str(body.get("back") or "")
     safe = urlencode([(k, v) for k, vs in parse_qs(query).items() for v in vs
-                      if k in ("pipeline", "sink", "error_class", "status", "since", "until")])
+                      if k in ("pipeline", "sink", "error_class", "status", "since", "until",
+                               "reason")])
     return f"{_links(request)['prefix']}/dlq/" + (f"?{safe}" if safe else "")
 
 
@@ -406,6 +428,7 @@ def list_page(request: Request, caller: CallerDep) -> Response:
         request, "list.html", rows=[_summary(r) for r in pg.rows], next_before=pg.next_before,
         class_links=class_links, f=f, pipelines=names,
         can_act=bool(editable), classes=dlq.ERROR_CLASSES, statuses=dlq.STATUSES,
+        # "all matching" actions: one pipeline's quarantined letters, after a confirm step
         redrive_all=bool(f.pipeline in editable and f.status == "quarantined" and matching),
         matching=matching,
         keep=keep, query=urlencode(keep), limit=limit, before=before,
@@ -414,6 +437,23 @@ def list_page(request: Request, caller: CallerDep) -> Response:
         windows=[("last hour", _window(1)), ("24 hours", _window(24)),
                  ("7 days", _window(24 * 7))],
         urlencode=urlencode)
+
+
+@app.get("/dlq/confirm")
+def confirm_page(request: Request, caller: CallerDep) -> Response:
+    """The confirm step of an "all matching" action: the count the server finds for these
+    filters now, and the form that acts on them with that count (``expected``)."""
+    action = request.query_params.get("action", "")
+    if action not in ("redrive", "discard"):
+        raise BadInput(f"action {shown(action, 40)}: expected redrive or discard")
+    f, _ = _matching(dict(request.query_params), action)
+    web_auth.require(caller, "PUT", [f.pipeline])
+    with _ledger(options="-c statement_timeout=30000") as conn:
+        n = dlq.matching(conn, f)
+    keep = f.query()
+    return _html(request, "confirm.html", action=action, n=n, f=f,
+                 described=f.without("status").described(), keep=keep,
+                 fields={k: keep[k] for k in MATCHING if keep.get(k)}, query=urlencode(keep))
 
 
 def _may(caller: Caller, method: str, pipeline: str) -> bool:
@@ -575,6 +615,21 @@ async def api_export_selected(request: Request, caller: CallerDep) -> Response:
 @app.post("/dlq/api/discard")
 async def api_discard(request: Request, caller: CallerDep) -> Response:
     body = await _body(request)
+    if _all_matching(body):
+        f, expected = _matching(body, "discard")
+
+        def everything() -> dlq.Discarded:
+            web_auth.require(caller, "PUT", [f.pipeline])
+            with _ledger() as conn:
+                return dlq.discard_matching(conn, f, body.get("note"), caller.name, expected)
+
+        res = await run_in_threadpool(everything)
+        if _wants_html(request):
+            return _html(request, "result.html", title="Discard", back=_back(request, body),
+                         done=[f"Discarded {len(res.changed):,} dead letter(s) matching "
+                               f"{f.without('status').described()}"], runs=[], skipped=[],
+                         errors=[])
+        return JSONResponse({**res.to_dict(), "by": caller.name})
     ids = _ids_from(body)
 
     def work() -> dlq.Discarded:
@@ -597,15 +652,11 @@ async def api_discard(request: Request, caller: CallerDep) -> Response:
 @app.post("/dlq/api/redrive")
 async def api_redrive(request: Request, caller: CallerDep) -> Response:
     """Redrive the selected ``ids``, or (``all_matching``) every quarantined letter of one
-    pipeline that the filters (pipeline, sink, error_class, since, until) match."""
+    pipeline that the filters (pipeline, sink, error_class, since, until, reason) match."""
     body = await _body(request)
-    if str(body.get("all_matching", "")).lower() in ("1", "true", "on"):
-        f = dlq.Filters.parse(**{k: body.get(k) for k in
-                                 ("pipeline", "sink", "error_class", "since", "until")},
-                              status="quarantined")
-        if not f.pipeline:
-            raise BadInput("pipeline: choose the pipeline whose dead letters to redrive")
-        out = await run_in_threadpool(_redrive_matching, request, caller, f)
+    if _all_matching(body):
+        f, expected = _matching(body, "redrive")
+        out = await run_in_threadpool(_redrive_matching, request, caller, f, expected)
     else:
         out = await run_in_threadpool(_redrive, request, caller, _ids_from(body))
     status = 502 if out["errors"] and not out["runs"] else 200
@@ -630,10 +681,12 @@ def _redrive(request: Request, caller: Caller, ids: list[int]) -> dict:
     return {**out, "skipped": skipped}
 
 
-def _redrive_matching(request: Request, caller: Caller, f: dlq.Filters) -> dict:
-    """Every quarantined letter of ``f.pipeline`` that ``f`` matches now, as one request."""
+def _redrive_matching(request: Request, caller: Caller, f: dlq.Filters,
+                      expected: int | None = None) -> dict:
+    """Every quarantined letter of ``f.pipeline`` that ``f`` matches now, as one request;
+    none if more match now than the caller confirmed (``expected``)."""
     web_auth.require(caller, "PUT", [f.pipeline])
-    out = _trigger(request, caller, {f.pipeline: {"filters": f}})
+    out = _trigger(request, caller, {f.pipeline: {"filters": f, "expected": expected}})
     return {**out, "skipped": []}
 
 
@@ -675,6 +728,12 @@ def _trigger(request: Request, caller: Caller, selections: dict[str, dict]) -> d
                 continue
             what = {"pipeline": pipeline, "dag_id": dag, "request": req.request_id,
                     "letters": req.letters, "ids": ids or []}
+            if sel.get("expected") is not None and req.letters > sel["expected"]:
+                redrives.delete(conn, req.request_id)
+                errors.append({**what, "error": f"{req.letters:,} dead letter(s) match now, not "
+                                                f"the {sel['expected']:,} confirmed; nothing "
+                                                f"was redriven, look again"})
+                continue
             conf = {"request": req.request_id, "requested_by": caller.name}
             try:
                 r = http.post(f"{api}/dags/{quote(dag, safe='')}/dagRuns",

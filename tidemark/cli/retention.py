@@ -1,0 +1,91 @@
+"""`tidemark prune` and `tidemark pipelines retire`: retention of the ledger and Data Docs
+(docs/operations.md, "Retention")."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import click
+
+from tidemark import config as cfg
+from tidemark.cli.main import Ctx, cli, pass_ctx, pipelines
+from tidemark.core.errors import BadInput
+
+
+def _pipeline_name(name: str | None) -> str | None:
+    # It names a folder under the Data Docs folder: never a path.
+    if name is not None and not re.fullmatch(cfg.IDENT, name):
+        raise BadInput(f"pipeline {name!r}: not a pipeline name")
+    return name
+
+
+def _progress(line: str) -> None:
+    click.echo(line, err=True)
+
+
+@cli.command("prune")
+@click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@click.option("--pipeline", help="Only this pipeline's letters, runs and requests.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@pass_ctx
+def prune_cmd(ctx: Ctx, dry_run: bool, pipeline: str | None, as_json: bool) -> None:
+    """Delete resolved dead letters, finished runs (with their metrics, data-quality results
+    and Data Docs pages) and redrive requests older than the retention settings."""
+    from tidemark.protocol.prune import Policy, prune
+
+    policy = Policy.of(ctx.settings)
+    summary = prune(ctx.ledger_dsn, policy, ctx.settings.data_docs_dir,
+                    pipeline=_pipeline_name(pipeline), dry_run=dry_run, progress=_progress)
+    if as_json:
+        click.echo(json.dumps(summary.to_dict()))
+        return
+    click.echo(f"retention: resolved dead letters {policy.letters_days} days, finished runs "
+               f"{policy.runs_days} days, redrive requests {policy.requests_days} days"
+               + (f"; pipeline {pipeline} only" if pipeline else "")
+               + ("; dry run, nothing deleted" if dry_run else ""))
+    for line in summary.lines():
+        click.echo(line)
+
+
+@pipelines.command("retire")
+@click.argument("name")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@pass_ctx
+def pipelines_retire(ctx: Ctx, name: str, yes: bool) -> None:
+    """Delete every ledger row of pipeline NAME (checkpoints, leases, runs, dead letters of
+    every status, metrics, data-quality results, redrive requests) and its Data Docs. Its sink
+    tables are left as they are."""
+    from tidemark.protocol.prune import LABELS, human_bytes
+    from tidemark.protocol.retire import plan, retire
+
+    s = ctx.settings
+    all_p = ctx.pipelines(deep=False)
+    found = plan(ctx.ledger_dsn, _pipeline_name(name), all_p, s.gid_prefix, s.data_docs_dir)
+    rows = dict(found.rows)
+    letters = {k.removeprefix("dlq_"): rows.pop(k) for k in list(rows) if k.startswith("dlq_")}
+    click.echo(f"retiring pipeline {name} deletes from the ledger:")
+    for k, label in LABELS.items():
+        if k == "dlq":
+            by = ", ".join(f"{n:,} {st}" for st, n in sorted(letters.items()))
+            click.echo(f"  {label:<24} {sum(letters.values()):>10,}" + (f"  ({by})" if by else ""))
+        elif k in rows:
+            click.echo(f"  {label:<24} {rows[k]:>10,}")
+    click.echo(f"and its Data Docs: {found.docs_files:,} files, {human_bytes(found.docs_bytes)} "
+               f"({found.docs_dir})")
+    sinks = all_p[name].sinks if name in all_p else []
+    click.echo("Its sink tables are left as they are"
+               + (f" ({', '.join(f'{x.name}: {x.table}' for x in sinks)})." if sinks else "."))
+    for line in found.unchecked:
+        click.echo(f"  warning: not checked for its prepared transactions: {line}", err=True)
+    if not yes:
+        click.confirm(f"Retire pipeline {name}?", abort=True)
+    summary = retire(ctx.ledger_dsn, name, all_p, s.gid_prefix, s.data_docs_dir,
+                     s.retention_batch_size, progress=_progress)
+    for line in summary.lines():
+        click.echo(line)
+    click.echo(f"pipeline {name} retired")
+    if name in all_p:
+        click.echo(f"note: its pipeline file {cfg.file_of(ctx.folder, name)} still exists: "
+                   f"remove it (and so its DAGs), or its next run starts it again from its "
+                   f"source's start")
