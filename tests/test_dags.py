@@ -148,6 +148,9 @@ def test_broken_yaml_is_one_import_error_others_load(airflow_home, tmp_path):
     lines = trace.splitlines()
     assert any("broken.yaml: source: Field required" in line for line in lines), trace
     assert any("bad_key.yml: sinks[0].key: Field required" in line for line in lines), trace
+    # Every problem of a file, not the first only: "(and 2 more)", then each on its line.
+    assert any(line.startswith("  ") and "broken.yaml: decode: Field required" in line
+               for line in lines), trace
     assert {"tidemark_flights", "tidemark_flights_backfill", "tidemark_mine",
             "tidemark_mine_redrive", "tidemark_maintenance"} <= set(bag.dags)
     assert not any("broken" in d for d in bag.dags)

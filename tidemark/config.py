@@ -344,7 +344,9 @@ def parse(text: str, where: str, default_name: str | None = None, deep: bool = T
         more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
         msg = err["msg"].removeprefix("Value error, ")
         field = _field_path(err["loc"]) or None
-        raise ConfigError(where, msg + more, field) from None
+        others = [f"{_field_path(e['loc']) or '(file)'}: {e['msg'].removeprefix('Value error, ')}"
+                  for e in exc.errors()[1:]]
+        raise ConfigError(where, msg + more, field, others) from None
     pipeline.cross_check(where, deep)
     return pipeline
 

@@ -73,7 +73,8 @@ def check_pipeline_files(folder: str | Path) -> None:
         try:
             config.load(path, deep=False)
         except BadInput as exc:
-            broken.append(str(exc))
+            broken.append(str(exc) + "".join(f"\n  {path}: {o}"
+                                             for o in getattr(exc, "others", [])))
     if broken:
         raise BadInput(f"{len(broken)} broken pipeline file(s):\n" + "\n".join(broken))
 
