@@ -84,8 +84,8 @@ def connections_exist(p: config.Pipeline) -> dict[str, str]:
 def pending(pipelines_dir: str, pipeline: str, dag_run=None) -> str | None:
     """The scheduled DAG's first task: the recovery sweep, then whether any sink of
     ``pipeline`` has something to replay (the claim's plan, read-only). None when nothing is
-    new: the ShortCircuitOperator then skips replay and report, so an idle run starts no JVM
-    and imports no Great Expectations.
+    new: the ShortCircuitOperator then skips replay, report and announce, so an idle run
+    starts no JVM and imports no Great Expectations.
 
     A run of Airflow's own Backfill is refused: a run reads from the checkpoints, not from
     its date, so it would re-deliver nothing and look as if it had."""
