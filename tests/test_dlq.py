@@ -333,6 +333,64 @@ def test_render_payload():
     assert dlq.preview(b'{"id": "\xc3\xa9\xc3', 40) == '{"id": "é…'
 
 
+# 121 KB that indent to 48.5 MB: 60,000 numbers 400 levels deep (issue 34)
+WIDE_AND_DEEP = b"[" * 400 + b",".join([b"1"] * 60_000) + b"]" * 400
+
+
+@pytest.mark.parametrize("fmt", ["auto", "json", "text", "hex"])
+def test_every_rendering_is_bounded_by_its_output(fmt):
+    kind, text = dlq.render_payload(WIDE_AND_DEEP, fmt, limit=256 * 1024,
+                                    size=len(WIDE_AND_DEEP), max_chars=dlq.RENDER_CHARS)
+    assert len(text) <= dlq.RENDER_CHARS + 300  # the output and its note, not 48.5 MB
+    if fmt in ("auto", "json"):  # too big indented: its plain text, whole, saying why
+        assert kind == "text" and text.startswith("[" * 400 + "1,1")
+        assert text.endswith("\n... not pretty-printed: indented, this JSON would pass "
+                             "524,288 characters; this is its plain text")
+    elif fmt == "text":
+        assert (kind, text) == ("text", WIDE_AND_DEEP.decode())
+    else:  # about 5 characters a byte: only the lines that fit are made
+        assert kind == "hex" and text.splitlines()[0].startswith("00000000  5b 5b")
+        assert "more bytes not shown; download or export the record for all of them (this " \
+               "view shows at most 524,288 characters of hexdump)" in text
+
+
+def test_renderings_cut_at_their_bound_say_so():
+    kind, text = dlq.render_payload(b"abcdefghijklmnop", "text", max_chars=10)
+    assert (kind, text) == ("text", "abcdefghij\n... cut here: this view shows at most 10 "
+                                    "characters; download or export the record for all 16 bytes")
+    assert dlq.render_payload(b"a" * 16, max_chars=10)[1].startswith("a" * 10 + "\n... cut here")
+    kind, text = dlq.render_payload(b'{"a": [1, 2]}', "json", max_chars=10)
+    assert kind == "text" and text.startswith('{"a": [1, \n... not pretty-printed')
+    assert text.endswith("cut here: this view shows at most 10 characters; download or "
+                         "export the record for all 13 bytes")
+    kind, text = dlq.render_payload(bytes(range(64)), "hex", max_chars=100)
+    assert kind == "hex" and len(text.splitlines()) == 2
+    assert text.splitlines()[1].startswith("... 48 more bytes not shown")
+    # within the bound: exactly as before
+    assert dlq.render_payload(b'{"a": [1]}', max_chars=100) == ("json",
+                                                                 '{\n  "a": [\n    1\n  ]\n}')
+    assert dlq.pretty_json({"a": [1]}, 5) is None and dlq.pretty_json({"a": 1}) == \
+        '{\n  "a": 1\n}'
+
+
+def test_the_kind_of_a_payload_is_known_without_rendering_it():
+    assert dlq.payload_kind(WIDE_AND_DEEP) == "json"
+    assert dlq.payload_kind(b"[" * 100_000) == "text"  # too deep to parse
+    assert dlq.payload_kind(b'{"a": 1', limit=5, size=5000) == "text"
+    assert dlq.payload_kind(b"\x00\x01") == "hex" and dlq.payload_kind(None) == "text"
+    assert dlq.payload_kind("ab€".encode()[:4], limit=4, size=5) == "text"
+
+
+def test_ids_past_bigint_are_refused_naming_the_field():
+    for bad in ("99999999999999999999", [2**63], 2**63):
+        with pytest.raises(BadInput, match=r"^ids: .* is not a dead-letter id \(a positive "
+                                           r"integer up to 9,223,372,036,854,775,807\)"):
+            dlq.parse_ids(bad)
+    assert dlq.parse_ids([2**63 - 1]) == [2**63 - 1]
+    with pytest.raises(BadInput, match=r"^ids"):
+        dlq.Filters.parse(ids="99999999999999999999")
+
+
 def test_injection_in_every_filter_finds_nothing_and_harms_nothing(env, ledger, sample):
     before = env.ledger("SELECT count(*) FROM tidemark.dlq")[0][0]
     for field in ("pipeline", "sink", "error_class", "status", "since", "until", "ids"):

@@ -757,3 +757,95 @@ def test_search_on_the_reason_and_discard_all_matching_after_a_confirm_step(site
         assert r.status_code == 400 and "1 dead letter(s) match now, not the 0" in \
             r.json()["detail"]
     assert site.letter(keep)[0] == "quarantined"
+
+
+# -- issue 34: bounded renderings, ids within bigint, checked bodies, relative redirects --------
+def test_a_letter_that_grows_when_rendered_gets_bounded_pages(site):
+    # 121 KB that, indented, made a 48.5 MB page (and about 240 MB of the API server's memory)
+    wide = b"[" * 400 + b",".join([b"1"] * 60_000) + b"]" * 400
+    with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
+        rid = add(c, payload=wide, key=b"[" * 1000 + b"]" * 1000)
+    with site.client(site.admin) as c:
+        for fmt in ("auto", "json", "text", "hex"):
+            page = c.get(f"/tidemark/dlq/record/{rid}", params={"format": fmt})
+            assert page.status_code == 200, (fmt, page.text[:300])
+            assert len(page.content) < 800_000, (fmt, len(page.content))
+            assert 'href="?format=json"' in page.text  # the JSON tab, still offered
+            api = c.get(f"/tidemark/dlq/api/records/{rid}", params={"format": fmt})
+            assert api.status_code == 200, (fmt, api.text[:300])
+            assert len(api.content) < 1_000_000, (fmt, len(api.content))
+            rendered = api.json()["payload_rendered"]
+            if fmt in ("auto", "json"):
+                assert rendered["kind"] == "text"
+                assert rendered["text"].endswith("not pretty-printed: indented, this JSON would "
+                                                 "pass 524,288 characters; this is its plain "
+                                                 "text")
+                assert "not pretty-printed" in page.text
+                assert 'id="download-payload"' in page.text
+            if fmt == "hex":
+                assert "more bytes not shown; download or export the record" in page.text
+                assert "more bytes not shown" in rendered["text"]
+
+
+def test_ids_past_bigint_are_a_400_naming_the_field(site):
+    huge = "99999999999999999999"
+    with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
+        rid = add(c)
+    with site.client(site.admin) as c:
+        for r in (c.get("/tidemark/dlq/api/export", params={"ids": huge}),
+                  c.get("/tidemark/dlq/api/records", params={"ids": f"{rid},{huge}"}),
+                  *(c.post(f"/tidemark/dlq/api/{action}", json={"ids": [rid, int(huge)],
+                                                                 "note": "x"})
+                    for action in ("discard", "redrive", "export")),
+                  c.post("/tidemark/dlq/api/discard", json={"ids": huge, "note": "x"})):
+            assert r.status_code == 400, (r.request.url, r.text)
+            assert re.fullmatch(rf"ids: '?{huge}'? is not a dead-letter id \(a positive "
+                                r"integer up to 9,223,372,036,854,775,807\)",
+                                r.json()["detail"]), r.text
+        r = c.get("/tidemark/dlq/api/records", params={"before": huge})
+        assert r.status_code == 400 and r.json()["detail"] == \
+            f"before '{huge}': at most 9,223,372,036,854,775,807"
+        r = c.get(f"/tidemark/dlq/api/records/{huge}")
+        assert r.status_code == 400 and r.json()["detail"] == \
+            f"id '{huge}': at most 9,223,372,036,854,775,807"
+    assert site.letter(rid)[0] == "quarantined"
+
+
+def test_bodies_of_the_wrong_shape_are_a_400_naming_the_field(site):
+    with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
+        rid = add(c)
+    cases = [
+        ("discard", {"ids": [rid], "note": 123}, "note 123: expected text"),
+        ("discard", {"ids": [rid], "note": ["x"]}, "note ['x']: expected text"),
+        ("discard", {"ids": {"a": rid}, "note": "x"}, "ids"),
+        ("discard", {"ids": [rid], "note": "x", "back": 5}, "back 5: expected text"),
+        ("discard", {"all_matching": True, "pipeline": ["orders"], "note": "x"},
+         "pipeline ['orders']: expected text"),
+        ("discard", {"all_matching": True, "pipeline": "orders", "note": {"a": 1}}, "note"),
+        ("redrive", {"ids": [[rid]]}, "ids"),
+        ("redrive", {"ids": [rid], "all_matching": [1]}, "all_matching [1]: expected true or "
+                                                         "false"),
+        ("redrive", {"all_matching": True, "pipeline": "orders", "expected": 1.5},
+         "expected 1.5: expected a count"),
+        ("redrive", {"all_matching": True, "pipeline": "orders", "sink": 7}, "sink 7"),
+        ("export", {"ids": [True]}, "ids"),
+    ]
+    with site.client(site.admin) as c:
+        for action, body, detail in cases:
+            r = c.post(f"/tidemark/dlq/api/{action}", json=body)
+            assert r.status_code == 400, (action, body, r.status_code, r.text)
+            assert r.json()["detail"].startswith(detail), (action, body, r.text)
+    assert site.letter(rid)[0] == "quarantined"
+
+
+def test_the_trailing_slash_redirect_is_relative(site):
+    for creds in ({}, {"headers": {"Authorization": f"Bearer {site.admin}"}}):
+        with httpx.Client(base_url=site.stack.url, timeout=60, **creds) as c:
+            for path, to in (("/tidemark/dlq", "/tidemark/dlq/"),
+                             ("/tidemark/dlq?status=any&pipeline=orders",
+                              "/tidemark/dlq/?status=any&pipeline=orders"),
+                             ("/tidemark/dlq/api/records/", "/tidemark/dlq/api/records")):
+                r = c.get(path, headers={"Host": "evil.example"})
+                assert r.status_code == 307, (path, r.status_code, r.text)
+                assert r.headers["location"] == to, (path, creds)
+                assert r.headers["x-content-type-options"] == "nosniff"

@@ -34,6 +34,7 @@ ERROR_CLASSES = ("decode", "transform", "validation", "dq_gate", "sink_write")
 STATUSES = ("quarantined", "redriven", "discarded")
 MAX_LIMIT = 1000
 MAX_IDS = 100_000
+MAX_ID = 2**63 - 1  # id is a bigint: a bigger number is no id, and PostgreSQL would refuse it
 MAX_NOTE = 2000
 MAX_SEARCH = 200  # a reason holds at most 200 characters (engine/writer.py, REASON_MAX)
 LOCK_TIMEOUT = "2s"  # a redrive's prepared transaction holds its rows until it settles
@@ -71,9 +72,10 @@ def parse_ids(value: Any, field_name: str = "ids") -> list[int]:
     out = []
     for item in items:
         text = str(item).strip()
-        if isinstance(item, bool) or not text.isascii() or not text.isdigit() or int(text) <= 0:
+        if isinstance(item, bool) or not text.isascii() or not text.isdigit() \
+                or not 0 < int(text) <= MAX_ID:
             raise BadInput(f"{field_name}: {shown(item)} is not a dead-letter id "
-                           f"(a positive integer)")
+                           f"(a positive integer up to {MAX_ID:,})")
         out.append(int(text))
     if len(out) > MAX_IDS:
         raise BadInput(f"{field_name}: {len(out):,} ids, at most {MAX_IDS:,} at a time")
@@ -106,7 +108,7 @@ class Filters(BaseModel):
     since: datetime | None = None
     until: datetime | None = None
     reason: str | None = None  # a piece of the reason, any case
-    ids: list[int] | None = None
+    ids: list[Annotated[int, Field(gt=0, le=MAX_ID)]] | None = None
     pipelines: list[str] | None = None
 
     @field_validator("reason")
@@ -546,6 +548,12 @@ def _lines(cur: psycopg.Cursor, query: sql.Composable, ids: list[int]) -> Iterat
 
 
 # -- payloads -------------------------------------------------------------------------------
+# What a view of a payload may grow to, in characters. Bounding the bytes read is not enough:
+# indenting 120 KB of nested JSON makes 48 MB, and a hexdump is 5 times its bytes.
+RENDER_CHARS = 512 * 1024
+_HEX_LINE = 79  # one hexdump line and its newline
+
+
 def hexdump(data: bytes) -> str:
     lines = []
     for off in range(0, len(data), 16):
@@ -568,12 +576,57 @@ def _text(data: bytes) -> str | None:
     return text
 
 
+def pretty_json(value: Any, max_chars: int | None = None) -> str | None:
+    """``value`` as indented JSON, or None as soon as that passes ``max_chars``: the encoder
+    yields its output in pieces, so a too-big rendering stops there instead of being built
+    whole first. None too when it is nested too deeply to encode."""
+    out, n = [], 0
+    try:
+        for piece in json.JSONEncoder(indent=2, ensure_ascii=False).iterencode(value):
+            n += len(piece)
+            if max_chars is not None and n > max_chars:
+                return None
+            out.append(piece)
+    except RecursionError:
+        return None
+    return "".join(out)
+
+
+def _parsed(text: str) -> tuple[bool, Any]:
+    """(True, value) when ``text`` is JSON; (False, why) when not; RecursionError raised."""
+    try:
+        return True, json.loads(text)
+    except ValueError as exc:
+        return False, exc
+
+
+def payload_kind(data: bytes | None, limit: int | None = None, size: int | None = None) -> str:
+    """What ``render_payload(data, "auto", limit, size)`` would show it as (json, text or hex),
+    without rendering it: the record page offers the JSON tab by it."""
+    data = bytes(data or b"")[:limit] if limit is not None else bytes(data or b"")
+    cut = max(size or 0, len(data)) > len(data)
+    if not cut and (text := _text(data)) is not None:
+        try:
+            if _parsed(text)[0]:
+                return "json"
+        except RecursionError:
+            pass
+        return "text"
+    for trim in range(4 if cut else 1):
+        if _text(data[:len(data) - trim]) is not None:
+            return "text"
+    return "hex"
+
+
 def render_payload(data: bytes | None, fmt: str = "auto", limit: int | None = None,
-                   size: int | None = None) -> tuple[str, str]:
+                   size: int | None = None, max_chars: int | None = None) -> tuple[str, str]:
     """(kind, text): "json" pretty-printed when the bytes parse as JSON, "text" when they are
     UTF-8, else "hex" (a hexdump). ``fmt`` forces text, json or hex; ``limit`` cuts long
     payloads (in bytes) with a note saying so. ``size``: the whole payload's length when
-    ``data`` is only its first bytes (``get(..., payload_limit=...)``)."""
+    ``data`` is only its first bytes (``get(..., payload_limit=...)``). ``max_chars`` bounds
+    what the rendering may grow to: past it, JSON is shown as its plain text instead, and
+    text and hexdumps are cut, each with a note saying so. Only the format asked for is
+    rendered."""
     if fmt not in ("auto", "text", "json", "hex"):
         raise BadInput(f"format {shown(fmt)}: expected one of auto, text, json, hex")
     data = bytes(data or b"")
@@ -581,34 +634,57 @@ def render_payload(data: bytes | None, fmt: str = "auto", limit: int | None = No
     if limit is not None and len(data) > limit:
         data = data[:limit]
     cut = total > len(data)
+    room = max_chars
 
     def more(shown_bytes: int) -> str:
         rest = total - shown_bytes
         return f"\n... {rest:,} more bytes not shown; download or export the record for all " \
             f"of them" if rest else ""
 
+    def bounded(text: str, shown_bytes: int, why: str = "") -> str:
+        """``text`` (of the first ``shown_bytes``) with the notes, cut at ``max_chars``."""
+        if room is not None and len(text) > room:
+            return text[:room] + f"\n... {why}cut here: this view shows at most {room:,} " \
+                f"characters; download or export the record for all {total:,} bytes"
+        return text + (f"\n... {why.rstrip('; ')}" if why else "") + more(shown_bytes)
+
     if fmt in ("auto", "json") and not cut and (text := _text(data)) is not None:
         try:
-            return "json", json.dumps(json.loads(text), indent=2, ensure_ascii=False)
-        except ValueError as exc:
-            if fmt == "json":
-                raise BadInput(f"payload is not JSON: {exc}") from None
+            ok, value = _parsed(text)
         except RecursionError:  # 100,000 nested '[': valid or not, shown as text
             if fmt == "json":
                 raise BadInput("payload is nested too deeply to pretty-print; see it as text"
                                ) from None
+        else:
+            if ok:
+                pretty = pretty_json(value, room)
+                if pretty is not None:
+                    return "json", pretty
+                # Indenting it would pass the bound (or the encoder's nesting limit): its own
+                # text instead, which the bytes read bound.
+                why = "nested too deeply" if room is None else \
+                    f"indented, this JSON would pass {room:,} characters"
+                return "text", bounded(text, len(data), f"not pretty-printed: {why}; this is "
+                                                         f"its plain text; ")
+            if fmt == "json":
+                raise BadInput(f"payload is not JSON: {value}") from None
     if fmt == "json":
         raise BadInput("payload is not JSON" + (" (too long to show parsed)" if cut else
                                                  ": not UTF-8 text"))
     if fmt == "text":
-        return "text", data.decode("utf-8", errors="replace") + more(len(data))
+        head = data[:room * 4] if room is not None else data  # a character is 1 to 4 bytes
+        return "text", bounded(head.decode("utf-8", errors="replace"), len(head))
     if fmt == "auto":
         # a cut may split a multi-byte character: drop its first bytes rather than go hex
         for trim in range(4 if cut else 1):
             head = data[:len(data) - trim]
             if (text := _text(head)) is not None:
-                return "text", text + more(len(head))
-    return "hex", hexdump(data) + more(len(data))
+                return "text", bounded(text, len(head))
+    # Only the lines that fit are made: a hexdump is about 5 characters per byte.
+    fits = data if room is None else data[:max(1, room // _HEX_LINE) * 16]
+    return "hex", hexdump(fits) + more(len(fits)) + (
+        f" (this view shows at most {room:,} characters of hexdump)"
+        if len(fits) < len(data) else "")
 
 
 def preview(head: bytes | None, size: int | None, width: int = 80) -> str:

@@ -34,7 +34,9 @@ from fastapi.responses import (
     StreamingResponse,
 )
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 from starlette.datastructures import Headers
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tidemark.config import IDENT, dag_id
@@ -56,6 +58,8 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' 
 # from the Airflow session.
 DOCS_CSP = "sandbox allow-scripts allow-popups; frame-ancestors 'self'"
 SHOW_BYTES = 256 * 1024  # payload bytes a page renders; the download and export have them all
+SHOW_CHARS = dlq.RENDER_CHARS  # what one rendering of them (pretty JSON, hexdump) may grow to
+KEY_CHARS = 64 * 1024  # a key's or the headers' rendering
 MAX_BODY = 2 * 1024 * 1024  # a POST's body: 100,000 ids and a note fit with room to spare
 UNAVAILABLE = "the ledger database is unavailable; try again later"
 FORM = "application/x-www-form-urlencoded"
@@ -166,7 +170,37 @@ class BodyLimit:
         await response(scope, receive, send)
 
 
-# Added before _headers, so it runs inside it and its 413 gets the same security headers.
+class SlashRedirect:
+    """``/tidemark/dlq`` -> ``/tidemark/dlq/`` (and a trailing slash too many, removed), as a
+    path without scheme and host. Starlette's own redirect builds an absolute URL from the Host
+    header, so anyone could have it send people, before they sign in, to a host they name."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _rel(Request(scope)) not in ("", "/") \
+                and not _routed(scope):
+            path = scope["path"]
+            other = {**scope, "path": path.rstrip("/") if path.endswith("/") else path + "/"}
+            if _routed(other):
+                # One leading slash whatever the path holds: "//host" or "/\\host" would be
+                # another host to a browser.
+                location = "/" + quote(other["path"]).lstrip("/\\")
+                if scope.get("query_string"):
+                    location += "?" + scope["query_string"].decode("latin-1")
+                await RedirectResponse(location, status_code=307)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _routed(scope: Scope) -> bool:
+    return any(route.matches(scope)[0] is not Match.NONE for route in app.router.routes)
+
+
+app.router.redirect_slashes = False  # SlashRedirect's instead
+# Added before _headers, so they run inside it and their answers get the security headers.
+app.add_middleware(SlashRedirect)
 app.add_middleware(BodyLimit)
 
 
@@ -235,6 +269,8 @@ def _int(value: str | None, name: str, default: int | None = None) -> int | None
     value = value.strip()
     if not value.isascii() or not value.isdigit():
         raise BadInput(f"{name} {shown(value, 40)}: not a positive integer")
+    if int(value) > dlq.MAX_ID:  # ids are bigints: PostgreSQL would refuse it, as a 503
+        raise BadInput(f"{name} {shown(value, 40)}: at most {dlq.MAX_ID:,}")
     return int(value)
 
 
@@ -254,13 +290,48 @@ def _filters(request: Request, default_status: str | None) -> dlq.Filters:
         reason=q.get("reason"), ids=q.getlist("ids") or None)
 
 
+class ActionBody(BaseModel):
+    """A POST's fields (discard, redrive, export). Strict types: a number where text belongs
+    is the caller's mistake, named, not something to guess at. Other fields are ignored: a
+    form also carries the page's CSRF token and whatever else it holds."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    ids: list[StrictInt | StrictStr] | StrictInt | StrictStr | None = None
+    note: StrictStr | None = None
+    back: StrictStr | None = None
+    all_matching: StrictBool | StrictStr | None = None
+    expected: StrictInt | StrictStr | None = None
+    pipeline: StrictStr | None = None
+    sink: StrictStr | None = None
+    error_class: StrictStr | None = None
+    since: StrictStr | None = None
+    until: StrictStr | None = None
+    reason: StrictStr | None = None
+
+
+WANTED = {"ids": "expected dead-letter ids: [4, 7] or \"4,7\"",
+          "all_matching": "expected true or false", "expected": "expected a count"}
+
+
+def _checked(data: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return ActionBody.model_validate(data).model_dump(exclude_none=True)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = str(err["loc"][0]) if err["loc"] else "body"
+        given = data.get(name, err.get("input"))
+        raise BadInput(f"{name} {shown(given, 40)}: {WANTED.get(name, 'expected text')}"
+                       ) from None
+
+
 async def _body(request: Request) -> dict[str, Any]:
-    """A POST's fields from JSON or a form (``ids`` may repeat in a form)."""
+    """A POST's fields from JSON or a form (``ids`` may repeat in a form), checked."""
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     raw = await request.body()
     if ctype == FORM:
         form = parse_qs(raw.decode("utf-8", "replace"), keep_blank_values=True)
-        return {k: (v if k == "ids" else v[-1]) for k, v in form.items()}
+        return _checked({k: (v if k == "ids" else v[-1]) for k, v in form.items()})
     if not raw.strip():
         return {}
     if ctype != "application/json":
@@ -271,7 +342,7 @@ async def _body(request: Request) -> dict[str, Any]:
         raise BadInput(f"body is not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise BadInput("body: expected a JSON object")
-    return data
+    return _checked(data)
 
 
 MATCHING = ("pipeline", "sink", "error_class", "since", "until", "reason")
@@ -378,7 +449,8 @@ def _record(request: Request, rec: dict, fmt: str) -> dict:
     """A letter read with ``payload_limit=SHOW_BYTES``: ``payload`` (base64) only when that
     is all of it, else null; ``payload_download`` has every byte."""
     size = rec["payload_size"]
-    kind, text = dlq.render_payload(rec["payload"], fmt, limit=SHOW_BYTES, size=size)
+    kind, text = dlq.render_payload(rec["payload"], fmt, limit=SHOW_BYTES, size=size,
+                                    max_chars=SHOW_CHARS)
     docs = []
     if rec["error_class"] in ("validation", "dq_gate"):  # links only: no server paths
         docs = [{"scope": q["scope"] or "(pipeline)", "success": q["success"],
@@ -392,8 +464,8 @@ def _record(request: Request, rec: dict, fmt: str) -> dict:
         "payload_download": f"{_links(request)['prefix']}/dlq/api/records/{rec['id']}/payload"
         if size is not None else None,
         "payload_rendered": {"kind": kind, "text": text},
-        "key_text": dlq.render_payload(rec["key"], limit=4096)[1] if rec["key"] is not None
-        else None,
+        "key_text": None if rec["key"] is None else
+        dlq.render_payload(rec["key"], limit=4096, max_chars=KEY_CHARS)[1],
         "run": {k: _iso(v) for k, v in rec["run"].items()} if rec["run"] else None,
         "links": _airflow_links(request, rec["run"]),
         "data_docs": docs,
@@ -489,9 +561,9 @@ def record_page(request: Request, record_id: str, caller: CallerDep) -> Response
     fmt = request.query_params.get("format", "auto")
     view = _record(request, rec, fmt)
     formats = ["auto", "text", "hex"]
-    auto = view["payload_rendered"]["kind"] if fmt == "auto" else dlq.render_payload(
-        rec["payload"], limit=SHOW_BYTES, size=rec["payload_size"])[0]
-    if auto == "json":
+    # Whether to offer the JSON tab, without rendering a view nobody asked for (parsing
+    # 256 KiB again costs milliseconds; indenting it could cost a 48 MB page).
+    if dlq.payload_kind(rec["payload"], SHOW_BYTES, rec["payload_size"]) == "json":
         formats.insert(1, "json")
     return _html(request, "record.html", r=view, fmt=fmt, formats=formats, show_bytes=SHOW_BYTES,
                  can_act=_may(caller, "PUT", rec["pipeline"]),
@@ -503,9 +575,19 @@ def _headers_text(rec: dict) -> str | None:
     (from before ledger V007) as jsonb stored them."""
     exact = letters.header_text(rec["source_headers"])
     if exact is not None:
-        return exact
-    return json.dumps(rec["headers"], indent=2, ensure_ascii=False) \
-        if rec["headers"] is not None else None
+        return exact if len(exact) <= KEY_CHARS else exact[:KEY_CHARS] + CUT
+    if rec["headers"] is None:
+        return None
+    pretty = dlq.pretty_json(rec["headers"], KEY_CHARS)
+    if pretty is not None:
+        return pretty
+    # Indented they would pass the bound: their plain JSON, cut.
+    plain = json.dumps(rec["headers"], ensure_ascii=False)
+    return plain if len(plain) <= KEY_CHARS else plain[:KEY_CHARS] + CUT
+
+
+CUT = f"\n... cut here: this view shows at most {KEY_CHARS:,} characters; export the record " \
+      f"for all of them"
 
 
 @app.get("/dlq/docs/{pipeline}/{path:path}")
