@@ -11,6 +11,7 @@ Airflow's configured address (never the client's Host header), as the caller.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import mimetypes
@@ -61,6 +62,8 @@ SHOW_BYTES = 256 * 1024  # payload bytes a page renders; the download and export
 SHOW_CHARS = dlq.RENDER_CHARS  # what one rendering of them (pretty JSON, hexdump) may grow to
 KEY_CHARS = 64 * 1024  # a key's or the headers' rendering
 MAX_BODY = 2 * 1024 * 1024  # a POST's body: 100,000 ids and a note fit with room to spare
+BODY_SECONDS = 10.0  # to receive a whole body: 2 MiB take well under a second on any link
+BODYLESS = frozenset({"GET", "HEAD", "OPTIONS", "DELETE"})  # methods no page takes a body on
 UNAVAILABLE = "the ledger database is unavailable; try again later"
 FORM = "application/x-www-form-urlencoded"
 log = logging.getLogger(__name__)
@@ -122,34 +125,49 @@ def _error(request: Request, status: int, message: str) -> Response:
 
 
 class BodyLimit:
-    """Caps a request body at ``limit`` bytes before anything reads it (the CSRF check in
-    ``guard``, the handlers): a Content-Length over it is refused unread, and a chunked body is
-    counted as it arrives. The body (at most ``limit`` bytes) is read here, before
-    authentication, and handed on whole."""
+    """Caps a request body at ``limit`` bytes and ``seconds`` before anything reads it (the
+    CSRF check in ``guard``, the handlers): a Content-Length over it is refused unread, a
+    chunked body is counted as it arrives, and one that has not arrived whole in time is
+    refused (a trickled body would otherwise hold a connection, before authentication, for as
+    long as the client likes). A body on a method that takes none is refused unread. The body
+    (at most ``limit`` bytes) is read here and handed on whole."""
 
-    def __init__(self, app: ASGIApp, limit: int = MAX_BODY) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY,
+                 seconds: float = BODY_SECONDS) -> None:
+        self.app, self.limit, self.seconds = app, limit, seconds
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = Headers(scope=scope).get("content-length", "").strip()
+        headers = Headers(scope=scope)
+        length = headers.get("content-length", "").strip()
+        if scope["method"] in BODYLESS and (
+                (length.isdigit() and int(length) > 0) or "transfer-encoding" in headers):
+            await _error(Request(scope), 400, f"{scope['method']} takes no request body")(
+                scope, receive, send)
+            return
         if length.isdigit() and int(length) > self.limit:
             await self._refuse(scope, receive, send)
             return
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left: nobody to answer
-                return
-            size += len(message.get("body", b""))
-            if size > self.limit:
-                await self._refuse(scope, receive, send)
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.seconds):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":  # the client left: nobody to answer
+                        return
+                    size += len(message.get("body", b""))
+                    if size > self.limit:
+                        await self._refuse(scope, receive, send)
+                        return
+                    chunks.append(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            await _error(Request(scope), 408, f"request body not received within "
+                                              f"{self.seconds:g} s")(scope, receive, send)
+            return
         body: Message | None = {"type": "http.request", "body": b"".join(chunks),
                                 "more_body": False}
 
