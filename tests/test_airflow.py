@@ -129,6 +129,15 @@ class World:
             time.sleep(2)  # polling the REST API: Airflow offers no run-finished event
         raise AssertionError(f"{dag_id} {run_id} still {state} after {timeout}s")
 
+    def fails_at_once(self, dag_id: str, task_id: str) -> tuple[str, str]:
+        """Trigger ``dag_id``, see its run fail with ``task_id`` failed on its first try (no
+        retry), and return the run id and the text of the alert that names the run."""
+        run_id = self.trigger(dag_id).json()["dag_run_id"]
+        assert self.wait_run(dag_id, run_id) == "failed"
+        ti = self.api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}").json()
+        assert (ti["state"], ti["try_number"]) == ("failed", 1), ti
+        return run_id, self.hooks.wait(lambda h: run_id in h["json"]["text"])["json"]["text"]
+
     def tasks(self, dag_id: str, run_id: str) -> dict[str, str]:
         r = self.api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances").json()
         return {t["task_id"]: t["state"] for t in r["task_instances"]}
@@ -563,12 +572,7 @@ def test_a_halted_pipeline_fails_at_once_without_retry(world):
                   ON CONFLICT (name) DO UPDATE SET halted_reason = EXCLUDED.halted_reason,
                                                    halted_at = now() RETURNING name""")
     try:
-        r = world.trigger("tidemark_orders")
-        run_id = r.json()["dag_run_id"]
-        assert world.wait_run("tidemark_orders", run_id) == "failed"
-        ti = world.api.get(f"/dags/tidemark_orders/dagRuns/{run_id}/taskInstances/replay").json()
-        assert (ti["state"], ti["try_number"]) == ("failed", 1), ti
-        text = world.hooks.wait(lambda h: run_id in h["json"]["text"])["json"]["text"]
+        _, text = world.fails_at_once("tidemark_orders", "replay")
         assert "pipeline orders is halted: planted by the test" in text
         assert "exit 5: not retried" in text
     finally:
@@ -590,12 +594,7 @@ def test_connections_made_through_airflow_reach_the_job(world):
 
 
 def test_a_connection_airflow_lacks_fails_at_once_naming_it(world):
-    r = world.trigger("tidemark_noconn")
-    run_id = r.json()["dag_run_id"]
-    assert world.wait_run("tidemark_noconn", run_id) == "failed"
-    ti = world.api.get(f"/dags/tidemark_noconn/dagRuns/{run_id}/taskInstances/recover").json()
-    assert (ti["state"], ti["try_number"]) == ("failed", 1), ti
-    text = world.hooks.wait(lambda h: run_id in h["json"]["text"])["json"]["text"]
+    _, text = world.fails_at_once("tidemark_noconn", "recover")
     assert ("pipeline noconn: sink main: Airflow connection 'nowhere_wh' does not exist"
             in text), text
     assert "not retried" in text
