@@ -54,6 +54,12 @@ def teams(pg, tmp_path_factory):
             bundles.append({"name": f"dags_{team}", "team_name": team,
                             "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
                             "kwargs": {"path": str(folder), "refresh_interval": 10}})
+        # A pipeline no bundle holds (run only from the CLI, or its DAG deleted): no known team.
+        c.execute("INSERT INTO tidemark.pipelines (name) VALUES ('ghost')")
+        run = c.execute("INSERT INTO tidemark.runs (pipeline, mode, owner) VALUES "
+                        "('ghost', 'run', 'test:1') RETURNING run_id").fetchone()[0]
+        ids["ghost"] = add(c, run_id=run, pipeline="ghost", cls="validation",
+                           payload=b'{"marker": "ghost-payload"}')
     stack = Stack(home=tmp / "home", ledger_dsn=env.ledger_dsn, port=free_port(), env_extra={
         "AIRFLOW__CORE__MULTI_TEAM": "True",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS":
@@ -96,6 +102,31 @@ def test_a_team_member_sees_only_the_letters_of_the_teams_dags(teams):
     with _client(stack, "admin") as c:  # an admin sees every team's letters
         listed = c.get("/tidemark/dlq/api/records", params={"status": "any"}).json()["records"]
         assert sorted(r["id"] for r in listed) == sorted(ids.values())
+
+
+def test_a_pipeline_with_no_known_team_is_an_admins_alone(teams):
+    """Fail closed: a pipeline whose DAG Airflow does not know belongs to no team it could be
+    checked against, so no team member reads or changes its letters; an admin does."""
+    stack, ids = teams
+    ghost = ids["ghost"]
+    for user in ("alice", "bob"):
+        with _client(stack, user) as c:
+            listed = c.get("/tidemark/dlq/api/records", params={"status": "any"}).json()
+            assert ghost not in [r["id"] for r in listed["records"]], user
+            assert "ghost" not in c.get("/tidemark/dlq/api/counts").json()["pipelines"], user
+            export = c.get("/tidemark/dlq/api/export", params={"pipeline": "ghost"})
+            assert "ghost-payload" not in export.text, user
+            r = c.get(f"/tidemark/dlq/api/records/{ghost}")
+            assert r.status_code in (403, 404) and "ghost-payload" not in r.text, (user, r.text)
+            r = c.post("/tidemark/dlq/api/discard", json={"ids": [ghost], "note": "x"})
+            assert r.status_code == 200 and r.json()["discarded"] == [], (user, r.text)
+    with _client(stack, "admin") as c:
+        r = c.get(f"/tidemark/dlq/api/records/{ghost}")
+        assert r.status_code == 200 and "ghost-payload" in r.text, r.text
+    with psycopg.connect(stack.ledger_dsn) as conn:
+        status = conn.execute("SELECT status::text FROM tidemark.dlq WHERE id = %s",
+                              (ghost,)).fetchone()[0]
+    assert status == "quarantined"
 
 
 def test_a_team_member_cannot_change_another_teams_letters(teams):

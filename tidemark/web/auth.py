@@ -162,13 +162,39 @@ def _multi_team() -> bool:
     return conf.getboolean("core", "multi_team", fallback=False)
 
 
-def _teams(dag_ids: Iterable[str]) -> dict[str, str | None]:
-    """The team of each DAG (multi-team mode; else none)."""
+# A DAG no bundle holds (deleted, renamed, never deployed, run only from the CLI) has no known
+# team. Treating it as "no team" would open its letters to every team, so such a pipeline
+# needs the access a caller has to every team's DAGs at once: in practice, an admin's.
+_UNKNOWN = object()
+
+
+def _teams(dag_ids: Iterable[str]) -> dict[str, object]:
+    """The team of each DAG (multi-team mode; else none): a name, None for a DAG of a bundle
+    without a team, or _UNKNOWN for a DAG Airflow does not know."""
     if not _multi_team():
         return {}
     from airflow.models.dag import DagModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
 
-    return DagModel.get_dag_id_to_team_name_mapping(sorted(set(dag_ids)))
+    wanted = sorted(set(dag_ids))
+    with create_session() as session:
+        known = set(session.scalars(select(DagModel.dag_id).where(DagModel.dag_id.in_(wanted))))
+    named = DagModel.get_dag_id_to_team_name_mapping(wanted)
+    return {d: (named.get(d) if d in known else _UNKNOWN) for d in wanted}
+
+
+def _allowed(caller: Caller, method: str, dag: str, team: object) -> bool:
+    from airflow.api_fastapi.auth.managers.models.resource_details import DagDetails
+    from airflow.models.team import Team
+
+    am = _auth_manager()
+    if team is _UNKNOWN:
+        every = [None, *sorted(Team.get_all_team_names())]
+        return all(am.is_authorized_dag(method=method, user=caller.user,
+                                        details=DagDetails(id=dag, team_name=t)) for t in every)
+    return am.is_authorized_dag(method=method, user=caller.user,
+                                details=DagDetails(id=dag, team_name=team))
 
 
 def may_read_all(caller: Caller) -> bool:
@@ -182,8 +208,8 @@ def may_read_all(caller: Caller) -> bool:
 def readable(caller: Caller, pipelines: Iterable[str]) -> list[str]:
     by_dag = {dag_id(p): p for p in pipelines}
     teams = _teams(by_dag)
-    ok: set[str] = set()
-    for team in {teams.get(d) for d in by_dag}:
+    ok: set[str] = {d for d, t in teams.items() if t is _UNKNOWN and _allowed(caller, "GET", d, t)}
+    for team in {teams.get(d) for d in by_dag} - {_UNKNOWN}:
         ok |= _auth_manager().filter_authorized_dag_ids(
             dag_ids={d for d in by_dag if teams.get(d) == team}, user=caller.user,
             method="GET", team_name=team)
@@ -192,14 +218,10 @@ def readable(caller: Caller, pipelines: Iterable[str]) -> list[str]:
 
 def require(caller: Caller, method: str, pipelines: Iterable[str]) -> None:
     """Forbidden unless the caller may read (GET) or edit (PUT) every pipeline's DAG."""
-    from airflow.api_fastapi.auth.managers.models.resource_details import DagDetails
-
-    am = _auth_manager()
     chosen = sorted(set(pipelines))
     teams = _teams(dag_id(p) for p in chosen)
     for p in chosen:
-        details = DagDetails(id=dag_id(p), team_name=teams.get(dag_id(p)))
-        if not am.is_authorized_dag(method=method, details=details, user=caller.user):
+        if not _allowed(caller, method, dag_id(p), teams.get(dag_id(p))):
             need = "read" if method == "GET" else "edit"
             raise Forbidden(f"{caller.name} may not {'see' if method == 'GET' else 'change'} "
                             f"dead letters of {p}: needs {need} access to DAG {dag_id(p)}")
