@@ -23,7 +23,7 @@ import pytest
 from fastapi.routing import APIRoute
 
 from tests.conftest import REPO, Env, free_port
-from tests.test_dlq import INJECTIONS, add
+from tests.test_dlq import INJECTIONS, add, exported
 from tidemark.devstack.airflow_stack import Stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -359,7 +359,7 @@ def test_counts_and_export(site):
             "SELECT count(*) FROM tidemark.dlq WHERE status = 'quarantined'")[0][0]
         r = c.get("/tidemark/dlq/api/export", params={"pipeline": "orders", "status": "any"})
     assert r.status_code == 200 and "attachment" in r.headers["content-disposition"]
-    recs = {x["id"]: x for x in map(json.loads, r.text.splitlines())}
+    recs = {x["id"]: x for x in exported(r.text.splitlines())}
     assert site.ids["other"] not in recs and site.ids["done"] in recs
     assert base64.b64decode(recs[site.ids["binary"]]["payload"]) == bytes(range(40))
     assert base64.b64decode(recs[site.ids["xss"]]["key"]) == b"<k>"
@@ -484,9 +484,52 @@ def test_export_streams_big_letters_whole(site):
     with site.client(site.admin) as c, c.stream(
             "GET", "/tidemark/dlq/api/export", params={"ids": ",".join(map(str, ids))}) as r:
         assert r.status_code == 200
-        lines = [json.loads(ln) for ln in r.iter_lines() if ln]
+        lines = exported(r.iter_lines())
     assert [x["id"] for x in lines] == ids
     assert [base64.b64decode(x["payload"]) for x in lines] == payloads
+
+
+def _cut_the_ledger(site: Site) -> int:
+    """SIGTERM-equivalent for the server's ledger session mid-stream: the backend serving a
+    download or export is terminated, as a PostgreSQL restart or failover would."""
+    with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
+        return c.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                         "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+                         "AND xact_start IS NOT NULL").fetchone()[0]
+
+
+def test_an_export_or_download_cut_midway_is_a_broken_transfer_never_a_clean_one(site):
+    """Once the first byte is sent the status is 200 and cannot change: a failure after it
+    must abort the connection, so no client takes a cut export for a whole one. A whole
+    export ends with a trailer that counts its letters."""
+    payloads = [os.urandom(1_500_000) for _ in range(12)]  # about 2 MiB a line in base64
+    with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
+        ids = [add(c, pipeline="other", payload=p) for p in payloads]
+    query = {"ids": ",".join(map(str, ids))}
+    with site.client(site.admin) as c:
+        whole = c.get("/tidemark/dlq/api/export", params=query).text.splitlines()
+        assert [x["id"] for x in exported(whole)] == ids
+        lines: list[str] = []
+        with pytest.raises(httpx.TransportError), \
+                c.stream("GET", "/tidemark/dlq/api/export", params=query) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not lines:
+                    assert _cut_the_ledger(site) == 1
+                lines.append(line)
+        assert 0 < len([x for x in lines if x]) < 12
+        assert not any("tidemark_export_end" in x for x in lines)
+        with psycopg.connect(site.env.ledger_dsn, autocommit=True) as conn:
+            big = os.urandom(40_000_000)  # more than the sockets between hold: still sending
+            rid = add(conn, pipeline="other", payload=big)
+        got = b""
+        with pytest.raises(httpx.TransportError), \
+                c.stream("GET", f"/tidemark/dlq/api/records/{rid}/payload") as r:
+            for chunk in r.iter_bytes():
+                if not got:
+                    assert _cut_the_ledger(site) == 1
+                got += chunk
+        assert 0 < len(got) < len(big)
 
 
 # -- bounded request bodies ---------------------------------------------------------------------
@@ -609,7 +652,7 @@ def test_letters_one_may_not_see_are_not_found(site):
         for r in (c.post("/tidemark/dlq/api/export", json={"ids": [hidden, mine]}),
                   c.get("/tidemark/dlq/api/export", params={"ids": f"{hidden},{mine}"})):
             assert r.status_code == 200
-            assert [json.loads(x)["id"] for x in r.text.splitlines()] == [mine]
+            assert [x["id"] for x in exported(r.text.splitlines())] == [mine]
     assert site.letter(hidden)[0] == "quarantined"
 
 

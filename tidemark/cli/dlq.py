@@ -275,6 +275,7 @@ def dlq_export(ctx: Ctx, id_list: tuple[str, ...], out: str, **kw) -> None:
                 raise BadInput(f"--out {out}: {exc.strerror or exc}") from None
             finally:
                 part.unlink(missing_ok=True)
+    n -= 1  # the last line is the export's end, with the count
     click.echo(f"\rexported {n:,} dead letter(s) to {'stdout' if out == '-' else out}",
                err=True)
 

@@ -501,11 +501,18 @@ def envelope(row: dict) -> dict:
 
 
 EXPORT_BYTES = 8 * 1024 * 1024  # letter bytes an export holds in memory at a time
+EXPORT_END = "tidemark_export_end"  # the key of an export's last line
+
+
+def export_end(records: int) -> str:
+    """An export's last line: without it (or with another count) the export was cut off."""
+    return json.dumps({EXPORT_END: {"records": records}}) + "\n"
 
 
 def export(conn: psycopg.Connection, filters: Filters, batch: int = 2000,
            budget: int = EXPORT_BYTES) -> Iterator[str]:
-    """JSON Lines, oldest first, with memory bounded by bytes, not rows: a server-side cursor
+    """JSON Lines, oldest first, then export_end's line with the count: a reader tells a whole
+    export from a cut one. Memory is bounded by bytes, not rows: a server-side cursor
     walks (id, size) only; the envelopes are fetched in runs of consecutive letters holding at
     most ``budget`` bytes (or ``batch`` letters), a letter bigger than that alone. One
     REPEATABLE READ snapshot makes the runs one consistent export."""
@@ -526,15 +533,18 @@ def export(conn: psycopg.Connection, filters: Filters, batch: int = 2000,
             walk.itersize = batch
             walk.execute(sizes, args)
             ids: list[int] = []
-            held = 0
+            held = sent = 0
             for rid, size in walk:
                 if ids and (held + size > budget or len(ids) >= batch):
                     yield from _lines(cur, rows, ids)
+                    sent += len(ids)
                     ids, held = [], 0
                 ids.append(rid)
                 held += size
             if ids:
                 yield from _lines(cur, rows, ids)
+                sent += len(ids)
+    yield export_end(sent)
 
 
 def _lines(cur: psycopg.Cursor, query: sql.Composable, ids: list[int]) -> Iterator[str]:

@@ -36,7 +36,7 @@ from fastapi.responses import (
 )
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
-from starlette.datastructures import Headers
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -216,25 +216,59 @@ def _routed(scope: Scope) -> bool:
     return any(route.matches(scope)[0] is not Match.NONE for route in app.router.routes)
 
 
+class TransferAborted(BaseException):
+    """A response that failed after its first byte. The status (200) and part of the body are
+    out, so the only honest answer left is a broken connection; a clean end would pass a cut
+    export off as a whole one. A BaseException because Airflow's own middlewares (Starlette's
+    BaseHTTPMiddleware) end a failed stream cleanly on an Exception; this one passes them,
+    and the server then closes the connection without the final chunk."""
+
+
+class Answers:
+    """Every answer's security headers, and what a failure becomes: before the response
+    starts, an error page or JSON (never a traceback); after it, a broken transfer."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def headed(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                headers = MutableHeaders(scope=message)
+                headers.setdefault("Content-Security-Policy", CSP)
+                headers.setdefault("Cache-Control", "no-store")
+                headers["X-Content-Type-Options"] = "nosniff"
+                headers["Referrer-Policy"] = "same-origin"
+            await send(message)
+
+        request = Request(scope)
+        try:
+            await self.app(scope, receive, headed)
+        except Exception as exc:  # noqa: BLE001 - the log has the traceback, never the caller
+            if started:
+                log.error("tidemark dead letters: %s %s failed after the answer began; "
+                          "the connection is cut so the client sees a broken transfer: %s",
+                          request.method, request.url.path, mask(one_line(exc)))
+                raise TransferAborted(one_line(exc)) from exc
+            log.exception("tidemark dead letters: %s %s failed", request.method,
+                          request.url.path)
+            await _error(request, 500, f"internal error ({type(exc).__name__}); the API "
+                                       f"server's log has the details")(scope, receive, headed)
+
+
 app.router.redirect_slashes = False  # SlashRedirect's instead
-# Added before _headers, so they run inside it and their answers get the security headers.
+# Added in this order so each runs inside the next: Answers is outermost, and the others'
+# answers get its headers.
 app.add_middleware(SlashRedirect)
 app.add_middleware(BodyLimit)
-
-
-@app.middleware("http")
-async def _headers(request: Request, call_next):
-    try:
-        response = await call_next(request)
-    except Exception as exc:  # noqa: BLE001 - never a traceback page; the log has it
-        log.exception("tidemark dead letters: %s %s failed", request.method, request.url.path)
-        response = _error(request, 500, f"internal error ({type(exc).__name__}); the API "
-                                        f"server's log has the details")
-    response.headers.setdefault("Content-Security-Policy", CSP)
-    response.headers.setdefault("Cache-Control", "no-store")
-    response.headers["X-Content-Type-Options"] = "nosniff"
-    response.headers["Referrer-Policy"] = "same-origin"
-    return response
+app.add_middleware(Answers)
 
 
 @app.exception_handler(NotAuthenticated)
