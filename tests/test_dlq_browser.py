@@ -24,6 +24,7 @@ SHOTS = REPO / "test-artifacts" / "browser"
 PIPELINES = (REPO / "dags" / "tidemark_pipelines.py").read_text()
 XSS = b"<script>window.pwned=1</script>"
 NAME = "shop"
+GATED = "shopgate"
 
 
 def _rows_check(max_value: int) -> dict:
@@ -44,8 +45,21 @@ def site(pg, spark, tmp_path_factory):
     env.pipeline(NAME, quality={"rows": [_rows_check(100)]}, airflow={"retries": 0,
                                                                     "driver_memory": "1g"})
     all_p, _ = config.load_all(env.dir)
-    report = Run(all_p[NAME], env.settings(), ledger_dsn=env.ledger_dsn, spark=spark,
+    report = Run(all_p[NAME], env.settings(data_docs_dir=tmp / "docs"), ledger_dsn=env.ledger_dsn, spark=spark,
                  all_pipelines=all_p, log=lambda m: None).execute()
+    assert report.ok, report.summary()
+    # A second pipeline whose batch gate fails (max amount 111.25): its letters link the
+    # failed gate's Data Docs page.
+    env.pipeline(GATED, sinks=[{"name": "main", "dsn": env.sink_dsn, "table": "public.gated",
+                                "key": ["id"]}],
+                 quality={"batch": [{"expect_column_max_to_be_between": {
+                     "column": "amount", "max_value": 100}}],
+                          "on_gate_failure": "quarantine_batch"},
+                 airflow={"retries": 0, "driver_memory": "1g"})
+    all_p, _ = config.load_all(env.dir)
+    report = Run(all_p[GATED], env.settings(data_docs_dir=tmp / "docs"),
+                 ledger_dsn=env.ledger_dsn, spark=spark, all_pipelines=all_p,
+                 log=lambda m: None).execute()
     assert report.ok, report.summary()
     # The fix a user makes before redriving: amounts up to 105 are fine (ids 81..84).
     env.pipeline(NAME, quality={"rows": [_rows_check(105)]}, airflow={"retries": 0,
@@ -91,8 +105,8 @@ def test_review_redrive_and_discard_in_the_browser(site):
 
     env, stack = site
     SHOTS.mkdir(parents=True, exist_ok=True)
-    passing = _letter(env, source_offset=41, source_partition=1)   # id 83: amount 103.75
-    xss = _letter(env, error_class="decode")
+    passing = _letter(env, pipeline=NAME, source_offset=41, source_partition=1)  # id 83
+    xss = _letter(env, pipeline=NAME, error_class="decode")
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True)
         page = browser.new_page(viewport={"width": 1400, "height": 900})
@@ -151,3 +165,52 @@ def test_review_redrive_and_discard_in_the_browser(site):
                         "AND status = 'quarantined'")
     assert others == [(8,)]
     assert env.prepared() == []
+
+
+def test_data_docs_render_in_their_sandbox_and_send_nothing_anywhere(site):
+    """A real run's Data Docs page, from a gate letter's record page: it reads (the
+    failing check and its unexpected values are there), none of its scripts runs, and it
+    asks nothing of any host but this one and the stylesheet CDNs DOCS_CSP names."""
+    from urllib.parse import urlsplit
+
+    from playwright.sync_api import expect, sync_playwright
+
+    from tidemark.web.app import DOCS_FONTS, DOCS_STYLES
+
+    env, stack = site
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    letter = _letter(env, pipeline=GATED, source_offset=44, source_partition=1)  # 111.25
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.goto(stack.url + "/")
+        page.fill("input[name=username]", "admin")
+        page.fill("input[name=password]", stack.password())
+        page.get_by_role("button", name="Sign in").click()
+        expect(page.get_by_role("link", name="Dead letters").first).to_be_visible(
+            timeout=60_000)
+        page.goto(stack.url + f"/tidemark/dlq/record/{letter[0]}")
+        docs = page.locator("a[href*='/tidemark/dlq/docs/']").first
+        href = docs.get_attribute("href")
+        asked: list[str] = []
+        console: list[str] = []
+        blocked: list[str] = []  # asked for, refused by the policy before it left
+        page.on("request", lambda r: asked.append(r.url))
+        page.on("console", lambda m: console.append(m.text))
+        page.on("requestfailed", lambda r: r.failure == "csp" and blocked.append(r.url))
+        page.goto(stack.url + href)
+        expect(page.get_by_text("Status: Failed").first).to_be_visible()
+        expect(page.get_by_text("maximum value must be less than or equal to 100").first
+               ).to_be_visible()
+        expect(page.get_by_text("111.25").first).to_be_visible()  # what the gate saw
+        page.screenshot(path=SHOTS / "06-data-docs.png", full_page=True)
+        browser.close()
+    here = urlsplit(stack.url).netloc
+    sent = [u for u in asked if u not in blocked]
+    elsewhere = [u for u in sent if urlsplit(u).netloc != here
+                 and not u.startswith(DOCS_STYLES + DOCS_FONTS)]
+    assert elsewhere == [], elsewhere
+    assert not [u for u in sent if urlsplit(u).path.endswith(".js")], sent
+    # GX's logo is fetched from its S3 bucket with the project's id: a beacon, refused.
+    assert any("great-expectations-web-assets" in u for u in blocked), blocked
+    assert any("sandboxed" in m and "allow-scripts" in m for m in console), console

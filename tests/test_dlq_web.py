@@ -336,6 +336,26 @@ def test_record_page_escapes_everything_and_links_the_run(site):
         assert api["links"]["task_log"].endswith("/tasks/replay?try_number=2")
 
 
+def test_data_docs_styles_are_the_ones_great_expectations_names_and_no_script_runs():
+    """The contract with GX's Data Docs templates: every remote stylesheet they link is one
+    DOCS_CSP allows (else a GX upgrade renders the pages unstyled: update DOCS_STYLES), and
+    the policy runs none of their remote scripts, sends nothing anywhere."""
+    import great_expectations
+
+    from tidemark.web.app import DOCS_CSP, DOCS_STYLES
+
+    templates = Path(great_expectations.__file__).parent / "render" / "view" / "templates"
+    html = "".join(p.read_text() for p in templates.rglob("*.j2"))
+    sheets = set(re.findall(r'<link[^>]*href="(https://[^"]+\.css)"', html))
+    scripts = set(re.findall(r'<script[^>]*src="(https://[^"]+)"', html))
+    assert sheets and scripts, "GX's templates moved: find their stylesheets and scripts again"
+    assert {u for u in sheets if not u.startswith(DOCS_STYLES)} == set()
+    policy = dict(d.strip().split(" ", 1) for d in DOCS_CSP.split(";"))
+    assert policy["sandbox"] == "allow-popups"  # no allow-scripts, no allow-same-origin
+    assert policy["script-src"] == "'none'" and policy["connect-src"] == "'none'"
+    assert policy["img-src"] == "'self' data:" and policy["default-src"] == "'none'"
+
+
 def test_data_docs_are_served_only_from_their_folder(site):
     with site.client(site.admin) as c:
         assert c.get("/tidemark/dlq/docs/orders/validations/run%201.html").status_code == 200

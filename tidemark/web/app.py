@@ -55,9 +55,25 @@ TEMPLATES = Path(__file__).resolve().parent / "templates" / "dlq"
 STATIC = {"dlq.css": "text/css", "dlq.js": "text/javascript", "icon.svg": "image/svg+xml"}
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
        "connect-src 'self'; form-action 'self'; frame-ancestors 'self'; base-uri 'none'")
-# Data Docs are GX's own HTML (scripts, CDN styles): an opaque-origin sandbox keeps them away
-# from the Airflow session.
-DOCS_CSP = "sandbox allow-scripts allow-popups; frame-ancestors 'self'"
+# Data Docs are GX's own HTML, carrying a check's unexpected values unescaped. The pages are
+# rendered on the server and read fine without their scripts (which come from CDNs without
+# integrity), so none runs: an opaque-origin sandbox without allow-scripts, keeping them away
+# from the Airflow session too. Their stylesheets and icon fonts load only from the CDN paths
+# GX names (tests/test_dlq_web.py checks them against GX's templates), and nothing on the
+# page can send data anywhere: no connections, images only from here.
+DOCS_STYLES = (
+    "https://cdn.jsdelivr.net/npm/@forevolve/bootstrap-dark@1.1.0/",
+    "https://cdnjs.cloudflare.com/ajax/libs/bootstrap-datepicker/1.9.0/",
+    "https://cdnjs.cloudflare.com/ajax/libs/font-awesome/6.6.0/",
+    "https://maxcdn.bootstrapcdn.com/bootstrap/4.3.1/",
+    "https://unpkg.com/bootstrap-table@1.19.0/",
+    "https://unpkg.com/bootstrap-table@1.19.1/",
+)
+DOCS_FONTS = ("https://cdnjs.cloudflare.com/ajax/libs/font-awesome/6.6.0/webfonts/",)
+DOCS_CSP = ("sandbox allow-popups; default-src 'none'; script-src 'none'; "
+            f"style-src 'unsafe-inline' {' '.join(DOCS_STYLES)}; font-src {' '.join(DOCS_FONTS)}; "
+            "img-src 'self' data:; connect-src 'none'; form-action 'none'; base-uri 'none'; "
+            "frame-ancestors 'self'")
 SHOW_BYTES = 256 * 1024  # payload bytes a page renders; the download and export have them all
 SHOW_CHARS = dlq.RENDER_CHARS  # what one rendering of them (pretty JSON, hexdump) may grow to
 KEY_CHARS = 64 * 1024  # a key's or the headers' rendering
