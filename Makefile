@@ -95,6 +95,7 @@ down:
 
 lint: venv
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 test: venv browser lint spark-archive
 	$(BIN)/pytest

@@ -47,7 +47,9 @@ def _fill(conn: psycopg.Connection, n: int) -> None:
                   'reason ' || i,
                   (ARRAY['quarantined','quarantined','redriven','discarded'])[1 + i %% 4]
                       ::tidemark.dlq_status
-           FROM generate_series(1, %s) AS i""", (n,))
+           FROM generate_series(1, %s) AS i""",
+        (n,),
+    )
     conn.execute("ANALYZE tidemark.dlq")
 
 
@@ -59,7 +61,9 @@ def _export(conn: psycopg.Connection, n: int, big: int) -> None:
                                      payload, error_class, reason, status)
            SELECT 'p0', 'big', 1, 0, i, convert_to(repeat(md5(i::text), 327680), 'UTF8'),
                   'decode', 'big', 'quarantined'
-           FROM generate_series(1, %s) AS i""", (big,))
+           FROM generate_series(1, %s) AS i""",
+        (big,),
+    )
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     t, lines, size = time.perf_counter(), 0, 0
     for line in dlq.export(conn, dlq.Filters.parse()):
@@ -67,9 +71,11 @@ def _export(conn: psycopg.Connection, n: int, big: int) -> None:
         size += len(line)
     secs = time.perf_counter() - t
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
-    print(f"export: {lines:,} letters, {size / 2**20:,.0f} MiB of JSON Lines in {secs:.1f}s "
-          f"({lines / secs:,.0f} letters/s); peak RSS grew {grown:.0f} MiB "
-          f"(budget {dlq.EXPORT_BYTES / 2**20:.0f} MiB + one 10 MB letter)")
+    print(
+        f"export: {lines:,} letters, {size / 2**20:,.0f} MiB of JSON Lines in {secs:.1f}s "
+        f"({lines / secs:,.0f} letters/s); peak RSS grew {grown:.0f} MiB "
+        f"(budget {dlq.EXPORT_BYTES / 2**20:.0f} MiB + one 10 MB letter)"
+    )
 
 
 def _ms(fn, reps: int) -> float:
@@ -99,9 +105,22 @@ def redrive(dsn: str, n: int) -> None:
     migrations.upgrade(ledger)
     with psycopg.connect(ledger, autocommit=True) as c:
         create_log_table(c, "src.log")
-        append(c, "src.log", ((i % 2, str(i).encode(), json.dumps(
-            {"id": i, "name": f"order-{i}", "amount": i * 1.25, "version": 1}).encode(),
-            '{"v": 1}', None) for i in range(n)))
+        append(
+            c,
+            "src.log",
+            (
+                (
+                    i % 2,
+                    str(i).encode(),
+                    json.dumps(
+                        {"id": i, "name": f"order-{i}", "amount": i * 1.25, "version": 1}
+                    ).encode(),
+                    '{"v": 1}',
+                    None,
+                )
+                for i in range(n)
+            ),
+        )
         c.execute("INSERT INTO tidemark.pipelines (name) VALUES ('bench')")
         c.execute("""INSERT INTO tidemark.checkpoints (pipeline, sink, partition, next_offset)
                      SELECT 'bench', 'main', "partition", max("offset") + 1 FROM src.log
@@ -117,20 +136,53 @@ def redrive(dsn: str, n: int) -> None:
                      FROM src.log""")
         c.execute("ANALYZE")
     folder = Path(tempfile.mkdtemp(prefix="tidemark-redrive-bench-"))
-    (folder / "bench.yaml").write_text(json.dumps({
-        "name": "bench",
-        "source": {"type": "postgres_log", "dsn": ledger, "table": "src.log"},
-        "decode": {"schema": {"id": "int", "name": "string", "amount": "double",
-                              "version": "int"}},
-        "transform": {"select": {"id": "id", "name": "name", "amount": "amount",
-                                 "version": "version"}, "required": ["id"]},
-        "sinks": [{"name": "main", "dsn": sink, "table": "public.orders", "key": ["id"]}],
-        "quality": {"rows": [{"expect_column_values_to_be_between": {
-            "column": "amount", "min_value": 0}}]}}))
-    env = {**os.environ, "TIDEMARK_LEDGER_DSN": ledger, "TIDEMARK_PIPELINES_DIR": str(folder),
-           "TIDEMARK_SPARK_MASTER": os.environ.get("TIDEMARK_SPARK_MASTER", "local[2,4]")}
-    argv = [sys.executable, "-m", "tidemark", "dlq", "redrive", "bench", "--class",
-            "validation", "--all", "--yes", "--by", "bench", "--json"]
+    (folder / "bench.yaml").write_text(
+        json.dumps(
+            {
+                "name": "bench",
+                "source": {"type": "postgres_log", "dsn": ledger, "table": "src.log"},
+                "decode": {
+                    "schema": {"id": "int", "name": "string", "amount": "double", "version": "int"}
+                },
+                "transform": {
+                    "select": {
+                        "id": "id",
+                        "name": "name",
+                        "amount": "amount",
+                        "version": "version",
+                    },
+                    "required": ["id"],
+                },
+                "sinks": [{"name": "main", "dsn": sink, "table": "public.orders", "key": ["id"]}],
+                "quality": {
+                    "rows": [
+                        {"expect_column_values_to_be_between": {"column": "amount", "min_value": 0}}
+                    ]
+                },
+            }
+        )
+    )
+    env = {
+        **os.environ,
+        "TIDEMARK_LEDGER_DSN": ledger,
+        "TIDEMARK_PIPELINES_DIR": str(folder),
+        "TIDEMARK_SPARK_MASTER": os.environ.get("TIDEMARK_SPARK_MASTER", "local[2,4]"),
+    }
+    argv = [
+        sys.executable,
+        "-m",
+        "tidemark",
+        "dlq",
+        "redrive",
+        "bench",
+        "--class",
+        "validation",
+        "--all",
+        "--yes",
+        "--by",
+        "bench",
+        "--json",
+    ]
     print(f"redriving {n:,} validation letters: {' '.join(argv[1:])}", flush=True)
     started = time.monotonic()
     out = subprocess.run(argv, env=env, capture_output=True, text=True)
@@ -142,9 +194,11 @@ def redrive(dsn: str, n: int) -> None:
         left = c.execute("SELECT status::text, count(*) FROM tidemark.dlq GROUP BY 1").fetchall()
     with psycopg.connect(sink, autocommit=True) as c:
         rows = c.execute("SELECT count(*) FROM public.orders").fetchone()[0]
-    print(f"wall {wall:.1f}s (process, Spark start-up included); run {rep['run_id']} "
-          f"{rep['seconds']:.1f}s; redriven {rep['redrive']['redriven']:,}; sink rows "
-          f"{rows:,}; letters {dict(left)}")
+    print(
+        f"wall {wall:.1f}s (process, Spark start-up included); run {rep['run_id']} "
+        f"{rep['seconds']:.1f}s; redriven {rep['redrive']['redriven']:,}; sink rows "
+        f"{rows:,}; letters {dict(left)}"
+    )
     print("phases: " + ", ".join(f"{k} {v}" for k, v in rep["phases"].items()))
 
 
@@ -152,11 +206,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=200_000)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--export", type=int, default=0, metavar="N",
-                    help="instead: time an export of N letters (e.g. 1000000)")
+    ap.add_argument(
+        "--export",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: time an export of N letters (e.g. 1000000)",
+    )
     ap.add_argument("--big", type=int, default=20, help="10 MB letters in the export")
-    ap.add_argument("--redrive", type=int, metavar="N",
-                    help="time a redrive of N letters by the CLI instead")
+    ap.add_argument(
+        "--redrive", type=int, metavar="N", help="time a redrive of N letters by the CLI instead"
+    )
     args = ap.parse_args()
     dsn = os.environ["TIDEMARK_LEDGER_DSN"]
     if args.redrive:
@@ -173,8 +233,9 @@ def main() -> None:
         oldest = conn.execute("SELECT min(id) FROM tidemark.dlq").fetchone()[0]
         deep = oldest + 200  # a cursor near the end of the list
         everything = dlq.Filters.parse()
-        quarantined = dlq.Filters.parse(pipeline="p1", error_class="validation",
-                                        status="quarantined")
+        quarantined = dlq.Filters.parse(
+            pipeline="p1", error_class="validation", status="quarantined"
+        )
         rows = [
             ("first page, all statuses", lambda: dlq.page(conn, everything)),
             ("deep page, all statuses", lambda: dlq.page(conn, everything, before=deep)),

@@ -68,9 +68,14 @@ def jobs(spark) -> list[dict]:
         for sid in _seq(j.stageIds()):
             for attempt in _seq(store.stageData(int(sid), False, None, False, None)):
                 task_ms += attempt.executorRunTime()
-        out.append({"id": j.jobId(), "name": j.name(),
-                    "wall": (done.get().getTime() - sub.get().getTime()) / 1000,
-                    "task": task_ms / 1000})
+        out.append(
+            {
+                "id": j.jobId(),
+                "name": j.name(),
+                "wall": (done.get().getTime() - sub.get().getTime()) / 1000,
+                "task": task_ms / 1000,
+            }
+        )
     return sorted(out, key=lambda j: j["id"])
 
 
@@ -82,9 +87,12 @@ def main() -> None:
     migrations.upgrade(ledger)
     demo.load(source, TABLE, repeat=REPEAT, partitions=4)
     folder = Path(tempfile.mkdtemp(prefix="tidemark-gate-profile-"))
-    (folder / "bench_gate.yaml").write_text(yaml.safe_dump(
-        pipeline_doc("bench_gate", "exactly_once", 600_000, source, sink, True, TABLE),
-        sort_keys=False))
+    (folder / "bench_gate.yaml").write_text(
+        yaml.safe_dump(
+            pipeline_doc("bench_gate", "exactly_once", 600_000, source, sink, True, TABLE),
+            sort_keys=False,
+        )
+    )
     settings = Settings(ledger_dsn=ledger, pipelines_dir=folder, spark_master="local[2,4]")
     spark = session("local[2,4]", "tidemark-gate-profile")
     evaluate = gate.evaluate
@@ -102,25 +110,36 @@ def main() -> None:
         reset(ledger, sink, "bench_gate")
         before = {j["id"] for j in jobs(spark)}
         t = time.perf_counter()
-        report = Run(config.load(folder / "bench_gate.yaml"), settings, ledger_dsn=ledger,
-                     spark=spark, log=lambda m: None).execute()
+        report = Run(
+            config.load(folder / "bench_gate.yaml"),
+            settings,
+            ledger_dsn=ledger,
+            spark=spark,
+            log=lambda m: None,
+        ).execute()
         wall = time.perf_counter() - t
         if not report.ok:
             raise SystemExit(f"gated run failed: {report.summary()}")
     gate_s = report.phases.get("gate_seconds", 0)
-    print(f"run {wall:.1f} s wall: gate {gate_s:.1f} s, "
-          f"write {report.phases['write_seconds']:.1f} s")
+    print(
+        f"run {wall:.1f} s wall: gate {gate_s:.1f} s, write {report.phases['write_seconds']:.1f} s"
+    )
     new = [j for j in jobs(spark) if j["id"] not in before]
     write_job = max(new, key=lambda j: j["id"])  # the run's last job: its write tasks
-    gx_jobs = sum(j["wall"] for j in new
-                  if j is not write_job and not j["name"].startswith("count at"))
+    gx_jobs = sum(
+        j["wall"] for j in new if j is not write_job and not j["name"].startswith("count at")
+    )
     pipeline, parts = config.load(folder / "bench_gate.yaml"), whole_table(source)
     noop = noop_seconds(lambda: records.rows(dataframe(spark, pipeline, parts), pipeline))
-    print(f"gate {gate_s:.1f} s = batch cache fill (read, decode, transform, cache) "
-          f"{fill['seconds']:.1f} s + the checks' Spark jobs {gx_jobs:.1f} s + outside any job "
-          f"(GX in Python, Spark planning, ledger) {gate_s - fill['seconds'] - gx_jobs:.1f} s")
-    print(f"the same read, decode and transform into Spark's no-op sink: {noop:.1f} s "
-          f"(the cache itself: {fill['seconds'] - noop:.1f} s)")
+    print(
+        f"gate {gate_s:.1f} s = batch cache fill (read, decode, transform, cache) "
+        f"{fill['seconds']:.1f} s + the checks' Spark jobs {gx_jobs:.1f} s + outside any job "
+        f"(GX in Python, Spark planning, ledger) {gate_s - fill['seconds'] - gx_jobs:.1f} s"
+    )
+    print(
+        f"the same read, decode and transform into Spark's no-op sink: {noop:.1f} s "
+        f"(the cache itself: {fill['seconds'] - noop:.1f} s)"
+    )
     print(f"\n{len(new)} Spark jobs; by call site (wall s, task s, jobs):")
     by: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0, 0])
     for j in new:

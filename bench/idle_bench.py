@@ -56,28 +56,62 @@ def setup(server_dsn: str, folder: Path) -> str:
     migrations.upgrade(dsn)
     with psycopg.connect(dsn) as c:
         create_log_table(c, "src.log")
-        append(c, "src.log", [(i % 2, str(i).encode(), json.dumps(
-            {"id": i, "name": f"order-{i}", "amount": i * 1.25}).encode(), "{}", None)
-            for i in range(RECORDS)])
-    (folder / "idle.yaml").write_text(yaml.safe_dump({
-        "source": {"type": "postgres_log", "dsn": dsn, "table": "src.log"},
-        "decode": {"schema": {"id": "int", "name": "string", "amount": "double"}},
-        "sinks": [{"name": "main", "dsn": dsn, "table": "public.orders", "key": ["id"]}],
-        "quality": {"rows": [{"expect_column_values_to_be_between":
-                              {"column": "amount", "min_value": 0}}],
-                    "batch": [{"expect_table_row_count_to_be_between":
-                               {"min_value": 1, "max_value": 10 * RECORDS}}]},
-        "airflow": {"retries": 0, "driver_memory": "1g"},
-    }, sort_keys=False))
+        append(
+            c,
+            "src.log",
+            [
+                (
+                    i % 2,
+                    str(i).encode(),
+                    json.dumps({"id": i, "name": f"order-{i}", "amount": i * 1.25}).encode(),
+                    "{}",
+                    None,
+                )
+                for i in range(RECORDS)
+            ],
+        )
+    (folder / "idle.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "source": {"type": "postgres_log", "dsn": dsn, "table": "src.log"},
+                "decode": {"schema": {"id": "int", "name": "string", "amount": "double"}},
+                "sinks": [{"name": "main", "dsn": dsn, "table": "public.orders", "key": ["id"]}],
+                "quality": {
+                    "rows": [
+                        {"expect_column_values_to_be_between": {"column": "amount", "min_value": 0}}
+                    ],
+                    "batch": [
+                        {
+                            "expect_table_row_count_to_be_between": {
+                                "min_value": 1,
+                                "max_value": 10 * RECORDS,
+                            }
+                        }
+                    ],
+                },
+                "airflow": {"retries": 0, "driver_memory": "1g"},
+            },
+            sort_keys=False,
+        )
+    )
     return dsn
 
 
 def cli_run(dsn: str, folder: Path) -> tuple[float, str]:
-    env = {**os.environ, "TIDEMARK_LEDGER_DSN": dsn, "TIDEMARK_PIPELINES_DIR": str(folder),
-           "TIDEMARK_SPARK_MASTER": "local[2]"}
+    env = {
+        **os.environ,
+        "TIDEMARK_LEDGER_DSN": dsn,
+        "TIDEMARK_PIPELINES_DIR": str(folder),
+        "TIDEMARK_SPARK_MASTER": "local[2]",
+    }
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-m", "tidemark", "run", "idle"], env=env,
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-m", "tidemark", "run", "idle"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     took = time.monotonic() - t0
     if res.returncode != 0:
         sys.exit(f"tidemark run failed ({res.returncode}): {res.stderr.strip()[-500:]}")
@@ -85,8 +119,10 @@ def cli_run(dsn: str, folder: Path) -> tuple[float, str]:
 
 
 def _stats(values: list[float]) -> str:
-    return (f"median {statistics.median(values):.2f} s, min {min(values):.2f} s, "
-            f"max {max(values):.2f} s ({len(values)} runs)")
+    return (
+        f"median {statistics.median(values):.2f} s, min {min(values):.2f} s, "
+        f"max {max(values):.2f} s ({len(values)} runs)"
+    )
 
 
 def dag_runs(dsn: str, server_dsn: str, tmp: Path, folder: Path, runs: int) -> list[float]:
@@ -94,9 +130,14 @@ def dag_runs(dsn: str, server_dsn: str, tmp: Path, folder: Path, runs: int) -> l
     dags.mkdir()
     shutil.move(folder, dags / "pipelines")
     shutil.copy(REPO / "dags" / "tidemark_pipelines.py", dags)
-    stack = Stack(home=tmp / "airflow", ledger_dsn=dsn, port=free_port(), dags_folder=dags,
-                  metadata_db="airflow_bench_idle",
-                  env_extra={"TIDEMARK_PIPELINES_DIR": str(dags / "pipelines")})
+    stack = Stack(
+        home=tmp / "airflow",
+        ledger_dsn=dsn,
+        port=free_port(),
+        dags_folder=dags,
+        metadata_db="airflow_bench_idle",
+        env_extra={"TIDEMARK_PIPELINES_DIR": str(dags / "pipelines")},
+    )
     walls = []
     try:
         stack.start()
@@ -111,16 +152,27 @@ def dag_runs(dsn: str, server_dsn: str, tmp: Path, folder: Path, runs: int) -> l
                     if dr["state"] in ("success", "failed"):
                         break
                     time.sleep(0.5)  # polling the REST API: Airflow offers no finished event
-                tis = {t["task_id"]: t["state"] for t in api.get(
-                    f"/dags/tidemark_idle/dagRuns/{run_id}/taskInstances").json()[
-                    "task_instances"]}
+                tis = {
+                    t["task_id"]: t["state"]
+                    for t in api.get(f"/dags/tidemark_idle/dagRuns/{run_id}/taskInstances").json()[
+                        "task_instances"
+                    ]
+                }
                 if dr["state"] != "success" or tis.get("replay") != "skipped":
-                    log = api.get(f"/dags/tidemark_idle/dagRuns/{run_id}/taskInstances/"
-                                  f"recover/logs/1", headers={"Accept": "application/json"})
-                    sys.exit(f"idle DAG run {run_id}: {dr['state']}, tasks {tis}; recover "
-                             f"said: {log.text[-3000:]}")
-                walls.append((datetime.fromisoformat(dr["end_date"])
-                              - datetime.fromisoformat(dr["start_date"])).total_seconds())
+                    log = api.get(
+                        f"/dags/tidemark_idle/dagRuns/{run_id}/taskInstances/recover/logs/1",
+                        headers={"Accept": "application/json"},
+                    )
+                    sys.exit(
+                        f"idle DAG run {run_id}: {dr['state']}, tasks {tis}; recover "
+                        f"said: {log.text[-3000:]}"
+                    )
+                walls.append(
+                    (
+                        datetime.fromisoformat(dr["end_date"])
+                        - datetime.fromisoformat(dr["start_date"])
+                    ).total_seconds()
+                )
     finally:
         stack.stop()
         with psycopg.connect(server_dsn, autocommit=True) as c:

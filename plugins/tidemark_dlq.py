@@ -9,11 +9,13 @@ from tidemark.web.app import app
 class TidemarkDeadLetters(AirflowPlugin):
     name = "tidemark_dlq"
     fastapi_apps = [{"app": app, "url_prefix": "/tidemark", "name": "Tidemark dead letters"}]
-    external_views = [{
-        "name": "Dead letters",
-        "href": "/tidemark/dlq/",
-        "destination": "nav",
-        "url_route": "dead-letters",
-        "nav_top_level": True,
-        "icon": "/tidemark/dlq/static/icon.svg",
-    }]
+    external_views = [
+        {
+            "name": "Dead letters",
+            "href": "/tidemark/dlq/",
+            "destination": "nav",
+            "url_route": "dead-letters",
+            "nav_top_level": True,
+            "icon": "/tidemark/dlq/static/icon.svg",
+        }
+    ]

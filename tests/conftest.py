@@ -70,20 +70,31 @@ class Env:
         recs = []
         for i in ids:
             body = {"id": i, "name": f"order-{i}", "amount": i * 1.25, "version": version, **extra}
-            recs.append((i % partitions, str(i).encode(), json.dumps(body).encode(),
-                         json.dumps({"v": version}), None))
+            recs.append(
+                (
+                    i % partitions,
+                    str(i).encode(),
+                    json.dumps(body).encode(),
+                    json.dumps({"v": version}),
+                    None,
+                )
+            )
         return self.append(recs)
 
     def pipeline(self, name: str = "orders", **overrides) -> Path:
         doc = {
             "name": name,
             "source": {"type": "postgres_log", "dsn": self.ledger_dsn, "table": "src.log"},
-            "decode": {"schema": {"id": "int", "name": "string", "amount": "double",
-                                  "version": "int"}},
-            "transform": {"select": {"id": "id", "name": "name", "amount": "amount",
-                                     "version": "version"}, "required": ["id"]},
-            "sinks": [{"name": "main", "dsn": self.sink_dsn, "table": "public.orders",
-                       "key": ["id"]}],
+            "decode": {
+                "schema": {"id": "int", "name": "string", "amount": "double", "version": "int"}
+            },
+            "transform": {
+                "select": {"id": "id", "name": "name", "amount": "amount", "version": "version"},
+                "required": ["id"],
+            },
+            "sinks": [
+                {"name": "main", "dsn": self.sink_dsn, "table": "public.orders", "key": ["id"]}
+            ],
             "limits": {"max_records_per_partition": 100_000},
         }
         for k, v in overrides.items():
@@ -94,6 +105,7 @@ class Env:
 
     def load(self, name: str = "orders"):
         from tidemark import config
+
         return config.load(self.dir / f"{name}.yaml")
 
     # -- inspection ------------------------------------------------------------------------------
@@ -105,18 +117,25 @@ class Env:
         return self.q(self.ledger_dsn, sql, params)
 
     def prepared(self) -> list[str]:
-        return [r[0] for r in self.q(self.ledger_dsn,
-                                     "SELECT gid FROM pg_prepared_xacts ORDER BY gid")]
+        return [
+            r[0] for r in self.q(self.ledger_dsn, "SELECT gid FROM pg_prepared_xacts ORDER BY gid")
+        ]
 
     def checkpoints(self, pipeline: str = "orders", sink: str = "main") -> dict[int, int]:
-        return dict(self.ledger("SELECT partition, next_offset FROM tidemark.checkpoints "
-                                "WHERE pipeline = %s AND sink = %s", (pipeline, sink)))
+        return dict(
+            self.ledger(
+                "SELECT partition, next_offset FROM tidemark.checkpoints "
+                "WHERE pipeline = %s AND sink = %s",
+                (pipeline, sink),
+            )
+        )
 
     def source_offsets(self) -> dict[int, int]:
         return dict(self.ledger('SELECT "partition", count(*) FROM src.log GROUP BY 1'))
 
     def settings(self, **kw):
         from tidemark.core.settings import Settings
+
         return Settings(ledger_dsn=self.ledger_dsn, pipelines_dir=self.dir, **kw)
 
     def run(self, spark, name: str = "orders", **kw):
@@ -124,9 +143,15 @@ class Env:
         from tidemark.driver.run import Run
 
         all_p, _ = config.load_all(self.dir)
-        return Run(all_p[name], kw.pop("settings", None) or self.settings(),
-                   ledger_dsn=self.ledger_dsn, all_pipelines=all_p, spark=spark,
-                   log=lambda m: None, **kw).execute()
+        return Run(
+            all_p[name],
+            kw.pop("settings", None) or self.settings(),
+            ledger_dsn=self.ledger_dsn,
+            all_pipelines=all_p,
+            spark=spark,
+            log=lambda m: None,
+            **kw,
+        ).execute()
 
     def recover(self):
         from tidemark import config
@@ -137,8 +162,14 @@ class Env:
 
     def cli_env(self, **extra) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEMARK_")}
-        env.update({"TIDEMARK_LEDGER_DSN": self.ledger_dsn, "TIDEMARK_PIPELINES_DIR": str(self.dir),
-                    "TIDEMARK_SPARK_MASTER": "local[2,4]", "PYTHONUNBUFFERED": "1"})
+        env.update(
+            {
+                "TIDEMARK_LEDGER_DSN": self.ledger_dsn,
+                "TIDEMARK_PIPELINES_DIR": str(self.dir),
+                "TIDEMARK_SPARK_MASTER": "local[2,4]",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         env.update({k: str(v) for k, v in extra.items()})
         return env
 

@@ -5,8 +5,13 @@ from __future__ import annotations
 LIVE = ("quarantined", "discarded")
 
 
-def assert_exactly_once(env, pipeline: str = "orders", sinks: dict[str, str] | None = None,
-                        table: str = "orders", tombstones: bool = False) -> None:
+def assert_exactly_once(
+    env,
+    pipeline: str = "orders",
+    sinks: dict[str, str] | None = None,
+    table: str = "orders",
+    tombstones: bool = False,
+) -> None:
     """Invariants 1, 2 and 4, per sink: below its checkpoint each source offset is placed
     exactly once *for that sink* (its own row, or one live dead letter naming that sink; a
     version superseded by a newer one of its key may have neither), nothing at or above the
@@ -21,26 +26,36 @@ def assert_exactly_once(env, pipeline: str = "orders", sinks: dict[str, str] | N
         below = {(p, o) for p, o in source if o < cps.get(p, 0)}
         delivered = env.q(dsn, f"SELECT _tm_partition, _tm_offset FROM {table}")
         if tombstones:
-            delivered += [(p, o) for p, o in env.ledger(
-                'SELECT "partition", "offset" FROM src.log WHERE payload IS NULL '
-                'AND key IS NOT NULL') if o < cps.get(p, 0)]
+            delivered += [
+                (p, o)
+                for p, o in env.ledger(
+                    'SELECT "partition", "offset" FROM src.log WHERE payload IS NULL '
+                    "AND key IS NOT NULL"
+                )
+                if o < cps.get(p, 0)
+            ]
         dead = env.ledger(
             "SELECT source_partition, source_offset FROM tidemark.dlq WHERE pipeline = %s "
-            "AND sink = %s AND status::text = ANY(%s)", (pipeline, sink, list(LIVE)))
+            "AND sink = %s AND status::text = ANY(%s)",
+            (pipeline, sink, list(LIVE)),
+        )
         placed = delivered + dead
         assert len(placed) == len(set(placed)), f"{sink}: a record is placed twice"
         superseded = _superseded(env, below, set(delivered))
-        assert set(placed) | superseded >= below, \
+        assert set(placed) | superseded >= below, (
             f"{sink}: records below the checkpoint lost: {sorted(below - set(placed))[:5]}"
-        assert set(placed) <= below, \
+        )
+        assert set(placed) <= below, (
             f"{sink}: records at or above the checkpoint placed: {sorted(set(placed) - below)[:5]}"
+        )
     for dsn in {env.ledger_dsn, *sinks.values()}:
         left = env.q(dsn, "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()")
         assert left == [], f"prepared transactions left: {left}"
 
 
-def _superseded(env, offsets: set[tuple[int, int]],
-                delivered: set[tuple[int, int]]) -> set[tuple[int, int]]:
+def _superseded(
+    env, offsets: set[tuple[int, int]], delivered: set[tuple[int, int]]
+) -> set[tuple[int, int]]:
     """Records below the checkpoint whose key's row in the sink is a newer version: a higher
     offset of the same partition, or (a sink with a version column) a row from another
     partition. Their key's place is that row's. A newer version that is not in the sink (a
@@ -50,6 +65,10 @@ def _superseded(env, offsets: set[tuple[int, int]],
     for p, o, k in rows:
         if (p, o) in delivered and k is not None:
             held.setdefault(bytes(k), []).append((p, o))
-    return {(p, o) for p, o, k in rows
-            if (p, o) in offsets and k is not None
-            and any(p2 != p or o2 > o for p2, o2 in held.get(bytes(k), ()))}
+    return {
+        (p, o)
+        for p, o, k in rows
+        if (p, o) in offsets
+        and k is not None
+        and any(p2 != p or o2 > o for p2, o2 in held.get(bytes(k), ()))
+    }

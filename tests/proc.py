@@ -16,13 +16,24 @@ from tidemark.devstack.chaos.faults import signal_session
 class JobProcess:
     """A `tidemark` CLI process in its own session (a crash kills all of it)."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], pause_dir: Path | None = None,
-                 pause_at: str | None = None, crash_at: str | None = None):
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        pause_dir: Path | None = None,
+        pause_at: str | None = None,
+        crash_at: str | None = None,
+    ):
         env = faults.armed(env, pause_dir, pause_at, crash_at)
         self.pause_dir = pause_dir
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
 
     def wait_reached(self, timeout: float = 240) -> str:
         """Block until the job writes its pause point into the FIFO (or dies)."""
@@ -32,8 +43,10 @@ class JobProcess:
             deadline = _Deadline(timeout)
             while b"\n" not in data:
                 if self.proc.poll() is not None:
-                    raise AssertionError(f"job exited ({self.proc.returncode}) before its "
-                                         f"pause point:\n{self.output()}")
+                    raise AssertionError(
+                        f"job exited ({self.proc.returncode}) before its "
+                        f"pause point:\n{self.output()}"
+                    )
                 ready, _, _ = select.select([fd], [], [], min(1.0, deadline.left()))
                 if ready:
                     data += os.read(fd, 100)
@@ -74,6 +87,7 @@ class JobProcess:
 class _Deadline:
     def __init__(self, seconds: float):
         import time
+
         self._time = time
         self.end = time.monotonic() + seconds
 

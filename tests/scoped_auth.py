@@ -14,7 +14,9 @@ SCOPED_PREFIX = "tidemark_orders"
 class ScopedAuthManager(SimpleAuthManager):
     def is_authorized_dag(self, *, method, user, access_entity=None, details=None) -> bool:
         if user.get_name() == SCOPED_USER and not (
-                details is not None and details.id and details.id.startswith(SCOPED_PREFIX)):
+            details is not None and details.id and details.id.startswith(SCOPED_PREFIX)
+        ):
             return False  # neither another pipeline's DAG nor "every DAG"
-        return super().is_authorized_dag(method=method, user=user, access_entity=access_entity,
-                                         details=details)
+        return super().is_authorized_dag(
+            method=method, user=user, access_entity=access_entity, details=details
+        )

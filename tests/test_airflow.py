@@ -58,8 +58,9 @@ class Inbox:
 
     def wait(self, pred, timeout: float = 240):
         with self.cond:
-            assert self.cond.wait_for(lambda: any(pred(i) for i in self.items), timeout), \
+            assert self.cond.wait_for(lambda: any(pred(i) for i in self.items), timeout), (
                 f"nothing matching arrived in {timeout}s; got {self.items!r}"
+            )
             return next(i for i in self.items if pred(i))
 
 
@@ -108,16 +109,18 @@ def _statsd(inbox: Inbox) -> socket.socket:
 
 
 class World:
-    def __init__(self, env: Env, stack: Stack, mails: Inbox, hooks: Inbox, lineage_file: Path,
-                 stats: Inbox):
+    def __init__(
+        self, env: Env, stack: Stack, mails: Inbox, hooks: Inbox, lineage_file: Path, stats: Inbox
+    ):
         self.env, self.stack, self.mails, self.hooks = env, stack, mails, hooks
         self.lineage_file, self.stats = lineage_file, stats
         self.api = stack.api()
 
     def trigger(self, dag_id: str, conf: dict | None = None):
         self.stack.unpause(dag_id)
-        return self.api.post(f"/dags/{dag_id}/dagRuns",
-                             json={"logical_date": None, "conf": conf or {}})
+        return self.api.post(
+            f"/dags/{dag_id}/dagRuns", json={"logical_date": None, "conf": conf or {}}
+        )
 
     def wait_run(self, dag_id: str, run_id: str, timeout: float = 420) -> str:
         deadline = time.monotonic() + timeout
@@ -143,8 +146,10 @@ class World:
         return {t["task_id"]: t["state"] for t in r["task_instances"]}
 
     def log(self, dag_id: str, run_id: str, task: str, try_number: int = 1) -> str:
-        r = self.api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task}/logs/"
-                         f"{try_number}", headers={"Accept": "application/json"})
+        r = self.api.get(
+            f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task}/logs/{try_number}",
+            headers={"Accept": "application/json"},
+        )
         lines = []
         for c in r.json().get("content", []):
             if not isinstance(c, dict):
@@ -152,13 +157,17 @@ class World:
                 continue
             lines.append(c.get("event", ""))
             # A task's exception is a structured field of its "failed" line.
-            lines += [f"{e.get('exc_type')}: {e.get('exc_value')}"
-                      for e in c.get("error_detail") or [] if isinstance(e, dict)]
+            lines += [
+                f"{e.get('exc_type')}: {e.get('exc_value')}"
+                for e in c.get("error_detail") or []
+                if isinstance(e, dict)
+            ]
         return "\n".join(lines)
 
     def runs(self, dag_id: str) -> list[dict]:
-        return self.api.get(f"/dags/{dag_id}/dagRuns", params={"order_by": "run_after"}
-                            ).json()["dag_runs"]
+        return self.api.get(f"/dags/{dag_id}/dagRuns", params={"order_by": "run_after"}).json()[
+            "dag_runs"
+        ]
 
     def wait_runs(self, dag_id: str, count: int, timeout: float = 240) -> list[dict]:
         """At least ``count`` runs of ``dag_id`` (an asset-scheduled DAG), all finished."""
@@ -174,8 +183,7 @@ class World:
         assets = self.api.get("/assets", params={"uri_pattern": uri}).json()["assets"]
         ids = [a["id"] for a in assets if a["uri"] == uri]
         assert ids, f"no asset {uri}: {assets}"
-        return self.api.get("/assets/events", params={"asset_id": ids[0]}
-                            ).json()["asset_events"]
+        return self.api.get("/assets/events", params={"asset_id": ids[0]}).json()["asset_events"]
 
     def lineage(self, pred, timeout: float = 120) -> dict:
         """The first OpenLineage event the file transport wrote that matches ``pred``."""
@@ -183,18 +191,24 @@ class World:
         events: list[dict] = []
         while time.monotonic() < deadline:
             if self.lineage_file.exists():
-                events = [json.loads(line) for line in
-                          self.lineage_file.read_text().splitlines() if line.strip()]
+                events = [
+                    json.loads(line)
+                    for line in self.lineage_file.read_text().splitlines()
+                    if line.strip()
+                ]
                 found = [e for e in events if pred(e)]
                 if found:
                     return found[0]
             time.sleep(1)  # the listener writes after the task ends: poll the file
-        raise AssertionError(f"no matching OpenLineage event in {timeout}s; jobs: "
-                             f"{sorted({(e['job']['name'], e.get('eventType')) for e in events})}")
+        raise AssertionError(
+            f"no matching OpenLineage event in {timeout}s; jobs: "
+            f"{sorted({(e['job']['name'], e.get('eventType')) for e in events})}"
+        )
 
     def xcom(self, dag_id: str, run_id: str, task: str):
-        r = self.api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task}"
-                         f"/xcomEntries/return_value")
+        r = self.api.get(
+            f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task}/xcomEntries/return_value"
+        )
         assert r.status_code == 200, r.text
         return r.json()["value"]
 
@@ -212,31 +226,52 @@ def world(pg, tmp_path_factory):
     alerts = {"email": ["ops@example.com"], "webhook_conn_id": "tidemark_webhook"}
     fast = {"retries": 0, "driver_memory": "1g"}
     # orders retries (quickly): a failure that must not retry shows as one try.
-    env.pipeline("orders", alerts=alerts, airflow={**fast, "retries": 2,
-                                                   "retry_delay_seconds": 1})
-    env.pipeline("gated", alerts={**alerts, "dlq_max": 0, "lag_max_records": 10}, airflow=fast,
-                 sinks=[{"name": "main", "dsn": env.sink_dsn, "table": "public.gated",
-                         "key": ["id"]}],
-                 quality={"batch": [{"expect_table_row_count_to_be_between":
-                                     {"min_value": 1, "max_value": 5}}]})
+    env.pipeline("orders", alerts=alerts, airflow={**fast, "retries": 2, "retry_delay_seconds": 1})
+    env.pipeline(
+        "gated",
+        alerts={**alerts, "dlq_max": 0, "lag_max_records": 10},
+        airflow=fast,
+        sinks=[{"name": "main", "dsn": env.sink_dsn, "table": "public.gated", "key": ["id"]}],
+        quality={
+            "batch": [{"expect_table_row_count_to_be_between": {"min_value": 1, "max_value": 5}}]
+        },
+    )
     (env.dir / "broken.yaml").write_text("name: broken\nsource: {type: kafka}\n")
     # A new user's pipeline on connections made through Airflow's API (below), one naming a
     # connection nobody made, and one whose second sink's server is down.
-    env.pipeline("viaconn", airflow=fast,
-                 source={"type": "postgres_log", "conn_id": "newuser_src", "table": "src.log"},
-                 sinks=[{"name": "wh", "conn_id": "newuser_wh", "table": "public.viaconn",
-                         "key": ["id"]}])
-    env.pipeline("noconn", alerts=alerts, airflow=fast,
-                 sinks=[{"name": "main", "conn_id": "nowhere_wh", "table": "public.noconn",
-                         "key": ["id"]}])
+    env.pipeline(
+        "viaconn",
+        airflow=fast,
+        source={"type": "postgres_log", "conn_id": "newuser_src", "table": "src.log"},
+        sinks=[{"name": "wh", "conn_id": "newuser_wh", "table": "public.viaconn", "key": ["id"]}],
+    )
+    env.pipeline(
+        "noconn",
+        alerts=alerts,
+        airflow=fast,
+        sinks=[{"name": "main", "conn_id": "nowhere_wh", "table": "public.noconn", "key": ["id"]}],
+    )
     # On a schedule with a period, which Airflow's own Backfill accepts.
-    env.pipeline("hourly", airflow=fast, schedule="0 * * * *",
-                 sinks=[{"name": "main", "dsn": env.sink_dsn, "table": "public.hourly",
-                         "key": ["id"]}])
-    env.pipeline("offline", alerts=alerts, airflow=fast, sinks=[
-        {"name": "main", "dsn": env.sink_dsn, "table": "public.offline", "key": ["id"]},
-        {"name": "down", "dsn": "postgresql://nobody@127.0.0.1:1/gone?connect_timeout=3",
-         "table": "public.offline", "key": ["id"]}])
+    env.pipeline(
+        "hourly",
+        airflow=fast,
+        schedule="0 * * * *",
+        sinks=[{"name": "main", "dsn": env.sink_dsn, "table": "public.hourly", "key": ["id"]}],
+    )
+    env.pipeline(
+        "offline",
+        alerts=alerts,
+        airflow=fast,
+        sinks=[
+            {"name": "main", "dsn": env.sink_dsn, "table": "public.offline", "key": ["id"]},
+            {
+                "name": "down",
+                "dsn": "postgresql://nobody@127.0.0.1:1/gone?connect_timeout=3",
+                "table": "public.offline",
+                "key": ["id"],
+            },
+        ],
+    )
     dags = env.dir.parent / "dags"
     shutil.move(env.dir, dags / "pipelines")
     env.dir = dags / "pipelines"
@@ -244,32 +279,50 @@ def world(pg, tmp_path_factory):
     (dags / "tidemark_pipeline_files.py").write_text(PIPELINE_FILES)
     (dags / "tidemark_maintenance.py").write_text(MAINTENANCE)
     host = f"postgres://127.0.0.1:{pg.port}/{env.names['sink']}/public"
-    (dags / "downstream.py").write_text(DOWNSTREAM.format(uris={
-        "downstream_orders": f"{host}/orders", "downstream_gated": f"{host}/gated",
-        "downstream_offline": f"{host}/offline"}))
+    (dags / "downstream.py").write_text(
+        DOWNSTREAM.format(
+            uris={
+                "downstream_orders": f"{host}/orders",
+                "downstream_gated": f"{host}/gated",
+                "downstream_offline": f"{host}/offline",
+            }
+        )
+    )
     lineage_file = tmp / "openlineage.jsonl"
-    stack = Stack(home=tmp / "home", ledger_dsn=env.ledger_dsn, port=free_port(),
-                  dags_folder=dags, env_extra={
-                      "TIDEMARK_PIPELINES_DIR": str(env.dir),
-                      "TIDEMARK_DATA_DOCS_DIR": str(tmp / "docs"),
-                      "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps(
-                          {"conn_type": "spark", "host": "local[2]"}),
-                      "AIRFLOW_CONN_SMTP_DEFAULT": json.dumps(
-                          {"conn_type": "smtp", "host": "127.0.0.1", "port": smtp.port,
-                           "extra": {"disable_ssl": True, "disable_tls": True,
-                                     "from_email": "tidemark@localhost"}}),
-                      "AIRFLOW_CONN_TIDEMARK_WEBHOOK": json.dumps(
-                          {"conn_type": "http",
-                           "host": f"http://127.0.0.1:{hook.server_port}/hook/T0K3N"}),
-                      "AIRFLOW__OPENLINEAGE__NAMESPACE": "tidemark-test",
-                      "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(
-                          {"type": "file", "log_file_path": str(lineage_file),
-                           "append": True}),
-                      "AIRFLOW__METRICS__STATSD_ON": "True",
-                      "AIRFLOW__METRICS__STATSD_HOST": "127.0.0.1",
-                      "AIRFLOW__METRICS__STATSD_PORT": str(statsd.getsockname()[1]),
-                      "AIRFLOW__METRICS__STATSD_PREFIX": "airflow",
-                  })
+    stack = Stack(
+        home=tmp / "home",
+        ledger_dsn=env.ledger_dsn,
+        port=free_port(),
+        dags_folder=dags,
+        env_extra={
+            "TIDEMARK_PIPELINES_DIR": str(env.dir),
+            "TIDEMARK_DATA_DOCS_DIR": str(tmp / "docs"),
+            "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "local[2]"}),
+            "AIRFLOW_CONN_SMTP_DEFAULT": json.dumps(
+                {
+                    "conn_type": "smtp",
+                    "host": "127.0.0.1",
+                    "port": smtp.port,
+                    "extra": {
+                        "disable_ssl": True,
+                        "disable_tls": True,
+                        "from_email": "tidemark@localhost",
+                    },
+                }
+            ),
+            "AIRFLOW_CONN_TIDEMARK_WEBHOOK": json.dumps(
+                {"conn_type": "http", "host": f"http://127.0.0.1:{hook.server_port}/hook/T0K3N"}
+            ),
+            "AIRFLOW__OPENLINEAGE__NAMESPACE": "tidemark-test",
+            "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(
+                {"type": "file", "log_file_path": str(lineage_file), "append": True}
+            ),
+            "AIRFLOW__METRICS__STATSD_ON": "True",
+            "AIRFLOW__METRICS__STATSD_HOST": "127.0.0.1",
+            "AIRFLOW__METRICS__STATSD_PORT": str(statsd.getsockname()[1]),
+            "AIRFLOW__METRICS__STATSD_PREFIX": "airflow",
+        },
+    )
     try:
         stack.start()
         for dag_id in ("downstream_orders", "downstream_gated", "downstream_offline"):
@@ -277,10 +330,18 @@ def world(pg, tmp_path_factory):
         w = World(env, stack, mails, hooks, lineage_file, stats)
         for conn_id, dsn in (("newuser_src", env.ledger_dsn), ("newuser_wh", env.sink_dsn)):
             c = conninfo_to_dict(dsn)
-            r = w.api.post("/connections", json={
-                "connection_id": conn_id, "conn_type": "postgres", "host": c["host"],
-                "port": int(c["port"]), "login": c["user"], "password": c["password"],
-                "schema": c["dbname"]})
+            r = w.api.post(
+                "/connections",
+                json={
+                    "connection_id": conn_id,
+                    "conn_type": "postgres",
+                    "host": c["host"],
+                    "port": int(c["port"]),
+                    "login": c["user"],
+                    "password": c["password"],
+                    "schema": c["dbname"],
+                },
+            )
             assert r.status_code == 201, r.text
         yield w
         w.api.close()
@@ -294,9 +355,15 @@ def world(pg, tmp_path_factory):
 
 def test_dags_parsed_and_broken_yaml_is_one_import_error(world):
     """One DAG file makes every pipeline file's DAGs: the YAML alone is enough."""
-    for dag_id in ("tidemark_orders", "tidemark_orders_backfill", "tidemark_gated",
-                   "tidemark_gated_backfill", "tidemark_viaconn", "tidemark_offline_redrive",
-                   "tidemark_maintenance"):
+    for dag_id in (
+        "tidemark_orders",
+        "tidemark_orders_backfill",
+        "tidemark_gated",
+        "tidemark_gated_backfill",
+        "tidemark_viaconn",
+        "tidemark_offline_redrive",
+        "tidemark_maintenance",
+    ):
         dag = world.stack.wait_dag(dag_id)
         assert "tidemark" in [t["name"] for t in dag["tags"]]
     errors = world.api.get("/importErrors").json()["import_errors"]
@@ -310,18 +377,23 @@ def test_trigger_replays_exactly_once_and_reports(world):
     r = world.trigger("tidemark_orders")
     assert r.status_code == 200, r.text
     run_id = r.json()["dag_run_id"]
-    assert world.wait_run("tidemark_orders", run_id) == "success", \
-        world.tasks("tidemark_orders", run_id)
+    assert world.wait_run("tidemark_orders", run_id) == "success", world.tasks(
+        "tidemark_orders", run_id
+    )
     env = world.env
     assert env.checkpoints() == {0: N // 2, 1: N // 2}
-    assert env.q(env.sink_dsn, "SELECT count(*), count(DISTINCT id) FROM public.orders")[0] \
-        == (N, N)
+    assert env.q(env.sink_dsn, "SELECT count(*), count(DISTINCT id) FROM public.orders")[0] == (
+        N,
+        N,
+    )
     assert env.prepared() == []
     report = world.xcom("tidemark_orders", run_id, "report")
     assert report["sinks"]["main"]["state"] == "committed"
     assert report["sinks"]["main"]["counts"]["rows"] == N
-    ids = env.ledger("SELECT dag_id, dag_run_id, task_id, try_number FROM tidemark.runs "
-                     "WHERE run_id = %s", (report["run_id"],))[0]
+    ids = env.ledger(
+        "SELECT dag_id, dag_run_id, task_id, try_number FROM tidemark.runs WHERE run_id = %s",
+        (report["run_id"],),
+    )[0]
     assert ids == ("tidemark_orders", run_id, "replay", 1)
     # The ledger came from the Airflow connection tidemark_ledger (the tasks, and the job
     # through the env the operator hands it): Airflow's processes have no TIDEMARK_LEDGER_DSN.
@@ -332,10 +404,15 @@ def test_trigger_replays_exactly_once_and_reports(world):
     world.stats.wait(lambda m: m == f"airflow.tidemark.records_delivered.orders.main:{N}|c")
     world.stats.wait(lambda m: m == "airflow.tidemark.records_quarantined.orders.main:0|c")
     world.stats.wait(lambda m: m == "airflow.tidemark.sink_runs.orders.main.committed:1|c")
-    for timing in ("run_duration.orders", "phase.orders.main.write",
-                   "phase.orders.main.commit", "phase.orders.main.task_copy"):
-        world.stats.wait(lambda m, t=timing: m.startswith(f"airflow.tidemark.{t}:")
-                         and m.endswith("|ms"))
+    for timing in (
+        "run_duration.orders",
+        "phase.orders.main.write",
+        "phase.orders.main.commit",
+        "phase.orders.main.task_copy",
+    ):
+        world.stats.wait(
+            lambda m, t=timing: m.startswith(f"airflow.tidemark.{t}:") and m.endswith("|ms")
+        )
 
 
 def test_commit_emits_sink_asset_event_and_lineage(world):
@@ -350,28 +427,46 @@ def test_commit_emits_sink_asset_event_and_lineage(world):
     assert len(extras) == 1, extras
     extra = extras[0]
     assert {k: extra[k] for k in ("pipeline", "sink", "table", "run_id", "mode")} == {
-        "pipeline": "orders", "sink": "main", "table": "public.orders", "run_id": first,
-        "mode": "run"}
-    assert extra["ranges"] == [{"partition": 0, "from_offset": 0, "to_offset": N // 2},
-                               {"partition": 1, "from_offset": 0, "to_offset": N // 2}]
+        "pipeline": "orders",
+        "sink": "main",
+        "table": "public.orders",
+        "run_id": first,
+        "mode": "run",
+    }
+    assert extra["ranges"] == [
+        {"partition": 0, "from_offset": 0, "to_offset": N // 2},
+        {"partition": 1, "from_offset": 0, "to_offset": N // 2},
+    ]
     assert extra["counts"]["rows"] == N and extra["counts"]["dead"] == 0
     assert [e["extra"]["run_id"] for e in world.asset_events(uri)][:1] == [first]
 
     dag_run = env.ledger("SELECT dag_run_id FROM tidemark.runs WHERE run_id = %s", (first,))[0][0]
-    ev = world.lineage(lambda e: e["job"]["name"] == "tidemark_orders.replay"
-                       and e["eventType"] == "COMPLETE"
-                       and e["run"]["facets"].get("airflow", {}).get("dagRun", {}).get(
-                           "run_id") == dag_run)
+    ev = world.lineage(
+        lambda e: (
+            e["job"]["name"] == "tidemark_orders.replay"
+            and e["eventType"] == "COMPLETE"
+            and e["run"]["facets"].get("airflow", {}).get("dagRun", {}).get("run_id") == dag_run
+        )
+    )
     server = f"postgres://127.0.0.1:{env.cluster.port}"
     assert [(i["namespace"], i["name"]) for i in ev["inputs"]] == [
-        (server, f"{env.names['ledger']}.src.log")]
-    assert [(o["namespace"], o["name"], o["outputFacets"]["outputStatistics"]["rowCount"])
-            for o in ev["outputs"]] == [(server, f"{env.names['sink']}.public.orders", N)]
+        (server, f"{env.names['ledger']}.src.log")
+    ]
+    assert [
+        (o["namespace"], o["name"], o["outputFacets"]["outputStatistics"]["rowCount"])
+        for o in ev["outputs"]
+    ] == [(server, f"{env.names['sink']}.public.orders", N)]
     parent = ev["run"]["facets"]["parent"]
-    assert (parent["job"]["namespace"], parent["job"]["name"]) == ("tidemark-test",
-                                                                   "tidemark_orders")
-    world.lineage(lambda e: e["job"]["name"] == "tidemark_orders"  # the DAG run's own events
-                  and e["run"]["runId"] == parent["run"]["runId"])
+    assert (parent["job"]["namespace"], parent["job"]["name"]) == (
+        "tidemark-test",
+        "tidemark_orders",
+    )
+    world.lineage(
+        lambda e: (
+            e["job"]["name"] == "tidemark_orders"  # the DAG run's own events
+            and e["run"]["runId"] == parent["run"]["runId"]
+        )
+    )
 
 
 def test_idle_run_skips_spark_and_announces_nothing(world):
@@ -386,27 +481,42 @@ def test_idle_run_skips_spark_and_announces_nothing(world):
     run_id = r.json()["dag_run_id"]
     assert world.wait_run("tidemark_orders", run_id) == "success"
     assert world.tasks("tidemark_orders", run_id) == {
-        "recover": "success", "replay": "skipped", "report": "skipped", "announce": "skipped"}
-    assert "orders: up to date: nothing to replay" in world.log("tidemark_orders", run_id,
-                                                                "recover")
+        "recover": "success",
+        "replay": "skipped",
+        "report": "skipped",
+        "announce": "skipped",
+    }
+    assert "orders: up to date: nothing to replay" in world.log(
+        "tidemark_orders", run_id, "recover"
+    )
     assert len(world.asset_events(uri)) == before
-    assert env.ledger("SELECT count(*) FROM tidemark.runs WHERE dag_run_id = %s",
-                      (run_id,)) == [(0,)]
+    assert env.ledger("SELECT count(*) FROM tidemark.runs WHERE dag_run_id = %s", (run_id,)) == [
+        (0,)
+    ]
 
 
 def test_backfill_params_validated_and_run(world):
-    bad = world.trigger("tidemark_orders_backfill", {"partition": -1, "from_offset": 0,
-                                                     "to_offset": 10, "sinks": ["main"]})
+    bad = world.trigger(
+        "tidemark_orders_backfill",
+        {"partition": -1, "from_offset": 0, "to_offset": 10, "sinks": ["main"]},
+    )
     assert bad.status_code == 400 and "partition" in bad.text
-    bad = world.trigger("tidemark_orders_backfill", {"partition": 0, "from_offset": 0,
-                                                     "to_offset": 10, "sinks": ["nope"]})
+    bad = world.trigger(
+        "tidemark_orders_backfill",
+        {"partition": 0, "from_offset": 0, "to_offset": 10, "sinks": ["nope"]},
+    )
     assert bad.status_code == 400, bad.text
 
-    world.wait_run("tidemark_orders", world.api.get(
-        "/dags/tidemark_orders/dagRuns", params={"order_by": "-run_after", "limit": 1}
-    ).json()["dag_runs"][0]["dag_run_id"])  # the backfill needs the range committed
-    backwards = world.trigger("tidemark_orders_backfill", {"partition": 0, "from_offset": 20,
-                                                           "to_offset": 10, "sinks": ["main"]})
+    world.wait_run(
+        "tidemark_orders",
+        world.api.get(
+            "/dags/tidemark_orders/dagRuns", params={"order_by": "-run_after", "limit": 1}
+        ).json()["dag_runs"][0]["dag_run_id"],
+    )  # the backfill needs the range committed
+    backwards = world.trigger(
+        "tidemark_orders_backfill",
+        {"partition": 0, "from_offset": 20, "to_offset": 10, "sinks": ["main"]},
+    )
     assert backwards.status_code == 200, backwards.text
     run_id = backwards.json()["dag_run_id"]
     assert world.wait_run("tidemark_orders_backfill", run_id) == "failed"
@@ -417,11 +527,14 @@ def test_backfill_params_validated_and_run(world):
     env = world.env
     with psycopg.connect(env.sink_dsn, autocommit=True) as c:
         c.execute("UPDATE public.orders SET name = 'tampered' WHERE id = 4")
-    ok = world.trigger("tidemark_orders_backfill", {"partition": 0, "from_offset": 0,
-                                                    "to_offset": 10, "sinks": ["main"]})
+    ok = world.trigger(
+        "tidemark_orders_backfill",
+        {"partition": 0, "from_offset": 0, "to_offset": 10, "sinks": ["main"]},
+    )
     run_id = ok.json()["dag_run_id"]
-    assert world.wait_run("tidemark_orders_backfill", run_id) == "success", \
-        world.tasks("tidemark_orders_backfill", run_id)
+    assert world.wait_run("tidemark_orders_backfill", run_id) == "success", world.tasks(
+        "tidemark_orders_backfill", run_id
+    )
     assert env.q(env.sink_dsn, "SELECT name FROM public.orders WHERE id = 4") == [("order-4",)]
     assert env.q(env.sink_dsn, "SELECT count(*) FROM public.orders")[0][0] == N
     assert env.checkpoints() == {0: N // 2, 1: N // 2}
@@ -434,9 +547,12 @@ def test_redrive_dag_hands_the_job_a_ledger_request(world):
     redrive DAG's select task records the selection as a redrive request and the Spark job
     gets only its id (XCom and command line), then places each record once."""
     env = world.env
-    world.wait_run("tidemark_orders", world.api.get(
-        "/dags/tidemark_orders/dagRuns", params={"order_by": "-run_after", "limit": 1}
-    ).json()["dag_runs"][0]["dag_run_id"])
+    world.wait_run(
+        "tidemark_orders",
+        world.api.get(
+            "/dags/tidemark_orders/dagRuns", params={"order_by": "-run_after", "limit": 1}
+        ).json()["dag_runs"][0]["dag_run_id"],
+    )
     with psycopg.connect(env.sink_dsn, autocommit=True) as c:
         c.execute("DELETE FROM public.orders WHERE id < 10")
     with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
@@ -445,20 +561,25 @@ def test_redrive_dag_hands_the_job_a_ledger_request(world):
                      SELECT 'orders', 'main', 1, "partition", "offset", key, payload, headers,
                             'validation', 'bad deploy'
                      FROM src.log WHERE convert_from(key, 'UTF8')::int < 10""")
-    r = world.trigger("tidemark_orders_redrive", {"error_class": "validation",
-                                                  "requested_by": "erin"})
+    r = world.trigger(
+        "tidemark_orders_redrive", {"error_class": "validation", "requested_by": "erin"}
+    )
     assert r.status_code == 200, r.text
     run_id = r.json()["dag_run_id"]
-    assert world.wait_run("tidemark_orders_redrive", run_id) == "success", \
-        world.tasks("tidemark_orders_redrive", run_id)
+    assert world.wait_run("tidemark_orders_redrive", run_id) == "success", world.tasks(
+        "tidemark_orders_redrive", run_id
+    )
     request = world.xcom("tidemark_orders_redrive", run_id, "select")
     assert isinstance(request, int)
-    assert env.ledger("SELECT pipeline, letters, selection->>'error_class' FROM "
-                      "tidemark.redrive_requests WHERE request_id = %s", (request,)) == \
-        [("orders", 10, "validation")]
+    assert env.ledger(
+        "SELECT pipeline, letters, selection->>'error_class' FROM "
+        "tidemark.redrive_requests WHERE request_id = %s",
+        (request,),
+    ) == [("orders", 10, "validation")]
     assert f"--request {request}" in world.log("tidemark_orders_redrive", run_id, "replay")
-    assert env.ledger("SELECT status::text, count(*) FROM tidemark.dlq WHERE pipeline = "
-                      "'orders' GROUP BY 1") == [("redriven", 10)]
+    assert env.ledger(
+        "SELECT status::text, count(*) FROM tidemark.dlq WHERE pipeline = 'orders' GROUP BY 1"
+    ) == [("redriven", 10)]
     assert env.q(env.sink_dsn, "SELECT count(*) FROM public.orders")[0][0] == N
     report = world.xcom("tidemark_orders_redrive", run_id, "report")
     assert report["mode"] == "redrive" and report["sinks"]["main"]["state"] == "committed"
@@ -481,19 +602,30 @@ def test_failed_task_alerts_by_mail_and_webhook(world):
     hook = world.hooks.wait(lambda h: run_id in h["json"]["text"])
     text = hook["json"]["text"]
     assert hook["path"] == "/hook/T0K3N"
-    for fact in ("gated", "replay", run_id, "/tidemark/dlq/?pipeline=gated",
-                 "data-quality gate failed: expect_table_row_count_to_be_between"):
+    for fact in (
+        "gated",
+        "replay",
+        run_id,
+        "/tidemark/dlq/?pipeline=gated",
+        "data-quality gate failed: expect_table_row_count_to_be_between",
+    ):
         assert fact in text
     # Nothing committed: no asset event, so the DAG scheduled on the sink never ran.
-    assert world.asset_events(f"postgres://127.0.0.1:{env.cluster.port}/"
-                              f"{env.names['sink']}/public/gated") == []
+    assert (
+        world.asset_events(
+            f"postgres://127.0.0.1:{env.cluster.port}/{env.names['sink']}/public/gated"
+        )
+        == []
+    )
     assert world.runs("downstream_gated") == []
     # Lineage says what failed: the gate's verdict on the input, nothing written.
-    ev = world.lineage(lambda e: e["job"]["name"] == "tidemark_gated.replay"
-                       and e["eventType"] == "FAIL")
+    ev = world.lineage(
+        lambda e: e["job"]["name"] == "tidemark_gated.replay" and e["eventType"] == "FAIL"
+    )
     checks = ev["inputs"][0]["inputFacets"]["dataQualityAssertions"]["assertions"]
     assert {"assertion": "expect_table_row_count_to_be_between", "success": False} in [
-        {k: a[k] for k in ("assertion", "success")} for a in checks]
+        {k: a[k] for k in ("assertion", "success")} for a in checks
+    ]
     assert [o["outputFacets"]["outputStatistics"]["rowCount"] for o in ev["outputs"]] == [0]
     # the failed run's outcome still reaches the metrics (sent by replay: report did not run)
     world.stats.wait(lambda m: m == "airflow.tidemark.sink_runs.gated.main.dq_failed:1|c")
@@ -512,9 +644,11 @@ def test_maintenance_sweeps_and_alerts_on_dlq_growth(world):
     assert world.wait_run("tidemark_maintenance", run_id) == "failed"
     # Recovery could not reach offline's second sink nor resolve noconn's connection: its
     # task fails, and the check still runs, for every pipeline.
-    assert world.tasks("tidemark_maintenance", run_id) == {"recover": "failed",
-                                                           "check": "failed",
-                                                           "prune": "success"}
+    assert world.tasks("tidemark_maintenance", run_id) == {
+        "recover": "failed",
+        "check": "failed",
+        "prune": "success",
+    }
     recover_log = world.log("tidemark_maintenance", run_id, "recover")
     assert "nowhere_wh" in recover_log and "127.0.0.1:1" in recover_log, recover_log[-3000:]
     mail = world.mails.wait(lambda m: "gated: needs attention" in m["Subject"])
@@ -527,10 +661,12 @@ def test_maintenance_sweeps_and_alerts_on_dlq_growth(world):
     noconn = world.hooks.wait(lambda h: "noconn: needs attention" in h["json"]["text"])
     assert "nowhere_wh" in noconn["json"]["text"]
     assert not [m for m in world.mails.items if "orders: needs attention" in m["Subject"]]
+
     # The check's gauges, through Airflow's StatsD client.
     def gauge(name: str) -> float:
-        line = world.stats.wait(lambda m: m.startswith(f"airflow.tidemark.{name}:")
-                                and m.endswith("|g"))
+        line = world.stats.wait(
+            lambda m: m.startswith(f"airflow.tidemark.{name}:") and m.endswith("|g")
+        )
         return float(line.split(":")[1].removesuffix("|g"))
 
     assert gauge("checkpoint_lag.gated.main.0") == gauge("checkpoint_lag.gated.main.1") == 60
@@ -547,19 +683,27 @@ def test_lag_alerts_once_per_episode(world):
     alerts the DLQ again but not the lag, whose episode is still open."""
     first = world.hooks.wait(lambda h: "gated: needs attention" in h["json"]["text"])["json"]
     for part in (0, 1):
-        assert (f"- sink main partition {part} lags: 60 records behind the source "
-                f"(checkpoint 0, source at 60; > 10)") in first["text"]
+        assert (
+            f"- sink main partition {part} lags: 60 records behind the source "
+            f"(checkpoint 0, source at 60; > 10)"
+        ) in first["text"]
     episodes = world.api.get("/variables/tidemark_lag_episodes").json()
     assert sorted(json.loads(episodes["value"])) == ["gated/main/0", "gated/main/1"]
     r = world.trigger("tidemark_maintenance")
     assert world.wait_run("tidemark_maintenance", r.json()["dag_run_id"]) == "failed"
     # Every run alerts the DLQ again (the schedule may have added runs): only the first the lag.
-    texts = [h["json"]["text"] for h in world.hooks.items
-             if "gated: needs attention" in h["json"]["text"]]
+    texts = [
+        h["json"]["text"]
+        for h in world.hooks.items
+        if "gated: needs attention" in h["json"]["text"]
+    ]
     assert len(texts) >= 2 and all("quarantined in the DLQ" in t for t in texts), texts
     assert ["lags" in t for t in texts] == [True] + [False] * (len(texts) - 1), texts
-    mails = [m.get_body().get_content() for m in world.mails.items
-             if "gated: needs attention" in m["Subject"]]
+    mails = [
+        m.get_body().get_content()
+        for m in world.mails.items
+        if "gated: needs attention" in m["Subject"]
+    ]
     assert ["partition 0 lags" in m for m in mails] == [True] + [False] * (len(mails) - 1)
 
 
@@ -576,8 +720,10 @@ def test_a_halted_pipeline_fails_at_once_without_retry(world):
         assert "pipeline orders is halted: planted by the test" in text
         assert "exit 5: not retried" in text
     finally:
-        env.ledger("UPDATE tidemark.pipelines SET halted_reason = NULL, halted_at = NULL "
-                   "WHERE name = 'orders' RETURNING name")
+        env.ledger(
+            "UPDATE tidemark.pipelines SET halted_reason = NULL, halted_at = NULL "
+            "WHERE name = 'orders' RETURNING name"
+        )
 
 
 def test_connections_made_through_airflow_reach_the_job(world):
@@ -586,17 +732,20 @@ def test_connections_made_through_airflow_reach_the_job(world):
     env = world.env
     r = world.trigger("tidemark_viaconn")
     run_id = r.json()["dag_run_id"]
-    assert world.wait_run("tidemark_viaconn", run_id) == "success", \
-        world.log("tidemark_viaconn", run_id, "replay")[-3000:]
-    assert env.q(env.sink_dsn, "SELECT count(*), count(DISTINCT id) FROM public.viaconn") \
-        == [(N, N)]
+    assert world.wait_run("tidemark_viaconn", run_id) == "success", world.log(
+        "tidemark_viaconn", run_id, "replay"
+    )[-3000:]
+    assert env.q(env.sink_dsn, "SELECT count(*), count(DISTINCT id) FROM public.viaconn") == [
+        (N, N)
+    ]
     assert env.checkpoints("viaconn", "wh") == {0: N // 2, 1: N // 2}
 
 
 def test_a_connection_airflow_lacks_fails_at_once_naming_it(world):
     _, text = world.fails_at_once("tidemark_noconn", "recover")
-    assert ("pipeline noconn: sink main: Airflow connection 'nowhere_wh' does not exist"
-            in text), text
+    assert "pipeline noconn: sink main: Airflow connection 'nowhere_wh' does not exist" in text, (
+        text
+    )
     assert "not retried" in text
 
 
@@ -608,8 +757,11 @@ def test_a_sink_that_commits_is_announced_when_another_fails(world):
     run_id = r.json()["dag_run_id"]
     assert world.wait_run("tidemark_offline", run_id) == "failed"
     assert world.tasks("tidemark_offline", run_id) == {
-        "recover": "success", "replay": "failed", "report": "upstream_failed",
-        "announce": "success"}
+        "recover": "success",
+        "replay": "failed",
+        "report": "upstream_failed",
+        "announce": "success",
+    }
     assert env.q(env.sink_dsn, "SELECT count(*) FROM public.offline") == [(N,)]
     run = world.wait_runs("downstream_offline", 1)[0]
     assert run["state"] == "success" and run["run_type"] == "asset_triggered", run
@@ -623,10 +775,16 @@ def test_airflows_own_backfill_of_the_scheduled_dag_is_refused_saying_why(world)
     use instead, and writes nothing."""
     env = world.env
     world.stack.unpause("tidemark_hourly")  # the scheduler starts no run of a paused DAG
-    r = world.api.post("/backfills", json={
-        "dag_id": "tidemark_hourly", "from_date": "2026-01-01T00:00:00Z",
-        "to_date": "2026-01-01T01:30:00Z", "max_active_runs": 1,
-        "reprocess_behavior": "completed"})
+    r = world.api.post(
+        "/backfills",
+        json={
+            "dag_id": "tidemark_hourly",
+            "from_date": "2026-01-01T00:00:00Z",
+            "to_date": "2026-01-01T01:30:00Z",
+            "max_active_runs": 1,
+            "reprocess_behavior": "completed",
+        },
+    )
     assert r.status_code in (200, 201), r.text
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -636,14 +794,17 @@ def test_airflows_own_backfill_of_the_scheduled_dag_is_refused_saying_why(world)
         time.sleep(2)  # polling the REST API: Airflow offers no run-finished event
     assert len(runs) >= 2 and {x["state"] for x in runs} == {"failed"}, runs
     for x in runs:
-        ti = world.api.get(f"/dags/tidemark_hourly/dagRuns/{x['dag_run_id']}/taskInstances/"
-                           f"recover").json()
+        ti = world.api.get(
+            f"/dags/tidemark_hourly/dagRuns/{x['dag_run_id']}/taskInstances/recover"
+        ).json()
         assert (ti["state"], ti["try_number"]) == ("failed", 1), ti
     log = world.log("tidemark_hourly", runs[0]["dag_run_id"], "recover")
     assert "reads from its checkpoints, not by date" in log
     assert "tidemark_hourly_backfill" in log
-    assert env.ledger("SELECT count(*) FROM tidemark.runs WHERE dag_run_id = ANY(%s)",
-                      ([x["dag_run_id"] for x in runs],)) == [(0,)]
+    assert env.ledger(
+        "SELECT count(*) FROM tidemark.runs WHERE dag_run_id = ANY(%s)",
+        ([x["dag_run_id"] for x in runs],),
+    ) == [(0,)]
 
 
 def test_airflows_own_cli_runs_against_the_stack_from_its_env_file(world, tmp_path):
@@ -658,9 +819,13 @@ def test_airflows_own_cli_runs_against_the_stack_from_its_env_file(world, tmp_pa
     home = tmp_path / "home"
     home.mkdir()
     proc = subprocess.run(
-        ["bash", "-c", f"source {f} && airflow dags list -o plain"], cwd=tmp_path,
+        ["bash", "-c", f"source {f} && airflow dags list -o plain"],
+        cwd=tmp_path,
         env={"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(home)},
-        capture_output=True, text=True, timeout=300)
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     listed = {line.split()[0] for line in proc.stdout.splitlines() if line.strip()}
     assert {"tidemark_orders", "tidemark_orders_backfill", "tidemark_maintenance"} <= listed

@@ -28,11 +28,14 @@ SECRET = "s3cret-pw"
 DSN = f"postgresql://tidemark:{SECRET}@db.internal:5432/ledger"
 ERROR = f"cannot connect to sink main ({DSN}): connection refused"
 
-_BASE = ("source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: int}}\n"
-         "sinks: [{name: s, dsn: x, table: t, key: [a]}]\n")
+_BASE = (
+    "source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: int}}\n"
+    "sinks: [{name: s, dsn: x, table: t, key: [a]}]\n"
+)
 
 
 # -- servers -------------------------------------------------------------------------------------
+
 
 class _Mailbox:
     def __init__(self):
@@ -53,10 +56,23 @@ def smtp(monkeypatch):
     port = free_port()
     ctl = Controller(box, hostname="127.0.0.1", port=port)
     ctl.start()
-    monkeypatch.setenv("AIRFLOW_CONN_SMTP_DEFAULT", json.dumps({
-        "conn_type": "smtp", "host": "127.0.0.1", "port": port,
-        "extra": {"disable_ssl": True, "disable_tls": True, "from_email": "tidemark@localhost",
-                  "retry_limit": 0, "timeout": 10}}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SMTP_DEFAULT",
+        json.dumps(
+            {
+                "conn_type": "smtp",
+                "host": "127.0.0.1",
+                "port": port,
+                "extra": {
+                    "disable_ssl": True,
+                    "disable_tls": True,
+                    "from_email": "tidemark@localhost",
+                    "retry_limit": 0,
+                    "timeout": 10,
+                },
+            }
+        ),
+    )
     yield box
     ctl.stop()
 
@@ -99,21 +115,27 @@ class _Receiver:
 @pytest.fixture
 def webhook(monkeypatch):
     rec = _Receiver()
-    monkeypatch.setenv("AIRFLOW_CONN_TIDEMARK_WEBHOOK", json.dumps({
-        "conn_type": "http", "host": f"http://127.0.0.1:{rec.port}/hook"}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_TIDEMARK_WEBHOOK",
+        json.dumps({"conn_type": "http", "host": f"http://127.0.0.1:{rec.port}/hook"}),
+    )
     yield rec
     rec.close()
 
 
 # -- context -------------------------------------------------------------------------------------
 
+
 def failure_context(exception=None, with_log_url=True):
     """What Airflow passes to an on_failure_callback (the parts the alert reads)."""
-    ti = SimpleNamespace(dag_id="tidemark_flights", task_id="replay", run_id=RUN_ID,
-                         try_number=2, map_index=-1)
+    ti = SimpleNamespace(
+        dag_id="tidemark_flights", task_id="replay", run_id=RUN_ID, try_number=2, map_index=-1
+    )
     if with_log_url:
-        ti.log_url = (f"http://airflow.example:8080/dags/tidemark_flights/runs/{RUN_ID}"
-                      f"/tasks/replay?try_number=2")
+        ti.log_url = (
+            f"http://airflow.example:8080/dags/tidemark_flights/runs/{RUN_ID}"
+            f"/tasks/replay?try_number=2"
+        )
     from airflow.sdk import DAG
 
     return {
@@ -123,8 +145,9 @@ def failure_context(exception=None, with_log_url=True):
         "task_instance": ti,
         "run_id": RUN_ID,
         "dag_run": SimpleNamespace(run_id=RUN_ID),
-        "exception": exception if exception is not None else RuntimeError(
-            ERROR + "\nTraceback (most recent call last):\n  more lines"),
+        "exception": exception
+        if exception is not None
+        else RuntimeError(ERROR + "\nTraceback (most recent call last):\n  more lines"),
     }
 
 
@@ -132,8 +155,9 @@ def pipeline(alerts_yaml: str = "") -> config.Pipeline:
     return config.parse(_BASE + alerts_yaml, "flights.yaml", default_name=PIPELINE)
 
 
-ALERTS = ("alerts:\n  email: [ops@example.com, dba@example.com]\n"
-          "  webhook_conn_id: tidemark_webhook\n")
+ALERTS = (
+    "alerts:\n  email: [ops@example.com, dba@example.com]\n  webhook_conn_id: tidemark_webhook\n"
+)
 
 
 def alert_errors(capfd, caplog) -> list[str]:
@@ -151,6 +175,7 @@ def html_body(msg) -> str:
 
 
 # -- failure alerts ------------------------------------------------------------------------------
+
 
 def test_failed_task_is_mailed_with_the_facts_and_links(smtp, monkeypatch):
     monkeypatch.setenv("AIRFLOW__API__BASE_URL", "http://airflow.example:8080/")
@@ -170,8 +195,13 @@ def test_failed_task_is_mailed_with_the_facts_and_links(smtp, monkeypatch):
     log_url = f"http://airflow.example:8080/dags/tidemark_flights/runs/{RUN_ID}/tasks/replay"
     assert f'<a href="{log_url}?try_number=2">' in body
     assert '<a href="http://airflow.example:8080/tidemark/dlq/?pipeline=flights">' in body
-    for fact in ("pipeline: flights", "dag: tidemark_flights", "task: replay",
-                 f"run: {RUN_ID}", "try: 2"):
+    for fact in (
+        "pipeline: flights",
+        "dag: tidemark_flights",
+        "task: replay",
+        f"run: {RUN_ID}",
+        "try: 2",
+    ):
         assert fact in body
 
 
@@ -190,16 +220,27 @@ def test_failed_task_is_posted_to_the_webhook(webhook, monkeypatch):
     assert f"error: RuntimeError: {ERROR.replace(SECRET, '***')}" in text
     assert SECRET not in text
     # no ti.log_url: the link is built from AIRFLOW__API__BASE_URL, run id quoted
-    assert ("log: http://airflow.example:8080/dags/tidemark_flights/runs/"
-            "manual__2026-11-22T03%3A00%3A00%2B00%3A00/tasks/replay?try_number=2") in text
+    assert (
+        "log: http://airflow.example:8080/dags/tidemark_flights/runs/"
+        "manual__2026-11-22T03%3A00%3A00%2B00%3A00/tasks/replay?try_number=2"
+    ) in text
     assert "dead-letter queue: http://airflow.example:8080/tidemark/dlq/?pipeline=flights" in text
 
 
 def test_the_webhook_goes_through_the_http_providers_hook(webhook, monkeypatch):
     """HttpHook's connection handling applies: a login is basic auth, extra headers are sent."""
-    monkeypatch.setenv("AIRFLOW_CONN_TIDEMARK_WEBHOOK", json.dumps({
-        "conn_type": "http", "host": f"http://127.0.0.1:{webhook.port}/hook", "login": "bot",
-        "password": "pa55word", "extra": {"X-Team": "data"}}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_TIDEMARK_WEBHOOK",
+        json.dumps(
+            {
+                "conn_type": "http",
+                "host": f"http://127.0.0.1:{webhook.port}/hook",
+                "login": "bot",
+                "password": "pa55word",
+                "extra": {"X-Team": "data"},
+            }
+        ),
+    )
     alerts.WebhookNotifier("tidemark_webhook", PIPELINE).post("hello")
     assert webhook.paths == ["/hook"] and webhook.bodies == [{"text": "hello"}]
     headers = webhook.headers[0]
@@ -207,10 +248,13 @@ def test_the_webhook_goes_through_the_http_providers_hook(webhook, monkeypatch):
     assert headers["X-Team"] == "data" and headers["Content-Type"] == "application/json"
 
 
-def test_a_failing_webhook_is_logged_masked_and_never_raises(webhook, monkeypatch, caplog,
-                                                             capfd):
-    monkeypatch.setenv("AIRFLOW_CONN_TIDEMARK_WEBHOOK", json.dumps({
-        "conn_type": "http", "host": f"http://127.0.0.1:{webhook.port}/services/T0/B0/tok3n"}))
+def test_a_failing_webhook_is_logged_masked_and_never_raises(webhook, monkeypatch, caplog, capfd):
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_TIDEMARK_WEBHOOK",
+        json.dumps(
+            {"conn_type": "http", "host": f"http://127.0.0.1:{webhook.port}/services/T0/B0/tok3n"}
+        ),
+    )
     webhook.status = 500
     hook = alerts.WebhookNotifier("tidemark_webhook", PIPELINE)
     with caplog.at_level(logging.DEBUG):
@@ -225,12 +269,27 @@ def test_a_failing_webhook_is_logged_masked_and_never_raises(webhook, monkeypatc
 
 def test_an_unreachable_webhook_and_smtp_server_never_raise(monkeypatch, caplog, capfd):
     dead = free_port()
-    monkeypatch.setenv("AIRFLOW_CONN_TIDEMARK_WEBHOOK", json.dumps({
-        "conn_type": "http", "host": f"http://127.0.0.1:{dead}/hook/secret-token"}))
-    monkeypatch.setenv("AIRFLOW_CONN_SMTP_DEFAULT", json.dumps({
-        "conn_type": "smtp", "host": "127.0.0.1", "port": dead,
-        "extra": {"disable_ssl": True, "disable_tls": True, "from_email": "tm@localhost",
-                  "retry_limit": 0, "timeout": 5}}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_TIDEMARK_WEBHOOK",
+        json.dumps({"conn_type": "http", "host": f"http://127.0.0.1:{dead}/hook/secret-token"}),
+    )
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SMTP_DEFAULT",
+        json.dumps(
+            {
+                "conn_type": "smtp",
+                "host": "127.0.0.1",
+                "port": dead,
+                "extra": {
+                    "disable_ssl": True,
+                    "disable_tls": True,
+                    "from_email": "tm@localhost",
+                    "retry_limit": 0,
+                    "timeout": 5,
+                },
+            }
+        ),
+    )
     with caplog.at_level(logging.DEBUG):
         for n in alerts.failure_notifiers(pipeline(ALERTS)):
             n(failure_context())
@@ -259,6 +318,7 @@ def test_no_alert_settings_means_no_notifiers():
 
 # -- text ----------------------------------------------------------------------------------------
 
+
 def test_error_line_is_one_masked_clamped_line():
     long = RuntimeError("x" * 1000)
     assert len(alerts.error_line(long)) == alerts.ERROR_MAX_CHARS
@@ -273,7 +333,8 @@ def test_error_line_is_one_masked_clamped_line():
 
     mask_secret("hunter2-registered")
     assert alerts.error_line(RuntimeError("login with hunter2-registered refused")) == (
-        "RuntimeError: login with *** refused")
+        "RuntimeError: login with *** refused"
+    )
     # Jinja-looking text is sent verbatim
     assert alerts.error_line(ValueError("bad {{ x }}")) == "ValueError: bad {{ x }}"
 
@@ -289,20 +350,46 @@ def test_mapped_task_and_default_base_url(monkeypatch):
     assert f"{alerts.base_url()}/tidemark/dlq/?pipeline=flights" in body
 
 
-@pytest.mark.parametrize("conn,url", [
-    ({"conn_type": "http", "host": "https://hooks.slack.com/services/T0/B0/XX"},
-     "https://hooks.slack.com/services/T0/B0/XX"),
-    ({"conn_type": "http", "host": "https://hooks.slack.com", "password": "services/T0/B0/XX"},
-     "https://hooks.slack.com/services/T0/B0/XX"),
-    ({"conn_type": "http", "host": "https://chat.example/hooks/abc", "password": "ignored"},
-     "https://chat.example/hooks/abc"),
-    ({"conn_type": "http", "host": "chat.example", "schema": "http", "port": 8065,
-      "password": "hooks/abc"}, "http://chat.example:8065/hooks/abc"),
-    ({"conn_type": "http", "host": "chat.example/hooks/abc"}, "http://chat.example/hooks/abc"),
-    ({"conn_type": "http", "host": "chat.example/hooks/abc", "schema": "https"},
-     "https://chat.example/hooks/abc"),
-    ({"conn_type": "generic", "host": "chat.example/hooks/abc"}, "https://chat.example/hooks/abc"),
-])
+@pytest.mark.parametrize(
+    "conn,url",
+    [
+        (
+            {"conn_type": "http", "host": "https://hooks.slack.com/services/T0/B0/XX"},
+            "https://hooks.slack.com/services/T0/B0/XX",
+        ),
+        (
+            {
+                "conn_type": "http",
+                "host": "https://hooks.slack.com",
+                "password": "services/T0/B0/XX",
+            },
+            "https://hooks.slack.com/services/T0/B0/XX",
+        ),
+        (
+            {"conn_type": "http", "host": "https://chat.example/hooks/abc", "password": "ignored"},
+            "https://chat.example/hooks/abc",
+        ),
+        (
+            {
+                "conn_type": "http",
+                "host": "chat.example",
+                "schema": "http",
+                "port": 8065,
+                "password": "hooks/abc",
+            },
+            "http://chat.example:8065/hooks/abc",
+        ),
+        ({"conn_type": "http", "host": "chat.example/hooks/abc"}, "http://chat.example/hooks/abc"),
+        (
+            {"conn_type": "http", "host": "chat.example/hooks/abc", "schema": "https"},
+            "https://chat.example/hooks/abc",
+        ),
+        (
+            {"conn_type": "generic", "host": "chat.example/hooks/abc"},
+            "https://chat.example/hooks/abc",
+        ),
+    ],
+)
 def test_webhook_url_forms(conn, url):
     c = SimpleNamespace(**{"schema": None, "port": None, "password": None, **conn})
     assert alerts.webhook_url(c) == url
@@ -318,25 +405,46 @@ def test_webhook_url_from_a_uri_connection(monkeypatch):
 
 # -- configuration -------------------------------------------------------------------------------
 
+
 def test_alerts_defaults_and_values():
     a = pipeline().alerts
-    assert (a.email, a.smtp_conn_id, a.webhook_conn_id, a.dlq_max,
-            a.prepared_max_age_minutes) == ([], "smtp_default", None, 10_000, 30)
-    b = pipeline("alerts:\n  email: ops@example.com\n  dlq_max: 5\n"
-                 "  prepared_max_age_minutes: 10\n  smtp_conn_id: mail\n").alerts
+    assert (a.email, a.smtp_conn_id, a.webhook_conn_id, a.dlq_max, a.prepared_max_age_minutes) == (
+        [],
+        "smtp_default",
+        None,
+        10_000,
+        30,
+    )
+    b = pipeline(
+        "alerts:\n  email: ops@example.com\n  dlq_max: 5\n"
+        "  prepared_max_age_minutes: 10\n  smtp_conn_id: mail\n"
+    ).alerts
     assert (b.email, b.dlq_max, b.prepared_max_age_minutes, b.smtp_conn_id) == (
-        ["ops@example.com"], 5, 10, "mail")
+        ["ops@example.com"],
+        5,
+        10,
+        "mail",
+    )
 
 
-@pytest.mark.parametrize("section,field,problem", [
-    ("alerts: {email: [ops@example.com, opsexample.com]}", "alerts.email",
-     "'opsexample.com' is not an e-mail address (expected name@domain)"),
-    ("alerts: {email: ['a@b@c']}", "alerts.email", "'a@b@c' is not an e-mail address"),
-    ("alerts: {emails: [ops@example.com]}", "alerts.emails", "Extra inputs are not permitted"),
-    ("alerts: {dlq_max: -1}", "alerts.dlq_max", "Input should be greater than or equal to 0"),
-    ("alerts: {prepared_max_age_minutes: 0}", "alerts.prepared_max_age_minutes",
-     "Input should be greater than 0"),
-])
+@pytest.mark.parametrize(
+    "section,field,problem",
+    [
+        (
+            "alerts: {email: [ops@example.com, opsexample.com]}",
+            "alerts.email",
+            "'opsexample.com' is not an e-mail address (expected name@domain)",
+        ),
+        ("alerts: {email: ['a@b@c']}", "alerts.email", "'a@b@c' is not an e-mail address"),
+        ("alerts: {emails: [ops@example.com]}", "alerts.emails", "Extra inputs are not permitted"),
+        ("alerts: {dlq_max: -1}", "alerts.dlq_max", "Input should be greater than or equal to 0"),
+        (
+            "alerts: {prepared_max_age_minutes: 0}",
+            "alerts.prepared_max_age_minutes",
+            "Input should be greater than 0",
+        ),
+    ],
+)
 def test_bad_alerts_name_the_file_the_field_and_the_problem(section, field, problem):
     with pytest.raises(ConfigError) as exc:
         pipeline(section + "\n")

@@ -38,8 +38,15 @@ def _exec(dsn: str, *statements: str) -> None:
             conn.execute(s)
 
 
-def _letter(sink: str | None, partition: int, offset: int, *, status: str = "quarantined",
-            error_class: str = "validation", payload: str = "payload") -> str:
+def _letter(
+    sink: str | None,
+    partition: int,
+    offset: int,
+    *,
+    status: str = "quarantined",
+    error_class: str = "validation",
+    payload: str = "payload",
+) -> str:
     """SQL planting a dead letter for a source record (its bytes unless told otherwise)."""
     sink_sql = "NULL" if sink is None else f"'{sink}'"
     return f"""INSERT INTO tidemark.dlq (pipeline, sink, run_id, source_partition, source_offset,
@@ -53,16 +60,28 @@ def _find(problems: list[Problem], sink, partition, offset, needle: str) -> Prob
     for p in problems:
         if (p.sink, p.partition, p.offset) == (sink, partition, offset) and needle in p.what:
             return p
-    raise AssertionError(f"no problem ({sink}, {partition}, {offset}, ...{needle}...) in:\n"
-                         + "\n".join(map(str, problems)))
+    raise AssertionError(
+        f"no problem ({sink}, {partition}, {offset}, ...{needle}...) in:\n"
+        + "\n".join(map(str, problems))
+    )
 
 
 def test_the_checker_finds_each_planted_violation(world, spark):
     # 20 clean orders, every check passes: ids 2, 4 .. 20 are partition 0 offsets 0 .. 9,
     # ids 1, 3 .. 19 partition 1 offsets 0 .. 9.
-    world.append([(i % 2, str(i).encode(), json.dumps(
-        {"id": i, "name": f"order-{i}", "amount": 10.0 + i, "version": 1}).encode(), None)
-        for i in range(1, 21)])
+    world.append(
+        [
+            (
+                i % 2,
+                str(i).encode(),
+                json.dumps(
+                    {"id": i, "name": f"order-{i}", "amount": 10.0 + i, "version": 1}
+                ).encode(),
+                None,
+            )
+            for i in range(1, 21)
+        ]
+    )
     out = InProcess(world, spark).run()
     assert out.ok, out
     led, a, b = world.ledger_dsn, world.sink_dsns["a"], world.sink_dsns["b"]
@@ -91,9 +110,14 @@ def test_the_checker_finds_each_planted_violation(world, spark):
         assert again == [], "\n".join(map(str, again))
 
     # A delivered record lost from sink a (id 4: partition 0 offset 1).
-    with planted(a, ["CREATE TABLE saved AS SELECT * FROM public.orders WHERE id = 4",
-                     "DELETE FROM public.orders WHERE id = 4"],
-                 ["INSERT INTO public.orders SELECT * FROM saved", "DROP TABLE saved"]) as found:
+    with planted(
+        a,
+        [
+            "CREATE TABLE saved AS SELECT * FROM public.orders WHERE id = 4",
+            "DELETE FROM public.orders WHERE id = 4",
+        ],
+        ["INSERT INTO public.orders SELECT * FROM saved", "DROP TABLE saved"],
+    ) as found:
         _find(found, "a", 0, 1, "not placed")
         assert len(found) == 1, found
 
@@ -103,11 +127,13 @@ def test_the_checker_finds_each_planted_violation(world, spark):
         assert {(p.sink, p.partition, p.offset) for p in found} == {("b", 1, 2)}
 
     # Two live letters for one record of sink a that the sink does not have (id 3).
-    _exec(a, "CREATE TABLE saved AS SELECT * FROM public.orders WHERE id = 3",
-          "DELETE FROM public.orders WHERE id = 3")
+    _exec(
+        a,
+        "CREATE TABLE saved AS SELECT * FROM public.orders WHERE id = 3",
+        "DELETE FROM public.orders WHERE id = 3",
+    )
     try:
-        _exec(led, _letter("a", 1, 1), _letter("a", 1, 1, error_class="decode",
-                                               status="discarded"))
+        _exec(led, _letter("a", 1, 1), _letter("a", 1, 1, error_class="decode", status="discarded"))
         found = checker.check()[0]
         _find(found, "a", 1, 1, "2 live dead letters")
         assert len(found) == 1, found
@@ -119,40 +145,58 @@ def test_the_checker_finds_each_planted_violation(world, spark):
     assert checker.check()[0] == []
 
     # A letter that names no sink (partition 0 offset 5); it places nothing.
-    with planted(led, [_letter(None, 0, 5, status="redriven")],
-                 ["DELETE FROM tidemark.dlq"]) as found:
+    with planted(
+        led, [_letter(None, 0, 5, status="redriven")], ["DELETE FROM tidemark.dlq"]
+    ) as found:
         _find(found, "-", 0, 5, "names no sink")
         assert len(found) == 1, found
 
     # A letter whose payload (or key) is not the source record's bytes (partition 1 offset 4,
     # redriven: not live, so this is the only problem).
-    with planted(led, [_letter("a", 1, 4, status="redriven", payload="payload || '\\x00'")],
-                 ["DELETE FROM tidemark.dlq"]) as found:
+    with planted(
+        led,
+        [_letter("a", 1, 4, status="redriven", payload="payload || '\\x00'")],
+        ["DELETE FROM tidemark.dlq"],
+    ) as found:
         _find(found, "a", 1, 4, "payload differs from the source")
         assert len(found) == 1, found
-    with planted(led, [_letter("b", 0, 3, status="redriven"),
-                       "UPDATE tidemark.dlq SET key = 'other'"],
-                 ["DELETE FROM tidemark.dlq"]) as found:
+    with planted(
+        led,
+        [_letter("b", 0, 3, status="redriven"), "UPDATE tidemark.dlq SET key = 'other'"],
+        ["DELETE FROM tidemark.dlq"],
+    ) as found:
         _find(found, "b", 0, 3, "key differs")
 
     # A sink row that is not its source record (id 6 is partition 0 offset 2).
-    with planted(b, ["UPDATE public.orders SET id = 999 WHERE id = 6"],
-                 ["UPDATE public.orders SET id = 6 WHERE id = 999"]) as found:
+    with planted(
+        b,
+        ["UPDATE public.orders SET id = 999 WHERE id = 6"],
+        ["UPDATE public.orders SET id = 6 WHERE id = 999"],
+    ) as found:
         _find(found, "b", 0, 2, "sink row id 999 but its source record's id is 6")
 
     # A checkpoint moved backwards (sink a partition 1: 10 -> 8): rows 8 and 9 are now above it.
-    with planted(led, ["UPDATE tidemark.checkpoints SET next_offset = 8 WHERE sink = 'a' "
-                       "AND partition = 1"],
-                 ["UPDATE tidemark.checkpoints SET next_offset = 10 WHERE sink = 'a' "
-                  "AND partition = 1"]) as found:
+    with planted(
+        led,
+        ["UPDATE tidemark.checkpoints SET next_offset = 8 WHERE sink = 'a' AND partition = 1"],
+        ["UPDATE tidemark.checkpoints SET next_offset = 10 WHERE sink = 'a' AND partition = 1"],
+    ) as found:
         _find(found, "a", 1, 8, "checkpoint moved backwards from 10 to 8")
         _find(found, "a", 1, 8, "at or above the checkpoint 8")
         _find(found, "a", 1, 9, "at or above the checkpoint 8")
         assert len(found) == 3, found
 
     # A live letter above the checkpoint: a new record, not delivered yet (partition 0 offset 10).
-    world.append([(0, b"22", json.dumps({"id": 22, "name": "x", "amount": 1.0,
-                                         "version": 1}).encode(), None)])
+    world.append(
+        [
+            (
+                0,
+                b"22",
+                json.dumps({"id": 22, "name": "x", "amount": 1.0, "version": 1}).encode(),
+                None,
+            )
+        ]
+    )
     with planted(led, [_letter("b", 0, 10)], ["DELETE FROM tidemark.dlq"]) as found:
         _find(found, "b", 0, 10, "at or above the checkpoint 10")
         assert len(found) == 1, found
@@ -163,31 +207,42 @@ def test_the_checker_finds_each_planted_violation(world, spark):
         conn.execute("PREPARE TRANSACTION 'tm:999:s.b:0:0'")
     try:
         found = checker.check()[0]
-        _find(found, "-", "-", "-", "prepared transaction tm:999:s.b:0:0 left on database "
-                                    f"{world.names['b']}")
+        _find(
+            found,
+            "-",
+            "-",
+            "-",
+            f"prepared transaction tm:999:s.b:0:0 left on database {world.names['b']}",
+        )
         assert len(found) == 1, found
     finally:
         _exec(b, "ROLLBACK PREPARED 'tm:999:s.b:0:0'")
     assert checker.check()[0] == []
 
     # A halted pipeline.
-    with planted(led, ["UPDATE tidemark.pipelines SET halted_reason = 'planted'"],
-                 ["UPDATE tidemark.pipelines SET halted_reason = NULL"]) as found:
+    with planted(
+        led,
+        ["UPDATE tidemark.pipelines SET halted_reason = 'planted'"],
+        ["UPDATE tidemark.pipelines SET halted_reason = NULL"],
+    ) as found:
         _find(found, "-", "-", "-", "is halted: planted")
 
     # Records below the checkpoint placed nowhere, one of them with no readable id (partition 0
     # offsets 10 and 11): both reported (the second once crashed the checker's message).
     # (A checker of its own: the one above would see the checkpoint move back after.)
     world.append([(0, b"x", b"not json", None)])
-    _exec(led, "UPDATE tidemark.checkpoints SET next_offset = 12 WHERE sink = 'a' "
-               "AND partition = 0")
+    _exec(
+        led, "UPDATE tidemark.checkpoints SET next_offset = 12 WHERE sink = 'a' AND partition = 0"
+    )
     try:
         found = Checker(target(world)).check()[0]
         _find(found, "a", 0, 10, "not placed")
         _find(found, "a", 0, 11, "not placed")
     finally:
-        _exec(led, "UPDATE tidemark.checkpoints SET next_offset = 10 WHERE sink = 'a' "
-                   "AND partition = 0")
+        _exec(
+            led,
+            "UPDATE tidemark.checkpoints SET next_offset = 10 WHERE sink = 'a' AND partition = 0",
+        )
 
 
 def _records(*orders: tuple[int, float]) -> dict:
@@ -232,8 +287,10 @@ def test_the_oracle_applies_the_redelivery_rule():
     assert _model(m) == ({8: (0, 4)}, {(0, 5), (0, 2), (0, 1), (0, 0)})
     shifted = Pipeline(w.Knobs(variant="rekey"), feats, "a")
     m.redeliver(set(src), src, shifted)
-    assert _model(m) == ({7 + w.KEY_SHIFT: (0, 2), 8 + w.KEY_SHIFT: (0, 4),
-                          9 + w.KEY_SHIFT: (0, 5)}, set())
+    assert _model(m) == (
+        {7 + w.KEY_SHIFT: (0, 2), 8 + w.KEY_SHIFT: (0, 4), 9 + w.KEY_SHIFT: (0, 5)},
+        set(),
+    )
 
     # Chaos seed 27: the range's newer version fails under a re-keying transform. Key 7
     # loses its row and no record maps to it now; offset 0, which that row placed, maps to
@@ -241,22 +298,31 @@ def test_the_oracle_applies_the_redelivery_rule():
     m = SinkModel()
     m.deliver(list(src.values()), Pipeline(w.Knobs(rows_max=1000), feats, "a"), False)
     m.checkpoint[0] = 6
-    m.redeliver({(0, 2)}, src, Pipeline(w.Knobs(variant="rekey", rows_min=100, rows_max=300),
-                                        feats, "a"))
+    m.redeliver(
+        {(0, 2)}, src, Pipeline(w.Knobs(variant="rekey", rows_min=100, rows_max=300), feats, "a")
+    )
     assert _model(m) == ({7 + w.KEY_SHIFT: (0, 0), 8: (0, 4), 9: (0, 5)}, {(0, 1), (0, 2)})
 
 
 def test_the_oracle_models_tombstones():
     """Tombstones (a key, no payload) in the model: a version of their key that places no row
     where the sink deletes, a dead letter where it quarantines (docs/pipelines.md)."""
+
     def rec(o: int, i: int | str, amount: float | None) -> Record:
-        body = None if amount is None else json.dumps(
-            {"id": i, "name": f"n{i}", "amount": amount, "version": 1}).encode()
+        body = (
+            None
+            if amount is None
+            else json.dumps({"id": i, "name": f"n{i}", "amount": amount, "version": 1}).encode()
+        )
         return Record(0, o, body, None, None, str(i).encode())
 
     # 7 at 0, its tombstone at 1, a newer 7 at 2; a tombstone whose key is no number at 3.
-    src = {(0, o): r for o, r in enumerate([rec(0, 7, 5.0), rec(1, 7, None), rec(2, 7, 50.0),
-                                            rec(3, "poison", None)])}
+    src = {
+        (0, o): r
+        for o, r in enumerate(
+            [rec(0, 7, 5.0), rec(1, 7, None), rec(2, 7, 50.0), rec(3, "poison", None)]
+        )
+    }
     feats = w.Features(tombstones=True)
     delete = w.Knobs(tombstones="delete")
     m = SinkModel()
@@ -286,9 +352,19 @@ def test_the_oracle_finds_hand_made_differences(spark, tmp_path):
     path (a correct one delivers exactly the model)."""
     world = World.create(partitions=2, limit=1000, root=tmp_path / "w")
     try:
-        world.append([(i % 2, str(i).encode(), json.dumps(
-            {"id": i, "name": f"order-{i}", "amount": 100.0 * i, "version": 1}).encode(), None)
-            for i in range(1, 13)])  # 11 and 12 fail the row check (amount <= 1000)
+        world.append(
+            [
+                (
+                    i % 2,
+                    str(i).encode(),
+                    json.dumps(
+                        {"id": i, "name": f"order-{i}", "amount": 100.0 * i, "version": 1}
+                    ).encode(),
+                    None,
+                )
+                for i in range(1, 13)
+            ]
+        )  # 11 and 12 fail the row check (amount <= 1000)
         out = InProcess(world, spark).run()
         assert out.ok, out
         oracle = Oracle(target(world), world.features)
@@ -296,6 +372,7 @@ def test_the_oracle_finds_hand_made_differences(spark, tmp_path):
         assert [a.mode for a in oracle.last] == ["run", "run"]
         assert oracle.compare() == [], "\n".join(map(str, oracle.compare()))
         a, b, led = world.sink_dsns["a"], world.sink_dsns["b"], world.ledger_dsn
+
         def planted(dsn: str, do: list[str], undo: list[str]) -> list[Problem]:
             _exec(dsn, *do)
             try:
@@ -304,36 +381,56 @@ def test_the_oracle_finds_hand_made_differences(spark, tmp_path):
                 _exec(dsn, *undo)
 
         # A row lost (id 4: partition 0 offset 1).
-        got = planted(a, ["CREATE TABLE saved AS SELECT * FROM public.orders WHERE id = 4",
-                          "DELETE FROM public.orders WHERE id = 4"],
-                      ["INSERT INTO public.orders SELECT * FROM saved", "DROP TABLE saved"])
+        got = planted(
+            a,
+            [
+                "CREATE TABLE saved AS SELECT * FROM public.orders WHERE id = 4",
+                "DELETE FROM public.orders WHERE id = 4",
+            ],
+            ["INSERT INTO public.orders SELECT * FROM saved", "DROP TABLE saved"],
+        )
         _find(got, "a", 0, 1, "missing row: key 4")
         assert len(got) == 1, got
         # A record's row twice, under another key (id 5: partition 1 offset 2).
-        got = planted(b, ["INSERT INTO public.orders SELECT id + 500, name, amount, version, "
-                          "_tm_partition, _tm_offset, _tm_run_id FROM public.orders "
-                          "WHERE id = 5"], ["DELETE FROM public.orders WHERE id = 505"])
+        got = planted(
+            b,
+            [
+                "INSERT INTO public.orders SELECT id + 500, name, amount, version, "
+                "_tm_partition, _tm_offset, _tm_run_id FROM public.orders "
+                "WHERE id = 5"
+            ],
+            ["DELETE FROM public.orders WHERE id = 505"],
+        )
         _find(got, "b", 1, 2, "extra row: key 505")
         assert len(got) == 1, got
         # A wrong column value and another record's position (id 6: partition 0 offset 2).
-        got = planted(b, ["UPDATE public.orders SET name = 'x', _tm_offset = 9 WHERE id = 6"],
-                      ["UPDATE public.orders SET name = 'order-6', _tm_offset = 2 "
-                       "WHERE id = 6"])
+        got = planted(
+            b,
+            ["UPDATE public.orders SET name = 'x', _tm_offset = 9 WHERE id = 6"],
+            ["UPDATE public.orders SET name = 'order-6', _tm_offset = 2 WHERE id = 6"],
+        )
         p = _find(got, "b", 0, 2, "wrong row for key 6")
         assert "name 'x' (want 'order-6')" in p.what and "_tm_offset 9" in p.what, p
         assert len(got) == 1, got
         # A letter resolved that must be live (id 11: partition 1 offset 5).
         where = "sink = 'a' AND source_partition = 1 AND source_offset = 5"
-        got = planted(led, [f"UPDATE tidemark.dlq SET status = 'redriven' WHERE {where}"],
-                      [f"UPDATE tidemark.dlq SET status = 'quarantined' WHERE {where}"])
+        got = planted(
+            led,
+            [f"UPDATE tidemark.dlq SET status = 'redriven' WHERE {where}"],
+            [f"UPDATE tidemark.dlq SET status = 'quarantined' WHERE {where}"],
+        )
         _find(got, "a", 1, 5, "letter should be live")
         assert len(got) == 1, got
         # A live letter for a delivered record (id 3), a letter discarded behind its back.
         where = "sink = 'a' AND source_partition = 0 AND source_offset = 5"
-        got = planted(led, [_letter("b", 1, 1),
-                            f"UPDATE tidemark.dlq SET status = 'discarded' WHERE {where}"],
-                      ["DELETE FROM tidemark.dlq WHERE reason = 'planted'",
-                       f"UPDATE tidemark.dlq SET status = 'quarantined' WHERE {where}"])
+        got = planted(
+            led,
+            [_letter("b", 1, 1), f"UPDATE tidemark.dlq SET status = 'discarded' WHERE {where}"],
+            [
+                "DELETE FROM tidemark.dlq WHERE reason = 'planted'",
+                f"UPDATE tidemark.dlq SET status = 'quarantined' WHERE {where}",
+            ],
+        )
         _find(got, "b", 1, 1, "should not be live")
         _find(got, "a", 0, 5, "is discarded, should be quarantined")
         assert len(got) == 2, got
@@ -347,10 +444,15 @@ def test_a_short_seeded_run_with_every_kind_of_fault_passes(tmp_path):
     quarantined before the sinks name no sink); see the report it prints."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEMARK_")}
     env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen([sys.executable, "-m", "tidemark", "chaos", "--seed", "7",
-                             "--steps", "12"],
-                            env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tidemark", "chaos", "--seed", "7", "--steps", "12"],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=420)
     except subprocess.TimeoutExpired:

@@ -16,8 +16,15 @@ from tidemark.devstack.localpg import Cluster
 
 def tm(env_vars: dict[str, str], *args: str, cwd: Path | None = None):
     # No terminal and nothing to read: a command that would ask must say --yes instead.
-    res = subprocess.run([sys.executable, "-m", "tidemark", *args], env=env_vars, cwd=cwd,
-                         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "tidemark", *args],
+        env=env_vars,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return res.returncode, res.stdout, res.stderr
 
 
@@ -33,8 +40,9 @@ def test_wrong_password_is_one_masked_line(env):
     bad = env.ledger_dsn.replace("tidemark:tidemark@", "tidemark:s3cret-pw@")
     code, out, err = tm(env.cli_env(TIDEMARK_LEDGER_DSN=bad), "db", "upgrade")
     assert code == 1
-    assert_one_clear_line(err, "cannot connect to ledger", "tidemark:***@",
-                          "password authentication failed")
+    assert_one_clear_line(
+        err, "cannot connect to ledger", "tidemark:***@", "password authentication failed"
+    )
     assert "s3cret-pw" not in out + err
 
 
@@ -70,47 +78,72 @@ def test_db_upgrade_is_idempotent(env):
     latest = [v for v, _, _ in available()]
     code, out, _ = tm(env.cli_env(), "db", "upgrade")
     assert code == 0 and f"schema version {latest[-1]}" in out and "applied" not in out
-    assert env.ledger("SELECT version FROM tidemark.schema_version ORDER BY 1") == \
-        [(v,) for v in latest]
+    assert env.ledger("SELECT version FROM tidemark.schema_version ORDER BY 1") == [
+        (v,) for v in latest
+    ]
 
 
-_BASE = ("source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: int}}\n"
-         "sinks: [{name: s, dsn: x, table: t, key: [a]}]\n")
+_BASE = (
+    "source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: int}}\n"
+    "sinks: [{name: s, dsn: x, table: t, key: [a]}]\n"
+)
 
 BAD_FILES = {
     "notyaml": ("name: x\n  sinks: [", "line 2: not valid YAML"),
-    "unknown": ("source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: int}}\n"
-                "sinks: [{name: s, dsn: x, table: t, key: [a]}]\ncolour: red\n",
-                "colour: Extra inputs are not permitted"),
-    "badtype": ("source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: inty}}\n"
-                "sinks: [{name: s, dsn: x, table: t, key: [a]}]\n",
-                "decode.schema: field a: unsupported type 'inty'"),
-    "nokey": ("source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: int}}\n"
-              "sinks: [{name: s, dsn: x, table: t, key: [b]}]\n",
-              "sinks[0].key: key columns not produced by the transform: b"),
-    "twodsn": ("source: {type: postgres_log, dsn: x, conn_id: y, table: t}\n"
-               "decode: {schema: {a: int}}\nsinks: [{name: s, dsn: x, table: t, key: [a]}]\n",
-               "source: give exactly one of dsn or conn_id"),
-    "twosinks": ("source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: int}}\n"
-                 "sinks: [{name: s, dsn: x, table: t, key: [a]}, {name: s, dsn: y, table: u, "
-                 "key: [a]}]\n", "sinks[1].name: sink name 's' is used twice"),
-    "unknownexp": (_BASE + "quality:\n  rows:\n    - expect_column_values_to_be_in_sett: "
-                   "{column: a, value_set: [1]}\n",
-                   "quality.rows[0]: unknown expectation"),
-    "badexparg": (_BASE + "quality:\n  batch:\n    - expect_column_values_to_be_in_set: "
-                  "{column: a, valueset: [1]}\n",
-                  "quality.batch[0]: expect_column_values_to_be_in_set: bad arguments"),
-    "aggrows": (_BASE + "quality:\n  rows:\n    - expect_table_row_count_to_be_between: "
-                "{min_value: 1}\n",
-                "quality.rows[0]: expect_table_row_count_to_be_between checks the batch"),
-    "sinkexp": (_BASE.replace("key: [a]}", "key: [a], quality: {batch: [{nope: {}}]}}")
-                , "sinks[0].quality.batch[0]: unknown expectation"),
-    "nosource": ("decode: {schema: {a: int}}\nsinks: [{name: s, dsn: x, table: t, key: [a]}]\n",
-                 "source: Field required"),
-    "badlimit": ("source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: int}}\n"
-                 "sinks: [{name: s, dsn: x, table: t, key: [a]}]\n"
-                 "limits: {max_records_per_partition: 0}\n",
-                 "limits.max_records_per_partition: Input should be greater than 0"),
+    "unknown": (
+        "source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: int}}\n"
+        "sinks: [{name: s, dsn: x, table: t, key: [a]}]\ncolour: red\n",
+        "colour: Extra inputs are not permitted",
+    ),
+    "badtype": (
+        "source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: inty}}\n"
+        "sinks: [{name: s, dsn: x, table: t, key: [a]}]\n",
+        "decode.schema: field a: unsupported type 'inty'",
+    ),
+    "nokey": (
+        "source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: int}}\n"
+        "sinks: [{name: s, dsn: x, table: t, key: [b]}]\n",
+        "sinks[0].key: key columns not produced by the transform: b",
+    ),
+    "twodsn": (
+        "source: {type: postgres_log, dsn: x, conn_id: y, table: t}\n"
+        "decode: {schema: {a: int}}\nsinks: [{name: s, dsn: x, table: t, key: [a]}]\n",
+        "source: give exactly one of dsn or conn_id",
+    ),
+    "twosinks": (
+        "source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: int}}\n"
+        "sinks: [{name: s, dsn: x, table: t, key: [a]}, {name: s, dsn: y, table: u, "
+        "key: [a]}]\n",
+        "sinks[1].name: sink name 's' is used twice",
+    ),
+    "unknownexp": (
+        _BASE + "quality:\n  rows:\n    - expect_column_values_to_be_in_sett: "
+        "{column: a, value_set: [1]}\n",
+        "quality.rows[0]: unknown expectation",
+    ),
+    "badexparg": (
+        _BASE + "quality:\n  batch:\n    - expect_column_values_to_be_in_set: "
+        "{column: a, valueset: [1]}\n",
+        "quality.batch[0]: expect_column_values_to_be_in_set: bad arguments",
+    ),
+    "aggrows": (
+        _BASE + "quality:\n  rows:\n    - expect_table_row_count_to_be_between: {min_value: 1}\n",
+        "quality.rows[0]: expect_table_row_count_to_be_between checks the batch",
+    ),
+    "sinkexp": (
+        _BASE.replace("key: [a]}", "key: [a], quality: {batch: [{nope: {}}]}}"),
+        "sinks[0].quality.batch[0]: unknown expectation",
+    ),
+    "nosource": (
+        "decode: {schema: {a: int}}\nsinks: [{name: s, dsn: x, table: t, key: [a]}]\n",
+        "source: Field required",
+    ),
+    "badlimit": (
+        "source: {type: postgres_log, dsn: x, table: t}\ndecode: {schema: {a: int}}\n"
+        "sinks: [{name: s, dsn: x, table: t, key: [a]}]\n"
+        "limits: {max_records_per_partition: 0}\n",
+        "limits.max_records_per_partition: Input should be greater than 0",
+    ),
 }
 
 
@@ -146,8 +179,9 @@ def test_unknown_pipeline_and_status_json(env):
 
 def test_backfill_arguments_are_checked(env):
     env.pipeline()
-    code, _, err = tm(env.cli_env(), "backfill", "orders", "--partition", "0", "--from", "9",
-                      "--to", "3")
+    code, _, err = tm(
+        env.cli_env(), "backfill", "orders", "--partition", "0", "--from", "9", "--to", "3"
+    )
     assert code == 2
     assert "--to (3) must be greater than --from (9)" in err
 
@@ -157,15 +191,22 @@ def test_dq_show_and_status_report_the_gate(env):
     env.ledger("INSERT INTO tidemark.pipelines (name) VALUES ('orders') RETURNING 1")
     run_id = env.ledger("""INSERT INTO tidemark.runs (pipeline, mode, owner)
                            VALUES ('orders', 'run', 't:1') RETURNING run_id""")[0][0]
-    env.ledger("""INSERT INTO tidemark.dq_results (run_id, scope, success, rows_failed, results,
+    env.ledger(
+        """INSERT INTO tidemark.dq_results (run_id, scope, success, rows_failed, results,
                   docs_path) VALUES (%s, '', false, 3, %s, '/x/page.html') RETURNING 1""",
-               (run_id, '[{"expectation": "expect_column_max_to_be_between", "success": false, '
-                '"kwargs": {"column": "amount", "max_value": 1000}, "observed_value": 1e9}]'))
+        (
+            run_id,
+            '[{"expectation": "expect_column_max_to_be_between", "success": false, '
+            '"kwargs": {"column": "amount", "max_value": 1000}, "observed_value": 1e9}]',
+        ),
+    )
     code, out, _ = tm(env.cli_env(), "dq", "show", str(run_id))
     assert code == 0
     assert "(pipeline): FAILED, 3 rows quarantined" in out
-    assert "FAIL expect_column_max_to_be_between(column=amount, max_value=1000) observed " \
-           "1000000000" in out
+    assert (
+        "FAIL expect_column_max_to_be_between(column=amount, max_value=1000) observed "
+        "1000000000" in out
+    )
     assert "Data Docs: /x/page.html" in out
     code, out, _ = tm(env.cli_env(), "status", "orders")
     assert code == 0 and "data quality (last gate per scope)" in out
@@ -185,8 +226,16 @@ def test_dq_docs_rebuilds_the_index_or_says_there_is_nothing(env, tmp_path):
     assert code == 2 and "'../etc': not a pipeline name" in err
     code, out, err = tm(docs, "dq", "docs", "orders")  # each pipeline has its own site
     assert code == 0, err
-    index = (tmp_path / "docs" / "orders" / "gx" / "uncommitted" / "data_docs" / "local_site"
-             / "index.html")
+    index = (
+        tmp_path
+        / "docs"
+        / "orders"
+        / "gx"
+        / "uncommitted"
+        / "data_docs"
+        / "local_site"
+        / "index.html"
+    )
     assert out.strip() == f"orders: {index}: 0 validation(s)" and index.is_file()
     code, out, err = tm(docs, "dq", "docs")
     assert code == 0 and out.strip() == f"orders: {index}: 0 validation(s)", err
@@ -200,9 +249,14 @@ def test_an_up_to_date_run_is_cheap_and_a_bad_check_stops_a_due_one(env):
     path = env.pipeline(quality=bad)
     code, out, err = tm(env.cli_env(), "run", "orders", cwd=env.tmp)
     assert (code, out.strip()) == (0, "orders: up to date: nothing to replay"), err
-    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "tidemark", "run", "orders"],
-                         env=env.cli_env(), cwd=env.tmp, capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "tidemark", "run", "orders"],
+        env=env.cli_env(),
+        cwd=env.tmp,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     loaded = {ln.rsplit("|", 1)[-1].strip() for ln in res.stderr.splitlines()}
     assert "great_expectations" not in loaded  # (no JVM either: bench/idle_bench.py times it)
@@ -220,8 +274,17 @@ def test_a_file_archive_segment_it_cannot_read_is_one_line_and_a_failed_run(env)
     from tidemark.sources.file_archive import write_segment
 
     archive = env.tmp / "archive"
-    recs = [{"partition": 0, "offset": o, "key": None, "payload": b'{"id": 1}', "headers": None,
-             "ts": None} for o in range(3)]
+    recs = [
+        {
+            "partition": 0,
+            "offset": o,
+            "key": None,
+            "payload": b'{"id": 1}',
+            "headers": None,
+            "ts": None,
+        }
+        for o in range(3)
+    ]
     write_segment(str(archive), 0, recs, "parquet")
     bad = archive / "partition=0" / f"{3:020d}.avro"
     bad.write_bytes(b"Obj\x01")

@@ -17,8 +17,13 @@ COMPOSE = REPO / "docker-compose.yaml"
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 INIT_SQL = REPO / "docker" / "postgres-init.sql"
 
-AIRFLOW_SERVICES = ("airflow-init", "airflow-apiserver", "airflow-scheduler",
-                    "airflow-dag-processor", "airflow-triggerer")
+AIRFLOW_SERVICES = (
+    "airflow-init",
+    "airflow-apiserver",
+    "airflow-scheduler",
+    "airflow-dag-processor",
+    "airflow-triggerer",
+)
 LONG_RUNNING = tuple(s for s in AIRFLOW_SERVICES if s != "airflow-init")
 SERVICES = ("postgres", *AIRFLOW_SERVICES, "spark-master", "spark-worker", "mailpit")
 
@@ -29,15 +34,13 @@ EXPECTED_ENV = {
     "TIDEMARK_PIPELINES_DIR": "/opt/tidemark/dags/pipelines",
     "TIDEMARK_DATA_DOCS_DIR": "/opt/tidemark/.tidemark/data_docs",
     "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
-    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN":
-        "postgresql+psycopg2://tidemark:tidemark@postgres:5432/airflow",
+    "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": "postgresql+psycopg2://tidemark:tidemark@postgres:5432/airflow",
     "AIRFLOW__CORE__DAGS_FOLDER": "/opt/tidemark/dags",
     "AIRFLOW__CORE__PLUGINS_FOLDER": "/opt/tidemark/plugins",
     "AIRFLOW__CORE__LOAD_EXAMPLES": "false",
     "AIRFLOW__CORE__PARALLELISM": "4",
     "AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG": "2",
-    "AIRFLOW__CORE__AUTH_MANAGER":
-        "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager",
+    "AIRFLOW__CORE__AUTH_MANAGER": "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager",
     "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin",
     "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": "http://airflow-apiserver:8080/execution/",
     "AIRFLOW__API__BASE_URL": "http://localhost:8080",
@@ -100,18 +103,22 @@ def test_postgres_enables_prepared_transactions(services):
     assert int(m.group(1)) > 0
     assert "pg_isready" in json.dumps(pg["healthcheck"]["test"])
     volumes = [str(v) for v in pg["volumes"]]
-    assert any(v.split(":")[1] == "/var/lib/postgresql/data" and not v.startswith((".", "/"))
-               for v in volumes), "postgres data is not on a named volume"
-    assert any(v.startswith("./docker/postgres-init.sql:/docker-entrypoint-initdb.d/")
-               for v in volumes), "postgres-init.sql is not mounted into docker-entrypoint-initdb.d"
+    assert any(
+        v.split(":")[1] == "/var/lib/postgresql/data" and not v.startswith((".", "/"))
+        for v in volumes
+    ), "postgres data is not on a named volume"
+    assert any(
+        v.startswith("./docker/postgres-init.sql:/docker-entrypoint-initdb.d/") for v in volumes
+    ), "postgres-init.sql is not mounted into docker-entrypoint-initdb.d"
 
 
 def test_init_sql_creates_the_three_databases():
     text = INIT_SQL.read_text()
     created = set(re.findall(r"CREATE\s+DATABASE\s+\"?(\w+)\"?", text, re.IGNORECASE))
     assert {"tidemark", "warehouse", "airflow"} <= created, created
-    assert re.search(r"CREATE\s+ROLE\s+tidemark\b.*\bLOGIN\b.*PASSWORD\s+'tidemark'", text,
-                     re.IGNORECASE)
+    assert re.search(
+        r"CREATE\s+ROLE\s+tidemark\b.*\bLOGIN\b.*PASSWORD\s+'tidemark'", text, re.IGNORECASE
+    )
 
 
 @pytest.mark.parametrize("name", AIRFLOW_SERVICES)
@@ -121,8 +128,9 @@ def test_airflow_service_settings(compose, services, name):
     wrong = {k: env.get(k) for k, v in EXPECTED_ENV.items() if env.get(k) != v}
     assert not wrong, f"{name}: missing or different settings {wrong}"
     for key in SECRETS:
-        assert re.fullmatch(r"\$\{\w+:\?[^}]+\}", env.get(key, "")), \
+        assert re.fullmatch(r"\$\{\w+:\?[^}]+\}", env.get(key, "")), (
             f"{name}: {key} must come from a required variable (${{NAME:?...}})"
+        )
     assert svc["build"]["dockerfile"] == "docker/Dockerfile"
     assert depends(svc).get("postgres") == "service_healthy"
     if name in LONG_RUNNING:
@@ -131,8 +139,9 @@ def test_airflow_service_settings(compose, services, name):
     for folder in ("dags", "plugins"):
         assert mounts.get(f"/opt/tidemark/{folder}") == f"./{folder}:/opt/tidemark/{folder}:ro"
     docs = mounts.get("/opt/tidemark/.tidemark/data_docs", "")
-    assert docs.split(":")[0] in (compose.get("volumes") or {}), \
+    assert docs.split(":")[0] in (compose.get("volumes") or {}), (
         f"{name}: Data Docs are not on a named volume ({docs!r})"
+    )
 
 
 def test_airflow_commands(services):
@@ -141,16 +150,20 @@ def test_airflow_commands(services):
     assert command_text(services["airflow-dag-processor"]) == "dag-processor"
     assert command_text(services["airflow-triggerer"]) == "triggerer"
     init = command_text(services["airflow-init"])
-    steps = ["airflow db migrate", "python -m tidemark db upgrade",
-             'airflow pools set tidemark_spark 2 "Concurrent Tidemark Spark jobs"']
+    steps = [
+        "airflow db migrate",
+        "python -m tidemark db upgrade",
+        'airflow pools set tidemark_spark 2 "Concurrent Tidemark Spark jobs"',
+    ]
     positions = [init.find(s) for s in steps]
     assert -1 not in positions and positions == sorted(positions), init
     assert "set -e" in init, "airflow-init must stop at the first failing step"
 
 
 def test_published_ports_bind_localhost_only(services):
-    published = {(name, str(p)): host_ip(p) for name, svc in services.items()
-                 for p in svc.get("ports", [])}
+    published = {
+        (name, str(p)): host_ip(p) for name, svc in services.items() for p in svc.get("ports", [])
+    }
     assert published, "nothing is published"
     wrong = [k for k, ip in published.items() if ip != "127.0.0.1"]
     assert not wrong, f"ports not bound to 127.0.0.1: {wrong}"

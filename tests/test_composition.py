@@ -19,8 +19,10 @@ ROWS = "expect_column_values_to_be_between"
 
 
 def two_sinks(env) -> list[dict]:
-    return [{"name": "a", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"]},
-            {"name": "b", "dsn": env.sink2_dsn, "table": "public.orders", "key": ["id"]}]
+    return [
+        {"name": "a", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"]},
+        {"name": "b", "dsn": env.sink2_dsn, "table": "public.orders", "key": ["id"]},
+    ]
 
 
 def ddl(dsn: str, statement: str) -> None:
@@ -33,9 +35,12 @@ def both(env) -> dict[str, str]:
 
 
 def letters(env, where: str = "true", params=()) -> list[tuple]:
-    return env.ledger(f"SELECT sink, source_partition, source_offset, error_class::text, "
-                      f"status::text, attempts FROM tidemark.dlq WHERE {where} "
-                      f"ORDER BY sink, source_partition, source_offset", params)
+    return env.ledger(
+        f"SELECT sink, source_partition, source_offset, error_class::text, "
+        f"status::text, attempts FROM tidemark.dlq WHERE {where} "
+        f"ORDER BY sink, source_partition, source_offset",
+        params,
+    )
 
 
 def ids(env, dsn: str) -> list[int]:
@@ -48,13 +53,11 @@ def test_a_lagging_sinks_failed_gate_quarantines_only_its_own_range(env, spark):
     env.append_orders(range(80))  # 40 per partition
     gate = {"expect_table_row_count_to_be_between": {"max_value": 30}}
     quality = {"batch": [gate], "on_gate_failure": "quarantine_batch"}
-    env.pipeline(sinks=two_sinks(env), quality=quality,
-                 limits={"max_records_per_partition": 10})
+    env.pipeline(sinks=two_sinks(env), quality=quality, limits={"max_records_per_partition": 10})
     first = env.run(spark, sink_names=["a"])
     assert first.ok and first.sinks["a"].rows == 20, first.summary()
 
-    env.pipeline(sinks=two_sinks(env), quality=quality,
-                 limits={"max_records_per_partition": 40})
+    env.pipeline(sinks=two_sinks(env), quality=quality, limits={"max_records_per_partition": 40})
     second = env.run(spark, sink_names=["b"])  # 80 records: the gate fails
     assert second.ok and second.sinks["b"].dead == 80, second.summary()
     assert letters(env, "sink = 'a'") == []
@@ -73,16 +76,18 @@ def test_a_lagging_sinks_failed_gate_quarantines_only_its_own_range(env, spark):
 
 def test_a_decode_verdict_binds_only_the_sinks_whose_range_holds_the_record(env, spark):
     env.append_orders(range(10), partitions=1)
-    env.append([(0, b"poison", b"{not json", None, None)])       # offset 10
+    env.append([(0, b"poison", b"{not json", None, None)])  # offset 10
     env.pipeline(sinks=two_sinks(env))
     assert env.run(spark, sink_names=["a"]).ok
     assert letters(env) == [("a", 0, 10, "decode", "quarantined", 1)]
     env.append_orders(range(10, 15), partitions=1)
-    both_run = env.run(spark)   # b from 0 (gets the poison for itself), a from 11
+    both_run = env.run(spark)  # b from 0 (gets the poison for itself), a from 11
     assert both_run.ok, both_run.summary()
     assert both_run.sinks["a"].rows == 5 and both_run.sinks["b"].rows == 15
-    assert letters(env) == [("a", 0, 10, "decode", "quarantined", 1),
-                            ("b", 0, 10, "decode", "quarantined", 1)]
+    assert letters(env) == [
+        ("a", 0, 10, "decode", "quarantined", 1),
+        ("b", 0, 10, "decode", "quarantined", 1),
+    ]
     assert_exactly_once(env, sinks=both(env))
 
 
@@ -92,14 +97,13 @@ def test_a_backfill_leaves_the_sink_as_one_delivery_with_the_current_pipeline_wo
     env.append_orders(range(40), partitions=1)  # amount = id * 1.25
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 25}}]})
     assert env.run(spark).ok
-    assert ids(env, env.sink_dsn) == list(range(21))   # 21 .. 39 quarantined
+    assert ids(env, env.sink_dsn) == list(range(21))  # 21 .. 39 quarantined
     with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
         (last,) = c.execute("SELECT id FROM tidemark.dlq WHERE source_offset = 39").fetchone()
         assert dlq.discard(c, [last], "not worth it", "dora").changed == [last]
 
     # The pipeline changes: ids 0 .. 3 now fail (amount < 5), ids 21 .. 32 now pass.
-    env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "min_value": 5,
-                                           "max_value": 40}}]})
+    env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "min_value": 5, "max_value": 40}}]})
     report = env.run(spark, mode="backfill", backfill=Backfill(0, 0, 40), by="erin")
     assert report.ok, report.summary()
     out = report.sinks["main"]
@@ -107,16 +111,22 @@ def test_a_backfill_leaves_the_sink_as_one_delivery_with_the_current_pipeline_wo
     assert (out.rows, out.removed, out.resolved, out.dead) == (29, 21, 12, 4 + 7)
     assert ids(env, env.sink_dsn) == list(range(4, 33))
     by_offset = {r[2]: r for r in letters(env)}
-    assert [o for o, r in by_offset.items() if r[4] == "quarantined"] == \
-        [0, 1, 2, 3, *range(33, 40)]
+    assert [o for o, r in by_offset.items() if r[4] == "quarantined"] == [
+        0,
+        1,
+        2,
+        3,
+        *range(33, 40),
+    ]
     assert {by_offset[o][4] for o in range(21, 33)} == {"redriven"}
     # The discarded letter failed again: live again, its history kept.
     status, attempts, who, note = env.ledger(
-        "SELECT status::text, attempts, resolved_by, note FROM tidemark.dlq WHERE id = %s",
-        (last,))[0]
+        "SELECT status::text, attempts, resolved_by, note FROM tidemark.dlq WHERE id = %s", (last,)
+    )[0]
     assert (status, attempts, who, note) == ("quarantined", 2, "dora", "not worth it")
-    resolved = env.ledger("SELECT DISTINCT resolved_by, note FROM tidemark.dlq "
-                          "WHERE status = 'redriven'")
+    resolved = env.ledger(
+        "SELECT DISTINCT resolved_by, note FROM tidemark.dlq WHERE status = 'redriven'"
+    )
     assert resolved == [("erin", f"delivered again by backfill run {report.run_id}")]
     assert env.checkpoints() == {0: 40}
     assert_exactly_once(env)
@@ -128,8 +138,10 @@ def test_a_backfill_leaves_the_sink_as_one_delivery_with_the_current_pipeline_wo
     assert again.sinks["main"].resolved == 4  # ids 0 .. 3 pass again
     assert ids(env, env.sink_dsn) == list(range(21))
     status = {r[2]: r[4] for r in letters(env)}
-    assert status == {**dict.fromkeys(range(4), "redriven"),
-                      **dict.fromkeys(range(21, 40), "quarantined")}
+    assert status == {
+        **dict.fromkeys(range(4), "redriven"),
+        **dict.fromkeys(range(21, 40), "quarantined"),
+    }
     assert_exactly_once(env)
 
     # ... and a redrive accepts the once-discarded letter, now that it passes.
@@ -138,8 +150,16 @@ def test_a_backfill_leaves_the_sink_as_one_delivery_with_the_current_pipeline_wo
 
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]})
     all_p, _ = config.load_all(env.dir)
-    rep = Redrive(all_p["orders"], env.settings(), ledger_dsn=env.ledger_dsn, ids=[last],
-                  by="fay", all_pipelines=all_p, spark=spark, log=lambda m: None).execute()
+    rep = Redrive(
+        all_p["orders"],
+        env.settings(),
+        ledger_dsn=env.ledger_dsn,
+        ids=[last],
+        by="fay",
+        all_pipelines=all_p,
+        spark=spark,
+        log=lambda m: None,
+    ).execute()
     assert rep.ok and rep.redrive["redriven"] == 1, rep.summary()
     assert 39 in ids(env, env.sink_dsn)
     assert_exactly_once(env)
@@ -151,16 +171,38 @@ def test_a_backfill_that_removes_a_keys_row_places_its_older_versions_again(env,
     back to its newest version that passes now (and a newer one that fails is quarantined), in
     the same two-phase commit. The sink ends as one delivery with the current pipeline would
     leave it."""
-    versions = [(7, 1), (8, 2), (8, 60), (9, 3),        # 0 .. 3
-                (7, 100), (8, 100), (9, 100),           # 4 .. 6: the backfill's range [3, 7)
-                (10, 100), (11, 4)]                     # 7, 8
-    env.append([(0, str(i).encode(), json.dumps(
-        {"id": i, "name": f"o{n}", "amount": a, "version": n}).encode(), None, None)
-        for n, (i, a) in enumerate(versions)])
+    versions = [
+        (7, 1),
+        (8, 2),
+        (8, 60),
+        (9, 3),  # 0 .. 3
+        (7, 100),
+        (8, 100),
+        (9, 100),  # 4 .. 6: the backfill's range [3, 7)
+        (10, 100),
+        (11, 4),
+    ]  # 7, 8
+    env.append(
+        [
+            (
+                0,
+                str(i).encode(),
+                json.dumps({"id": i, "name": f"o{n}", "amount": a, "version": n}).encode(),
+                None,
+                None,
+            )
+            for n, (i, a) in enumerate(versions)
+        ]
+    )
     env.pipeline()
     assert env.run(spark).ok
-    assert env.q(env.sink_dsn, "SELECT id, _tm_offset FROM orders ORDER BY id") == \
-        [(7, 4), (8, 5), (9, 6), (10, 7), (11, 8)]
+    assert env.q(env.sink_dsn, "SELECT id, _tm_offset FROM orders ORDER BY id") == [
+        (7, 4),
+        (8, 5),
+        (9, 6),
+        (10, 7),
+        (11, 8),
+    ]
 
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 50}}]})
     report = env.run(spark, mode="backfill", backfill=Backfill(0, 3, 7))
@@ -169,10 +211,19 @@ def test_a_backfill_that_removes_a_keys_row_places_its_older_versions_again(env,
     # Range: the rows of 4 .. 6 removed; 3 placed, 4 .. 6 quarantined. Keys 7 and 8 lost
     # their rows: fallen back to offsets 0 and 1, and 2 quarantined on the way (amount 60).
     assert (out.removed, out.fallback, out.rows, out.dead) == (3, 3, 3, 4), report.summary()
-    assert env.q(env.sink_dsn, "SELECT id, _tm_offset, amount FROM orders ORDER BY id") == \
-        [(7, 0, 1.0), (8, 1, 2.0), (9, 3, 3.0), (10, 7, 100.0), (11, 8, 4.0)]
-    assert [(r[2], r[3]) for r in letters(env)] == \
-        [(2, "validation"), (4, "validation"), (5, "validation"), (6, "validation")]
+    assert env.q(env.sink_dsn, "SELECT id, _tm_offset, amount FROM orders ORDER BY id") == [
+        (7, 0, 1.0),
+        (8, 1, 2.0),
+        (9, 3, 3.0),
+        (10, 7, 100.0),
+        (11, 8, 4.0),
+    ]
+    assert [(r[2], r[3]) for r in letters(env)] == [
+        (2, "validation"),
+        (4, "validation"),
+        (5, "validation"),
+        (6, "validation"),
+    ]
     assert_exactly_once(env)
 
     # Back to no check: the backfill puts the newest versions back, and resolves the letters
@@ -180,45 +231,67 @@ def test_a_backfill_that_removes_a_keys_row_places_its_older_versions_again(env,
     env.pipeline()
     again = env.run(spark, mode="backfill", backfill=Backfill(0, 3, 7))
     assert again.ok and again.sinks["main"].resolved == 3, again.summary()
-    assert env.q(env.sink_dsn, "SELECT id, _tm_offset FROM orders ORDER BY id") == \
-        [(7, 4), (8, 5), (9, 6), (10, 7), (11, 8)]
+    assert env.q(env.sink_dsn, "SELECT id, _tm_offset FROM orders ORDER BY id") == [
+        (7, 4),
+        (8, 5),
+        (9, 6),
+        (10, 7),
+        (11, 8),
+    ]
     assert_exactly_once(env)
 
 
-def test_a_backfill_falls_back_to_a_version_in_another_partition_by_the_version_column(
-        env, spark):
+def test_a_backfill_falls_back_to_a_version_in_another_partition_by_the_version_column(env, spark):
     def order(i: int, version: int, amount: float) -> bytes:
-        return json.dumps({"id": i, "name": f"v{version}", "amount": amount,
-                           "version": version}).encode()
+        return json.dumps(
+            {"id": i, "name": f"v{version}", "amount": amount, "version": version}
+        ).encode()
 
     env.append([(1, b"7", order(7, 1, 1.0), None, None), (1, b"8", order(8, 1, 1.0), None, None)])
     env.append([(0, b"7", order(7, 2, 100.0), None, None), (0, b"8", order(8, 3, 1.0), None, None)])
-    main = {"name": "main", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"],
-            "version": "version"}
-    source = {"type": "postgres_log", "dsn": env.ledger_dsn, "table": "src.log",
-              "partitions": [0, 1]}
+    main = {
+        "name": "main",
+        "dsn": env.sink_dsn,
+        "table": "public.orders",
+        "key": ["id"],
+        "version": "version",
+    }
+    source = {
+        "type": "postgres_log",
+        "dsn": env.ledger_dsn,
+        "table": "src.log",
+        "partitions": [0, 1],
+    }
     env.pipeline(source=source, sinks=[main])
     assert env.run(spark).ok
-    env.pipeline(source=source, sinks=[main],
-                 quality={"rows": [{ROWS: {"column": "amount", "max_value": 50}}]})
+    env.pipeline(
+        source=source,
+        sinks=[main],
+        quality={"rows": [{ROWS: {"column": "amount", "max_value": 50}}]},
+    )
     report = env.run(spark, mode="backfill", backfill=Backfill(0, 0, 2))
     assert report.ok, report.summary()
     assert (report.sinks["main"].removed, report.sinks["main"].fallback) == (2, 1)
-    assert env.q(env.sink_dsn, "SELECT id, version, _tm_partition FROM orders ORDER BY id") == \
-        [(7, 1, 1), (8, 3, 0)]
+    assert env.q(env.sink_dsn, "SELECT id, version, _tm_partition FROM orders ORDER BY id") == [
+        (7, 1, 1),
+        (8, 3, 0),
+    ]
     assert_exactly_once(env)
 
 
 def test_a_backfill_whose_batch_gate_fails_changes_nothing_whatever_the_policy(env, spark):
     env.append_orders(range(30), partitions=1)
     env.append([(0, b"poison", b"{not json", None, None)])
-    quality = {"batch": [{"expect_table_row_count_to_be_between": {"max_value": 100}}],
-               "on_gate_failure": "quarantine_batch"}
+    quality = {
+        "batch": [{"expect_table_row_count_to_be_between": {"max_value": 100}}],
+        "on_gate_failure": "quarantine_batch",
+    }
     env.pipeline(quality=quality)
     assert env.run(spark).ok
     before = (env.q(env.sink_dsn, "SELECT * FROM orders ORDER BY id"), letters(env))
-    env.pipeline(quality={**quality, "batch": [
-        {"expect_table_row_count_to_be_between": {"max_value": 5}}]})
+    env.pipeline(
+        quality={**quality, "batch": [{"expect_table_row_count_to_be_between": {"max_value": 5}}]}
+    )
     report = env.run(spark, mode="backfill", backfill=Backfill(0, 0, 31))
     assert report.sinks["main"].state == "dq_failed", report.summary()
     assert (env.q(env.sink_dsn, "SELECT * FROM orders ORDER BY id"), letters(env)) == before
@@ -230,13 +303,22 @@ def test_versions_of_a_key_from_two_partitions_need_a_declared_order(env, spark)
     def order(i: int, name: str, version: int) -> bytes:
         return json.dumps({"id": i, "name": name, "version": version}).encode()
 
-    env.append([(0, b"7", order(7, "p0", 1), None, None), (0, b"1", order(1, "a", 1), None, None),
-                (0, b"1", order(1, "b", 2), None, None)])
+    env.append(
+        [
+            (0, b"7", order(7, "p0", 1), None, None),
+            (0, b"1", order(1, "a", 1), None, None),
+            (0, b"1", order(1, "b", 2), None, None),
+        ]
+    )
     env.append([(1, b"7", order(7, "p1", 2), None, None)])
 
     def source(*parts: int) -> dict:
-        return {"type": "postgres_log", "dsn": env.ledger_dsn, "table": "src.log",
-                "partitions": list(parts)}
+        return {
+            "type": "postgres_log",
+            "dsn": env.ledger_dsn,
+            "table": "src.log",
+            "partitions": list(parts),
+        }
 
     plain = {"name": "main", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"]}
     env.pipeline(source=source(0), sinks=[plain])
@@ -260,20 +342,35 @@ def test_versions_of_a_key_from_two_partitions_need_a_declared_order(env, spark)
     # Re-delivering partition 0 never puts back an older version; what it skips is counted.
     back = env.run(spark, mode="backfill", backfill=Backfill(0, 0, 3))
     assert back.ok and back.sinks["main"].superseded == 2, back.summary()
-    assert env.q(env.sink_dsn, "SELECT id, name, version FROM orders ORDER BY id") == \
-        [(1, "b", 2), (7, "p1", 2)]
+    assert env.q(env.sink_dsn, "SELECT id, name, version FROM orders ORDER BY id") == [
+        (1, "b", 2),
+        (7, "p1", 2),
+    ]
 
 
 def _versions_in_two_partitions(env) -> None:
     """Key 7 in both partitions of one run; the newer version (3) in partition 0."""
+
     def order(i: int, name: str, version: int) -> bytes:
         return json.dumps({"id": i, "name": name, "version": version}).encode()
 
-    env.append([(0, b"1", order(1, "a", 1), None, None), (0, b"7", order(7, "p0", 3), None, None),
-                (1, b"2", order(2, "b", 1), None, None), (1, b"7", order(7, "p1", 2), None, None),
-                (1, b"3", order(3, "c", 1), None, None)])
-    env.pipeline(source={"type": "postgres_log", "dsn": env.ledger_dsn, "table": "src.log",
-                         "partitions": [0, 1]})
+    env.append(
+        [
+            (0, b"1", order(1, "a", 1), None, None),
+            (0, b"7", order(7, "p0", 3), None, None),
+            (1, b"2", order(2, "b", 1), None, None),
+            (1, b"7", order(7, "p1", 2), None, None),
+            (1, b"3", order(3, "c", 1), None, None),
+        ]
+    )
+    env.pipeline(
+        source={
+            "type": "postgres_log",
+            "dsn": env.ledger_dsn,
+            "table": "src.log",
+            "partitions": [0, 1],
+        }
+    )
 
 
 def test_one_run_with_versions_of_a_key_in_two_partitions_commits_the_newest(env, spark):
@@ -281,15 +378,31 @@ def test_one_run_with_versions_of_a_key_in_two_partitions_commits_the_newest(env
     # prepared transaction holds until the decision. A short lock timeout makes that a quick
     # failure here instead of a hang.
     _versions_in_two_partitions(env)
-    main = {"name": "main", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"],
-            "version": "version"}
-    env.pipeline(source={"type": "postgres_log", "dsn": env.ledger_dsn, "table": "src.log",
-                         "partitions": [0, 1]}, sinks=[main])
+    main = {
+        "name": "main",
+        "dsn": env.sink_dsn,
+        "table": "public.orders",
+        "key": ["id"],
+        "version": "version",
+    }
+    env.pipeline(
+        source={
+            "type": "postgres_log",
+            "dsn": env.ledger_dsn,
+            "table": "src.log",
+            "partitions": [0, 1],
+        },
+        sinks=[main],
+    )
     report = env.run(spark, settings=env.settings(lock_timeout_ms=2000))
     assert report.ok, report.summary()
     assert report.sinks["main"].rows == 4 and report.sinks["main"].superseded == 1
-    assert env.q(env.sink_dsn, "SELECT id, name, version FROM orders ORDER BY id") == \
-        [(1, "a", 1), (2, "b", 1), (3, "c", 1), (7, "p0", 3)]
+    assert env.q(env.sink_dsn, "SELECT id, name, version FROM orders ORDER BY id") == [
+        (1, "a", 1),
+        (2, "b", 1),
+        (3, "c", 1),
+        (7, "p0", 3),
+    ]
     assert env.checkpoints() == {0: 2, 1: 3}
     assert_exactly_once(env)
 
@@ -312,16 +425,22 @@ def test_sink_keys_are_never_null(env, spark):
     env.pipeline(transform={"select": {"id": "id", "name": "name"}})
     report = env.run(spark)
     assert report.ok and report.sinks["main"].rows == 5, report.summary()
-    assert env.ledger("SELECT error_class::text, reason FROM tidemark.dlq") == \
-        [("transform", "key column id is NULL")]
+    assert env.ledger("SELECT error_class::text, reason FROM tidemark.dlq") == [
+        ("transform", "key column id is NULL")
+    ]
     assert_exactly_once(env)
 
     # A table whose key allows NULL (a unique index, no primary key) is refused.
-    ddl(env.sink2_dsn, "CREATE TABLE loose (id int, name text, _tm_partition int NOT NULL, "
-        "_tm_offset bigint NOT NULL, _tm_run_id bigint NOT NULL)")
+    ddl(
+        env.sink2_dsn,
+        "CREATE TABLE loose (id int, name text, _tm_partition int NOT NULL, "
+        "_tm_offset bigint NOT NULL, _tm_run_id bigint NOT NULL)",
+    )
     ddl(env.sink2_dsn, "CREATE UNIQUE INDEX ON loose (id)")
-    env.pipeline(transform={"select": {"id": "id", "name": "name"}}, sinks=[
-        {"name": "loose", "dsn": env.sink2_dsn, "table": "public.loose", "key": ["id"]}])
+    env.pipeline(
+        transform={"select": {"id": "id", "name": "name"}},
+        sinks=[{"name": "loose", "dsn": env.sink2_dsn, "table": "public.loose", "key": ["id"]}],
+    )
     refused = env.run(spark, sink_names=["loose"])
     assert refused.sinks["loose"].state == "aborted"
     assert "allows NULL in key column(s) id" in refused.sinks["loose"].error
@@ -330,19 +449,27 @@ def test_sink_keys_are_never_null(env, spark):
 @pytest.mark.parametrize("spread", [False, True], ids=["one-task", "spread"])
 @pytest.mark.parametrize("how", ["drops", "duplicates"])
 def test_a_transform_that_loses_or_copies_records_fails_before_anything_is_prepared(
-        env, spark, how, spread, tmp_path, monkeypatch):
+    env, spark, how, spread, tmp_path, monkeypatch
+):
     # Spread, no task sees the whole range: a dropped record shows only when the driver
     # puts every task's offsets together.
     module = tmp_path / f"lossy_{how}.py"
-    body = ("df.where('_tm_offset <> 3')" if how == "drops"
-            else "df.unionByName(df.where('_tm_offset = 3'))")
+    body = (
+        "df.where('_tm_offset <> 3')"
+        if how == "drops"
+        else "df.unionByName(df.where('_tm_offset = 3'))"
+    )
     module.write_text(f"def fn(df):\n    return {body}\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     env.append_orders(range(10), partitions=1)
-    env.pipeline(transform={"python": f"lossy_{how}:fn"},
-                 limits={"max_records_per_partition": 100, "split_min_records": 1 if spread
-                         else 1000})
-    with pytest.raises(TidemarkError, match=rf"transform lossy_{how}:fn.*(partition 0 \[0, 10\)|changed the partitioning)"):
+    env.pipeline(
+        transform={"python": f"lossy_{how}:fn"},
+        limits={"max_records_per_partition": 100, "split_min_records": 1 if spread else 1000},
+    )
+    with pytest.raises(
+        TidemarkError,
+        match=rf"transform lossy_{how}:fn.*(partition 0 \[0, 10\)|changed the partitioning)",
+    ):
         env.run(spark)
     assert env.ledger("SELECT state::text FROM tidemark.run_sinks") == [("aborted",)]
     assert env.prepared() == []
@@ -367,17 +494,26 @@ def test_headers_postgresql_refuses_are_kept_and_the_record_quarantined(env, spa
 
 
 def _tasks(env) -> set[str]:
-    return {t for (t,) in env.ledger("SELECT DISTINCT split_part(gid, ':', 4) "
-                                     "FROM tidemark.participants")}
+    return {
+        t
+        for (t,) in env.ledger("SELECT DISTINCT split_part(gid, ':', 4) FROM tidemark.participants")
+    }
 
 
 def test_a_one_partition_run_spreads_over_tasks_by_key_and_places_each_record_once(env, spark):
     """One partition, two cores: the range is read in sub-ranges and its records spread by key
     over two write tasks, each its own participant. Versions of a key sit in every
     sub-range; the newest wins, for each sink, and a lagging sink catches up alone."""
-    recs = [(0, str(i % 700).encode(), json.dumps(
-        {"id": i % 700, "name": f"v{i}", "amount": 1.0, "version": 1}).encode(), None, None)
-        for i in range(3000)]
+    recs = [
+        (
+            0,
+            str(i % 700).encode(),
+            json.dumps({"id": i % 700, "name": f"v{i}", "amount": 1.0, "version": 1}).encode(),
+            None,
+            None,
+        )
+        for i in range(3000)
+    ]
     recs[1234] = (0, b"bad", b"not json", None, None)
     env.append(recs)
     spread = {"max_records_per_partition": 2000, "split_min_records": 1000}
@@ -393,20 +529,41 @@ def test_a_one_partition_run_spreads_over_tasks_by_key_and_places_each_record_on
     for dsn in both(env).values():
         assert dict(env.q(dsn, "SELECT id, name FROM orders")) == newest
     assert env.checkpoints(sink="a") == env.checkpoints(sink="b") == {0: 3000}
-    assert letters(env) == [("a", 0, 1234, "decode", "quarantined", 1),
-                            ("b", 0, 1234, "decode", "quarantined", 1)]
+    assert letters(env) == [
+        ("a", 0, 1234, "decode", "quarantined", 1),
+        ("b", 0, 1234, "decode", "quarantined", 1),
+    ]
     assert_exactly_once(env, sinks=both(env))
 
 
 def test_versions_of_a_key_in_two_partitions_spread_by_key_commit_the_newest(env, spark):
     """A sink ordering versions by a column: every version of a key goes to one task, so
     several tasks write side by side without waiting on each other's rows."""
-    env.append([(p, str(i).encode(), json.dumps(
-        {"id": i, "name": f"p{p}", "amount": 1.0, "version": p + 1}).encode(), None, None)
-        for i in range(500) for p in (0, 1)])
-    env.pipeline(sinks=[{"name": "main", "dsn": env.sink_dsn, "table": "public.orders",
-                         "key": ["id"], "version": "version"}],
-                 limits={"max_records_per_partition": 1000, "split_min_records": 10})
+    env.append(
+        [
+            (
+                p,
+                str(i).encode(),
+                json.dumps({"id": i, "name": f"p{p}", "amount": 1.0, "version": p + 1}).encode(),
+                None,
+                None,
+            )
+            for i in range(500)
+            for p in (0, 1)
+        ]
+    )
+    env.pipeline(
+        sinks=[
+            {
+                "name": "main",
+                "dsn": env.sink_dsn,
+                "table": "public.orders",
+                "key": ["id"],
+                "version": "version",
+            }
+        ],
+        limits={"max_records_per_partition": 1000, "split_min_records": 10},
+    )
     report = env.run(spark, settings=env.settings(lock_timeout_ms=2000))
     assert report.ok, report.summary()
     assert report.sinks["main"].rows + report.sinks["main"].superseded == 1000

@@ -31,9 +31,10 @@ CRASH_POINTS = {
 def _world(env):
     env.append_orders(range(300))
     env.append([(0, b"poison", b"{not json", None, None), (1, b"poison2", b"\xff", None, None)])
-    sinks = [{"name": "main", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"]},
-             {"name": "second", "dsn": env.sink2_dsn, "table": "public.orders",
-              "key": ["id"]}]
+    sinks = [
+        {"name": "main", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"]},
+        {"name": "second", "dsn": env.sink2_dsn, "table": "public.orders", "key": ["id"]},
+    ]
     env.pipeline(sinks=sinks)
     return {"main": env.sink_dsn, "second": env.sink2_dsn}
 
@@ -84,8 +85,10 @@ def test_crash_at_every_step_then_recover_and_rerun(env, spark, point):
     for sink in sinks:
         assert env.checkpoints(sink=sink) == {0: 151, 1: 151}
     # The two poison records, once per sink (a dead letter names the sink it applies to).
-    assert env.ledger("SELECT sink, count(*) FROM tidemark.dlq GROUP BY 1 ORDER BY 1") == \
-        [("main", 2), ("second", 2)]
+    assert env.ledger("SELECT sink, count(*) FROM tidemark.dlq GROUP BY 1 ORDER BY 1") == [
+        ("main", 2),
+        ("second", 2),
+    ]
     assert env.ledger("SELECT max(attempts) FROM tidemark.dlq") == [(1,)]
     assert_exactly_once(env, sinks=sinks)
 
@@ -98,8 +101,12 @@ def _crash_recover_rerun(env, spark, point: str) -> list[str]:
     assert rep.ok, rep.errors
     report = env.run(spark)
     assert report.ok or report.run_id is None, report.summary()
-    return [t for (t,) in env.ledger("SELECT DISTINCT split_part(gid, ':', 4) "
-                                     "FROM tidemark.participants ORDER BY 1")]
+    return [
+        t
+        for (t,) in env.ledger(
+            "SELECT DISTINCT split_part(gid, ':', 4) FROM tidemark.participants ORDER BY 1"
+        )
+    ]
 
 
 @pytest.mark.parametrize("point", ["task_after_prepare", "mid_finish"])
@@ -108,17 +115,31 @@ def test_crash_in_a_run_written_by_one_task(env, spark, point):
     writes both ranges (tidemark/driver/modes.py, Layout "together"). A crash before and after the
     decision, recovery, a rerun: each key once, at its newest version."""
     env.append_orders(range(300))  # id i in partition i % 2, version 1
-    env.append([((i + 1) % 2, str(i).encode(), json.dumps(
-        {"id": i, "name": f"v2-{i}", "amount": 1.0, "version": 2}).encode(), None, None)
-        for i in range(10)])
+    env.append(
+        [
+            (
+                (i + 1) % 2,
+                str(i).encode(),
+                json.dumps({"id": i, "name": f"v2-{i}", "amount": 1.0, "version": 2}).encode(),
+                None,
+                None,
+            )
+            for i in range(10)
+        ]
+    )
     sinks = {"main": env.sink_dsn, "second": env.sink2_dsn}
-    env.pipeline(sinks=[{"name": n, "dsn": d, "table": "public.orders", "key": ["id"],
-                         "version": "version"} for n, d in sinks.items()])
+    env.pipeline(
+        sinks=[
+            {"name": n, "dsn": d, "table": "public.orders", "key": ["id"], "version": "version"}
+            for n, d in sinks.items()
+        ]
+    )
     assert _crash_recover_rerun(env, spark, point) == ["0"]
     for sink, dsn in sinks.items():
         assert env.checkpoints(sink=sink) == {0: 155, 1: 155}
-        assert env.q(dsn, "SELECT count(*), count(*) FILTER (WHERE version = 2) "
-                          "FROM orders") == [(300, 10)]
+        assert env.q(dsn, "SELECT count(*), count(*) FILTER (WHERE version = 2) FROM orders") == [
+            (300, 10)
+        ]
     assert_exactly_once(env, sinks=sinks)
 
 
@@ -127,25 +148,39 @@ def test_crash_in_a_run_spread_over_tasks_by_key(env, spark, point):
     """One partition read in sub-ranges, its records spread by key over two write tasks
     (tidemark/driver/modes.py, Layout), each preparing its own transaction per sink. A
     crash before and after the decision, recovery, a rerun: each record placed once."""
-    env.append([(0, str(i % 400).encode(), json.dumps(
-        {"id": i % 400, "name": f"v{i}", "amount": 1.0, "version": 1}).encode(), None, None)
-        for i in range(2000)])
+    env.append(
+        [
+            (
+                0,
+                str(i % 400).encode(),
+                json.dumps({"id": i % 400, "name": f"v{i}", "amount": 1.0, "version": 1}).encode(),
+                None,
+                None,
+            )
+            for i in range(2000)
+        ]
+    )
     sinks = {"main": env.sink_dsn, "second": env.sink2_dsn}
-    env.pipeline(sinks=[{"name": n, "dsn": d, "table": "public.orders", "key": ["id"]}
-                        for n, d in sinks.items()],
-                 limits={"max_records_per_partition": 5000, "split_min_records": 1000})
+    env.pipeline(
+        sinks=[
+            {"name": n, "dsn": d, "table": "public.orders", "key": ["id"]} for n, d in sinks.items()
+        ],
+        limits={"max_records_per_partition": 5000, "split_min_records": 1000},
+    )
     assert _crash_recover_rerun(env, spark, point) == ["0", "1"]
     for sink, dsn in sinks.items():
         assert env.checkpoints(sink=sink) == {0: 2000}
-        assert env.q(dsn, "SELECT count(*), min(name), max(name) FILTER (WHERE id = 399) "
-                          "FROM orders") == [(400, "v1600", "v1999")]
+        assert env.q(
+            dsn, "SELECT count(*), min(name), max(name) FILTER (WHERE id = 399) FROM orders"
+        ) == [(400, "v1600", "v1999")]
     assert_exactly_once(env, sinks=sinks)
 
 
 def test_a_failed_task_attempt_is_rolled_back_by_its_retry(env, spark):
     sinks = _world(env)
-    job = JobProcess(env.cli_argv("run", "orders"),
-                     env.cli_env(TIDEMARK_FAIL_AT="task_after_prepare"))
+    job = JobProcess(
+        env.cli_argv("run", "orders"), env.cli_env(TIDEMARK_FAIL_AT="task_after_prepare")
+    )
     assert job.wait() == 0, job.output()
     gids = [g for (g,) in env.ledger("SELECT DISTINCT gid FROM tidemark.participants")]
     assert gids and all(g.endswith(":1") for g in gids), gids  # only the retries were chosen
@@ -157,11 +192,15 @@ def test_a_failed_task_attempt_is_rolled_back_by_its_retry(env, spark):
 @pytest.mark.parametrize("point", ["before_commit_prepared", "mid_finish"])
 def test_sink_backend_killed_during_commit_prepared_is_settled_by_recovery(env, point, tmp_path):
     sinks = _world(env)
-    job = JobProcess(env.cli_argv("run", "orders"), env.cli_env(), pause_dir=tmp_path / "p",
-                     pause_at=point)
+    job = JobProcess(
+        env.cli_argv("run", "orders"), env.cli_env(), pause_dir=tmp_path / "p", pause_at=point
+    )
     assert job.wait_reached() == point
-    killed = env.q(env.ledger_dsn, """SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-                                      WHERE application_name = 'tidemark-commit'""")
+    killed = env.q(
+        env.ledger_dsn,
+        """SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                                      WHERE application_name = 'tidemark-commit'""",
+    )
     assert killed and all(ok for (ok,) in killed)
     job.resume()
     code = job.wait()
@@ -170,12 +209,12 @@ def test_sink_backend_killed_during_commit_prepared_is_settled_by_recovery(env, 
     assert "settled by `tidemark recover`" in out
     assert "Traceback" not in out
     # The job did not guess: the decision stands, unresolved until recovery reads the truth.
-    assert {s for (s,) in env.ledger("SELECT state::text FROM tidemark.run_sinks")} \
-        == {"committing"}
+    assert {s for (s,) in env.ledger("SELECT state::text FROM tidemark.run_sinks")} == {
+        "committing"
+    }
     rec = JobProcess(env.cli_argv("recover"), env.cli_env())
     assert rec.wait() == 0, rec.output()
-    assert {s for (s,) in env.ledger("SELECT state::text FROM tidemark.run_sinks")} \
-        == {"committed"}
+    assert {s for (s,) in env.ledger("SELECT state::text FROM tidemark.run_sinks")} == {"committed"}
     outcomes = {o for (o,) in env.ledger("SELECT outcome FROM tidemark.participants")}
     assert outcomes == {"committed"}
     assert_exactly_once(env, sinks=sinks)

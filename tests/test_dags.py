@@ -36,11 +36,19 @@ def _bag(folder):
 def test_repo_dags_import_without_errors(airflow_home):
     bag = _bag(REPO / "dags")
     assert bag.import_errors == {}
-    assert {"tidemark_flights", "tidemark_flights_backfill", "tidemark_flights_redrive",
-            "tidemark_maintenance"} <= set(bag.dags)
+    assert {
+        "tidemark_flights",
+        "tidemark_flights_backfill",
+        "tidemark_flights_redrive",
+        "tidemark_maintenance",
+    } <= set(bag.dags)
     flights = bag.dags["tidemark_flights"]
-    assert [t.task_id for t in flights.topological_sort()] == ["recover", "replay", "report",
-                                                               "announce"]
+    assert [t.task_id for t in flights.topological_sort()] == [
+        "recover",
+        "replay",
+        "report",
+        "announce",
+    ]
     assert flights.max_active_runs == 1 and "demo" in flights.tags
     replay = flights.get_task("replay")
     assert replay.pool == "tidemark_spark" and replay.retries == 2
@@ -75,10 +83,14 @@ def test_sink_asset_uri_is_the_postgres_providers():
     from tidemark.airflow.assets import table_uri
 
     cases = {
-        ("postgresql://u:secret@db.example:6543/wh", "public.flights"):
-            "postgres://db.example:6543/wh/public/flights",
-        ("host=db.example dbname=wh user=u password=secret", "flights"):
-            "postgres://db.example:5432/wh/public/flights",
+        (
+            "postgresql://u:secret@db.example:6543/wh",
+            "public.flights",
+        ): "postgres://db.example:6543/wh/public/flights",
+        (
+            "host=db.example dbname=wh user=u password=secret",
+            "flights",
+        ): "postgres://db.example:5432/wh/public/flights",
         ("postgresql:///wh?host=/var/run/postgresql", "s.t"): "postgres://localhost:5432/wh/s/t",
     }
     for (dsn, table), uri in cases.items():
@@ -91,14 +103,18 @@ def test_backfill_params_validate(airflow_home):
     from airflow.sdk.exceptions import ParamValidationError
 
     dag = _bag(REPO / "dags").dags["tidemark_flights_backfill"]
-    assert [t.task_id for t in dag.topological_sort()] == ["recover", "check", "replay", "report",
-                                                           "announce"]
+    assert [t.task_id for t in dag.topological_sort()] == [
+        "recover",
+        "check",
+        "replay",
+        "report",
+        "announce",
+    ]
     params = dag.params
     ok = copy.deepcopy(params)
     ok.update({"partition": 2, "from_offset": 0, "to_offset": 100, "sinks": ["warehouse"]})
     assert ok.validate()["to_offset"] == 100
-    for bad in ({"partition": -1}, {"from_offset": "ten"}, {"sinks": []},
-                {"sinks": ["nowhere"]}):
+    for bad in ({"partition": -1}, {"from_offset": "ten"}, {"sinks": []}, {"sinks": ["nowhere"]}):
         p = copy.deepcopy(params)
         with pytest.raises(ParamValidationError):
             p.update(bad)
@@ -109,8 +125,13 @@ def test_redrive_dag_params_validate(airflow_home):
     from airflow.sdk.exceptions import ParamValidationError
 
     dag = _bag(REPO / "dags").dags["tidemark_flights_redrive"]
-    assert [t.task_id for t in dag.topological_sort()] == ["recover", "select", "replay",
-                                                           "report", "announce"]
+    assert [t.task_id for t in dag.topological_sort()] == [
+        "recover",
+        "select",
+        "replay",
+        "report",
+        "announce",
+    ]
     assert dag.max_active_runs == 1 and dag.get_task("replay").pool == "tidemark_spark"
     ok = copy.deepcopy(dag.params)
     ok.update({"ids": [3, 4], "requested_by": "alice"})
@@ -123,8 +144,14 @@ def test_redrive_dag_params_validate(airflow_home):
     at = args.index("--request")
     assert args[at + 1] == "{{ ti.xcom_pull(task_ids='select') }}"
     assert not any("join" in a for a in args)
-    for bad in ({"ids": ["x"]}, {"ids": [0]}, {"error_class": "nope"}, {"sink": "nowhere"},
-                {"request": 0}, {"request": "x"}):
+    for bad in (
+        {"ids": ["x"]},
+        {"ids": [0]},
+        {"error_class": "nope"},
+        {"sink": "nowhere"},
+        {"request": 0},
+        {"request": "x"},
+    ):
         p = copy.deepcopy(dag.params)
         with pytest.raises(ParamValidationError):
             p.update(bad)
@@ -139,8 +166,9 @@ def test_broken_yaml_is_one_import_error_others_load(airflow_home, tmp_path):
     shutil.copytree(REPO / "dags", dags)
     pipes = dags / "pipelines"
     (pipes / "broken.yaml").write_text("name: broken\nsinks: nope\n")
-    (pipes / "bad_key.yml").write_text((pipes / "flights.yaml").read_text()
-                                       .replace("key: [", "keyz: ["))
+    (pipes / "bad_key.yml").write_text(
+        (pipes / "flights.yaml").read_text().replace("key: [", "keyz: [")
+    )
     shutil.copy(pipes / "flights.yaml", pipes / "mine.yaml")
     bag = _bag(dags)
     assert [k.rsplit("/", 1)[-1] for k in bag.import_errors] == ["tidemark_pipeline_files.py"]
@@ -149,10 +177,16 @@ def test_broken_yaml_is_one_import_error_others_load(airflow_home, tmp_path):
     assert any("broken.yaml: source: Field required" in line for line in lines), trace
     assert any("bad_key.yml: sinks[0].key: Field required" in line for line in lines), trace
     # Every problem of a file, not the first only: "(and 2 more)", then each on its line.
-    assert any(line.startswith("  ") and "broken.yaml: decode: Field required" in line
-               for line in lines), trace
-    assert {"tidemark_flights", "tidemark_flights_backfill", "tidemark_mine",
-            "tidemark_mine_redrive", "tidemark_maintenance"} <= set(bag.dags)
+    assert any(
+        line.startswith("  ") and "broken.yaml: decode: Field required" in line for line in lines
+    ), trace
+    assert {
+        "tidemark_flights",
+        "tidemark_flights_backfill",
+        "tidemark_mine",
+        "tidemark_mine_redrive",
+        "tidemark_maintenance",
+    } <= set(bag.dags)
     assert not any("broken" in d for d in bag.dags)
 
 

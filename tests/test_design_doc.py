@@ -9,8 +9,11 @@ DESIGN = REPO / "docs" / "design.md"
 
 def test_design_doc_states_the_protocol():
     text = DESIGN.read_text()
-    for rule in ("exactly once", "Re-delivery replaces by\n*position*",
-                 "equal versions are broken by `(partition, offset)`",
-                 "A redrive is a re-delivery of single records",
-                 "tells an offset no record holds (a compaction gap) from a segment"):
+    for rule in (
+        "exactly once",
+        "Re-delivery replaces by\n*position*",
+        "equal versions are broken by `(partition, offset)`",
+        "A redrive is a re-delivery of single records",
+        "tells an offset no record holds (a compaction gap) from a segment",
+    ):
         assert rule.lower() in text.lower(), f"docs/design.md no longer states: {rule!r}"

@@ -19,8 +19,12 @@ from tidemark.core.errors import BadInput, Busy
 from tidemark.ledger import dlq
 
 T0 = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
-INJECTIONS = ("x' OR '1'='1", "'; DROP TABLE tidemark.dlq; --", "main\" OR 1=1 --",
-              "1; DELETE FROM tidemark.dlq")
+INJECTIONS = (
+    "x' OR '1'='1",
+    "'; DROP TABLE tidemark.dlq; --",
+    'main" OR 1=1 --',
+    "1; DELETE FROM tidemark.dlq",
+)
 _offsets = iter(range(10_000_000))
 
 
@@ -31,19 +35,40 @@ def exported(lines) -> list[dict]:
     return [json.loads(ln) for ln in lines[:-1]]
 
 
-def add(conn, pipeline="orders", sink="main", cls="decode", status="quarantined",
-        payload=b'{"id": 1}', minutes=0, key=b"k1", headers=None, reason="bad record",
-        **extra) -> int:
-    cols = {"pipeline": pipeline, "sink": sink, "run_id": 1, "source_partition": 0,
-            "source_offset": next(_offsets), "key": key, "payload": payload,
-            "headers": json.dumps(headers) if headers is not None else None,
-            "error_class": cls, "reason": reason, "status": status,
-            "first_seen": T0 + dt.timedelta(minutes=minutes),
-            "last_seen": T0 + dt.timedelta(minutes=minutes), **extra}
+def add(
+    conn,
+    pipeline="orders",
+    sink="main",
+    cls="decode",
+    status="quarantined",
+    payload=b'{"id": 1}',
+    minutes=0,
+    key=b"k1",
+    headers=None,
+    reason="bad record",
+    **extra,
+) -> int:
+    cols = {
+        "pipeline": pipeline,
+        "sink": sink,
+        "run_id": 1,
+        "source_partition": 0,
+        "source_offset": next(_offsets),
+        "key": key,
+        "payload": payload,
+        "headers": json.dumps(headers) if headers is not None else None,
+        "error_class": cls,
+        "reason": reason,
+        "status": status,
+        "first_seen": T0 + dt.timedelta(minutes=minutes),
+        "last_seen": T0 + dt.timedelta(minutes=minutes),
+        **extra,
+    }
     names = ", ".join(cols)
     marks = ", ".join(["%s"] * len(cols))
-    return conn.execute(f"INSERT INTO tidemark.dlq ({names}) VALUES ({marks}) RETURNING id",
-                        list(cols.values())).fetchone()[0]
+    return conn.execute(
+        f"INSERT INTO tidemark.dlq ({names}) VALUES ({marks}) RETURNING id", list(cols.values())
+    ).fetchone()[0]
 
 
 @pytest.fixture
@@ -86,7 +111,8 @@ def test_each_filter(ledger, sample):
             ids_of(ledger, sink=old)
     assert ids_of(ledger, error_class="validation") == [s["g"], s["c"]]
     assert ids_of(ledger, status="quarantined") == sorted(
-        set(s.values()) - {s["c"], s["f"]}, reverse=True)
+        set(s.values()) - {s["c"], s["f"]}, reverse=True
+    )
     assert ids_of(ledger, status="discarded") == [s["c"]]
     assert ids_of(ledger, status="redriven", pipeline="gated") == [s["f"]]
     since, until = (T0 + dt.timedelta(minutes=20)).isoformat(), "2026-03-01T13:00:00+00:00"
@@ -98,18 +124,23 @@ def test_each_filter(ledger, sample):
     assert ids_of(ledger, pipeline="nope") == []
 
 
-@pytest.mark.parametrize("raw, needle", [
-    ({"error_class": "oops"}, "error_class 'oops': expected one of decode, transform"),
-    ({"status": "gone"}, "status 'gone': expected one of quarantined, redriven"),
-    ({"pipeline": "Orders!"}, "pipeline 'Orders!': not a name"),
-    ({"sink": "a b"}, "sink 'a b': not a sink name"),
-    ({"since": "yesterday"}, "since 'yesterday': not an ISO timestamp"),
-    ({"until": "1700000000"}, "until '1700000000': not an ISO timestamp"),
-    ({"since": "2026-03-02", "until": "2026-03-01"}, "until (2026-03-01T00:00:00+00:00) must "
-                                                     "be after since"),
-    ({"ids": "4,x"}, "ids: 'x' is not a dead-letter id"),
-    ({"ids": "0"}, "ids: '0' is not a dead-letter id"),
-])
+@pytest.mark.parametrize(
+    "raw, needle",
+    [
+        ({"error_class": "oops"}, "error_class 'oops': expected one of decode, transform"),
+        ({"status": "gone"}, "status 'gone': expected one of quarantined, redriven"),
+        ({"pipeline": "Orders!"}, "pipeline 'Orders!': not a name"),
+        ({"sink": "a b"}, "sink 'a b': not a sink name"),
+        ({"since": "yesterday"}, "since 'yesterday': not an ISO timestamp"),
+        ({"until": "1700000000"}, "until '1700000000': not an ISO timestamp"),
+        (
+            {"since": "2026-03-02", "until": "2026-03-01"},
+            "until (2026-03-01T00:00:00+00:00) must be after since",
+        ),
+        ({"ids": "4,x"}, "ids: 'x' is not a dead-letter id"),
+        ({"ids": "0"}, "ids: '0' is not a dead-letter id"),
+    ],
+)
 def test_bad_filter_values_are_one_clear_line(raw, needle):
     with pytest.raises(BadInput) as exc:
         dlq.Filters.parse(**raw)
@@ -127,15 +158,28 @@ def test_page_limits_are_checked(ledger, sample):
 
 def test_counts(ledger, sample):
     zero = dict.fromkeys(dlq.ERROR_CLASSES, 0)
-    assert dlq.counts(ledger, dlq.Filters()) == {**zero, "decode": 4, "transform": 1,
-                                                 "validation": 2, "dq_gate": 1, "sink_write": 1}
+    assert dlq.counts(ledger, dlq.Filters()) == {
+        **zero,
+        "decode": 4,
+        "transform": 1,
+        "validation": 2,
+        "dq_gate": 1,
+        "sink_write": 1,
+    }
     assert dlq.counts(ledger, dlq.Filters.parse(pipeline="orders", status="quarantined")) == {
-        **zero, "decode": 2, "transform": 1, "validation": 1, "sink_write": 1}
+        **zero,
+        "decode": 2,
+        "transform": 1,
+        "validation": 1,
+        "sink_write": 1,
+    }
     assert dlq.counts_by_pipeline(ledger) == {
         "gated": {**zero, "decode": 1, "dq_gate": 1},
-        "orders": {**zero, "decode": 2, "transform": 1, "validation": 1, "sink_write": 1}}
-    assert dlq.counts_by_pipeline(ledger, ["gated"]) == {"gated": {**zero, "decode": 1,
-                                                                   "dq_gate": 1}}
+        "orders": {**zero, "decode": 2, "transform": 1, "validation": 1, "sink_write": 1},
+    }
+    assert dlq.counts_by_pipeline(ledger, ["gated"]) == {
+        "gated": {**zero, "decode": 1, "dq_gate": 1}
+    }
     assert dlq.pipelines(ledger) == ["gated", "orders"]
 
 
@@ -170,26 +214,36 @@ def test_keyset_pages_over_100k_rows_are_disjoint_and_complete(ledger):
             before = pg.next_before
 
     def expected(where: str = "TRUE", args=()) -> list[int]:
-        return [r[0] for r in ledger.execute(
-            f"SELECT id FROM tidemark.dlq WHERE {where} ORDER BY id DESC", args)]
+        return [
+            r[0]
+            for r in ledger.execute(
+                f"SELECT id FROM tidemark.dlq WHERE {where} ORDER BY id DESC", args
+            )
+        ]
 
     assert walk(1000, status="quarantined") == expected("status = 'quarantined'")
     assert walk(1000, status="any") == expected()
     assert walk(997, pipeline="orders", status="any") == expected("pipeline = 'orders'")
     assert walk(500, pipeline="gated", sink="archive", error_class="decode") == expected(
-        "pipeline = 'gated' AND sink = 'archive' AND error_class = 'decode'")
+        "pipeline = 'gated' AND sink = 'archive' AND error_class = 'decode'"
+    )
     assert len(expected()) == 100_000
     every = exported(dlq.export(ledger, dlq.Filters.parse(pipeline="orders")))
     assert len(every) == len(expected("pipeline = 'orders'"))
 
     # Deep pages walk an index from the cursor; no full scan, no OFFSET.
-    for raw in ({"pipeline": "orders"}, {"status": "any"}, {"pipeline": "gated",
-                                                            "status": "any"}):
+    for raw in ({"pipeline": "orders"}, {"status": "any"}, {"pipeline": "gated", "status": "any"}):
         f = dlq.Filters.parse(**raw)
         where, args = dlq._where(f, status=f.status or "quarantined", before=1234)
-        plan = "\n".join(r[0] for r in ledger.execute(
-            psycopg.sql.SQL("EXPLAIN SELECT id FROM tidemark.dlq WHERE {} ORDER BY id DESC "
-                            "LIMIT 51").format(where), args))
+        plan = "\n".join(
+            r[0]
+            for r in ledger.execute(
+                psycopg.sql.SQL(
+                    "EXPLAIN SELECT id FROM tidemark.dlq WHERE {} ORDER BY id DESC LIMIT 51"
+                ).format(where),
+                args,
+            )
+        )
         assert "Index" in plan and "Seq Scan" not in plan, plan
 
 
@@ -202,37 +256,45 @@ def test_discard_needs_a_note_and_changes_only_quarantined(env, ledger, sample):
         dlq.discard(ledger, [s["a"]], "dup", " ")
     with pytest.raises(BadInput, match="ids"):
         dlq.discard(ledger, [], "dup", "alice")
-    assert env.ledger("SELECT status::text FROM tidemark.dlq WHERE id = %s",
-                      (s["a"],)) == [("quarantined",)]
+    assert env.ledger("SELECT status::text FROM tidemark.dlq WHERE id = %s", (s["a"],)) == [
+        ("quarantined",)
+    ]
 
-    res = dlq.discard(ledger, [s["a"], s["c"], s["f"], 999_999, s["a"]], " known duplicate ",
-                      "alice")
+    res = dlq.discard(
+        ledger, [s["a"], s["c"], s["f"], 999_999, s["a"]], " known duplicate ", "alice"
+    )
     assert res.changed == [s["a"]]
-    assert res.skipped == {s["c"]: "already discarded", s["f"]: "already redriven",
-                           999_999: "no such dead letter"}
-    by, at, note, status = env.ledger("SELECT resolved_by, resolved_at, note, status::text "
-                                      "FROM tidemark.dlq WHERE id = %s", (s["a"],))[0]
+    assert res.skipped == {
+        s["c"]: "already discarded",
+        s["f"]: "already redriven",
+        999_999: "no such dead letter",
+    }
+    by, at, note, status = env.ledger(
+        "SELECT resolved_by, resolved_at, note, status::text FROM tidemark.dlq WHERE id = %s",
+        (s["a"],),
+    )[0]
     assert (by, note, status) == ("alice", "known duplicate", "discarded")
     assert abs((dt.datetime.now(dt.UTC) - at).total_seconds()) < 60
     again = dlq.discard(ledger, [s["a"]], "twice", "bob")
     assert again.changed == [] and again.skipped == {s["a"]: "already discarded"}
-    assert env.ledger("SELECT resolved_by, note FROM tidemark.dlq WHERE id = %s",
-                      (s["a"],)) == [("alice", "known duplicate")]
+    assert env.ledger("SELECT resolved_by, note FROM tidemark.dlq WHERE id = %s", (s["a"],)) == [
+        ("alice", "known duplicate")
+    ]
 
 
 def test_discard_of_a_record_a_redrive_holds_is_busy_not_a_hang(env, ledger, sample):
     s = sample
     with psycopg.connect(env.ledger_dsn, autocommit=True) as redrive:
         redrive.execute("BEGIN")
-        redrive.execute("UPDATE tidemark.dlq SET status = 'redriven' WHERE id = %s",
-                        (s["g"],))
+        redrive.execute("UPDATE tidemark.dlq SET status = 'redriven' WHERE id = %s", (s["g"],))
         redrive.execute("PREPARE TRANSACTION 'tm_test_redrive'")
         try:
             with pytest.raises(Busy) as exc:
                 dlq.discard(ledger, [s["a"], s["g"]], "noise", "alice")
             assert str(exc.value).startswith(f"record {s['g']} is being redriven, try again")
-            assert env.ledger("SELECT status::text FROM tidemark.dlq WHERE id = %s",
-                              (s["a"],)) == [("quarantined",)]  # all or nothing
+            assert env.ledger("SELECT status::text FROM tidemark.dlq WHERE id = %s", (s["a"],)) == [
+                ("quarantined",)
+            ]  # all or nothing
         finally:
             redrive.execute("ROLLBACK PREPARED 'tm_test_redrive'")
     assert dlq.discard(ledger, [s["a"], s["g"]], "noise", "alice").changed == [s["a"], s["g"]]
@@ -240,8 +302,13 @@ def test_discard_of_a_record_a_redrive_holds_is_busy_not_a_hang(env, ledger, sam
 
 def test_export_jsonl_round_trip(ledger, sample):
     blob = bytes(range(256)) * 3
-    rid = add(ledger, payload=blob, key=b"\xff\x00key", headers={"v": 2, "trace": "ab"},
-              detail="Traceback...\nValueError: x")
+    rid = add(
+        ledger,
+        payload=blob,
+        key=b"\xff\x00key",
+        headers={"v": 2, "trace": "ab"},
+        detail="Traceback...\nValueError: x",
+    )
     lines = list(dlq.export(ledger, dlq.Filters.parse(ids=[rid, sample["a"]])))
     assert all(ln.endswith("\n") for ln in lines)
     recs = exported(lines)
@@ -254,19 +321,28 @@ def test_export_jsonl_round_trip(ledger, sample):
     assert rec["detail"] == "Traceback...\nValueError: x"
     assert dt.datetime.fromisoformat(rec["first_seen"]) == T0
     assert (rec["pipeline"], rec["sink"], rec["error_class"], rec["status"]) == (
-        "orders", "main", "decode", "quarantined")
+        "orders",
+        "main",
+        "decode",
+        "quarantined",
+    )
     every = exported(dlq.export(ledger, dlq.Filters()))
     assert len(every) == len(sample) + 1
 
 
 def _big_letters(conn, n: int, size: int) -> list[int]:
     """n letters of ``size`` bytes each, made by the server (compressible: small on disk)."""
-    return [r[0] for r in conn.execute(
-        """INSERT INTO tidemark.dlq (pipeline, sink, run_id, source_partition, source_offset,
+    return [
+        r[0]
+        for r in conn.execute(
+            """INSERT INTO tidemark.dlq (pipeline, sink, run_id, source_partition, source_offset,
                                      payload, error_class, reason, status)
            SELECT 'big', 'main', 1, 0, i, convert_to(repeat(md5(i::text), %s / 32), 'UTF8'),
                   'decode', 'big letter', 'quarantined'
-           FROM generate_series(1, %s) AS i RETURNING id""", (size, n)).fetchall()]
+           FROM generate_series(1, %s) AS i RETURNING id""",
+            (size, n),
+        ).fetchall()
+    ]
 
 
 def test_export_memory_is_bounded_by_bytes_not_rows(ledger):
@@ -288,15 +364,15 @@ def test_export_memory_is_bounded_by_bytes_not_rows(ledger):
     assert n == len(ids) + 1
     assert peak < dlq.EXPORT_BYTES + 16 * mib, f"export peak {peak / mib:.1f} MiB"
     # a budget smaller than one letter: one letter at a time, every letter once, in order
-    got = [x["id"] for x in exported(dlq.export(ledger, dlq.Filters(pipeline="big"),
-                                                   budget=1))]
+    got = [x["id"] for x in exported(dlq.export(ledger, dlq.Filters(pipeline="big"), budget=1))]
     assert got == ids
 
 
 def test_a_big_payload_is_read_in_slices(ledger):
     (rid,) = _big_letters(ledger, 1, 3 * 1024 * 1024 + 64)
-    whole = bytes(ledger.execute("SELECT payload FROM tidemark.dlq WHERE id = %s",
-                                 (rid,)).fetchone()[0])
+    whole = bytes(
+        ledger.execute("SELECT payload FROM tidemark.dlq WHERE id = %s", (rid,)).fetchone()[0]
+    )
     head = dlq.get(ledger, rid, payload_limit=1000)
     assert (head["payload"], head["payload_size"]) == (whole[:1000], len(whole))
     assert dlq.get(ledger, rid)["payload"] == whole
@@ -309,13 +385,15 @@ def test_a_big_payload_is_read_in_slices(ledger):
 
 def test_render_payload():
     assert dlq.render_payload(b'{"b": [1, 2], "a": "\xc3\xa9"}') == (
-        "json", '{\n  "b": [\n    1,\n    2\n  ],\n  "a": "é"\n}')
-    assert dlq.render_payload("plain text, ünïcode\n".encode()) == ("text",
-                                                                     "plain text, ünïcode\n")
+        "json",
+        '{\n  "b": [\n    1,\n    2\n  ],\n  "a": "é"\n}',
+    )
+    assert dlq.render_payload("plain text, ünïcode\n".encode()) == ("text", "plain text, ünïcode\n")
     kind, text = dlq.render_payload(b"\x00\x01\x02ABC\xff" + b"z" * 20)
     assert kind == "hex"
-    assert text.splitlines()[0] == ("00000000  00 01 02 41 42 43 ff 7a  7a 7a 7a 7a 7a 7a 7a 7a"
-                                    "  |...ABC.zzzzzzzzz|")
+    assert text.splitlines()[0] == (
+        "00000000  00 01 02 41 42 43 ff 7a  7a 7a 7a 7a 7a 7a 7a 7a  |...ABC.zzzzzzzzz|"
+    )
     assert dlq.render_payload(b'{"a": 1}', "text") == ("text", '{"a": 1}')
     assert dlq.render_payload(b'{"a": 1}', "hex")[0] == "hex"
     assert dlq.render_payload(b"not json\x07")[0] == "hex"
@@ -332,11 +410,14 @@ def test_render_payload():
         dlq.render_payload(b"[" * 100_000, "json")
     # only the head of a longer payload (get(..., payload_limit=...)): the note counts the rest
     kind, text = dlq.render_payload(b'{"a": 1', limit=10, size=5000)
-    assert kind == "text" and text.endswith("4,993 more bytes not shown; download or export "
-                                            "the record for all of them")
+    assert kind == "text" and text.endswith(
+        "4,993 more bytes not shown; download or export the record for all of them"
+    )
     kind, text = dlq.render_payload("ab€".encode()[:4], limit=4, size=5)  # cut inside the €
-    assert (kind, text.splitlines()) == ("text", ["ab", "... 3 more bytes not shown; download "
-                                                "or export the record for all of them"])
+    assert (kind, text.splitlines()) == (
+        "text",
+        ["ab", "... 3 more bytes not shown; download or export the record for all of them"],
+    )
     assert dlq.preview(b'{"id": "\xc3\xa9\xc3', 40) == '{"id": "é…'
 
 
@@ -346,38 +427,49 @@ WIDE_AND_DEEP = b"[" * 400 + b",".join([b"1"] * 60_000) + b"]" * 400
 
 @pytest.mark.parametrize("fmt", ["auto", "json", "text", "hex"])
 def test_every_rendering_is_bounded_by_its_output(fmt):
-    kind, text = dlq.render_payload(WIDE_AND_DEEP, fmt, limit=256 * 1024,
-                                    size=len(WIDE_AND_DEEP), max_chars=dlq.RENDER_CHARS)
+    kind, text = dlq.render_payload(
+        WIDE_AND_DEEP, fmt, limit=256 * 1024, size=len(WIDE_AND_DEEP), max_chars=dlq.RENDER_CHARS
+    )
     assert len(text) <= dlq.RENDER_CHARS + 300  # the output and its note, not 48.5 MB
     if fmt in ("auto", "json"):  # too big indented: its plain text, whole, saying why
         assert kind == "text" and text.startswith("[" * 400 + "1,1")
-        assert text.endswith("\n... not pretty-printed: indented, this JSON would pass "
-                             "524,288 characters; this is its plain text")
+        assert text.endswith(
+            "\n... not pretty-printed: indented, this JSON would pass "
+            "524,288 characters; this is its plain text"
+        )
     elif fmt == "text":
         assert (kind, text) == ("text", WIDE_AND_DEEP.decode())
     else:  # about 5 characters a byte: only the lines that fit are made
         assert kind == "hex" and text.splitlines()[0].startswith("00000000  5b 5b")
-        assert "more bytes not shown; download or export the record for all of them (this " \
-               "view shows at most 524,288 characters of hexdump)" in text
+        assert (
+            "more bytes not shown; download or export the record for all of them (this "
+            "view shows at most 524,288 characters of hexdump)" in text
+        )
 
 
 def test_renderings_cut_at_their_bound_say_so():
     kind, text = dlq.render_payload(b"abcdefghijklmnop", "text", max_chars=10)
-    assert (kind, text) == ("text", "abcdefghij\n... cut here: this view shows at most 10 "
-                                    "characters; download or export the record for all 16 bytes")
+    assert (kind, text) == (
+        "text",
+        "abcdefghij\n... cut here: this view shows at most 10 "
+        "characters; download or export the record for all 16 bytes",
+    )
     assert dlq.render_payload(b"a" * 16, max_chars=10)[1].startswith("a" * 10 + "\n... cut here")
     kind, text = dlq.render_payload(b'{"a": [1, 2]}', "json", max_chars=10)
     assert kind == "text" and text.startswith('{"a": [1, \n... not pretty-printed')
-    assert text.endswith("cut here: this view shows at most 10 characters; download or "
-                         "export the record for all 13 bytes")
+    assert text.endswith(
+        "cut here: this view shows at most 10 characters; download or "
+        "export the record for all 13 bytes"
+    )
     kind, text = dlq.render_payload(bytes(range(64)), "hex", max_chars=100)
     assert kind == "hex" and len(text.splitlines()) == 2
     assert text.splitlines()[1].startswith("... 48 more bytes not shown")
     # within the bound: exactly as before
-    assert dlq.render_payload(b'{"a": [1]}', max_chars=100) == ("json",
-                                                                 '{\n  "a": [\n    1\n  ]\n}')
-    assert dlq.pretty_json({"a": [1]}, 5) is None and dlq.pretty_json({"a": 1}) == \
-        '{\n  "a": 1\n}'
+    assert dlq.render_payload(b'{"a": [1]}', max_chars=100) == (
+        "json",
+        '{\n  "a": [\n    1\n  ]\n}',
+    )
+    assert dlq.pretty_json({"a": [1]}, 5) is None and dlq.pretty_json({"a": 1}) == '{\n  "a": 1\n}'
 
 
 def test_the_kind_of_a_payload_is_known_without_rendering_it():
@@ -390,8 +482,11 @@ def test_the_kind_of_a_payload_is_known_without_rendering_it():
 
 def test_ids_past_bigint_are_refused_naming_the_field():
     for bad in ("99999999999999999999", [2**63], 2**63):
-        with pytest.raises(BadInput, match=r"^ids: .* is not a dead-letter id \(a positive "
-                                           r"integer up to 9,223,372,036,854,775,807\)"):
+        with pytest.raises(
+            BadInput,
+            match=r"^ids: .* is not a dead-letter id \(a positive "
+            r"integer up to 9,223,372,036,854,775,807\)",
+        ):
             dlq.parse_ids(bad)
     assert dlq.parse_ids([2**63 - 1]) == [2**63 - 1]
     with pytest.raises(BadInput, match=r"^ids"):
@@ -426,16 +521,14 @@ def test_cli_list_show_counts(env, ledger, sample):
     assert [int(ln.split()[0]) for ln in lines[1:3]] == [s["i"], s["e"]]  # f is redriven
     assert "by class: decode 1, transform 0, validation 0, dq_gate 1, sink_write 0" in out
 
-    code, out, err = tm(env.cli_env(), "dlq", "list", "--status", "any", "--limit", "2",
-                        "--json")
+    code, out, err = tm(env.cli_env(), "dlq", "list", "--status", "any", "--limit", "2", "--json")
     assert code == 0, err
     doc = json.loads(out)
     assert [r["id"] for r in doc["records"]] == [s["i"], s["h"]]
     assert doc["next_before"] == s["h"] and doc["counts"]["decode"] == 4
     assert doc["records"][1]["payload_preview"].startswith("00 01 62")
 
-    code, out, err = tm(env.cli_env(), "dlq", "list", "--status", "any", "--before",
-                        str(s["b"]))
+    code, out, err = tm(env.cli_env(), "dlq", "list", "--status", "any", "--before", str(s["b"]))
     assert code == 0 and [int(ln.split()[0]) for ln in out.splitlines()[1:2]] == [s["a"]]
 
     code, out, err = tm(env.cli_env(), "dlq", "show", str(s["h"]))
@@ -462,29 +555,31 @@ def test_cli_discard_and_export(env, ledger, sample, tmp_path):
     s = sample
     code, _, err = tm(env.cli_env(), "dlq", "discard", str(s["a"]))
     assert code == 2 and "--note" in err
-    code, out, err = tm(env.cli_env(), "dlq", "discard", f"{s['a']},{s['c']}", "--note",
-                        "duplicate of 17")
+    code, out, err = tm(
+        env.cli_env(), "dlq", "discard", f"{s['a']},{s['c']}", "--note", "duplicate of 17"
+    )
     assert code == 0, err
     assert f"discarded 1: {s['a']}" in out and f"skipped {s['c']}: already discarded" in out
-    assert env.ledger("SELECT resolved_by, note FROM tidemark.dlq WHERE id = %s",
-                      (s["a"],)) == [(f"{getpass.getuser()}@{socket.gethostname()}",
-                                      "duplicate of 17")]
-    code, out, err = tm(env.cli_env(), "dlq", "discard", str(s["a"]), "--note", "x",
-                        "--by", "carol")
+    assert env.ledger("SELECT resolved_by, note FROM tidemark.dlq WHERE id = %s", (s["a"],)) == [
+        (f"{getpass.getuser()}@{socket.gethostname()}", "duplicate of 17")
+    ]
+    code, out, err = tm(
+        env.cli_env(), "dlq", "discard", str(s["a"]), "--note", "x", "--by", "carol"
+    )
     assert code == 1 and "already discarded" in out
     code, _, err = tm(env.cli_env(), "dlq", "discard", "7x", "--note", "x")
     assert code == 2 and "'7x' is not a dead-letter id" in err
 
     target = tmp_path / "out.jsonl"
-    code, out, err = tm(env.cli_env(), "dlq", "export", "--pipeline", "orders", "--out",
-                        str(target))
+    code, out, err = tm(
+        env.cli_env(), "dlq", "export", "--pipeline", "orders", "--out", str(target)
+    )
     assert code == 0, err
     recs = exported(target.read_text().splitlines())
     assert [r["id"] for r in recs] == sorted([s["b"], s["d"], s["g"], s["h"]])
     assert base64.b64decode(recs[-1]["payload"]) == b"\x00\x01binary"
     assert "exported 4 dead letter(s)" in err
-    code, out, err = tm(env.cli_env(), "dlq", "export", "--ids", f"{s['a']},{s['c']}", "--out",
-                        "-")
+    code, out, err = tm(env.cli_env(), "dlq", "export", "--ids", f"{s['a']},{s['c']}", "--out", "-")
     assert code == 0, err
     assert [r["status"] for r in exported(out.splitlines())] == ["discarded", "discarded"]
 
@@ -502,12 +597,16 @@ def test_cli_injection_is_refused_and_harmless(env, ledger, sample):
 def reasons(ledger):
     """Letters whose reasons differ in case and hold LIKE's own wildcards."""
     return {
-        "amount": add(ledger, cls="validation", reason="expect_column_values_to_be_between("
-                      "column=amount): unexpected value -98.12"),
+        "amount": add(
+            ledger,
+            cls="validation",
+            reason="expect_column_values_to_be_between(column=amount): unexpected value -98.12",
+        ),
         "AMOUNT": add(ledger, cls="validation", reason="AMOUNT is negative"),
         "pct": add(ledger, cls="decode", reason="100% wrong_value"),
-        "plain": add(ledger, cls="decode", reason="payload is not valid JSON: unexpected end "
-                     "at byte 24"),
+        "plain": add(
+            ledger, cls="decode", reason="payload is not valid JSON: unexpected end at byte 24"
+        ),
         "gated": add(ledger, pipeline="gated", cls="validation", reason="amount too big"),
         "done": add(ledger, cls="validation", status="discarded", reason="amount again"),
     }
@@ -516,13 +615,15 @@ def reasons(ledger):
 def test_search_on_the_reason_is_a_substring_in_any_case(ledger, reasons):
     r = reasons
     assert ids_of(ledger, reason="amount", status="quarantined") == sorted(
-        [r["amount"], r["AMOUNT"], r["gated"]], reverse=True)
+        [r["amount"], r["AMOUNT"], r["gated"]], reverse=True
+    )
     assert ids_of(ledger, reason="Amount", status="any") == sorted(
-        [r["amount"], r["AMOUNT"], r["gated"], r["done"]], reverse=True)
+        [r["amount"], r["AMOUNT"], r["gated"], r["done"]], reverse=True
+    )
     # combined with the other filters
-    assert ids_of(ledger, reason="amount", pipeline="orders", error_class="validation",
-                  status="quarantined") == \
-        sorted([r["amount"], r["AMOUNT"]], reverse=True)
+    assert ids_of(
+        ledger, reason="amount", pipeline="orders", error_class="validation", status="quarantined"
+    ) == sorted([r["amount"], r["AMOUNT"]], reverse=True)
     # LIKE's wildcards are plain characters in a search
     assert ids_of(ledger, reason="100%") == [r["pct"]]
     assert ids_of(ledger, reason="%") == [r["pct"]]
@@ -530,8 +631,12 @@ def test_search_on_the_reason_is_a_substring_in_any_case(ledger, reasons):
     assert ids_of(ledger, reason="wrong_value") == [r["pct"]]
     assert ids_of(ledger, reason="  ") == ids_of(ledger)  # blank: no filter
     assert dlq.counts(ledger, dlq.Filters.parse(reason="AMOUNT"))["validation"] == 4
-    assert dlq.matching(ledger, dlq.Filters.parse(reason="amount", pipeline="orders",
-                                                  status="quarantined")) == 2
+    assert (
+        dlq.matching(
+            ledger, dlq.Filters.parse(reason="amount", pipeline="orders", status="quarantined")
+        )
+        == 2
+    )
     f = dlq.Filters.parse(reason="amount", pipeline="orders")
     assert f.query()["reason"] == "amount"
     assert f.described() == "pipeline orders, reason contains 'amount'"
@@ -552,12 +657,14 @@ def test_discard_everything_matching_records_who_and_why(env, ledger, reasons):
     assert env.ledger("SELECT count(*) FROM tidemark.dlq WHERE status = 'discarded'") == [(1,)]
     res = dlq.discard_matching(ledger, f, "bad batch", "alice", expected=2)
     assert res.changed == sorted([r["amount"], r["AMOUNT"]]) and res.skipped == {}
-    assert env.ledger("SELECT resolved_by, note FROM tidemark.dlq WHERE id = %s",
-                      (r["AMOUNT"],)) == [("alice", "bad batch")]
+    assert env.ledger(
+        "SELECT resolved_by, note FROM tidemark.dlq WHERE id = %s", (r["AMOUNT"],)
+    ) == [("alice", "bad batch")]
     # the discarded one and the other pipeline's are untouched
     assert env.ledger("SELECT note FROM tidemark.dlq WHERE id = %s", (r["done"],)) == [(None,)]
-    assert env.ledger("SELECT status::text FROM tidemark.dlq WHERE id = %s",
-                      (r["gated"],)) == [("quarantined",)]
+    assert env.ledger("SELECT status::text FROM tidemark.dlq WHERE id = %s", (r["gated"],)) == [
+        ("quarantined",)
+    ]
     assert dlq.discard_matching(ledger, f, "again", "alice").changed == []
 
 
@@ -566,33 +673,60 @@ def test_cli_search_and_discard_all_matching_asks_first(env, ledger, reasons):
     code, out, err = tm(env.cli_env(), "dlq", "list", "--reason", "AMOUNT", "--json")
     assert code == 0, err
     assert [x["id"] for x in json.loads(out)["records"]] == sorted(
-        [r["amount"], r["AMOUNT"], r["gated"]], reverse=True)
+        [r["amount"], r["AMOUNT"], r["gated"]], reverse=True
+    )
     code, out, err = tm(env.cli_env(), "dlq", "export", "--reason", "100%", "--out", "-")
     assert code == 0 and [x["id"] for x in exported(out.splitlines())] == [r["pct"]]
 
     argv = ("dlq", "discard", "--pipeline", "orders", "--reason", "amount", "--note", "bad batch")
     code, out, err = tm(env.cli_env(), *argv)  # no terminal to ask: refused, nothing changed
     assert code == 2
-    assert_one_clear_line(err, "2 quarantined dead letters match (pipeline orders, reason "
-                          "contains 'amount')", "--yes")
-    res = subprocess.run([sys.executable, "-m", "tidemark", *argv], env=env.cli_env(),
-                         input="n\n", capture_output=True, text=True, timeout=120)
+    assert_one_clear_line(
+        err, "2 quarantined dead letters match (pipeline orders, reason contains 'amount')", "--yes"
+    )
+    res = subprocess.run(
+        [sys.executable, "-m", "tidemark", *argv],
+        env=env.cli_env(),
+        input="n\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 1 and "Discard 2 quarantined dead letters" in res.stderr
     assert "nothing discarded" in res.stderr
     assert env.ledger("SELECT count(*) FROM tidemark.dlq WHERE status = 'discarded'") == [(1,)]
-    res = subprocess.run([sys.executable, "-m", "tidemark", *argv], env=env.cli_env(),
-                         input="y\n", capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "tidemark", *argv],
+        env=env.cli_env(),
+        input="y\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     assert "discarded 2 dead letter(s)" in res.stdout
-    assert env.ledger("SELECT count(*) FROM tidemark.dlq WHERE status = 'discarded' AND "
-                      "note = 'bad batch'") == [(2,)]
-    code, out, err = tm(env.cli_env(), "dlq", "discard", "--class", "decode", "--note", "junk",
-                        "--by", "carol", "--yes")
+    assert env.ledger(
+        "SELECT count(*) FROM tidemark.dlq WHERE status = 'discarded' AND note = 'bad batch'"
+    ) == [(2,)]
+    code, out, err = tm(
+        env.cli_env(),
+        "dlq",
+        "discard",
+        "--class",
+        "decode",
+        "--note",
+        "junk",
+        "--by",
+        "carol",
+        "--yes",
+    )
     assert code == 0, err
     assert "discarded 2 dead letter(s)" in out
-    code, out, err = tm(env.cli_env(), "dlq", "discard", str(r["gated"]), "--class", "decode",
-                        "--note", "x")
+    code, out, err = tm(
+        env.cli_env(), "dlq", "discard", str(r["gated"]), "--class", "decode", "--note", "x"
+    )
     assert code == 2 and "ids or filters" in err
-    code, out, err = tm(env.cli_env(), "dlq", "discard", "--class", "decode", "--note", "x",
-                        "--yes")
+    code, out, err = tm(
+        env.cli_env(), "dlq", "discard", "--class", "decode", "--note", "x", "--yes"
+    )
     assert code == 1 and "no quarantined dead letters match" in out

@@ -38,42 +38,63 @@ def site(pg, spark, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("browser")
     env = Env(pg, tmp)
-    env.append_orders(range(90))         # amount = id * 1.25: ids 81..89 fail the check
+    env.append_orders(range(90))  # amount = id * 1.25: ids 81..89 fail the check
     env.append([(0, b"xss", XSS, None, None)])
     # Its own pipeline name: the test modules share Airflow's metadata database, and DAG ids
     # of another module's pipelines must not meet this module's ledger.
-    env.pipeline(NAME, quality={"rows": [_rows_check(100)]}, airflow={"retries": 0,
-                                                                    "driver_memory": "1g"})
+    env.pipeline(
+        NAME, quality={"rows": [_rows_check(100)]}, airflow={"retries": 0, "driver_memory": "1g"}
+    )
     all_p, _ = config.load_all(env.dir)
-    report = Run(all_p[NAME], env.settings(data_docs_dir=tmp / "docs"), ledger_dsn=env.ledger_dsn, spark=spark,
-                 all_pipelines=all_p, log=lambda m: None).execute()
+    report = Run(
+        all_p[NAME],
+        env.settings(data_docs_dir=tmp / "docs"),
+        ledger_dsn=env.ledger_dsn,
+        spark=spark,
+        all_pipelines=all_p,
+        log=lambda m: None,
+    ).execute()
     assert report.ok, report.summary()
     # A second pipeline whose batch gate fails (max amount 111.25): its letters link the
     # failed gate's Data Docs page.
-    env.pipeline(GATED, sinks=[{"name": "main", "dsn": env.sink_dsn, "table": "public.gated",
-                                "key": ["id"]}],
-                 quality={"batch": [{"expect_column_max_to_be_between": {
-                     "column": "amount", "max_value": 100}}],
-                          "on_gate_failure": "quarantine_batch"},
-                 airflow={"retries": 0, "driver_memory": "1g"})
+    env.pipeline(
+        GATED,
+        sinks=[{"name": "main", "dsn": env.sink_dsn, "table": "public.gated", "key": ["id"]}],
+        quality={
+            "batch": [{"expect_column_max_to_be_between": {"column": "amount", "max_value": 100}}],
+            "on_gate_failure": "quarantine_batch",
+        },
+        airflow={"retries": 0, "driver_memory": "1g"},
+    )
     all_p, _ = config.load_all(env.dir)
-    report = Run(all_p[GATED], env.settings(data_docs_dir=tmp / "docs"),
-                 ledger_dsn=env.ledger_dsn, spark=spark, all_pipelines=all_p,
-                 log=lambda m: None).execute()
+    report = Run(
+        all_p[GATED],
+        env.settings(data_docs_dir=tmp / "docs"),
+        ledger_dsn=env.ledger_dsn,
+        spark=spark,
+        all_pipelines=all_p,
+        log=lambda m: None,
+    ).execute()
     assert report.ok, report.summary()
     # The fix a user makes before redriving: amounts up to 105 are fine (ids 81..84).
-    env.pipeline(NAME, quality={"rows": [_rows_check(105)]}, airflow={"retries": 0,
-                                                                    "driver_memory": "1g"})
+    env.pipeline(
+        NAME, quality={"rows": [_rows_check(105)]}, airflow={"retries": 0, "driver_memory": "1g"}
+    )
     dags = tmp / "dags"
     shutil.move(env.dir, dags / "pipelines")
     env.dir = dags / "pipelines"
     (dags / "tidemark_pipelines.py").write_text(PIPELINES)
-    stack = Stack(home=tmp / "home", ledger_dsn=env.ledger_dsn, port=free_port(),
-                  dags_folder=dags, env_extra={
-                      "TIDEMARK_PIPELINES_DIR": str(env.dir),
-                      "TIDEMARK_DATA_DOCS_DIR": str(tmp / "docs"),
-                      "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps(
-                          {"conn_type": "spark", "host": "local[2]"})})
+    stack = Stack(
+        home=tmp / "home",
+        ledger_dsn=env.ledger_dsn,
+        port=free_port(),
+        dags_folder=dags,
+        env_extra={
+            "TIDEMARK_PIPELINES_DIR": str(env.dir),
+            "TIDEMARK_DATA_DOCS_DIR": str(tmp / "docs"),
+            "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "local[2]"}),
+        },
+    )
     try:
         stack.start()
         stack.wait_dag(f"tidemark_{NAME}_redrive")
@@ -85,8 +106,10 @@ def site(pg, spark, tmp_path_factory):
 
 def _letter(env, **where) -> tuple:
     cond = " AND ".join(f"{k} = %s" for k in where)
-    return env.ledger(f"SELECT id, status::text, resolved_by, note, attempts FROM tidemark.dlq "
-                      f"WHERE {cond}", tuple(where.values()))[0]
+    return env.ledger(
+        f"SELECT id, status::text, resolved_by, note, attempts FROM tidemark.dlq WHERE {cond}",
+        tuple(where.values()),
+    )[0]
 
 
 def _until(what: str, pred, timeout: float = 420):
@@ -146,8 +169,10 @@ def test_review_redrive_and_discard_in_the_browser(site):
         page.goto(stack.url + "/tidemark/dlq/?error_class=decode")
         old = next(c for c in page.context.cookies() if c["name"] == "_token")
         page.context.add_cookies([{**old, "value": stack.token("admin")}])
-        assert next(c for c in page.context.cookies() if c["name"] == "_token")["value"] != \
-            old["value"]
+        assert (
+            next(c for c in page.context.cookies() if c["name"] == "_token")["value"]
+            != old["value"]
+        )
         page.check(f"input[name=ids][value='{xss[0]}']")
         page.fill("[name=note]", "not a real order: test payload")
         page.get_by_role("button", name="Discard").click()
@@ -155,14 +180,15 @@ def test_review_redrive_and_discard_in_the_browser(site):
         page.screenshot(path=SHOTS / "05-discarded.png", full_page=True)
         browser.close()
 
-    assert _letter(env, id=xss[0])[1:4] == ("discarded", "admin",
-                                            "not a real order: test payload")
+    assert _letter(env, id=xss[0])[1:4] == ("discarded", "admin", "not a real order: test payload")
     done = _until("redrive", lambda: _letter(env, id=passing[0])[1] == "redriven")
     assert done
     assert _letter(env, id=passing[0])[2] == "admin"
     assert env.q(env.sink_dsn, "SELECT count(*) FROM public.orders WHERE id = 83") == [(1,)]
-    others = env.ledger("SELECT count(*) FROM tidemark.dlq WHERE error_class = 'validation' "
-                        "AND status = 'quarantined'")
+    others = env.ledger(
+        "SELECT count(*) FROM tidemark.dlq WHERE error_class = 'validation' "
+        "AND status = 'quarantined'"
+    )
     assert others == [(8,)]
     assert env.prepared() == []
 
@@ -187,8 +213,7 @@ def test_data_docs_render_in_their_sandbox_and_send_nothing_anywhere(site):
         page.fill("input[name=username]", "admin")
         page.fill("input[name=password]", stack.password())
         page.get_by_role("button", name="Sign in").click()
-        expect(page.get_by_role("link", name="Dead letters").first).to_be_visible(
-            timeout=60_000)
+        expect(page.get_by_role("link", name="Dead letters").first).to_be_visible(timeout=60_000)
         page.goto(stack.url + f"/tidemark/dlq/record/{letter[0]}")
         docs = page.locator("a[href*='/tidemark/dlq/docs/']").first
         href = docs.get_attribute("href")
@@ -200,15 +225,17 @@ def test_data_docs_render_in_their_sandbox_and_send_nothing_anywhere(site):
         page.on("requestfailed", lambda r: r.failure == "csp" and blocked.append(r.url))
         page.goto(stack.url + href)
         expect(page.get_by_text("Status: Failed").first).to_be_visible()
-        expect(page.get_by_text("maximum value must be less than or equal to 100").first
-               ).to_be_visible()
+        expect(
+            page.get_by_text("maximum value must be less than or equal to 100").first
+        ).to_be_visible()
         expect(page.get_by_text("111.25").first).to_be_visible()  # what the gate saw
         page.screenshot(path=SHOTS / "06-data-docs.png", full_page=True)
         browser.close()
     here = urlsplit(stack.url).netloc
     sent = [u for u in asked if u not in blocked]
-    elsewhere = [u for u in sent if urlsplit(u).netloc != here
-                 and not u.startswith(DOCS_STYLES + DOCS_FONTS)]
+    elsewhere = [
+        u for u in sent if urlsplit(u).netloc != here and not u.startswith(DOCS_STYLES + DOCS_FONTS)
+    ]
     assert elsewhere == [], elsewhere
     assert not [u for u in sent if urlsplit(u).path.endswith(".js")], sent
     # GX's logo is fetched from its S3 bucket with the project's id: a beacon, refused.

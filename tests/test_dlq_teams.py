@@ -23,8 +23,16 @@ TEAMS = {"orders": "team_a", "other": "team_b"}  # pipeline -> the team owning i
 
 
 def _site_page(docs: Path, pipeline: str) -> Path:
-    page = (docs / pipeline / "gx" / "uncommitted" / "data_docs" / "local_site" / "validations"
-            / "run.html")
+    page = (
+        docs
+        / pipeline
+        / "gx"
+        / "uncommitted"
+        / "data_docs"
+        / "local_site"
+        / "validations"
+        / "run.html"
+    )
     page.parent.mkdir(parents=True)
     page.write_text(f"<html><body>{pipeline} validation</body></html>")
     return page
@@ -40,32 +48,60 @@ def teams(pg, tmp_path_factory):
     with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
         for pipeline, team in TEAMS.items():
             c.execute("INSERT INTO tidemark.pipelines (name) VALUES (%s)", (pipeline,))
-            run = c.execute("INSERT INTO tidemark.runs (pipeline, mode, owner) VALUES "
-                            "(%s, 'run', 'test:1') RETURNING run_id", (pipeline,)).fetchone()[0]
-            c.execute("INSERT INTO tidemark.dq_results (run_id, success, docs_path) "
-                      "VALUES (%s, false, %s)", (run, str(_site_page(docs, pipeline))))
-            ids[pipeline] = add(c, run_id=run, pipeline=pipeline, cls="validation",
-                                payload=f'{{"marker": "{pipeline}-payload"}}'.encode())
+            run = c.execute(
+                "INSERT INTO tidemark.runs (pipeline, mode, owner) VALUES "
+                "(%s, 'run', 'test:1') RETURNING run_id",
+                (pipeline,),
+            ).fetchone()[0]
+            c.execute(
+                "INSERT INTO tidemark.dq_results (run_id, success, docs_path) "
+                "VALUES (%s, false, %s)",
+                (run, str(_site_page(docs, pipeline))),
+            )
+            ids[pipeline] = add(
+                c,
+                run_id=run,
+                pipeline=pipeline,
+                cls="validation",
+                payload=f'{{"marker": "{pipeline}-payload"}}'.encode(),
+            )
             folder = tmp / f"bundle_{team}"
             env.pipeline(pipeline)
             (folder / "pipelines").mkdir(parents=True)
             shutil.move(env.dir / f"{pipeline}.yaml", folder / "pipelines" / f"{pipeline}.yaml")
             (folder / "tidemark_pipelines.py").write_text(PIPELINES)
-            bundles.append({"name": f"dags_{team}", "team_name": team,
-                            "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
-                            "kwargs": {"path": str(folder), "refresh_interval": 10}})
+            bundles.append(
+                {
+                    "name": f"dags_{team}",
+                    "team_name": team,
+                    "classpath": "airflow.dag_processing.bundles.local.LocalDagBundle",
+                    "kwargs": {"path": str(folder), "refresh_interval": 10},
+                }
+            )
         # A pipeline no bundle holds (run only from the CLI, or its DAG deleted): no known team.
         c.execute("INSERT INTO tidemark.pipelines (name) VALUES ('ghost')")
-        run = c.execute("INSERT INTO tidemark.runs (pipeline, mode, owner) VALUES "
-                        "('ghost', 'run', 'test:1') RETURNING run_id").fetchone()[0]
-        ids["ghost"] = add(c, run_id=run, pipeline="ghost", cls="validation",
-                           payload=b'{"marker": "ghost-payload"}')
-    stack = Stack(home=tmp / "home", ledger_dsn=env.ledger_dsn, port=free_port(), env_extra={
-        "AIRFLOW__CORE__MULTI_TEAM": "True",
-        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS":
-            "admin:admin,alice:op:team_a,bob:op:team_b",
-        "AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST": json.dumps(bundles),
-        "TIDEMARK_DATA_DOCS_DIR": str(docs)})
+        run = c.execute(
+            "INSERT INTO tidemark.runs (pipeline, mode, owner) VALUES "
+            "('ghost', 'run', 'test:1') RETURNING run_id"
+        ).fetchone()[0]
+        ids["ghost"] = add(
+            c,
+            run_id=run,
+            pipeline="ghost",
+            cls="validation",
+            payload=b'{"marker": "ghost-payload"}',
+        )
+    stack = Stack(
+        home=tmp / "home",
+        ledger_dsn=env.ledger_dsn,
+        port=free_port(),
+        env_extra={
+            "AIRFLOW__CORE__MULTI_TEAM": "True",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,alice:op:team_a,bob:op:team_b",
+            "AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST": json.dumps(bundles),
+            "TIDEMARK_DATA_DOCS_DIR": str(docs),
+        },
+    )
     try:
         stack.start()
         for pipeline in TEAMS:
@@ -77,8 +113,9 @@ def teams(pg, tmp_path_factory):
 
 
 def _client(stack: Stack, user: str) -> httpx.Client:
-    return httpx.Client(base_url=stack.url, timeout=60,
-                        headers={"Authorization": f"Bearer {stack.token(user)}"})
+    return httpx.Client(
+        base_url=stack.url, timeout=60, headers={"Authorization": f"Bearer {stack.token(user)}"}
+    )
 
 
 def test_a_team_member_sees_only_the_letters_of_the_teams_dags(teams):
@@ -93,8 +130,10 @@ def test_a_team_member_sees_only_the_letters_of_the_teams_dags(teams):
         assert f"/dlq/record/{ids['other']}" not in page.text
         export = c.get("/tidemark/dlq/api/export", params={"status": "any"})
         assert [x["id"] for x in exported(export.text.splitlines())] == [ids["orders"]]
-        for url in (f"/tidemark/dlq/api/records/{ids['other']}",
-                    f"/tidemark/dlq/record/{ids['other']}"):
+        for url in (
+            f"/tidemark/dlq/api/records/{ids['other']}",
+            f"/tidemark/dlq/record/{ids['other']}",
+        ):
             r = c.get(url)
             assert r.status_code in (403, 404) and "other-payload" not in r.text, (url, r.text)
         r = c.get("/tidemark/dlq/api/records", params={"pipeline": "other"})
@@ -124,8 +163,9 @@ def test_a_pipeline_with_no_known_team_is_an_admins_alone(teams):
         r = c.get(f"/tidemark/dlq/api/records/{ghost}")
         assert r.status_code == 200 and "ghost-payload" in r.text, r.text
     with psycopg.connect(stack.ledger_dsn) as conn:
-        status = conn.execute("SELECT status::text FROM tidemark.dlq WHERE id = %s",
-                              (ghost,)).fetchone()[0]
+        status = conn.execute(
+            "SELECT status::text FROM tidemark.dlq WHERE id = %s", (ghost,)
+        ).fetchone()[0]
     assert status == "quarantined"
 
 
@@ -140,8 +180,9 @@ def test_a_team_member_cannot_change_another_teams_letters(teams):
         r = c.post("/tidemark/dlq/api/redrive", json={"ids": [ids["orders"]]})
         assert r.json()["runs"] == [] and r.json()["skipped"] == gone, r.text
     with psycopg.connect(stack.ledger_dsn) as conn:
-        status = conn.execute("SELECT status::text FROM tidemark.dlq WHERE id = %s",
-                              (ids["orders"],)).fetchone()[0]
+        status = conn.execute(
+            "SELECT status::text FROM tidemark.dlq WHERE id = %s", (ids["orders"],)
+        ).fetchone()[0]
     assert status == "quarantined"
 
 

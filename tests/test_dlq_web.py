@@ -32,8 +32,12 @@ SCOPED_USER = "scoped"  # tests/scoped_auth.py: sees and edits the pipeline orde
 
 PIPELINES = (REPO / "dags" / "tidemark_pipelines.py").read_text()
 XSS = b"<script>window.pwned=1</script>"
-AIRFLOW_RUN = {"dag_id": "tidemark_orders", "run_id": "manual__2026-03-01T12:00:00+00:00",
-               "task_id": "replay", "try_number": 2}
+AIRFLOW_RUN = {
+    "dag_id": "tidemark_orders",
+    "run_id": "manual__2026-03-01T12:00:00+00:00",
+    "task_id": "replay",
+    "try_number": 2,
+}
 
 
 @dataclass
@@ -48,9 +52,12 @@ class Site:
     scoped: str  # may see and edit the pipeline orders only (tests/scoped_auth.py)
 
     def client(self, token: str | None = None, cookie: str | None = None) -> httpx.Client:
-        return httpx.Client(base_url=self.stack.url, timeout=60,
-                            headers={"Authorization": f"Bearer {token}"} if token else {},
-                            cookies={"_token": cookie} if cookie else None)
+        return httpx.Client(
+            base_url=self.stack.url,
+            timeout=60,
+            headers={"Authorization": f"Bearer {token}"} if token else {},
+            cookies={"_token": cookie} if cookie else None,
+        )
 
     def csrf(self, jwt: str) -> str:
         """The CSRF token a page rendered for this session embeds in its forms."""
@@ -58,19 +65,26 @@ class Site:
             return form_token(c)
 
     def letter(self, rid: int) -> tuple:
-        return self.env.ledger("SELECT status::text, resolved_by, note FROM tidemark.dlq "
-                               "WHERE id = %s", (rid,))[0]
+        return self.env.ledger(
+            "SELECT status::text, resolved_by, note FROM tidemark.dlq WHERE id = %s", (rid,)
+        )[0]
 
     def count(self) -> int:
         return self.env.ledger("SELECT count(*) FROM tidemark.dlq")[0][0]
 
     def request(self, request_id: int) -> tuple[str, str, list[int]]:
         """A redrive request: (pipeline, requested_by, its letters' ids)."""
-        pipeline, by = self.env.ledger("SELECT pipeline, requested_by FROM "
-                                       "tidemark.redrive_requests WHERE request_id = %s",
-                                       (request_id,))[0]
-        ids = [i for (i,) in self.env.ledger("SELECT letter_id FROM tidemark.redrive_letters "
-                                             "WHERE request_id = %s ORDER BY 1", (request_id,))]
+        pipeline, by = self.env.ledger(
+            "SELECT pipeline, requested_by FROM tidemark.redrive_requests WHERE request_id = %s",
+            (request_id,),
+        )[0]
+        ids = [
+            i
+            for (i,) in self.env.ledger(
+                "SELECT letter_id FROM tidemark.redrive_letters WHERE request_id = %s ORDER BY 1",
+                (request_id,),
+            )
+        ]
         return pipeline, by, ids
 
 
@@ -83,15 +97,25 @@ def form_token(c: httpx.Client) -> str:
 def _seed(env: Env, docs_page: Path) -> dict[str, int]:
     with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
         c.execute("INSERT INTO tidemark.pipelines (name) VALUES ('orders'), ('other')")
-        run = c.execute("INSERT INTO tidemark.runs (pipeline, mode, owner, dag_id, dag_run_id, "
-                        "task_id, try_number) VALUES ('orders', 'run', 'test:1', %(dag_id)s, "
-                        "%(run_id)s, %(task_id)s, %(try_number)s) RETURNING run_id",
-                        AIRFLOW_RUN).fetchone()[0]
-        c.execute("INSERT INTO tidemark.dq_results (run_id, success, docs_path) "
-                  "VALUES (%s, false, %s)", (run, str(docs_page)))
+        run = c.execute(
+            "INSERT INTO tidemark.runs (pipeline, mode, owner, dag_id, dag_run_id, "
+            "task_id, try_number) VALUES ('orders', 'run', 'test:1', %(dag_id)s, "
+            "%(run_id)s, %(task_id)s, %(try_number)s) RETURNING run_id",
+            AIRFLOW_RUN,
+        ).fetchone()[0]
+        c.execute(
+            "INSERT INTO tidemark.dq_results (run_id, success, docs_path) VALUES (%s, false, %s)",
+            (run, str(docs_page)),
+        )
         return {
-            "xss": add(c, run_id=run, payload=XSS, key=b"<k>", headers={"h": "<b>bold</b>"},
-                       reason="<img src=x onerror=alert(1)>"),
+            "xss": add(
+                c,
+                run_id=run,
+                payload=XSS,
+                key=b"<k>",
+                headers={"h": "<b>bold</b>"},
+                reason="<img src=x onerror=alert(1)>",
+            ),
             "json": add(c, run_id=run, cls="validation", payload=b'{"id": 7, "amount": 1e9}'),
             "binary": add(c, run_id=run, sink="archive", cls="transform", payload=bytes(range(40))),
             "done": add(c, run_id=run, status="discarded"),
@@ -100,10 +124,18 @@ def _seed(env: Env, docs_page: Path) -> dict[str, int]:
             "redrive1": add(c, run_id=run, cls="sink_write"),
             "redrive2": add(c, run_id=run, cls="sink_write"),
             "other": add(c, run_id=run, pipeline="other", cls="dq_gate"),
-            "cli_run": add(c, run_id=c.execute(
-                "INSERT INTO tidemark.runs (pipeline, mode, owner) VALUES ('orders', 'run', "
-                "'host:2') RETURNING run_id").fetchone()[0], status="redriven",
-                resolved_by="carol", note="fixed upstream", payload=None, key=None),
+            "cli_run": add(
+                c,
+                run_id=c.execute(
+                    "INSERT INTO tidemark.runs (pipeline, mode, owner) VALUES ('orders', 'run', "
+                    "'host:2') RETURNING run_id"
+                ).fetchone()[0],
+                status="redriven",
+                resolved_by="carol",
+                note="fixed upstream",
+                payload=None,
+                key=None,
+            ),
             "no_run": add(c, run_id=424_242, status="discarded"),
         }
 
@@ -124,28 +156,43 @@ def site(pg, tmp_path_factory):
     (docs / "orders" / "gx" / "great_expectations.yml").write_text("not for the web")
     (docs / "orders" / "gx" / "uncommitted" / "validations").mkdir()
     (docs / "orders" / "gx" / "uncommitted" / "validations" / "r.json").write_text(
-        "not for the web")
+        "not for the web"
+    )
     ids = _seed(env, page)
     env.pipeline("orders")
     dags = tmp / "dags"
     shutil.move(env.dir, dags / "pipelines")
     env.dir = dags / "pipelines"
     (dags / "tidemark_pipelines.py").write_text(PIPELINES)
-    stack = Stack(home=tmp / "home", ledger_dsn=env.ledger_dsn, port=free_port(),
-                  dags_folder=dags, env_extra={
-                      "TIDEMARK_PIPELINES_DIR": str(env.dir),
-                      "TIDEMARK_DATA_DOCS_DIR": str(docs),
-                      # Airflow's SimpleAuthManager plus a user who sees one pipeline only
-                      "PYTHONPATH": os.pathsep.join(
-                          [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-                      "AIRFLOW__CORE__AUTH_MANAGER": "tests.scoped_auth.ScopedAuthManager",
-                      "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS":
-                          f"admin:admin,viewer:viewer,{SCOPED_USER}:admin"})
+    stack = Stack(
+        home=tmp / "home",
+        ledger_dsn=env.ledger_dsn,
+        port=free_port(),
+        dags_folder=dags,
+        env_extra={
+            "TIDEMARK_PIPELINES_DIR": str(env.dir),
+            "TIDEMARK_DATA_DOCS_DIR": str(docs),
+            # Airflow's SimpleAuthManager plus a user who sees one pipeline only
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+            "AIRFLOW__CORE__AUTH_MANAGER": "tests.scoped_auth.ScopedAuthManager",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"admin:admin,viewer:viewer,{SCOPED_USER}:admin",
+        },
+    )
     try:
         stack.password(SCOPED_USER)
         stack.start()
-        yield Site(env, stack, ids, docs, secret, stack.token("admin"), stack.token("viewer"),
-                   stack.token(SCOPED_USER))
+        yield Site(
+            env,
+            stack,
+            ids,
+            docs,
+            secret,
+            stack.token("admin"),
+            stack.token("viewer"),
+            stack.token(SCOPED_USER),
+        )
     finally:
         stack.stop()
         env.drop()
@@ -158,7 +205,11 @@ def test_plugin_is_in_airflows_navigation(site):
     assert mine["fastapi_apps"][0]["url_prefix"] == "/tidemark"
     view = mine["external_views"][0]
     assert (view["name"], view["href"], view["destination"], view["url_route"]) == (
-        "Dead letters", "/tidemark/dlq/", "nav", "dead-letters")
+        "Dead letters",
+        "/tidemark/dlq/",
+        "nav",
+        "dead-letters",
+    )
 
 
 def _routes() -> list[tuple[str, str]]:
@@ -166,15 +217,21 @@ def _routes() -> list[tuple[str, str]]:
 
     assert all(isinstance(r, APIRoute) for r in app.routes), app.routes
     fill = {"record_id": "1", "pipeline": "orders", "path": "index.html", "name": "dlq.css"}
-    return [(m, "/tidemark" + re.sub(r"\{(\w+)(:\w+)?\}", lambda x: fill[x[1]], r.path))
-            for r in app.routes for m in sorted(r.methods)]
+    return [
+        (m, "/tidemark" + re.sub(r"\{(\w+)(:\w+)?\}", lambda x: fill[x[1]], r.path))
+        for r in app.routes
+        for m in sorted(r.methods)
+    ]
 
 
 def test_every_route_refuses_the_anonymous(site):
     routes = _routes()
     assert len(routes) >= 11
-    for creds in ({}, {"headers": {"Authorization": "Bearer not-a-jwt"}},
-                  {"cookies": {"_token": "forged"}}):
+    for creds in (
+        {},
+        {"headers": {"Authorization": "Bearer not-a-jwt"}},
+        {"cookies": {"_token": "forged"}},
+    ):
         with httpx.Client(base_url=site.stack.url, timeout=60, **creds) as c:
             for method, path in routes:
                 body = {"ids": [site.ids["victim"]], "note": "x"} if method == "POST" else None
@@ -201,33 +258,46 @@ def test_viewer_reads_but_may_not_discard_or_redrive(site):
         for action, body in (("discard", {"note": "x"}), ("redrive", {})):
             r = c.post(f"/tidemark/dlq/api/{action}", json={"ids": [site.ids["victim"]], **body})
             assert r.status_code == 403, r.text
-            assert r.json()["detail"] == ("viewer may not change dead letters of orders: needs "
-                                          "edit access to DAG tidemark_orders")
+            assert r.json()["detail"] == (
+                "viewer may not change dead letters of orders: needs "
+                "edit access to DAG tidemark_orders"
+            )
     assert site.letter(site.ids["victim"]) == ("quarantined", None, None)
 
 
 def test_admin_discards_with_a_note(site):
     victim, done = site.ids["victim"], site.ids["done"]
     with site.client(site.admin) as c:
-        for body, needle in (({"ids": [victim], "note": "  "}, "note: required"),
-                             ({"ids": [victim]}, "note: required"),
-                             ({"ids": ["7x"], "note": "n"}, "ids: '7x' is not a dead-letter id"),
-                             ({"note": "n"}, "ids: select at least one")):
+        for body, needle in (
+            ({"ids": [victim], "note": "  "}, "note: required"),
+            ({"ids": [victim]}, "note: required"),
+            ({"ids": ["7x"], "note": "n"}, "ids: '7x' is not a dead-letter id"),
+            ({"note": "n"}, "ids: select at least one"),
+        ):
             r = c.post("/tidemark/dlq/api/discard", json=body)
             assert r.status_code == 400 and needle in r.json()["detail"], r.text
-        r = c.post("/tidemark/dlq/api/discard", content=b"ids=1", headers={
-            "Content-Type": "text/plain"})
+        r = c.post(
+            "/tidemark/dlq/api/discard", content=b"ids=1", headers={"Content-Type": "text/plain"}
+        )
         assert r.status_code == 400 and "content type" in r.json()["detail"]
         assert site.letter(victim)[0] == "quarantined"
-        r = c.post("/tidemark/dlq/api/discard",
-                   json={"ids": [victim, done, 99_999], "note": "duplicate of order 7"})
+        r = c.post(
+            "/tidemark/dlq/api/discard",
+            json={"ids": [victim, done, 99_999], "note": "duplicate of order 7"},
+        )
     assert r.status_code == 200, r.text
-    assert r.json() == {"discarded": [victim], "by": "admin", "skipped": [
-        {"id": done, "reason": "already discarded"},
-        {"id": 99_999, "reason": "no such dead letter"}]}
+    assert r.json() == {
+        "discarded": [victim],
+        "by": "admin",
+        "skipped": [
+            {"id": done, "reason": "already discarded"},
+            {"id": 99_999, "reason": "no such dead letter"},
+        ],
+    }
     assert site.letter(victim) == ("discarded", "admin", "duplicate of order 7")
-    at = site.env.ledger("SELECT resolved_at IS NOT NULL FROM tidemark.dlq WHERE id = %s",
-                         (victim,))
+    at = site.env.ledger(
+        "SELECT resolved_at IS NOT NULL FROM tidemark.dlq WHERE id = %s", (victim,)
+    )
     assert at == [(True,)]
 
 
@@ -238,25 +308,37 @@ def test_cookie_posts_need_the_csrf_token_and_our_origin(site):
         body = {"ids": [rid], "note": "csrf"}
         r = c.post("/tidemark/dlq/api/discard", json=body)
         assert r.status_code == 403 and "CSRF" in r.json()["detail"]
-        r = c.post("/tidemark/dlq/api/discard", json=body,
-                   headers={"X-CSRF-Token": site.csrf(site.viewer)})
+        r = c.post(
+            "/tidemark/dlq/api/discard", json=body, headers={"X-CSRF-Token": site.csrf(site.viewer)}
+        )
         assert r.status_code == 403
-        r = c.post("/tidemark/dlq/api/discard", data={"ids": str(rid), "note": "csrf",
-                                                      "csrf_token": token},
-                   headers={"Origin": "http://evil.example"})
+        r = c.post(
+            "/tidemark/dlq/api/discard",
+            data={"ids": str(rid), "note": "csrf", "csrf_token": token},
+            headers={"Origin": "http://evil.example"},
+        )
         assert r.status_code == 403 and "cross-origin" in r.text
         assert site.letter(rid)[0] == "quarantined"
-        r = c.post("/tidemark/dlq/api/discard",
-                   data={"ids": str(rid), "note": "form post", "csrf_token": token,
-                         "back": "pipeline=orders&evil=//x.example"},
-                   headers={"Origin": site.stack.url})
+        r = c.post(
+            "/tidemark/dlq/api/discard",
+            data={
+                "ids": str(rid),
+                "note": "form post",
+                "csrf_token": token,
+                "back": "pipeline=orders&evil=//x.example",
+            },
+            headers={"Origin": site.stack.url},
+        )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     assert f"Discarded 1 dead letter(s): {rid}" in r.text
     assert 'href="/tidemark/dlq/?pipeline=orders"' in r.text
     assert site.letter(rid) == ("discarded", "admin", "form post")
     with site.client(site.admin) as c:  # a Bearer token is no cookie: no CSRF token needed
-        r = c.post("/tidemark/dlq/api/export", json={"ids": [rid]},
-                   headers={"Origin": "http://evil.example"})
+        r = c.post(
+            "/tidemark/dlq/api/export",
+            json={"ids": [rid]},
+            headers={"Origin": "http://evil.example"},
+        )
         assert r.status_code == 403  # but never from another origin
 
 
@@ -264,6 +346,7 @@ def test_filters_and_injection_over_http(site):
     ids = site.ids
     before = site.count()
     with site.client(site.admin) as c:
+
         def listed(**params) -> list[int]:
             r = c.get("/tidemark/dlq/api/records", params=params)
             assert r.status_code == 200, r.text
@@ -272,8 +355,10 @@ def test_filters_and_injection_over_http(site):
         assert listed(pipeline="other") == [ids["other"]]
         assert listed(error_class="transform") == [ids["binary"]]
         assert listed(sink="archive") == [ids["binary"]]
-        assert listed(pipeline="orders", error_class="sink_write",
-                      status="quarantined") == [ids["redrive2"], ids["redrive1"]]
+        assert listed(pipeline="orders", error_class="sink_write", status="quarantined") == [
+            ids["redrive2"],
+            ids["redrive1"],
+        ]
         assert ids["done"] in listed(status="discarded")
         assert listed(ids=f"{ids['json']},{ids['xss']}") == [ids["json"], ids["xss"]]
         assert listed(since="2030-01-01T00:00:00Z") == []
@@ -281,8 +366,17 @@ def test_filters_and_injection_over_http(site):
         older = listed(limit=2, before=first["next_before"])
         assert len(first["records"]) == 2 and older and max(older) < first["next_before"]
 
-        for name in ("pipeline", "sink", "error_class", "status", "since", "until", "ids",
-                     "limit", "before"):
+        for name in (
+            "pipeline",
+            "sink",
+            "error_class",
+            "status",
+            "since",
+            "until",
+            "ids",
+            "limit",
+            "before",
+        ):
             for evil in INJECTIONS:
                 r = c.get("/tidemark/dlq/api/records", params={name: evil})
                 assert r.status_code == 400, (name, evil, r.text)
@@ -290,7 +384,9 @@ def test_filters_and_injection_over_http(site):
                 r = c.get("/tidemark/dlq/", params={name: evil})
                 assert r.status_code == 400 and "Traceback" not in r.text
         r = c.get("/tidemark/dlq/api/records/1 OR 1=1")
-        assert r.status_code == 400 and r.json()["detail"] == "id '1 OR 1=1': not a positive integer"
+        assert (
+            r.status_code == 400 and r.json()["detail"] == "id '1 OR 1=1': not a positive integer"
+        )
         r = c.post("/tidemark/dlq/api/discard", json={"ids": [INJECTIONS[1]], "note": "x"})
         assert r.status_code == 400
         assert c.get("/tidemark/dlq/api/records/99999").status_code == 404
@@ -309,7 +405,8 @@ def test_record_page_escapes_everything_and_links_the_run(site):
         assert "&lt;img src=x onerror=alert(1)&gt;" in html
         assert "&lt;b&gt;bold&lt;/b&gt;" in html and "&lt;k&gt;" in html
         assert re.findall(r"<script[^>]*>", html) == [
-            '<script src="/tidemark/dlq/static/dlq.js" defer>']
+            '<script src="/tidemark/dlq/static/dlq.js" defer>'
+        ]
         run_url = "/dags/tidemark_orders/runs/manual__2026-03-01T12%3A00%3A00%2B00%3A00"
         assert f'href="{run_url}"' in html
         assert f'href="{run_url}/tasks/replay?try_number=2"' in html
@@ -359,12 +456,21 @@ def test_data_docs_styles_are_the_ones_great_expectations_names_and_no_script_ru
 def test_data_docs_are_served_only_from_their_folder(site):
     with site.client(site.admin) as c:
         assert c.get("/tidemark/dlq/docs/orders/validations/run%201.html").status_code == 200
-        for path in ("orders/%2e%2e/secret.txt", "orders/validations/%2e%2e/%2e%2e/secret.txt",
-                     "orders/escape.txt", "orders/%2fetc%2fpasswd", "orders/..%2fsecret.txt",
-                     "orders/%2e%2e/%2e%2e/great_expectations.yml", "orders/%2e%2e/validations/r.json",
-                     "orders/gx/great_expectations.yml", "gx/great_expectations.yml",
-                     "orders/", "%2e%2e/orders/validations/run%201.html", "other/index.html",
-                     "orders/validations"):
+        for path in (
+            "orders/%2e%2e/secret.txt",
+            "orders/validations/%2e%2e/%2e%2e/secret.txt",
+            "orders/escape.txt",
+            "orders/%2fetc%2fpasswd",
+            "orders/..%2fsecret.txt",
+            "orders/%2e%2e/%2e%2e/great_expectations.yml",
+            "orders/%2e%2e/validations/r.json",
+            "orders/gx/great_expectations.yml",
+            "gx/great_expectations.yml",
+            "orders/",
+            "%2e%2e/orders/validations/run%201.html",
+            "other/index.html",
+            "orders/validations",
+        ):
             r = c.get(f"/tidemark/dlq/docs/{path}")
             assert r.status_code == 404, (path, r.text)
             assert "not for the web" not in r.text
@@ -373,10 +479,19 @@ def test_data_docs_are_served_only_from_their_folder(site):
 def test_counts_and_export(site):
     with site.client(site.viewer) as c:
         counts = c.get("/tidemark/dlq/api/counts").json()
-        assert counts["pipelines"]["other"] == {"decode": 0, "transform": 0, "validation": 0,
-                                                "dq_gate": 1, "sink_write": 0}
-        assert counts["total"] == site.env.ledger(
-            "SELECT count(*) FROM tidemark.dlq WHERE status = 'quarantined'")[0][0]
+        assert counts["pipelines"]["other"] == {
+            "decode": 0,
+            "transform": 0,
+            "validation": 0,
+            "dq_gate": 1,
+            "sink_write": 0,
+        }
+        assert (
+            counts["total"]
+            == site.env.ledger("SELECT count(*) FROM tidemark.dlq WHERE status = 'quarantined'")[0][
+                0
+            ]
+        )
         r = c.get("/tidemark/dlq/api/export", params={"pipeline": "orders", "status": "any"})
     assert r.status_code == 200 and "attachment" in r.headers["content-disposition"]
     recs = {x["id"]: x for x in exported(r.text.splitlines())}
@@ -401,26 +516,39 @@ def test_redrive_triggers_the_pipelines_redrive_dag(site):
         # Paused, the run stays queued: this test is about the trigger, not Spark.
         api.patch(f"/dags/{dag}", json={"is_paused": True}).raise_for_status()
         with site.client(site.admin) as c:
-            r = c.post("/tidemark/dlq/api/redrive", json={
-                "ids": [ids["redrive2"], ids["redrive1"], ids["done"], 99_999]})
+            r = c.post(
+                "/tidemark/dlq/api/redrive",
+                json={"ids": [ids["redrive2"], ids["redrive1"], ids["done"], 99_999]},
+            )
         assert r.status_code == 200, r.text
         out = r.json()
         assert out["errors"] == []
-        assert out["skipped"] == [{"id": 99_999, "reason": "no such dead letter"},
-                                  {"id": ids["done"], "reason": "already discarded"}]
+        assert out["skipped"] == [
+            {"id": 99_999, "reason": "no such dead letter"},
+            {"id": ids["done"], "reason": "already discarded"},
+        ]
         (run,) = out["runs"]
         assert (run["dag_id"], run["ids"], run["paused"]) == (
-            dag, [ids["redrive1"], ids["redrive2"]], True)
+            dag,
+            [ids["redrive1"], ids["redrive2"]],
+            True,
+        )
         got = api.get(f"/dags/{dag}/dagRuns/{run['dag_run_id']}").json()
         # Only the ledger request's id goes to Airflow; its letters are in the ledger.
         assert got["conf"] == {"request": run["request"], "requested_by": "admin"}
         assert got["triggering_user_name"] == "admin"
-        assert site.request(run["request"]) == ("orders", "admin",
-                                                [ids["redrive1"], ids["redrive2"]])
+        assert site.request(run["request"]) == (
+            "orders",
+            "admin",
+            [ids["redrive1"], ids["redrive2"]],
+        )
 
         with site.client(cookie=site.admin) as c:  # the list page's form
-            r = c.post("/tidemark/dlq/api/redrive", headers={"Origin": site.stack.url},
-                       data={"ids": [str(ids["json"])], "csrf_token": site.csrf(site.admin)})
+            r = c.post(
+                "/tidemark/dlq/api/redrive",
+                headers={"Origin": site.stack.url},
+                data={"ids": [str(ids["json"])], "csrf_token": site.csrf(site.admin)},
+            )
         assert r.status_code == 200 and "Triggered" in r.text
         run_id = re.search(r"/dags/tidemark_orders_redrive/runs/([^\"]+)\"", r.text)[1]
         got = api.get(f"/dags/{dag}/dagRuns/{run_id}").json()
@@ -437,9 +565,13 @@ def test_a_record_shows_the_headers_as_the_source_had_them_and_the_source_time(s
 
     exact = '{"b": 1,  "a": "x\\u0000y"}'
     with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
-        rid = add(c, headers={"_tm_unstorable_headers_base64": "eA=="},
-                  source_headers=exact.encode(), source_kept=True,
-                  source_ts=datetime(2026, 3, 1, 12, 34, 56, 789012, tzinfo=UTC))
+        rid = add(
+            c,
+            headers={"_tm_unstorable_headers_base64": "eA=="},
+            source_headers=exact.encode(),
+            source_kept=True,
+            source_ts=datetime(2026, 3, 1, 12, 34, 56, 789012, tzinfo=UTC),
+        )
         old = add(c, headers={"z": 1}, source_kept=False, source_note=letters.SOURCE_GONE)
     with site.client(site.admin) as c:
         page = c.get(f"/tidemark/dlq/record/{rid}").text
@@ -449,7 +581,7 @@ def test_a_record_shows_the_headers_as_the_source_had_them_and_the_source_time(s
         assert base64.b64decode(api["source_headers"]).decode() == exact
         assert api["source_ts"] == "2026-03-01T12:34:56.789012+00:00"
         page = c.get(f"/tidemark/dlq/record/{old}").text
-        assert '&#34;z&#34;: 1' in page and str(escape(letters.SOURCE_GONE)) in page
+        assert "&#34;z&#34;: 1" in page and str(escape(letters.SOURCE_GONE)) in page
 
 
 # -- bounded payloads ---------------------------------------------------------------------------
@@ -462,21 +594,26 @@ def test_a_10_mb_payload_shows_a_bounded_page_and_downloads_whole(site):
         page = c.get(f"/tidemark/dlq/record/{rid}")
         assert page.status_code == 200, page.text
         assert len(page.content) < 400_000  # 256 KiB of the payload, escaped, and the page
-        assert "first 262,144 bytes" in page.text and f"{len(payload) - 262_144:,} more bytes" \
-            in page.text
+        assert (
+            "first 262,144 bytes" in page.text
+            and f"{len(payload) - 262_144:,} more bytes" in page.text
+        )
         href = re.search(r'href="([^"]+)" id="download-payload"', page.text)[1]
         assert href == f"/tidemark/dlq/api/records/{rid}/payload"
         api = c.get(f"/tidemark/dlq/api/records/{rid}")
         assert api.status_code == 200 and len(api.content) < 800_000
         rec = api.json()
         assert (rec["payload"], rec["payload_size"], rec["payload_complete"]) == (
-            None, len(payload), False)
+            None,
+            len(payload),
+            False,
+        )
         assert rec["payload_download"] == href
         with c.stream("GET", href) as r:
-            assert r.status_code == 200 and r.headers["content-type"] == \
-                "application/octet-stream"
-            assert r.headers["content-disposition"] == \
-                f'attachment; filename="dead-letter-{rid}.bin"'
+            assert r.status_code == 200 and r.headers["content-type"] == "application/octet-stream"
+            assert (
+                r.headers["content-disposition"] == f'attachment; filename="dead-letter-{rid}.bin"'
+            )
             digest, got = hashlib.sha256(), 0
             for chunk in r.iter_bytes():
                 digest.update(chunk)
@@ -488,8 +625,10 @@ def test_a_10_mb_payload_shows_a_bounded_page_and_downloads_whole(site):
         r = c.get(f"/tidemark/dlq/record/{nested}")
         assert r.status_code == 200, r.text
         assert "shown as text" in r.text and "[[[[[[[[" in r.text
-        assert c.get(f"/tidemark/dlq/api/records/{nested}").json()["payload_rendered"][
-            "kind"] == "text"
+        assert (
+            c.get(f"/tidemark/dlq/api/records/{nested}").json()["payload_rendered"]["kind"]
+            == "text"
+        )
         r = c.get(f"/tidemark/dlq/api/records/{nested}", params={"format": "json"})
         assert r.status_code == 400 and "nested too deeply" in r.json()["detail"]
     with site.client(site.viewer) as c:  # read access is enough for the bytes; none: 401
@@ -501,8 +640,10 @@ def test_export_streams_big_letters_whole(site):
     payloads = [os.urandom(3_000_000) for _ in range(3)]
     with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
         ids = [add(c, pipeline="other", payload=p) for p in payloads]
-    with site.client(site.admin) as c, c.stream(
-            "GET", "/tidemark/dlq/api/export", params={"ids": ",".join(map(str, ids))}) as r:
+    with (
+        site.client(site.admin) as c,
+        c.stream("GET", "/tidemark/dlq/api/export", params={"ids": ",".join(map(str, ids))}) as r,
+    ):
         assert r.status_code == 200
         lines = exported(r.iter_lines())
     assert [x["id"] for x in lines] == ids
@@ -513,9 +654,11 @@ def _cut_the_ledger(site: Site) -> int:
     """SIGTERM-equivalent for the server's ledger session mid-stream: the backend serving a
     download or export is terminated, as a PostgreSQL restart or failover would."""
     with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
-        return c.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                         "WHERE datname = current_database() AND pid <> pg_backend_pid() "
-                         "AND xact_start IS NOT NULL").fetchone()[0]
+        return c.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+            "AND xact_start IS NOT NULL"
+        ).fetchone()[0]
 
 
 def test_an_export_or_download_cut_midway_is_a_broken_transfer_never_a_clean_one(site):
@@ -530,8 +673,10 @@ def test_an_export_or_download_cut_midway_is_a_broken_transfer_never_a_clean_one
         whole = c.get("/tidemark/dlq/api/export", params=query).text.splitlines()
         assert [x["id"] for x in exported(whole)] == ids
         lines: list[str] = []
-        with pytest.raises(httpx.TransportError), \
-                c.stream("GET", "/tidemark/dlq/api/export", params=query) as r:
+        with (
+            pytest.raises(httpx.TransportError),
+            c.stream("GET", "/tidemark/dlq/api/export", params=query) as r,
+        ):
             assert r.status_code == 200
             for line in r.iter_lines():
                 if not lines:
@@ -543,8 +688,10 @@ def test_an_export_or_download_cut_midway_is_a_broken_transfer_never_a_clean_one
             big = os.urandom(40_000_000)  # more than the sockets between hold: still sending
             rid = add(conn, pipeline="other", payload=big)
         got = b""
-        with pytest.raises(httpx.TransportError), \
-                c.stream("GET", f"/tidemark/dlq/api/records/{rid}/payload") as r:
+        with (
+            pytest.raises(httpx.TransportError),
+            c.stream("GET", f"/tidemark/dlq/api/records/{rid}/payload") as r,
+        ):
             for chunk in r.iter_bytes():
                 if not got:
                     assert _cut_the_ledger(site) == 1
@@ -562,7 +709,7 @@ def test_request_bodies_are_capped_before_auth_and_parsing(site):
     def chunked():  # no Content-Length: the cap counts the bytes as they come
         data = json.dumps(big).encode()
         for i in range(0, len(data), 64 * 1024):
-            yield data[i:i + 64 * 1024]
+            yield data[i : i + 64 * 1024]
 
     for creds in ({}, {"token": site.admin}):
         with site.client(**creds) as c:
@@ -578,8 +725,10 @@ def test_request_bodies_are_capped_before_auth_and_parsing(site):
         assert r.status_code == 413 and r.headers["content-type"].startswith("text/html")
         assert "request body too large" in r.text
         assert site.letter(rid)[0] == "quarantined"
-        r = c.post(url, data={"ids": str(rid), "note": "fits", "csrf_token": token,
-                              "padding": "y" * 1_500_000})  # under the cap: parsed as usual
+        r = c.post(
+            url,
+            data={"ids": str(rid), "note": "fits", "csrf_token": token, "padding": "y" * 1_500_000},
+        )  # under the cap: parsed as usual
     assert r.status_code == 200 and f"Discarded 1 dead letter(s): {rid}" in r.text
     assert site.letter(rid)[:2] == ("discarded", "admin")
 
@@ -603,11 +752,17 @@ def test_a_trickled_body_is_cut_off_and_bodies_where_none_belong_are_refused(sit
     """Before authentication, a chunked body that stops arriving holds the connection for at
     most the body time limit, then gets a 408; a GET with a body is a 400 (issue 34)."""
     url = "/tidemark/dlq/api/discard"
-    answer = _raw(site, (f"POST {url} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-                         f"\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{{\"ids\r\n").encode())
+    answer = _raw(
+        site,
+        (
+            f"POST {url} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            f'\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{{"ids\r\n'
+        ).encode(),
+    )
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
-    answer = _raw(site, b"GET /tidemark/dlq/api/records HTTP/1.1\r\nHost: x\r\n"
-                        b"Content-Length: 5\r\n\r\nhello")
+    answer = _raw(
+        site, b"GET /tidemark/dlq/api/records HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
+    )
     assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
     with site.client(token=site.admin) as c:  # a GET without a body is as it was
         assert c.get("/tidemark/dlq/api/records", params={"limit": 1}).status_code == 200
@@ -634,8 +789,11 @@ def test_csrf_tokens_are_masked_per_page_and_outlive_airflows_token_refresh(site
         for bad in (viewer, tampered, t1[:64], "zz" * 64, ""):  # another user's, broken ones
             r = c.post(url, data={"ids": str(third), "note": "x", "csrf_token": bad})
             assert r.status_code == 403 and "CSRF token" in r.text, bad
-            r = c.post(url, json={"ids": [third], "note": "x"}, headers={"X-CSRF-Token": bad}
-                       if bad else {})
+            r = c.post(
+                url,
+                json={"ids": [third], "note": "x"},
+                headers={"X-CSRF-Token": bad} if bad else {},
+            )
             assert r.status_code == 403, bad
     assert site.letter(first)[0] == site.letter(second)[0] == "discarded"
     assert site.letter(third)[0] == "quarantined"
@@ -647,30 +805,49 @@ def test_letters_one_may_not_see_are_not_found(site):
         hidden, mine = add(c, pipeline="other"), add(c)
     missing = 99_998
     with site.client(site.scoped) as c:
-        listed = [x["id"] for x in c.get("/tidemark/dlq/api/records",
-                                         params={"status": "any"}).json()["records"]]
+        listed = [
+            x["id"]
+            for x in c.get("/tidemark/dlq/api/records", params={"status": "any"}).json()["records"]
+        ]
         assert mine in listed and hidden not in listed
         r = c.get("/tidemark/dlq/api/records", params={"pipeline": "other", "status": "any"})
         assert r.status_code == 200 and r.json()["records"] == []
-        for path in ("/tidemark/dlq/api/records/{}", "/tidemark/dlq/api/records/{}/payload",
-                     "/tidemark/dlq/record/{}"):
+        for path in (
+            "/tidemark/dlq/api/records/{}",
+            "/tidemark/dlq/api/records/{}/payload",
+            "/tidemark/dlq/record/{}",
+        ):
             seen, absent = c.get(path.format(hidden)), c.get(path.format(missing))
             assert seen.status_code == absent.status_code == 404, (path, seen.text)
-            assert re.sub(rf"\b{hidden}\b", "N", seen.text) == \
-                re.sub(rf"\b{missing}\b", "N", absent.text)
+            assert re.sub(rf"\b{hidden}\b", "N", seen.text) == re.sub(
+                rf"\b{missing}\b", "N", absent.text
+            )
             assert "other" not in seen.text
-        r = c.post("/tidemark/dlq/api/discard",
-                   json={"ids": [hidden, missing, mine], "note": "scoped"})
+        r = c.post(
+            "/tidemark/dlq/api/discard", json={"ids": [hidden, missing, mine], "note": "scoped"}
+        )
         assert r.status_code == 200, r.text
-        assert r.json() == {"discarded": [mine], "by": SCOPED_USER, "skipped": [
-            {"id": hidden, "reason": "no such dead letter"},
-            {"id": missing, "reason": "no such dead letter"}]}
+        assert r.json() == {
+            "discarded": [mine],
+            "by": SCOPED_USER,
+            "skipped": [
+                {"id": hidden, "reason": "no such dead letter"},
+                {"id": missing, "reason": "no such dead letter"},
+            ],
+        }
         r = c.post("/tidemark/dlq/api/redrive", json={"ids": [hidden, missing]})
-        assert r.status_code == 200 and r.json() == {"runs": [], "errors": [], "skipped": [
-            {"id": hidden, "reason": "no such dead letter"},
-            {"id": missing, "reason": "no such dead letter"}]}
-        for r in (c.post("/tidemark/dlq/api/export", json={"ids": [hidden, mine]}),
-                  c.get("/tidemark/dlq/api/export", params={"ids": f"{hidden},{mine}"})):
+        assert r.status_code == 200 and r.json() == {
+            "runs": [],
+            "errors": [],
+            "skipped": [
+                {"id": hidden, "reason": "no such dead letter"},
+                {"id": missing, "reason": "no such dead letter"},
+            ],
+        }
+        for r in (
+            c.post("/tidemark/dlq/api/export", json={"ids": [hidden, mine]}),
+            c.get("/tidemark/dlq/api/export", params={"ids": f"{hidden},{mine}"}),
+        ):
             assert r.status_code == 200
             assert [x["id"] for x in exported(r.text.splitlines())] == [mine]
     assert site.letter(hidden)[0] == "quarantined"
@@ -702,11 +879,14 @@ def test_the_ledger_unavailable_is_a_503_without_its_address(site):
     assert api.json() == {"detail": "the ledger database is unavailable; try again later"}
     assert page.status_code == 503 and port not in page.text and led not in page.text
     assert re.search(r'id="error-message">([^<]*)<', page.text)[1] == (
-        "the ledger database is unavailable; try again later")
+        "the ledger database is unavailable; try again later"
+    )
 
     # A query that fails (here: a lock it may not wait for) says the same, nothing more.
-    with psycopg.connect(site.env.ledger_dsn) as holder, \
-            psycopg.connect(admin_db, autocommit=True) as admin:
+    with (
+        psycopg.connect(site.env.ledger_dsn) as holder,
+        psycopg.connect(admin_db, autocommit=True) as admin,
+    ):
         holder.execute("LOCK TABLE tidemark.dlq IN ACCESS EXCLUSIVE MODE")
         admin.execute(f"ALTER DATABASE \"{led}\" SET lock_timeout = '200ms'")  # new sessions
         try:
@@ -726,15 +906,19 @@ def test_redrive_all_matching_is_one_request_made_from_the_filters(site):
     site.stack.wait_dag(dag)
     ids = site.ids
     with site.client(cookie=site.admin) as c:
-        html = c.get("/tidemark/dlq/", params={"pipeline": "orders",
-                                                "error_class": "sink_write"}).text
+        html = c.get(
+            "/tidemark/dlq/", params={"pipeline": "orders", "error_class": "sink_write"}
+        ).text
         assert 'id="redrive-all"' in html and "Redrive all 2 matching" in html
         # The button leads to a confirm step: the count the server finds, then the form.
         href = re.search(r'id="redrive-all" href="([^"]+)"', html)[1].replace("&amp;", "&")
         page = c.get(href)
     assert page.status_code == 200, page.text
-    assert re.search(r"Redrive <b>2</b> quarantined dead letters matching pipeline orders, "
-                     r"class sink_write\?", page.text), page.text
+    assert re.search(
+        r"Redrive <b>2</b> quarantined dead letters matching pipeline orders, "
+        r"class sink_write\?",
+        page.text,
+    ), page.text
     assert 'name="all_matching"' in page.text and 'name="expected" value="2"' in page.text
     assert 'name="error_class" value="sink_write"' in page.text
     with site.client(site.viewer) as c:
@@ -742,33 +926,46 @@ def test_redrive_all_matching_is_one_request_made_from_the_filters(site):
         assert 'id="redrive-all"' not in html and 'id="discard-all"' not in html
         r = c.get("/tidemark/dlq/confirm", params={"action": "redrive", "pipeline": "orders"})
         assert r.status_code == 403, r.text
-        r = c.post("/tidemark/dlq/api/redrive", json={"all_matching": True,
-                                                      "pipeline": "orders"})
+        r = c.post("/tidemark/dlq/api/redrive", json={"all_matching": True, "pipeline": "orders"})
         assert r.status_code == 403, r.text
     with site.stack.api(site.admin) as api:
         api.patch(f"/dags/{dag}", json={"is_paused": True}).raise_for_status()
         with site.client(site.admin) as c:
             r = c.post("/tidemark/dlq/api/redrive", json={"all_matching": True})
             assert r.status_code == 400 and "pipeline: choose" in r.json()["detail"]
-            r = c.post("/tidemark/dlq/api/redrive", json={
-                "all_matching": True, "pipeline": "orders", "error_class": "sink_write"})
+            r = c.post(
+                "/tidemark/dlq/api/redrive",
+                json={"all_matching": True, "pipeline": "orders", "error_class": "sink_write"},
+            )
             assert r.status_code == 200, r.text
             # More match than were confirmed: no request, nothing triggered.
-            fewer = c.post("/tidemark/dlq/api/redrive", json={
-                "all_matching": True, "pipeline": "orders", "error_class": "sink_write",
-                "expected": 1})
+            fewer = c.post(
+                "/tidemark/dlq/api/redrive",
+                json={
+                    "all_matching": True,
+                    "pipeline": "orders",
+                    "error_class": "sink_write",
+                    "expected": 1,
+                },
+            )
         assert fewer.status_code == 502, fewer.text
-        assert fewer.json()["runs"] == [] and "not the 1 confirmed" in \
-            fewer.json()["errors"][0]["error"]
+        assert (
+            fewer.json()["runs"] == []
+            and "not the 1 confirmed" in fewer.json()["errors"][0]["error"]
+        )
         (run,) = r.json()["runs"]
         assert (run["letters"], run["ids"]) == (2, [])
         got = api.get(f"/dags/{dag}/dagRuns/{run['dag_run_id']}").json()
         assert got["conf"] == {"request": run["request"], "requested_by": "admin"}
-        assert site.request(run["request"]) == ("orders", "admin",
-                                                [ids["redrive1"], ids["redrive2"]])
-        assert site.env.ledger("SELECT selection FROM tidemark.redrive_requests WHERE "
-                               "request_id = %s", (run["request"],)) == \
-            [({"pipeline": "orders", "error_class": "sink_write"},)]
+        assert site.request(run["request"]) == (
+            "orders",
+            "admin",
+            [ids["redrive1"], ids["redrive2"]],
+        )
+        assert site.env.ledger(
+            "SELECT selection FROM tidemark.redrive_requests WHERE request_id = %s",
+            (run["request"],),
+        ) == [({"pipeline": "orders", "error_class": "sink_write"},)]
 
 
 def test_redrive_never_calls_the_host_the_client_names(site):
@@ -784,8 +981,11 @@ def test_redrive_never_calls_the_host_the_client_names(site):
         with site.stack.api(site.admin) as api:
             api.patch(f"/dags/{dag}", json={"is_paused": True}).raise_for_status()
             with site.client(site.admin) as c:
-                r = c.post("/tidemark/dlq/api/redrive", json={"ids": [site.ids["redrive2"]]},
-                           headers={"Host": f"127.0.0.1:{trap.getsockname()[1]}"})
+                r = c.post(
+                    "/tidemark/dlq/api/redrive",
+                    json={"ids": [site.ids["redrive2"]]},
+                    headers={"Host": f"127.0.0.1:{trap.getsockname()[1]}"},
+                )
             assert r.status_code == 200, r.text
             (run,) = r.json()["runs"]
             got = api.get(f"/dags/{dag}/dagRuns/{run['dag_run_id']}").json()
@@ -801,13 +1001,21 @@ def test_redrive_never_calls_the_host_the_client_names(site):
 def test_search_on_the_reason_and_discard_all_matching_after_a_confirm_step(site):
     env = site.env
     with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
-        bad = [add(c, pipeline="other", cls="validation",
-                   reason=f"expect_column_values_to_be_between(column=amount): unexpected "
-                          f"value -{i}.5") for i in range(3)]
+        bad = [
+            add(
+                c,
+                pipeline="other",
+                cls="validation",
+                reason=f"expect_column_values_to_be_between(column=amount): unexpected "
+                f"value -{i}.5",
+            )
+            for i in range(3)
+        ]
         keep = add(c, pipeline="other", cls="validation", reason="origin 'BOS' not in set")
     with site.client(site.admin) as c:
-        r = c.get("/tidemark/dlq/api/records", params={"pipeline": "other",
-                                                        "reason": "COLUMN=AMOUNT"})
+        r = c.get(
+            "/tidemark/dlq/api/records", params={"pipeline": "other", "reason": "COLUMN=AMOUNT"}
+        )
         assert sorted(x["id"] for x in r.json()["records"]) == bad
         r = c.get("/tidemark/dlq/api/records", params={"reason": "x" * 201})
         assert r.status_code == 400 and "at most 200" in r.json()["detail"]
@@ -821,33 +1029,49 @@ def test_search_on_the_reason_and_discard_all_matching_after_a_confirm_step(site
         href = re.search(r'id="discard-all" href="([^"]+)"', html)[1].replace("&amp;", "&")
         page = c.get(href)
         assert page.status_code == 200, page.text
-        assert "Discard <b>3</b> quarantined dead letters matching pipeline other, reason " \
+        assert (
+            "Discard <b>3</b> quarantined dead letters matching pipeline other, reason "
             "contains &#39;amount&#39;?" in page.text
+        )
         form = dict(re.findall(r'<input type="hidden" name="(\w+)" value="([^"]*)"', page.text))
         assert form["expected"] == "3" and form["reason"] == "amount"
         assert form["all_matching"] == "1" and form["csrf_token"]
         # no CSRF token: refused, as every cookie POST
-        r = c.post("/tidemark/dlq/api/discard", data={**form, "csrf_token": "",
-                                                      "note": "bad amounts"})
+        r = c.post(
+            "/tidemark/dlq/api/discard", data={**form, "csrf_token": "", "note": "bad amounts"}
+        )
         assert r.status_code == 403
-        r = c.post("/tidemark/dlq/api/discard", data={**form, "note": "bad amounts"},
-                   headers={"Origin": site.stack.url})
+        r = c.post(
+            "/tidemark/dlq/api/discard",
+            data={**form, "note": "bad amounts"},
+            headers={"Origin": site.stack.url},
+        )
     assert r.status_code == 200, r.text
     assert "Discarded 3 dead letter(s) matching pipeline other, reason contains" in r.text
     assert [site.letter(i) for i in bad] == [("discarded", "admin", "bad amounts")] * 3
     assert site.letter(keep)[0] == "quarantined"
     with site.client(site.scoped) as c:  # sees and edits orders only: other is not theirs
-        r = c.post("/tidemark/dlq/api/discard", json={
-            "all_matching": True, "pipeline": "other", "note": "x"})
+        r = c.post(
+            "/tidemark/dlq/api/discard",
+            json={"all_matching": True, "pipeline": "other", "note": "x"},
+        )
         assert r.status_code == 403, r.text
     with site.client(site.admin) as c:
         r = c.post("/tidemark/dlq/api/discard", json={"all_matching": True, "note": "x"})
         assert r.status_code == 400 and "pipeline: choose" in r.json()["detail"]
-        r = c.post("/tidemark/dlq/api/discard", json={
-            "all_matching": True, "pipeline": "other", "reason": "BOS", "note": "x",
-            "expected": 0})
-        assert r.status_code == 400 and "1 dead letter(s) match now, not the 0" in \
-            r.json()["detail"]
+        r = c.post(
+            "/tidemark/dlq/api/discard",
+            json={
+                "all_matching": True,
+                "pipeline": "other",
+                "reason": "BOS",
+                "note": "x",
+                "expected": 0,
+            },
+        )
+        assert (
+            r.status_code == 400 and "1 dead letter(s) match now, not the 0" in r.json()["detail"]
+        )
     assert site.letter(keep)[0] == "quarantined"
 
 
@@ -869,9 +1093,11 @@ def test_a_letter_that_grows_when_rendered_gets_bounded_pages(site):
             rendered = api.json()["payload_rendered"]
             if fmt in ("auto", "json"):
                 assert rendered["kind"] == "text"
-                assert rendered["text"].endswith("not pretty-printed: indented, this JSON would "
-                                                 "pass 524,288 characters; this is its plain "
-                                                 "text")
+                assert rendered["text"].endswith(
+                    "not pretty-printed: indented, this JSON would "
+                    "pass 524,288 characters; this is its plain "
+                    "text"
+                )
                 assert "not pretty-printed" in page.text
                 assert 'id="download-payload"' in page.text
             if fmt == "hex":
@@ -884,22 +1110,31 @@ def test_ids_past_bigint_are_a_400_naming_the_field(site):
     with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
         rid = add(c)
     with site.client(site.admin) as c:
-        for r in (c.get("/tidemark/dlq/api/export", params={"ids": huge}),
-                  c.get("/tidemark/dlq/api/records", params={"ids": f"{rid},{huge}"}),
-                  *(c.post(f"/tidemark/dlq/api/{action}", json={"ids": [rid, int(huge)],
-                                                                 "note": "x"})
-                    for action in ("discard", "redrive", "export")),
-                  c.post("/tidemark/dlq/api/discard", json={"ids": huge, "note": "x"})):
+        for r in (
+            c.get("/tidemark/dlq/api/export", params={"ids": huge}),
+            c.get("/tidemark/dlq/api/records", params={"ids": f"{rid},{huge}"}),
+            *(
+                c.post(f"/tidemark/dlq/api/{action}", json={"ids": [rid, int(huge)], "note": "x"})
+                for action in ("discard", "redrive", "export")
+            ),
+            c.post("/tidemark/dlq/api/discard", json={"ids": huge, "note": "x"}),
+        ):
             assert r.status_code == 400, (r.request.url, r.text)
-            assert re.fullmatch(rf"ids: '?{huge}'? is not a dead-letter id \(a positive "
-                                r"integer up to 9,223,372,036,854,775,807\)",
-                                r.json()["detail"]), r.text
+            assert re.fullmatch(
+                rf"ids: '?{huge}'? is not a dead-letter id \(a positive "
+                r"integer up to 9,223,372,036,854,775,807\)",
+                r.json()["detail"],
+            ), r.text
         r = c.get("/tidemark/dlq/api/records", params={"before": huge})
-        assert r.status_code == 400 and r.json()["detail"] == \
-            f"before '{huge}': at most 9,223,372,036,854,775,807"
+        assert (
+            r.status_code == 400
+            and r.json()["detail"] == f"before '{huge}': at most 9,223,372,036,854,775,807"
+        )
         r = c.get(f"/tidemark/dlq/api/records/{huge}")
-        assert r.status_code == 400 and r.json()["detail"] == \
-            f"id '{huge}': at most 9,223,372,036,854,775,807"
+        assert (
+            r.status_code == 400
+            and r.json()["detail"] == f"id '{huge}': at most 9,223,372,036,854,775,807"
+        )
     assert site.letter(rid)[0] == "quarantined"
 
 
@@ -911,14 +1146,23 @@ def test_bodies_of_the_wrong_shape_are_a_400_naming_the_field(site):
         ("discard", {"ids": [rid], "note": ["x"]}, "note ['x']: expected text"),
         ("discard", {"ids": {"a": rid}, "note": "x"}, "ids"),
         ("discard", {"ids": [rid], "note": "x", "back": 5}, "back 5: expected text"),
-        ("discard", {"all_matching": True, "pipeline": ["orders"], "note": "x"},
-         "pipeline ['orders']: expected text"),
+        (
+            "discard",
+            {"all_matching": True, "pipeline": ["orders"], "note": "x"},
+            "pipeline ['orders']: expected text",
+        ),
         ("discard", {"all_matching": True, "pipeline": "orders", "note": {"a": 1}}, "note"),
         ("redrive", {"ids": [[rid]]}, "ids"),
-        ("redrive", {"ids": [rid], "all_matching": [1]}, "all_matching [1]: expected true or "
-                                                         "false"),
-        ("redrive", {"all_matching": True, "pipeline": "orders", "expected": 1.5},
-         "expected 1.5: expected a count"),
+        (
+            "redrive",
+            {"ids": [rid], "all_matching": [1]},
+            "all_matching [1]: expected true or false",
+        ),
+        (
+            "redrive",
+            {"all_matching": True, "pipeline": "orders", "expected": 1.5},
+            "expected 1.5: expected a count",
+        ),
         ("redrive", {"all_matching": True, "pipeline": "orders", "sink": 7}, "sink 7"),
         ("export", {"ids": [True]}, "ids"),
     ]
@@ -933,10 +1177,14 @@ def test_bodies_of_the_wrong_shape_are_a_400_naming_the_field(site):
 def test_the_trailing_slash_redirect_is_relative(site):
     for creds in ({}, {"headers": {"Authorization": f"Bearer {site.admin}"}}):
         with httpx.Client(base_url=site.stack.url, timeout=60, **creds) as c:
-            for path, to in (("/tidemark/dlq", "/tidemark/dlq/"),
-                             ("/tidemark/dlq?status=any&pipeline=orders",
-                              "/tidemark/dlq/?status=any&pipeline=orders"),
-                             ("/tidemark/dlq/api/records/", "/tidemark/dlq/api/records")):
+            for path, to in (
+                ("/tidemark/dlq", "/tidemark/dlq/"),
+                (
+                    "/tidemark/dlq?status=any&pipeline=orders",
+                    "/tidemark/dlq/?status=any&pipeline=orders",
+                ),
+                ("/tidemark/dlq/api/records/", "/tidemark/dlq/api/records"),
+            ):
                 r = c.get(path, headers={"Host": "evil.example"})
                 assert r.status_code == 307, (path, r.status_code, r.text)
                 assert r.headers["location"] == to, (path, creds)

@@ -23,11 +23,19 @@ T0 = datetime(2024, 5, 1, 12, 0, 0, 123456, tzinfo=UTC)
 
 def rec(p: int, o: int) -> dict:
     # Invalid UTF-8 (\xff, \xc3\x28), NUL bytes, tombstones and null keys/headers on purpose.
-    payload = None if o % 11 == 7 else b"\x00\xff" + bytes([o % 256]) + b"\xc3(" + f"{p}:{o}".encode()
+    payload = (
+        None if o % 11 == 7 else b"\x00\xff" + bytes([o % 256]) + b"\xc3(" + f"{p}:{o}".encode()
+    )
     key = None if o % 3 == 0 else b"k\x00" + o.to_bytes(8, "big")
     headers = None if o % 4 == 0 else {"h": f"v{o}", "n": o, "u": "é"}
-    return {"partition": p, "offset": o, "key": key, "payload": payload, "headers": headers,
-            "ts": T0 + timedelta(seconds=o, microseconds=o)}
+    return {
+        "partition": p,
+        "offset": o,
+        "key": key,
+        "payload": payload,
+        "headers": headers,
+        "ts": T0 + timedelta(seconds=o, microseconds=o),
+    }
 
 
 # partition -> segments (lists of offsets). p1 has gaps inside segments and between them.
@@ -54,9 +62,16 @@ def archive(request, tmp_path):
 
 
 # Files that are no segment, which the planner and the reader must ignore.
-NOISE = ["README", "notes.txt", "_SUCCESS", f".{seg_name(0, 'parquet')}.crc",
-         f".{seg_name(30, 'jsonl')}.tmp-0a1b", f"{seg_name(30, 'parquet')}.tmp",
-         f"{seg_name(30, 'parquet')}.crc", f"{seg_name(30, 'jsonl')}._COPYING_"]
+NOISE = [
+    "README",
+    "notes.txt",
+    "_SUCCESS",
+    f".{seg_name(0, 'parquet')}.crc",
+    f".{seg_name(30, 'jsonl')}.tmp-0a1b",
+    f"{seg_name(30, 'parquet')}.tmp",
+    f"{seg_name(30, 'parquet')}.crc",
+    f"{seg_name(30, 'jsonl')}._COPYING_",
+]
 
 
 def add_noise(root) -> None:
@@ -92,23 +107,37 @@ def expected(p: int, offsets) -> list[dict]:
     out = []
     for o in offsets:
         r = rec(p, o)
-        out.append({"_tm_partition": p, "_tm_offset": o, "_tm_key": r["key"],
-                    "_tm_payload": r["payload"], "_tm_headers": r["headers"], "_tm_ts": r["ts"]})
+        out.append(
+            {
+                "_tm_partition": p,
+                "_tm_offset": o,
+                "_tm_key": r["key"],
+                "_tm_payload": r["payload"],
+                "_tm_headers": r["headers"],
+                "_tm_ts": r["ts"],
+            }
+        )
     return out
 
 
 def normalized(got: list[dict]) -> list[dict]:
-    return [{**g, "_tm_headers": None if g["_tm_headers"] is None else json.loads(g["_tm_headers"])}
-            for g in got]
+    return [
+        {**g, "_tm_headers": None if g["_tm_headers"] is None else json.loads(g["_tm_headers"])}
+        for g in got
+    ]
 
 
 # --- planning ---------------------------------------------------------------------------------
+
 
 def test_layout_written_by_write_segment(archive):
     root, fmt = archive
     names = sorted(os.listdir(root / "partition=1"))
     assert [n for n in names if n.endswith(fmt) and not n.startswith(".")] == [
-        seg_name(100, fmt), seg_name(110, fmt), seg_name(120, fmt)]
+        seg_name(100, fmt),
+        seg_name(110, fmt),
+        seg_name(120, fmt),
+    ]
     assert not [n for n in names if ".tmp-" in n]  # temp names renamed away
     with pytest.raises(TidemarkError, match="immutable"):
         fa.write_segment(str(root), 1, [rec(1, 100)], fmt)
@@ -170,8 +199,10 @@ def test_parquet_without_statistics_falls_back_to_offset_column(tmp_path):
     folder.mkdir()
     table = pa.Table.from_pylist([fa._arrow_row(rec(4, o)) for o in (3, 4, 9)], fa._ARROW_SCHEMA)
     pq.write_table(table, folder / seg_name(3, "parquet"), write_statistics=False)
-    assert pq.ParquetFile(folder / seg_name(3, "parquet")).metadata.row_group(0).column(1) \
-        .statistics is None
+    assert (
+        pq.ParquetFile(folder / seg_name(3, "parquet")).metadata.row_group(0).column(1).statistics
+        is None
+    )
     assert planner(tmp_path, "parquet").safe_end(4, 3, 100) == 10
     assert normalized(rows(read(tmp_path, "parquet", 4, 4, 10))) == expected(4, [4, 9])
 
@@ -186,6 +217,7 @@ def test_jsonl_tail_read_in_small_chunks(tmp_path, monkeypatch):
 
 
 # --- reading ----------------------------------------------------------------------------------
+
 
 def test_read_range_exact_across_segment_boundary(archive):
     root, fmt = archive
@@ -203,7 +235,8 @@ def test_read_range_with_gaps(archive):
     assert normalized(got) == expected(1, [101, 102, 105, 107, 110, 111, 112, 113, 114, 120])
     assert read(root, fmt, 1, 103, 105) == []  # a range inside a gap holds no record
     assert normalized(rows(read(root, fmt, 1, 108, 126))) == expected(
-        1, [110, 111, 112, 113, 114, 120, 125])
+        1, [110, 111, 112, 113, 114, 120, 125]
+    )
 
 
 def test_payloads_read_again_by_offset_across_segments_and_gaps(archive, monkeypatch):
@@ -211,10 +244,14 @@ def test_payloads_read_again_by_offset_across_segments_and_gaps(archive, monkeyp
     root, fmt = archive
     monkeypatch.setattr(sources, "REFETCH_GAP", 4)  # so offsets far apart read as two ranges
     wanted = {0: [14, 6, 7], 1: [120, 101]}
-    whole = {(p, g["_tm_offset"]): g["_tm_payload"]
-             for p, a, b in ((0, 5, 15), (1, 101, 123)) for g in rows(read(root, fmt, p, a, b))}
+    whole = {
+        (p, g["_tm_offset"]): g["_tm_payload"]
+        for p, a, b in ((0, 5, 15), (1, 101, 123))
+        for g in rows(read(root, fmt, p, a, b))
+    }
     assert sources.PayloadReader(spec(root, fmt)).payloads(wanted) == {
-        (p, o): whole[(p, o)] for p, offs in wanted.items() for o in offs}
+        (p, o): whole[(p, o)] for p, offs in wanted.items() for o in offs
+    }
     with pytest.raises(TidemarkError, match=r"source record 1/103 and 1 more is gone"):
         sources.PayloadReader(spec(root, fmt)).payloads({1: [102, 103, 104]})
 
@@ -228,10 +265,13 @@ def test_batches_hold_at_most_batch_rows(archive, monkeypatch):
 
 
 def test_parquet_row_groups_pruned_correctly(tmp_path):
-    fa.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(0, 20)], "parquet",
-                     row_group_size=3)
-    assert pq.ParquetFile(tmp_path / "partition=0" / seg_name(0, "parquet")) \
-        .metadata.num_row_groups == 7
+    fa.write_segment(
+        str(tmp_path), 0, [rec(0, o) for o in range(0, 20)], "parquet", row_group_size=3
+    )
+    assert (
+        pq.ParquetFile(tmp_path / "partition=0" / seg_name(0, "parquet")).metadata.num_row_groups
+        == 7
+    )
     for a, b in [(0, 1), (2, 3), (3, 6), (5, 14), (19, 20), (0, 20)]:
         assert normalized(rows(read(tmp_path, "parquet", 0, a, b))) == expected(0, range(a, b))
 
@@ -267,18 +307,26 @@ def test_corrupt_unrelated_segment_does_not_matter(archive):
 
 # --- bad archives -----------------------------------------------------------------------------
 
+
 def write_lines(root, p: int, base: int, lines: list) -> str:
     folder = root / f"partition={p}"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / seg_name(base, "jsonl")
-    path.write_bytes(b"".join((ln if isinstance(ln, bytes) else json.dumps(ln).encode()) + b"\n"
-                              for ln in lines))
+    path.write_bytes(
+        b"".join((ln if isinstance(ln, bytes) else json.dumps(ln).encode()) + b"\n" for ln in lines)
+    )
     return seg_name(base, "jsonl")
 
 
 def jrow(p, o, **kw) -> dict:
-    row = {"partition": p, "offset": o, "key": None,
-           "payload": base64.b64encode(b"\x00x").decode(), "headers": None, "ts": 0}
+    row = {
+        "partition": p,
+        "offset": o,
+        "key": None,
+        "payload": base64.b64encode(b"\x00x").decode(),
+        "headers": None,
+        "ts": 0,
+    }
     row.update(kw)
     return row
 
@@ -306,16 +354,19 @@ def test_bad_partition_folder(tmp_path, folder):
         planner(tmp_path, "jsonl").partitions()
 
 
-@pytest.mark.parametrize(("line", "problem"), [
-    (jrow(0, 2, payload="%%%not base64"), "payload is not valid base64"),
-    (jrow(0, 2, key="YWJj!"), "key is not valid base64"),
-    (b'{"partition": 0, "offset": 2,', "not JSON"),
-    (jrow(0, 2, partition=1), "record of partition 1 in the folder of partition 0"),
-    (jrow(0, 1), "offset 1 after 1"),
-    (jrow(0, 2, headers=[1, 2]), "headers must be a JSON object"),
-    (jrow(0, 2, ts="yesterday"), "ts must be ISO-8601"),
-    (jrow(0, 25), r"offset 25 outside the segment's interval \[0, 20\)"),
-])
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        (jrow(0, 2, payload="%%%not base64"), "payload is not valid base64"),
+        (jrow(0, 2, key="YWJj!"), "key is not valid base64"),
+        (b'{"partition": 0, "offset": 2,', "not JSON"),
+        (jrow(0, 2, partition=1), "record of partition 1 in the folder of partition 0"),
+        (jrow(0, 1), "offset 1 after 1"),
+        (jrow(0, 2, headers=[1, 2]), "headers must be a JSON object"),
+        (jrow(0, 2, ts="yesterday"), "ts must be ISO-8601"),
+        (jrow(0, 25), r"offset 25 outside the segment's interval \[0, 20\)"),
+    ],
+)
 def test_bad_jsonl_line_names_file_and_line(tmp_path, line, problem):
     name = write_lines(tmp_path, 0, 0, [jrow(0, 0), jrow(0, 1), line, jrow(0, 30)])
     write_lines(tmp_path, 0, 20, [jrow(0, 20)])
@@ -324,13 +375,24 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path, line, problem):
 
 
 def test_jsonl_ts_forms(tmp_path):
-    write_lines(tmp_path, 0, 0, [jrow(0, 0, ts=1700000000123),
-                                 jrow(0, 1, ts="2024-01-02T03:04:05.123456Z"),
-                                 jrow(0, 2, ts="2024-01-02T03:04:05"), jrow(0, 3, ts=None)])
+    write_lines(
+        tmp_path,
+        0,
+        0,
+        [
+            jrow(0, 0, ts=1700000000123),
+            jrow(0, 1, ts="2024-01-02T03:04:05.123456Z"),
+            jrow(0, 2, ts="2024-01-02T03:04:05"),
+            jrow(0, 3, ts=None),
+        ],
+    )
     got = [g["_tm_ts"] for g in rows(read(tmp_path, "jsonl", 0, 0, 4))]
-    assert got == [datetime(2023, 11, 14, 22, 13, 20, 123000, tzinfo=UTC),
-                   datetime(2024, 1, 2, 3, 4, 5, 123456, tzinfo=UTC),
-                   datetime(2024, 1, 2, 3, 4, 5, tzinfo=UTC), None]
+    assert got == [
+        datetime(2023, 11, 14, 22, 13, 20, 123000, tzinfo=UTC),
+        datetime(2024, 1, 2, 3, 4, 5, 123456, tzinfo=UTC),
+        datetime(2024, 1, 2, 3, 4, 5, tzinfo=UTC),
+        None,
+    ]
 
 
 def test_bad_parquet_records(tmp_path):
@@ -339,7 +401,9 @@ def test_bad_parquet_records(tmp_path):
 
     def put(base, offsets, part=0, headers=None):
         rows_ = [fa._arrow_row({**rec(part, o), "headers": headers}) for o in offsets]
-        pq.write_table(pa.Table.from_pylist(rows_, fa._ARROW_SCHEMA), folder / seg_name(base, "parquet"))
+        pq.write_table(
+            pa.Table.from_pylist(rows_, fa._ARROW_SCHEMA), folder / seg_name(base, "parquet")
+        )
 
     put(0, [0, 1, 2], part=1)
     with pytest.raises(TidemarkError, match=f"{seg_name(0, 'parquet')}: record of partition 1"):
@@ -377,20 +441,34 @@ def test_headers_and_ts_of_letters_by_offset_gone_ones_left_out(archive, monkeyp
     for name in os.listdir(root / "partition=0"):
         if name == seg_name(0, fmt):  # retention: offsets 0 .. 9 are gone
             os.remove(root / "partition=0" / name)
-    pipeline = config.parse(json.dumps({
-        "name": "orders", "source": {"type": "file_archive", "uri": str(root), "format": fmt},
-        "decode": {"schema": {"id": "int"}}, "transform": {"select": {"id": "id"}},
-        "sinks": [{"name": "main", "dsn": "postgresql://h/db", "table": "public.t",
-                   "key": ["id"]}]}), "test", deep=False)
+    pipeline = config.parse(
+        json.dumps(
+            {
+                "name": "orders",
+                "source": {"type": "file_archive", "uri": str(root), "format": fmt},
+                "decode": {"schema": {"id": "int"}},
+                "transform": {"select": {"id": "id"}},
+                "sinks": [
+                    {"name": "main", "dsn": "postgresql://h/db", "table": "public.t", "key": ["id"]}
+                ],
+            }
+        ),
+        "test",
+        deep=False,
+    )
     got = sources.headers_and_ts(pipeline, {0: [14, 6, 12], 1: [120, 103, 101]})
-    whole = {(p, g["_tm_offset"]): (g["_tm_headers"], g["_tm_ts"])
-             for p, a, b in ((0, 10, 15), (1, 101, 121)) for g in rows(read(root, fmt, p, a, b))}
+    whole = {
+        (p, g["_tm_offset"]): (g["_tm_headers"], g["_tm_ts"])
+        for p, a, b in ((0, 10, 15), (1, 101, 121))
+        for g in rows(read(root, fmt, p, a, b))
+    }
     assert got == {k: whole[k] for k in ((0, 12), (0, 14), (1, 101), (1, 120))}
     headers, ts = got[(0, 14)]
     assert (json.loads(headers), ts) == (rec(0, 14)["headers"], rec(0, 14)["ts"])
 
 
 # --- formats and names ------------------------------------------------------------------------
+
 
 def write_mixed(root, p: int, bases: list[int], size: int) -> list[str]:
     """Segments of ``size`` dense offsets from each base, parquet and JSON Lines in turn."""
@@ -429,22 +507,27 @@ def test_tombstones_keep_their_key_in_both_formats(tmp_path):
 def test_config_accepts_format_and_needs_none():
     from tidemark.config import parse
 
-    base = ("name: a\nsource: {type: file_archive, uri: /x%s}\ndecode: {schema: {id: int}}\n"
-            "sinks: [{name: s, dsn: 'postgresql://h/d', table: t, key: [id]}]\n")
+    base = (
+        "name: a\nsource: {type: file_archive, uri: /x%s}\ndecode: {schema: {id: int}}\n"
+        "sinks: [{name: s, dsn: 'postgresql://h/d', table: t, key: [id]}]\n"
+    )
     assert parse(base % "", "a.yaml").source.format is None
     assert parse(base % ", format: jsonl", "a.yaml").source.format == "jsonl"
 
 
-@pytest.mark.parametrize(("name", "problem"), [
-    (seg_name(30, "avro"), "unknown segment format \\(extension '.avro'\\)"),
-    (seg_name(30, "json"), "unknown segment format \\(extension '.json'\\)"),
-    (f"{seg_name(30, 'parquet')}.gz", "unknown segment format \\(extension '.parquet.gz'\\)"),
-    (seg_name(30, "PARQUET"), "unknown segment format"),
-    (f"{30:020d}", "unknown segment format \\(extension 'none'\\)"),
-    ("30.parquet", "not a segment name"),
-    (f"{30:021d}.jsonl", "not a segment name"),
-    ("latest.jsonl", "not a segment name"),
-])
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        (seg_name(30, "avro"), "unknown segment format \\(extension '.avro'\\)"),
+        (seg_name(30, "json"), "unknown segment format \\(extension '.json'\\)"),
+        (f"{seg_name(30, 'parquet')}.gz", "unknown segment format \\(extension '.parquet.gz'\\)"),
+        (seg_name(30, "PARQUET"), "unknown segment format"),
+        (f"{30:020d}", "unknown segment format \\(extension 'none'\\)"),
+        ("30.parquet", "not a segment name"),
+        (f"{30:021d}.jsonl", "not a segment name"),
+        ("latest.jsonl", "not a segment name"),
+    ],
+)
 def test_a_segment_like_name_stops_the_planner_and_the_reader(archive, name, problem):
     root, fmt = archive
     (root / "partition=0" / name).write_bytes(b"records nobody could read")
@@ -461,8 +544,9 @@ def test_a_segment_like_name_stops_the_planner_and_the_reader(archive, name, pro
 def test_a_folder_named_like_a_segment_stops_the_run(archive):
     root, fmt = archive
     (root / "partition=1" / seg_name(130, "parquet")).mkdir()  # e.g. Spark's output folder
-    with pytest.raises(TidemarkError, match=f"{seg_name(130, 'parquet')}: named like a "
-                                            f"segment but not a file"):
+    with pytest.raises(
+        TidemarkError, match=f"{seg_name(130, 'parquet')}: named like a segment but not a file"
+    ):
         planner(root, fmt).safe_end(1, 100, 1000)
 
 
@@ -471,8 +555,10 @@ def test_two_segments_with_one_base_stop_the_run(tmp_path):
     with pytest.raises(TidemarkError, match="segment exists"):  # write_segment refuses it
         fa.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(0, 8)], "jsonl")
     fa.write_segment(str(tmp_path / "x"), 0, [rec(0, o) for o in range(0, 8)], "jsonl")
-    os.rename(tmp_path / "x" / "partition=0" / seg_name(0, "jsonl"),
-              tmp_path / "partition=0" / seg_name(0, "jsonl"))
+    os.rename(
+        tmp_path / "x" / "partition=0" / seg_name(0, "jsonl"),
+        tmp_path / "partition=0" / seg_name(0, "jsonl"),
+    )
     with pytest.raises(TidemarkError, match="base offset 0 is also"):
         planner(tmp_path, None).safe_end(0, 0, 100)
     with pytest.raises(TidemarkError, match="base offset 0 is also"):
@@ -483,12 +569,15 @@ def test_two_segments_with_one_base_stop_the_run(tmp_path):
 def test_a_segment_must_start_at_its_base(tmp_path, fmt):
     fa.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(0, 10)], fmt)
     fa.write_segment(str(tmp_path / "x"), 0, [rec(0, o) for o in range(13, 20)], fmt)
-    os.rename(tmp_path / "x" / "partition=0" / seg_name(13, fmt),
-              tmp_path / "partition=0" / seg_name(10, fmt))  # records 13.. named 10
+    os.rename(
+        tmp_path / "x" / "partition=0" / seg_name(13, fmt),
+        tmp_path / "partition=0" / seg_name(10, fmt),
+    )  # records 13.. named 10
     problem = f"{seg_name(10, fmt)}: first record has offset 13, not the base offset 10"
     with pytest.raises(TidemarkError, match=problem):
-        planner(tmp_path, None).safe_end(0, 0, 100) if fmt == "parquet" else \
-            read(tmp_path, None, 0, 0, 20)
+        planner(tmp_path, None).safe_end(0, 0, 100) if fmt == "parquet" else read(
+            tmp_path, None, 0, 0, 20
+        )
     with pytest.raises(TidemarkError, match=problem):
         read(tmp_path, None, 0, 15, 16)  # also when the range starts past its first record
     assert normalized(rows(read(tmp_path, None, 0, 0, 10))) == expected(0, range(0, 10))
@@ -503,8 +592,13 @@ def test_a_damaged_segment_stops_the_run_wherever_it_is(tmp_path, fmt, damage):
         path = tmp_path / "partition=0" / seg_name(base, fmt)
         data = path.read_bytes()
         # JSON Lines: cut inside a line; a cut at a line's end cannot be told from a gap
-        path.write_bytes({"empty": b"", "truncated": data[:len(data) // 2 + 3],
-                          "garbage": b"\x00\xffPAR1 not a segment\n"}[damage])
+        path.write_bytes(
+            {
+                "empty": b"",
+                "truncated": data[: len(data) // 2 + 3],
+                "garbage": b"\x00\xffPAR1 not a segment\n",
+            }[damage]
+        )
         name = f"partition=0/{seg_name(base, fmt)}"
         if base == 20:
             with pytest.raises(TidemarkError, match=name):
@@ -517,7 +611,9 @@ def test_a_damaged_segment_stops_the_run_wherever_it_is(tmp_path, fmt, damage):
 
 def test_a_parquet_segment_without_rows_stops_the_run(tmp_path):
     fa.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(0, 10)], "parquet")
-    pq.write_table(fa._ARROW_SCHEMA.empty_table(), tmp_path / "partition=0" / seg_name(10, "parquet"))
+    pq.write_table(
+        fa._ARROW_SCHEMA.empty_table(), tmp_path / "partition=0" / seg_name(10, "parquet")
+    )
     problem = f"{seg_name(10, 'parquet')}: holds no record"
     with pytest.raises(TidemarkError, match=problem):
         planner(tmp_path, None).safe_end(0, 0, 100)

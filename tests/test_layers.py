@@ -47,7 +47,7 @@ def _imports(path: Path, module: str) -> list[tuple[int, str]]:
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")
-                anchor = anchor[:len(anchor) - node.level + 1]
+                anchor = anchor[: len(anchor) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             if base == "tidemark":  # from tidemark import sub, sub
                 out += [(node.lineno, f"tidemark.{a.name}") for a in node.names]
@@ -71,8 +71,10 @@ def test_no_import_reaches_up_or_sideways():
             theirs = _layer(target)
             same_top = target.split(".")[1] == (module.split(".") + [""])[1]
             if theirs > mine or (theirs == mine and not same_top):
-                problems.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {module} "
-                                f"imports {target} (layer {LAYERS[min(theirs, len(LAYERS) - 1)]})")
+                problems.append(
+                    f"{path.relative_to(PACKAGE.parent)}:{line}: {module} "
+                    f"imports {target} (layer {LAYERS[min(theirs, len(LAYERS) - 1)]})"
+                )
     assert not problems, "\n".join(problems)
 
 
@@ -80,29 +82,36 @@ def test_the_checker_sees_a_violation(tmp_path):
     # The check itself must be able to fail: a ledger module importing the driver.
     bad = tmp_path / "bad.py"
     bad.write_text("from tidemark.driver.run import Run\n")
-    (line, target), = _imports(bad, "tidemark.ledger.bad")
+    ((line, target),) = _imports(bad, "tidemark.ledger.bad")
     assert _layer(target) > _layer("tidemark.ledger.bad")
 
 
 def test_runtime_never_imports_the_dev_stack():
     # What Airflow and spark-submit load: the DAG factory, its tasks, the web app, the job.
-    probe = ("import sys, tidemark.cli.main, tidemark.airflow.dags, tidemark.airflow.tasks, "
-             "tidemark.web.app, tidemark.driver.redrive\n"
-             "print(sorted(m for m in sys.modules if m.startswith('tidemark.devstack')))")
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         check=True).stdout.strip()
+    probe = (
+        "import sys, tidemark.cli.main, tidemark.airflow.dags, tidemark.airflow.tasks, "
+        "tidemark.web.app, tidemark.driver.redrive\n"
+        "print(sorted(m for m in sys.modules if m.startswith('tidemark.devstack')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert out == "[]"
 
 
 def test_every_package_says_what_it_owns_and_may_import():
     for init in sorted(PACKAGE.glob("*/__init__.py")):
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
-        assert "May import" in doc, f"{init.relative_to(PACKAGE.parent)}: docstring lacks 'May import'"
+        assert "May import" in doc, (
+            f"{init.relative_to(PACKAGE.parent)}: docstring lacks 'May import'"
+        )
 
 
 # SQL naming a tidemark.* table or function, outside the ledger.
-_LEDGER_SQL = re.compile(r"\b(FROM|INTO|UPDATE|JOIN|TABLE|EXISTS)\s+tidemark\.\w+|"
-                         r"tidemark\.\w+\s*\(")
+_LEDGER_SQL = re.compile(
+    r"\b(FROM|INTO|UPDATE|JOIN|TABLE|EXISTS)\s+tidemark\.\w+|"
+    r"tidemark\.\w+\s*\("
+)
 # The chaos checker and its oracle read the databases on their own on purpose: they must not
 # trust the code they check (tidemark/devstack/chaos/__init__.py).
 _INDEPENDENT = {"tidemark.devstack.chaos.checker", "tidemark.devstack.chaos.oracle"}
@@ -111,12 +120,19 @@ _STATES = re.compile(r"'(planned|writing|prepared|committing|committed|aborted|d
 
 def _strings(path: Path) -> list[tuple[int, str]]:
     tree = ast.parse(path.read_text())
-    docs = {id(n.body[0].value) for n in ast.walk(tree)
-            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
-            and n.body and isinstance(n.body[0], ast.Expr)
-            and isinstance(n.body[0].value, ast.Constant)}
-    return [(n.lineno, n.value) for n in ast.walk(tree)
-            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
+    docs = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+        and isinstance(n.body[0].value, ast.Constant)
+    }
+    return [
+        (n.lineno, n.value)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+    ]
 
 
 def test_only_the_ledger_speaks_sql_to_tidemark_tables():
@@ -126,8 +142,9 @@ def test_only_the_ledger_speaks_sql_to_tidemark_tables():
             continue
         for line, text in _strings(path):
             if _LEDGER_SQL.search(text):
-                problems.append(f"{path.relative_to(PACKAGE.parent)}:{line}: "
-                                f"{' '.join(text.split())[:80]}")
+                problems.append(
+                    f"{path.relative_to(PACKAGE.parent)}:{line}: {' '.join(text.split())[:80]}"
+                )
     assert not problems, "SQL on tidemark.* outside tidemark/ledger:\n" + "\n".join(problems)
 
 
@@ -138,8 +155,9 @@ def test_run_states_come_from_the_enum_in_sql_too():
             continue
         for line, text in _strings(path):
             if _STATES.search(text) and "outcome" not in text:
-                problems.append(f"{path.relative_to(PACKAGE.parent)}:{line}: "
-                                f"{' '.join(text.split())[:80]}")
+                problems.append(
+                    f"{path.relative_to(PACKAGE.parent)}:{line}: {' '.join(text.split())[:80]}"
+                )
     assert not problems, "run states as SQL literals (pass RunState):\n" + "\n".join(problems)
 
 

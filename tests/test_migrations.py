@@ -20,34 +20,53 @@ def _ledger_at(version: int, pg, monkeypatch) -> tuple[str, list]:
     pg.create_database(db)
     dsn = pg.dsn(db)
     everything = migrations.available()
-    monkeypatch.setattr(migrations, "available",
-                        lambda: [m for m in everything if m[0] <= version])
+    monkeypatch.setattr(migrations, "available", lambda: [m for m in everything if m[0] <= version])
     assert migrations.upgrade(dsn)[0] == version
     return dsn, everything
 
 
 def test_v005_moves_airflow_identity_into_columns(pg, monkeypatch):
     dsn, everything = _ledger_at(4, pg, monkeypatch)
-    old = {"dag_id": "tidemark_orders", "run_id": "scheduled__2026-01-01", "task_id": "replay",
-           "try": 3}
+    old = {
+        "dag_id": "tidemark_orders",
+        "run_id": "scheduled__2026-01-01",
+        "task_id": "replay",
+        "try": 3,
+    }
     with psycopg.connect(dsn, autocommit=True) as c:
         c.execute("INSERT INTO tidemark.pipelines (name) VALUES ('orders')")
-        ids = [c.execute("INSERT INTO tidemark.runs (pipeline, mode, owner, external_id) "
-                         "VALUES ('orders', 'run', 'h:1', %s) RETURNING run_id",
-                         (ext,)).fetchone()[0]
-               for ext in (json.dumps(old), "{not json", "ticket-42", None,
-                           json.dumps({"dag_id": 7, "run_id": "x"}))]
+        ids = [
+            c.execute(
+                "INSERT INTO tidemark.runs (pipeline, mode, owner, external_id) "
+                "VALUES ('orders', 'run', 'h:1', %s) RETURNING run_id",
+                (ext,),
+            ).fetchone()[0]
+            for ext in (
+                json.dumps(old),
+                "{not json",
+                "ticket-42",
+                None,
+                json.dumps({"dag_id": 7, "run_id": "x"}),
+            )
+        ]
     monkeypatch.setattr(migrations, "available", lambda: everything)
     assert migrations.upgrade(dsn)[0] == everything[-1][0]
     with psycopg.connect(dsn, autocommit=True) as c:
         got = [runs.get(c, i) for i in ids]
-        assert got[0]["airflow"] == {"dag_id": "tidemark_orders",
-                                     "run_id": "scheduled__2026-01-01", "task_id": "replay",
-                                     "try_number": 3}
+        assert got[0]["airflow"] == {
+            "dag_id": "tidemark_orders",
+            "run_id": "scheduled__2026-01-01",
+            "task_id": "replay",
+            "try_number": 3,
+        }
         assert got[0]["external_id"] is None
         assert [g["airflow"] for g in got[1:]] == [None] * 4
         assert [g["external_id"] for g in got[1:]] == [
-            "{not json", "ticket-42", None, json.dumps({"dag_id": 7, "run_id": "x"})]
+            "{not json",
+            "ticket-42",
+            None,
+            json.dumps({"dag_id": 7, "run_id": "x"}),
+        ]
         found, sinks = runs.of_dag_run(c, "orders", "tidemark_orders", "scheduled__2026-01-01")
         assert found["run_id"] == ids[0] and sinks == []
 
@@ -59,10 +78,15 @@ def test_the_ledger_enums_are_the_python_enums(env):
     from tidemark.ledger.state import RunState
 
     def labels(name: str) -> list[str]:
-        return [r[0] for r in env.ledger(
-            "SELECT e.enumlabel FROM pg_enum e JOIN pg_type t ON t.oid = e.enumtypid "
-            "JOIN pg_namespace n ON n.oid = t.typnamespace WHERE n.nspname = 'tidemark' "
-            "AND t.typname = %s ORDER BY e.enumsortorder", (name,))]
+        return [
+            r[0]
+            for r in env.ledger(
+                "SELECT e.enumlabel FROM pg_enum e JOIN pg_type t ON t.oid = e.enumtypid "
+                "JOIN pg_namespace n ON n.oid = t.typnamespace WHERE n.nspname = 'tidemark' "
+                "AND t.typname = %s ORDER BY e.enumsortorder",
+                (name,),
+            )
+        ]
 
     assert labels("run_state") == [s.value for s in RunState]
     assert labels("error_class") == list(ERROR_CLASSES)
@@ -87,32 +111,55 @@ def test_v007_letters_from_before_it_get_the_source_fields_or_the_reason(pg, mon
         c.execute("ALTER TABLE src.log ALTER COLUMN headers TYPE json")
         append(c, "src.log", [(0, b"k0", b"{}", exact, ts), (0, b"k1", b"{}", None, ts)])
         c.execute("INSERT INTO tidemark.pipelines (name) VALUES ('orders')")
-        c.execute("INSERT INTO tidemark.checkpoints (pipeline, sink, partition, next_offset) "
-                  "VALUES ('orders', 'main', 0, 3), ('orders', 'second', 0, 3)")
+        c.execute(
+            "INSERT INTO tidemark.checkpoints (pipeline, sink, partition, next_offset) "
+            "VALUES ('orders', 'main', 0, 3), ('orders', 'second', 0, 3)"
+        )
         # As V006 wrote them: two sinks' letters for offset 0, one for the gone offset 2.
-        old = [c.execute(
-            "INSERT INTO tidemark.dlq (pipeline, sink, run_id, source_partition, source_offset,"
-            " key, payload, headers, error_class, reason) VALUES ('orders', %s, 1, 0, %s, "
-            "'k', '{}', %s, 'validation', 'r') RETURNING id", (sink, off, headers)
-        ).fetchone()[0] for sink, off, headers in (
-            ("main", 0, '{"_tm_unstorable_headers_base64": "eA=="}'),
-            ("second", 0, '{"_tm_unstorable_headers_base64": "eA=="}'),
-            ("main", 2, '{"old": true}'))]
+        old = [
+            c.execute(
+                "INSERT INTO tidemark.dlq (pipeline, sink, run_id, source_partition, source_offset,"
+                " key, payload, headers, error_class, reason) VALUES ('orders', %s, 1, 0, %s, "
+                "'k', '{}', %s, 'validation', 'r') RETURNING id",
+                (sink, off, headers),
+            ).fetchone()[0]
+            for sink, off, headers in (
+                ("main", 0, '{"_tm_unstorable_headers_base64": "eA=="}'),
+                ("second", 0, '{"_tm_unstorable_headers_base64": "eA=="}'),
+                ("main", 2, '{"old": true}'),
+            )
+        ]
     monkeypatch.setattr(migrations, "available", lambda: everything)
     assert migrations.upgrade(dsn)[0] == everything[-1][0]
 
     def fields() -> list[tuple]:
         with psycopg.connect(dsn, autocommit=True) as c:
-            return [(None if h is None else bytes(h).decode(), t, k, n) for h, t, k, n in
-                    c.execute("SELECT source_headers, source_ts, source_kept, source_note "
-                              "FROM tidemark.dlq WHERE id = ANY(%s) ORDER BY id", (old,))]
+            return [
+                (None if h is None else bytes(h).decode(), t, k, n)
+                for h, t, k, n in c.execute(
+                    "SELECT source_headers, source_ts, source_kept, source_note "
+                    "FROM tidemark.dlq WHERE id = ANY(%s) ORDER BY id",
+                    (old,),
+                )
+            ]
 
     assert fields() == [(None, None, None, None)] * 3
-    pipeline = config.parse(json.dumps({
-        "name": "orders", "source": {"type": "postgres_log", "dsn": dsn, "table": "src.log"},
-        "decode": {"schema": {"id": "int"}}, "transform": {"select": {"id": "id"}},
-        "sinks": [{"name": s, "dsn": dsn, "table": "public.t", "key": ["id"]}
-                  for s in ("main", "second")]}), "test", deep=False)
+    pipeline = config.parse(
+        json.dumps(
+            {
+                "name": "orders",
+                "source": {"type": "postgres_log", "dsn": dsn, "table": "src.log"},
+                "decode": {"schema": {"id": "int"}},
+                "transform": {"select": {"id": "id"}},
+                "sinks": [
+                    {"name": s, "dsn": dsn, "table": "public.t", "key": ["id"]}
+                    for s in ("main", "second")
+                ],
+            }
+        ),
+        "test",
+        deep=False,
+    )
     with psycopg.connect(dsn, autocommit=True) as c:
         req = redrives.create(c, "orders", "erin", ids=old)
     assert fill_source_fields(dsn, pipeline, req.request_id, ["main", "second"]) == 3

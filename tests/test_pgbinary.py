@@ -19,31 +19,52 @@ from tidemark.engine.writer import _for_csv
 
 COLUMNS = """i2 smallint, i4 integer, i8 bigint, wide bigint, f4 real, f8 double precision,
     b boolean, s text, v varchar(8), j jsonb, by bytea, d date, ts timestamptz, tn timestamp"""
-TYPES = {"i2": "int2", "i4": "int4", "i8": "int8", "wide": "int8", "f4": "float4",
-         "f8": "float8", "b": "bool", "s": "text", "v": "varchar", "j": "jsonb", "by": "bytea",
-         "d": "date", "ts": "timestamptz", "tn": "timestamp"}
+TYPES = {
+    "i2": "int2",
+    "i4": "int4",
+    "i8": "int8",
+    "wide": "int8",
+    "f4": "float4",
+    "f8": "float8",
+    "b": "bool",
+    "s": "text",
+    "v": "varchar",
+    "j": "jsonb",
+    "by": "bytea",
+    "d": "date",
+    "ts": "timestamptz",
+    "tn": "timestamp",
+}
 
 
 def _edge_table() -> pa.Table:
-    utc = [datetime(2013, 1, 1, 10, 15, tzinfo=UTC), datetime(1969, 12, 31, 23, 59, 59, 999999,
-           tzinfo=UTC), datetime(1900, 1, 1, tzinfo=UTC), None, datetime(2000, 1, 1, tzinfo=UTC)]
-    return pa.table({
-        "i2": pa.array([-32768, 32767, 0, None, 1], pa.int16()),
-        "i4": pa.array([-2**31, 2**31 - 1, 0, None, -1], pa.int32()),
-        "i8": pa.array([-2**63, 2**63 - 1, 0, None, 42], pa.int64()),
-        "wide": pa.array([-2**31, 7, None, 0, 2**31 - 1], pa.int32()),  # widens into bigint
-        "f4": pa.array([1.5, -0.0, math.inf, None, math.nan], pa.float32()),
-        "f8": pa.array([1e-300, -math.inf, math.nan, None, 370.25], pa.float64()),
-        "b": pa.array([True, False, None, True, False]),
-        "s": pa.array(["日本", 'quote " comma , new\nline', "", None, "\\x41"]),
-        "v": pa.array(["abc", "", None, "éèê", "12345678"]),
-        "j": pa.array(['{"a": [1, 2]}', "[]", None, '"x"', "null"]),
-        "by": pa.array([b"\x00\xff", b"", None, b"plain", b"\\x00"], pa.binary()),
-        "d": pa.array([date(2013, 1, 1), date(1999, 12, 31), date(1970, 1, 1), None,
-                       date(2100, 2, 28)]),
-        "ts": pa.array(utc, pa.timestamp("us", tz="UTC")),
-        "tn": pa.array(utc, pa.timestamp("us", tz="UTC")),
-    })
+    utc = [
+        datetime(2013, 1, 1, 10, 15, tzinfo=UTC),
+        datetime(1969, 12, 31, 23, 59, 59, 999999, tzinfo=UTC),
+        datetime(1900, 1, 1, tzinfo=UTC),
+        None,
+        datetime(2000, 1, 1, tzinfo=UTC),
+    ]
+    return pa.table(
+        {
+            "i2": pa.array([-32768, 32767, 0, None, 1], pa.int16()),
+            "i4": pa.array([-(2**31), 2**31 - 1, 0, None, -1], pa.int32()),
+            "i8": pa.array([-(2**63), 2**63 - 1, 0, None, 42], pa.int64()),
+            "wide": pa.array([-(2**31), 7, None, 0, 2**31 - 1], pa.int32()),  # widens into bigint
+            "f4": pa.array([1.5, -0.0, math.inf, None, math.nan], pa.float32()),
+            "f8": pa.array([1e-300, -math.inf, math.nan, None, 370.25], pa.float64()),
+            "b": pa.array([True, False, None, True, False]),
+            "s": pa.array(["日本", 'quote " comma , new\nline', "", None, "\\x41"]),
+            "v": pa.array(["abc", "", None, "éèê", "12345678"]),
+            "j": pa.array(['{"a": [1, 2]}', "[]", None, '"x"', "null"]),
+            "by": pa.array([b"\x00\xff", b"", None, b"plain", b"\\x00"], pa.binary()),
+            "d": pa.array(
+                [date(2013, 1, 1), date(1999, 12, 31), date(1970, 1, 1), None, date(2100, 2, 28)]
+            ),
+            "ts": pa.array(utc, pa.timestamp("us", tz="UTC")),
+            "tn": pa.array(utc, pa.timestamp("us", tz="UTC")),
+        }
+    )
 
 
 def _csv(table: pa.Table) -> memoryview:
@@ -70,18 +91,21 @@ def test_binary_loads_exactly_what_csv_loads(env):
         for a, b in (("by_csv", "by_binary"), ("by_binary", "by_csv")):
             assert c.execute(f"SELECT * FROM {a} EXCEPT SELECT * FROM {b}").fetchall() == []
         assert c.execute("SELECT count(*) FROM by_binary").fetchone()[0] == 5
-        row = c.execute("SELECT i8, wide, s, by, d, ts, tn, j FROM by_binary WHERE n = 2"
-                        ).fetchone()
+        row = c.execute(
+            "SELECT i8, wide, s, by, d, ts, tn, j FROM by_binary WHERE n = 2"
+        ).fetchone()
         assert row[:5] == (2**63 - 1, 7, 'quote " comma , new\nline', b"", date(1999, 12, 31))
         assert row[5] == datetime(1969, 12, 31, 23, 59, 59, 999999, tzinfo=UTC)
         assert row[6] == datetime(1969, 12, 31, 23, 59, 59, 999999) and row[7] == []
-        nulls = c.execute("SELECT num_nulls(i2, i4, i8, f4, f8, ts, tn, d) FROM by_binary "
-                          "WHERE n = 4").fetchone()[0]
+        nulls = c.execute(
+            "SELECT num_nulls(i2, i4, i8, f4, f8, ts, tn, d) FROM by_binary WHERE n = 4"
+        ).fetchone()[0]
         assert nulls == 8
 
 
-@pytest.mark.parametrize("value,column", [("nul\x00inside", "text"),
-                                          ("far too long", "varchar(8)")])
+@pytest.mark.parametrize(
+    "value,column", [("nul\x00inside", "text"), ("far too long", "varchar(8)")]
+)
 def test_binary_refuses_what_csv_refuses(env, value, column):
     """A value the column refuses is a data error either way, so the writer bisects it to a
     dead letter instead of failing the sink."""
@@ -96,11 +120,20 @@ def test_binary_refuses_what_csv_refuses(env, value, column):
             assert is_data_error(err.value), (fmt, err.value)
 
 
-@pytest.mark.parametrize("arrow,pg", [
-    (pa.decimal128(10, 2), "numeric"), (pa.int64(), "int4"), (pa.float64(), "float4"),
-    (pa.timestamp("us"), "timestamptz"), (pa.timestamp("ns", tz="UTC"), "timestamptz"),
-    (pa.string(), "uuid"), (pa.string(), "my_domain"), (pa.uint32(), "int8"),
-    (pa.list_(pa.int32()), "_int4")])
+@pytest.mark.parametrize(
+    "arrow,pg",
+    [
+        (pa.decimal128(10, 2), "numeric"),
+        (pa.int64(), "int4"),
+        (pa.float64(), "float4"),
+        (pa.timestamp("us"), "timestamptz"),
+        (pa.timestamp("ns", tz="UTC"), "timestamptz"),
+        (pa.string(), "uuid"),
+        (pa.string(), "my_domain"),
+        (pa.uint32(), "int8"),
+        (pa.list_(pa.int32()), "_int4"),
+    ],
+)
 def test_types_binary_cannot_carry_faithfully_keep_csv(arrow, pg):
     enc, why = pgbinary.encoder(pa.schema([("c", arrow)]), {"c": pg})
     assert enc is None and why.startswith("column c (") and pg in why
@@ -117,11 +150,14 @@ def test_a_run_says_how_its_rows_went_in(env, spark):
         c.execute("""CREATE TABLE public.orders (id integer PRIMARY KEY, name text,
             amount numeric(12, 2), version bigint, _tm_partition integer NOT NULL,
             _tm_offset bigint NOT NULL, _tm_run_id bigint NOT NULL)""")
-    env.pipeline(name="typed", sinks=[{"name": "main", "dsn": env.sink2_dsn,
-                                       "table": "public.orders", "key": ["id"]}])
+    env.pipeline(
+        name="typed",
+        sinks=[{"name": "main", "dsn": env.sink2_dsn, "table": "public.orders", "key": ["id"]}],
+    )
     rep = env.run(spark, name="typed")
     assert rep.ok and rep.sinks["main"].rows == 40
     assert rep.sinks["main"].copy_format.startswith("csv: column amount (double into numeric")
-    assert env.q(env.sink2_dsn, "SELECT amount FROM public.orders WHERE id = 3") == \
-        [(pytest.approx(3.75),)]
+    assert env.q(env.sink2_dsn, "SELECT amount FROM public.orders WHERE id = 3") == [
+        (pytest.approx(3.75),)
+    ]
     assert_exactly_once(env, pipeline="typed", sinks={"main": env.sink2_dsn})

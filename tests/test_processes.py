@@ -16,8 +16,12 @@ pytestmark = pytest.mark.slow
 def test_sigterm_before_the_decision_rolls_back_and_releases_the_lease(env, tmp_path):
     env.append_orders(range(100))
     env.pipeline()
-    job = JobProcess(env.cli_argv("run", "orders"), env.cli_env(), pause_dir=tmp_path / "p",
-                     pause_at="after_prepare")
+    job = JobProcess(
+        env.cli_argv("run", "orders"),
+        env.cli_env(),
+        pause_dir=tmp_path / "p",
+        pause_at="after_prepare",
+    )
     job.wait_reached()
     assert env.prepared(), "the tasks prepared before the pause"
     job.signal(signal.SIGTERM)
@@ -35,8 +39,12 @@ def test_sigterm_before_the_decision_rolls_back_and_releases_the_lease(env, tmp_
 def test_sigterm_after_the_decision_finishes_the_commit_first(env, tmp_path):
     env.append_orders(range(100))
     env.pipeline()
-    job = JobProcess(env.cli_argv("run", "orders"), env.cli_env(), pause_dir=tmp_path / "p",
-                     pause_at="after_decide")
+    job = JobProcess(
+        env.cli_argv("run", "orders"),
+        env.cli_env(),
+        pause_dir=tmp_path / "p",
+        pause_at="after_decide",
+    )
     job.wait_reached()
     job.signal(signal.SIGTERM)
     job.resume()
@@ -50,8 +58,12 @@ def test_sigterm_after_the_decision_finishes_the_commit_first(env, tmp_path):
 def test_a_second_run_started_while_the_first_holds_the_lease_delivers_nothing(env, tmp_path):
     env.append_orders(range(100))
     env.pipeline()
-    first = JobProcess(env.cli_argv("run", "orders"), env.cli_env(), pause_dir=tmp_path / "p",
-                       pause_at="after_claim")
+    first = JobProcess(
+        env.cli_argv("run", "orders"),
+        env.cli_env(),
+        pause_dir=tmp_path / "p",
+        pause_at="after_claim",
+    )
     first.wait_reached()
     second = JobProcess(env.cli_argv("run", "orders"), env.cli_env())
     assert second.wait() == 3, second.output()
@@ -69,21 +81,27 @@ def test_two_runs_started_at_once_never_deliver_twice(env):
     codes = sorted(j.wait() for j in jobs)
     # Either the loser found the lease held (3), or it came second and found nothing to do.
     assert codes in ([0, 0], [0, 3]), [j.output() for j in jobs]
-    assert env.q(env.sink_dsn, "SELECT count(*), count(DISTINCT _tm_run_id) FROM orders") \
-        == [(200, 1)]
+    assert env.q(env.sink_dsn, "SELECT count(*), count(DISTINCT _tm_run_id) FROM orders") == [
+        (200, 1)
+    ]
     assert_exactly_once(env)
 
 
 def test_a_paused_run_whose_lease_was_taken_over_is_fenced(env, spark, tmp_path):
     env.append_orders(range(100))
     env.pipeline()
-    old = JobProcess(env.cli_argv("run", "orders"), env.cli_env(), pause_dir=tmp_path / "p",
-                     pause_at="after_prepare")
+    old = JobProcess(
+        env.cli_argv("run", "orders"),
+        env.cli_env(),
+        pause_dir=tmp_path / "p",
+        pause_at="after_prepare",
+    )
     old.wait_reached()
     os.kill(old.proc.pid, signal.SIGSTOP)  # a stalled driver: alive, holding its session
     try:
-        env.ledger("UPDATE tidemark.leases SET expires_at = now() - interval '1 second' "
-                   "RETURNING 1")
+        env.ledger(
+            "UPDATE tidemark.leases SET expires_at = now() - interval '1 second' RETURNING 1"
+        )
         new = env.run(spark)  # recovery aborts the stalled run; this one takes over
         assert new.ok, new.summary()
         assert env.ledger("SELECT epoch FROM tidemark.leases") == [(2,)]

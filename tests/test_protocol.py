@@ -24,11 +24,15 @@ def test_run_delivers_once_then_only_what_is_new(env, spark):
     assert env.checkpoints() == {0: 100, 1: 100}
     assert env.q(env.sink_dsn, "SELECT count(*), count(DISTINCT id) FROM orders")[0] == (200, 200)
     assert env.prepared() == []
-    st = env.ledger("SELECT state::text FROM tidemark.run_sinks WHERE run_id = %s",
-                    (report.run_id,))
+    st = env.ledger(
+        "SELECT state::text FROM tidemark.run_sinks WHERE run_id = %s", (report.run_id,)
+    )
     assert st == [("committed",)]
-    metrics = dict(env.ledger("SELECT name, value FROM tidemark.run_metrics WHERE run_id = %s",
-                              (report.run_id,)))
+    metrics = dict(
+        env.ledger(
+            "SELECT name, value FROM tidemark.run_metrics WHERE run_id = %s", (report.run_id,)
+        )
+    )
     assert metrics["rows"] == 200 and metrics["records"] == 200
     assert metrics["write_seconds"] > 0 and "commit_seconds" in metrics
     # Where the time went, per phase of the tasks (task-seconds), in the run's metrics too.
@@ -39,10 +43,15 @@ def test_run_delivers_once_then_only_what_is_new(env, spark):
     # A first delivery of new keys COPYs straight into the target: no staging merge.
     assert metrics["task_merge_seconds"] == 0
     # Every sink row carries partition, offset and run id.
-    rows = env.q(env.sink_dsn, "SELECT id, _tm_partition, _tm_offset, _tm_run_id FROM orders "
-                 "WHERE id IN (0, 1, 7)")
-    assert sorted(rows) == [(0, 0, 0, report.run_id), (1, 1, 0, report.run_id),
-                            (7, 1, 3, report.run_id)]
+    rows = env.q(
+        env.sink_dsn,
+        "SELECT id, _tm_partition, _tm_offset, _tm_run_id FROM orders WHERE id IN (0, 1, 7)",
+    )
+    assert sorted(rows) == [
+        (0, 0, 0, report.run_id),
+        (1, 1, 0, report.run_id),
+        (7, 1, 3, report.run_id),
+    ]
 
     again = env.run(spark)
     assert again.run_id is None and "up to date" in again.message
@@ -56,8 +65,12 @@ def test_run_delivers_once_then_only_what_is_new(env, spark):
 
 def test_each_sink_advances_on_its_own_and_reads_once_from_the_minimum(env, spark):
     env.append_orders(range(100))
-    broken = {"name": "second", "dsn": env.cluster.dsn("no_such_database"),
-              "table": "public.orders", "key": ["id"]}
+    broken = {
+        "name": "second",
+        "dsn": env.cluster.dsn("no_such_database"),
+        "table": "public.orders",
+        "key": ["id"],
+    }
     main = {"name": "main", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"]}
     env.pipeline(sinks=[main, broken])
     first = env.run(spark)
@@ -67,9 +80,11 @@ def test_each_sink_advances_on_its_own_and_reads_once_from_the_minimum(env, spar
     assert not first.ok
     # The aborted sink's run read the records too: the ledger and `status` say how many.
     assert first.records == 100
-    assert env.ledger("SELECT counts FROM tidemark.run_sinks WHERE sink = 'second'") == \
-        [({"records": 100},)]
+    assert env.ledger("SELECT counts FROM tidemark.run_sinks WHERE sink = 'second'") == [
+        ({"records": 100},)
+    ]
     from tidemark.ledger import status
+
     with psycopg.connect(env.ledger_dsn) as c:
         text = status.render(status.pipeline_status(c, "orders"))
     line = next(ln for ln in text.splitlines() if " second " in ln and "aborted" in ln)
@@ -106,8 +121,9 @@ POISON = {
 def test_poison_records_land_in_the_dlq_byte_for_byte_and_the_run_advances(env, spark):
     env.append_orders(range(10, 20), partitions=1)
     poison = list(POISON.items())
-    env.append([(0, name.encode(), payload, json.dumps({"case": name}), None)
-                for name, payload in poison])
+    env.append(
+        [(0, name.encode(), payload, json.dumps({"case": name}), None) for name, payload in poison]
+    )
     # A NUL inside a JSON string decodes fine but PostgreSQL text refuses it: a sink_write.
     env.append([(0, b"nul-escape", b'{"id": 99, "name": "a\\u0000b"}', None, None)])
     env.pipeline()
@@ -118,9 +134,13 @@ def test_poison_records_land_in_the_dlq_byte_for_byte_and_the_run_advances(env, 
     assert report.sinks["main"].dead == len(POISON) + 1
     assert env.checkpoints() == {0: 10 + len(POISON) + 1}
 
-    dlq = {r[0]: r[1:] for r in env.ledger(
-        "SELECT convert_from(key, 'UTF8'), payload, error_class::text, reason, sink, attempts, "
-        "headers FROM tidemark.dlq")}
+    dlq = {
+        r[0]: r[1:]
+        for r in env.ledger(
+            "SELECT convert_from(key, 'UTF8'), payload, error_class::text, reason, sink, attempts, "
+            "headers FROM tidemark.dlq"
+        )
+    }
     assert set(dlq) == {*POISON, "nul-escape"}
     for name, payload in POISON.items():
         stored, cls, reason, sink, attempts, headers = dlq[name]
@@ -138,8 +158,7 @@ def test_poison_records_land_in_the_dlq_byte_for_byte_and_the_run_advances(env, 
     assert_exactly_once(env)
 
 
-def test_a_decoded_records_bytes_stay_out_of_the_batch_and_its_letter_reads_them_again(
-        env, spark):
+def test_a_decoded_records_bytes_stay_out_of_the_batch_and_its_letter_reads_them_again(env, spark):
     """The reader leaves out the payload of a record it decoded; whatever quarantines that
     record later (transform, row expectation, sink write, a whole-batch gate) reads its bytes
     again from the source, so the letter holds them byte for byte."""
@@ -147,51 +166,86 @@ def test_a_decoded_records_bytes_stay_out_of_the_batch_and_its_letter_reads_them
     from tidemark.ledger.state import Range
 
     env.append_orders(range(20))
-    env.append([(0, b"transform", b'{"id": 100, "name": "drop-me"}', None, None),
-                (0, b"validation", b'{"id": 101, "name": "v", "amount": 5000.0}', None, None),
-                (0, b"sink_write", b'{"id": 102, "name": "a\\u0000b"}', None, None),
-                (1, b"decode", b'{"id": "one hundred and three"}', None, None)])
-    select = {"id": "id", "name": "nullif(name, 'drop-me')", "amount": "amount",
-              "version": "version"}
-    env.pipeline(transform={"select": select, "required": ["id", "name"]},
-                 quality={"rows": [{"expect_column_values_to_be_between":
-                                    {"column": "amount", "max_value": 1000}}]})
+    env.append(
+        [
+            (0, b"transform", b'{"id": 100, "name": "drop-me"}', None, None),
+            (0, b"validation", b'{"id": 101, "name": "v", "amount": 5000.0}', None, None),
+            (0, b"sink_write", b'{"id": 102, "name": "a\\u0000b"}', None, None),
+            (1, b"decode", b'{"id": "one hundred and three"}', None, None),
+        ]
+    )
+    select = {
+        "id": "id",
+        "name": "nullif(name, 'drop-me')",
+        "amount": "amount",
+        "version": "version",
+    }
+    env.pipeline(
+        transform={"select": select, "required": ["id", "name"]},
+        quality={
+            "rows": [
+                {"expect_column_values_to_be_between": {"column": "amount", "max_value": 1000}}
+            ]
+        },
+    )
     pipeline = env.load()
     # What the batch carries: partition 0's records Arrow decoded have no bytes there.
     # (Partition 1's bytes stay: Arrow gives up on the chunk of 512 that holds "decode".)
     ranges = [Range(0, 0, 13), Range(1, 0, 11)]
-    kept = (sources.dataframe(spark, pipeline, ranges).where("_tm_payload IS NOT NULL")
-            .select("_tm_partition").distinct().collect())
+    kept = (
+        sources.dataframe(spark, pipeline, ranges)
+        .where("_tm_payload IS NOT NULL")
+        .select("_tm_partition")
+        .distinct()
+        .collect()
+    )
     assert [r[0] for r in kept] == [1]
 
     report = env.run(spark)
     assert report.ok, report.summary()
-    same = "SELECT convert_from(d.key, 'UTF8'), d.error_class::text, d.payload = s.payload " \
-           "FROM tidemark.dlq d JOIN src.log s ON (s.partition, s.offset) = " \
-           "(d.source_partition, d.source_offset) ORDER BY 1"
-    assert env.ledger(same) == [("decode", "decode", True), ("sink_write", "sink_write", True),
-                                ("transform", "transform", True),
-                                ("validation", "validation", True)]
+    same = (
+        "SELECT convert_from(d.key, 'UTF8'), d.error_class::text, d.payload = s.payload "
+        "FROM tidemark.dlq d JOIN src.log s ON (s.partition, s.offset) = "
+        "(d.source_partition, d.source_offset) ORDER BY 1"
+    )
+    assert env.ledger(same) == [
+        ("decode", "decode", True),
+        ("sink_write", "sink_write", True),
+        ("transform", "transform", True),
+        ("validation", "validation", True),
+    ]
 
     # A whole batch quarantined by its gate: every letter reads its bytes again.
     env.append_orders(range(200, 230))
-    env.pipeline(quality={"batch": [{"expect_table_row_count_to_be_between": {"max_value": 5}}],
-                          "on_gate_failure": "quarantine_batch"})
+    env.pipeline(
+        quality={
+            "batch": [{"expect_table_row_count_to_be_between": {"max_value": 5}}],
+            "on_gate_failure": "quarantine_batch",
+        }
+    )
     report = env.run(spark)
     assert report.ok and report.sinks["main"].dead == 30, report.summary()
     assert env.ledger(
         "SELECT count(*), count(*) FILTER (WHERE d.payload = s.payload) FROM tidemark.dlq d "
         "JOIN src.log s ON (s.partition, s.offset) = (d.source_partition, d.source_offset) "
-        "WHERE d.error_class = 'dq_gate'") == [(30, 30)]
+        "WHERE d.error_class = 'dq_gate'"
+    ) == [(30, 30)]
     assert_exactly_once(env)
 
     # A record the source does not hold (deleted since): the task fails, loudly.
     source = sources.payload_source(pipeline)
-    with sources.PayloadReader(source) as reader, pytest.raises(
-            TidemarkError, match=r"partition 1: range \[5, 1000\) ended at 26: rows missing"):
+    with (
+        sources.PayloadReader(source) as reader,
+        pytest.raises(
+            TidemarkError, match=r"partition 1: range \[5, 1000\) ended at 26: rows missing"
+        ),
+    ):
         reader.payloads({1: [5, 999]})
-    stored = env.q(env.ledger_dsn, 'SELECT "partition", "offset", payload FROM src.log '
-                   'WHERE ("partition", "offset") IN ((1, 3), (1, 5), (0, 2))')
+    stored = env.q(
+        env.ledger_dsn,
+        'SELECT "partition", "offset", payload FROM src.log '
+        'WHERE ("partition", "offset") IN ((1, 3), (1, 5), (0, 2))',
+    )
     with sources.PayloadReader(source) as reader:  # one connection, read twice
         got = reader.payloads({1: [5, 3]}) | reader.payloads({0: [2]})
     assert got == {(p, o): b for p, o, b in stored}
@@ -211,8 +265,9 @@ def test_backfill_is_idempotent_and_never_moves_checkpoints_back(env, spark):
     assert report.records == 30
     assert env.q(env.sink_dsn, f"SELECT {cols} FROM orders ORDER BY id") == before
     assert env.checkpoints() == cps
-    assert env.ledger("SELECT mode FROM tidemark.runs WHERE run_id = %s",
-                      (report.run_id,)) == [("backfill",)]
+    assert env.ledger("SELECT mode FROM tidemark.runs WHERE run_id = %s", (report.run_id,)) == [
+        ("backfill",)
+    ]
     # Twice is the same as once.
     assert env.run(spark, mode="backfill", backfill=Backfill(0, 10, 40)).ok
     assert env.q(env.sink_dsn, f"SELECT {cols} FROM orders ORDER BY id") == before
@@ -224,9 +279,9 @@ def test_backfill_is_idempotent_and_never_moves_checkpoints_back(env, spark):
 
 
 def test_an_older_offset_never_overwrites_a_newer_version_of_a_key(env, spark):
-    env.append_orders([1, 3, 5], partitions=1, version=1)       # offsets 0..2
-    env.append_orders([3], partitions=1, version=2)             # offset 3
-    env.append_orders([3], partitions=1, version=3)             # offset 4, same batch
+    env.append_orders([1, 3, 5], partitions=1, version=1)  # offsets 0..2
+    env.append_orders([3], partitions=1, version=2)  # offset 3
+    env.append_orders([3], partitions=1, version=3)  # offset 4, same batch
     env.pipeline()
     assert env.run(spark).ok
     assert env.q(env.sink_dsn, "SELECT version, _tm_offset FROM orders WHERE id = 3") == [(3, 4)]
@@ -255,16 +310,27 @@ def test_state_machine_step_by_step(env):
 
     env.pipeline()
     with psycopg.connect(env.ledger_dsn, autocommit=True) as conn:
+
         def plan(cps):
             return {s: [Range(0, 0, 5)] for s in cps}
 
-        claim = state.claim(conn, pipeline="orders", config={}, sinks=["main"], mode="run",
-                            owner="test:1", delivery="exactly_once", ttl_seconds=60, plan=plan)
+        claim = state.claim(
+            conn,
+            pipeline="orders",
+            config={},
+            sinks=["main"],
+            mode="run",
+            owner="test:1",
+            delivery="exactly_once",
+            ttl_seconds=60,
+            plan=plan,
+        )
         rid = claim.run_id
 
         def st():
-            return conn.execute("SELECT state::text FROM tidemark.run_sinks WHERE run_id = %s",
-                                (rid,)).fetchone()[0]
+            return conn.execute(
+                "SELECT state::text FROM tidemark.run_sinks WHERE run_id = %s", (rid,)
+            ).fetchone()[0]
 
         assert st() == "planned" and claim.sinks["main"].epoch == 1
         with pytest.raises(state.IllegalTransition):
@@ -296,10 +362,19 @@ def test_a_run_that_lost_its_lease_can_never_reach_the_decision(env):
     def plan(cps):
         return {s: [Range(0, 0, 5)] for s in cps}
 
-    kw = dict(pipeline="orders", config={}, sinks=["main"], mode="run", delivery="exactly_once",
-              ttl_seconds=60, plan=plan)
-    with psycopg.connect(env.ledger_dsn, autocommit=True) as a, \
-            psycopg.connect(env.ledger_dsn, autocommit=True) as b:
+    kw = dict(
+        pipeline="orders",
+        config={},
+        sinks=["main"],
+        mode="run",
+        delivery="exactly_once",
+        ttl_seconds=60,
+        plan=plan,
+    )
+    with (
+        psycopg.connect(env.ledger_dsn, autocommit=True) as a,
+        psycopg.connect(env.ledger_dsn, autocommit=True) as b,
+    ):
         old = state.claim(a, owner="a:1", **kw)
         state.start_writing(a, "orders", old.run_id, "main")
         state.mark_prepared(a, "orders", old.run_id, "main", {})
@@ -311,8 +386,12 @@ def test_a_run_that_lost_its_lease_can_never_reach_the_decision(env):
         assert new.sinks["main"].epoch == old.sinks["main"].epoch + 1
         with pytest.raises(Fenced):
             state.decide(a, "orders", old.run_id, "main", [])
-        assert a.execute("SELECT state::text FROM tidemark.run_sinks WHERE run_id = %s",
-                         (old.run_id,)).fetchone()[0] == "prepared"
+        assert (
+            a.execute(
+                "SELECT state::text FROM tidemark.run_sinks WHERE run_id = %s", (old.run_id,)
+            ).fetchone()[0]
+            == "prepared"
+        )
     # With the old owner's session gone, recovery aborts the fenced run.
     rep = env.recover()
     assert (old.run_id, "main") in rep.aborted
@@ -337,8 +416,8 @@ def test_a_lagging_sink_catches_up_without_the_read_spanning_the_gap(env, spark)
     late = {"name": "late", "dsn": env.sink2_dsn, "table": "public.orders", "key": ["id"]}
     env.pipeline(sinks=[main, late], limits={"max_records_per_partition": 30})
     first = env.run(spark)
-    assert first.ok and first.records == 30          # [0, 30): no more than the limit
-    assert "main" not in first.sinks                 # nothing for it: not even claimed
+    assert first.ok and first.records == 30  # [0, 30): no more than the limit
+    assert "main" not in first.sinks  # nothing for it: not even claimed
     assert first.sinks["late"].rows == 30
     second = env.run(spark)
     assert second.records == 10 and second.sinks["late"].rows == 10

@@ -23,7 +23,7 @@ def _sink_rows(env) -> int:
 
 def test_a_failed_gate_writes_nothing_then_the_fixed_pipeline_delivers_once(env, spark):
     env.append_orders(range(40))
-    env.append_orders([41], amount=1e9)          # the mutated record
+    env.append_orders([41], amount=1e9)  # the mutated record
     sink = {**MAIN, "dsn": env.sink_dsn}
     env.pipeline(sinks=[sink], quality={"batch": [MAX_AMOUNT]})
     report = env.run(spark)
@@ -38,21 +38,27 @@ def test_a_failed_gate_writes_nothing_then_the_fixed_pipeline_delivers_once(env,
     assert set(env.checkpoints().values()) <= {0}
     assert env.ledger("SELECT state::text FROM tidemark.run_sinks") == [("dq_failed",)]
     assert env.ledger("SELECT run_id FROM tidemark.leases") == [(None,)]
-    (success, results), = env.ledger(
-        "SELECT success, results FROM tidemark.dq_results WHERE run_id = %s", (report.run_id,))
+    ((success, results),) = env.ledger(
+        "SELECT success, results FROM tidemark.dq_results WHERE run_id = %s", (report.run_id,)
+    )
     assert success is False
     failed = [r for r in results if not r["success"]]
     assert [r["expectation"] for r in failed] == ["expect_column_max_to_be_between"]
     assert failed[0]["observed_value"] == pytest.approx(1e9)
     # Its Data Docs page is in the pipeline's own GX project, inside the site the web serves.
-    (page,), = env.ledger("SELECT docs_path FROM tidemark.dq_results WHERE run_id = %s",
-                          (report.run_id,))
+    ((page,),) = env.ledger(
+        "SELECT docs_path FROM tidemark.dq_results WHERE run_id = %s", (report.run_id,)
+    )
     site = Path(site_dir(str(env.settings().docs_dir("orders")))).resolve()
     assert Path(page).resolve().is_relative_to(site) and Path(page).is_file(), page
 
     # The pipeline is fixed (the bound was wrong): the same range goes through, once.
-    env.pipeline(sinks=[sink], quality={"batch": [
-        {"expect_column_max_to_be_between": {"column": "amount", "max_value": 1e10}}]})
+    env.pipeline(
+        sinks=[sink],
+        quality={
+            "batch": [{"expect_column_max_to_be_between": {"column": "amount", "max_value": 1e10}}]
+        },
+    )
     again = env.run(spark)
     assert again.ok, again.summary()
     assert again.records == 41
@@ -63,13 +69,16 @@ def test_a_failed_gate_writes_nothing_then_the_fixed_pipeline_delivers_once(env,
 def test_quarantine_batch_sends_the_whole_range_to_the_dlq_once_and_advances(env, spark):
     env.append_orders(range(30))
     env.append_orders([31], amount=1e9)
-    env.pipeline(sinks=[{**MAIN, "dsn": env.sink_dsn}],
-                 quality={"batch": [MAX_AMOUNT], "on_gate_failure": "quarantine_batch"})
+    env.pipeline(
+        sinks=[{**MAIN, "dsn": env.sink_dsn}],
+        quality={"batch": [MAX_AMOUNT], "on_gate_failure": "quarantine_batch"},
+    )
     report = env.run(spark)
     assert report.ok, report.summary()
     assert _sink_rows(env) == 0
-    dlq = env.ledger("SELECT error_class::text, count(*), max(attempts) FROM tidemark.dlq "
-                     "GROUP BY 1")
+    dlq = env.ledger(
+        "SELECT error_class::text, count(*), max(attempts) FROM tidemark.dlq GROUP BY 1"
+    )
     assert dlq == [("dq_gate", 31, 1)]
     assert env.checkpoints() == {0: 15, 1: 16}
     assert_exactly_once(env)
@@ -80,20 +89,35 @@ def test_a_row_check_gx_cannot_run_aborts_the_run_and_places_nothing(env, spark)
     # stays below no checkpoint, and the fixed pipeline then delivers the range once.
     env.append_orders(range(20))
     sink = {**MAIN, "dsn": env.sink_dsn}
-    env.pipeline(sinks=[sink], quality={"rows": [
-        {"expect_column_values_to_match_regex": {"column": "name", "regex": "order-("}}]})
-    with pytest.raises(TidemarkError, match=r"expect_column_values_to_match_regex\(column=name\)"
-                       r": GX could not evaluate it: PatternSyntaxException"):
+    env.pipeline(
+        sinks=[sink],
+        quality={
+            "rows": [
+                {"expect_column_values_to_match_regex": {"column": "name", "regex": "order-("}}
+            ]
+        },
+    )
+    with pytest.raises(
+        TidemarkError,
+        match=r"expect_column_values_to_match_regex\(column=name\)"
+        r": GX could not evaluate it: PatternSyntaxException",
+    ):
         env.run(spark)
-    (state, error), = env.ledger("SELECT state::text, error FROM tidemark.run_sinks")
+    ((state, error),) = env.ledger("SELECT state::text, error FROM tidemark.run_sinks")
     assert state == "aborted" and "GX could not evaluate it: PatternSyntaxException" in error
     assert _sink_rows(env) == 0
     assert env.ledger("SELECT count(*) FROM tidemark.dlq") == [(0,)]
     assert env.prepared() == []
     assert set(env.checkpoints().values()) <= {0}
 
-    env.pipeline(sinks=[sink], quality={"rows": [
-        {"expect_column_values_to_match_regex": {"column": "name", "regex": "order-[0-9]+"}}]})
+    env.pipeline(
+        sinks=[sink],
+        quality={
+            "rows": [
+                {"expect_column_values_to_match_regex": {"column": "name", "regex": "order-[0-9]+"}}
+            ]
+        },
+    )
     again = env.run(spark)
     assert again.ok, again.summary()
     assert _sink_rows(env) == 20
@@ -102,7 +126,7 @@ def test_a_row_check_gx_cannot_run_aborts_the_run_and_places_nothing(env, spark)
 
 @pytest.mark.slow
 def test_row_failures_are_quarantined_exactly_once_across_a_crash(env, spark):
-    env.append_orders(range(100))                 # amount = id * 1.25: ids >= 81 exceed 100
+    env.append_orders(range(100))  # amount = id * 1.25: ids >= 81 exceed 100
     row_check = {"expect_column_values_to_be_between": {"column": "amount", "max_value": 100}}
     env.pipeline(sinks=[{**MAIN, "dsn": env.sink_dsn}], quality={"rows": [row_check]})
     job = JobProcess(env.cli_argv("run", "orders"), env.cli_env(), crash_at="after_prepare")
@@ -110,31 +134,32 @@ def test_row_failures_are_quarantined_exactly_once_across_a_crash(env, spark):
     assert env.recover().ok
     report = env.run(spark)
     assert report.ok, report.summary()
-    rows = env.ledger("SELECT source_offset, source_partition, attempts, reason, sink "
-                      "FROM tidemark.dlq WHERE error_class = 'validation'")
+    rows = env.ledger(
+        "SELECT source_offset, source_partition, attempts, reason, sink "
+        "FROM tidemark.dlq WHERE error_class = 'validation'"
+    )
     assert len(rows) == 19 and {r[2] for r in rows} == {1} and {r[4] for r in rows} == {"main"}
     assert all("expect_column_values_to_be_between" in r[3] for r in rows)
     assert _sink_rows(env) == 81
-    assert env.ledger("SELECT rows_failed FROM tidemark.dq_results WHERE run_id = %s",
-                      (report.run_id,)) == [(19,)]
+    assert env.ledger(
+        "SELECT rows_failed FROM tidemark.dq_results WHERE run_id = %s", (report.run_id,)
+    ) == [(19,)]
     assert_exactly_once(env)
 
 
 def test_a_stricter_sink_fails_alone_and_its_row_failures_carry_its_name(env, spark):
-    env.append_orders(range(40))                  # amounts 0 .. 48.75
-    strict_rows = {"expect_column_values_to_be_between": {"column": "amount",
-                                                          "max_value": 40}}
+    env.append_orders(range(40))  # amounts 0 .. 48.75
+    strict_rows = {"expect_column_values_to_be_between": {"column": "amount", "max_value": 40}}
     strict_gate = {"expect_table_row_count_to_be_between": {"max_value": 10}}
     main = {**MAIN, "dsn": env.sink_dsn, "quality": {"rows": [strict_rows]}}
-    second = {**MAIN, "name": "second", "dsn": env.sink2_dsn,
-              "quality": {"batch": [strict_gate]}}
+    second = {**MAIN, "name": "second", "dsn": env.sink2_dsn, "quality": {"batch": [strict_gate]}}
     env.pipeline(sinks=[main, second])
     report = env.run(spark)
     assert report.sinks["main"].state == "committed"
     assert report.sinks["second"].state == "dq_failed"
     assert "expect_table_row_count_to_be_between" in report.sinks["second"].error
     dlq = env.ledger("SELECT sink, error_class::text, count(*) FROM tidemark.dlq GROUP BY 1, 2")
-    assert dlq == [("main", "validation", 7)]     # ids 33..39 exceed 40
+    assert dlq == [("main", "validation", 7)]  # ids 33..39 exceed 40
     assert _sink_rows(env) == 33
     assert env.checkpoints(sink="main") == {0: 20, 1: 20}
     assert set(env.checkpoints(sink="second").values()) <= {0}

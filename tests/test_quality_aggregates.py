@@ -26,13 +26,15 @@ def batch(spark):
     rows = []
     for p in (0, 1):
         for o in range(N):
-            origin = None if o % 50 == 3 else ("XXX" if (p, o) in {(0, 7), (1, 42)}
-                                               else ORIGINS[o % 3])
+            origin = (
+                None if o % 50 == 3 else ("XXX" if (p, o) in {(0, 7), (1, 42)} else ORIGINS[o % 3])
+            )
             distance = None if o % 40 == 5 else (9999 if (p, o) == (1, 99) else 100 + o)
             speed = None if o % 25 == 1 else 300.0 + o / 4
             rows.append((p, o, origin, distance, speed))
-    df = spark.createDataFrame(rows, "_tm_partition int, _tm_offset bigint, origin string, "
-                                     "distance int, speed double").cache()
+    df = spark.createDataFrame(
+        rows, "_tm_partition int, _tm_offset bigint, origin string, distance int, speed double"
+    ).cache()
     assert df.count() == 2 * N
     yield df
     df.unpersist()
@@ -40,20 +42,29 @@ def batch(spark):
 
 ROWS = [
     {"expect_column_values_to_be_in_set": {"column": "origin", "value_set": ORIGINS}},
-    {"expect_column_values_to_be_between": {"column": "distance", "min_value": 1,
-                                            "max_value": 5000}},
+    {
+        "expect_column_values_to_be_between": {
+            "column": "distance",
+            "min_value": 1,
+            "max_value": 5000,
+        }
+    },
     {"expect_column_values_to_not_be_in_set": {"column": "origin", "value_set": ["BOS"]}},
 ]
 GATE = [
     {"expect_table_row_count_to_be_between": {"min_value": 1, "max_value": 10_000}},
     {"expect_column_values_to_not_be_null": {"column": "origin", "mostly": 0.9}},
-    {"expect_column_mean_to_be_between": {"column": "distance", "min_value": 100,
-                                          "max_value": 400}},
+    {
+        "expect_column_mean_to_be_between": {
+            "column": "distance",
+            "min_value": 100,
+            "max_value": 400,
+        }
+    },
     {"expect_column_min_to_be_between": {"column": "speed", "min_value": 300}},
     {"expect_column_max_to_be_between": {"column": "speed", "max_value": 400}},
     {"expect_column_sum_to_be_between": {"column": "distance", "min_value": 0}},
-    {"expect_column_values_to_be_between": {"column": "speed", "max_value": 340,
-                                            "mostly": 0.5}},
+    {"expect_column_values_to_be_between": {"column": "speed", "max_value": 340, "mostly": 0.5}},
 ]
 FAILING_GATE = [
     {"expect_column_mean_to_be_between": {"column": "distance", "max_value": 50}},
@@ -75,8 +86,10 @@ def _jobs(spark, run) -> tuple[object, int]:
 
 
 def _results(outcome: quality.GateOutcome) -> list:
-    return [(r["expectation_config"]["type"], r["success"], r["result"])
-            for r in outcome.raw.get("results", [])]
+    return [
+        (r["expectation_config"]["type"], r["success"], r["result"])
+        for r in outcome.raw.get("results", [])
+    ]
 
 
 def _both(df, rows, batch, monkeypatch):
@@ -89,17 +102,26 @@ def _both(df, rows, batch, monkeypatch):
     return one, gx
 
 
-@pytest.mark.parametrize("rows, checks", [(ROWS, GATE), (ROWS, FAILING_GATE), ([], GATE),
-                                          (ROWS, [])], ids=["passes", "fails", "gate", "rows"])
+@pytest.mark.parametrize(
+    "rows, checks",
+    [(ROWS, GATE), (ROWS, FAILING_GATE), ([], GATE), (ROWS, [])],
+    ids=["passes", "fails", "gate", "rows"],
+)
 def test_one_job_gives_what_gx_gives(batch, rows, checks, monkeypatch):
     (failures, outcome), (gx_failures, gx_outcome) = _both(batch, rows, checks, monkeypatch)
     assert failures == gx_failures
     if rows:
         assert set((p, o) for p, offs in failures.items() for o in offs) == {
-            (0, 7), (1, 42), (1, 99)}
-        assert failures[1][99] == ("expect_column_values_to_be_between(column=distance): "
-                                   "unexpected value 9999")
-        assert failures[0][7] == "expect_column_values_to_be_in_set(column=origin): 'XXX' not in set"
+            (0, 7),
+            (1, 42),
+            (1, 99),
+        }
+        assert failures[1][99] == (
+            "expect_column_values_to_be_between(column=distance): unexpected value 9999"
+        )
+        assert (
+            failures[0][7] == "expect_column_values_to_be_in_set(column=origin): 'XXX' not in set"
+        )
     assert outcome.success == gx_outcome.success == (checks is not FAILING_GATE)
     assert outcome.results == gx_outcome.results
     assert _results(outcome) == _results(gx_outcome)
@@ -113,18 +135,25 @@ def test_the_first_passes_take_one_spark_job(spark, batch):
     # ...and listing the 3 failing rows of 2 failing expectations takes one more.
     failures, jobs = _jobs(spark, lambda: quality.row_failures(batch, rows, first=first))
     assert len(failures) == 3 and jobs == 1
-    outcome, jobs = _jobs(spark, lambda: quality.gate(batch, checks, None, "one-job",
-                                                      first=first.gate))
+    outcome, jobs = _jobs(
+        spark, lambda: quality.gate(batch, checks, None, "one-job", first=first.gate)
+    )
     assert outcome.success and jobs == 0
 
 
 def test_rows_a_passing_row_check_finds_unexpected_stay_in_the_gate(batch, monkeypatch):
     # `mostly`: the 2 unknown origins pass the row check, so they are not quarantined, and the
     # gate counts them; it cannot reuse the counts of the job, which left them out.
-    tolerant = [{"expect_column_values_to_be_in_set": {"column": "origin", "value_set": ORIGINS,
-                                                       "mostly": 0.9}}]
-    count = [{"expect_table_row_count_to_be_between": {"min_value": 2 * N,
-                                                       "max_value": 2 * N}}]
+    tolerant = [
+        {
+            "expect_column_values_to_be_in_set": {
+                "column": "origin",
+                "value_set": ORIGINS,
+                "mostly": 0.9,
+            }
+        }
+    ]
+    count = [{"expect_table_row_count_to_be_between": {"min_value": 2 * N, "max_value": 2 * N}}]
     (failures, outcome), (gx_failures, gx_outcome) = _both(batch, tolerant, count, monkeypatch)
     assert failures == gx_failures == {}
     assert outcome.success and gx_outcome.success
@@ -146,17 +175,21 @@ def test_a_metric_not_known_as_an_aggregate_is_left_to_gx(batch, monkeypatch):
 def test_more_failing_rows_than_allowed_stops_before_listing_them_all(batch):
     parse = expectations.parse_expectations
     # 38 and 76 rows fail, each within 100; together 114 do, and the listing stops at 101.
-    rows = parse([{"expect_column_values_to_be_between": {"column": "distance",
-                                                          "min_value": 120}},
-                  {"expect_column_values_to_be_between": {"column": "speed",
-                                                          "max_value": 340}}],
-                 "w", "quality.rows")
+    rows = parse(
+        [
+            {"expect_column_values_to_be_between": {"column": "distance", "min_value": 120}},
+            {"expect_column_values_to_be_between": {"column": "speed", "max_value": 340}},
+        ],
+        "w",
+        "quality.rows",
+    )
     first = quality.first_passes(batch, rows, [], "x")
     assert [r.result["unexpected_count"] for r in first.rows.results] == [38, 76]
     with pytest.raises(TidemarkError) as err:
         quality.row_failures(batch, rows, max_failures=100, first=first)
-    assert str(err.value) == ("101+ rows fail row-level expectations, more than the 100 "
-                              "allowed for quarantine")
+    assert str(err.value) == (
+        "101+ rows fail row-level expectations, more than the 100 allowed for quarantine"
+    )
     with pytest.raises(TidemarkError, match="114 rows fail row-level expectations"):
         quality.row_failures(batch, rows, max_failures=100)  # GX's own lists: all of them
 
@@ -167,10 +200,14 @@ def test_a_sigterm_during_the_one_job_stops_the_run(batch, monkeypatch):
     from tidemark.core.errors import Terminated
 
     checks = expectations.parse_expectations(GATE, "w", "quality.batch")
-    for exc, stops in ((Terminated("SIGTERM before the decision"), True),
-                       (RuntimeError("executor lost"), False)):
+    for exc, stops in (
+        (Terminated("SIGTERM before the decision"), True),
+        (RuntimeError("executor lost"), False),
+    ):
+
         def fail(self, exc=exc):
             raise exc
+
         with monkeypatch.context() as m:
             m.setattr(DataFrame, "first", fail)
             if stops:

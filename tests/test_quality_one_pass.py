@@ -19,31 +19,55 @@ AMOUNT = {"expect_column_values_to_be_between": {"column": "amount", "max_value"
 NOT_5_OR_90 = {"expect_column_values_to_not_be_in_set": {"column": "id", "value_set": [5, 90]}}
 NAMES = {"expect_column_values_to_match_regex": {"column": "name", "regex": "^order-[0-9]+$"}}
 # Passes only on the rows the row checks leave: ids 81..99 exceed 100.
-GATE = [{"expect_table_row_count_to_be_between": {"min_value": 1, "max_value": 1000}},
-        {"expect_column_max_to_be_between": {"column": "amount", "max_value": 100}},
-        {"expect_column_mean_to_be_between": {"column": "amount", "min_value": 0,
-                                              "max_value": 100}}]
+GATE = [
+    {"expect_table_row_count_to_be_between": {"min_value": 1, "max_value": 1000}},
+    {"expect_column_max_to_be_between": {"column": "amount", "max_value": 100}},
+    {"expect_column_mean_to_be_between": {"column": "amount", "min_value": 0, "max_value": 100}},
+]
 FAILING_GATE = [{"expect_column_mean_to_be_between": {"column": "amount", "max_value": 10}}]
 CASES = {
     "passes": {"rows": [AMOUNT, NOT_5_OR_90, NAMES], "batch": GATE},
     "gate_halts": {"rows": [AMOUNT, NOT_5_OR_90], "batch": FAILING_GATE},
-    "gate_quarantines": {"rows": [AMOUNT], "batch": FAILING_GATE,
-                         "on_gate_failure": "quarantine_batch"},
+    "gate_quarantines": {
+        "rows": [AMOUNT],
+        "batch": FAILING_GATE,
+        "on_gate_failure": "quarantine_batch",
+    },
     # Rows it finds unexpected stay in the batch: the one-pass write must not quarantine them.
-    "mostly": {"rows": [NOT_5_OR_90, {"expect_column_values_to_be_between": {
-        "column": "amount", "max_value": 100, "mostly": 0.5}}], "batch": GATE[:1]},
+    "mostly": {
+        "rows": [
+            NOT_5_OR_90,
+            {
+                "expect_column_values_to_be_between": {
+                    "column": "amount",
+                    "max_value": 100,
+                    "mostly": 0.5,
+                }
+            },
+        ],
+        "batch": GATE[:1],
+    },
 }
-COLUMNS = [("id", "integer"), ("name", "text"), ("amount", "double precision"),
-           ("version", "integer")]
+COLUMNS = [
+    ("id", "integer"),
+    ("name", "text"),
+    ("amount", "double precision"),
+    ("version", "integer"),
+]
 POISON = [(0, b"poison", b"{not json", None, None), (1, b"poison2", b"\xff", None, None)]
 
 
 def _pipeline(env, name: str, quality: dict) -> None:
     """A pipeline of two sinks whose tables exist (a run that finds none checks first: a
     failed gate must not leave a table behind)."""
-    env.pipeline(name=name, quality=quality, sinks=[
-        {"name": "main", "dsn": env.sink_dsn, "table": f"public.{name}", "key": ["id"]},
-        {"name": "second", "dsn": env.sink2_dsn, "table": f"public.{name}", "key": ["id"]}])
+    env.pipeline(
+        name=name,
+        quality=quality,
+        sinks=[
+            {"name": "main", "dsn": env.sink_dsn, "table": f"public.{name}", "key": ["id"]},
+            {"name": "second", "dsn": env.sink2_dsn, "table": f"public.{name}", "key": ["id"]},
+        ],
+    )
     for sink in sinks.resolve(env.load(name), None):
         sinks.ensure_table(sink, COLUMNS, f"sink {sink.name}")
 
@@ -51,8 +75,15 @@ def _pipeline(env, name: str, quality: dict) -> None:
 def _run(env, spark, name: str, one_pass: bool, **kw):
     pipelines, _ = config.load_all(env.dir)
     lines: list[str] = []
-    run = Run(pipelines[name], env.settings(), ledger_dsn=env.ledger_dsn,
-              all_pipelines=pipelines, spark=spark, log=lines.append, **kw)
+    run = Run(
+        pipelines[name],
+        env.settings(),
+        ledger_dsn=env.ledger_dsn,
+        all_pipelines=pipelines,
+        spark=spark,
+        log=lines.append,
+        **kw,
+    )
     run.one_pass = one_pass
     return run.execute(), "\n".join(lines)
 
@@ -60,22 +91,34 @@ def _run(env, spark, name: str, one_pass: bool, **kw):
 def _outcome(env, name: str) -> dict:
     """What a pipeline's runs left: rows, dead letters with reasons, states, checkpoints,
     stored results."""
-    out = {"dlq": env.ledger(
-        "SELECT sink, source_partition, source_offset, error_class::text, reason, attempts "
-        "FROM tidemark.dlq WHERE pipeline = %s ORDER BY 1, 2, 3", (name,)),
+    out = {
+        "dlq": env.ledger(
+            "SELECT sink, source_partition, source_offset, error_class::text, reason, attempts "
+            "FROM tidemark.dlq WHERE pipeline = %s ORDER BY 1, 2, 3",
+            (name,),
+        ),
         "states": env.ledger(
             "SELECT r.run_id - min(r.run_id) OVER (), s.sink, s.state::text, s.error "
             "FROM tidemark.runs r JOIN tidemark.run_sinks s USING (run_id) "
-            "WHERE r.pipeline = %s ORDER BY 1, 2", (name,)),
+            "WHERE r.pipeline = %s ORDER BY 1, 2",
+            (name,),
+        ),
         "checkpoints": {s: env.checkpoints(name, s) for s in ("main", "second")},
         "dq": env.ledger(
             "SELECT d.scope, d.success, d.rows_failed, d.results FROM tidemark.dq_results d "
             "JOIN tidemark.runs r USING (run_id) WHERE r.pipeline = %s ORDER BY d.run_id, 1",
-            (name,))}
+            (name,),
+        ),
+    }
     for s, dsn in (("main", env.sink_dsn), ("second", env.sink2_dsn)):
         exists = env.q(dsn, "SELECT to_regclass(%s)", (f"public.{name}",))[0][0]
-        out[s] = env.q(dsn, f"SELECT id, name, amount, _tm_partition, _tm_offset FROM {name} "
-                            "ORDER BY id") if exists else []
+        out[s] = (
+            env.q(
+                dsn, f"SELECT id, name, amount, _tm_partition, _tm_offset FROM {name} ORDER BY id"
+            )
+            if exists
+            else []
+        )
     return out
 
 
@@ -102,8 +145,9 @@ def test_checking_while_writing_leaves_what_checking_first_leaves(env, spark, ca
     for step, log in enumerate(logs["one_pass"]):
         assert "checking data quality (Great Expectations) while writing" in log
         undone = "rolled back the write, checking the batch before writing it again" in log
-        assert undone == (case in ("gate_halts", "gate_quarantines")
-                          or (case, step) == ("mostly", 1)), log
+        assert undone == (
+            case in ("gate_halts", "gate_quarantines") or (case, step) == ("mostly", 1)
+        ), log
     for log in logs["first"]:
         assert "while writing" not in log
     if case == "passes":
@@ -118,18 +162,25 @@ def test_checking_while_writing_leaves_what_checking_first_leaves(env, spark, ca
     if case == "mostly":
         assert {r[4] for r in one["dlq"] if r[3] == "validation"} == {
             "expect_column_values_to_not_be_in_set(column=id): 5 in forbidden set",
-            "expect_column_values_to_not_be_in_set(column=id): 90 in forbidden set"}
+            "expect_column_values_to_not_be_in_set(column=id): 90 in forbidden set",
+        }
     for name in ("one_pass", "first"):
-        assert_exactly_once(env, name, sinks={"main": env.sink_dsn,
-                                              "second": env.sink2_dsn}, table=name)
+        assert_exactly_once(
+            env, name, sinks={"main": env.sink_dsn, "second": env.sink2_dsn}, table=name
+        )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("point", "case"), [("task_after_prepare", "passes"),
-                                             ("before_verdict", "gate_halts"),
-                                             ("before_verdict", "gate_quarantines"),
-                                             ("after_prepare", "passes"),
-                                             ("after_prepare", "gate_quarantines")])
+@pytest.mark.parametrize(
+    ("point", "case"),
+    [
+        ("task_after_prepare", "passes"),
+        ("before_verdict", "gate_halts"),
+        ("before_verdict", "gate_quarantines"),
+        ("after_prepare", "passes"),
+        ("after_prepare", "gate_quarantines"),
+    ],
+)
 def test_a_crash_in_a_run_checked_while_writing(env, spark, point, case):
     """SIGKILL of the whole job inside the one-pass write, between it and its verdict (the
     failing gates: before their write is undone), or after the decision's prerequisites (for
@@ -146,8 +197,10 @@ def test_a_crash_in_a_run_checked_while_writing(env, spark, point, case):
     assert env.recover().ok
     assert env.prepared() == []
     report = env.run(spark)
-    classes = env.ledger("SELECT sink, error_class::text, count(*), max(attempts) "
-                         "FROM tidemark.dlq GROUP BY 1, 2 ORDER BY 1, 2")
+    classes = env.ledger(
+        "SELECT sink, error_class::text, count(*), max(attempts) "
+        "FROM tidemark.dlq GROUP BY 1, 2 ORDER BY 1, 2"
+    )
     if case == "gate_halts":
         assert {s.state for s in report.sinks.values()} == {"dq_failed"}, report.summary()
         assert classes == []
@@ -158,11 +211,13 @@ def test_a_crash_in_a_run_checked_while_writing(env, spark, point, case):
         return
     assert report.ok, report.summary()
     if case == "passes":
-        assert classes == [(s, c, n, 1) for s in sinks
-                           for c, n in (("decode", 2), ("validation", 20))]
+        assert classes == [
+            (s, c, n, 1) for s in sinks for c, n in (("decode", 2), ("validation", 20))
+        ]
     else:
-        assert classes == [(s, c, n, 1) for s in sinks
-                           for c, n in (("decode", 2), ("dq_gate", 100))]
+        assert classes == [
+            (s, c, n, 1) for s in sinks for c, n in (("decode", 2), ("dq_gate", 100))
+        ]
     for sink in sinks:
         assert env.checkpoints(sink=sink) == {0: 51, 1: 51}
     assert_exactly_once(env, sinks=sinks)
@@ -181,8 +236,7 @@ class _CleanupFails(Run):
         super()._rollback_run(claim, by_name, keep)
 
 
-def test_a_write_left_prepared_by_an_undone_one_pass_write_does_not_block_the_second(env,
-                                                                                      spark):
+def test_a_write_left_prepared_by_an_undone_one_pass_write_does_not_block_the_second(env, spark):
     """The second write of a run numbers its attempts past the first's (gids.REWRITE_ATTEMPT):
     its gids are new, and each of its tasks first rolls back what the first write left of it,
     which would otherwise hold the rows' locks until recovery."""
@@ -191,18 +245,27 @@ def test_a_write_left_prepared_by_an_undone_one_pass_write_does_not_block_the_se
     env.append(POISON)
     pipelines, _ = config.load_all(env.dir)
     lines: list[str] = []
-    run = _CleanupFails(pipelines["orders"], env.settings(lock_timeout_ms=5_000),
-                        ledger_dsn=env.ledger_dsn, all_pipelines=pipelines, spark=spark,
-                        log=lines.append)
+    run = _CleanupFails(
+        pipelines["orders"],
+        env.settings(lock_timeout_ms=5_000),
+        ledger_dsn=env.ledger_dsn,
+        all_pipelines=pipelines,
+        spark=spark,
+        log=lines.append,
+    )
     report = run.execute()
     assert report.ok, report.summary() + "\n" + "\n".join(lines)
     assert run.skipped == 1
     assert "rolled back the write, checking the batch before writing it again" in "\n".join(lines)
     assert env.prepared() == []
-    attempts = {a for (a,) in env.ledger(
-        "SELECT DISTINCT split_part(gid, ':', 5)::int FROM tidemark.participants")}
+    attempts = {
+        a
+        for (a,) in env.ledger(
+            "SELECT DISTINCT split_part(gid, ':', 5)::int FROM tidemark.participants"
+        )
+    }
     assert attempts == {100}
-    assert env.ledger("SELECT sink, error_class::text, count(*) FROM tidemark.dlq "
-                      "GROUP BY 1, 2 ORDER BY 1, 2") == [
-        (s, c, n) for s in ("main", "second") for c, n in (("decode", 2), ("dq_gate", 100))]
+    assert env.ledger(
+        "SELECT sink, error_class::text, count(*) FROM tidemark.dlq GROUP BY 1, 2 ORDER BY 1, 2"
+    ) == [(s, c, n) for s in ("main", "second") for c, n in (("decode", 2), ("dq_gate", 100))]
     assert_exactly_once(env, sinks={"main": env.sink_dsn, "second": env.sink2_dsn})

@@ -176,15 +176,21 @@ def test_row_failures_over_limit_raises(flights):
 
 
 CANNOT_RUN = [
-    ({"expect_column_values_to_match_regex": {"column": "origin", "regex": "("}},
-     "expect_column_values_to_match_regex(column=origin): GX could not evaluate it: "
-     "PatternSyntaxException: Unclosed group near index 1"),
-    ({"expect_column_values_to_be_in_set": {"column": "nope", "value_set": ORIGINS}},
-     'expect_column_values_to_be_in_set(column=nope): GX could not evaluate it: The column '
-     '"nope" in BatchData does not exist.'),
-    ({"expect_column_values_to_be_between": {"column": "origin", "min_value": 1}},
-     "expect_column_values_to_be_between(column=origin): GX could not evaluate it: "
-     "ColumnValuesBetween metrics cannot be computed on column of type StringType()."),
+    (
+        {"expect_column_values_to_match_regex": {"column": "origin", "regex": "("}},
+        "expect_column_values_to_match_regex(column=origin): GX could not evaluate it: "
+        "PatternSyntaxException: Unclosed group near index 1",
+    ),
+    (
+        {"expect_column_values_to_be_in_set": {"column": "nope", "value_set": ORIGINS}},
+        "expect_column_values_to_be_in_set(column=nope): GX could not evaluate it: The column "
+        '"nope" in BatchData does not exist.',
+    ),
+    (
+        {"expect_column_values_to_be_between": {"column": "origin", "min_value": 1}},
+        "expect_column_values_to_be_between(column=origin): GX could not evaluate it: "
+        "ColumnValuesBetween metrics cannot be computed on column of type StringType().",
+    ),
 ]
 
 
@@ -261,15 +267,23 @@ def test_gate_failure_reports_failing_expectations(flights):
     assert out.raw["success"] is False
     # A failed gate is read by people: its result lists GX's sample values, which a passing
     # gate does not spend Spark jobs on.
-    unique = next(r["result"] for r in out.raw["results"]
-                  if r["expectation_config"]["type"] == "expect_column_values_to_be_unique")
+    unique = next(
+        r["result"]
+        for r in out.raw["results"]
+        if r["expectation_config"]["type"] == "expect_column_values_to_be_unique"
+    )
     assert set(unique["partial_unexpected_list"]) <= set(ORIGINS)
     assert len(unique["partial_unexpected_list"]) == 20
 
 
 def test_a_passing_gate_lists_no_sample_values(flights):
-    mostly = {"expect_column_values_to_be_in_set": {"column": "origin", "value_set": ORIGINS,
-                                                    "mostly": 0.9}}
+    mostly = {
+        "expect_column_values_to_be_in_set": {
+            "column": "origin",
+            "value_set": ORIGINS,
+            "mostly": 0.9,
+        }
+    }
     out = quality.gate(flights, _parse([mostly]), None, "flights-run-3-warehouse")
     assert out.success is True
     (result,) = [r["result"] for r in out.raw["results"]]
@@ -320,28 +334,53 @@ def test_gate_renders_data_docs(flights, tmp_path: Path):
 
 
 def test_columns_read_names_what_the_expectations_read():
-    exps = expectations.parse_expectations([
-        {"expect_column_values_to_be_in_set": {"column": "origin", "value_set": ORIGINS}},
-        {"expect_column_mean_to_be_between": {"column": "distance", "min_value": 1}},
-        {"expect_column_pair_values_a_to_be_greater_than_b": {"column_A": "arr", "column_B": "dep"}},
-        {"expect_compound_columns_to_be_unique": {"column_list": ["carrier", "flight"]}},
-        {"expect_table_row_count_to_be_between": {"min_value": 1}},
-    ], "w", "f")
-    assert expectations.columns_read(exps) == {"origin", "distance", "arr", "dep", "carrier", "flight"}
+    exps = expectations.parse_expectations(
+        [
+            {"expect_column_values_to_be_in_set": {"column": "origin", "value_set": ORIGINS}},
+            {"expect_column_mean_to_be_between": {"column": "distance", "min_value": 1}},
+            {
+                "expect_column_pair_values_a_to_be_greater_than_b": {
+                    "column_A": "arr",
+                    "column_B": "dep",
+                }
+            },
+            {"expect_compound_columns_to_be_unique": {"column_list": ["carrier", "flight"]}},
+            {"expect_table_row_count_to_be_between": {"min_value": 1}},
+        ],
+        "w",
+        "f",
+    )
+    assert expectations.columns_read(exps) == {
+        "origin",
+        "distance",
+        "arr",
+        "dep",
+        "carrier",
+        "flight",
+    }
 
 
-@pytest.mark.parametrize("item", [
-    {"expect_table_columns_to_match_set": {"column_set": ["origin"]}},
-    {"expect_table_column_count_to_equal": {"value": 4}},
-    {"expect_column_to_exist": {"column": "origin"}},
-    {"expect_column_values_to_not_be_null": {"column": "origin",
-                                             "row_condition": 'col("distance") > 0',
-                                             "condition_parser": "spark"}},
-])
+@pytest.mark.parametrize(
+    "item",
+    [
+        {"expect_table_columns_to_match_set": {"column_set": ["origin"]}},
+        {"expect_table_column_count_to_equal": {"value": 4}},
+        {"expect_column_to_exist": {"column": "origin"}},
+        {
+            "expect_column_values_to_not_be_null": {
+                "column": "origin",
+                "row_condition": 'col("distance") > 0',
+                "condition_parser": "spark",
+            }
+        },
+    ],
+)
 def test_columns_read_is_everything_for_table_checks_and_row_conditions(item):
-    exps = expectations.parse_expectations([
-        {"expect_column_values_to_be_in_set": {"column": "origin", "value_set": ORIGINS}}, item],
-        "w", "f")
+    exps = expectations.parse_expectations(
+        [{"expect_column_values_to_be_in_set": {"column": "origin", "value_set": ORIGINS}}, item],
+        "w",
+        "f",
+    )
     assert expectations.columns_read(exps) is None
 
 
@@ -351,10 +390,12 @@ def test_the_gate_reads_only_the_columns_its_expectations_need(local_spark, flig
     from tidemark.config import Quality
     from tidemark.driver import gate
 
-    df = (flights.withColumn("_tm_error_class", F.lit(None).cast("string"))
-          .withColumn("unused", F.col("distance")))
-    narrow = Quality(rows=[{"expect_column_values_to_be_between": {"column": "distance",
-                                                                   "min_value": 0}}])
+    df = flights.withColumn("_tm_error_class", F.lit(None).cast("string")).withColumn(
+        "unused", F.col("distance")
+    )
+    narrow = Quality(
+        rows=[{"expect_column_values_to_be_between": {"column": "distance", "min_value": 0}}]
+    )
     good = gate._for_gx(df, [narrow], "w")
     assert good.columns == ["_tm_partition", "_tm_offset", "distance"]
     table = Quality(batch=[{"expect_table_column_count_to_equal": {"value": 4}}])
@@ -392,7 +433,11 @@ def test_a_failed_in_set_gate_says_how_many_values_and_which(flights):
     (failed,) = out.failed()
     assert failed["element_count"] == 300 and failed["unexpected_count"] == 2
     assert sorted(failed["partial_unexpected_list"]) == ["BOS", "XXX"]
-    assert observed(failed) in ("2 of 300 values (0.667%) not in the set; e.g. 'XXX', 'BOS'",
-                                "2 of 300 values (0.667%) not in the set; e.g. 'BOS', 'XXX'")
-    assert _summary(out) == ("data-quality gate failed: expect_column_values_to_be_in_set("
-                             f"column=origin, value_set={ORIGINS}) {observed(failed)}")
+    assert observed(failed) in (
+        "2 of 300 values (0.667%) not in the set; e.g. 'XXX', 'BOS'",
+        "2 of 300 values (0.667%) not in the set; e.g. 'BOS', 'XXX'",
+    )
+    assert _summary(out) == (
+        "data-quality gate failed: expect_column_values_to_be_in_set("
+        f"column=origin, value_set={ORIGINS}) {observed(failed)}"
+    )

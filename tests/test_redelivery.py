@@ -17,17 +17,27 @@ def rows(env, cols: str = "id, _tm_offset, amount") -> list[tuple]:
 
 
 def letters(env) -> dict[int, str]:
-    return dict(env.ledger("SELECT source_offset, status::text FROM tidemark.dlq "
-                           "ORDER BY source_offset"))
+    return dict(
+        env.ledger("SELECT source_offset, status::text FROM tidemark.dlq ORDER BY source_offset")
+    )
 
 
 def test_a_backfill_whose_check_changes_places_each_records_newest_passing_version(env, spark):
     """Case 1 of the review: the fallback took offset 1 as placed by its live letter, then
     resolved the letter, and id 8 vanished."""
     records = [(7, 200), (7, 500), (7, 50), (8, 500), (8, 50), (9, 150)]
-    env.append([(0, str(i).encode(), json.dumps({"id": i, "name": "x", "amount": a,
-                                                  "version": 1}).encode(), None, None)
-                for i, a in records])
+    env.append(
+        [
+            (
+                0,
+                str(i).encode(),
+                json.dumps({"id": i, "name": "x", "amount": a, "version": 1}).encode(),
+                None,
+                None,
+            )
+            for i, a in records
+        ]
+    )
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 300}}]})
     assert env.run(spark).ok
     assert rows(env) == [(7, 2, 50.0), (8, 4, 50.0), (9, 5, 150.0)]
@@ -44,19 +54,25 @@ def test_a_backfill_whose_check_changes_places_each_records_newest_passing_versi
 
 def test_a_backfill_whose_transform_changes_the_key_leaves_no_row_of_the_old_key(env, spark):
     """Case 2: re-delivery upserted by the new key and kept the old pipeline's row."""
-    env.append([(0, b"1", json.dumps({"id": 1, "code": "A"}).encode(), None, None),
-                (0, b"2", json.dumps({"id": 2, "code": "B"}).encode(), None, None)])
+    env.append(
+        [
+            (0, b"1", json.dumps({"id": 1, "code": "A"}).encode(), None, None),
+            (0, b"2", json.dumps({"id": 2, "code": "B"}).encode(), None, None),
+        ]
+    )
     sink = {"name": "main", "dsn": env.sink_dsn, "table": "public.codes", "key": ["code"]}
     decode = {"schema": {"id": "int", "code": "string"}}
-    env.pipeline(decode=decode, transform={"select": {"id": "id", "code": "code"}},
-                 sinks=[sink])
+    env.pipeline(decode=decode, transform={"select": {"id": "id", "code": "code"}}, sinks=[sink])
     assert env.run(spark).ok
-    env.pipeline(decode=decode, transform={"select": {"id": "id", "code": "lower(code)"}},
-                 sinks=[sink])
+    env.pipeline(
+        decode=decode, transform={"select": {"id": "id", "code": "lower(code)"}}, sinks=[sink]
+    )
     report = env.run(spark, mode="backfill", backfill=Backfill(0, 0, 2))
     assert report.ok, report.summary()
-    assert env.q(env.sink_dsn, "SELECT code, id, _tm_offset FROM codes ORDER BY code") == \
-        [("a", 1, 0), ("b", 2, 1)]
+    assert env.q(env.sink_dsn, "SELECT code, id, _tm_offset FROM codes ORDER BY code") == [
+        ("a", 1, 0),
+        ("b", 2, 1),
+    ]
     assert_exactly_once(env, table="codes")
 
 
@@ -76,8 +92,10 @@ def test_a_key_split_and_merged_by_a_new_transform_keeps_its_newest_passing_vers
     # Offset 0 (outside the range) keeps its row, key 1, as it was: offset 1 is newer and
     # takes key 1; offsets 2 and 3 map to key 2, the newest wins. Keys 3 and 4 lost their
     # rows and no version maps to them now.
-    assert env.q(env.sink_dsn, "SELECT k, id, _tm_offset FROM g ORDER BY k") == \
-        [(1, 2, 1), (2, 4, 3)]
+    assert env.q(env.sink_dsn, "SELECT k, id, _tm_offset FROM g ORDER BY k") == [
+        (1, 2, 1),
+        (2, 4, 3),
+    ]
     # (tests/invariants.py reads versions by the source key, which this transform no longer
     # follows: offsets 0 and 2 are placed by the newer rows of keys 1 and 2.)
     assert letters(env) == {} and env.prepared() == []
@@ -86,13 +104,23 @@ def test_a_key_split_and_merged_by_a_new_transform_keeps_its_newest_passing_vers
 def test_equal_versions_across_partitions_are_broken_by_position_in_and_across_runs(env, spark):
     """Case 4: a tie inside a run kept partition 1's row; across runs it aborted the sink
     with 'declare a version column' (one is declared), on every later run too."""
+
     def order(i: int, name: str) -> bytes:
         return json.dumps({"id": i, "name": name, "amount": 1, "version": 3}).encode()
 
-    source = {"type": "postgres_log", "dsn": env.ledger_dsn, "table": "src.log",
-              "partitions": [0, 1]}
-    main = {"name": "main", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"],
-            "version": "version"}
+    source = {
+        "type": "postgres_log",
+        "dsn": env.ledger_dsn,
+        "table": "src.log",
+        "partitions": [0, 1],
+    }
+    main = {
+        "name": "main",
+        "dsn": env.sink_dsn,
+        "table": "public.orders",
+        "key": ["id"],
+        "version": "version",
+    }
     env.append([(0, b"5", order(5, "p0"), None, None), (1, b"5", order(5, "p1"), None, None)])
     env.pipeline(source=source, sinks=[main])
     assert env.run(spark).ok
@@ -103,23 +131,35 @@ def test_equal_versions_across_partitions_are_broken_by_position_in_and_across_r
     env.append([(0, b"6", order(6, "p0"), None, None)])
     second = env.run(spark)
     assert second.ok, second.summary()
-    assert env.q(env.sink_dsn, "SELECT id, name FROM orders ORDER BY id") == \
-        [(5, "p1"), (6, "p1")]
+    assert env.q(env.sink_dsn, "SELECT id, name FROM orders ORDER BY id") == [(5, "p1"), (6, "p1")]
     env.append([(0, b"7", order(7, "p0"), None, None)])
     assert env.run(spark).ok  # the sink is not stuck
     # A backfill of partition 0 converges on the same rows.
     back = env.run(spark, mode="backfill", backfill=Backfill(0, 0, 3))
     assert back.ok, back.summary()
-    assert env.q(env.sink_dsn, "SELECT id, name FROM orders ORDER BY id") == \
-        [(5, "p1"), (6, "p1"), (7, "p0")]
+    assert env.q(env.sink_dsn, "SELECT id, name FROM orders ORDER BY id") == [
+        (5, "p1"),
+        (6, "p1"),
+        (7, "p0"),
+    ]
     assert_exactly_once(env)
 
 
 def test_a_backfill_whose_every_record_fails_now_removes_their_rows(env, spark):
     """No row to write at all: the task still removes the range's rows, and each key falls
     back to the version before the range that passes now."""
-    env.append([(0, b"1", json.dumps({"id": 1, "name": "x", "amount": a, "version": 1})
-                 .encode(), None, None) for a in (1, 200, 300)])
+    env.append(
+        [
+            (
+                0,
+                b"1",
+                json.dumps({"id": 1, "name": "x", "amount": a, "version": 1}).encode(),
+                None,
+                None,
+            )
+            for a in (1, 200, 300)
+        ]
+    )
     env.pipeline()
     assert env.run(spark).ok
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]})
@@ -136,15 +176,33 @@ def test_a_redrive_of_a_letter_whose_newer_version_is_in_the_sink_resolves_it(en
     from tidemark import config
     from tidemark.driver.redrive import Redrive
 
-    env.append([(0, b"1", json.dumps({"id": 1, "name": n, "amount": a, "version": 1})
-                 .encode(), None, None) for n, a in (("old", 500), ("new", 100))])
+    env.append(
+        [
+            (
+                0,
+                b"1",
+                json.dumps({"id": 1, "name": n, "amount": a, "version": 1}).encode(),
+                None,
+                None,
+            )
+            for n, a in (("old", 500), ("new", 100))
+        ]
+    )
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 300}}]})
     assert env.run(spark).ok
     (letter,) = [i for (i,) in env.ledger("SELECT id FROM tidemark.dlq")]
     env.pipeline()
     all_p, _ = config.load_all(env.dir)
-    rep = Redrive(all_p["orders"], env.settings(), ledger_dsn=env.ledger_dsn, ids=[letter],
-                  by="fay", all_pipelines=all_p, spark=spark, log=lambda m: None).execute()
+    rep = Redrive(
+        all_p["orders"],
+        env.settings(),
+        ledger_dsn=env.ledger_dsn,
+        ids=[letter],
+        by="fay",
+        all_pipelines=all_p,
+        spark=spark,
+        log=lambda m: None,
+    ).execute()
     assert rep.ok and rep.redrive["redriven"] == 1, rep.summary()
     assert rep.sinks["main"].superseded == 1
     assert rows(env, "id, _tm_offset, name") == [(1, 1, "new")]
@@ -157,16 +215,18 @@ def test_two_sinks_at_different_checkpoints_converge_under_a_new_key(env, spark)
     delivery with the current pipeline, and the one ahead keeps what lies past the range."""
     docs = [{"id": i, "code": c} for i, c in enumerate("ABCD")]
     env.append([(0, str(d["id"]).encode(), json.dumps(d).encode(), None, None) for d in docs[:3]])
-    sinks = [{"name": n, "dsn": d, "table": "public.codes", "key": ["code"]}
-             for n, d in (("a", env.sink_dsn), ("b", env.sink2_dsn))]
+    sinks = [
+        {"name": n, "dsn": d, "table": "public.codes", "key": ["code"]}
+        for n, d in (("a", env.sink_dsn), ("b", env.sink2_dsn))
+    ]
     decode = {"schema": {"id": "int", "code": "string"}}
-    env.pipeline(decode=decode, transform={"select": {"id": "id", "code": "code"}},
-                 sinks=sinks)
+    env.pipeline(decode=decode, transform={"select": {"id": "id", "code": "code"}}, sinks=sinks)
     assert env.run(spark).ok
     env.append([(0, b"3", json.dumps(docs[3]).encode(), None, None)])
     assert env.run(spark, sink_names=["a"]).ok  # a at 4, b at 3
-    env.pipeline(decode=decode, transform={"select": {"id": "id", "code": "lower(code)"}},
-                 sinks=sinks)
+    env.pipeline(
+        decode=decode, transform={"select": {"id": "id", "code": "lower(code)"}}, sinks=sinks
+    )
     report = env.run(spark, mode="backfill", backfill=Backfill(0, 1, 3))
     assert report.ok, report.summary()
     for dsn, want in ((env.sink_dsn, ["A", "D", "b", "c"]), (env.sink2_dsn, ["A", "b", "c"])):
@@ -179,8 +239,18 @@ def test_older_versions_outside_the_range_follow_their_newer_version_to_its_new_
     version now fails. Its old key loses its row and no record maps to it any more; the older
     version outside the range, which that row placed, now maps to the key the failing version
     maps to, and that key falls back to it (docs/design.md, "Re-delivery", step 4)."""
-    env.append([(0, b"7", json.dumps({"id": 7, "name": n, "amount": a, "version": 1})
-                 .encode(), None, None) for n, a in (("old", 50), ("new", 500))])
+    env.append(
+        [
+            (
+                0,
+                b"7",
+                json.dumps({"id": 7, "name": n, "amount": a, "version": 1}).encode(),
+                None,
+                None,
+            )
+            for n, a in (("old", 50), ("new", 500))
+        ]
+    )
     sink = {"name": "main", "dsn": env.sink_dsn, "table": "public.moved", "key": ["k"]}
     decode = {"schema": {"id": "int", "name": "string", "amount": "double"}}
     select = {"k": "id", "id": "id", "name": "name", "amount": "amount"}
@@ -188,8 +258,12 @@ def test_older_versions_outside_the_range_follow_their_newer_version_to_its_new_
     assert env.run(spark).ok
     assert env.q(env.sink_dsn, "SELECT k, name FROM moved") == [(7, "new")]
 
-    env.pipeline(decode=decode, transform={"select": {**select, "k": "id + 100"}}, sinks=[sink],
-                 quality={"rows": [{ROWS: {"column": "amount", "max_value": 300}}]})
+    env.pipeline(
+        decode=decode,
+        transform={"select": {**select, "k": "id + 100"}},
+        sinks=[sink],
+        quality={"rows": [{ROWS: {"column": "amount", "max_value": 300}}]},
+    )
     report = env.run(spark, mode="backfill", backfill=Backfill(0, 1, 2))
     assert report.ok, report.summary()
     assert env.q(env.sink_dsn, "SELECT k, name, _tm_offset FROM moved") == [(107, "old", 0)]

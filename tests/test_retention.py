@@ -26,28 +26,42 @@ FINAL, OLD, RECENT = ("committed",), 200, 1
 
 
 def tm(env_vars: dict[str, str], *args: str, input_: str | None = None):
-    res = subprocess.run([sys.executable, "-m", "tidemark", *args], env=env_vars, input=input_,
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "tidemark", *args],
+        env=env_vars,
+        input=input_,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return res.returncode, res.stdout, res.stderr
 
 
-def _run(c, pipeline: str, states=FINAL, days: int = OLD, mode: str = "run",
-         finished: bool = True) -> int:
+def _run(
+    c, pipeline: str, states=FINAL, days: int = OLD, mode: str = "run", finished: bool = True
+) -> int:
     """A run of ``days`` ago with one sink per state, each with a range, a participant and a
     metric."""
-    rid = c.execute("""INSERT INTO tidemark.runs (pipeline, mode, owner, created_at, finished_at)
+    rid = c.execute(
+        """INSERT INTO tidemark.runs (pipeline, mode, owner, created_at, finished_at)
                        VALUES (%s, %s, 'h:1', now() - make_interval(days => %s),
                                CASE WHEN %s THEN now() - make_interval(days => %s) END)
-                       RETURNING run_id""", (pipeline, mode, days, finished, days)).fetchone()[0]
+                       RETURNING run_id""",
+        (pipeline, mode, days, finished, days),
+    ).fetchone()[0]
     for i, st in enumerate(states):
         sink = f"s{i}"
-        c.execute("""INSERT INTO tidemark.run_sinks (run_id, sink, state, lease_epoch, updated_at)
+        c.execute(
+            """INSERT INTO tidemark.run_sinks (run_id, sink, state, lease_epoch, updated_at)
                      VALUES (%s, %s, %s, 1, now() - make_interval(days => %s))""",
-                  (rid, sink, st, days))
+            (rid, sink, st, days),
+        )
         c.execute("INSERT INTO tidemark.run_ranges VALUES (%s, %s, 0, 0, 10)", (rid, sink))
-        c.execute("INSERT INTO tidemark.participants (run_id, sink, gid, target, task, rows) "
-                  "VALUES (%s, %s, %s, %s, 0, 10)", (rid, sink, f"tm:{rid}:s.{sink}:0:0",
-                                                     f"sink:{sink}"))
+        c.execute(
+            "INSERT INTO tidemark.participants (run_id, sink, gid, target, task, rows) "
+            "VALUES (%s, %s, %s, %s, 0, 10)",
+            (rid, sink, f"tm:{rid}:s.{sink}:0:0", f"sink:{sink}"),
+        )
         c.execute("INSERT INTO tidemark.run_metrics VALUES (%s, %s, 'rows', 10)", (rid, sink))
     return rid
 
@@ -66,8 +80,10 @@ def _page(root: Path, pipeline: str, label: str, size: int) -> tuple[Path, Path]
 
 
 def _dq(c, rid: int, page: Path | str | None) -> None:
-    c.execute("INSERT INTO tidemark.dq_results (run_id, success, docs_path) VALUES "
-              "(%s, true, %s)", (rid, str(page) if page else None))
+    c.execute(
+        "INSERT INTO tidemark.dq_results (run_id, success, docs_path) VALUES (%s, true, %s)",
+        (rid, str(page) if page else None),
+    )
 
 
 def _letter(c, pipeline: str, rid: int, status: str, days: int, offset: int) -> int:
@@ -77,14 +93,19 @@ def _letter(c, pipeline: str, rid: int, status: str, days: int, offset: int) -> 
            VALUES (%s, 's0', %s, 0, %s, 'x', 'decode', 'not JSON', %s,
                    now() - interval '400 days', now() - interval '400 days',
                    CASE WHEN %s <> 'quarantined' THEN now() - make_interval(days => %s) END)
-           RETURNING id""", (pipeline, rid, offset, status, status, days)).fetchone()[0]
+           RETURNING id""",
+        (pipeline, rid, offset, status, status, days),
+    ).fetchone()[0]
 
 
 def _request(c, pipeline: str, days: int, letters: list[int]) -> int:
-    rid = c.execute("""INSERT INTO tidemark.redrive_requests (pipeline, requested_by,
+    rid = c.execute(
+        """INSERT INTO tidemark.redrive_requests (pipeline, requested_by,
                            requested_at, selection, letters)
                        VALUES (%s, 'alice', now() - make_interval(days => %s), '{}', %s)
-                       RETURNING request_id""", (pipeline, days, len(letters))).fetchone()[0]
+                       RETURNING request_id""",
+        (pipeline, days, len(letters)),
+    ).fetchone()[0]
     for lid in letters:
         c.execute("INSERT INTO tidemark.redrive_letters VALUES (%s, %s)", (rid, lid))
     return rid
@@ -147,26 +168,36 @@ def test_prune_deletes_what_outlived_retention_and_keeps_what_is_live(env):
     for k in ("live_letter_run", "open", "recent", "newest_orders", "newest"):
         assert w[k] in kept, k
     # An open run keeps its participants: recovery commits or rolls them back from them.
-    assert env.ledger("SELECT count(*) FROM tidemark.participants WHERE run_id = %s",
-                      (w["open"],)) == [(2,)]
+    assert env.ledger(
+        "SELECT count(*) FROM tidemark.participants WHERE run_id = %s", (w["open"],)
+    ) == [(2,)]
     for t in ("run_sinks", "run_ranges", "participants", "run_metrics", "dq_results"):
-        assert not env.ledger(f"SELECT 1 FROM tidemark.{t} WHERE run_id = ANY(%s)",
-                              (list(gone),)), t
+        assert not env.ledger(
+            f"SELECT 1 FROM tidemark.{t} WHERE run_id = ANY(%s)", (list(gone),)
+        ), t
     assert _ids(env, "dlq", "id") == {w["recently_discarded"], w["quarantined"]}
     assert _ids(env, "redrive_requests", "request_id") == {w["recent_request"]}
-    assert env.ledger("SELECT request_id FROM tidemark.redrive_letters") == [
-        (w["recent_request"],)]
+    assert env.ledger("SELECT request_id FROM tidemark.redrive_letters") == [(w["recent_request"],)]
     # The Data Docs of the deleted run: page and stored result; the recent run's stay, and a
     # page the ledger places outside the Data Docs folder is never deleted.
     assert not any(p.exists() for p in w["old_page"])
-    assert not (docs / "orders" / "gx" / "uncommitted" / "validations"
-                / f"orders-run-{w['old']}").exists()
+    assert not (
+        docs / "orders" / "gx" / "uncommitted" / "validations" / f"orders-run-{w['old']}"
+    ).exists()
     assert all(p.exists() for p in w["recent_page"]) and w["outside"].exists()
     assert s.docs_files == 2 and s.docs_bytes == 2000
     assert s.outside == [str(w["outside"])]
-    assert s.rows == {"dlq": 3, "participants": 6, "run_ranges": 6, "run_metrics": 6,
-                      "dq_results": 2, "run_sinks": 6, "runs": 5, "redrive_letters": 4,
-                      "redrive_requests": 2}
+    assert s.rows == {
+        "dlq": 3,
+        "participants": 6,
+        "run_ranges": 6,
+        "run_metrics": 6,
+        "dq_results": 2,
+        "run_sinks": 6,
+        "runs": 5,
+        "redrive_letters": 4,
+        "redrive_requests": 2,
+    }
     assert "resolved dead letters: deleted 3" in lines and "finished runs: deleted 5" in lines
     # Nothing left to delete: a second prune deletes nothing.
     again = prune(env.ledger_dsn, Policy(), docs)
@@ -189,8 +220,10 @@ def test_prune_keeps_what_the_settings_say(env):
 def test_prune_dry_run_and_pipeline_option_on_the_command_line(env):
     docs = env.tmp / "docs"
     w = _world(env, docs)
-    before = {t: env.ledger(f"SELECT count(*) FROM tidemark.{t}")[0][0]
-              for t in ("runs", "run_sinks", "dlq", "redrive_requests")}
+    before = {
+        t: env.ledger(f"SELECT count(*) FROM tidemark.{t}")[0][0]
+        for t in ("runs", "run_sinks", "dlq", "redrive_requests")
+    }
     environ = env.cli_env(TIDEMARK_DATA_DOCS_DIR=docs)
     code, out, err = tm(environ, "prune", "--dry-run")
     assert code == 0, err
@@ -220,8 +253,9 @@ def test_prune_deletes_in_small_batches_and_skips_locked_rows(env):
         c.execute("INSERT INTO tidemark.pipelines (name) VALUES ('orders')")
         runs = [_run(c, "orders") for _ in range(6)]
         letters = [_letter(c, "orders", runs[-1], "discarded", 40, i) for i in range(7)]
-    code, out, err = tm(env.cli_env(TIDEMARK_RETENTION_BATCH_SIZE=2,
-                                    TIDEMARK_DATA_DOCS_DIR=docs), "prune")
+    code, out, err = tm(
+        env.cli_env(TIDEMARK_RETENTION_BATCH_SIZE=2, TIDEMARK_DATA_DOCS_DIR=docs), "prune"
+    )
     assert code == 0, err
     progress = [ln for ln in err.splitlines() if ln.startswith("resolved dead letters")]
     assert progress == [f"resolved dead letters: deleted {n}" for n in (2, 4, 6, 7)]
@@ -264,24 +298,35 @@ def test_two_prunes_never_run_at_once(env):
 
 # -- retiring a pipeline ----------------------------------------------------------------------
 def _counts(env, pipeline: str) -> dict[str, int]:
-    q = {"pipelines": "name = %(p)s", "checkpoints": "pipeline = %(p)s",
-         "leases": "pipeline = %(p)s", "runs": "pipeline = %(p)s", "dlq": "pipeline = %(p)s",
-         "redrive_requests": "pipeline = %(p)s",
-         "run_sinks": "run_id IN (SELECT run_id FROM tidemark.runs WHERE pipeline = %(p)s)",
-         "dq_results": "run_id IN (SELECT run_id FROM tidemark.runs WHERE pipeline = %(p)s)",
-         "run_metrics": "run_id IN (SELECT run_id FROM tidemark.runs WHERE pipeline = %(p)s)"}
-    return {t: env.ledger(f"SELECT count(*) FROM tidemark.{t} WHERE {w}", {"p": pipeline})[0][0]
-            for t, w in q.items()}
+    q = {
+        "pipelines": "name = %(p)s",
+        "checkpoints": "pipeline = %(p)s",
+        "leases": "pipeline = %(p)s",
+        "runs": "pipeline = %(p)s",
+        "dlq": "pipeline = %(p)s",
+        "redrive_requests": "pipeline = %(p)s",
+        "run_sinks": "run_id IN (SELECT run_id FROM tidemark.runs WHERE pipeline = %(p)s)",
+        "dq_results": "run_id IN (SELECT run_id FROM tidemark.runs WHERE pipeline = %(p)s)",
+        "run_metrics": "run_id IN (SELECT run_id FROM tidemark.runs WHERE pipeline = %(p)s)",
+    }
+    return {
+        t: env.ledger(f"SELECT count(*) FROM tidemark.{t} WHERE {w}", {"p": pipeline})[0][0]
+        for t, w in q.items()
+    }
 
 
 def _retire_world(env, docs: Path) -> dict:
     w = _world(env, docs)
     with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
         for p in ("orders", "other"):
-            c.execute("INSERT INTO tidemark.checkpoints (pipeline, sink, partition, next_offset) "
-                      "VALUES (%s, 's0', 0, 10)", (p,))
-            c.execute("INSERT INTO tidemark.leases (pipeline, sink, epoch) VALUES (%s, 's0', 3)",
-                      (p,))
+            c.execute(
+                "INSERT INTO tidemark.checkpoints (pipeline, sink, partition, next_offset) "
+                "VALUES (%s, 's0', 0, 10)",
+                (p,),
+            )
+            c.execute(
+                "INSERT INTO tidemark.leases (pipeline, sink, epoch) VALUES (%s, 's0', 3)", (p,)
+            )
         # The open run of the world settled, as recovery would.
         c.execute("UPDATE tidemark.run_sinks SET state = 'aborted' WHERE state = 'prepared'")
         markers.ensure(c)
@@ -298,8 +343,9 @@ def test_retire_asks_then_deletes_every_row_of_the_pipeline_and_its_data_docs(en
 
     code, out, err = tm(environ, "pipelines", "retire", "orders", input_="n\n")
     assert code == 130, err
-    assert "dead letters                      4  (2 discarded, 1 quarantined, 1 redriven)" \
-        in out, out
+    assert "dead letters                      4  (2 discarded, 1 quarantined, 1 redriven)" in out, (
+        out
+    )
     assert "runs                              8" in out
     assert "and its Data Docs: 4 files, 2.9 KB" in out
     assert "Its sink tables are left as they are" in out
@@ -325,8 +371,13 @@ def test_retire_with_yes_and_a_pipeline_file(env):
     docs = env.tmp / "docs"
     _retire_world(env, docs)
     env.pipeline("orders")
-    code, out, err = tm(env.cli_env(TIDEMARK_DATA_DOCS_DIR=docs, TIDEMARK_RETENTION_BATCH_SIZE=3),
-                        "pipelines", "retire", "orders", "--yes")
+    code, out, err = tm(
+        env.cli_env(TIDEMARK_DATA_DOCS_DIR=docs, TIDEMARK_RETENTION_BATCH_SIZE=3),
+        "pipelines",
+        "retire",
+        "orders",
+        "--yes",
+    )
     assert code == 0, err
     assert "Its sink tables are left as they are (main: public.orders)." in out
     assert "its pipeline file" in out and "still exists" in out
@@ -342,13 +393,18 @@ def test_retire_refuses_while_a_run_is_open_or_a_transaction_prepared(env):
     before = _counts(env, "orders")
     code, out, err = tm(environ, "pipelines", "retire", "orders", "--yes")
     assert code == 1
-    assert_one_clear_line(err, "pipeline orders cannot be retired yet",
-                          f"run(s) {w['open']} not settled", "run `tidemark recover` first")
+    assert_one_clear_line(
+        err,
+        "pipeline orders cannot be retired yet",
+        f"run(s) {w['open']} not settled",
+        "run `tidemark recover` first",
+    )
     assert _counts(env, "orders") == before and (docs / "orders").exists()
 
     # Settled, but a prepared transaction of one of its runs is left on a sink database.
-    env.ledger("UPDATE tidemark.run_sinks SET state = 'aborted' WHERE state = 'prepared' "
-               "RETURNING 1")
+    env.ledger(
+        "UPDATE tidemark.run_sinks SET state = 'aborted' WHERE state = 'prepared' RETURNING 1"
+    )
     gid = f"tm:{w['crashed']}:s.main:0:0"
     with psycopg.connect(env.sink_dsn, autocommit=True) as c:
         c.execute("CREATE TABLE t (x int)")
@@ -358,8 +414,9 @@ def test_retire_refuses_while_a_run_is_open_or_a_transaction_prepared(env):
     try:
         code, out, err = tm(environ, "pipelines", "retire", "orders", "--yes")
         assert code == 1
-        assert_one_clear_line(err, f"prepared transaction {gid} of its run {w['crashed']}",
-                              "tidemark recover")
+        assert_one_clear_line(
+            err, f"prepared transaction {gid} of its run {w['crashed']}", "tidemark recover"
+        )
         assert _counts(env, "orders") == before
         # Another pipeline's prepared transaction does not hold this one back.
         code, out, err = tm(environ, "pipelines", "retire", "other", "--yes")

@@ -42,8 +42,17 @@ def _claimed(conn, ttl: int = 60):
     def plan(cps):
         return {s: [Range(0, 0, 5)] for s in cps}
 
-    claim = state.claim(conn, pipeline="orders", config={}, sinks=["main"], mode="run",
-                        owner="test:1", delivery="exactly_once", ttl_seconds=ttl, plan=plan)
+    claim = state.claim(
+        conn,
+        pipeline="orders",
+        config={},
+        sinks=["main"],
+        mode="run",
+        owner="test:1",
+        delivery="exactly_once",
+        ttl_seconds=ttl,
+        plan=plan,
+    )
     state.start_writing(conn, "orders", claim.run_id, "main")
     state.mark_prepared(conn, "orders", claim.run_id, "main", {})
     return claim.run_id
@@ -60,18 +69,24 @@ def test_an_expired_lease_is_fenced_at_the_decision_even_if_nobody_took_over(env
 
 def test_a_recovery_aborting_while_a_decision_holds_the_lease_never_deadlocks(env):
     """Both lock the lease row first: the abort waits, then finds the run decided."""
-    with psycopg.connect(env.ledger_dsn, autocommit=True) as driver, \
-            psycopg.connect(env.ledger_dsn, autocommit=True) as recovery:
+    with (
+        psycopg.connect(env.ledger_dsn, autocommit=True) as driver,
+        psycopg.connect(env.ledger_dsn, autocommit=True) as recovery,
+    ):
         rid = _claimed(driver)
         outcome: list = []
         with driver.transaction():
             state._check_lease(driver, "orders", rid, "main")  # the decision's first step
-            t = threading.Thread(target=lambda: outcome.append(
-                state.abort(recovery, "orders", rid, "main", "recovery: test")))
+            t = threading.Thread(
+                target=lambda: outcome.append(
+                    state.abort(recovery, "orders", rid, "main", "recovery: test")
+                )
+            )
             t.start()
             _wait_for_lock_wait(env, "abort")
-            state._transition(driver, rid, "main", state.RunState.COMMITTING,
-                              [state.RunState.PREPARED])
+            state._transition(
+                driver, rid, "main", state.RunState.COMMITTING, [state.RunState.PREPARED]
+            )
         t.join(30)
         assert outcome == [False]  # decided: not abortable, and no deadlock error
         assert state.state_of(driver, rid, "main") == state.RunState.COMMITTING
@@ -80,8 +95,10 @@ def test_a_recovery_aborting_while_a_decision_holds_the_lease_never_deadlocks(en
 def _wait_for_lock_wait(env, what: str, timeout: float = 20) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if env.ledger("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                      "AND datname = current_database()")[0][0]:
+        if env.ledger(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND datname = current_database()"
+        )[0][0]:
             return
         time.sleep(0.05)
     raise AssertionError(f"{what} never waited on a lock")
@@ -96,8 +113,10 @@ def test_the_heartbeat_reconnects_after_its_connection_is_dropped(env):
         beat.start()
         try:
             _until(lambda: beat.beats >= 1, "a first heartbeat")
-            killed = env.ledger("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                                "WHERE application_name = 'tidemark-heartbeat'")
+            killed = env.ledger(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE application_name = 'tidemark-heartbeat'"
+            )
             assert killed == [(True,)]
             seen = beat.beats
             _until(lambda: beat.beats > seen + 1, "heartbeats after the reconnect")
@@ -141,8 +160,10 @@ def test_the_first_read_of_a_partition_starts_at_its_first_settled_offset(env):
     from tidemark.sources.postgres_log import PostgresLogPlanner
 
     env.pipeline()
-    with psycopg.connect(env.ledger_dsn) as slow, \
-            psycopg.connect(env.ledger_dsn, autocommit=True) as fast:
+    with (
+        psycopg.connect(env.ledger_dsn) as slow,
+        psycopg.connect(env.ledger_dsn, autocommit=True) as fast,
+    ):
         slow.execute("SELECT pg_current_xact_id()")  # an older transaction, still running
         fast.execute("""INSERT INTO src.log ("partition", "offset", payload) VALUES
                         (0, 1, '{}'), (0, 2, '{}')""")
@@ -150,7 +171,7 @@ def test_the_first_read_of_a_partition_starts_at_its_first_settled_offset(env):
         planner = PostgresLogPlanner(src, env.ledger_dsn)
         try:
             assert planner.partitions() == [0]
-            assert planner.earliest(0) is None   # nothing settled yet: do not start
+            assert planner.earliest(0) is None  # nothing settled yet: do not start
             slow.execute("""INSERT INTO src.log ("partition", "offset", payload)
                             VALUES (0, 0, '{}')""")
             slow.commit()
@@ -169,8 +190,7 @@ def test_start_latest_skips_the_history_once_and_keeps_what_comes_after(env, spa
     env.append_orders(range(20, 24))
     second = env.run(spark)
     assert second.ok and second.sinks["main"].rows == 4, second.summary()
-    assert sorted(i for (i,) in env.q(env.sink_dsn, "SELECT id FROM orders")) == \
-        [20, 21, 22, 23]
+    assert sorted(i for (i,) in env.q(env.sink_dsn, "SELECT id FROM orders")) == [20, 21, 22, 23]
 
 
 @pytest.mark.slow
@@ -181,8 +201,12 @@ def test_a_decision_that_may_have_committed_is_settled_by_the_ledger(env, tmp_pa
     connection is settled by reading the ledger (here: not recorded, so rolled back)."""
     env.append_orders(range(60))
     env.pipeline()
-    job = JobProcess(env.cli_argv("run", "orders"), env.cli_env(), pause_dir=tmp_path / "p",
-                     pause_at="after_prepare")
+    job = JobProcess(
+        env.cli_argv("run", "orders"),
+        env.cli_env(),
+        pause_dir=tmp_path / "p",
+        pause_at="after_prepare",
+    )
     job.wait_reached()
     with psycopg.connect(env.ledger_dsn) as holder:
         holder.execute("SELECT 1 FROM tidemark.leases FOR UPDATE")
@@ -194,7 +218,8 @@ def test_a_decision_that_may_have_committed_is_settled_by_the_ledger(env, tmp_pa
         else:
             killed = env.ledger(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
-                "wait_event_type = 'Lock' AND application_name = 'tidemark'")
+                "wait_event_type = 'Lock' AND application_name = 'tidemark'"
+            )
             assert killed == [(True,)]
         holder.rollback()
     code = job.wait()

@@ -27,8 +27,14 @@ GC = "serial" if (os.cpu_count() or 1) <= 2 else "default-gc"
 
 
 def _tidemark(env, *args):
-    return subprocess.run([sys.executable, "-m", "tidemark", *args], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "tidemark", *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_the_class_archive_is_built_once_and_mapped_by_a_fresh_session(tmp_path):
@@ -45,15 +51,27 @@ def test_the_class_archive_is_built_once_and_mapped_by_a_fresh_session(tmp_path)
     assert again.returncode == 0 and again.stdout.strip() == f"{jsa}: up to date"
     assert jsa.stat().st_mtime_ns == built
 
-    probe = subprocess.run([sys.executable, "-c", PROBE, str(jsa)], env=env, cwd=REPO,
-                           capture_output=True, text=True, timeout=300)
+    probe = subprocess.run(
+        [sys.executable, "-c", PROBE, str(jsa)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.split() == ["mapped", GC, "3"]  # and no JVM line on stdout
     assert "log level" not in probe.stderr  # Spark's shell greeting (engine/log4j2.properties)
 
     jsa.unlink()  # without it, a session starts as before
-    probe = subprocess.run([sys.executable, "-c", PROBE, str(jsa)], env=env, cwd=REPO,
-                           capture_output=True, text=True, timeout=300)
+    probe = subprocess.run(
+        [sys.executable, "-c", PROBE, str(jsa)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.split() == ["unmapped", GC, "3"]
 
@@ -73,8 +91,13 @@ def test_airflow_hands_spark_submit_the_sessions_jvm_options(tmp_path, monkeypat
     assert options() == [log4j, *serial]
     assert _driver_conf()["spark.executor.extraJavaOptions"] == log4j
     cds.archive().write_bytes(b"")  # only its presence matters here
-    assert options() == [log4j, f"-XX:SharedArchiveFile={cds.archive()}", "-Xlog:disable",
-                         "-Xlog:all=warning:stderr", *serial]
+    assert options() == [
+        log4j,
+        f"-XX:SharedArchiveFile={cds.archive()}",
+        "-Xlog:disable",
+        "-Xlog:all=warning:stderr",
+        *serial,
+    ]
 
 
 FAILING_JOB = """
@@ -96,17 +119,28 @@ def test_a_submitted_jobs_error_is_not_buried_in_spark_info_lines(tmp_path):
     job.write_text(FAILING_JOB)
     conf = [a for k, v in _driver_conf().items() for a in ("--conf", f"{k}={v}")]
     submit = Path(sys.executable).with_name("spark-submit")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-        "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        "PYSPARK_PYTHON": sys.executable,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+    }
     # One stream, as Airflow's Spark hook reads it (spark-submit hands the Python process's
     # stderr on as its stdout).
-    res = subprocess.run([str(submit), "--master", "local[1]", *conf, str(job)], env=env,
-                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, timeout=300)
+    res = subprocess.run(
+        [str(submit), "--master", "local[1]", *conf, str(job)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 1, res.stdout[-3000:]
     lines = [ln for ln in res.stdout.splitlines() if ln.strip()]
     assert not [ln for ln in lines if " INFO " in ln or " WARN " in ln], res.stdout[:3000]
     # the job's lines, and at most the JVM's own start-up notice
     assert [ln for ln in lines if not ln.startswith("WARNING: Using incubator modules")] == [
-        "tidemark: starting", "tidemark: error: the job's own error line"], res.stdout[-3000:]
+        "tidemark: starting",
+        "tidemark: error: the job's own error line",
+    ], res.stdout[-3000:]

@@ -52,23 +52,54 @@ class Standalone:
         self.work = root / "work"
         self.work.mkdir()
         (root / "conf").mkdir()  # no spark-defaults.conf from anywhere else
-        self.env = {k: v for k, v in os.environ.items()
-                    if not k.startswith(("SPARK_", "PYSPARK_", "TIDEMARK_"))}
-        self.env.update(SPARK_HOME=str(SPARK_HOME), SPARK_CONF_DIR=str(root / "conf"),
-                        SPARK_LOCAL_IP="127.0.0.1", SPARK_WORKER_DIR=str(self.work))
+        self.env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("SPARK_", "PYSPARK_", "TIDEMARK_"))
+        }
+        self.env.update(
+            SPARK_HOME=str(SPARK_HOME),
+            SPARK_CONF_DIR=str(root / "conf"),
+            SPARK_LOCAL_IP="127.0.0.1",
+            SPARK_WORKER_DIR=str(self.work),
+        )
         self.procs: list[subprocess.Popen] = []
-        self._start("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                    "--port", str(self.port), "--webui-port", str(self.ui))
-        self._start("worker", "org.apache.spark.deploy.worker.Worker", self.url,
-                    "--host", "127.0.0.1", "--cores", "2", "--memory", "2g",
-                    "--webui-port", str(worker_ui))
+        self._start(
+            "master",
+            "org.apache.spark.deploy.master.Master",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--webui-port",
+            str(self.ui),
+        )
+        self._start(
+            "worker",
+            "org.apache.spark.deploy.worker.Worker",
+            self.url,
+            "--host",
+            "127.0.0.1",
+            "--cores",
+            "2",
+            "--memory",
+            "2g",
+            "--webui-port",
+            str(worker_ui),
+        )
 
     def _start(self, name: str, cls: str, *args: str) -> None:
         with open(self.root / f"{name}.log", "wb") as log:
-            self.procs.append(subprocess.Popen(
-                [str(SPARK_HOME / "bin" / "spark-class"), cls, *args], env=self.env,
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True))
+            self.procs.append(
+                subprocess.Popen(
+                    [str(SPARK_HOME / "bin" / "spark-class"), cls, *args],
+                    env=self.env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
 
     def state(self) -> dict | None:
         try:
@@ -83,8 +114,10 @@ class Standalone:
         while True:
             for p in self.procs:
                 if p.poll() is not None:
-                    raise AssertionError(f"a Spark daemon exited ({p.returncode}) while "
-                                         f"waiting for {what}:\n{self.logs()}")
+                    raise AssertionError(
+                        f"a Spark daemon exited ({p.returncode}) while "
+                        f"waiting for {what}:\n{self.logs()}"
+                    )
             state = self.state()
             if state is not None and ok(state):
                 return state
@@ -93,8 +126,10 @@ class Standalone:
             time.sleep(0.5)
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                         for p in sorted(self.root.glob("*.log")))
+        return "\n".join(
+            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+            for p in sorted(self.root.glob("*.log"))
+        )
 
     def stop(self) -> None:
         for p in self.procs:  # the worker's group also holds the executor JVMs it forked
@@ -115,8 +150,10 @@ def standalone():
     root = Path(tempfile.mkdtemp(prefix="tidemark-test-spark-"))
     cluster = Standalone(root)
     try:
-        cluster.wait_for("one ALIVE worker", lambda s: s["aliveworkers"] == 1 and any(
-            w["state"] == "ALIVE" for w in s["workers"]))
+        cluster.wait_for(
+            "one ALIVE worker",
+            lambda s: s["aliveworkers"] == 1 and any(w["state"] == "ALIVE" for w in s["workers"]),
+        )
         yield cluster
     finally:
         cluster.stop()
@@ -129,30 +166,48 @@ def executor_python(tmp_path: Path) -> Path:
     hide.mkdir()
     (hide / "sitecustomize.py").write_text(HIDE_TIDEMARK)
     wrapper = tmp_path / "python-without-tidemark"
-    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH="{hide}${{PYTHONPATH:+:$PYTHONPATH}}" '
-                       f'exec "{sys.executable}" "$@"\n')
+    wrapper.write_text(
+        f'#!/bin/sh\nPYTHONPATH="{hide}${{PYTHONPATH:+:$PYTHONPATH}}" '
+        f'exec "{sys.executable}" "$@"\n'
+    )
     wrapper.chmod(0o755)
-    probe = subprocess.run([str(wrapper), "-c", "import tidemark"], cwd=tmp_path,
-                           capture_output=True, text=True)
-    assert probe.returncode != 0 and "No module named 'tidemark'" in probe.stderr, \
+    probe = subprocess.run(
+        [str(wrapper), "-c", "import tidemark"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert probe.returncode != 0 and "No module named 'tidemark'" in probe.stderr, (
         "the executors' Python must not see tidemark by itself"
+    )
     return wrapper
 
 
 def test_the_replay_job_runs_on_a_standalone_cluster_with_its_code_shipped(
-        env, standalone, tmp_path):
+    env, standalone, tmp_path
+):
     env.append_orders(range(3000))
     env.pipeline()
     python = executor_python(tmp_path)
-    job_env = env.cli_env(SPARK_HOME=SPARK_HOME, SPARK_CONF_DIR=standalone.root / "conf",
-                          SPARK_LOCAL_IP="127.0.0.1")
+    job_env = env.cli_env(
+        SPARK_HOME=SPARK_HOME, SPARK_CONF_DIR=standalone.root / "conf", SPARK_LOCAL_IP="127.0.0.1"
+    )
     for k in [k for k in job_env if k.startswith("PYSPARK_") or k == "TIDEMARK_SPARK_MASTER"]:
         del job_env[k]  # the master and Pythons come from spark-submit, as under Airflow
-    job = JobProcess([str(VENV_BIN / "spark-submit"), "--master", standalone.url,
-                      "--conf", "spark.driver.host=127.0.0.1",
-                      "--conf", f"spark.pyspark.driver.python={sys.executable}",
-                      "--conf", f"spark.pyspark.python={python}",
-                      str(REPO / "jobs" / "replay.py"), "run", "orders"], job_env)
+    job = JobProcess(
+        [
+            str(VENV_BIN / "spark-submit"),
+            "--master",
+            standalone.url,
+            "--conf",
+            "spark.driver.host=127.0.0.1",
+            "--conf",
+            f"spark.pyspark.driver.python={sys.executable}",
+            "--conf",
+            f"spark.pyspark.python={python}",
+            str(REPO / "jobs" / "replay.py"),
+            "run",
+            "orders",
+        ],
+        job_env,
+    )
     code = job.wait(240)
     out = job.output()
     assert code == 0, f"{out}\n{standalone.logs()}"
@@ -164,8 +219,9 @@ def test_the_replay_job_runs_on_a_standalone_cluster_with_its_code_shipped(
 
     # It ran on the cluster: the master saw the application finish, and its executor fetched
     # the shipped zip into its work directory.
-    state = standalone.wait_for("the application to complete",
-                                lambda s: s["completedapps"] and not s["activeapps"])
+    state = standalone.wait_for(
+        "the application to complete", lambda s: s["completedapps"] and not s["activeapps"]
+    )
     apps = state["completedapps"]
     assert [a["name"] for a in apps] == ["tidemark-orders"], apps
     app_dir = standalone.work / apps[0]["id"]

@@ -10,13 +10,24 @@ from tests.invariants import assert_exactly_once
 from tidemark.driver.run import Backfill
 
 ROWS = "expect_column_values_to_be_between"
-KEYED = {"select": {"id": "cast(cast(_tm_key as string) as int)", "name": "name",
-                    "amount": "amount", "version": "version"}}
+KEYED = {
+    "select": {
+        "id": "cast(cast(_tm_key as string) as int)",
+        "name": "name",
+        "amount": "amount",
+        "version": "version",
+    }
+}
 
 
 def order(i: int, amount: float = 1.0) -> tuple:
-    return (0, str(i).encode(), json.dumps({"id": i, "name": f"o{i}", "amount": amount,
-                                            "version": 1}).encode(), None, None)
+    return (
+        0,
+        str(i).encode(),
+        json.dumps({"id": i, "name": f"o{i}", "amount": amount, "version": 1}).encode(),
+        None,
+        None,
+    )
 
 
 def tombstone(i: int) -> tuple:
@@ -28,8 +39,10 @@ def ids(env) -> list[tuple]:
 
 
 def letters(env) -> list[tuple]:
-    return env.ledger("SELECT source_offset, error_class::text, reason, status::text "
-                      "FROM tidemark.dlq ORDER BY source_offset")
+    return env.ledger(
+        "SELECT source_offset, error_class::text, reason, status::text "
+        "FROM tidemark.dlq ORDER BY source_offset"
+    )
 
 
 def test_a_tombstone_deletes_its_keys_row_and_no_backfill_brings_it_back(env, spark):
@@ -57,9 +70,15 @@ def test_tombstones_are_dead_letters_where_the_pipeline_keeps_them(env, spark):
     env.pipeline(transform=KEYED)  # tombstones: quarantine, the default
     assert env.run(spark).ok
     assert ids(env) == [(1, 0)]
-    assert letters(env) == [(1, "decode", "tombstone (a key and no payload): this sink keeps "
-                             "tombstones as dead letters (tombstones: quarantine)",
-                             "quarantined")]
+    assert letters(env) == [
+        (
+            1,
+            "decode",
+            "tombstone (a key and no payload): this sink keeps "
+            "tombstones as dead letters (tombstones: quarantine)",
+            "quarantined",
+        )
+    ]
     assert_exactly_once(env)
 
 
@@ -82,8 +101,11 @@ def test_a_fallback_stops_at_a_tombstone(env, spark):
     first = env.run(spark)
     assert first.ok, first.summary()
     assert ids(env) == [(1, 2), (2, 3)]
-    env.pipeline(transform=KEYED, tombstones="delete",
-                 quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]})
+    env.pipeline(
+        transform=KEYED,
+        tombstones="delete",
+        quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]},
+    )
     report = env.run(spark, mode="backfill", backfill=Backfill(0, 2, 3))
     assert report.ok, report.summary()
     assert ids(env) == [(2, 3)]
@@ -105,8 +127,16 @@ def test_a_tombstone_kept_as_a_letter_deletes_its_key_when_redriven(env, spark):
     (letter,) = [i for (i,) in env.ledger("SELECT id FROM tidemark.dlq")]
     env.pipeline(transform=KEYED, tombstones="delete")
     all_p, _ = config.load_all(env.dir)
-    rep = Redrive(all_p["orders"], env.settings(), ledger_dsn=env.ledger_dsn, ids=[letter],
-                  by="fay", all_pipelines=all_p, spark=spark, log=lambda m: None).execute()
+    rep = Redrive(
+        all_p["orders"],
+        env.settings(),
+        ledger_dsn=env.ledger_dsn,
+        ids=[letter],
+        by="fay",
+        all_pipelines=all_p,
+        spark=spark,
+        log=lambda m: None,
+    ).execute()
     assert rep.ok and rep.redrive["redriven"] == 1, rep.summary()
     assert rep.sinks["main"].tombstones == 1
     assert ids(env) == [(2, 1)]
@@ -121,10 +151,12 @@ def test_a_fallback_to_a_tombstone_a_letter_held_applies_it_and_resolves_the_let
     env.append([order(1, 10.0), tombstone(1), order(1, 500.0)])
     env.pipeline(transform=KEYED)  # tombstones kept as letters
     assert env.run(spark).ok
-    assert ids(env) == [(1, 2)] and [(o, s) for o, _, _, s in letters(env)] == \
-        [(1, "quarantined")]
-    env.pipeline(transform=KEYED, tombstones="delete",
-                 quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]})
+    assert ids(env) == [(1, 2)] and [(o, s) for o, _, _, s in letters(env)] == [(1, "quarantined")]
+    env.pipeline(
+        transform=KEYED,
+        tombstones="delete",
+        quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]},
+    )
     report = env.run(spark, mode="backfill", backfill=Backfill(0, 2, 3))
     assert report.ok, report.summary()
     assert ids(env) == []

@@ -10,23 +10,28 @@ from tidemark.core.errors import ConfigError
 from tidemark.protocol import gids
 
 
-@pytest.mark.parametrize("raw,masked", [
-    ("postgresql://u:secret@h:5/db", "postgresql://u:***@h:5/db"),
-    ("host=h password=secret user=u", "host=h password=*** user=u"),
-    ("postgresql://u@h/db", "postgresql://u@h/db"),
-    ("error at postgres://a:b@c/d: boom", "error at postgres://a:***@c/d: boom"),
-    ("postgresql://:pw@h/db", "postgresql://:***@h/db"),  # empty user
-    ("postgresql://u:p%40ss@h/db", "postgresql://u:***@h/db"),  # URL-encoded
-    ("host=h password='a b' user=u", "host=h password=*** user=u"),
-    ("host=h password = 'it\\'s' user=u", "host=h password = *** user=u"),
-    ("postgresql://u@h/db?sslmode=require&password=s3cret&x=1",
-     "postgresql://u@h/db?sslmode=require&password=***&x=1"),
-    ("postgresql://u@h/db?password=s3cret", "postgresql://u@h/db?password=***"),
-    ("PGPASSWORD=s3cret psql -h h", "PGPASSWORD=*** psql -h h"),
-    ("sslpassword=key-pass host=h", "sslpassword=*** host=h"),
-    # a port and a path are no password: only userinfo before '@' is
-    ("see http://127.0.0.1:8080/x@y", "see http://127.0.0.1:8080/x@y"),
-])
+@pytest.mark.parametrize(
+    "raw,masked",
+    [
+        ("postgresql://u:secret@h:5/db", "postgresql://u:***@h:5/db"),
+        ("host=h password=secret user=u", "host=h password=*** user=u"),
+        ("postgresql://u@h/db", "postgresql://u@h/db"),
+        ("error at postgres://a:b@c/d: boom", "error at postgres://a:***@c/d: boom"),
+        ("postgresql://:pw@h/db", "postgresql://:***@h/db"),  # empty user
+        ("postgresql://u:p%40ss@h/db", "postgresql://u:***@h/db"),  # URL-encoded
+        ("host=h password='a b' user=u", "host=h password=*** user=u"),
+        ("host=h password = 'it\\'s' user=u", "host=h password = *** user=u"),
+        (
+            "postgresql://u@h/db?sslmode=require&password=s3cret&x=1",
+            "postgresql://u@h/db?sslmode=require&password=***&x=1",
+        ),
+        ("postgresql://u@h/db?password=s3cret", "postgresql://u@h/db?password=***"),
+        ("PGPASSWORD=s3cret psql -h h", "PGPASSWORD=*** psql -h h"),
+        ("sslpassword=key-pass host=h", "sslpassword=*** host=h"),
+        # a port and a path are no password: only userinfo before '@' is
+        ("see http://127.0.0.1:8080/x@y", "see http://127.0.0.1:8080/x@y"),
+    ],
+)
 def test_dsn_masking(raw, masked):
     assert dsn.mask(raw) == masked
     assert dsn.mask(masked) == masked  # masking twice changes nothing
@@ -88,8 +93,7 @@ def test_secret_files_are_private_from_the_first_byte(tmp_path):
         if watching[0] and home.is_dir():
             watching[0] = False  # the look itself raises audit events
             try:
-                seen.extend((event, f.name, stat.S_IMODE(f.stat().st_mode))
-                            for f in home.iterdir())
+                seen.extend((event, f.name, stat.S_IMODE(f.stat().st_mode)) for f in home.iterdir())
             finally:
                 watching[0] = True
 
@@ -105,8 +109,7 @@ def test_secret_files_are_private_from_the_first_byte(tmp_path):
         watching[0] = False
         os.umask(old)
     assert sorted(f.name for f in home.iterdir()) == ["passwords.json", "stack.json"]
-    assert seen and all(mode == 0o600 for _e, _f, mode in seen), \
-        [s for s in seen if s[2] != 0o600]
+    assert seen and all(mode == 0o600 for _e, _f, mode in seen), [s for s in seen if s[2] != 0o600]
     assert (home / "passwords.json").read_text() == '{"u": "p"}'
 
 
@@ -139,26 +142,30 @@ def test_spread_coverage_finds_a_missing_and_a_doubled_offset():
     assert "1 record(s) missing" in coverage.problem([span], [bitmaps[0], {0: coverage.encode(b)}])
     b[7], b[2] = True, True
     assert "1 seen by two tasks (first at offset 102)" in coverage.problem(
-        [span], [bitmaps[0], {0: coverage.encode(b)}])
+        [span], [bitmaps[0], {0: coverage.encode(b)}]
+    )
     gaps = span.model_copy(update={"dense": False})  # an archive: a gap is no problem
     assert coverage.problem([gaps], [bitmaps[0]]) is None
 
 
 # -- what users read: values in reasons, JSON decode failures, gate results ------------------
-@pytest.mark.parametrize("value, text", [
-    (__import__("decimal").Decimal("-98.12"), "-98.12"),
-    (__import__("decimal").Decimal("1E+3"), "1000"),
-    (703.4, "703.4"),
-    (9999, "9999"),
-    (None, "NULL"),
-    ("text", "'text'"),
-    ("it's", "'it''s'"),
-    (True, "true"),
-    (__import__("datetime").date(2026, 1, 2), "2026-01-02"),
-    (__import__("datetime").datetime(2026, 1, 2, 3, 4, 5), "2026-01-02 03:04:05"),
-    (b"\x00\xff", "'\\x00ff'"),
-    ([1, "a", None], "[1, 'a', NULL]"),
-])
+@pytest.mark.parametrize(
+    "value, text",
+    [
+        (__import__("decimal").Decimal("-98.12"), "-98.12"),
+        (__import__("decimal").Decimal("1E+3"), "1000"),
+        (703.4, "703.4"),
+        (9999, "9999"),
+        (None, "NULL"),
+        ("text", "'text'"),
+        ("it's", "'it''s'"),
+        (True, "true"),
+        (__import__("datetime").date(2026, 1, 2), "2026-01-02"),
+        (__import__("datetime").datetime(2026, 1, 2, 3, 4, 5), "2026-01-02 03:04:05"),
+        (b"\x00\xff", "'\\x00ff'"),
+        ([1, "a", None], "[1, 'a', NULL]"),
+    ],
+)
 def test_values_read_as_a_user_writes_them(value, text):
     from tidemark.core.text import literal
 
@@ -177,33 +184,51 @@ def test_row_check_reasons_show_values_not_reprs():
     from tidemark.quality.reasons import reason
 
     between = {"column": "amount", "max_value": 0}
-    assert reason("expect_column_values_to_be_between", between,
-                  {"_tm_partition": 0, "_tm_offset": 3, "amount": Decimal("-98.12")}) == \
-        "expect_column_values_to_be_between(column=amount): unexpected value -98.12"
-    assert reason("expect_column_values_to_be_in_set", {"column": "origin"},
-                  {"origin": "BOS"}) == \
-        "expect_column_values_to_be_in_set(column=origin): 'BOS' not in set"
+    assert (
+        reason(
+            "expect_column_values_to_be_between",
+            between,
+            {"_tm_partition": 0, "_tm_offset": 3, "amount": Decimal("-98.12")},
+        )
+        == "expect_column_values_to_be_between(column=amount): unexpected value -98.12"
+    )
+    assert (
+        reason("expect_column_values_to_be_in_set", {"column": "origin"}, {"origin": "BOS"})
+        == "expect_column_values_to_be_in_set(column=origin): 'BOS' not in set"
+    )
     pair = {"column_A": "amount", "column_B": "due"}
-    assert reason("expect_column_pair_values_a_to_be_greater_than_b", pair,
-                  {"_tm_partition": 0, "_tm_offset": 3, "amount": Decimal("-98.12"),
-                   "due": __import__("datetime").date(2026, 1, 2)}) == (
+    assert reason(
+        "expect_column_pair_values_a_to_be_greater_than_b",
+        pair,
+        {
+            "_tm_partition": 0,
+            "_tm_offset": 3,
+            "amount": Decimal("-98.12"),
+            "due": __import__("datetime").date(2026, 1, 2),
+        },
+    ) == (
         "expect_column_pair_values_a_to_be_greater_than_b(column_A=amount, column_B=due): "
-        "unexpected values amount = -98.12, due = 2026-01-02")
-    assert reason("expect_multicolumn_sum_to_equal", {"column_list": ["a", "b"]},
-                  {"a": None, "b": "x"}).endswith("unexpected values a = NULL, b = 'x'")
+        "unexpected values amount = -98.12, due = 2026-01-02"
+    )
+    assert reason(
+        "expect_multicolumn_sum_to_equal", {"column_list": ["a", "b"]}, {"a": None, "b": "x"}
+    ).endswith("unexpected values a = NULL, b = 'x'")
 
 
-@pytest.mark.parametrize("payload, text", [
-    (b'{"id": 1, "amount": 12.5', "payload is not valid JSON: unexpected end at byte 24"),
-    (b'{"id": 1, "amount": }', "payload is not valid JSON: expecting a value at byte 20"),
-    (b'{"id": 1} trailing', "payload is not valid JSON: extra data at byte 10"),
-    (b'[{"id": 1}]', "payload is not a JSON object (an array)"),
-    (b'"text"', "payload is not a JSON object (a string)"),
-    (b"42", "payload is not a JSON object (a number)"),
-    (b"null", "payload is not a JSON object (null)"),
-    (b"true", "payload is not a JSON object (a boolean)"),
-    ('{"name": "é", "x": '.encode(), "payload is not valid JSON: unexpected end at byte 20"),
-])
+@pytest.mark.parametrize(
+    "payload, text",
+    [
+        (b'{"id": 1, "amount": 12.5', "payload is not valid JSON: unexpected end at byte 24"),
+        (b'{"id": 1, "amount": }', "payload is not valid JSON: expecting a value at byte 20"),
+        (b'{"id": 1} trailing', "payload is not valid JSON: extra data at byte 10"),
+        (b'[{"id": 1}]', "payload is not a JSON object (an array)"),
+        (b'"text"', "payload is not a JSON object (a string)"),
+        (b"42", "payload is not a JSON object (a number)"),
+        (b"null", "payload is not a JSON object (null)"),
+        (b"true", "payload is not a JSON object (a boolean)"),
+        ('{"name": "é", "x": '.encode(), "payload is not valid JSON: unexpected end at byte 20"),
+    ],
+)
 def test_a_payload_that_is_no_json_object_says_which(payload, text):
     from tidemark.engine.json_reasons import decode_reason
 
@@ -216,34 +241,74 @@ def test_a_field_reason_from_spark_stands():
     spark = "field id: cannot read 'x' as bigint"
     assert decode_reason(b'{"id": "x"}', spark) == spark
     # Spark read it as no object, Python reads an object (e.g. a duplicate key): Spark's word
-    assert decode_reason(b'{"id": 1}', "payload is not a JSON object") == \
-        "payload is not a JSON object"
+    assert (
+        decode_reason(b'{"id": 1}', "payload is not a JSON object")
+        == "payload is not a JSON object"
+    )
 
 
-@pytest.mark.parametrize("result, text", [
-    ({"expectation": "expect_column_values_to_be_in_set", "observed_value": None,
-      "element_count": 480, "missing_count": 0, "unexpected_count": 12,
-      "unexpected_percent": 2.5, "partial_unexpected_list": ["x", "y", "x"]},
-     "12 of 480 values (2.5%) not in the set; e.g. 'x', 'y'"),
-    ({"expectation": "expect_column_values_to_not_be_in_set", "element_count": 10,
-      "missing_count": 2, "unexpected_count": 1, "unexpected_percent": 12.5,
-      "partial_unexpected_list": [7]},
-     "1 of 8 values (12.5%) in the forbidden set; e.g. 7"),
-    ({"expectation": "expect_column_values_to_not_be_null", "element_count": 300,
-      "unexpected_count": 3, "unexpected_percent": 1.0, "partial_unexpected_list": [None]},
-     "3 of 300 values (1%) null"),
-    ({"expectation": "expect_column_values_to_be_between", "unexpected_count": 5,
-      "unexpected_percent": 1 / 3},
-     "5 values (0.333%) out of range"),
-    ({"expectation": "expect_column_value_lengths_to_be_between", "unexpected_count": 1},
-     "1 value unexpected"),
-    ({"expectation": "expect_table_row_count_to_be_between", "observed_value": 300},
-     "observed 300"),
-    ({"expectation": "expect_column_mean_to_be_between", "observed_value": 1e9},
-     "observed 1000000000.0"),
-    ({"expectation": "expect_column_values_to_be_unique", "observed_value": None},
-     "observed nothing"),
-])
+@pytest.mark.parametrize(
+    "result, text",
+    [
+        (
+            {
+                "expectation": "expect_column_values_to_be_in_set",
+                "observed_value": None,
+                "element_count": 480,
+                "missing_count": 0,
+                "unexpected_count": 12,
+                "unexpected_percent": 2.5,
+                "partial_unexpected_list": ["x", "y", "x"],
+            },
+            "12 of 480 values (2.5%) not in the set; e.g. 'x', 'y'",
+        ),
+        (
+            {
+                "expectation": "expect_column_values_to_not_be_in_set",
+                "element_count": 10,
+                "missing_count": 2,
+                "unexpected_count": 1,
+                "unexpected_percent": 12.5,
+                "partial_unexpected_list": [7],
+            },
+            "1 of 8 values (12.5%) in the forbidden set; e.g. 7",
+        ),
+        (
+            {
+                "expectation": "expect_column_values_to_not_be_null",
+                "element_count": 300,
+                "unexpected_count": 3,
+                "unexpected_percent": 1.0,
+                "partial_unexpected_list": [None],
+            },
+            "3 of 300 values (1%) null",
+        ),
+        (
+            {
+                "expectation": "expect_column_values_to_be_between",
+                "unexpected_count": 5,
+                "unexpected_percent": 1 / 3,
+            },
+            "5 values (0.333%) out of range",
+        ),
+        (
+            {"expectation": "expect_column_value_lengths_to_be_between", "unexpected_count": 1},
+            "1 value unexpected",
+        ),
+        (
+            {"expectation": "expect_table_row_count_to_be_between", "observed_value": 300},
+            "observed 300",
+        ),
+        (
+            {"expectation": "expect_column_mean_to_be_between", "observed_value": 1e9},
+            "observed 1000000000.0",
+        ),
+        (
+            {"expectation": "expect_column_values_to_be_unique", "observed_value": None},
+            "observed nothing",
+        ),
+    ],
+)
 def test_a_gate_result_says_what_was_observed(result, text):
     from tidemark.quality.outcomes import observed
 

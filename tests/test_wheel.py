@@ -45,11 +45,19 @@ def timed(what: str):
 
 def run(argv: list, timeout: float, **kw) -> subprocess.CompletedProcess:
     """Run argv (stdout and stderr together); fail with its masked output unless it exits 0."""
-    res = subprocess.run([str(a) for a in argv], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, timeout=timeout, **kw)
+    res = subprocess.run(
+        [str(a) for a in argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
     code = res.returncode  # not res itself in the assertion: its repr has the unmasked output
-    assert code == 0, (f"{' '.join(Path(str(a)).name for a in argv[:3])} ... exited {code}:\n"
-                       f"{mask(res.stdout)[-6000:]}")
+    assert code == 0, (
+        f"{' '.join(Path(str(a)).name for a in argv[:3])} ... exited {code}:\n"
+        f"{mask(res.stdout)[-6000:]}"
+    )
     return res
 
 
@@ -63,8 +71,12 @@ def checkout(dest: Path) -> Path:
     """The repository as a fresh clone with the uncommitted work would have it: the files git
     tracks or would track (not ignored). No build leftovers: setuptools puts every file an
     existing tidemark.egg-info/SOURCES.txt lists into the sdist, declared or not."""
-    names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                           cwd=REPO, capture_output=True, check=True).stdout.split(b"\0")
+    names = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
     for name in filter(None, map(os.fsdecode, names)):
         src, dst = REPO / name, dest / name
         if src.is_symlink():
@@ -98,13 +110,13 @@ def venv(wheel, tmp_path_factory) -> Path:
     assert not home.resolve().is_relative_to(REPO)
     with timed("uv venv"):
         run([uv(), "venv", "-q", "--python", sys.executable, home], timeout=60)
-    install = [uv(), "pip", "install", "-q", "--python", home / "bin" / "python", "-c", LOCK,
-               wheel]
+    install = [uv(), "pip", "install", "-q", "--python", home / "bin" / "python", "-c", LOCK, wheel]
     with timed("uv pip install --offline <wheel> -c requirements.txt"):
         # From uv's cache alone when it has every locked version (make venv filled it): the
         # index round trips of an online resolution take half a minute.
-        offline = subprocess.run([str(a) for a in install] + ["--offline"],
-                                 capture_output=True, text=True, timeout=400)
+        offline = subprocess.run(
+            [str(a) for a in install] + ["--offline"], capture_output=True, text=True, timeout=400
+        )
     if offline.returncode != 0:
         with timed("uv pip install <wheel> -c requirements.txt (not all in the cache)"):
             run(install, timeout=400)
@@ -114,14 +126,24 @@ def venv(wheel, tmp_path_factory) -> Path:
 def user_env(venv: Path, **extra) -> dict[str, str]:
     """The environment of a user of the installed wheel: nothing that points into the
     repository (PYTHONPATH, its venv on PATH), no Spark or Tidemark settings from this run."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "SPARK_HOME", "SPARK_CONF_DIR")
-           and not k.startswith(("TIDEMARK_", "PYSPARK_"))}
-    path = [p for p in env.get("PATH", "/usr/bin:/bin").split(os.pathsep)
-            if p and not Path(p).resolve().is_relative_to(REPO)]
-    env.update(PATH=os.pathsep.join([str(venv / "bin"), *path]), VIRTUAL_ENV=str(venv),
-               PYTHONUNBUFFERED="1", TIDEMARK_DRIVER_MEMORY="1g",
-               SPARK_LOCAL_IP="127.0.0.1")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "SPARK_HOME", "SPARK_CONF_DIR")
+        and not k.startswith(("TIDEMARK_", "PYSPARK_"))
+    }
+    path = [
+        p
+        for p in env.get("PATH", "/usr/bin:/bin").split(os.pathsep)
+        if p and not Path(p).resolve().is_relative_to(REPO)
+    ]
+    env.update(
+        PATH=os.pathsep.join([str(venv / "bin"), *path]),
+        VIRTUAL_ENV=str(venv),
+        PYTHONUNBUFFERED="1",
+        TIDEMARK_DRIVER_MEMORY="1g",
+        SPARK_LOCAL_IP="127.0.0.1",
+    )
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -129,17 +151,25 @@ def user_env(venv: Path, **extra) -> dict[str, str]:
 def test_the_wheel_carries_the_whole_package(source, wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {n for n in names if n.startswith("tidemark/")}
-    package = {p.relative_to(source).as_posix() for p in (source / "tidemark").rglob("*")
-               if p.is_file()}
+    package = {
+        p.relative_to(source).as_posix() for p in (source / "tidemark").rglob("*") if p.is_file()
+    }
     missing = package - shipped
     assert not missing, f"files of the package missing from {wheel.name}: {sorted(missing)}"
-    for needed in ("tidemark/cli/spark_job.py", "tidemark/engine/log4j2.properties",
-                   "tidemark/web/templates/dlq/list.html"):
+    for needed in (
+        "tidemark/cli/spark_job.py",
+        "tidemark/engine/log4j2.properties",
+        "tidemark/web/templates/dlq/list.html",
+    ):
         assert needed in shipped
-    assert {n for n in shipped if n.startswith("tidemark/ledger/sql/")} == \
-        {f"tidemark/ledger/sql/{p.name}" for p in (source / "tidemark/ledger/sql").glob("*.sql")}
-    meta = zipfile.ZipFile(wheel).read(
-        next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+    assert {n for n in shipped if n.startswith("tidemark/ledger/sql/")} == {
+        f"tidemark/ledger/sql/{p.name}" for p in (source / "tidemark/ledger/sql").glob("*.sql")
+    }
+    meta = (
+        zipfile.ZipFile(wheel)
+        .read(next(n for n in names if n.endswith(".dist-info/entry_points.txt")))
+        .decode()
+    )
     assert "tidemark = tidemark.cli.main:main" in meta
 
 
@@ -149,7 +179,11 @@ def test_the_installed_wheel_works_outside_the_repository(source, venv, env, pg,
     work.mkdir()
 
     # The package, its migrations and the spark-submit entry point come from the new venv.
-    probe = run([py, "-c", """if True:
+    probe = run(
+        [
+            py,
+            "-c",
+            """if True:
         import importlib.metadata as md, importlib.util, json, sysconfig
         import tidemark, pyspark
         from tidemark.ledger import migrations
@@ -165,7 +199,12 @@ def test_the_installed_wheel_works_outside_the_repository(source, venv, env, pg,
             "job": importlib.util.find_spec("tidemark.cli.spark_job").origin,
             "pyspark": pyspark.__version__, "airflow": importlib.util.find_spec("airflow")
             is not None, "pyspark_client": has("pyspark-client")}))
-        """], timeout=60, cwd=work, env=user_env(venv))
+        """,
+        ],
+        timeout=60,
+        cwd=work,
+        env=user_env(venv),
+    )
     found = json.loads(probe.stdout.strip().splitlines()[-1])
     purelib = Path(found["purelib"]).resolve()
     assert purelib.is_relative_to(venv.resolve())
@@ -173,8 +212,11 @@ def test_the_installed_wheel_works_outside_the_repository(source, venv, env, pg,
         path = Path(found[key]).resolve()
         assert path.is_relative_to(purelib) and not path.is_relative_to(REPO), (key, path)
     job = Path(found["job"])
-    locked = next(line.split("==")[1] for line in LOCK.read_text().splitlines()
-                  if line.startswith("pyspark=="))
+    locked = next(
+        line.split("==")[1]
+        for line in LOCK.read_text().splitlines()
+        if line.startswith("pyspark==")
+    )
     assert found["pyspark"] == locked
     assert not found["airflow"], "the base install must not pull in Airflow"
     assert not found["pyspark_client"]
@@ -184,21 +226,27 @@ def test_the_installed_wheel_works_outside_the_repository(source, venv, env, pg,
     pg.create_database(ledger_db)
     ledger = pg.dsn(ledger_db)
     try:
-        cli_env = user_env(venv, TIDEMARK_LEDGER_DSN=ledger, TIDEMARK_PIPELINES_DIR=env.dir,
-                           TIDEMARK_SPARK_MASTER="local[2]")
+        cli_env = user_env(
+            venv,
+            TIDEMARK_LEDGER_DSN=ledger,
+            TIDEMARK_PIPELINES_DIR=env.dir,
+            TIDEMARK_SPARK_MASTER="local[2]",
+        )
         tidemark = venv / "bin" / "tidemark"
         with timed("tidemark db upgrade"):
             out = run([tidemark, "db", "upgrade"], timeout=120, cwd=work, env=cli_env).stdout
         migrations = sorted(p.name for p in (source / "tidemark/ledger/sql").glob("V*.sql"))
-        assert [ln.split()[1] for ln in out.splitlines() if ln.startswith("applied ")] == \
-            migrations, mask(out)
+        assert [
+            ln.split()[1] for ln in out.splitlines() if ln.startswith("applied ")
+        ] == migrations, mask(out)
         assert f"schema version {int(migrations[-1][1:4])}" in out, mask(out)
 
         # pipelines validate: a pipeline file in a folder of the user's.
         pipeline_file = env.pipeline()
         with timed("tidemark pipelines validate"):
-            out = run([tidemark, "pipelines", "validate"], timeout=120, cwd=work,
-                      env=cli_env).stdout
+            out = run(
+                [tidemark, "pipelines", "validate"], timeout=120, cwd=work, env=cli_env
+            ).stdout
         assert f"ok      {pipeline_file}" in out, mask(out)
 
         # run: a few records of a postgres_log source, exactly once into the sink.
@@ -217,12 +265,18 @@ def test_the_installed_wheel_works_outside_the_repository(source, venv, env, pg,
         env.append_orders(range(40, 60))
         submit_env = {k: v for k, v in cli_env.items() if k != "TIDEMARK_SPARK_MASTER"}
         with timed("spark-submit --master local[1] <spark_job.py> run orders (20 records)"):
-            run([venv / "bin" / "spark-submit", "--master", "local[1]", job, "run", "orders"],
-                timeout=300, cwd=work, env=submit_env)
+            run(
+                [venv / "bin" / "spark-submit", "--master", "local[1]", job, "run", "orders"],
+                timeout=300,
+                cwd=work,
+                env=submit_env,
+            )
         assert_delivered_once(env, ledger, 60)
         for dsn in (ledger, env.ledger_dsn, env.sink_dsn):
-            assert env.q(dsn, "SELECT gid FROM pg_prepared_xacts "
-                              "WHERE database = current_database()") == []
+            assert (
+                env.q(dsn, "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()")
+                == []
+            )
     finally:
         with psycopg.connect(ledger, autocommit=True) as c:
             for gid, _ in twopc.prepared(c, "%"):
@@ -236,10 +290,15 @@ def assert_delivered_once(env, ledger: str, n: int) -> None:
     source = set(env.ledger('SELECT "partition", "offset" FROM src.log'))
     assert len(source) == n
     rows = env.q(env.sink_dsn, "SELECT _tm_partition, _tm_offset FROM public.orders")
-    assert len(rows) == len(set(rows)) == n and set(rows) == source, \
+    assert len(rows) == len(set(rows)) == n and set(rows) == source, (
         f"{len(rows)} rows ({len(set(rows))} distinct) in the sink for {n} records"
+    )
     assert env.q(env.sink_dsn, "SELECT count(DISTINCT id) FROM public.orders") == [(n,)]
     with psycopg.connect(ledger, autocommit=True) as c:
-        checkpoints = dict(c.execute("SELECT partition, next_offset FROM tidemark.checkpoints "
-                                     "WHERE pipeline = 'orders' AND sink = 'main'").fetchall())
+        checkpoints = dict(
+            c.execute(
+                "SELECT partition, next_offset FROM tidemark.checkpoints "
+                "WHERE pipeline = 'orders' AND sink = 'main'"
+            ).fetchall()
+        )
     assert checkpoints == env.source_offsets()

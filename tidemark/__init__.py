@@ -21,5 +21,16 @@ The package is layered; a module imports only from its own layer and the layers 
 """
 
 # Bottom first; a tuple holds sibling layers, which may not import each other.
-LAYERS = (("core",), ("quality",), ("config",), ("ledger",), ("protocol",), ("sources",),
-          ("engine",), ("driver",), ("airflow", "web"), ("devstack",), ("cli",))
+LAYERS = (
+    ("core",),
+    ("quality",),
+    ("config",),
+    ("ledger",),
+    ("protocol",),
+    ("sources",),
+    ("engine",),
+    ("driver",),
+    ("airflow", "web"),
+    ("devstack",),
+    ("cli",),
+)

@@ -26,12 +26,23 @@ def dag_id(pipeline: str, kind: str | None = None) -> str:
     pipeline's dead letters too."""
     return f"tidemark_{pipeline}" + (f"_{kind}" if kind else "")
 
+
 # Spark type -> PostgreSQL type for sink columns. The same names are accepted in decode schemas.
 PG_TYPES = {
-    "string": "text", "int": "integer", "integer": "integer", "bigint": "bigint",
-    "long": "bigint", "smallint": "smallint", "short": "smallint", "double": "double precision",
-    "float": "real", "boolean": "boolean", "date": "date", "timestamp": "timestamptz",
-    "timestamp_ntz": "timestamp", "binary": "bytea",
+    "string": "text",
+    "int": "integer",
+    "integer": "integer",
+    "bigint": "bigint",
+    "long": "bigint",
+    "smallint": "smallint",
+    "short": "smallint",
+    "double": "double precision",
+    "float": "real",
+    "boolean": "boolean",
+    "date": "date",
+    "timestamp": "timestamptz",
+    "timestamp_ntz": "timestamp",
+    "binary": "bytea",
 }
 _DECIMAL = re.compile(r"^decimal\((\d{1,2}),\s*(\d{1,2})\)$")
 
@@ -43,8 +54,9 @@ def pg_type(spark_type: str) -> str:
     m = _DECIMAL.match(t)
     if m:
         return f"numeric({m[1]},{m[2]})"
-    raise ValueError(f"unsupported type {spark_type!r}; use one of "
-                     f"{', '.join(sorted(PG_TYPES))} or decimal(p,s)")
+    raise ValueError(
+        f"unsupported type {spark_type!r}; use one of {', '.join(sorted(PG_TYPES))} or decimal(p,s)"
+    )
 
 
 class _Model(BaseModel):
@@ -251,17 +263,24 @@ class Pipeline(_Model):
             for i, sink in enumerate(self.sinks):
                 missing = [k for k in sink.key if k not in outputs]
                 if missing:
-                    raise ConfigError(where, f"key columns not produced by the transform: "
-                                      f"{', '.join(missing)}", f"sinks[{i}].key")
+                    raise ConfigError(
+                        where,
+                        f"key columns not produced by the transform: {', '.join(missing)}",
+                        f"sinks[{i}].key",
+                    )
                 if sink.version and sink.version not in outputs:
-                    raise ConfigError(where, f"version column {sink.version} is not produced "
-                                      f"by the transform", f"sinks[{i}].version")
+                    raise ConfigError(
+                        where,
+                        f"version column {sink.version} is not produced by the transform",
+                        f"sinks[{i}].version",
+                    )
 
     def check_expectations(self, where: str) -> None:
         """Build every declared expectation now, so a bad name or argument is reported by
         `pipelines validate`, never in the middle of a run."""
-        scopes = [("quality", self.quality)] + [(f"sinks[{i}].quality", s.quality)
-                                               for i, s in enumerate(self.sinks)]
+        scopes = [("quality", self.quality)] + [
+            (f"sinks[{i}].quality", s.quality) for i, s in enumerate(self.sinks)
+        ]
         if all(q.empty for _, q in scopes):
             return
         from tidemark.quality import expectations as gx
@@ -269,9 +288,12 @@ class Pipeline(_Model):
         for prefix, q in scopes:
             for i, exp in enumerate(gx.parse_expectations(q.rows, where, f"{prefix}.rows")):
                 if not gx.is_row_level(exp):
-                    raise ConfigError(where, f"{exp.expectation_type} checks the batch as a "
-                                      f"whole, not each row: list it under batch",
-                                      f"{prefix}.rows[{i}]")
+                    raise ConfigError(
+                        where,
+                        f"{exp.expectation_type} checks the batch as a "
+                        f"whole, not each row: list it under batch",
+                        f"{prefix}.rows[{i}]",
+                    )
             gx.parse_expectations(q.batch, where, f"{prefix}.batch")
 
     def has_quality(self) -> bool:
@@ -308,8 +330,10 @@ class Pipeline(_Model):
         for s in self.sinks:
             if s.name == name:
                 return s
-        raise ConfigError(f"pipeline {self.name}", f"has no sink named {name!r} "
-                          f"(sinks: {', '.join(s.name for s in self.sinks)})")
+        raise ConfigError(
+            f"pipeline {self.name}",
+            f"has no sink named {name!r} (sinks: {', '.join(s.name for s in self.sinks)})",
+        )
 
 
 def _field_path(loc: tuple) -> str:
@@ -324,8 +348,7 @@ def _field_path(loc: tuple) -> str:
     return "".join(parts)
 
 
-def parse(text: str, where: str, default_name: str | None = None, deep: bool = True
-          ) -> Pipeline:
+def parse(text: str, where: str, default_name: str | None = None, deep: bool = True) -> Pipeline:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -344,8 +367,10 @@ def parse(text: str, where: str, default_name: str | None = None, deep: bool = T
         more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
         msg = err["msg"].removeprefix("Value error, ")
         field = _field_path(err["loc"]) or None
-        others = [f"{_field_path(e['loc']) or '(file)'}: {e['msg'].removeprefix('Value error, ')}"
-                  for e in exc.errors()[1:]]
+        others = [
+            f"{_field_path(e['loc']) or '(file)'}: {e['msg'].removeprefix('Value error, ')}"
+            for e in exc.errors()[1:]
+        ]
         raise ConfigError(where, msg + more, field, others) from None
     pipeline.cross_check(where, deep)
     return pipeline
@@ -358,20 +383,22 @@ def load(path: Path, deep: bool = True) -> Pipeline:
         raise ConfigError(str(path), f"cannot read: {exc.strerror}") from None
     pipeline = parse(text, str(path), default_name=path.stem, deep=deep)
     if pipeline.name != path.stem:
-        raise ConfigError(str(path), f"name {pipeline.name!r} must match the file name "
-                          f"{path.stem!r}", "name")
+        raise ConfigError(
+            str(path), f"name {pipeline.name!r} must match the file name {path.stem!r}", "name"
+        )
     return pipeline
 
 
 def pipeline_files(folder: Path) -> list[Path]:
     if not folder.is_dir():
-        raise ConfigError(str(folder), "pipelines folder does not exist "
-                          "(set TIDEMARK_PIPELINES_DIR or --pipelines-dir)")
+        raise ConfigError(
+            str(folder),
+            "pipelines folder does not exist (set TIDEMARK_PIPELINES_DIR or --pipelines-dir)",
+        )
     return sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")])
 
 
-def load_all(folder: Path, deep: bool = True
-             ) -> tuple[dict[str, Pipeline], list[ConfigError]]:
+def load_all(folder: Path, deep: bool = True) -> tuple[dict[str, Pipeline], list[ConfigError]]:
     """Every pipeline in the folder; a broken file is reported and never hides the others."""
     good: dict[str, Pipeline] = {}
     bad: list[ConfigError] = []
@@ -387,8 +414,10 @@ def load_all(folder: Path, deep: bool = True
 
 def file_of(folder: Path, name: str) -> Path:
     """The file of pipeline ``name`` in ``folder`` (``.yaml`` when neither exists)."""
-    return next((p for p in (folder / f"{name}.yaml", folder / f"{name}.yml") if p.exists()),
-                folder / f"{name}.yaml")
+    return next(
+        (p for p in (folder / f"{name}.yaml", folder / f"{name}.yml") if p.exists()),
+        folder / f"{name}.yaml",
+    )
 
 
 def find(folder: Path, name: str, deep: bool = True) -> Pipeline:

@@ -60,6 +60,7 @@ _URL = re.compile(r"(https?://[^\s<>\"]+)")
 
 # -- text ----------------------------------------------------------------------------------------
 
+
 def base_url() -> str:
     """The Airflow UI's base URL: ``AIRFLOW__API__BASE_URL``, else ``[api] base_url``."""
     url = os.environ.get("AIRFLOW__API__BASE_URL")
@@ -90,8 +91,10 @@ def log_link(context: Mapping[str, Any]) -> str:
     dag_id, run_id, task_id, try_number, map_index = _ids(context)
     mapped = f"/mapped/{map_index}" if isinstance(map_index, int) and map_index >= 0 else ""
     tries = f"?try_number={try_number}" if isinstance(try_number, int) and try_number > 0 else ""
-    return (f"{base_url()}/dags/{quote(str(dag_id))}/runs/{quote(str(run_id))}"
-            f"/tasks/{quote(str(task_id))}{mapped}{tries}")
+    return (
+        f"{base_url()}/dags/{quote(str(dag_id))}/runs/{quote(str(run_id))}"
+        f"/tasks/{quote(str(task_id))}{mapped}{tries}"
+    )
 
 
 def error_line(error: object) -> str:
@@ -127,8 +130,12 @@ def _ids(context: Mapping[str, Any]) -> tuple:
     dag = context.get("dag")
     dag_run = context.get("dag_run")
     dag_id = getattr(ti, "dag_id", None) or getattr(dag, "dag_id", None) or "?"
-    run_id = (getattr(ti, "run_id", None) or context.get("run_id")
-              or getattr(dag_run, "run_id", None) or "?")
+    run_id = (
+        getattr(ti, "run_id", None)
+        or context.get("run_id")
+        or getattr(dag_run, "run_id", None)
+        or "?"
+    )
     task_id = getattr(ti, "task_id", None) or getattr(context.get("task"), "task_id", None) or "?"
     return dag_id, run_id, task_id, getattr(ti, "try_number", None), getattr(ti, "map_index", None)
 
@@ -157,11 +164,19 @@ def _html(body: str) -> str:
     out = []
     for line in body.splitlines():
         parts = _URL.split(line)
-        out.append("".join(
-            f'<a href="{html.escape(p)}">{html.escape(p, quote=False)}</a>' if i % 2
-            else html.escape(p, quote=False) for i, p in enumerate(parts)))
-    return ('<div style="font-family: monospace; white-space: pre-wrap">'
-            + "<br>\n".join(out) + "</div>")
+        out.append(
+            "".join(
+                f'<a href="{html.escape(p)}">{html.escape(p, quote=False)}</a>'
+                if i % 2
+                else html.escape(p, quote=False)
+                for i, p in enumerate(parts)
+            )
+        )
+    return (
+        '<div style="font-family: monospace; white-space: pre-wrap">'
+        + "<br>\n".join(out)
+        + "</div>"
+    )
 
 
 def _one_line(exc: BaseException, *secrets: str) -> str:
@@ -174,6 +189,7 @@ def _one_line(exc: BaseException, *secrets: str) -> str:
 
 
 # -- webhook -------------------------------------------------------------------------------------
+
 
 def webhook_url(conn: Any) -> str:
     """The URL a webhook connection describes (forms in the module docstring)."""
@@ -264,9 +280,13 @@ class WebhookNotifier(HttpNotifier):
     errors this raises or logs."""
 
     def __init__(self, webhook_conn_id: str, pipeline_name: str | None = None, **kwargs):
-        super().__init__(http_conn_id=webhook_conn_id, method="POST",
-                         headers={"Content-Type": "application/json"},
-                         extra_options={"timeout": WEBHOOK_TIMEOUT_SECONDS}, **kwargs)
+        super().__init__(
+            http_conn_id=webhook_conn_id,
+            method="POST",
+            headers={"Content-Type": "application/json"},
+            extra_options={"timeout": WEBHOOK_TIMEOUT_SECONDS},
+            **kwargs,
+        )
         self.webhook_conn_id = webhook_conn_id
         self.pipeline_name = pipeline_name
 
@@ -285,8 +305,9 @@ class WebhookNotifier(HttpNotifier):
             conn = BaseHook.get_connection(self.webhook_conn_id)
             url = webhook_url(conn)
         except Exception as exc:  # noqa: BLE001
-            raise RuntimeError(f"webhook connection {self.webhook_conn_id!r}: "
-                               f"{_one_line(exc)}") from None
+            raise RuntimeError(
+                f"webhook connection {self.webhook_conn_id!r}: {_one_line(exc)}"
+            ) from None
         where = f"{_origin(url)} (connection {self.webhook_conn_id})"
         path = urlsplit(url).path
         secrets = [url, path if len(path) > 1 else "", conn.password or ""]
@@ -319,12 +340,19 @@ class WebhookNotifier(HttpNotifier):
 
 # -- e-mail --------------------------------------------------------------------------------------
 
+
 class EmailAlert(_Alert):
     """E-mails the alert through the smtp provider's SmtpHook (connection ``smtp_conn_id``;
     the sender is the connection's ``from_email`` extra unless ``from_email`` is given)."""
 
-    def __init__(self, to: list[str] | str, pipeline_name: str | None = None,
-                 smtp_conn_id: str = "smtp_default", from_email: str | None = None, **kwargs):
+    def __init__(
+        self,
+        to: list[str] | str,
+        pipeline_name: str | None = None,
+        smtp_conn_id: str = "smtp_default",
+        from_email: str | None = None,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self.to = [to] if isinstance(to, str) else list(to)
         self.pipeline_name = pipeline_name
@@ -338,11 +366,17 @@ class EmailAlert(_Alert):
         subject = " ".join(subject.split())  # one header line, whatever the caller passed
         try:
             with SmtpHook(smtp_conn_id=self.smtp_conn_id) as hook:
-                hook.send_email_smtp(to=self.to, subject=subject, html_content=_html(body),
-                                     from_email=self.from_email)
+                hook.send_email_smtp(
+                    to=self.to,
+                    subject=subject,
+                    html_content=_html(body),
+                    from_email=self.from_email,
+                )
         except Exception as exc:  # noqa: BLE001
-            raise RuntimeError(f"e-mail via connection {self.smtp_conn_id} to "
-                               f"{', '.join(self.to)}: {_one_line(exc)}") from None
+            raise RuntimeError(
+                f"e-mail via connection {self.smtp_conn_id} to "
+                f"{', '.join(self.to)}: {_one_line(exc)}"
+            ) from None
 
     def notify(self, context) -> None:
         subject, body = alert_text(context, self.pipeline_name)
@@ -354,6 +388,7 @@ class EmailAlert(_Alert):
 
 # -- per pipeline --------------------------------------------------------------------------------
 
+
 def failure_notifiers(pipeline) -> list[BaseNotifier]:
     """The ``on_failure_callback`` notifiers of a pipeline (:class:`tidemark.config.Pipeline`):
     e-mail when ``alerts.email`` lists addresses, the webhook when ``alerts.webhook_conn_id``
@@ -361,8 +396,7 @@ def failure_notifiers(pipeline) -> list[BaseNotifier]:
     a = pipeline.alerts
     out: list[BaseNotifier] = []
     if a.email:
-        out.append(EmailAlert(to=a.email, pipeline_name=pipeline.name,
-                              smtp_conn_id=a.smtp_conn_id))
+        out.append(EmailAlert(to=a.email, pipeline_name=pipeline.name, smtp_conn_id=a.smtp_conn_id))
     if a.webhook_conn_id:
         out.append(WebhookNotifier(a.webhook_conn_id, pipeline_name=pipeline.name))
     return out

@@ -21,8 +21,10 @@ def job_env(p: config.Pipeline) -> dict[str, str]:
     for where, conn_id in p.conn_ids():
         uri = airflow_connection_if_defined(conn_id)
         if uri is None:
-            raise BadInput(f"pipeline {p.name}: {where}: Airflow connection {conn_id!r} does "
-                           f"not exist; create it (Admin > Connections, `airflow connections "
-                           f"add`, or a secrets backend)")
+            raise BadInput(
+                f"pipeline {p.name}: {where}: Airflow connection {conn_id!r} does "
+                f"not exist; create it (Admin > Connections, `airflow connections "
+                f"add`, or a secrets backend)"
+            )
         env[f"AIRFLOW_CONN_{conn_id.upper()}"] = uri
     return env

@@ -43,8 +43,10 @@ from tidemark.engine.session import driver_java_options, log4j_option
 JOB = Path(importlib.util.find_spec("tidemark.cli.spark_job").origin)
 START = datetime(2026, 1, 1, tzinfo=UTC)
 # The task try starting a run (tidemark.ledger.state.AirflowRun), stored as run columns.
-AIRFLOW_RUN = ('{{ {"dag_id": ti.dag_id, "run_id": run_id, "task_id": ti.task_id, '
-               '"try_number": ti.try_number} | tojson }}')
+AIRFLOW_RUN = (
+    '{{ {"dag_id": ti.dag_id, "run_id": run_id, "task_id": ti.task_id, '
+    '"try_number": ti.try_number} | tojson }}'
+)
 MAINTENANCE_SCHEDULE = "*/5 * * * *"
 
 
@@ -59,8 +61,10 @@ def pipeline_dags(folder: str | Path) -> dict[str, DAG]:
             p = config.load(path, deep=False)
         except BadInput:
             continue  # check_pipeline_files says what is wrong
-        dags.update((d.dag_id, d) for d in (replay_dag(p, path), backfill_dag(p, path),
-                                           redrive_dag(p, path)))
+        dags.update(
+            (d.dag_id, d)
+            for d in (replay_dag(p, path), backfill_dag(p, path), redrive_dag(p, path))
+        )
     return dags
 
 
@@ -73,8 +77,9 @@ def check_pipeline_files(folder: str | Path) -> None:
         try:
             config.load(path, deep=False)
         except BadInput as exc:
-            broken.append(str(exc) + "".join(f"\n  {path}: {o}"
-                                             for o in getattr(exc, "others", [])))
+            broken.append(
+                str(exc) + "".join(f"\n  {path}: {o}" for o in getattr(exc, "others", []))
+            )
     if broken:
         raise BadInput(f"{len(broken)} broken pipeline file(s):\n" + "\n".join(broken))
 
@@ -94,12 +99,13 @@ def _default_args(p: config.Pipeline) -> dict:
 
 
 def _doc(p: config.Pipeline, path: Path, what: str) -> str:
-    sinks = "\n".join(f"- `{s.name}`: table `{s.table}`, key ({', '.join(s.key)})"
-                      for s in p.sinks)
-    return (f"### {p.name}: {what}\n\n{p.description}\n\n"
-            f"**Source:** `{p.source.type}` `{getattr(p.source, 'table', '')}`  \n"
-            f"**Delivery:** {p.delivery}  \n**Pipeline file:** `{path}`\n\n**Sinks:**\n{sinks}\n\n"
-            f"CLI: `tidemark status {p.name}`, `tidemark dq show RUN_ID`.")
+    sinks = "\n".join(f"- `{s.name}`: table `{s.table}`, key ({', '.join(s.key)})" for s in p.sinks)
+    return (
+        f"### {p.name}: {what}\n\n{p.description}\n\n"
+        f"**Source:** `{p.source.type}` `{getattr(p.source, 'table', '')}`  \n"
+        f"**Delivery:** {p.delivery}  \n**Pipeline file:** `{path}`\n\n**Sinks:**\n{sinks}\n\n"
+        f"CLI: `tidemark status {p.name}`, `tidemark dq show RUN_ID`."
+    )
 
 
 # The job's exit codes (README "Exit codes") that no retry can cure: bad input (2) and a halted
@@ -132,23 +138,30 @@ class ReplayOperator(SparkSubmitOperator):
         # resolved (connection tidemark_ledger, password masked in logs by Airflow). Set after
         # templating, so the DSN is not among the rendered fields shown in the UI.
         # Likewise every connection the pipeline names (tidemark/airflow/connections.py).
-        named = airflow_tasks.connections_exist(config.load(Path(self.pipeline_file),
-                                                            deep=False))
-        self.env_vars = {**(self.env_vars or {}), **named,
-                         "TIDEMARK_LEDGER_DSN": airflow_tasks.ledger_dsn()}
+        named = airflow_tasks.connections_exist(config.load(Path(self.pipeline_file), deep=False))
+        self.env_vars = {
+            **(self.env_vars or {}),
+            **named,
+            "TIDEMARK_LEDGER_DSN": airflow_tasks.ledger_dsn(),
+        }
         try:
             return super().execute(context)
         except Exception as exc:
             code = job_exit_code(self._hook, exc)
-            why = airflow_tasks.failure(self.pipeline, context["dag"].dag_id, context["run_id"],
-                                        getattr(context.get("ti"), "try_number", None))
+            why = airflow_tasks.failure(
+                self.pipeline,
+                context["dag"].dag_id,
+                context["run_id"],
+                getattr(context.get("ti"), "try_number", None),
+            )
             if code in NO_RETRY_EXIT_CODES:
                 from airflow.sdk.exceptions import AirflowFailException
 
                 from tidemark.airflow.alerts import error_line
 
-                raise AirflowFailException(f"{why or error_line(exc)} (exit {code}: not "
-                                           f"retried)") from exc
+                raise AirflowFailException(
+                    f"{why or error_line(exc)} (exit {code}: not retried)"
+                ) from exc
             if why is None:
                 raise
             raise RuntimeError(why) from exc
@@ -172,8 +185,7 @@ def _spark(p: config.Pipeline, path: Path, args: list[str]) -> SparkSubmitOperat
         application=str(JOB),
         conn_id="spark_default",
         name=f"tidemark-{p.name}",
-        application_args=["--pipelines-dir", str(path.parent), *args,
-                          "--airflow-run", AIRFLOW_RUN],
+        application_args=["--pipelines-dir", str(path.parent), *args, "--airflow-run", AIRFLOW_RUN],
         driver_memory=p.airflow.driver_memory,
         conf=_driver_conf(),
         pool=POOL,
@@ -187,13 +199,18 @@ def _driver_conf() -> dict[str, str]:
     # until the session sets its level, and again while it shuts down: hundreds of lines
     # around the job's error in the task log.
     log4j = log4j_option()
-    return {"spark.driver.extraJavaOptions": " ".join([log4j, *driver_java_options()]),
-            "spark.executor.extraJavaOptions": log4j}
+    return {
+        "spark.driver.extraJavaOptions": " ".join([log4j, *driver_java_options()]),
+        "spark.executor.extraJavaOptions": log4j,
+    }
 
 
 def _recover(p: config.Pipeline, path: Path) -> PythonOperator:
-    return PythonOperator(task_id="recover", python_callable=airflow_tasks.recover,
-                          op_kwargs={"pipelines_dir": str(path.parent), "pipeline": p.name})
+    return PythonOperator(
+        task_id="recover",
+        python_callable=airflow_tasks.recover,
+        op_kwargs={"pipelines_dir": str(path.parent), "pipeline": p.name},
+    )
 
 
 def _report(p: config.Pipeline, path: Path) -> list[PythonOperator]:
@@ -201,15 +218,24 @@ def _report(p: config.Pipeline, path: Path) -> list[PythonOperator]:
     whatever replay did: a run that committed one sink and failed another still announces
     the one it committed. It is a task of its own because Airflow keeps a task's asset events
     only when the task succeeds, and report, after a failed replay, must not."""
-    kwargs = {"pipeline": p.name, "dag_id": "{{ dag.dag_id }}", "run_id": "{{ run_id }}",
-              "pipeline_file": str(path)}
+    kwargs = {
+        "pipeline": p.name,
+        "dag_id": "{{ dag.dag_id }}",
+        "run_id": "{{ run_id }}",
+        "pipeline_file": str(path),
+    }
     # The events (one per committed sink table) go through the pipeline's alias: which sinks
     # a run committed is known only once it has run (tidemark/airflow/assets.py).
-    return [PythonOperator(task_id="report", python_callable=airflow_tasks.report,
-                           op_kwargs=kwargs),
-            PythonOperator(task_id="announce", python_callable=airflow_tasks.announce,
-                           op_kwargs=kwargs, trigger_rule=TriggerRule.ALL_DONE,
-                           outlets=[AssetAlias(assets.alias_name(p.name))])]
+    return [
+        PythonOperator(task_id="report", python_callable=airflow_tasks.report, op_kwargs=kwargs),
+        PythonOperator(
+            task_id="announce",
+            python_callable=airflow_tasks.announce,
+            op_kwargs=kwargs,
+            trigger_rule=TriggerRule.ALL_DONE,
+            outlets=[AssetAlias(assets.alias_name(p.name))],
+        ),
+    ]
 
 
 def replay_dag(p: config.Pipeline, path: Path) -> DAG:
@@ -226,55 +252,113 @@ def replay_dag(p: config.Pipeline, path: Path) -> DAG:
     ) as dag:
         # recover also asks whether anything is new: if not, replay and report are skipped
         # (no JVM, no Great Expectations; the DAG run ends in seconds).
-        first = ShortCircuitOperator(task_id="recover", python_callable=airflow_tasks.pending,
-                                     op_kwargs={"pipelines_dir": str(path.parent),
-                                                "pipeline": p.name})
+        first = ShortCircuitOperator(
+            task_id="recover",
+            python_callable=airflow_tasks.pending,
+            op_kwargs={"pipelines_dir": str(path.parent), "pipeline": p.name},
+        )
         first >> _spark(p, path, ["run", p.name]) >> _report(p, path)
     return dag
 
 
-def _triggered(p: config.Pipeline, kind: str, description: str, doc: str, params: dict,
-               **extra) -> DAG:
+def _triggered(
+    p: config.Pipeline, kind: str, description: str, doc: str, params: dict, **extra
+) -> DAG:
     """A DAG ``tidemark_<name>_<kind>`` that runs only when triggered, with a params form."""
-    return DAG(dag_id=config.dag_id(p.name, kind), description=clamp(description, 200), doc_md=doc,
-               schedule=None, start_date=START, catchup=False, max_active_runs=1,
-               tags=["tidemark", kind, *p.tags], params=params, default_args=_default_args(p),
-               **extra)
+    return DAG(
+        dag_id=config.dag_id(p.name, kind),
+        description=clamp(description, 200),
+        doc_md=doc,
+        schedule=None,
+        start_date=START,
+        catchup=False,
+        max_active_runs=1,
+        tags=["tidemark", kind, *p.tags],
+        params=params,
+        default_args=_default_args(p),
+        **extra,
+    )
 
 
 def backfill_dag(p: config.Pipeline, path: Path) -> DAG:
     names = [s.name for s in p.sinks]
     params = {
-        "partition": Param(0, type="integer", minimum=0, title="Partition",
-                           description="Source partition to re-deliver."),
-        "from_offset": Param(0, type="integer", minimum=0, title="From offset",
-                             description="First offset, inclusive."),
-        "to_offset": Param(1, type="integer", minimum=1, title="To offset",
-                           description="End offset, exclusive; at most the sink's checkpoint."),
-        "sinks": Param(names, type="array", minItems=1, uniqueItems=True,
-                       items={"type": "string", "enum": names}, title="Sinks",
-                       description="Sinks to re-deliver to."),
+        "partition": Param(
+            0,
+            type="integer",
+            minimum=0,
+            title="Partition",
+            description="Source partition to re-deliver.",
+        ),
+        "from_offset": Param(
+            0,
+            type="integer",
+            minimum=0,
+            title="From offset",
+            description="First offset, inclusive.",
+        ),
+        "to_offset": Param(
+            1,
+            type="integer",
+            minimum=1,
+            title="To offset",
+            description="End offset, exclusive; at most the sink's checkpoint.",
+        ),
+        "sinks": Param(
+            names,
+            type="array",
+            minItems=1,
+            uniqueItems=True,
+            items={"type": "string", "enum": names},
+            title="Sinks",
+            description="Sinks to re-deliver to.",
+        ),
     }
     # Runs only when triggered: paused, its first trigger would wait for an unpause.
-    with _triggered(p, "backfill", f"Re-deliver an offset range of {p.name}",
-                    _doc(p, path, "backfill an offset range") + (
-                        "\n\nTrigger with a configuration: the form asks for the partition, "
-                        "the offset range [from, to) and the sinks. Re-delivery is idempotent "
-                        "and never moves checkpoints; a newer version of a key is never "
-                        "overwritten."), params, is_paused_upon_creation=False) as dag:
-        _checked_replay(p, path, "check", airflow_tasks.check_backfill, [
-            "backfill", p.name, "--partition", "{{ params.partition }}",
-            "--from", "{{ params.from_offset }}", "--to", "{{ params.to_offset }}",
-            "--sink", "{{ params.sinks | join(',') }}"])
+    with _triggered(
+        p,
+        "backfill",
+        f"Re-deliver an offset range of {p.name}",
+        _doc(p, path, "backfill an offset range")
+        + (
+            "\n\nTrigger with a configuration: the form asks for the partition, "
+            "the offset range [from, to) and the sinks. Re-delivery is idempotent "
+            "and never moves checkpoints; a newer version of a key is never "
+            "overwritten."
+        ),
+        params,
+        is_paused_upon_creation=False,
+    ) as dag:
+        _checked_replay(
+            p,
+            path,
+            "check",
+            airflow_tasks.check_backfill,
+            [
+                "backfill",
+                p.name,
+                "--partition",
+                "{{ params.partition }}",
+                "--from",
+                "{{ params.from_offset }}",
+                "--to",
+                "{{ params.to_offset }}",
+                "--sink",
+                "{{ params.sinks | join(',') }}",
+            ],
+        )
     return dag
 
 
-def _checked_replay(p: config.Pipeline, path: Path, task_id: str, check, args: list[str],
-                    **kwargs):
+def _checked_replay(p: config.Pipeline, path: Path, task_id: str, check, args: list[str], **kwargs):
     """recover -> a check of the trigger's params (no retries: bad input stays bad) ->
     replay -> report."""
-    first = PythonOperator(task_id=task_id, python_callable=check, retries=0,
-                           op_kwargs={"pipeline_file": str(path), **kwargs})
+    first = PythonOperator(
+        task_id=task_id,
+        python_callable=check,
+        retries=0,
+        op_kwargs={"pipeline_file": str(path), **kwargs},
+    )
     _recover(p, path) >> first >> _spark(p, path, args) >> _report(p, path)
 
 
@@ -282,37 +366,85 @@ def redrive_dag(p: config.Pipeline, path: Path) -> DAG:
     from tidemark.ledger.dlq import ERROR_CLASSES
 
     params = {
-        "request": Param(None, type=["null", "integer"], minimum=1, title="Redrive request",
-                         description="A redrive request the Dead letters page made (its "
-                                     "letters are in the ledger); the fields below are then "
-                                     "ignored."),
-        "ids": Param([], type="array", items={"type": "integer", "minimum": 1},
-                     title="Dead-letter ids", description="Quarantined records to redrive."),
-        "error_class": Param("", type="string", enum=["", *ERROR_CLASSES], title="Error class",
-                             description="Or: every quarantined record of this class."),
-        "sink": Param("", type="string", enum=["", *(s.name for s in p.sinks)],
-                      title="Sink", description="Or: of this sink."),
-        "all_quarantined": Param(False, type="boolean", title="All quarantined",
-                                 description="Redrive every quarantined record of the pipeline."),
-        "requested_by": Param("", type="string", title="Requested by",
-                              description="Recorded when the trigger names no user."),
+        "request": Param(
+            None,
+            type=["null", "integer"],
+            minimum=1,
+            title="Redrive request",
+            description="A redrive request the Dead letters page made (its "
+            "letters are in the ledger); the fields below are then "
+            "ignored.",
+        ),
+        "ids": Param(
+            [],
+            type="array",
+            items={"type": "integer", "minimum": 1},
+            title="Dead-letter ids",
+            description="Quarantined records to redrive.",
+        ),
+        "error_class": Param(
+            "",
+            type="string",
+            enum=["", *ERROR_CLASSES],
+            title="Error class",
+            description="Or: every quarantined record of this class.",
+        ),
+        "sink": Param(
+            "",
+            type="string",
+            enum=["", *(s.name for s in p.sinks)],
+            title="Sink",
+            description="Or: of this sink.",
+        ),
+        "all_quarantined": Param(
+            False,
+            type="boolean",
+            title="All quarantined",
+            description="Redrive every quarantined record of the pipeline.",
+        ),
+        "requested_by": Param(
+            "",
+            type="string",
+            title="Requested by",
+            description="Recorded when the trigger names no user.",
+        ),
     }
     # Runs only when triggered; paused, a redrive asked for in the UI would never start.
-    with _triggered(p, "redrive", f"Redrive quarantined records of {p.name}",
-                    _doc(p, path, "redrive dead letters") + (
-                        "\n\nReplays the selected quarantined records' stored bytes through "
-                        "the current pipeline code into the sinks, exactly once: records that "
-                        "pass are written and marked redriven in the same two-phase commit; "
-                        "records that fail again stay quarantined with attempts + 1 and the new "
-                        "reason. Batch-level expectations do not apply to a redrive. The Dead "
-                        "letters page triggers this DAG."), params,
-                    is_paused_upon_creation=False) as dag:
+    with _triggered(
+        p,
+        "redrive",
+        f"Redrive quarantined records of {p.name}",
+        _doc(p, path, "redrive dead letters")
+        + (
+            "\n\nReplays the selected quarantined records' stored bytes through "
+            "the current pipeline code into the sinks, exactly once: records that "
+            "pass are written and marked redriven in the same two-phase commit; "
+            "records that fail again stay quarantined with attempts + 1 and the new "
+            "reason. Batch-level expectations do not apply to a redrive. The Dead "
+            "letters page triggers this DAG."
+        ),
+        params,
+        is_paused_upon_creation=False,
+    ) as dag:
         by = "{{ dag_run.triggering_user_name or params.requested_by or 'airflow' }}"
         # The selection goes to the job as a ledger request's id: a list of ids on spark-
         # submit's command line fails past ~18,000 (the kernel's 128 KiB per argument).
-        _checked_replay(p, path, "select", airflow_tasks.select_redrive, [
-            "dlq", "redrive", p.name, "--request", "{{ ti.xcom_pull(task_ids='select') }}",
-            "--by", by], by=by)
+        _checked_replay(
+            p,
+            path,
+            "select",
+            airflow_tasks.select_redrive,
+            [
+                "dlq",
+                "redrive",
+                p.name,
+                "--request",
+                "{{ ti.xcom_pull(task_ids='select') }}",
+                "--by",
+                by,
+            ],
+            by=by,
+        )
     return dag
 
 
@@ -321,14 +453,16 @@ def maintenance_dag(pipelines_dir: str | Path) -> DAG:
     with DAG(
         dag_id=config.MAINTENANCE_DAG,
         description="Recovery sweep; alerts on old prepared transactions, leases, DLQ "
-                    "growth; retention",
-        doc_md=("### Tidemark maintenance\n\nEvery few minutes: settles in-doubt runs and rolls "
-                "back orphan prepared transactions (`tidemark recover`), then alerts through "
-                "each pipeline's `alerts` channels when a prepared transaction or a lease is "
-                "older than `alerts.prepared_max_age_minutes` or the DLQ holds more than "
-                "`alerts.dlq_max` quarantined records. The check task fails while a problem "
-                "lasts. Beside the check, the prune task deletes what has outlived the "
-                "retention settings (`tidemark prune`, docs/operations.md \"Retention\")."),
+        "growth; retention",
+        doc_md=(
+            "### Tidemark maintenance\n\nEvery few minutes: settles in-doubt runs and rolls "
+            "back orphan prepared transactions (`tidemark recover`), then alerts through "
+            "each pipeline's `alerts` channels when a prepared transaction or a lease is "
+            "older than `alerts.prepared_max_age_minutes` or the DLQ holds more than "
+            "`alerts.dlq_max` quarantined records. The check task fails while a problem "
+            "lasts. Beside the check, the prune task deletes what has outlived the "
+            'retention settings (`tidemark prune`, docs/operations.md "Retention").'
+        ),
         schedule=MAINTENANCE_SCHEDULE,
         start_date=START,
         catchup=False,
@@ -336,17 +470,24 @@ def maintenance_dag(pipelines_dir: str | Path) -> DAG:
         tags=["tidemark", "maintenance"],
         default_args={"owner": "tidemark", "retries": 0},
     ) as dag:
-        sweep = PythonOperator(task_id="recover", python_callable=airflow_tasks.recover,
-                               op_kwargs={"pipelines_dir": str(folder)})
+        sweep = PythonOperator(
+            task_id="recover",
+            python_callable=airflow_tasks.recover,
+            op_kwargs={"pipelines_dir": str(folder)},
+        )
         # The check runs whatever recover did: one pipeline's failed recovery must not
         # silence every pipeline's health alerts.
-        check = PythonOperator(task_id="check", python_callable=airflow_tasks.maintenance,
-                               op_kwargs={"pipelines_dir": str(folder)},
-                               trigger_rule=TriggerRule.ALL_DONE)
+        check = PythonOperator(
+            task_id="check",
+            python_callable=airflow_tasks.maintenance,
+            op_kwargs={"pipelines_dir": str(folder)},
+            trigger_rule=TriggerRule.ALL_DONE,
+        )
         # Beside the check, not before it: a prune that fails never holds back the alerts,
         # and fails the DAG run on its own. It runs whatever recovery's outcome: it never
         # deletes what recovery has still to settle.
-        prune = PythonOperator(task_id="prune", python_callable=airflow_tasks.prune,
-                               trigger_rule=TriggerRule.ALL_DONE)
+        prune = PythonOperator(
+            task_id="prune", python_callable=airflow_tasks.prune, trigger_rule=TriggerRule.ALL_DONE
+        )
         sweep >> [check, prune]
     return dag

@@ -55,9 +55,13 @@ def _assertions(rows: list[dict]) -> list[Assertion]:
     for r in rows:
         for res in r["results"] or []:
             column = (res.get("kwargs") or {}).get("column")
-            out.append(Assertion(assertion=str(res.get("expectation")),
-                                 success=bool(res.get("success")),
-                                 column=column if isinstance(column, str) else None))
+            out.append(
+                Assertion(
+                    assertion=str(res.get("expectation")),
+                    success=bool(res.get("success")),
+                    column=column if isinstance(column, str) else None,
+                )
+            )
     return out
 
 
@@ -70,8 +74,11 @@ def replay_lineage(pipeline_file: str, dag_id: str, run_id: str) -> OperatorLine
     if run is None:
         return OperatorLineage()
     namespace, name = source_dataset(p)
-    input_facets = {"dataQualityAssertions": DataQualityAssertionsDatasetFacet(
-        assertions=_assertions(dq))} if dq else {}
+    input_facets = (
+        {"dataQualityAssertions": DataQualityAssertionsDatasetFacet(assertions=_assertions(dq))}
+        if dq
+        else {}
+    )
     declared = {s.name: s for s in p.sinks}
     outputs = []
     for s in sinks:
@@ -79,8 +86,16 @@ def replay_lineage(pipeline_file: str, dag_id: str, run_id: str) -> OperatorLine
             continue
         o_ns, o_name = _dataset(assets.sink_uri(p, declared[s["sink"]]))
         written = (s["counts"] or {}).get("rows", 0) if s["state"] == runs.RunState.COMMITTED else 0
-        outputs.append(OutputDataset(namespace=o_ns, name=o_name, outputFacets={
-            "outputStatistics": OutputStatisticsOutputDatasetFacet(rowCount=written)}))
-    return OperatorLineage(inputs=[InputDataset(namespace=namespace, name=name,
-                                                inputFacets=input_facets)],
-                           outputs=outputs)
+        outputs.append(
+            OutputDataset(
+                namespace=o_ns,
+                name=o_name,
+                outputFacets={
+                    "outputStatistics": OutputStatisticsOutputDatasetFacet(rowCount=written)
+                },
+            )
+        )
+    return OperatorLineage(
+        inputs=[InputDataset(namespace=namespace, name=name, inputFacets=input_facets)],
+        outputs=outputs,
+    )

@@ -40,32 +40,45 @@ def emit_run(pipeline: str, run: dict, sinks: list[dict]) -> int:
     stats, sent = _stats(), 0
     for s in sinks:
         tags = {"pipeline": pipeline, "sink": s["sink"]}
-        stats.incr(_name("sink_runs", pipeline, s["sink"], s["state"]),
-                   tags={**tags, "state": s["state"]})
+        stats.incr(
+            _name("sink_runs", pipeline, s["sink"], s["state"]), tags={**tags, "state": s["state"]}
+        )
         sent += 1
         if s["state"] != "committed":
             continue
         counts = s.get("counts") or {}
-        stats.incr(_name("records_delivered", pipeline, s["sink"]),
-                   int(counts.get("rows", 0)), tags=tags)
-        stats.incr(_name("records_quarantined", pipeline, s["sink"]),
-                   int(counts.get("dead", 0)), tags=tags)
+        stats.incr(
+            _name("records_delivered", pipeline, s["sink"]), int(counts.get("rows", 0)), tags=tags
+        )
+        stats.incr(
+            _name("records_quarantined", pipeline, s["sink"]), int(counts.get("dead", 0)), tags=tags
+        )
         sent += 2
         for phase, seconds in sorted((s.get("timings") or {}).items()):
             if phase.endswith("_seconds") and isinstance(seconds, int | float):
-                stats.timing(_name("phase", pipeline, s["sink"], phase.removesuffix("_seconds")),
-                             seconds * 1000.0, tags={**tags, "phase": phase})
+                stats.timing(
+                    _name("phase", pipeline, s["sink"], phase.removesuffix("_seconds")),
+                    seconds * 1000.0,
+                    tags={**tags, "phase": phase},
+                )
                 sent += 1
     start, end = run.get("created_at"), run.get("finished_at")
     if isinstance(start, datetime) and isinstance(end, datetime):
-        stats.timing(_name("run_duration", pipeline), (end - start).total_seconds() * 1000.0,
-                     tags={"pipeline": pipeline, "mode": str(run.get("mode"))})
+        stats.timing(
+            _name("run_duration", pipeline),
+            (end - start).total_seconds() * 1000.0,
+            tags={"pipeline": pipeline, "mode": str(run.get("mode"))},
+        )
         sent += 1
     return sent
 
 
-def emit_health(lags: dict[str, list], prepared_oldest_seconds: float,
-                dead_letters: dict[str, dict[str, int]], pipelines: list[str]) -> int:
+def emit_health(
+    lags: dict[str, list],
+    prepared_oldest_seconds: float,
+    dead_letters: dict[str, dict[str, int]],
+    pipelines: list[str],
+) -> int:
     """The maintenance gauges: checkpoint lag (records) and oldest undelivered record age
     (seconds) per pipeline, sink and partition; the oldest prepared transaction's age
     (seconds, 0 when none); live dead letters per pipeline and error class (0 included, so a
@@ -74,18 +87,25 @@ def emit_health(lags: dict[str, list], prepared_oldest_seconds: float,
     for pipeline, items in lags.items():
         for x in items:
             tags = {"pipeline": pipeline, "sink": x.sink, "partition": str(x.partition)}
-            stats.gauge(_name("checkpoint_lag", pipeline, x.sink, x.partition), x.records,
-                        tags=tags)
-            stats.gauge(_name("oldest_undelivered_age", pipeline, x.sink, x.partition),
-                        round(x.age_seconds(), 3), tags=tags)
+            stats.gauge(
+                _name("checkpoint_lag", pipeline, x.sink, x.partition), x.records, tags=tags
+            )
+            stats.gauge(
+                _name("oldest_undelivered_age", pipeline, x.sink, x.partition),
+                round(x.age_seconds(), 3),
+                tags=tags,
+            )
             sent += 2
     stats.gauge(_name("prepared_oldest_age"), round(prepared_oldest_seconds, 3))
     sent += 1
     for pipeline in pipelines:
         counts = dead_letters.get(pipeline, {})
         for cls in ERROR_CLASSES:
-            stats.gauge(_name("dead_letters", pipeline, cls), counts.get(cls, 0),
-                        tags={"pipeline": pipeline, "error_class": cls})
+            stats.gauge(
+                _name("dead_letters", pipeline, cls),
+                counts.get(cls, 0),
+                tags={"pipeline": pipeline, "error_class": cls},
+            )
             sent += 1
     return sent
 

@@ -61,8 +61,11 @@ def recover(pipelines_dir: str, pipeline: str | None = None, ti=None) -> str:
         print(f"  error: {e}")
     if pipeline is None and ti is not None:
         ti.xcom_push(key=RECOVERY_ERRORS, value=rep.errors_of)
-    errors = rep.errors if pipeline is None else [
-        e for e in rep.errors_of.get(pipeline, []) if e.startswith(f"pipeline {pipeline}:")]
+    errors = (
+        rep.errors
+        if pipeline is None
+        else [e for e in rep.errors_of.get(pipeline, []) if e.startswith(f"pipeline {pipeline}:")]
+    )
     if rep.lost or errors:
         raise TidemarkError(f"{rep.summary()}: {(errors or rep.lost)[0]}")
     return rep.summary()
@@ -98,7 +101,8 @@ def pending(pipelines_dir: str, pipeline: str, dag_run=None) -> str | None:
             f"{config.dag_id(pipeline)} reads from its checkpoints, not by date: an Airflow "
             f"backfill of it would re-deliver nothing. Re-deliver an offset range with the DAG "
             f"{config.dag_id(pipeline, 'backfill')} or `tidemark backfill {pipeline}` (not "
-            f"retried)")
+            f"retried)"
+        )
 
     swept = recover(pipelines_dir, pipeline)
     p = config.find(Path(pipelines_dir), pipeline, deep=False)
@@ -112,28 +116,41 @@ def pending(pipelines_dir: str, pipeline: str, dag_run=None) -> str | None:
 def check_backfill(pipeline_file: str, params: dict) -> dict:
     """The backfill form's checks that JSON schema cannot express (``params``: the form)."""
     p = config.load(Path(pipeline_file), deep=False)
-    partition, from_offset, to_offset = (int(params[k]) for k in
-                                         ("partition", "from_offset", "to_offset"))
+    partition, from_offset, to_offset = (
+        int(params[k]) for k in ("partition", "from_offset", "to_offset")
+    )
     sinks = list(params.get("sinks") or [])
     where = f"backfill of {p.name}"
     if to_offset <= from_offset:
-        raise BadInput(f"{where}: to_offset ({to_offset}) must be greater than from_offset "
-                       f"({from_offset})")
+        raise BadInput(
+            f"{where}: to_offset ({to_offset}) must be greater than from_offset ({from_offset})"
+        )
     known = [s.name for s in p.sinks]
     unknown = [s for s in sinks if s not in known]
     if unknown or not sinks:
-        raise BadInput(f"{where}: sinks must be some of {', '.join(known)}; got "
-                       f"{', '.join(unknown) or 'none'}")
+        raise BadInput(
+            f"{where}: sinks must be some of {', '.join(known)}; got {', '.join(unknown) or 'none'}"
+        )
     with connect(_ledger(), autocommit=True, what="ledger") as c:
         at = checkpoints.positions(c, p.name, sinks)
-    behind = [(s, at[s][partition]) for s in sinks
-              if partition in at.get(s, {}) and at[s][partition] < to_offset]
+    behind = [
+        (s, at[s][partition])
+        for s in sinks
+        if partition in at.get(s, {}) and at[s][partition] < to_offset
+    ]
     if behind:
         lines = ", ".join(f"{s} at {o}" for s, o in behind)
-        raise BadInput(f"{where}: partition {partition} is committed only up to {lines}; "
-                       f"backfill re-delivers committed offsets (to_offset <= checkpoint)")
-    return {"pipeline": p.name, "partition": partition, "from_offset": from_offset,
-            "to_offset": to_offset, "sinks": sinks}
+        raise BadInput(
+            f"{where}: partition {partition} is committed only up to {lines}; "
+            f"backfill re-delivers committed offsets (to_offset <= checkpoint)"
+        )
+    return {
+        "pipeline": p.name,
+        "partition": partition,
+        "from_offset": from_offset,
+        "to_offset": to_offset,
+        "sinks": sinks,
+    }
 
 
 def select_redrive(pipeline_file: str, params: dict, by: str) -> int:
@@ -156,17 +173,18 @@ def select_redrive(pipeline_file: str, params: dict, by: str) -> int:
         elif ids:
             req = redrives.create(c, p.name, by, ids=ids)
         elif error_class or sink or params.get("all_quarantined"):
-            req = redrives.create(c, p.name, by, filters=dlq.Filters.parse(
-                error_class=error_class, sink=sink))
+            req = redrives.create(
+                c, p.name, by, filters=dlq.Filters.parse(error_class=error_class, sink=sink)
+            )
         else:
-            raise BadInput(f"{where}: give ids, an error class or a sink, or set "
-                           f"all_quarantined")
+            raise BadInput(f"{where}: give ids, an error class or a sink, or set all_quarantined")
     if req is None:
         from airflow.exceptions import AirflowSkipException
 
         raise AirflowSkipException(f"{where}: nothing quarantined matches")
-    print(f"{where}: request {req.request_id} by {req.requested_by}, {req.letters:,} dead "
-          f"letter(s)")
+    print(
+        f"{where}: request {req.request_id} by {req.requested_by}, {req.letters:,} dead letter(s)"
+    )
     return req.request_id
 
 
@@ -176,8 +194,7 @@ def _ledger_run(pipeline: str, dag_id: str, run_id: str) -> tuple[dict | None, l
         return runs.of_dag_run(c, pipeline, dag_id, run_id)
 
 
-def failure(pipeline: str, dag_id: str, run_id: str, try_number: int | None = None
-            ) -> str | None:
+def failure(pipeline: str, dag_id: str, run_id: str, try_number: int | None = None) -> str | None:
     """Why this DAG run's replay failed, in one line, from the ledger (None if it has no run).
     Also sends the metrics of the run this try (``try_number``) started: the report task does
     not run after a failed replay."""
@@ -189,12 +206,14 @@ def failure(pipeline: str, dag_id: str, run_id: str, try_number: int | None = No
     bad = [s for s in sinks if s["state"] not in runs.DECIDED]
     if run is None or not bad:
         return None
-    return f"run {run['run_id']}: " + "; ".join(f"sink {s['sink']} {s['state']}: {s['error']}"
-                                                for s in bad)
+    return f"run {run['run_id']}: " + "; ".join(
+        f"sink {s['sink']} {s['state']}: {s['error']}" for s in bad
+    )
 
 
-def announce(pipeline: str, dag_id: str, run_id: str, pipeline_file: str,
-             outlet_events=None) -> list[str]:
+def announce(
+    pipeline: str, dag_id: str, run_id: str, pipeline_file: str, outlet_events=None
+) -> list[str]:
     """One asset event per sink the run this DAG run started committed, through the task's
     asset alias (``outlet_events``: Airflow's), its extra the run id, mode, ranges and counts
     (tidemark/airflow/assets.py): a downstream DAG scheduled on a sink table runs after each
@@ -203,32 +222,41 @@ def announce(pipeline: str, dag_id: str, run_id: str, pipeline_file: str,
     run, sinks = _ledger_run(pipeline, dag_id, run_id)
     if run is None or outlet_events is None:
         return []
-    return _emit_assets(config.load(Path(pipeline_file), deep=False), run, sinks,
-                        outlet_events)
+    return _emit_assets(config.load(Path(pipeline_file), deep=False), run, sinks, outlet_events)
 
 
 def report(pipeline: str, dag_id: str, run_id: str, pipeline_file: str | None = None) -> dict:
     """The ledger's record of the run this DAG run started: its state and counts per sink."""
     run, sinks = _ledger_run(pipeline, dag_id, run_id)
     if run is None:
-        return {"pipeline": pipeline, "run_id": None,
-                "summary": "nothing to replay (no new records, or every sink busy)"}
-    parts = [f"{s['sink']} {s['state']} {s['counts'].get('rows', 0):,} rows "
-             f"{s['counts'].get('dead', 0):,} dead"
-             for s in sinks]
+        return {
+            "pipeline": pipeline,
+            "run_id": None,
+            "summary": "nothing to replay (no new records, or every sink busy)",
+        }
+    parts = [
+        f"{s['sink']} {s['state']} {s['counts'].get('rows', 0):,} rows "
+        f"{s['counts'].get('dead', 0):,} dead"
+        for s in sinks
+    ]
     from tidemark.airflow import metrics
 
     metrics.safely(metrics.emit_run, pipeline, run, sinks)
-    out = {"pipeline": pipeline, "run_id": run["run_id"], "mode": run["mode"],
-           "sinks": {s["sink"]: {"state": s["state"], "counts": s["counts"],
-                                 "error": s["error"]} for s in sinks},
-           "summary": f"run {run['run_id']} ({run['mode']}): " + "; ".join(parts)}
+    out = {
+        "pipeline": pipeline,
+        "run_id": run["run_id"],
+        "mode": run["mode"],
+        "sinks": {
+            s["sink"]: {"state": s["state"], "counts": s["counts"], "error": s["error"]}
+            for s in sinks
+        },
+        "summary": f"run {run['run_id']} ({run['mode']}): " + "; ".join(parts),
+    }
     print(out["summary"])
     return out
 
 
-def _emit_assets(p: config.Pipeline, run: dict, sinks: list[dict], outlet_events
-                 ) -> list[str]:
+def _emit_assets(p: config.Pipeline, run: dict, sinks: list[dict], outlet_events) -> list[str]:
     from airflow.sdk import Asset, AssetAlias
 
     from tidemark.airflow import assets
@@ -240,10 +268,18 @@ def _emit_assets(p: config.Pipeline, run: dict, sinks: list[dict], outlet_events
         if s["state"] != RunState.COMMITTED or s["sink"] not in declared:
             continue  # only committed data is announced (a sink since removed: nothing to name)
         uri = assets.sink_uri(p, declared[s["sink"]])
-        alias.add(Asset(uri), extra={
-            "pipeline": p.name, "sink": s["sink"], "table": declared[s["sink"]].table,
-            "run_id": run["run_id"], "mode": run["mode"], "ranges": s["ranges"],
-            "counts": s["counts"]})
+        alias.add(
+            Asset(uri),
+            extra={
+                "pipeline": p.name,
+                "sink": s["sink"],
+                "table": declared[s["sink"]].table,
+                "run_id": run["run_id"],
+                "mode": run["mode"],
+                "ranges": s["ranges"],
+                "counts": s["counts"],
+            },
+        )
         print(f"asset event: {uri} (run {run['run_id']}, sink {s['sink']})")
         out.append(uri)
     return out
@@ -296,12 +332,19 @@ def check_health(pipelines: dict[str, config.Pipeline]) -> Health:
         for name, p in pipelines.items():
             age = p.alerts.prepared_max_age_minutes
             for sink, run_id, minutes in runs.long_leases(c, name, age):
-                health.problems.append(Problem(name, f"sink {sink}: lease held by run {run_id} "
-                                                     f"for {minutes:.0f} min (> {age})"))
+                health.problems.append(
+                    Problem(
+                        name,
+                        f"sink {sink}: lease held by run {run_id} for {minutes:.0f} min (> {age})",
+                    )
+                )
             count = dlq.quarantined(c, name)
             if count > p.alerts.dlq_max:
-                health.problems.append(Problem(name, f"{count:,} records quarantined in the "
-                                                     f"DLQ (> {p.alerts.dlq_max:,})"))
+                health.problems.append(
+                    Problem(
+                        name, f"{count:,} records quarantined in the DLQ (> {p.alerts.dlq_max:,})"
+                    )
+                )
             try:
                 health.lags[name] = lag.measure(c, p)
             except (TidemarkError, psycopg.Error) as exc:
@@ -313,27 +356,34 @@ def check_health(pipelines: dict[str, config.Pipeline]) -> Health:
         try:
             with connect(dsn, autocommit=True, what=label) as c:
                 # Every database of the server: an orphan where no sink points any more too.
-                rows = c.execute("""SELECT gid, extract(epoch FROM now() - prepared) / 60
+                rows = c.execute(
+                    """SELECT gid, extract(epoch FROM now() - prepared) / 60
                                     FROM pg_prepared_xacts WHERE gid LIKE %s""",
-                                 (f"{prefix}:%",)).fetchall()
+                    (f"{prefix}:%",),
+                ).fetchall()
         except TidemarkError as exc:
             health.problems += [Problem(name, str(exc)) for name in dict.fromkeys(users[dsn])]
             continue
         for gid, minutes in rows:
-            health.prepared_oldest_seconds = max(health.prepared_oldest_seconds,
-                                                 float(minutes) * 60)
+            health.prepared_oldest_seconds = max(
+                health.prepared_oldest_seconds, float(minutes) * 60
+            )
             g = gids.parse(gid, prefix)
             name = run_pipeline.get(g.run_id) if g else None
             limit = pipelines[name].alerts.prepared_max_age_minutes if name in pipelines else 30
             if minutes > limit:
-                health.problems.append(Problem(name or "-", f"prepared transaction {gid} on "
-                                                            f"{label} is {minutes:.0f} min old "
-                                                            f"(> {limit})"))
+                health.problems.append(
+                    Problem(
+                        name or "-",
+                        f"prepared transaction {gid} on "
+                        f"{label} is {minutes:.0f} min old "
+                        f"(> {limit})",
+                    )
+                )
     return health
 
 
-def lag_problems(p: config.Pipeline, lags: list[Lag], now: datetime | None = None
-                 ) -> list[Problem]:
+def lag_problems(p: config.Pipeline, lags: list[Lag], now: datetime | None = None) -> list[Problem]:
     """The (sink, partition)s past the pipeline's ``alerts.lag_max_records`` /
     ``lag_max_minutes``, each naming the sink, the partition and the lag."""
     a = p.alerts
@@ -341,21 +391,29 @@ def lag_problems(p: config.Pipeline, lags: list[Lag], now: datetime | None = Non
     for x in lags:
         why = []
         if a.lag_max_records is not None and x.records > a.lag_max_records:
-            why.append(f"{x.records:,} records behind the source (checkpoint {x.checkpoint:,}, "
-                       f"source at {x.head:,}; > {a.lag_max_records:,})")
+            why.append(
+                f"{x.records:,} records behind the source (checkpoint {x.checkpoint:,}, "
+                f"source at {x.head:,}; > {a.lag_max_records:,})"
+            )
         minutes = x.age_seconds(now) / 60
         if a.lag_max_minutes is not None and minutes > a.lag_max_minutes:
-            why.append(f"oldest undelivered record {minutes:,.0f} min old "
-                       f"(> {a.lag_max_minutes:g})")
+            why.append(
+                f"oldest undelivered record {minutes:,.0f} min old (> {a.lag_max_minutes:g})"
+            )
         if why:
-            out.append(Problem(p.name, f"sink {x.sink} partition {x.partition} lags: "
-                                       + "; ".join(why),
-                               episode=f"{p.name}/{x.sink}/{x.partition}"))
+            out.append(
+                Problem(
+                    p.name,
+                    f"sink {x.sink} partition {x.partition} lags: " + "; ".join(why),
+                    episode=f"{p.name}/{x.sink}/{x.partition}",
+                )
+            )
     return out
 
 
-def lag_episodes(previous: dict[str, str], health: Health, now: str
-                 ) -> tuple[set[str], dict[str, str]]:
+def lag_episodes(
+    previous: dict[str, str], health: Health, now: str
+) -> tuple[set[str], dict[str, str]]:
     """``(new episodes, state to keep)``; the state maps each open episode to when it began.
     An episode lasts while its breach does: once it ends, the next breach alerts again. The
     episodes of a pipeline whose lag could not be measured are kept as they were."""
@@ -386,8 +444,12 @@ class LagEpisodes:
     def save(self, state: dict[str, str]) -> None:
         from airflow.sdk import Variable
 
-        Variable.set(self.KEY, state, serialize_json=True,
-                     description="Tidemark: open lag alert episodes (maintenance DAG)")
+        Variable.set(
+            self.KEY,
+            state,
+            serialize_json=True,
+            description="Tidemark: open lag alert episodes (maintenance DAG)",
+        )
 
 
 def prune() -> dict:
@@ -414,21 +476,38 @@ def maintenance(pipelines_dir: str, episodes: LagEpisodes | None = None, ti=None
     swept = ti.xcom_pull(task_ids="recover", key=RECOVERY_ERRORS) if ti is not None else None
     for name, errors in sorted((swept or {}).items()):
         health.problems += [Problem(name, f"recovery: {e}") for e in errors]
-    metrics.safely(metrics.emit_health, health.lags, health.prepared_oldest_seconds,
-                   health.dead_letters, list(pipelines))
+    metrics.safely(
+        metrics.emit_health,
+        health.lags,
+        health.prepared_oldest_seconds,
+        health.dead_letters,
+        list(pipelines),
+    )
     for b in broken:
         health.problems.append(Problem("-", str(b)))
     store = episodes or LagEpisodes()
     previous = store.load()
     new, state = lag_episodes(previous, health, datetime.now(UTC).isoformat(timespec="seconds"))
     for name, probs in health.by_pipeline().items():
-        print(f"{name}: " + "; ".join(
-            pr.what + (f" (alerted, since {state[pr.episode]})"
-                       if pr.episode and pr.episode not in new else "") for pr in probs))
+        print(
+            f"{name}: "
+            + "; ".join(
+                pr.what
+                + (
+                    f" (alerted, since {state[pr.episode]})"
+                    if pr.episode and pr.episode not in new
+                    else ""
+                )
+                for pr in probs
+            )
+        )
         lines = [pr.what for pr in probs if pr.episode is None or pr.episode in new]
         if lines and name in pipelines:
-            sent = alerts.send(pipelines[name], f"[tidemark] {name}: needs attention",
-                               "\n".join(f"- {line}" for line in lines))
+            sent = alerts.send(
+                pipelines[name],
+                f"[tidemark] {name}: needs attention",
+                "\n".join(f"- {line}" for line in lines),
+            )
             if not sent and alerts.failure_notifiers(pipelines[name]):
                 for pr in probs:  # undelivered: a new episode alerts again next time
                     if pr.episode in new:
@@ -438,5 +517,4 @@ def maintenance(pipelines_dir: str, episodes: LagEpisodes | None = None, ti=None
     if not health.problems:
         return f"healthy: {len(pipelines)} pipeline(s)"
     first = health.problems[0]
-    raise TidemarkError(f"{len(health.problems)} problem(s), first: {first.pipeline}: "
-                        f"{first.what}")
+    raise TidemarkError(f"{len(health.problems)} problem(s), first: {first.pipeline}: {first.what}")

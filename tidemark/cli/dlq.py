@@ -33,17 +33,25 @@ def _ids(values: tuple[str, ...]) -> list[int]:
 
 # -- review: list, show, discard, export, counts ----------------------------------------------
 def _filter_options(fn):
-    for opt in reversed([
-        click.option("--pipeline", help="Only this pipeline."),
-        click.option("--sink", help="Only this sink."),
-        click.option("--class", "error_class",
-                     help="Only this error class: " + ", ".join(dlq_mod.ERROR_CLASSES) + "."),
-        click.option("--status", help="quarantined, redriven, discarded or any "
-                     "(default: quarantined; any with --ids)."),
-        click.option("--since", help="Last seen at or after this ISO timestamp."),
-        click.option("--until", help="Last seen before this ISO timestamp."),
-        click.option("--reason", help="Only reasons containing this text (any case)."),
-    ]):
+    for opt in reversed(
+        [
+            click.option("--pipeline", help="Only this pipeline."),
+            click.option("--sink", help="Only this sink."),
+            click.option(
+                "--class",
+                "error_class",
+                help="Only this error class: " + ", ".join(dlq_mod.ERROR_CLASSES) + ".",
+            ),
+            click.option(
+                "--status",
+                help="quarantined, redriven, discarded or any "
+                "(default: quarantined; any with --ids).",
+            ),
+            click.option("--since", help="Last seen at or after this ISO timestamp."),
+            click.option("--until", help="Last seen before this ISO timestamp."),
+            click.option("--reason", help="Only reasons containing this text (any case)."),
+        ]
+    ):
         fn = opt(fn)
     return fn
 
@@ -56,8 +64,10 @@ def _confirmed(what: str, n: int, f: dlq_mod.Filters, yes: bool) -> None:
     f = f.without("status")  # "quarantined dead letters" says it
     question = f"{what} {n:,} quarantined dead letter{'s' if n != 1 else ''} ({f.described()})?"
     if not sys.stdin.isatty() and not _piped():
-        raise BadInput(f"{n:,} quarantined dead letters match ({f.described()}); add --yes to "
-                       f"{what.lower()} them without a prompt")
+        raise BadInput(
+            f"{n:,} quarantined dead letters match ({f.described()}); add --yes to "
+            f"{what.lower()} them without a prompt"
+        )
     if not click.confirm(question, default=False, err=True):
         click.echo(f"not confirmed: nothing {_past(what)}", err=True)
         sys.exit(1)
@@ -79,10 +89,8 @@ def _past(what: str) -> str:
     return {"Discard": "discarded", "Redrive": "redriven"}[what]
 
 
-def _filters(ids: list[int] | None = None, status: str | None = None,
-             **kw) -> dlq_mod.Filters:
-    return dlq_mod.Filters.parse(ids=ids, status=status or ("any" if ids else "quarantined"),
-                                 **kw)
+def _filters(ids: list[int] | None = None, status: str | None = None, **kw) -> dlq_mod.Filters:
+    return dlq_mod.Filters.parse(ids=ids, status=status or ("any" if ids else "quarantined"), **kw)
 
 
 def _when(ts) -> str:
@@ -91,8 +99,11 @@ def _when(ts) -> str:
 
 def _plain(row: dict) -> dict:
     """A list row as JSON: datetimes ISO, the payload as a one-line preview."""
-    out = {k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in row.items()
-           if k != "payload_head"}
+    out = {
+        k: (v.isoformat() if hasattr(v, "isoformat") else v)
+        for k, v in row.items()
+        if k != "payload_head"
+    }
     out["payload_preview"] = dlq_mod.preview(row["payload_head"], row["payload_size"])
     return out
 
@@ -110,29 +121,49 @@ def dlq_list(ctx: Ctx, limit: int, before: int | None, as_json: bool, **kw) -> N
         pg = dlq_mod.page(conn, f, limit, before)
         by_class = dlq_mod.counts(conn, f)
     if as_json:
-        click.echo(json.dumps({"records": [_plain(r) for r in pg.rows],
-                               "next_before": pg.next_before, "counts": by_class}))
+        click.echo(
+            json.dumps(
+                {
+                    "records": [_plain(r) for r in pg.rows],
+                    "next_before": pg.next_before,
+                    "counts": by_class,
+                }
+            )
+        )
         return
     if not pg.rows:
         click.echo("no dead letters match")
     else:
-        click.echo(f"{'ID':>8}  {'PIPELINE':<16} {'SINK':<12} {'CLASS':<10} {'STATUS':<11} "
-                   f"{'PART:OFFSET':<16} {'TRIES':>5}  {'LAST SEEN':<19}  REASON")
+        click.echo(
+            f"{'ID':>8}  {'PIPELINE':<16} {'SINK':<12} {'CLASS':<10} {'STATUS':<11} "
+            f"{'PART:OFFSET':<16} {'TRIES':>5}  {'LAST SEEN':<19}  REASON"
+        )
     for r in pg.rows:
         where = f"{r['source_partition']}:{r['source_offset']}"
-        click.echo(f"{r['id']:>8}  {r['pipeline']:<16} {r['sink'] or '-':<12} "
-                   f"{r['error_class']:<10} {r['status']:<11} {where:<16} {r['attempts']:>5}  "
-                   f"{_when(r['last_seen']):<19}  {' '.join(r['reason'].split())[:80]}")
-    click.echo("by class: " + ", ".join(f"{k} {v:,}" for k, v in by_class.items())
-               + f" (total {sum(by_class.values()):,})")
+        click.echo(
+            f"{r['id']:>8}  {r['pipeline']:<16} {r['sink'] or '-':<12} "
+            f"{r['error_class']:<10} {r['status']:<11} {where:<16} {r['attempts']:>5}  "
+            f"{_when(r['last_seen']):<19}  {' '.join(r['reason'].split())[:80]}"
+        )
+    click.echo(
+        "by class: "
+        + ", ".join(f"{k} {v:,}" for k, v in by_class.items())
+        + f" (total {sum(by_class.values()):,})"
+    )
     if pg.next_before:
         click.echo(f"older: add --before {pg.next_before}")
 
 
 @dlq.command("show")
 @click.argument("record_id", metavar="ID", type=click.IntRange(min=1))
-@click.option("--format", "fmt", type=click.Choice(["auto", "text", "json", "hex"]),
-              default="auto", show_default=True, help="How to show the payload.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["auto", "text", "json", "hex"]),
+    default="auto",
+    show_default=True,
+    help="How to show the payload.",
+)
 @click.option("--json", "as_json", is_flag=True, help="The whole envelope as JSON.")
 @pass_ctx
 def dlq_show(ctx: Ctx, record_id: int, fmt: str, as_json: bool) -> None:
@@ -145,8 +176,10 @@ def dlq_show(ctx: Ctx, record_id: int, fmt: str, as_json: bool) -> None:
     if as_json:
         out = dlq_mod.envelope(rec)
         out["payload_rendered"] = {"kind": kind, "text": text}
-        out["run"] = {k: (v.isoformat() if hasattr(v, "isoformat") else v)
-                      for k, v in (rec["run"] or {}).items()} or None
+        out["run"] = {
+            k: (v.isoformat() if hasattr(v, "isoformat") else v)
+            for k, v in (rec["run"] or {}).items()
+        } or None
         out["quality"] = rec["quality"]
         click.echo(json.dumps(out))
         return
@@ -157,16 +190,22 @@ def dlq_show(ctx: Ctx, record_id: int, fmt: str, as_json: bool) -> None:
         f"  pipeline   {rec['pipeline']}   sink {rec['sink']}",
         f"  error      {rec['error_class']}: {rec['reason']}",
         f"  source     partition {rec['source_partition']} offset {rec['source_offset']}",
-        f"  run        {rec['run_id']}" + (f" ({run['mode']}, {_when(run['created_at'])})"
-                                           if run else " (not in the ledger)")
-        + (f"  airflow {af['dag_id']} / {af['run_id']} / {af.get('task_id', '-')} "
-           f"try {af.get('try', '-')}" if af else ""),
+        f"  run        {rec['run_id']}"
+        + (f" ({run['mode']}, {_when(run['created_at'])})" if run else " (not in the ledger)")
+        + (
+            f"  airflow {af['dag_id']} / {af['run_id']} / {af.get('task_id', '-')} "
+            f"try {af.get('try', '-')}"
+            if af
+            else ""
+        ),
         f"  attempts   {rec['attempts']}   first seen {_when(rec['first_seen'])}   "
         f"last seen {_when(rec['last_seen'])}",
     ]
     if rec["resolved_by"] or rec["note"]:
-        lines.append(f"  resolved   by {rec['resolved_by'] or '-'} at "
-                     f"{_when(rec['resolved_at'])}: {rec['note'] or ''}")
+        lines.append(
+            f"  resolved   by {rec['resolved_by'] or '-'} at "
+            f"{_when(rec['resolved_at'])}: {rec['note'] or ''}"
+        )
     for q in rec["quality"]:
         if q["docs_path"] and rec["error_class"] in ("validation", "dq_gate"):
             lines.append(f"  data docs  {q['scope'] or '(pipeline)'}: {q['docs_path']}")
@@ -174,11 +213,14 @@ def dlq_show(ctx: Ctx, record_id: int, fmt: str, as_json: bool) -> None:
     lines.append(f"  key        {key}")
     # As the source had them when the letter kept them; else as jsonb stored them.
     exact = letters.header_text(rec["source_headers"])
-    shown = exact if exact is not None else json.dumps(rec["headers"]) if rec["headers"] \
-        else "(none)"
+    shown = (
+        exact if exact is not None else json.dumps(rec["headers"]) if rec["headers"] else "(none)"
+    )
     lines.append(f"  headers    {shown}")
-    lines.append(f"  source ts  {_when(rec['source_ts'])}"
-                 + (f"   {rec['source_note']}" if rec["source_note"] else ""))
+    lines.append(
+        f"  source ts  {_when(rec['source_ts'])}"
+        + (f"   {rec['source_note']}" if rec["source_note"] else "")
+    )
     size = len(rec["payload"]) if rec["payload"] is not None else 0
     lines.append(f"  payload    ({kind}, {size:,} bytes)")
     lines.extend(f"    {ln}" for ln in text.splitlines() or ["(empty)"])
@@ -190,36 +232,57 @@ def dlq_show(ctx: Ctx, record_id: int, fmt: str, as_json: bool) -> None:
 
 @dlq.command("discard")
 @click.argument("ids", nargs=-1)
-@click.option("--pipeline", help="Every quarantined record of this pipeline (with the others: "
-              "that match them all).")
+@click.option(
+    "--pipeline",
+    help="Every quarantined record of this pipeline (with the others: that match them all).",
+)
 @click.option("--sink", help="Every quarantined record of this sink.")
 @click.option("--class", "error_class", help="Every quarantined record of this error class.")
 @click.option("--since", help="Only records last seen at or after this ISO timestamp.")
 @click.option("--until", help="Only records last seen before this ISO timestamp.")
 @click.option("--reason", help="Only records whose reason contains this text (any case).")
-@click.option("--all", "everything", is_flag=True,
-              help="Every quarantined record (narrowed by the filters).")
+@click.option(
+    "--all", "everything", is_flag=True, help="Every quarantined record (narrowed by the filters)."
+)
 @click.option("--yes", is_flag=True, help="Do not ask before discarding all that match.")
 @click.option("--note", required=True, help="Why (required; kept with the records).")
 @click.option("--by", help="Who discards (default: user@host).")
 @pass_ctx
-def dlq_discard(ctx: Ctx, ids: tuple[str, ...], pipeline: str | None, sink: str | None,
-                error_class: str | None, since: str | None, until: str | None,
-                reason: str | None, everything: bool, yes: bool, note: str,
-                by: str | None) -> None:
+def dlq_discard(
+    ctx: Ctx,
+    ids: tuple[str, ...],
+    pipeline: str | None,
+    sink: str | None,
+    error_class: str | None,
+    since: str | None,
+    until: str | None,
+    reason: str | None,
+    everything: bool,
+    yes: bool,
+    note: str,
+    by: str | None,
+) -> None:
     """Discard quarantined records (IDS, e.g. 4 7 9 or 4,7,9, or all that match the filters,
     after a prompt naming how many): they stay in the DLQ with status discarded, who, when
     and the note. Other records are skipped, with the reason."""
     chosen = _ids(ids)
-    raw = {"pipeline": pipeline, "sink": sink, "error_class": error_class, "since": since,
-           "until": until, "reason": reason}
+    raw = {
+        "pipeline": pipeline,
+        "sink": sink,
+        "error_class": error_class,
+        "since": since,
+        "until": until,
+        "reason": reason,
+    }
     filtered = everything or any(v not in (None, "") for v in raw.values())
     if chosen and filtered:
-        raise click.UsageError("give dead-letter ids or filters (--pipeline/--class/--reason/"
-                               "--all ...), not both")
+        raise click.UsageError(
+            "give dead-letter ids or filters (--pipeline/--class/--reason/--all ...), not both"
+        )
     if not chosen and not filtered:
-        raise click.UsageError("give dead-letter ids, filters (--pipeline/--class/--reason ...)"
-                               " or --all")
+        raise click.UsageError(
+            "give dead-letter ids, filters (--pipeline/--class/--reason ...) or --all"
+        )
     by = by or dlq_mod.default_by()
     with connect(ctx.ledger_dsn, autocommit=True, what="ledger") as conn:
         if chosen:
@@ -228,13 +291,14 @@ def dlq_discard(ctx: Ctx, ids: tuple[str, ...], pipeline: str | None, sink: str 
             f = dlq_mod.Filters.parse(**raw, status="quarantined")
             n = dlq_mod.matching(conn, f)
             if n == 0:
-                click.echo(f"no quarantined dead letters match "
-                           f"({f.without('status').described()})")
+                click.echo(f"no quarantined dead letters match ({f.without('status').described()})")
                 sys.exit(1)
             _confirmed("Discard", n, f, yes)
             res = dlq_mod.discard_matching(conn, f, note, by, expected=None if yes else n)
-            click.echo(f"discarded {len(res.changed):,} dead letter(s) matching "
-                       f"{f.without('status').described()}")
+            click.echo(
+                f"discarded {len(res.changed):,} dead letter(s) matching "
+                f"{f.without('status').described()}"
+            )
             if not res.changed:
                 sys.exit(1)
             return
@@ -276,8 +340,7 @@ def dlq_export(ctx: Ctx, id_list: tuple[str, ...], out: str, **kw) -> None:
             finally:
                 part.unlink(missing_ok=True)
     n -= 1  # the last line is the export's end, with the count
-    click.echo(f"\rexported {n:,} dead letter(s) to {'stdout' if out == '-' else out}",
-               err=True)
+    click.echo(f"\rexported {n:,} dead letter(s) to {'stdout' if out == '-' else out}", err=True)
 
 
 @dlq.command("counts")
@@ -296,8 +359,7 @@ def dlq_counts(ctx: Ctx, as_json: bool) -> None:
     heads = dlq_mod.ERROR_CLASSES
     click.echo(f"{'PIPELINE':<20}" + "".join(f"{h:>11}" for h in heads) + f"{'TOTAL':>9}")
     for p, c in by_pipeline.items():
-        click.echo(f"{p:<20}" + "".join(f"{c[h]:>11,}" for h in heads)
-                   + f"{sum(c.values()):>9,}")
+        click.echo(f"{p:<20}" + "".join(f"{c[h]:>11,}" for h in heads) + f"{sum(c.values()):>9,}")
 
 
 @dlq.command("redrive")
@@ -308,21 +370,42 @@ def dlq_counts(ctx: Ctx, as_json: bool) -> None:
 @click.option("--since", help="Only records last seen at or after this ISO timestamp.")
 @click.option("--until", help="Only records last seen before this ISO timestamp.")
 @click.option("--reason", help="Only records whose reason contains this text (any case).")
-@click.option("--all", "everything", is_flag=True,
-              help="Every quarantined record of PIPELINE (narrowed by --class/--sink/--since/"
-                   "--until/--reason).")
+@click.option(
+    "--all",
+    "everything",
+    is_flag=True,
+    help="Every quarantined record of PIPELINE (narrowed by --class/--sink/--since/"
+    "--until/--reason).",
+)
 @click.option("--yes", is_flag=True, help="Do not ask before redriving all that match.")
-@click.option("--request", "request", type=click.IntRange(min=1),
-              help="Run an existing redrive request (the redrive DAG's select task makes one).")
+@click.option(
+    "--request",
+    "request",
+    type=click.IntRange(min=1),
+    help="Run an existing redrive request (the redrive DAG's select task makes one).",
+)
 @click.option("--by", help="Who asks (recorded on the dead letters; default: user@host).")
 @click.option("--external-id", help="Caller's own id for this run.")
 @airflow_run_option
 @click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
 @pass_ctx
-def dlq_redrive(ctx: Ctx, pipeline: str, ids: tuple[str, ...], error_class: str | None,
-                sink: str | None, since: str | None, until: str | None, reason: str | None,
-                everything: bool, yes: bool, request: int | None, by: str | None, external_id: str | None,
-                airflow: AirflowRun | None, as_json: bool) -> None:
+def dlq_redrive(
+    ctx: Ctx,
+    pipeline: str,
+    ids: tuple[str, ...],
+    error_class: str | None,
+    sink: str | None,
+    since: str | None,
+    until: str | None,
+    reason: str | None,
+    everything: bool,
+    yes: bool,
+    request: int | None,
+    by: str | None,
+    external_id: str | None,
+    airflow: AirflowRun | None,
+    as_json: bool,
+) -> None:
     """Replay quarantined records (IDS, e.g. 4 7 9 or 4,7,9, or all that match the filters)
     through the current pipeline code into the sinks, exactly once. Records that pass are
     written and marked redriven in the same two-phase commit; records that fail again stay
@@ -341,8 +424,15 @@ def dlq_redrive(ctx: Ctx, pipeline: str, ids: tuple[str, ...], error_class: str 
     if request is None and not chosen:
         if not filtered:
             raise click.UsageError("give dead-letter ids, --class/--sink, or --all")
-        f = dlq_mod.Filters.parse(pipeline=pipeline, error_class=error_class, sink=sink,
-                                  since=since, until=until, reason=reason, status="quarantined")
+        f = dlq_mod.Filters.parse(
+            pipeline=pipeline,
+            error_class=error_class,
+            sink=sink,
+            since=since,
+            until=until,
+            reason=reason,
+            status="quarantined",
+        )
         with connect(ctx.ledger_dsn, autocommit=True, what="ledger") as conn:
             n = dlq_mod.matching(conn, f)
             if n:
@@ -351,9 +441,19 @@ def dlq_redrive(ctx: Ctx, pipeline: str, ids: tuple[str, ...], error_class: str 
         if req is None:
             click.echo(f"{pipeline}: no quarantined records match; nothing to redrive")
             return
-        click.echo(f"redrive request {req.request_id}: {req.letters:,} dead letter(s) of "
-                   f"{pipeline}", err=True)
+        click.echo(
+            f"redrive request {req.request_id}: {req.letters:,} dead letter(s) of {pipeline}",
+            err=True,
+        )
         request = req.request_id
-    _run(ctx, pipeline, as_json, runner=redrive.Redrive, request=request,
-         ids=None if request is not None else chosen, by=by, external_id=external_id,
-         airflow=airflow)
+    _run(
+        ctx,
+        pipeline,
+        as_json,
+        runner=redrive.Redrive,
+        request=request,
+        ids=None if request is not None else chosen,
+        by=by,
+        external_id=external_id,
+        airflow=airflow,
+    )

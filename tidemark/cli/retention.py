@@ -35,15 +35,23 @@ def prune_cmd(ctx: Ctx, dry_run: bool, pipeline: str | None, as_json: bool) -> N
     from tidemark.protocol.prune import Policy, prune
 
     policy = Policy.of(ctx.settings)
-    summary = prune(ctx.ledger_dsn, policy, ctx.settings.data_docs_dir,
-                    pipeline=_pipeline_name(pipeline), dry_run=dry_run, progress=_progress)
+    summary = prune(
+        ctx.ledger_dsn,
+        policy,
+        ctx.settings.data_docs_dir,
+        pipeline=_pipeline_name(pipeline),
+        dry_run=dry_run,
+        progress=_progress,
+    )
     if as_json:
         click.echo(json.dumps(summary.to_dict()))
         return
-    click.echo(f"retention: resolved dead letters {policy.letters_days} days, finished runs "
-               f"{policy.runs_days} days, redrive requests {policy.requests_days} days"
-               + (f"; pipeline {pipeline} only" if pipeline else "")
-               + ("; dry run, nothing deleted" if dry_run else ""))
+    click.echo(
+        f"retention: resolved dead letters {policy.letters_days} days, finished runs "
+        f"{policy.runs_days} days, redrive requests {policy.requests_days} days"
+        + (f"; pipeline {pipeline} only" if pipeline else "")
+        + ("; dry run, nothing deleted" if dry_run else "")
+    )
     for line in summary.lines():
         click.echo(line)
 
@@ -71,21 +79,34 @@ def pipelines_retire(ctx: Ctx, name: str, yes: bool) -> None:
             click.echo(f"  {label:<24} {sum(letters.values()):>10,}" + (f"  ({by})" if by else ""))
         elif k in rows:
             click.echo(f"  {label:<24} {rows[k]:>10,}")
-    click.echo(f"and its Data Docs: {found.docs_files:,} files, {human_bytes(found.docs_bytes)} "
-               f"({found.docs_dir})")
+    click.echo(
+        f"and its Data Docs: {found.docs_files:,} files, {human_bytes(found.docs_bytes)} "
+        f"({found.docs_dir})"
+    )
     sinks = all_p[name].sinks if name in all_p else []
-    click.echo("Its sink tables are left as they are"
-               + (f" ({', '.join(f'{x.name}: {x.table}' for x in sinks)})." if sinks else "."))
+    click.echo(
+        "Its sink tables are left as they are"
+        + (f" ({', '.join(f'{x.name}: {x.table}' for x in sinks)})." if sinks else ".")
+    )
     for line in found.unchecked:
         click.echo(f"  warning: not checked for its prepared transactions: {line}", err=True)
     if not yes:
         click.confirm(f"Retire pipeline {name}?", abort=True)
-    summary = retire(ctx.ledger_dsn, name, all_p, s.gid_prefix, s.data_docs_dir,
-                     s.retention_batch_size, progress=_progress)
+    summary = retire(
+        ctx.ledger_dsn,
+        name,
+        all_p,
+        s.gid_prefix,
+        s.data_docs_dir,
+        s.retention_batch_size,
+        progress=_progress,
+    )
     for line in summary.lines():
         click.echo(line)
     click.echo(f"pipeline {name} retired")
     if name in all_p:
-        click.echo(f"note: its pipeline file {cfg.file_of(ctx.folder, name)} still exists: "
-                   f"remove it (and so its DAGs), or its next run starts it again from its "
-                   f"source's start")
+        click.echo(
+            f"note: its pipeline file {cfg.file_of(ctx.folder, name)} still exists: "
+            f"remove it (and so its DAGs), or its next run starts it again from its "
+            f"source's start"
+        )

@@ -10,11 +10,19 @@ from tidemark.core.errors import TidemarkError
 
 APP_NAME = "tidemark"
 
-def connect(dsn: str, *, autocommit: bool = False, what: str = "database",
-            application: str = APP_NAME, **kwargs) -> psycopg.Connection:
+
+def connect(
+    dsn: str,
+    *,
+    autocommit: bool = False,
+    what: str = "database",
+    application: str = APP_NAME,
+    **kwargs,
+) -> psycopg.Connection:
     try:
-        return psycopg.connect(dsn, autocommit=autocommit, application_name=application,
-                               connect_timeout=10, **kwargs)
+        return psycopg.connect(
+            dsn, autocommit=autocommit, application_name=application, connect_timeout=10, **kwargs
+        )
     except psycopg.Error as exc:
         raise TidemarkError(f"cannot connect to {what} {mask(dsn)}: {one_line(exc)}") from None
 
@@ -37,7 +45,8 @@ def require_prepared_transactions(conn: psycopg.Connection, what: str) -> None:
         raise TidemarkError(
             f"{what}: max_prepared_transactions is 0 on this server; Tidemark's two-phase commit "
             f"needs it > 0 (set it in postgresql.conf to at least 2 x tasks x sinks + 10 and "
-            f"restart PostgreSQL)")
+            f"restart PostgreSQL)"
+        )
 
 
 def quote_ident(name: str) -> str:

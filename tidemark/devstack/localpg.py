@@ -81,23 +81,47 @@ class Cluster:
             self._chown(d)
         # postgres must be able to reach the folder; the repo may live under a 0700 home.
         _make_traversable(self.root)
-        self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth-local=trust",
-                  "--auth-host=scram-sha-256", "-E", "UTF8", "--locale=C.UTF-8")
+        self._run(
+            "initdb",
+            "-D",
+            str(self.data),
+            "-U",
+            "postgres",
+            "--auth-local=trust",
+            "--auth-host=scram-sha-256",
+            "-E",
+            "UTF8",
+            "--locale=C.UTF-8",
+        )
         conf = "\n".join(f"{k} = {v}" for k, v in {**SETTINGS, **self.overrides}.items())
         with open(self.data / "postgresql.auto.conf", "a") as fh:
             fh.write(f"\n{conf}\nport = {self.port}\nunix_socket_directories = '{self.sockets}'\n")
 
     def running(self) -> bool:
-        return self.initialized() and self._run("pg_ctl", "status", "-D", str(self.data),
-                                                check=False).returncode == 0
+        return (
+            self.initialized()
+            and self._run("pg_ctl", "status", "-D", str(self.data), check=False).returncode == 0
+        )
 
     def start(self) -> None:
         self.init()
         if not self.running():
             self.logfile.touch()
             self._chown(self.logfile)
-            res = self._run("pg_ctl", "start", "-w", "-t", "60", "-D", str(self.data),
-                            "-l", str(self.logfile), "-o", f"-p {self.port}", check=False)
+            res = self._run(
+                "pg_ctl",
+                "start",
+                "-w",
+                "-t",
+                "60",
+                "-D",
+                str(self.data),
+                "-l",
+                str(self.logfile),
+                "-o",
+                f"-p {self.port}",
+                check=False,
+            )
             if res.returncode != 0:
                 tail = self.logfile.read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"PostgreSQL did not start on port {self.port}: {tail.strip()}")
@@ -112,8 +136,24 @@ class Cluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
     def psql(self, sql: str, database: str = "postgres") -> str:
-        res = self._run("psql", "-X", "-q", "-At", "-v", "ON_ERROR_STOP=1", "-h", str(self.sockets),
-                        "-p", str(self.port), "-U", "postgres", "-d", database, "-c", sql)
+        res = self._run(
+            "psql",
+            "-X",
+            "-q",
+            "-At",
+            "-v",
+            "ON_ERROR_STOP=1",
+            "-h",
+            str(self.sockets),
+            "-p",
+            str(self.port),
+            "-U",
+            "postgres",
+            "-d",
+            database,
+            "-c",
+            sql,
+        )
         return res.stdout.strip()
 
     def bootstrap(self) -> None:
@@ -136,11 +176,15 @@ def _make_traversable(path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tidemark.devstack.localpg",
-                                 description="Manage the local PostgreSQL cluster.")
+    ap = argparse.ArgumentParser(
+        prog="python -m tidemark.devstack.localpg",
+        description="Manage the local PostgreSQL cluster.",
+    )
     ap.add_argument("action", choices=["start", "stop", "status", "dsn", "destroy"])
     ap.add_argument("--dir", default=".tidemark/pg", help="cluster folder (default: %(default)s)")
-    ap.add_argument("--port", type=int, default=int(os.environ.get("TIDEMARK_PG_PORT", DEFAULT_PORT)))
+    ap.add_argument(
+        "--port", type=int, default=int(os.environ.get("TIDEMARK_PG_PORT", DEFAULT_PORT))
+    )
     ap.add_argument("--database", default="tidemark")
     args = ap.parse_args(argv)
     cluster = Cluster(Path(args.dir).resolve(), args.port)

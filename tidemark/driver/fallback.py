@@ -54,15 +54,15 @@ class SinkPlan:
     ranges: list[Range]
     checkpoints: dict[int, int]
     failed: Failures = field(default_factory=dict)
-    moved: list[tuple] = field(default_factory=list)   # keys of _moved_keys, for the task
+    moved: list[tuple] = field(default_factory=list)  # keys of _moved_keys, for the task
 
 
 @dataclass
 class Fallback:
-    df: DataFrame                          # the backfill's records, then the fallback versions
-    failed: dict[str, Failures]            # sink -> row-level failures of its versions
+    df: DataFrame  # the backfill's records, then the fallback versions
+    failed: dict[str, Failures]  # sink -> row-level failures of its versions
     cached: list[DataFrame]
-    moved: dict[str, list[tuple]]          # sink -> keys of _moved_keys (step 2 above)
+    moved: dict[str, list[tuple]]  # sink -> keys of _moved_keys (step 2 above)
 
     def release(self) -> None:
         for d in self.cached:
@@ -73,14 +73,16 @@ def _ask(s: SinkPlan, what: sql.Composable, where: str, args: list[tuple]) -> se
     """``SELECT DISTINCT what ... WHERE _tm_partition = %s AND where`` over the sink's table
     and its tombstones (a tombstone is a version with a position too), once per ``args``."""
     found: set[tuple] = set()
-    with psycopg.connect(s.dsn, autocommit=True, connect_timeout=10,
-                         application_name="tidemark-backfill") as conn:
+    with psycopg.connect(
+        s.dsn, autocommit=True, connect_timeout=10, application_name="tidemark-backfill"
+    ) as conn:
         tables = [sql.SQL(qualified(s.config.table))]
         if tombstones.exists(conn, s.config.table):
             tables.append(tombstone_table(s.config.table))
         for table in tables:
             query = sql.SQL("SELECT DISTINCT {} FROM {} WHERE _tm_partition = %s AND {}").format(
-                what, table, sql.SQL(where))
+                what, table, sql.SQL(where)
+            )
             for a in args:
                 found |= set(conn.execute(query, a).fetchall())
     return found
@@ -90,9 +92,12 @@ def _removed_keys(spark, df: DataFrame, s: SinkPlan) -> DataFrame | None:
     """The keys of the sink's rows, and tombstones, whose position lies in the range (step 1
     removes them)."""
     keys = s.config.key
-    found = _ask(s, sql.SQL(", ").join(sql.Identifier(k) for k in keys),
-                 "_tm_offset >= %s AND _tm_offset < %s",
-                 [(r.partition, r.start, r.end) for r in s.ranges])
+    found = _ask(
+        s,
+        sql.SQL(", ").join(sql.Identifier(k) for k in keys),
+        "_tm_offset >= %s AND _tm_offset < %s",
+        [(r.partition, r.start, r.end) for r in s.ranges],
+    )
     if not found:
         return None
     schema = StructType([df.schema[k] for k in keys])
@@ -117,33 +122,38 @@ def _moved_keys(df: DataFrame, s: SinkPlan) -> list[tuple]:
     row or a tombstone in the sink (step 1 removes it). Usually the key that row has; after
     a transform change, another: the older versions that row placed are that key's now."""
     keys = s.config.key
-    failing = gate.in_ranges(df, s.ranges).join(_passing(df, s).select(PART, OFF),
-                                                [PART, OFF], "left_anti")
+    failing = gate.in_ranges(df, s.ranges).join(
+        _passing(df, s).select(PART, OFF), [PART, OFF], "left_anti"
+    )
     for k in keys:
         failing = failing.where(F.col(k).isNotNull())
     at: dict[tuple[int, int], tuple] = {
         (r[PART], r[OFF]): tuple(r[k] for k in keys)
-        for r in failing.select(PART, OFF, *keys).collect()}
+        for r in failing.select(PART, OFF, *keys).collect()
+    }
     if not at:
         return []
     by_part: dict[int, list[int]] = {}
     for p, o in at:
         by_part.setdefault(p, []).append(o)
-    held = _ask(s, sql.SQL("_tm_partition, _tm_offset"), "_tm_offset = ANY(%s)",
-                list(by_part.items()))
+    held = _ask(
+        s, sql.SQL("_tm_partition, _tm_offset"), "_tm_offset = ANY(%s)", list(by_part.items())
+    )
     return sorted({at[pos] for pos in held}, key=repr)
 
 
 def _within(ranges: list[Range]):
     cond = F.lit(False)
     for r in ranges:
-        cond = cond | ((F.col(PART) == r.partition) & (F.col(OFF) >= r.start)
-                       & (F.col(OFF) < r.end))
+        cond = cond | (
+            (F.col(PART) == r.partition) & (F.col(OFF) >= r.start) & (F.col(OFF) < r.end)
+        )
     return cond
 
 
-def attach(spark, pipeline: Pipeline, mode, df: DataFrame, plans: dict[str, SinkPlan],
-           log) -> Fallback | None:
+def attach(
+    spark, pipeline: Pipeline, mode, df: DataFrame, plans: dict[str, SinkPlan], log
+) -> Fallback | None:
     """The backfill's records with the fallback versions of every sink appended (one Spark
     partition: the backfill's one task), or None when no key loses its row."""
     lost: dict[str, DataFrame] = {}
@@ -156,8 +166,11 @@ def attach(spark, pipeline: Pipeline, mode, df: DataFrame, plans: dict[str, Sink
         if s.moved:
             removed = removed.unionByName(spark.createDataFrame(s.moved, removed.schema))
         passing = _passing(df, s).select(*s.config.key).distinct()
-        keys = removed.distinct().join(passing, s.config.key, "left_anti") \
+        keys = (
+            removed.distinct()
+            .join(passing, s.config.key, "left_anti")
             .persist(StorageLevel.MEMORY_AND_DISK)
+        )
         n = keys.count()
         if n:
             lost[name] = keys
@@ -173,8 +186,11 @@ def attach(spark, pipeline: Pipeline, mode, df: DataFrame, plans: dict[str, Sink
         scope: dict[str, list[Range]] = {}
         for name in lost:
             s = plans[name]
-            parts = (sorted(s.checkpoints) if s.config.version
-                     else sorted({r.partition for r in s.ranges}))
+            parts = (
+                sorted(s.checkpoints)
+                if s.config.version
+                else sorted({r.partition for r in s.ranges})
+            )
             mine = []
             for p in parts:
                 first = planner.earliest(p)
@@ -187,23 +203,26 @@ def attach(spark, pipeline: Pipeline, mode, df: DataFrame, plans: dict[str, Sink
     finally:
         planner.close()
     for name in lost:
-        log(f"sink {name}: reading the older versions of those keys from "
-            + ", ".join(f"partition {r.partition} [{r.start}, {r.end})" for r in scope[name]))
+        log(
+            f"sink {name}: reading the older versions of those keys from "
+            + ", ".join(f"partition {r.partition} [{r.start}, {r.end})" for r in scope[name])
+        )
     versions = records.rows(mode.source(spark, pipeline, list(reads.values())), pipeline)
     found = None
     for name, keys in lost.items():
         s = plans[name]
         outside = gate.in_ranges(versions, scope[name]).where(~_within(s.ranges))
-        one = (outside.join(keys, s.config.key, "left_semi")
-               .withColumn(FALLBACK, F.lit(name)))
+        one = outside.join(keys, s.config.key, "left_semi").withColumn(FALLBACK, F.lit(name))
         found = one if found is None else found.unionByName(one)
     found = found.persist(StorageLevel.MEMORY_AND_DISK)
     cached.append(found)
-    failed = {name: gate.row_verdicts(pipeline, found.where(F.col(FALLBACK) == name), name,
-                                      f"pipeline {pipeline.name}") for name in lost}
+    failed = {
+        name: gate.row_verdicts(
+            pipeline, found.where(F.col(FALLBACK) == name), name, f"pipeline {pipeline.name}"
+        )
+        for name in lost
+    }
     sizes = {r[FALLBACK]: r["count"] for r in found.groupBy(FALLBACK).count().collect()}
-    log("fallback versions: " + ", ".join(f"sink {name} {sizes.get(name, 0):,}"
-                                          for name in lost))
-    out = (df.withColumn(FALLBACK, F.lit(None).cast("string")).unionByName(found)
-           .coalesce(1))
+    log("fallback versions: " + ", ".join(f"sink {name} {sizes.get(name, 0):,}" for name in lost))
+    out = df.withColumn(FALLBACK, F.lit(None).cast("string")).unionByName(found).coalesce(1)
     return Fallback(out, failed, cached, {name: plans[name].moved for name in lost})

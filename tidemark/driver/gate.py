@@ -47,10 +47,9 @@ Failures = dict[int, dict[int, str]]  # partition -> offset -> reason
 
 @dataclass
 class Verdict:
-    rows: dict[str, Failures] = field(default_factory=dict)     # scope -> row failures
-    quarantine: dict[str, str] = field(default_factory=dict)    # scope -> why (whole batch)
-    halted: dict[str, str] = field(default_factory=dict)        # scope -> why (dq_failed)
-
+    rows: dict[str, Failures] = field(default_factory=dict)  # scope -> row failures
+    quarantine: dict[str, str] = field(default_factory=dict)  # scope -> why (whole batch)
+    halted: dict[str, str] = field(default_factory=dict)  # scope -> why (dq_failed)
 
 
 def _summary(outcome: quality.GateOutcome) -> str:
@@ -61,8 +60,11 @@ def _summary(outcome: quality.GateOutcome) -> str:
 
 
 def _args(kwargs: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in kwargs.items() if k in ("column", "min_value",
-                                                                    "max_value", "value_set"))
+    return ", ".join(
+        f"{k}={v}"
+        for k, v in kwargs.items()
+        if k in ("column", "min_value", "max_value", "value_set")
+    )
 
 
 FILTER_MAX = 10_000  # failing rows a filter names; beyond, an anti-join with their keys
@@ -81,8 +83,10 @@ def _without(df: DataFrame, failures: Failures) -> DataFrame:
             hit = c if hit is None else hit | c
         return df.where(~hit)
     spark = df.sparkSession
-    bad = spark.createDataFrame([(p, o) for p, offs in failures.items() for o in offs],
-                                "_tm_partition int, _tm_offset bigint")
+    bad = spark.createDataFrame(
+        [(p, o) for p, offs in failures.items() for o in offs],
+        "_tm_partition int, _tm_offset bigint",
+    )
     return df.join(F.broadcast(bad), ["_tm_partition", "_tm_offset"], "left_anti")
 
 
@@ -90,14 +94,18 @@ def in_ranges(df: DataFrame, ranges: list[Range]) -> DataFrame:
     """The records of ``df`` inside ``ranges`` (none if there are none)."""
     cond = None
     for r in ranges:
-        c = ((F.col("_tm_partition") == r.partition) & (F.col("_tm_offset") >= r.start)
-             & (F.col("_tm_offset") < r.end))
+        c = (
+            (F.col("_tm_partition") == r.partition)
+            & (F.col("_tm_offset") >= r.start)
+            & (F.col("_tm_offset") < r.end)
+        )
         cond = c if cond is None else cond | c
     return df.where(cond) if cond is not None else df.limit(0)
 
 
-def _check(df: DataFrame, q: Quality, label: str, docs_dir: str
-           ) -> tuple[Failures, quality.GateOutcome]:
+def _check(
+    df: DataFrame, q: Quality, label: str, docs_dir: str
+) -> tuple[Failures, quality.GateOutcome]:
     failures: Failures = {}
     rows = expectations.parse_expectations(q.rows, label, "quality.rows") if q.rows else []
     batch = expectations.parse_expectations(q.batch, label, "quality.batch")
@@ -105,8 +113,9 @@ def _check(df: DataFrame, q: Quality, label: str, docs_dir: str
     if rows:
         for (p, o), reason in quality.row_failures(df, rows, first=first).items():
             failures.setdefault(p, {})[o] = reason
-    outcome = quality.gate(_without(df, failures), batch, docs_dir, label,
-                           first=first.gate if first else None)
+    outcome = quality.gate(
+        _without(df, failures), batch, docs_dir, label, first=first.gate if first else None
+    )
     return failures, outcome
 
 
@@ -122,8 +131,9 @@ def _for_gx(df: DataFrame, checks: list[Quality], where: str) -> DataFrame:
             more = expectations.columns_read(expectations.parse_expectations(items, where, part))
             used = None if more is None or used is None else used | more
     # A column the batch lacks: keep them all, so that GX itself reports it.
-    keep = outputs if used is None or not used <= set(outputs) else \
-        [c for c in outputs if c in used]
+    keep = (
+        outputs if used is None or not used <= set(outputs) else [c for c in outputs if c in used]
+    )
     return df.where(F.col(ERR_CLASS).isNull()).select(PARTITION, OFFSET, *keep)
 
 
@@ -136,8 +146,10 @@ def _many_small_queries(spark):
     that finds few rows (the failing rows, GX's unexpected values) scans its partitions in one
     job instead of growing in steps.
     """
-    conf = {"spark.sql.adaptive.enabled": "false",
-            "spark.sql.limit.initialNumPartitions": str(2**31 - 1)}
+    conf = {
+        "spark.sql.adaptive.enabled": "false",
+        "spark.sql.limit.initialNumPartitions": str(2**31 - 1),
+    }
     saved = {k: spark.conf.get(k, None) for k in conf}
     for k, v in conf.items():
         spark.conf.set(k, v)
@@ -151,19 +163,39 @@ def _many_small_queries(spark):
                 spark.conf.set(k, v)
 
 
-def evaluate(pipeline: Pipeline, df: DataFrame, run_id: int, sink_ranges: dict[str, list[Range]],
-             ledger: psycopg.Connection, docs_dir: str, policy: str | None = None) -> Verdict:
+def evaluate(
+    pipeline: Pipeline,
+    df: DataFrame,
+    run_id: int,
+    sink_ranges: dict[str, list[Range]],
+    ledger: psycopg.Connection,
+    docs_dir: str,
+    policy: str | None = None,
+) -> Verdict:
     """``policy`` overrides the pipeline's ``on_gate_failure`` (a re-delivery halts)."""
     checks = [pipeline.quality] + [s.quality for s in pipeline.sinks if s.name in sink_ranges]
     good = _for_gx(df, checks, f"pipeline {pipeline.name}")
     with _many_small_queries(df.sparkSession):
-        return _evaluate(pipeline, good, run_id, sink_ranges, ledger, docs_dir,
-                         policy or pipeline.quality.on_gate_failure)
+        return _evaluate(
+            pipeline,
+            good,
+            run_id,
+            sink_ranges,
+            ledger,
+            docs_dir,
+            policy or pipeline.quality.on_gate_failure,
+        )
 
 
-def _evaluate(pipeline: Pipeline, good: DataFrame, run_id: int,
-              sink_ranges: dict[str, list[Range]], ledger: psycopg.Connection,
-              docs_dir: str, policy: str) -> Verdict:
+def _evaluate(
+    pipeline: Pipeline,
+    good: DataFrame,
+    run_id: int,
+    sink_ranges: dict[str, list[Range]],
+    ledger: psycopg.Connection,
+    docs_dir: str,
+    policy: str,
+) -> Verdict:
     verdict = Verdict()
     label = f"{pipeline.name}-run-{run_id}"
     failures, outcome = _check(good, pipeline.quality, label, docs_dir)
@@ -220,21 +252,35 @@ def speculate(pipeline: Pipeline, df: DataFrame, run_id: int) -> Speculation | N
     if plan.checks:
         df = df.withColumn(CHECK, plan.check)
     observation = Observation()
-    checks = [RowCheck(type=c.type, kwargs={k: v for k, v in dict(c.kwargs).items()
-                                            if k in COLUMN_KWARGS}) for c in plan.checks]
-    return Speculation(df.observe(observation, *plan.observed), checks, plan, observation,
-                       batch, label)
+    checks = [
+        RowCheck(
+            type=c.type, kwargs={k: v for k, v in dict(c.kwargs).items() if k in COLUMN_KWARGS}
+        )
+        for c in plan.checks
+    ]
+    return Speculation(
+        df.observe(observation, *plan.observed), checks, plan, observation, batch, label
+    )
 
 
-def settle(s: Speculation, run_id: int, records: int, ledger: psycopg.Connection,
-           docs_dir: str) -> quality.Judged:
+def settle(
+    s: Speculation, run_id: int, records: int, ledger: psycopg.Connection, docs_dir: str
+) -> quality.Judged:
     """After the write job: GX's verdicts on what it observed. If the write stands, its
     results are stored as :func:`evaluate` stores them."""
     judged = quality.judged(s.plan, s.observation.get, records)
     if judged.stands:
         outcome = quality.gate(None, s.batch, docs_dir, s.label, first=judged.gate)
-        save_dq_result(ledger, run_id, PIPELINE, True, judged.failed, outcome.results,
-                       outcome.raw, outcome.docs_path)
+        save_dq_result(
+            ledger,
+            run_id,
+            PIPELINE,
+            True,
+            judged.failed,
+            outcome.results,
+            outcome.raw,
+            outcome.docs_path,
+        )
     return judged
 
 
@@ -253,8 +299,20 @@ def row_verdicts(pipeline: Pipeline, df: DataFrame, sink: str, label: str) -> Fa
     return out
 
 
-def _store(ledger: psycopg.Connection, run_id: int, scope: str, failures: Failures,
-           outcome: quality.GateOutcome) -> None:
-    save_dq_result(ledger, run_id, scope, outcome.success,
-                   sum(len(v) for v in failures.values()), outcome.results, outcome.raw,
-                   outcome.docs_path)
+def _store(
+    ledger: psycopg.Connection,
+    run_id: int,
+    scope: str,
+    failures: Failures,
+    outcome: quality.GateOutcome,
+) -> None:
+    save_dq_result(
+        ledger,
+        run_id,
+        scope,
+        outcome.success,
+        sum(len(v) for v in failures.values()),
+        outcome.results,
+        outcome.raw,
+        outcome.docs_path,
+    )

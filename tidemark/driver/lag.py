@@ -20,8 +20,8 @@ _ALL = 2**62  # no limit: the settled end from the checkpoint on (as Planner.lat
 class Lag:
     sink: str
     partition: int
-    checkpoint: int   # the sink's next offset to deliver
-    head: int         # the source's settled end (exclusive)
+    checkpoint: int  # the sink's next offset to deliver
+    head: int  # the source's settled end (exclusive)
     oldest: datetime | None  # when the first undelivered record was appended (None: unknown)
 
     @property

@@ -23,10 +23,10 @@ from tidemark.protocol.taskspec import Span
 
 class Mode(ABC):
     name = "run"
-    gate_policy: str | None = None   # None: the pipeline's on_gate_failure
-    request: int | None = None       # redrive: the request whose letters it replays
-    spreads = False                  # may spread its records over tasks by key (Layout)
-    falls_back = False               # removed rows fall back to older versions (fallback.py)
+    gate_policy: str | None = None  # None: the pipeline's on_gate_failure
+    request: int | None = None  # redrive: the request whose letters it replays
+    spreads = False  # may spread its records over tasks by key (Layout)
+    falls_back = False  # removed rows fall back to older versions (fallback.py)
     # May run the pipeline's checks in its write job (docs/quality.md, "One pass"): only a
     # first delivery, whose batch is the run's own and whose writes replace nothing.
     checks_while_writing = False
@@ -50,20 +50,25 @@ class Mode(ABC):
     def quality(self, pipeline: Pipeline) -> Pipeline:
         return pipeline
 
-    def layout(self, read: list[Range], sinks: list[Sink], *, dense: bool, parallelism: int,
-               split_min: int) -> Layout:
+    def layout(
+        self, read: list[Range], sinks: list[Sink], *, dense: bool, parallelism: int, split_min: int
+    ) -> Layout:
         """How the records of ``read`` reach the run's Spark write tasks (see :class:`Layout`).
 
         ``spread`` when a first delivery has fewer ranges than Spark has cores (or versions of
         a key may sit in several partitions) and is big enough to be worth a shuffle; else one
         task per range, or one task for them all when a sink orders versions by a column."""
-        spans = [Span(partition=r.partition, start=r.start, end=r.end, dense=dense)
-                 for r in read]
+        spans = [Span(partition=r.partition, start=r.start, end=r.end, dense=dense) for r in read]
         versioned = len(read) > 1 and any(s.version for s in sinks)
         by = common_key(sinks)
         total = sum(r.size for r in read)
-        if (self.spreads and dense and by and total >= split_min
-                and (len(read) < parallelism or versioned)):
+        if (
+            self.spreads
+            and dense
+            and by
+            and total >= split_min
+            and (len(read) < parallelism or versioned)
+        ):
             tasks = max(parallelism, len(read))
             return Layout("spread", tasks, pieces(read, tasks), spread=spans, by=by)
         if versioned:
@@ -112,8 +117,10 @@ def pieces(read: list[Range], n: int) -> list[Range]:
     for r in read:
         k = max(1, min(r.size, round(n * r.size / total)))
         step = -(-r.size // k) if r.size else 1
-        out += [Range(r.partition, a, min(a + step, r.end))
-                for a in range(r.start, max(r.end, r.start + 1), step)]
+        out += [
+            Range(r.partition, a, min(a + step, r.end))
+            for a in range(r.start, max(r.end, r.start + 1), step)
+        ]
     return out
 
 
@@ -143,9 +150,13 @@ class Delivery(Mode):
                     if p not in cps and p not in starts:
                         starts[p] = first(p)
             out: dict[str, dict[int, int]] = {
-                s: {p: cps[p] if p in cps else starts[p] for p in parts
-                    if p in cps or starts[p] is not None}
-                for s, cps in checkpoints.items()}
+                s: {
+                    p: cps[p] if p in cps else starts[p]
+                    for p in parts
+                    if p in cps or starts[p] is not None
+                }
+                for s, cps in checkpoints.items()
+            }
             # One read per partition, from the minimum over the sinks and at most `limit`
             # records long; each sink gets the part at or above its own checkpoint (a sink far
             # ahead of a lagging one gets nothing until the laggard catches up).
@@ -155,8 +166,10 @@ class Delivery(Mode):
                 if los:
                     lo = min(los)
                     ends[p] = max(src.safe_end(p, lo, limit), lo)
-            return {s: [Range(p, start, max(start, ends[p])) for p, start in sorted(cps.items())]
-                    for s, cps in out.items()}
+            return {
+                s: [Range(p, start, max(start, ends[p])) for p, start in sorted(cps.items())]
+                for s, cps in out.items()
+            }
 
         return plan, src
 
@@ -191,7 +204,8 @@ class Backfill(Mode):
                     raise TidemarkError(
                         f"backfill of {pipeline.name} sink {sink} partition {self.partition} "
                         f"[{self.start}, {self.end}) goes past the checkpoint ({have}); only "
-                        f"committed ranges can be backfilled - run the pipeline instead")
+                        f"committed ranges can be backfilled - run the pipeline instead"
+                    )
             return {s: [Range(self.partition, self.start, self.end)] for s in checkpoints}
 
         return plan, NothingToClose()

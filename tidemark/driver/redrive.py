@@ -37,17 +37,16 @@ class RedriveMode(Mode):
     def __init__(self, pipeline: Pipeline, ledger_dsn: str, request: int | None):
         self.ledger_dsn = ledger_dsn
         self.request = request
-        self.by_sink: dict[str, int] = {}          # sink -> letters planned
-        self.unplaced: dict[int, str] = {}         # id -> why it is left out
-        self.source_unknown: list[int] = []        # ids replayed with a NULL timestamp
+        self.by_sink: dict[str, int] = {}  # sink -> letters planned
+        self.unplaced: dict[int, str] = {}  # id -> why it is left out
+        self.source_unknown: list[int] = []  # ids replayed with a NULL timestamp
 
     def planner(self, pipeline: Pipeline):
         names = [s.name for s in pipeline.sinks]
 
         def plan(free: dict[str, dict[int, int]]) -> dict[str, list[Range]]:
             with connect(self.ledger_dsn, autocommit=True, what="ledger") as conn:
-                ranges, self.unplaced = redrives.placement(conn, self.request, pipeline.name,
-                                                           names)
+                ranges, self.unplaced = redrives.placement(conn, self.request, pipeline.name, names)
             out: dict[str, list[Range]] = {}
             self.by_sink = {}
             for sink, part, start, end, n in ranges:
@@ -55,8 +54,10 @@ class RedriveMode(Mode):
                 self.by_sink[sink] = self.by_sink.get(sink, 0) + n
             busy = sorted(set(out) - set(free))
             if busy:  # never redriven while one of its sinks is missed
-                raise TidemarkError(f"redrive of {pipeline.name}: sink(s) {', '.join(busy)} "
-                                    f"busy (another run holds the lease); try again when free")
+                raise TidemarkError(
+                    f"redrive of {pipeline.name}: sink(s) {', '.join(busy)} "
+                    f"busy (another run holds the lease); try again when free"
+                )
             return out
 
         return plan, NothingToClose()
@@ -67,13 +68,17 @@ class RedriveMode(Mode):
         batches = []
         fill_source_fields(self.ledger_dsn, pipeline, self.request, list(self.by_sink))
         with connect(self.ledger_dsn, autocommit=True, what="ledger") as conn:
-            self.source_unknown = redrives.source_unknown(conn, self.request, pipeline.name,
-                                                          list(self.by_sink))
+            self.source_unknown = redrives.source_unknown(
+                conn, self.request, pipeline.name, list(self.by_sink)
+            )
             for rows in redrives.records(conn, self.request, pipeline.name, list(self.by_sink)):
                 cols = zip(*rows, strict=True)
-                batches.append(pa.RecordBatch.from_arrays(
-                    [pa.array(c, f.type) for c, f in zip(cols, sources.SCHEMA, strict=True)],
-                    schema=sources.SCHEMA))
+                batches.append(
+                    pa.RecordBatch.from_arrays(
+                        [pa.array(c, f.type) for c, f in zip(cols, sources.SCHEMA, strict=True)],
+                        schema=sources.SCHEMA,
+                    )
+                )
         table = pa.Table.from_batches(batches, schema=sources.SCHEMA)
         # One task: each sink's status change is one transaction with its sink write.
         return spark.createDataFrame(table).coalesce(1)
@@ -85,17 +90,20 @@ class RedriveMode(Mode):
         def rows_only(q):
             return q.model_copy(update={"batch": []})
 
-        return pipeline.model_copy(update={
-            "quality": rows_only(pipeline.quality),
-            "sinks": [s.model_copy(update={"quality": rows_only(s.quality)})
-                      for s in pipeline.sinks]})
+        return pipeline.model_copy(
+            update={
+                "quality": rows_only(pipeline.quality),
+                "sinks": [
+                    s.model_copy(update={"quality": rows_only(s.quality)}) for s in pipeline.sinks
+                ],
+            }
+        )
 
     def layout(self, read: list[Range], sinks, **_) -> Layout:
         return Layout("records", 1, read)  # one task over hand-picked records
 
 
-def fill_source_fields(ledger_dsn: str, pipeline: Pipeline, request: int,
-                       sinks: list[str]) -> int:
+def fill_source_fields(ledger_dsn: str, pipeline: Pipeline, request: int, sinks: list[str]) -> int:
     """Before a redrive reads its letters: a letter from before V007 kept neither its
     record's headers as the source had them nor its timestamp. Read them from the source
     now, or note that the source no longer holds the record (retention, compaction). Each
@@ -108,9 +116,11 @@ def fill_source_fields(ledger_dsn: str, pipeline: Pipeline, request: int,
             found = sources.headers_and_ts(pipeline, wanted)
         except TidemarkError as exc:
             n = sum(len(offs) for offs in wanted.values())
-            raise TidemarkError(f"redrive of {pipeline.name}: {n:,} dead letter(s) from before "
-                                f"V007 need their record's headers and timestamp from the "
-                                f"source, which cannot be read: {exc}") from None
+            raise TidemarkError(
+                f"redrive of {pipeline.name}: {n:,} dead letter(s) from before "
+                f"V007 need their record's headers and timestamp from the "
+                f"source, which cannot be read: {exc}"
+            ) from None
         gone = [(p, o) for p, offs in wanted.items() for o in offs if (p, o) not in found]
         return letters.fill_source(conn, pipeline.name, found, gone)
 
@@ -119,16 +129,24 @@ class Redrive(Run):
     """``tidemark dlq redrive``: a run in redrive mode over one redrive request (or ``ids``,
     for which it creates the request), with its report of the letters."""
 
-    def __init__(self, pipeline: Pipeline, settings, *, ledger_dsn: str, by: str,
-                 request: int | None = None, ids: list[int] | None = None, **kw):
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        settings,
+        *,
+        ledger_dsn: str,
+        by: str,
+        request: int | None = None,
+        ids: list[int] | None = None,
+        **kw,
+    ):
         if (request is None) == (ids is None):
             raise ValueError("give a redrive request or ids")
         if ids is not None and not ids:
             raise BadInput(f"redrive {pipeline.name}: no dead letters given")
         self.ids = ids
         self.redrive = RedriveMode(pipeline, ledger_dsn, request)
-        super().__init__(pipeline, settings, ledger_dsn=ledger_dsn, mode=self.redrive, by=by,
-                         **kw)
+        super().__init__(pipeline, settings, ledger_dsn=ledger_dsn, mode=self.redrive, by=by, **kw)
 
     def _request(self) -> None:
         with connect(self.ledger_dsn, autocommit=True, what="ledger") as conn:
@@ -138,8 +156,10 @@ class Redrive(Run):
                 return
             req = redrives.get(conn, self.redrive.request)
         if req is None or req.pipeline != self.p.name:
-            raise BadInput(f"redrive of {self.p.name}: no redrive request "
-                           f"{self.redrive.request} for this pipeline")
+            raise BadInput(
+                f"redrive of {self.p.name}: no redrive request "
+                f"{self.redrive.request} for this pipeline"
+            )
 
     def execute(self) -> RunReport:
         self._request()
@@ -148,31 +168,44 @@ class Redrive(Run):
         for i, why in unplaced[:SHOW_UNPLACED]:
             self.log(f"dead letter {i} not redriven: {why}")
         if len(unplaced) > SHOW_UNPLACED:
-            self.log(f"... and {len(unplaced) - SHOW_UNPLACED:,} more dead letters not "
-                     f"redriven")
-        done = [r for t in self.results for s, r in t.sinks.items()
-                if report.sinks[s].state == RunState.COMMITTED]
+            self.log(f"... and {len(unplaced) - SHOW_UNPLACED:,} more dead letters not redriven")
+        done = [
+            r
+            for t in self.results
+            for s, r in t.sinks.items()
+            if report.sinks[s].state == RunState.COMMITTED
+        ]
         report.redrive = {
             "request": self.redrive.request,
             "redriven": sum(r.redriven for r in done),
             "failed_again": sorted(i for r in done for i in r.failed_again),
-            "skipped": sorted({i for t in self.results for r in t.sinks.values()
-                               for i in r.skipped} | set(self.redrive.unplaced)),
-            "source_unknown": self.redrive.source_unknown}
+            "skipped": sorted(
+                {i for t in self.results for r in t.sinks.values() for i in r.skipped}
+                | set(self.redrive.unplaced)
+            ),
+            "source_unknown": self.redrive.source_unknown,
+        }
         unknown = self.redrive.source_unknown
         if unknown:  # the transform saw no source timestamp for these: say so
             shown = ", ".join(map(str, unknown[:SHOW_UNPLACED]))
-            more = f" and {len(unknown) - SHOW_UNPLACED:,} more" \
-                if len(unknown) > SHOW_UNPLACED else ""
-            self.log(f"dead letter(s) {shown}{more}: the source no longer holds the record; "
-                     f"replayed with a NULL _tm_ts and the headers as the letter stored them")
+            more = (
+                f" and {len(unknown) - SHOW_UNPLACED:,} more"
+                if len(unknown) > SHOW_UNPLACED
+                else ""
+            )
+            self.log(
+                f"dead letter(s) {shown}{more}: the source no longer holds the record; "
+                f"replayed with a NULL _tm_ts and the headers as the letter stored them"
+            )
         if report.run_id is None:
             report.message = "nothing to redrive"
         return report
 
     def _protocol(self, claim, by_name, report: RunReport) -> None:
         n = sum(self.redrive.by_sink.values())
-        self.log(f"run {claim.run_id}: redriving {n:,} dead letter(s) of {self.p.name} "
-                 f"(request {self.redrive.request}) into {', '.join(claim.sinks)} for "
-                 f"{self.by}")
+        self.log(
+            f"run {claim.run_id}: redriving {n:,} dead letter(s) of {self.p.name} "
+            f"(request {self.redrive.request}) into {', '.join(claim.sinks)} for "
+            f"{self.by}"
+        )
         super()._protocol(claim, by_name, report)

@@ -58,11 +58,11 @@ class SinkOutcome:
     state: str
     rows: int = 0
     dead: int = 0
-    superseded: int = 0   # versions not written: a newer one of their key won
-    removed: int = 0      # re-delivery: rows of the range removed (then placed again)
-    resolved: int = 0     # re-delivery: dead letters resolved (their records now delivered)
-    fallback: int = 0     # backfill: older versions examined for keys that lost their row
-    tombstones: int = 0   # tombstones that delete their key (tombstones: delete)
+    superseded: int = 0  # versions not written: a newer one of their key won
+    removed: int = 0  # re-delivery: rows of the range removed (then placed again)
+    resolved: int = 0  # re-delivery: dead letters resolved (their records now delivered)
+    fallback: int = 0  # backfill: older versions examined for keys that lost their row
+    tombstones: int = 0  # tombstones that delete their key (tombstones: delete)
     error: str | None = None
     copy_format: str = ""  # "binary", or "csv: <the column binary COPY cannot carry>"
 
@@ -85,36 +85,57 @@ class RunReport:
         return all(s.state == RunState.COMMITTED for s in self.sinks.values())
 
     def to_dict(self) -> dict:
-        return {"run_id": self.run_id, "pipeline": self.pipeline, "mode": self.mode,
-                "records": self.records, "seconds": round(self.seconds, 2),
-                "message": self.message, "skipped": self.skipped, "redrive": self.redrive,
-                "phases": self.phases,
-                "sinks": {k: vars(v) for k, v in self.sinks.items()}}
+        return {
+            "run_id": self.run_id,
+            "pipeline": self.pipeline,
+            "mode": self.mode,
+            "records": self.records,
+            "seconds": round(self.seconds, 2),
+            "message": self.message,
+            "skipped": self.skipped,
+            "redrive": self.redrive,
+            "phases": self.phases,
+            "sinks": {k: vars(v) for k, v in self.sinks.items()},
+        }
 
     def summary(self) -> str:
         if self.run_id is None:
             return f"{self.pipeline}: {self.message}"
-        lines = [f"run {self.run_id} ({self.pipeline}, {self.mode}): {self.records:,} records "
-                 f"read in {self.seconds:.1f}s"]
+        lines = [
+            f"run {self.run_id} ({self.pipeline}, {self.mode}): {self.records:,} records "
+            f"read in {self.seconds:.1f}s"
+        ]
         for s in self.sinks.values():
             tail = f" - {s.error}" if s.error else ""
-            more = "".join(f", {n:,} {what}" for n, what in (
-                (s.superseded, "superseded by newer versions"), (s.removed, "rows removed"),
-                (s.resolved, "dead letters resolved"),
-                (s.fallback, "older versions of their keys placed again"),
-                (s.tombstones, "tombstones")) if n)
-            lines.append(f"  sink {s.sink}: {s.state}, {s.rows:,} rows written, "
-                         f"{s.dead:,} quarantined{more}{tail}")
+            more = "".join(
+                f", {n:,} {what}"
+                for n, what in (
+                    (s.superseded, "superseded by newer versions"),
+                    (s.removed, "rows removed"),
+                    (s.resolved, "dead letters resolved"),
+                    (s.fallback, "older versions of their keys placed again"),
+                    (s.tombstones, "tombstones"),
+                )
+                if n
+            )
+            lines.append(
+                f"  sink {s.sink}: {s.state}, {s.rows:,} rows written, "
+                f"{s.dead:,} quarantined{more}{tail}"
+            )
         for sink, why in self.skipped.items():
             lines.append(f"  sink {sink}: skipped ({why})")
         if self.redrive is not None and self.run_id is not None:
             r = self.redrive
-            lines.append(f"  dead letters: {r['redriven']:,} redriven, "
-                         f"{len(r['failed_again']):,} failed again (still quarantined, "
-                         f"attempts + 1), {len(r['skipped']):,} skipped")
+            lines.append(
+                f"  dead letters: {r['redriven']:,} redriven, "
+                f"{len(r['failed_again']):,} failed again (still quarantined, "
+                f"attempts + 1), {len(r['skipped']):,} skipped"
+            )
             if r.get("source_unknown"):
-                lines.append(f"  {len(r['source_unknown']):,} replayed with a NULL _tm_ts: "
-                             f"the source no longer holds their records (source_note)")
+                lines.append(
+                    f"  {len(r['source_unknown']):,} replayed with a NULL _tm_ts: "
+                    f"the source no longer holds their records (source_note)"
+                )
         return "\n".join(lines)
 
 
@@ -152,12 +173,23 @@ class Run:
     # tests compare that with checking a cached batch first.
     one_pass = True
 
-    def __init__(self, pipeline: Pipeline, settings: Settings, *, ledger_dsn: str,
-                 all_pipelines: dict[str, Pipeline] | None = None, mode: str | Mode = "run",
-                 backfill: Backfill | None = None, sink_names: list[str] | None = None,
-                 external_id: str | None = None, airflow: AirflowRun | None = None,
-                 log: Log = stderr_log, spark=None,
-                 by: str | None = None, where: str | None = None):
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        settings: Settings,
+        *,
+        ledger_dsn: str,
+        all_pipelines: dict[str, Pipeline] | None = None,
+        mode: str | Mode = "run",
+        backfill: Backfill | None = None,
+        sink_names: list[str] | None = None,
+        external_id: str | None = None,
+        airflow: AirflowRun | None = None,
+        log: Log = stderr_log,
+        spark=None,
+        by: str | None = None,
+        where: str | None = None,
+    ):
         self.p = pipeline
         self.where = where or f"pipeline {pipeline.name}"  # names the file in config errors
         self.s = settings
@@ -184,8 +216,10 @@ class Run:
     def _timings(self) -> dict[str, float]:
         # By time: a one-pass run's gate ends after its write.
         have = sorted(self.clock, key=self.clock.get)
-        return {f"{b}_seconds": round(self.clock[b] - self.clock[a], 3)
-                for a, b in zip(have, have[1:], strict=False)}
+        return {
+            f"{b}_seconds": round(self.clock[b] - self.clock[a], 3)
+            for a, b in zip(have, have[1:], strict=False)
+        }
 
     # -- the protocol ----------------------------------------------------------------------
     def execute(self) -> RunReport:
@@ -199,8 +233,12 @@ class Run:
         try:
             require_current(self.ledger)
             sinks.prepare_database(self.ledger, "ledger")
-            rec = recovery.recover(self.ledger_dsn, self.all_pipelines, self.s.gid_prefix,
-                                   self.s.prepared_alert_seconds)
+            rec = recovery.recover(
+                self.ledger_dsn,
+                self.all_pipelines,
+                self.s.gid_prefix,
+                self.s.prepared_alert_seconds,
+            )
             if rec.rolled_forward or rec.aborted or rec.rolled_back or not rec.ok:
                 self.log(rec.summary())
             for err in rec.errors:
@@ -214,10 +252,18 @@ class Run:
             plan, closing = self.mode.planner(self.p)
             try:
                 claim = state.claim(
-                    self.ledger, pipeline=self.p.name, config=self.p.model_dump(mode="json"),
-                    sinks=list(by_name), mode=self.mode.name, owner=self.owner,
-                    delivery=self.p.delivery, ttl_seconds=self.s.lease_ttl_seconds, plan=plan,
-                    external_id=self.external_id, airflow=self.airflow)
+                    self.ledger,
+                    pipeline=self.p.name,
+                    config=self.p.model_dump(mode="json"),
+                    sinks=list(by_name),
+                    mode=self.mode.name,
+                    owner=self.owner,
+                    delivery=self.p.delivery,
+                    ttl_seconds=self.s.lease_ttl_seconds,
+                    plan=plan,
+                    external_id=self.external_id,
+                    airflow=self.airflow,
+                )
             finally:
                 closing.close()
             if claim is None:
@@ -234,8 +280,11 @@ class Run:
                 # Before any decision nothing may stay behind: roll back now, free the leases.
                 # After one, only recovery may settle what is in doubt.
                 if not self.stop.decided:
-                    why = ("terminated (SIGTERM) before the decision" if isinstance(
-                        exc, Terminated) else f"{type(exc).__name__}: {one_line(exc)}")
+                    why = (
+                        "terminated (SIGTERM) before the decision"
+                        if isinstance(exc, Terminated)
+                        else f"{type(exc).__name__}: {one_line(exc)}"
+                    )
                     self._abort_all(claim, why)
                 raise
             finally:
@@ -248,14 +297,17 @@ class Run:
             report.seconds = time.monotonic() - started
             self.ledger.close()
 
-    def _protocol(self, claim: Claim, by_name: dict[str, sinks.ResolvedSink],
-                  report: RunReport) -> None:
+    def _protocol(
+        self, claim: Claim, by_name: dict[str, sinks.ResolvedSink], report: RunReport
+    ) -> None:
         run_id = claim.run_id
         read = claim.read_ranges()
         total = sum(r.size for r in read)
-        self.log(f"run {run_id}: claimed {', '.join(claim.sinks)} "
-                 f"(epochs {', '.join(str(c.epoch) for c in claim.sinks.values())}); "
-                 f"reading {total:,} records from {len(read)} partition(s)")
+        self.log(
+            f"run {run_id}: claimed {', '.join(claim.sinks)} "
+            f"(epochs {', '.join(str(c.epoch) for c in claim.sinks.values())}); "
+            f"reading {total:,} records from {len(read)} partition(s)"
+        )
         for sink in claim.sinks:
             report.sinks[sink] = SinkOutcome(sink, RunState.PLANNED)
         faults.point("after_claim")
@@ -272,8 +324,15 @@ class Run:
         faults.point("after_decide")
         self._finish(claim, by_name, decided, report)
 
-    def _write(self, claim: Claim, by_name, read: list[Range], report: RunReport,
-               one_pass: bool = True, first_attempt: int = 0) -> list[str]:
+    def _write(
+        self,
+        claim: Claim,
+        by_name,
+        read: list[Range],
+        report: RunReport,
+        one_pass: bool = True,
+        first_attempt: int = 0,
+    ) -> list[str]:
         """``one_pass``: the pipeline's checks may run in the write job itself (see
         :meth:`_may_check_while_writing`); else, or if that write does not stand, the
         expectations check a cached batch before anything is written (that second write's
@@ -284,15 +343,22 @@ class Run:
         spark = self.spark or session(self.s.spark_master, f"tidemark-{self.p.name}")
         self.stop.check()
         layout = self.layout = self.mode.layout(
-            read, [by_name[s].config for s in claim.sinks],
+            read,
+            [by_name[s].config for s in claim.sinks],
             dense=isinstance(self.p.source, PostgresLogSource),
             parallelism=spark.sparkContext.defaultParallelism,
-            split_min=self.p.limits.split_min_records)
+            split_min=self.p.limits.split_min_records,
+        )
         if layout.kind in ("spread", "together"):
-            self.log(f"run {run_id}: {layout.tasks} write task(s) over "
-                     f"{len(layout.read)} read(s), "
-                     + (f"records spread by ({', '.join(layout.by)})"
-                        if layout.kind == "spread" else "a sink orders versions by a column"))
+            self.log(
+                f"run {run_id}: {layout.tasks} write task(s) over "
+                f"{len(layout.read)} read(s), "
+                + (
+                    f"records spread by ({', '.join(layout.by)})"
+                    if layout.kind == "spread"
+                    else "a sink orders versions by a column"
+                )
+            )
         df = records.rows(self.mode.source(spark, self.p, layout.read), self.p)
         columns = records.output_columns(df)
         verdict = None
@@ -313,16 +379,24 @@ class Run:
             df = ahead.df
         elif first:
             self.log(f"run {run_id}: checking data quality (Great Expectations)")
-            verdict = gate.evaluate(checks, df, run_id,
-                                    {s: c.ranges for s, c in claim.sinks.items()}, ledger,
-                                    str(self.s.docs_dir(self.p.name)), self.mode.gate_policy)
+            verdict = gate.evaluate(
+                checks,
+                df,
+                run_id,
+                {s: c.ranges for s, c in claim.sinks.items()},
+                ledger,
+                str(self.s.docs_dir(self.p.name)),
+                self.mode.gate_policy,
+            )
             failed = sum(len(offs) for f in verdict.rows.values() for offs in f.values())
             self._mark("gate")
             if verdict.halted:  # a sink writes none of the batch: still, the run read it
                 report.records = cached.count()
-            self.log(f"run {run_id}: data quality: {failed:,} rows failed, gate "
-                     f"{'failed' if verdict.halted or verdict.quarantine else 'passed'} "
-                     f"(`tidemark dq show {run_id}`)")
+            self.log(
+                f"run {run_id}: data quality: {failed:,} rows failed, gate "
+                f"{'failed' if verdict.halted or verdict.quarantine else 'passed'} "
+                f"(`tidemark dq show {run_id}`)"
+            )
             for sink, why in verdict.halted.items():
                 if report.sinks[sink].state == RunState.ABORTED:
                     continue
@@ -335,8 +409,12 @@ class Run:
             if now == RunState.ABORTED or (verdict and sink in verdict.halted):
                 continue
             try:
-                sinks.ensure_table(by_name[sink], columns, f"sink {sink}", tombstones=(
-                    self.p.tombstones_of(by_name[sink].config) == "delete"))
+                sinks.ensure_table(
+                    by_name[sink],
+                    columns,
+                    f"sink {sink}",
+                    tombstones=(self.p.tombstones_of(by_name[sink].config) == "delete"),
+                )
             except TidemarkError as exc:
                 self._abort(run_id, sink, str(exc), report)
                 continue
@@ -353,8 +431,17 @@ class Run:
             fallen = self._fallback(spark, df, claim, by_name, live, verdict)
             if fallen is not None:
                 df = fallen.df
-        spec = self._spec(claim, by_name, live, read, [c for c, _ in columns], verdict,
-                          fallen, ahead.checks if ahead else [], first_attempt)
+        spec = self._spec(
+            claim,
+            by_name,
+            live,
+            read,
+            [c for c, _ in columns],
+            verdict,
+            fallen,
+            ahead.checks if ahead else [],
+            first_attempt,
+        )
         from tidemark.engine.writer import RESULT_SCHEMA, make_task
 
         if layout.kind == "spread":
@@ -391,12 +478,15 @@ class Run:
                 undo = self._settle(ahead, run_id)
         if undo is not None:
             # Nothing is visible before the decision: undo the write, check first, write again.
-            self.log(f"run {run_id}: data quality: {undo}; rolled back the write, checking "
-                     f"the batch before writing it again")
+            self.log(
+                f"run {run_id}: data quality: {undo}; rolled back the write, checking "
+                f"the batch before writing it again"
+            )
             self._rollback_run(claim, by_name, keep=set())
             self.stop.check()
-            return self._write(claim, by_name, read, report, one_pass=False,
-                               first_attempt=gids.REWRITE_ATTEMPT)
+            return self._write(
+                claim, by_name, read, report, one_pass=False, first_attempt=gids.REWRITE_ATTEMPT
+            )
         report.records = sum(r.records for r in self.results)
         accounting = [r.error for r in self.results if r.error]
         if len(self.results) != layout.tasks:
@@ -408,8 +498,10 @@ class Run:
                 accounting.append(problem)
         if accounting:
             how = self.p.transform.python or "select"
-            msg = (f"records not accounted for (transform {how}): {accounting[0]}; a "
-                   f"transform must keep every record exactly once (quarantine a bad one)")
+            msg = (
+                f"records not accounted for (transform {how}): {accounting[0]}; a "
+                f"transform must keep every record exactly once (quarantine a bad one)"
+            )
             for sink in live:
                 self._abort(run_id, sink, msg, report)
             self._rollback_run(claim, by_name, keep=set())
@@ -419,25 +511,39 @@ class Run:
             out = report.sinks[sink]
             mine = [r.sinks[sink] for r in self.results]
             errors = [m.error for m in mine if m.error]
-            for name in ("rows", "dead", "superseded", "removed", "resolved", "fallback",
-                         "tombstones"):
+            for name in (
+                "rows",
+                "dead",
+                "superseded",
+                "removed",
+                "resolved",
+                "fallback",
+                "tombstones",
+            ):
                 setattr(out, name, sum(getattr(m, name) for m in mine))
             out.copy_format = next((m.copy_format for m in mine if m.copy_format), "")
             if out.copy_format.startswith("csv"):  # slower, not wrong: say why once per run
-                self.log(f"run {run_id} sink {sink}: rows go by CSV COPY "
-                         f"({out.copy_format[5:]})")
+                self.log(f"run {run_id} sink {sink}: rows go by CSV COPY ({out.copy_format[5:]})")
             if not errors:
                 missing = self._not_prepared(sink, by_name)
                 if missing:
-                    errors.append(f"prepared transaction(s) vanished before the decision: "
-                                  f"{', '.join(missing)}")
+                    errors.append(
+                        f"prepared transaction(s) vanished before the decision: "
+                        f"{', '.join(missing)}"
+                    )
             if errors:
                 self._abort(run_id, sink, errors[0], report)
                 continue
-            counts = {"records": sum(m.records for m in mine), "rows": out.rows,
-                      "dead": out.dead, "superseded": out.superseded, "removed": out.removed,
-                      "resolved": out.resolved, "fallback": out.fallback,
-                      "tombstones": out.tombstones}
+            counts = {
+                "records": sum(m.records for m in mine),
+                "rows": out.rows,
+                "dead": out.dead,
+                "superseded": out.superseded,
+                "removed": out.removed,
+                "resolved": out.resolved,
+                "fallback": out.fallback,
+                "tombstones": out.tombstones,
+            }
             state.mark_prepared(ledger, self.p.name, run_id, sink, counts)
             out.state = RunState.PREPARED
             still.append(sink)
@@ -446,13 +552,20 @@ class Run:
     def _settle(self, ahead: gate.Speculation, run_id: int) -> str | None:
         """GX's verdict on a write that ran the checks: None if it stands, else why not."""
         faults.point("before_verdict")
-        judged = gate.settle(ahead, run_id, sum(r.records for r in self.results), self.ledger,
-                             str(self.s.docs_dir(self.p.name)))
+        judged = gate.settle(
+            ahead,
+            run_id,
+            sum(r.records for r in self.results),
+            self.ledger,
+            str(self.s.docs_dir(self.p.name)),
+        )
         if not judged.stands:
             return judged.why
         self._mark("gate")
-        self.log(f"run {run_id}: data quality: {judged.failed:,} rows failed, gate passed "
-                 f"(`tidemark dq show {run_id}`)")
+        self.log(
+            f"run {run_id}: data quality: {judged.failed:,} rows failed, gate passed "
+            f"(`tidemark dq show {run_id}`)"
+        )
         return None
 
     def _may_check_while_writing(self, claim: Claim, by_name) -> bool:
@@ -460,12 +573,16 @@ class Run:
         "One pass") where nothing it writes is visible before the decision (exactly once),
         the batch is the run's own (no re-delivery, no fallback versions), no sink has
         checks of its own, and every sink's table exists (a failed gate creates none)."""
-        return (self.p.delivery == "exactly_once" and self.mode.checks_while_writing
-                and all(by_name[s].config.quality.empty for s in claim.sinks)
-                and all(_table_exists(by_name[s]) for s in claim.sinks))
+        return (
+            self.p.delivery == "exactly_once"
+            and self.mode.checks_while_writing
+            and all(by_name[s].config.quality.empty for s in claim.sinks)
+            and all(_table_exists(by_name[s]) for s in claim.sinks)
+        )
 
-    def _fallback(self, spark, df, claim: Claim, by_name, live: list[str],
-                  verdict: gate.Verdict | None) -> fallback.Fallback | None:
+    def _fallback(
+        self, spark, df, claim: Claim, by_name, live: list[str], verdict: gate.Verdict | None
+    ) -> fallback.Fallback | None:
         """A backfill's fallback versions (tidemark/driver/fallback.py); one write task."""
         v = verdict or gate.Verdict()
         cps = checkpoints.positions(self.ledger, self.p.name, live)
@@ -475,38 +592,67 @@ class Run:
             for scope in (gate.PIPELINE, s):
                 for p, offs in v.rows.get(scope, {}).items():
                     failed.setdefault(p, {}).update(offs)
-            plans[s] = fallback.SinkPlan(by_name[s].config, by_name[s].dsn,
-                                         claim.sinks[s].ranges, cps.get(s, {}), failed)
+            plans[s] = fallback.SinkPlan(
+                by_name[s].config, by_name[s].dsn, claim.sinks[s].ranges, cps.get(s, {}), failed
+            )
         if self.layout.tasks != 1:
             raise TidemarkError(f"a backfill writes in one task, not {self.layout.tasks}")
-        return fallback.attach(spark, self.p, self.mode, df, plans,
-                               lambda m: self.log(f"run {claim.run_id}: {m}"))
+        return fallback.attach(
+            spark, self.p, self.mode, df, plans, lambda m: self.log(f"run {claim.run_id}: {m}")
+        )
 
-    def _spec(self, claim: Claim, by_name, live: list[str], read: list[Range],
-              columns: list[str], verdict: gate.Verdict | None,
-              fallen: fallback.Fallback | None = None,
-              checks: list[RowCheck] | None = None, first_attempt: int = 0) -> TaskSpec:
+    def _spec(
+        self,
+        claim: Claim,
+        by_name,
+        live: list[str],
+        read: list[Range],
+        columns: list[str],
+        verdict: gate.Verdict | None,
+        fallen: fallback.Fallback | None = None,
+        checks: list[RowCheck] | None = None,
+        first_attempt: int = 0,
+    ) -> TaskSpec:
         v = verdict or gate.Verdict()
         targets = []
         for s in live:
             cfg = by_name[s].config
-            targets.append(SinkTarget(
-                name=s, dsn=by_name[s].dsn, table=cfg.table, key=cfg.key, version=cfg.version,
-                ranges={r.partition: (r.start, r.end) for r in claim.sinks[s].ranges},
-                failed=v.rows.get(s, {}),
-                quarantine=v.quarantine.get(s),
-                fallback_failed=fallen.failed.get(s, {}) if fallen else {},
-                moved=[list(k) for k in fallen.moved.get(s, [])] if fallen else [],
-                tombstones=self.p.tombstones_of(cfg)))
+            targets.append(
+                SinkTarget(
+                    name=s,
+                    dsn=by_name[s].dsn,
+                    table=cfg.table,
+                    key=cfg.key,
+                    version=cfg.version,
+                    ranges={r.partition: (r.start, r.end) for r in claim.sinks[s].ranges},
+                    failed=v.rows.get(s, {}),
+                    quarantine=v.quarantine.get(s),
+                    fallback_failed=fallen.failed.get(s, {}) if fallen else {},
+                    moved=[list(k) for k in fallen.moved.get(s, [])] if fallen else [],
+                    tombstones=self.p.tombstones_of(cfg),
+                )
+            )
         return TaskSpec(
-            run_id=claim.run_id, pipeline=self.p.name, mode=self.mode.name,
-            prefix=self.s.gid_prefix, prepare=self.p.delivery == "exactly_once",
-            lock_timeout_ms=self.s.lock_timeout_ms, ledger_dsn=self.ledger_dsn,
-            columns=columns, by=self.by, request=self.mode.request,
-            reads=self.layout.reads, spread=self.layout.spread,
-            failed=v.rows.get(gate.PIPELINE, {}), quarantine=v.quarantine.get(gate.PIPELINE),
-            fallback=fallen is not None, payloads=self.mode.payloads(self.p), sinks=targets,
-            checks=checks or [], first_attempt=first_attempt)
+            run_id=claim.run_id,
+            pipeline=self.p.name,
+            mode=self.mode.name,
+            prefix=self.s.gid_prefix,
+            prepare=self.p.delivery == "exactly_once",
+            lock_timeout_ms=self.s.lock_timeout_ms,
+            ledger_dsn=self.ledger_dsn,
+            columns=columns,
+            by=self.by,
+            request=self.mode.request,
+            reads=self.layout.reads,
+            spread=self.layout.spread,
+            failed=v.rows.get(gate.PIPELINE, {}),
+            quarantine=v.quarantine.get(gate.PIPELINE),
+            fallback=fallen is not None,
+            payloads=self.mode.payloads(self.p),
+            sinks=targets,
+            checks=checks or [],
+            first_attempt=first_attempt,
+        )
 
     def _task_phases(self, sink: str | None) -> dict[str, float]:
         """Task-seconds per phase summed over the run's tasks: the task's own (waiting on
@@ -514,8 +660,10 @@ class Run:
         sink's if None). Tasks run side by side, so these add up to more than the wall time."""
         total = dict.fromkeys(TASK_PHASES, 0.0)
         for r in self.results:
-            parts = [r.phases, *(m.phases for name, m in r.sinks.items()
-                                 if sink is None or name == sink)]
+            parts = [
+                r.phases,
+                *(m.phases for name, m in r.sinks.items() if sink is None or name == sink),
+            ]
             for phases in parts:
                 for k, v in phases.items():
                     total[k] = total.get(k, 0.0) + v
@@ -525,8 +673,12 @@ class Run:
         return {**self._timings(), **self._task_phases(None)}
 
     def _chosen(self, sink: str) -> list[Participant]:
-        return [Participant(p.gid, p.target, r.task, p.rows)
-                for r in self.results for p in r.participants if p.sink == sink]
+        return [
+            Participant(p.gid, p.target, r.task, p.rows)
+            for r in self.results
+            for p in r.participants
+            if p.sink == sink
+        ]
 
     def _not_prepared(self, sink: str, by_name) -> list[str]:
         if self.p.delivery != "exactly_once":
@@ -556,11 +708,14 @@ class Run:
             except psycopg.OperationalError as exc:
                 self._reconnect(claim.run_id)
                 now = state.state_of(self.ledger, claim.run_id, sink)
-                self.log(f"run {claim.run_id} sink {sink}: lost the ledger during the "
-                         f"decision ({one_line(exc)}); the ledger says {now}")
+                self.log(
+                    f"run {claim.run_id} sink {sink}: lost the ledger during the "
+                    f"decision ({one_line(exc)}); the ledger says {now}"
+                )
                 if now != RunState.COMMITTING:
-                    self._abort(claim.run_id, sink, f"decision not recorded: {one_line(exc)}",
-                                report)
+                    self._abort(
+                        claim.run_id, sink, f"decision not recorded: {one_line(exc)}", report
+                    )
                     continue
             report.sinks[sink].state = RunState.COMMITTING
             decided.append(sink)
@@ -574,8 +729,9 @@ class Run:
         state.hold_owner_lock(self.ledger, run_id)
 
     def _finish(self, claim: Claim, by_name, decided: list[str], report: RunReport) -> None:
-        dbs = recovery.Databases(self.ledger_dsn, {self.p.name: self.p},
-                                 application="tidemark-commit")
+        dbs = recovery.Databases(
+            self.ledger_dsn, {self.p.name: self.p}, application="tidemark-commit"
+        )
         ledger = self.ledger
         try:
             keep: set[str] = set()
@@ -585,11 +741,19 @@ class Run:
                     dbs.conn(dbs.dsn_for(self.p.name, target))  # open before committing
             for sink in decided:
                 faults.point("before_commit_prepared")
-                lost = recovery.commit_chosen(ledger, dbs, self.p.name, claim.run_id, sink,
-                                              after_each=lambda: faults.point("mid_finish"))
+                lost = recovery.commit_chosen(
+                    ledger,
+                    dbs,
+                    self.p.name,
+                    claim.run_id,
+                    sink,
+                    after_each=lambda: faults.point("mid_finish"),
+                )
                 if lost:
-                    reason = (f"run {claim.run_id} sink {sink}: chosen transaction(s) "
-                              f"{', '.join(lost)} vanished without their marker rows")
+                    reason = (
+                        f"run {claim.run_id} sink {sink}: chosen transaction(s) "
+                        f"{', '.join(lost)} vanished without their marker rows"
+                    )
                     state.halt(ledger, self.p.name, reason)
                     raise Inconsistency(reason + "; pipeline halted")
             self._rollback_run(claim, by_name, keep)
@@ -597,8 +761,13 @@ class Run:
             self._mark("commit")
             for sink in decided:
                 try:
-                    state.advance(ledger, self.p.name, claim.run_id, sink,
-                                  {**self._timings(), **self._task_phases(sink)})
+                    state.advance(
+                        ledger,
+                        self.p.name,
+                        claim.run_id,
+                        sink,
+                        {**self._timings(), **self._task_phases(sink)},
+                    )
                 except state.IllegalTransition:
                     # A concurrent recovery rolled it forward first: the same outcome.
                     if state.state_of(ledger, claim.run_id, sink) != RunState.COMMITTED:
@@ -607,9 +776,11 @@ class Run:
             report.phases = self._phases()
             faults.point("after_advance")
         except psycopg.OperationalError as exc:
-            raise TidemarkError(f"run {claim.run_id}: lost a connection while committing "
-                                f"({one_line(exc)}); the outcome is settled by `tidemark "
-                                f"recover` (runs automatically before the next run)") from None
+            raise TidemarkError(
+                f"run {claim.run_id}: lost a connection while committing "
+                f"({one_line(exc)}); the outcome is settled by `tidemark "
+                f"recover` (runs automatically before the next run)"
+            ) from None
         finally:
             dbs.close()
 
@@ -623,16 +794,18 @@ class Run:
     def _abort_all(self, claim: Claim, error: str) -> None:
         for sink in claim.sinks:
             state.abort(self.ledger, self.p.name, claim.run_id, sink, error)
-        self._rollback_run(claim, {s.name: s for s in sinks.resolve(self.p, list(claim.sinks))},
-                           keep=set())
+        self._rollback_run(
+            claim, {s.name: s for s in sinks.resolve(self.p, list(claim.sinks))}, keep=set()
+        )
 
     def _rollback_run(self, claim: Claim, by_name, keep: set[str]) -> None:
         """Roll back every prepared transaction of this run that no decision chose."""
         for dsn in dict.fromkeys([self.ledger_dsn, *(s.dsn for s in by_name.values())]):
             try:
                 with connect(dsn, autocommit=True) as conn:
-                    for gid, _ in twopc.prepared(conn, gids.like_run(self.s.gid_prefix,
-                                                                     claim.run_id)):
+                    for gid, _ in twopc.prepared(
+                        conn, gids.like_run(self.s.gid_prefix, claim.run_id)
+                    ):
                         if gid not in keep:
                             twopc.rollback(conn, gid)
             except (psycopg.Error, TidemarkError) as exc:
@@ -676,8 +849,9 @@ class _Heartbeat(threading.Thread):
         every = max(ttl / 3, 1)
         while not self._stop_evt.is_set():
             try:
-                with connect(dsn, autocommit=True, what="ledger",
-                             application="tidemark-heartbeat") as conn:
+                with connect(
+                    dsn, autocommit=True, what="ledger", application="tidemark-heartbeat"
+                ) as conn:
                     while not self._stop_evt.wait(every):
                         if state.heartbeat(conn, pipeline, run_id, ttl) == 0:
                             return  # the leases moved on: nothing left to renew
@@ -711,8 +885,10 @@ class _Progress(threading.Thread):
                     running += info.numActiveTasks
                     if len(stages) == 1:  # a spread run reads in one stage, writes in the next
                         total = info.numTasks
-            line = (f"run {self.run_id}: writing, {done}/{total} tasks done, "
-                    f"{running} running, {time.monotonic() - started:.0f}s")
+            line = (
+                f"run {self.run_id}: writing, {done}/{total} tasks done, "
+                f"{running} running, {time.monotonic() - started:.0f}s"
+            )
             if line != last:
                 self.log(line)
                 last = line

@@ -54,8 +54,15 @@ def archive() -> Path | None:
         return None
     jars = Path(spec.submodule_search_locations[0], "jars").resolve()
     st = java.stat()
-    key = "\0".join([importlib.metadata.version("pyspark"), str(jars), str(java),
-                     str(st.st_size), str(st.st_mtime_ns)])
+    key = "\0".join(
+        [
+            importlib.metadata.version("pyspark"),
+            str(jars),
+            str(java),
+            str(st.st_size),
+            str(st.st_mtime_ns),
+        ]
+    )
     return folder() / f"spark-driver-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsa"
 
 
@@ -84,16 +91,22 @@ def build(force: bool = False, timeout: float = 600) -> tuple[Path, float | None
     t = time.perf_counter()
     try:
         # A process of its own: the JVM of this one (if any) started without the dump flag.
-        done = subprocess.run([sys.executable, "-m", "tidemark.engine.cds", str(tmp)],
-                              capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            [sys.executable, "-m", "tidemark.engine.cds", str(tmp)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if done.returncode != 0 or not tmp.is_file() or tmp.stat().st_size == 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise TidemarkError(f"building the Spark class archive failed "
-                                f"(exit {done.returncode}): {last}")
+            raise TidemarkError(
+                f"building the Spark class archive failed (exit {done.returncode}): {last}"
+            )
         os.replace(tmp, target)  # atomic: a run never maps half an archive
     except subprocess.TimeoutExpired:
-        raise TidemarkError(f"building the Spark class archive took over {timeout:.0f} s; "
-                            f"stopped") from None
+        raise TidemarkError(
+            f"building the Spark class archive took over {timeout:.0f} s; stopped"
+        ) from None
     finally:
         tmp.unlink(missing_ok=True)
     return target, time.perf_counter() - t
@@ -107,20 +120,33 @@ def _dump(tmp: Path) -> int:
 
     from tidemark.engine.session import gc_options, session
 
-    spark = session("local[2]", "tidemark-cds",
-                    java_options=[_option("-XX:ArchiveClassesAtExit", tmp), *gc_options(),
-                                  "-Xlog:disable", "-Xlog:all=error:stderr"])
+    spark = session(
+        "local[2]",
+        "tidemark-cds",
+        java_options=[
+            _option("-XX:ArchiveClassesAtExit", tmp),
+            *gc_options(),
+            "-Xlog:disable",
+            "-Xlog:all=error:stderr",
+        ],
+    )
 
     def batches(it):
         for b in it:
             ids = b.column(0).to_pylist()
-            yield pa.RecordBatch.from_pydict({
-                "k": [str(i).encode() for i in ids],
-                "v": [f'{{"y": 2013, "m": {i + 1}, "s": "x{i}"}}' for i in ids]})
+            yield pa.RecordBatch.from_pydict(
+                {
+                    "k": [str(i).encode() for i in ids],
+                    "v": [f'{{"y": 2013, "m": {i + 1}, "s": "x{i}"}}' for i in ids],
+                }
+            )
 
-    df = (spark.range(0, 2, 1, 2).mapInArrow(batches, "k binary, v string")
-          .select("k", F.from_json("v", "y int, m int, s string").alias("j"))
-          .select("k", F.make_date("j.y", "j.m", F.lit(1)).alias("d"), "j.s"))
+    df = (
+        spark.range(0, 2, 1, 2)
+        .mapInArrow(batches, "k binary, v string")
+        .select("k", F.from_json("v", "y int, m int, s string").alias("j"))
+        .select("k", F.make_date("j.y", "j.m", F.lit(1)).alias("d"), "j.s")
+    )
     df.where(F.col("d").isNotNull()).mapInArrow(lambda it: it, df.schema).collect()
     spark.stop()
     proc = SparkContext._gateway.proc  # the JVM exits once its stdin closes

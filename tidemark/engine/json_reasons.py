@@ -12,8 +12,14 @@ import json
 
 # Spark's reasons that say no more than "not a JSON object" (tidemark/engine/records.py).
 VAGUE = ("payload is not a JSON object", "payload is not JSON")
-_KINDS = {list: "an array", str: "a string", bool: "a boolean", int: "a number",
-          float: "a number", type(None): "null"}
+_KINDS = {
+    list: "an array",
+    str: "a string",
+    bool: "a boolean",
+    int: "a number",
+    float: "a number",
+    type(None): "null",
+}
 
 
 def decode_reason(payload: bytes | None, reason: str) -> str:
@@ -31,9 +37,10 @@ def decode_reason(payload: bytes | None, reason: str) -> str:
     except json.JSONDecodeError as exc:
         if exc.pos >= len(text.rstrip()) or exc.msg.startswith("Unterminated"):
             return f"payload is not valid JSON: unexpected end at byte {len(payload)}"
-        at = len(text[:exc.pos].encode("utf-8"))  # a byte offset: what a hexdump shows
-        what = {"Expecting value": "expecting a value"}.get(exc.msg, exc.msg[:1].lower()
-                                                            + exc.msg[1:])
+        at = len(text[: exc.pos].encode("utf-8"))  # a byte offset: what a hexdump shows
+        what = {"Expecting value": "expecting a value"}.get(
+            exc.msg, exc.msg[:1].lower() + exc.msg[1:]
+        )
         return f"payload is not valid JSON: {what} at byte {at}"
     except (ValueError, RecursionError):
         return reason

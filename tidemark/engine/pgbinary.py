@@ -40,8 +40,9 @@ def _fixed(values: np.ndarray, dtype: str, valid: pa.Array | None) -> pa.Array:
     rec = np.empty(len(values), dtype=[("len", ">i4"), ("v", dtype)])
     rec["len"] = width
     rec["v"] = values
-    arr = pa.FixedSizeBinaryArray.from_buffers(pa.binary(4 + width), len(values),
-                                               [None, pa.py_buffer(rec)])
+    arr = pa.FixedSizeBinaryArray.from_buffers(
+        pa.binary(4 + width), len(values), [None, pa.py_buffer(rec)]
+    )
     return _nulls(arr.cast(pa.large_binary()), valid)
 
 
@@ -57,6 +58,7 @@ def _number(dtype: str, arrow: pa.DataType) -> Field:
     def enc(col: pa.Array) -> pa.Array:
         values = col.cast(arrow).fill_null(0).to_numpy(zero_copy_only=False)
         return _fixed(values, dtype, _valid(col))
+
     return enc
 
 
@@ -72,22 +74,25 @@ def _date(col: pa.Array) -> pa.Array:
 
 def _timestamp(col: pa.Array) -> pa.Array:
     us = col.cast(pa.timestamp("us", col.type.tz)).cast(pa.int64()).fill_null(0)
-    return _fixed(us.to_numpy(zero_copy_only=False) - np.int64(_PG_EPOCH_US), ">i8",
-                  _valid(col))
+    return _fixed(us.to_numpy(zero_copy_only=False) - np.int64(_PG_EPOCH_US), ">i8", _valid(col))
 
 
 def _bytes(prefix: bytes = b"") -> Field:
     """Variable-width fields (text, bytea, jsonb with its version byte): length, then bytes."""
+
     def enc(col: pa.Array) -> pa.Array:
         data = col.cast(pa.large_binary())
         if prefix:
             data = pc.binary_join_element_wise(pa.scalar(prefix, pa.large_binary()), data, _NONE)
         lengths = pc.binary_length(data).fill_null(0).to_numpy(zero_copy_only=False)
         head = pa.FixedSizeBinaryArray.from_buffers(
-            pa.binary(4), len(col), [None, pa.py_buffer(lengths.astype(">i4"))])
-        joined = pc.binary_join_element_wise(head.cast(pa.large_binary()),
-                                             data.fill_null(_NONE), _NONE)
+            pa.binary(4), len(col), [None, pa.py_buffer(lengths.astype(">i4"))]
+        )
+        joined = pc.binary_join_element_wise(
+            head.cast(pa.large_binary()), data.fill_null(_NONE), _NONE
+        )
         return _nulls(joined, _valid(col))
+
     return enc
 
 
@@ -108,8 +113,11 @@ def field_encoder(arrow: pa.DataType, pg: str) -> Field | None:
         return _bool
     if pa.types.is_date32(arrow) and pg == "date":
         return _date
-    if pa.types.is_timestamp(arrow) and arrow.unit != "ns" and (
-            pg == "timestamp" or (pg == "timestamptz" and arrow.tz is not None)):
+    if (
+        pa.types.is_timestamp(arrow)
+        and arrow.unit != "ns"
+        and (pg == "timestamp" or (pg == "timestamptz" and arrow.tz is not None))
+    ):
         return _timestamp  # both store microseconds since 2000-01-01 UTC; ns would round
     if pa.types.is_string(arrow) or pa.types.is_large_string(arrow):
         if pg in _TEXT:
@@ -139,16 +147,20 @@ class Encoder:
         cols = [enc(table.column(i).combine_chunks()) for i, enc in enumerate(self.fields)]
         rows = pc.binary_join_element_wise(pa.scalar(self.count, pa.large_binary()), *cols, _NONE)
         offsets = np.frombuffer(rows.buffers()[1], np.int64, n + 1, rows.offset * 8)
-        return memoryview(rows.buffers()[2])[offsets[0]:offsets[-1]] if n else memoryview(b"")
+        return memoryview(rows.buffers()[2])[offsets[0] : offsets[-1]] if n else memoryview(b"")
 
 
 def column_types(conn, table: str) -> dict[str, str]:
     """A table's columns and their ``pg_type.typname``, what :func:`encoder` matches against.
     ``table`` is quoted already (``core.db.qualified``)."""
-    return dict(conn.execute(
-        """SELECT a.attname, t.typname FROM pg_attribute a JOIN pg_type t
+    return dict(
+        conn.execute(
+            """SELECT a.attname, t.typname FROM pg_attribute a JOIN pg_type t
            ON t.oid = a.atttypid WHERE a.attrelid = %s::regclass AND a.attnum > 0
-           AND NOT a.attisdropped""", (table,)).fetchall())
+           AND NOT a.attisdropped""",
+            (table,),
+        ).fetchall()
+    )
 
 
 def encoder(schema: pa.Schema, pg_types: dict[str, str]) -> tuple[Encoder | None, str]:

@@ -22,14 +22,20 @@ def installed_first(path: list[str]) -> list[str]:
     for zipped in path:
         lib = os.path.dirname(zipped)
         home = os.path.dirname(os.path.dirname(lib))  # <site-packages>/pyspark
-        if (os.path.basename(zipped) != "pyspark.zip" or os.path.basename(home) != "pyspark"
-                or os.path.realpath(os.path.dirname(home)) not in on_path
-                or not os.path.isfile(os.path.join(home, "__init__.py"))):
+        if (
+            os.path.basename(zipped) != "pyspark.zip"
+            or os.path.basename(home) != "pyspark"
+            or os.path.realpath(os.path.dirname(home)) not in on_path
+            or not os.path.isfile(os.path.join(home, "__init__.py"))
+        ):
             continue
         out.remove(zipped)
         site = os.path.dirname(home)
         for other in path:  # py4j's zip, if py4j is installed beside pyspark
-            if (os.path.dirname(other) == lib and os.path.basename(other).startswith("py4j")
-                    and os.path.isdir(os.path.join(site, "py4j"))):
+            if (
+                os.path.dirname(other) == lib
+                and os.path.basename(other).startswith("py4j")
+                and os.path.isdir(os.path.join(site, "py4j"))
+            ):
                 out.remove(other)
     return out

@@ -25,8 +25,10 @@ ERR_CLASS, ERR_REASON = "_tm_error_class", "_tm_reason"
 # its key or keeps it as a dead letter (config.Tombstones, tidemark/engine/writer.py).
 TOMBSTONE = "tombstone"
 TOMBSTONE_REASON = "tombstone: a key and no payload"
-TOMBSTONE_KEPT = ("tombstone (a key and no payload): this sink keeps tombstones as dead letters "
-                  "(tombstones: quarantine)")
+TOMBSTONE_KEPT = (
+    "tombstone (a key and no payload): this sink keeps tombstones as dead letters "
+    "(tombstones: quarantine)"
+)
 _PARSED, _CORRUPT = "_tm_json", "_tm_corrupt"
 
 
@@ -42,35 +44,61 @@ def decode(df: DataFrame, pipeline: Pipeline) -> DataFrame:
     pre = json_arrow.OK in df.columns
     slow = ~F.col(json_arrow.OK) if pre else F.lit(True)
     text = F.col("_tm_payload").cast("string")
-    parsed = F.from_json(text, _ddl(schema) + f", `{_CORRUPT}` string",
-                         {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": _CORRUPT})
+    parsed = F.from_json(
+        text,
+        _ddl(schema) + f", `{_CORRUPT}` string",
+        {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": _CORRUPT},
+    )
     # CASE WHEN evaluates a branch only for the rows that take it.
     df = df.withColumn(_PARSED, F.when(slow, parsed) if pre else parsed)
     field = F.col(f"{_PARSED}.{_CORRUPT}")
     # Name the first field whose raw JSON value did not read as its declared type.
-    mismatch = F.coalesce(*[
-        F.when(F.get_json_object(text, f"$['{name}']").isNotNull()
-               & F.col(_PARSED)[name].isNull(),
-               F.concat(F.lit(f"field {name}: cannot read '"),
-                        F.substring(F.get_json_object(text, f"$['{name}']"), 1, 60),
-                        F.lit(f"' as {typ}")))
-        for name, typ in schema.items()], F.lit("payload is not a JSON object"))
+    mismatch = F.coalesce(
+        *[
+            F.when(
+                F.get_json_object(text, f"$['{name}']").isNotNull() & F.col(_PARSED)[name].isNull(),
+                F.concat(
+                    F.lit(f"field {name}: cannot read '"),
+                    F.substring(F.get_json_object(text, f"$['{name}']"), 1, 60),
+                    F.lit(f"' as {typ}"),
+                ),
+            )
+            for name, typ in schema.items()
+        ],
+        F.lit("payload is not a JSON object"),
+    )
     tombstone = slow & F.col("_tm_payload").isNull() & F.col("_tm_key").isNotNull()
-    reason = (F.when(~slow, F.lit(None).cast("string"))
-              .when(tombstone, F.lit(TOMBSTONE_REASON))
-              .when(F.col("_tm_payload").isNull() | (F.length("_tm_payload") == 0),
-                    F.lit("empty payload"))
-              .when(~F.expr("is_valid_utf8(cast(_tm_payload as string))"),
-                    F.lit("payload is not valid UTF-8"))
-              .when(F.col(_PARSED).isNull(), F.lit("payload is not JSON"))
-              .when(field.isNotNull(), mismatch))
-    fields = [(F.when(F.col(json_arrow.OK), F.col(json_arrow.column(i)))
-               .otherwise(F.col(_PARSED)[name]) if pre else F.col(_PARSED)[name]).alias(name)
-              for i, name in enumerate(schema)]
-    return df.select(*META, *fields,
-                     F.when(tombstone, F.lit(TOMBSTONE))
-                     .when(reason.isNotNull(), F.lit("decode")).alias(ERR_CLASS),
-                     reason.alias(ERR_REASON))
+    reason = (
+        F.when(~slow, F.lit(None).cast("string"))
+        .when(tombstone, F.lit(TOMBSTONE_REASON))
+        .when(
+            F.col("_tm_payload").isNull() | (F.length("_tm_payload") == 0), F.lit("empty payload")
+        )
+        .when(
+            ~F.expr("is_valid_utf8(cast(_tm_payload as string))"),
+            F.lit("payload is not valid UTF-8"),
+        )
+        .when(F.col(_PARSED).isNull(), F.lit("payload is not JSON"))
+        .when(field.isNotNull(), mismatch)
+    )
+    fields = [
+        (
+            F.when(F.col(json_arrow.OK), F.col(json_arrow.column(i))).otherwise(
+                F.col(_PARSED)[name]
+            )
+            if pre
+            else F.col(_PARSED)[name]
+        ).alias(name)
+        for i, name in enumerate(schema)
+    ]
+    return df.select(
+        *META,
+        *fields,
+        F.when(tombstone, F.lit(TOMBSTONE))
+        .when(reason.isNotNull(), F.lit("decode"))
+        .alias(ERR_CLASS),
+        reason.alias(ERR_REASON),
+    )
 
 
 def transform(df: DataFrame, pipeline: Pipeline) -> DataFrame:
@@ -86,15 +114,18 @@ def transform(df: DataFrame, pipeline: Pipeline) -> DataFrame:
         out = fn(df)
         missing = [c for c in carried if c not in out.columns]
         if missing:
-            raise ConfigError(where, f"{t.python} dropped columns it must keep: "
-                              f"{', '.join(missing)}", "python")
+            raise ConfigError(
+                where, f"{t.python} dropped columns it must keep: {', '.join(missing)}", "python"
+            )
         if "_tm_error" in out.columns:  # the function's own row-level rejects
             bad = F.col(ERR_CLASS).isNull() & F.col("_tm_error").isNotNull()
-            out = (out.withColumn(ERR_REASON, F.when(bad, F.col("_tm_error"))
-                                  .otherwise(F.col(ERR_REASON)))
-                   .withColumn(ERR_CLASS, F.when(bad, F.lit("transform"))
-                               .otherwise(F.col(ERR_CLASS)))
-                   .drop("_tm_error"))
+            out = (
+                out.withColumn(
+                    ERR_REASON, F.when(bad, F.col("_tm_error")).otherwise(F.col(ERR_REASON))
+                )
+                .withColumn(ERR_CLASS, F.when(bad, F.lit("transform")).otherwise(F.col(ERR_CLASS)))
+                .drop("_tm_error")
+            )
         return out
     if t.select is None:
         return df
@@ -102,18 +133,21 @@ def transform(df: DataFrame, pipeline: Pipeline) -> DataFrame:
         outputs = [F.expr(expr).alias(col) for col, expr in t.select.items()]
         out = df.select(*carried, *outputs)
     except Exception as exc:  # AnalysisException / ParseException: a pipeline bug
-        raise ConfigError(where, f"invalid expression: {str(exc).splitlines()[0]}",
-                          "select") from None
+        raise ConfigError(
+            where, f"invalid expression: {str(exc).splitlines()[0]}", "select"
+        ) from None
     checks: list[Column] = [
         F.when(F.col(c).isNull(), F.lit(f"required column {c} is NULL (from {t.select[c]})"))
-        for c in t.required]
+        for c in t.required
+    ]
     if checks:
         failed = F.col(ERR_CLASS).isNull() & F.coalesce(*checks).isNotNull()
-        out = out.select(*META, F.when(failed, F.lit("transform")).otherwise(F.col(ERR_CLASS))
-                         .alias(ERR_CLASS),
-                         F.when(failed, F.coalesce(*checks)).otherwise(F.col(ERR_REASON))
-                         .alias(ERR_REASON),
-                         *t.select)
+        out = out.select(
+            *META,
+            F.when(failed, F.lit("transform")).otherwise(F.col(ERR_CLASS)).alias(ERR_CLASS),
+            F.when(failed, F.coalesce(*checks)).otherwise(F.col(ERR_REASON)).alias(ERR_REASON),
+            *t.select,
+        )
     return out
 
 
@@ -137,5 +171,7 @@ def spark_to_pg(dt: DataType, name: str) -> str:
     try:
         return pg_type(simple)
     except ValueError:
-        raise ConfigError("transform", f"column {name} has Spark type {simple}, which no "
-                          f"sink column type matches; cast it") from None
+        raise ConfigError(
+            "transform",
+            f"column {name} has Spark type {simple}, which no sink column type matches; cast it",
+        ) from None

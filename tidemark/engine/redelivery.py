@@ -41,8 +41,7 @@ PARTITION, OFFSET = "_tm_partition", "_tm_offset"
 
 
 class Redelivery:
-    def __init__(self, spec: TaskSpec, target: SinkTarget, writer: SinkWriter,
-                 dead: DeadLetters):
+    def __init__(self, spec: TaskSpec, target: SinkTarget, writer: SinkWriter, dead: DeadLetters):
         self.spec, self.t, self.w, self.dead = spec, target, writer, dead
         self.removed = False
         self.keys = [sql.Identifier(k) for k in target.key]
@@ -51,10 +50,14 @@ class Redelivery:
     def positions(self) -> list[tuple[int, sql.Composable, list]]:
         """(partition, condition on _tm_offset, its arguments) of the re-delivered range."""
         if self.spec.mode == "redrive":
-            return [(p, sql.SQL("_tm_offset = ANY(%s)"), [offs.to_pylist()])
-                    for p, offs in self.dead.held_offsets.items()]
-        return [(p, sql.SQL("_tm_offset >= %s AND _tm_offset < %s"), [a, b])
-                for p, (a, b) in self.t.ranges.items()]
+            return [
+                (p, sql.SQL("_tm_offset = ANY(%s)"), [offs.to_pylist()])
+                for p, offs in self.dead.held_offsets.items()
+            ]
+        return [
+            (p, sql.SQL("_tm_offset >= %s AND _tm_offset < %s"), [a, b])
+            for p, (a, b) in self.t.ranges.items()
+        ]
 
     def remove(self) -> None:
         """Step 1, once, before the task's first row reaches the sink."""
@@ -64,17 +67,21 @@ class Redelivery:
         conn = self.w._open()
         self.lost_table = markers.stage_table("lost", self.w.gid)
         keys = sql.SQL(", ").join(self.keys)
-        conn.execute(sql.SQL("CREATE UNLOGGED TABLE {} AS SELECT {} FROM {} WITH NO DATA")
-                     .format(self.lost_table, keys, self.w.table))
+        conn.execute(
+            sql.SQL("CREATE UNLOGGED TABLE {} AS SELECT {} FROM {} WITH NO DATA").format(
+                self.lost_table, keys, self.w.table
+            )
+        )
         for part, cond, args in self.positions():
-            self.w.out["removed"] += conn.execute(sql.SQL(
-                "WITH gone AS (DELETE FROM {t} WHERE _tm_partition = %s AND {cond} "
-                "RETURNING {keys}) INSERT INTO {lost} SELECT {keys} FROM gone").format(
-                t=self.w.table, cond=cond, keys=keys, lost=self.lost_table),
-                [part, *args]).rowcount
+            self.w.out["removed"] += conn.execute(
+                sql.SQL(
+                    "WITH gone AS (DELETE FROM {t} WHERE _tm_partition = %s AND {cond} "
+                    "RETURNING {keys}) INSERT INTO {lost} SELECT {keys} FROM gone"
+                ).format(t=self.w.table, cond=cond, keys=keys, lost=self.lost_table),
+                [part, *args],
+            ).rowcount
             if self.w.tombs is not None:  # a tombstone is a version too: it goes likewise
-                self.w.out["removed"] += self.w.tombs.remove_at(part, cond, args,
-                                                                self.lost_table)
+                self.w.out["removed"] += self.w.tombs.remove_at(part, cond, args, self.lost_table)
 
     # -- steps 4 and 5 ------------------------------------------------------------------------
     def finish(self, candidates: list[pa.RecordBatch]) -> None:
@@ -92,18 +99,24 @@ class Redelivery:
             return
         refused = lost & self.w.write_failed_keys
         if refused:
-            self.w._fail(RuntimeError(
-                f"key ({', '.join(self.t.key)})={_show(next(iter(refused)))} lost its row: "
-                f"its record in the range passes the checks but PostgreSQL refused its row "
-                f"(see its dead letter), and its older versions were not read; fix the table "
-                f"or the transform, then backfill again"))
+            self.w._fail(
+                RuntimeError(
+                    f"key ({', '.join(self.t.key)})={_show(next(iter(refused)))} lost its row: "
+                    f"its record in the range passes the checks but PostgreSQL refused its row "
+                    f"(see its dead letter), and its older versions were not read; fix the table "
+                    f"or the transform, then backfill again"
+                )
+            )
             return
         if self.spec.mode == "redrive":
             if lost:
-                self.w._fail(RuntimeError(
-                    f"key ({', '.join(self.t.key)})={_show(next(iter(lost)))} had its row at "
-                    f"the position of a live dead letter (placed twice); backfill that range "
-                    f"instead of redriving it"))
+                self.w._fail(
+                    RuntimeError(
+                        f"key ({', '.join(self.t.key)})={_show(next(iter(lost)))} had its row at "
+                        f"the position of a live dead letter (placed twice); backfill that range "
+                        f"instead of redriving it"
+                    )
+                )
                 return
             self.dead.resolve_held()
             return
@@ -114,8 +127,9 @@ class Redelivery:
         for part, (a, b) in self.t.ranges.items():
             self.dead.resolve(part, a, b)
         for part, offs in placed.items():
-            self.dead.resolve_offsets(part, offs, by,
-                                      f"fallen back to by {self.spec.mode} run {self.spec.run_id}")
+            self.dead.resolve_offsets(
+                part, offs, by, f"fallen back to by {self.spec.mode} run {self.spec.run_id}"
+            )
 
     def _moved(self) -> None:
         """The keys the range's failing records map to now where their rows went (the
@@ -124,24 +138,39 @@ class Redelivery:
         if not self.t.moved:
             return
         with self.w.conn.cursor() as cur:
-            cur.executemany(sql.SQL("INSERT INTO {} ({}) VALUES ({})").format(
-                self.lost_table, sql.SQL(", ").join(self.keys),
-                sql.SQL(", ").join([sql.Placeholder()] * len(self.keys))), self.t.moved)
+            cur.executemany(
+                sql.SQL("INSERT INTO {} ({}) VALUES ({})").format(
+                    self.lost_table,
+                    sql.SQL(", ").join(self.keys),
+                    sql.SQL(", ").join([sql.Placeholder()] * len(self.keys)),
+                ),
+                self.t.moved,
+            )
 
     def _lost(self) -> set[tuple]:
         """Keys whose row step 1 removed and that have none now."""
         match = sql.SQL(" AND ").join(sql.SQL("t.{k} = l.{k}").format(k=k) for k in self.keys)
-        return {tuple(r) for r in self.w.conn.execute(sql.SQL(
-            "SELECT DISTINCT {keys} FROM {lost} l WHERE NOT EXISTS "
-            "(SELECT 1 FROM {t} t WHERE {match})").format(
-            keys=sql.SQL(", ").join(sql.SQL("l.{}").format(k) for k in self.keys),
-            lost=self.lost_table, t=self.w.table, match=match))}
+        return {
+            tuple(r)
+            for r in self.w.conn.execute(
+                sql.SQL(
+                    "SELECT DISTINCT {keys} FROM {lost} l WHERE NOT EXISTS "
+                    "(SELECT 1 FROM {t} t WHERE {match})"
+                ).format(
+                    keys=sql.SQL(", ").join(sql.SQL("l.{}").format(k) for k in self.keys),
+                    lost=self.lost_table,
+                    t=self.w.table,
+                    match=match,
+                )
+            )
+        }
 
     def _drop(self) -> None:
         self.w.conn.execute(sql.SQL("DROP TABLE {}").format(self.lost_table))
 
-    def _fall_back(self, lost: set[tuple], candidates: list[pa.RecordBatch]
-                   ) -> dict[int, list[int]]:
+    def _fall_back(
+        self, lost: set[tuple], candidates: list[pa.RecordBatch]
+    ) -> dict[int, list[int]]:
         """Step 4: per lost key, its candidate versions newest first (version column, then
         partition and offset); each that fails now is quarantined (one a live letter holds
         already keeps it as it is), the first that passes is placed. A candidate with a row
@@ -153,8 +182,11 @@ class Redelivery:
         read = pa.Table.from_batches(candidates) if candidates else None
         # The range's own tombstones (step 2 applied them) are versions of their keys too:
         # the walk stops at one, and no older version comes back.
-        rows = [r for r in (read.to_pylist() if read else []) + self.w.tomb_rows
-                if tuple(r[k] for k in self.t.key) in lost]
+        rows = [
+            r
+            for r in (read.to_pylist() if read else []) + self.w.tomb_rows
+            if tuple(r[k] for k in self.t.key) in lost
+        ]
         ours = {(r[PARTITION], r[OFFSET]) for r in self.w.tomb_rows}
         own: set[tuple[int, int]] = set()
         lettered: set[tuple[int, int]] = set()

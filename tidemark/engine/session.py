@@ -54,39 +54,42 @@ def session(master: str | None, app_name: str, java_options: list[str] | None = 
     log4j = log4j_option()
     if java_options is None:
         java_options = driver_java_options()
-    builder = (builder
-               .config("spark.driver.extraJavaOptions", " ".join([log4j, *java_options]))
-               .config("spark.executor.extraJavaOptions", log4j)
-               .config("spark.ui.enabled", "false")
-               .config("spark.ui.showConsoleProgress", "false")
-               .config("spark.speculation", "false")  # one attempt per task at a time
-               .config("spark.task.maxFailures", "4")
-               .config("spark.sql.ansi.enabled", "false")
-               .config("spark.sql.shuffle.partitions", "8")
-               # A gated run caches its batch once; compressing that cache cost more CPU
-               # than it saved (bench/replay_bench.py, 2 cores).
-               .config("spark.sql.inMemoryColumnarStorage.compressed", "false")
-               .config("spark.sql.execution.arrow.maxRecordsPerBatch", "20000")
-               # The decode step's generated code (a JSON parse and a reason per field) is
-               # larger than HotSpot compiles (8,000 bytes of bytecode): whole-stage codegen
-               # then runs interpreted. Falling back to per-expression code is 35% faster
-               # (bench/replay_bench.py, decode and transform alone).
-               .config("spark.sql.codegen.hugeMethodLimit", "8000")
-               # PySpark 4 sends the Python call site of every Column function to the JVM (five
-               # more round trips each) for the query context of ANSI runtime errors; ANSI is off
-               # and a run builds some 300 Columns: 0.4 s of every fresh run.
-               .config("spark.python.sql.dataFrameDebugging.enabled", "false")
-               .config("spark.sql.redaction.string.regex", REDACT)
-               .config("spark.redaction.regex", REDACT)
-               .config("spark.driver.memory", os.environ.get("TIDEMARK_DRIVER_MEMORY", "3g")))
+    builder = (
+        builder.config("spark.driver.extraJavaOptions", " ".join([log4j, *java_options]))
+        .config("spark.executor.extraJavaOptions", log4j)
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.speculation", "false")  # one attempt per task at a time
+        .config("spark.task.maxFailures", "4")
+        .config("spark.sql.ansi.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "8")
+        # A gated run caches its batch once; compressing that cache cost more CPU
+        # than it saved (bench/replay_bench.py, 2 cores).
+        .config("spark.sql.inMemoryColumnarStorage.compressed", "false")
+        .config("spark.sql.execution.arrow.maxRecordsPerBatch", "20000")
+        # The decode step's generated code (a JSON parse and a reason per field) is
+        # larger than HotSpot compiles (8,000 bytes of bytecode): whole-stage codegen
+        # then runs interpreted. Falling back to per-expression code is 35% faster
+        # (bench/replay_bench.py, decode and transform alone).
+        .config("spark.sql.codegen.hugeMethodLimit", "8000")
+        # PySpark 4 sends the Python call site of every Column function to the JVM (five
+        # more round trips each) for the query context of ANSI runtime errors; ANSI is off
+        # and a run builds some 300 Columns: 0.4 s of every fresh run.
+        .config("spark.python.sql.dataFrameDebugging.enabled", "false")
+        .config("spark.sql.redaction.string.regex", REDACT)
+        .config("spark.redaction.regex", REDACT)
+        .config("spark.driver.memory", os.environ.get("TIDEMARK_DRIVER_MEMORY", "3g"))
+    )
     if (master or _submitted_master()).startswith("local"):
         # Local Spark stays on loopback. On a cluster the executors connect back to the
         # driver: its address is spark-submit's (--conf spark.driver.host) or Spark's default.
         # Its Python workers are this machine's, which import tidemark: their daemon
         # imports PySpark from the installed package (tidemark/engine/worker_daemon.py).
-        builder = (builder.config("spark.driver.bindAddress", "127.0.0.1")
-                   .config("spark.driver.host", "127.0.0.1")
-                   .config("spark.python.daemon.module", "tidemark.engine.worker_daemon"))
+        builder = (
+            builder.config("spark.driver.bindAddress", "127.0.0.1")
+            .config("spark.driver.host", "127.0.0.1")
+            .config("spark.python.daemon.module", "tidemark.engine.worker_daemon")
+        )
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("TIDEMARK_SPARK_LOG_LEVEL", "ERROR"))
     # The master may come from the argument or from spark-submit: ask the started context.
@@ -111,9 +114,13 @@ def ship_package(sc) -> Path:
     its content hash, and add it to the context's Python path (a no-op if already added)."""
     global _SHIPPED
     if _SHIPPED is None:
-        files = sorted(p for p in PACKAGE.rglob("*") if p.is_file()
-                       and "__pycache__" not in p.parts
-                       and p.suffix in {".py", ".properties", ".sql"})
+        files = sorted(
+            p
+            for p in PACKAGE.rglob("*")
+            if p.is_file()
+            and "__pycache__" not in p.parts
+            and p.suffix in {".py", ".properties", ".sql"}
+        )
         digest = hashlib.sha256()
         for f in files:
             digest.update(f"{f.relative_to(PACKAGE)}\0".encode() + f.read_bytes() + b"\0")

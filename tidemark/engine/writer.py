@@ -85,8 +85,13 @@ def storable_headers(headers: str | None) -> str | None:
             return headers
         except ValueError:
             pass
-    return json.dumps({"_tm_unstorable_headers_base64":
-                       base64.b64encode(headers.encode("utf-8", "surrogatepass")).decode()})
+    return json.dumps(
+        {
+            "_tm_unstorable_headers_base64": base64.b64encode(
+                headers.encode("utf-8", "surrogatepass")
+            ).decode()
+        }
+    )
 
 
 def _begin(dsn: str, lock_timeout_ms: int, what: str) -> psycopg.Connection:
@@ -103,8 +108,9 @@ def _finish(conn: psycopg.Connection, gid: str, run_id: int, prepare: bool) -> N
         conn.commit()
 
 
-def rollback_earlier_attempts(dsn: str, prefix: str, run_id: int, stage: str, task: int,
-                              attempt: int) -> list[str]:
+def rollback_earlier_attempts(
+    dsn: str, prefix: str, run_id: int, stage: str, task: int, attempt: int
+) -> list[str]:
     """A retried attempt first rolls back what *earlier* attempts of its task left prepared
     (no decision can exist yet), or it would wait forever on their row locks. A later attempt
     (this one is a zombie, say after a lost executor) is never touched."""
@@ -112,8 +118,12 @@ def rollback_earlier_attempts(dsn: str, prefix: str, run_id: int, stage: str, ta
     with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
         for gid, _age in twopc.prepared(conn, gids.like_task(prefix, run_id, stage, task)):
             parsed = gids.parse(gid, prefix)
-            if parsed and parsed.task == task and parsed.attempt < attempt \
-                    and twopc.rollback(conn, gid):
+            if (
+                parsed
+                and parsed.task == task
+                and parsed.attempt < attempt
+                and twopc.rollback(conn, gid)
+            ):
                 done.append(gid)
     return done
 
@@ -132,7 +142,7 @@ class DeadLetters:
         self.failed_again: list[int] = []
         self.reader: PayloadReader | None = None  # reads left-out payloads (_fill_payloads)
         self.pending: list[tuple[dict, str, str, str | None]] = []  # (record, class, reason,
-        self.pending_bytes = 0                                      #  detail), not yet written
+        self.pending_bytes = 0  #  detail), not yet written
 
     def _open(self) -> psycopg.Connection:
         if self.conn is not None:
@@ -157,13 +167,17 @@ class DeadLetters:
         self.held_offsets = {p: pa.array(offs, pa.int64()) for p, offs in by_part.items()}
         return skipped
 
-    def add(self, records: list[dict], error_class: str | None = None,
-            reason: str | None = None, detail: str | None = None) -> None:
+    def add(
+        self,
+        records: list[dict],
+        error_class: str | None = None,
+        reason: str | None = None,
+        detail: str | None = None,
+    ) -> None:
         """Quarantine ``records`` for this sink; they reach the ledger at :meth:`flush`."""
         for r in records:
             part, off = r[PARTITION], r[OFFSET]
-            self.pending.append((r, error_class or r[ERR_CLASS], reason or r[ERR_REASON],
-                                 detail))
+            self.pending.append((r, error_class or r[ERR_CLASS], reason or r[ERR_REASON], detail))
             self.pending_bytes += len(r["_tm_payload"] or b"")
             self.offsets.setdefault(part, []).append(off)
             if (part, off) in self.held:
@@ -183,13 +197,25 @@ class DeadLetters:
             for r, error_class, reason, detail in pending:
                 if error_class == "decode":  # Spark's word made precise, from the bytes
                     reason = decode_reason(r["_tm_payload"], reason)
-                copy.write_row((
-                    self.spec.pipeline, self.sink, self.spec.run_id, r[PARTITION], r[OFFSET],
-                    r["_tm_key"], r["_tm_payload"], storable_headers(r["_tm_headers"]),
-                    error_class, pg_text(reason, REASON_MAX),
-                    pg_text(detail, DETAIL_MAX) if detail else None,
-                    # as the source had them: what a redrive hands the transform
-                    letters.header_bytes(r["_tm_headers"]), r["_tm_ts"], True))
+                copy.write_row(
+                    (
+                        self.spec.pipeline,
+                        self.sink,
+                        self.spec.run_id,
+                        r[PARTITION],
+                        r[OFFSET],
+                        r["_tm_key"],
+                        r["_tm_payload"],
+                        storable_headers(r["_tm_headers"]),
+                        error_class,
+                        pg_text(reason, REASON_MAX),
+                        pg_text(detail, DETAIL_MAX) if detail else None,
+                        # as the source had them: what a redrive hands the transform
+                        letters.header_bytes(r["_tm_headers"]),
+                        r["_tm_ts"],
+                        True,
+                    )
+                )
         self.stage.merge()
 
     def _fill_payloads(self, pending: list[tuple[dict, str, str, str | None]]) -> None:
@@ -197,8 +223,11 @@ class DeadLetters:
         a letter keeps its record's bytes. Only a record that failed to decode kept its own."""
         if self.spec.payloads is None:
             return
-        left_out = [r for r, error_class, _, _ in pending
-                    if r["_tm_payload"] is None and error_class != "decode"]
+        left_out = [
+            r
+            for r, error_class, _, _ in pending
+            if r["_tm_payload"] is None and error_class != "decode"
+        ]
         wanted: dict[int, list[int]] = {}
         for r in left_out:
             wanted.setdefault(r[PARTITION], []).append(r[OFFSET])
@@ -215,8 +244,9 @@ class DeadLetters:
         failed = set(self.failed_again)
         ids = [i for i in self.held.values() if i not in failed]
         if ids:
-            self.resolved += letters.resolve_ids(self._open(), ids, self.spec.by or "tidemark",
-                                                 f"redriven by run {self.spec.run_id}")
+            self.resolved += letters.resolve_ids(
+                self._open(), ids, self.spec.by or "tidemark", f"redriven by run {self.spec.run_id}"
+            )
 
     def resolve(self, partition: int, start: int, end: int) -> None:
         """Re-delivery: the live letters of this sink for the records of ``[start, end)``
@@ -224,21 +254,28 @@ class DeadLetters:
         self.flush()
         by = self.spec.by or "tidemark"
         self.resolved += letters.resolve_range(
-            self._open(), self.spec.pipeline, self.sink, partition, start, end,
-            self.offsets.get(partition, []), by,
-            f"delivered again by {self.spec.mode} run {self.spec.run_id}")
+            self._open(),
+            self.spec.pipeline,
+            self.sink,
+            partition,
+            start,
+            end,
+            self.offsets.get(partition, []),
+            by,
+            f"delivered again by {self.spec.mode} run {self.spec.run_id}",
+        )
 
     def live(self, partition: int, offsets: list[int]) -> set[int]:
         """Which of ``offsets`` a live letter for this sink holds (this task's own too)."""
         self.flush()
-        return letters.live_offsets(self._open(), self.spec.pipeline, self.sink, partition,
-                                    offsets)
+        return letters.live_offsets(self._open(), self.spec.pipeline, self.sink, partition, offsets)
 
     def resolve_offsets(self, partition: int, offsets: list[int], by: str, note: str) -> None:
         """Re-delivery: the live letters of these records, placed by a row now."""
         self.flush()
-        self.resolved += letters.resolve_offsets(self._open(), self.spec.pipeline, self.sink,
-                                                 partition, offsets, by, note)
+        self.resolved += letters.resolve_offsets(
+            self._open(), self.spec.pipeline, self.sink, partition, offsets, by, note
+        )
 
     def prepare(self) -> Prepared | None:
         with self.phases("quarantine"):
@@ -252,8 +289,9 @@ class DeadLetters:
             self.stage.drop()
             _finish(self.conn, self.gid, self.spec.run_id, self.spec.prepare)
             self.conn.close()
-        return Prepared(gid=self.gid, target="ledger", sink=self.sink,
-                        rows=self.rows + self.resolved)
+        return Prepared(
+            gid=self.gid, target="ledger", sink=self.sink, rows=self.rows + self.resolved
+        )
 
     def close(self) -> None:
         if self.reader is not None:
@@ -269,8 +307,14 @@ class SinkWriter:
         self.spec, self.target, self.gid, self.dead = spec, target, gid, dead
         self.phases = dead.phases
         self.conn: psycopg.Connection | None = None
-        self.out = {"records": 0, "rows": 0, "superseded": 0, "removed": 0, "fallback": 0,
-                    "tombstones": 0}
+        self.out = {
+            "records": 0,
+            "rows": 0,
+            "superseded": 0,
+            "removed": 0,
+            "fallback": 0,
+            "tombstones": 0,
+        }
         self.failed: str | None = None
         self.pending: list[pa.RecordBatch] = []
         self.pending_rows = 0
@@ -298,11 +342,15 @@ class SinkWriter:
         self.ident = sql.SQL(", ").join(ident)
         self.pg_types = pgbinary.column_types(self.conn, qualified(t.table))
         if t.tombstones == "delete" or tombstones.exists(self.conn, t.table):
-            self.tombs = tombstones.Tombstones(self.conn, self.gid, self.table, t.table,
-                                               t.key, t.version)
+            self.tombs = tombstones.Tombstones(
+                self.conn, self.gid, self.table, t.table, t.key, t.version
+            )
             self.direct = False  # a direct COPY would skip the tombstones' guard
-        updates = [sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(c), sql.Identifier(c))
-                   for c in cols if c not in t.key]
+        updates = [
+            sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(c), sql.Identifier(c))
+            for c in cols
+            if c not in t.key
+        ]
         order = [*keys]
         # Within one batch keep the newest version of each key; against the table, replace
         # only an older version (tombstones.newer: one order everywhere).
@@ -315,10 +363,15 @@ class SinkWriter:
             ORDER BY {order}, _tm_partition DESC, _tm_offset DESC
             ON CONFLICT ({keys}) DO UPDATE SET {updates}
             WHERE {guard}""").format(
-            target=self.table, cols=sql.SQL(", ").join(ident), keys=sql.SQL(", ").join(keys),
-            order=sql.SQL(", ").join(order), stage=self.stage_table,
-            updates=sql.SQL(", ").join(updates), guard=guard,
-            live=self.tombs.not_older("s") if self.tombs else sql.SQL("true"))
+            target=self.table,
+            cols=sql.SQL(", ").join(ident),
+            keys=sql.SQL(", ").join(keys),
+            order=sql.SQL(", ").join(order),
+            stage=self.stage_table,
+            updates=sql.SQL(", ").join(updates),
+            guard=guard,
+            live=self.tombs.not_older("s") if self.tombs else sql.SQL("true"),
+        )
         self.truncate_sql = sql.SQL("TRUNCATE {}").format(self.stage_table)
         self.columns = cols
         return self.conn
@@ -376,9 +429,11 @@ class SinkWriter:
         many = spread.filter(pc.greater(spread.column(f"{PARTITION}_count_distinct"), 1))
         if many.num_rows:
             key = ", ".join(str(many.column(k)[0].as_py()) for k in t.key)
-            raise _VersionConflict(f"key ({', '.join(t.key)})=({key}) has versions from "
-                                   f"several partitions, which offsets do not order; declare "
-                                   f"a version column for this sink (sinks[].version)")
+            raise _VersionConflict(
+                f"key ({', '.join(t.key)})=({key}) has versions from "
+                f"several partitions, which offsets do not order; declare "
+                f"a version column for this sink (sinks[].version)"
+            )
 
     def _encode(self, table: pa.Table) -> memoryview:
         with self.phases("encode"):
@@ -389,8 +444,9 @@ class SinkWriter:
             if self.encoder is not None:
                 return self.encoder.encode(out)
             buf = io.BytesIO()
-            pacsv.write_csv(_for_csv(out), buf,
-                            pacsv.WriteOptions(include_header=False, batch_size=8192))
+            pacsv.write_csv(
+                _for_csv(out), buf, pacsv.WriteOptions(include_header=False, batch_size=8192)
+            )
             return buf.getbuffer()
 
     def _choose_format(self, schema: pa.Schema) -> None:
@@ -417,8 +473,11 @@ class SinkWriter:
         decides (versions, duplicates, bisecting bad rows); a key already present turns the
         direct path off for the rest of the task."""
         try:
-            with self.conn.transaction(), self.phases("copy"), \
-                    self.conn.cursor().copy(self.direct_sql) as copy:
+            with (
+                self.conn.transaction(),
+                self.phases("copy"),
+                self.conn.cursor().copy(self.direct_sql) as copy,
+            ):
                 copy.write(buf)
         except psycopg.Error as exc:
             if not is_data_error(exc):
@@ -433,8 +492,9 @@ class SinkWriter:
         """Stage the rows, then upsert them into the target, guarded by version; on bad data
         bisect down to the rows at fault and quarantine them."""
         if not self.staged:
-            self.conn.execute(sql.SQL("CREATE UNLOGGED TABLE {} (LIKE {})").format(
-                self.stage_table, self.table))
+            self.conn.execute(
+                sql.SQL("CREATE UNLOGGED TABLE {} (LIKE {})").format(self.stage_table, self.table)
+            )
             self.staged = True
         try:
             with self.conn.transaction():  # a savepoint: bisect on bad data
@@ -451,10 +511,15 @@ class SinkWriter:
             if not is_data_error(exc):
                 raise
             if table.num_rows == 1:
-                self.write_failed_keys.add(tuple(table.column(k)[0].as_py()
-                                                 for k in self.target.key))
-                self.dead.add(table.to_pylist(), "sink_write", one_line(exc),
-                              f"{exc}\n(sink {self.target.name}, table {self.target.table})")
+                self.write_failed_keys.add(
+                    tuple(table.column(k)[0].as_py() for k in self.target.key)
+                )
+                self.dead.add(
+                    table.to_pylist(),
+                    "sink_write",
+                    one_line(exc),
+                    f"{exc}\n(sink {self.target.name}, table {self.target.table})",
+                )
                 return
             half = table.num_rows // 2
             self._merge(table.slice(0, half))
@@ -470,7 +535,8 @@ class SinkWriter:
                     f"; the row it waited for is held by another task of this run ({sibling}, "
                     f"prepared until the decision): a key has versions in two partitions of "
                     f"this run, which offsets do not order; declare a version column for this "
-                    f"sink (sinks[].version)")
+                    f"sink (sinks[].version)"
+                )
 
     def _sibling_prepared(self) -> str | None:
         """A prepared participant of another task of this run on this sink, if any."""
@@ -478,7 +544,8 @@ class SinkWriter:
         try:
             with psycopg.connect(self.target.dsn, autocommit=True, connect_timeout=10) as conn:
                 for gid, _age in twopc.prepared(
-                        conn, gids.like_run(self.spec.prefix, self.spec.run_id)):
+                    conn, gids.like_run(self.spec.prefix, self.spec.run_id)
+                ):
                     other = gids.parse(gid, self.spec.prefix)
                     if other and me and other.stage == me.stage and other.task != me.task:
                         return gid
@@ -488,9 +555,15 @@ class SinkWriter:
 
     def own_rows(self, partition: int, offsets: list[int]) -> set[int]:
         """Which of ``offsets`` of ``partition`` have their own row in this sink."""
-        return {o for (o,) in self._open().execute(
-            sql.SQL("SELECT _tm_offset FROM {} WHERE _tm_partition = %s "
-                    "AND _tm_offset = ANY(%s)").format(self.table), (partition, offsets))}
+        return {
+            o
+            for (o,) in self._open().execute(
+                sql.SQL(
+                    "SELECT _tm_offset FROM {} WHERE _tm_partition = %s AND _tm_offset = ANY(%s)"
+                ).format(self.table),
+                (partition, offsets),
+            )
+        }
 
     def prepare(self) -> Prepared | None:
         self.flush()
@@ -507,8 +580,12 @@ class SinkWriter:
         except psycopg.Error as exc:
             self._fail(exc)
             return None
-        return Prepared(gid=self.gid, target=f"sink:{self.target.name}",
-                        sink=self.target.name, rows=self.out["rows"] + self.out["removed"])
+        return Prepared(
+            gid=self.gid,
+            target=f"sink:{self.target.name}",
+            sink=self.target.name,
+            rows=self.out["rows"] + self.out["removed"],
+        )
 
     def close(self) -> None:
         if self.conn is not None and not self.conn.closed:
@@ -523,8 +600,10 @@ def _for_csv(table: pa.Table) -> pa.Table:
     """PostgreSQL reads bytea in CSV as hex text."""
     for i, f in enumerate(table.schema):
         if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type):
-            hexed = pa.array([None if v is None else "\\x" + v.hex()
-                              for v in table.column(i).to_pylist()], pa.string())
+            hexed = pa.array(
+                [None if v is None else "\\x" + v.hex() for v in table.column(i).to_pylist()],
+                pa.string(),
+            )
             table = table.set_column(i, f.name, hexed)
     return table
 
@@ -575,7 +654,7 @@ class _Accounts:
         lo, hi = int(idx.min()), int(idx.max())
         counts = self.counts[partition]
         if hi - lo < 4 * len(idx):  # a source's batch is a run of offsets: count the window
-            counts[lo:hi + 1] += np.bincount(idx - lo).astype(np.int32)
+            counts[lo : hi + 1] += np.bincount(idx - lo).astype(np.int32)
         else:  # a spread task's batch is scattered over the range
             np.add.at(counts, idx, 1)
 
@@ -591,15 +670,19 @@ class _Accounts:
             none = np.array([], np.int64)
             parts = set(self.seen) | {p for h in held or () for p in h}
             for p in sorted(parts):
-                seen, counts = np.unique(np.concatenate(self.seen.get(p) or [none]),
-                                         return_counts=True)
-                want = np.concatenate([h[p].to_numpy(zero_copy_only=False)
-                                       for h in held or () if p in h] or [none])
+                seen, counts = np.unique(
+                    np.concatenate(self.seen.get(p) or [none]), return_counts=True
+                )
+                want = np.concatenate(
+                    [h[p].to_numpy(zero_copy_only=False) for h in held or () if p in h] or [none]
+                )
                 twice += [(p, int(o)) for o in seen[counts > 1]]
                 missing += [(p, int(o)) for o in np.setdiff1d(want, seen)]
             if twice or missing:
-                return (f"{len(twice)} record(s) seen more than once, {len(missing)} missing "
-                        f"(e.g. partition/offset {(twice or missing)[0]})")
+                return (
+                    f"{len(twice)} record(s) seen more than once, {len(missing)} missing "
+                    f"(e.g. partition/offset {(twice or missing)[0]})"
+                )
             return None
         for p, s in self.spans.items():
             counts = self.counts[p]
@@ -608,9 +691,11 @@ class _Accounts:
             if dropped or extra or self.stray:
                 bad = counts > 1 if self.spread else counts != 1
                 first = int(np.argmax(bad)) + s.start if (dropped or extra) else None
-                return (f"partition {s.partition} [{s.start}, {s.end}): {dropped} record(s) "
-                        f"missing, {extra} extra cop(ies), {self.stray} outside the range"
-                        + (f" (first at offset {first})" if first is not None else ""))
+                return (
+                    f"partition {s.partition} [{s.start}, {s.end}): {dropped} record(s) "
+                    f"missing, {extra} extra cop(ies), {self.stray} outside the range"
+                    + (f" (first at offset {first})" if first is not None else "")
+                )
         return None
 
 
@@ -648,8 +733,7 @@ class _Sink:
             batch = batch.filter(pc.invert(bad))
             tombs = [r for r in rows if r[ERR_CLASS] == TOMBSTONE]
             if tombs:
-                rows = [r for r in rows if r[ERR_CLASS] != TOMBSTONE] + self._tombstones(tombs,
-                                                                                       why)
+                rows = [r for r in rows if r[ERR_CLASS] != TOMBSTONE] + self._tombstones(tombs, why)
             self.dead.add(rows)
         if why is not None:  # a failed batch gate under quarantine_batch: this sink's range
             self.dead.add(batch.to_pylist(), "dq_gate", why)
@@ -668,8 +752,7 @@ class _Sink:
         for col in (c for c in self.t.key + [self.t.version] if c):
             nulls = pc.is_null(batch.column(col))
             if pc.any(nulls).as_py():  # a NULL key would vanish in DISTINCT ON
-                self.dead.add(batch.filter(nulls).to_pylist(), "transform",
-                              self._null_reason(col))
+                self.dead.add(batch.filter(nulls).to_pylist(), "transform", self._null_reason(col))
                 batch = batch.filter(pc.invert(nulls))
         self.w.add(batch)
 
@@ -685,9 +768,13 @@ class _Sink:
             elif why is not None:
                 r[ERR_CLASS], r[ERR_REASON] = "dq_gate", why
             elif null is not None:
-                r[ERR_CLASS], r[ERR_REASON] = "transform", (
-                    f"tombstone: key column {null} is NULL; to delete, the transform must "
-                    f"derive the sink key from _tm_key (a tombstone has no payload)")
+                r[ERR_CLASS], r[ERR_REASON] = (
+                    "transform",
+                    (
+                        f"tombstone: key column {null} is NULL; to delete, the transform must "
+                        f"derive the sink key from _tm_key (a tombstone has no payload)"
+                    ),
+                )
             else:
                 deletes.append(r)
                 continue
@@ -705,8 +792,10 @@ class _Sink:
         for r in rows:
             check = self.spec.checks[r[CHECK]]
             seen = {c: r[c] for c in (PARTITION, OFFSET, *reasons.columns_of(check.kwargs))}
-            r[ERR_CLASS], r[ERR_REASON] = "validation", reasons.reason(check.type,
-                                                                       check.kwargs, seen)
+            r[ERR_CLASS], r[ERR_REASON] = (
+                "validation",
+                reasons.reason(check.type, check.kwargs, seen),
+            )
         self.dead.add(rows)
         return batch.filter(pc.invert(hit))
 
@@ -726,14 +815,25 @@ class _Sink:
         extra = {}
         if self.spec.mode == "redrive":
             failed = set(self.dead.failed_again)
-            extra = {"redriven": len(self.dead.held) - len(failed),
-                     "failed_again": sorted(failed), "skipped": self.skipped}
-        return SinkResult(records=o["records"], rows=o["rows"], dead=self.dead.rows,
-                          superseded=o["superseded"], removed=o["removed"],
-                          fallback=o["fallback"], tombstones=o["tombstones"],
-                          resolved=self.dead.resolved, error=self.w.failed,
-                          copy_format=self.w.copy_format or "",
-                          phases=self.w.phases.rounded(), **extra)
+            extra = {
+                "redriven": len(self.dead.held) - len(failed),
+                "failed_again": sorted(failed),
+                "skipped": self.skipped,
+            }
+        return SinkResult(
+            records=o["records"],
+            rows=o["rows"],
+            dead=self.dead.rows,
+            superseded=o["superseded"],
+            removed=o["removed"],
+            fallback=o["fallback"],
+            tombstones=o["tombstones"],
+            resolved=self.dead.resolved,
+            error=self.w.failed,
+            copy_format=self.w.copy_format or "",
+            phases=self.w.phases.rounded(),
+            **extra,
+        )
 
 
 def make_task(spec: TaskSpec):
@@ -749,14 +849,17 @@ def make_task(spec: TaskSpec):
         result = _run_task(spec, task, attempt, batches)
         yield pa.RecordBatch.from_pydict(
             {"task": [task], "attempt": [attempt], "result": [result.model_dump_json()]},
-            schema=pa.schema([("task", pa.int32()), ("attempt", pa.int32()),
-                              ("result", pa.string())]))
+            schema=pa.schema(
+                [("task", pa.int32()), ("attempt", pa.int32()), ("result", pa.string())]
+            ),
+        )
 
     return run_task
 
 
-def _run_task(spec: TaskSpec, task: int, attempt: int,
-              batches: Iterator[pa.RecordBatch]) -> TaskResult:
+def _run_task(
+    spec: TaskSpec, task: int, attempt: int, batches: Iterator[pa.RecordBatch]
+) -> TaskResult:
     prefix, run_id = spec.prefix, spec.run_id
 
     def gid(stage: str) -> str:
@@ -765,19 +868,27 @@ def _run_task(spec: TaskSpec, task: int, attempt: int,
     if attempt > 0:
         rollback_earlier_attempts(spec.ledger_dsn, prefix, run_id, "%", task, attempt)
         for t in spec.sinks:
-            rollback_earlier_attempts(t.dsn, prefix, run_id, gids.sink_stage(t.name), task,
-                                      attempt)
+            rollback_earlier_attempts(t.dsn, prefix, run_id, gids.sink_stage(t.name), task, attempt)
     phases = Phases()
     sinks = []
     for t in spec.sinks:
         dead = DeadLetters(spec, t.name, gid(gids.dlq_stage(t.name)), Phases())
         sinks.append(_Sink(spec, t, SinkWriter(spec, t, gid(gids.sink_stage(t.name)), dead)))
     if spec.reads is not None and task >= len(spec.reads):
-        return TaskResult(task=task, attempt=attempt, records=0, error=(
-            f"Spark task {task} beyond the {len(spec.reads)} task(s) of the ranges read: the "
-            f"transform changed the partitioning (a union, join or repartition)"))
-    spans = spec.spread if spec.spread is not None else (
-        spec.reads[task] if spec.reads is not None else None)
+        return TaskResult(
+            task=task,
+            attempt=attempt,
+            records=0,
+            error=(
+                f"Spark task {task} beyond the {len(spec.reads)} task(s) of the ranges read: the "
+                f"transform changed the partitioning (a union, join or repartition)"
+            ),
+        )
+    spans = (
+        spec.spread
+        if spec.spread is not None
+        else (spec.reads[task] if spec.reads is not None else None)
+    )
     accounts = _Accounts(spans, spread=spec.spread is not None)
     seen = 0
     try:
@@ -798,18 +909,19 @@ def _run_task(spec: TaskSpec, task: int, attempt: int,
                             s.place(partition, mine)
             for s in sinks:
                 s.w.flush_full()
-        problem = accounts.problem([s.dead.held_offsets for s in sinks] if spans is None
-                                   else None)
+        problem = accounts.problem([s.dead.held_offsets for s in sinks] if spans is None else None)
         if problem is None:
             for s in sinks:
                 s.finish()
                 r = s.result()
                 placed = r.rows + r.dead + r.superseded + r.tombstones
                 if not r.error and r.records + r.fallback != placed:
-                    problem = (f"sink {s.t.name}: {r.records} records"
-                               + (f" and {r.fallback} fallback versions" if r.fallback else "")
-                               + f" but {r.rows} written + {r.dead} quarantined + "
-                               f"{r.superseded} superseded + {r.tombstones} tombstones")
+                    problem = (
+                        f"sink {s.t.name}: {r.records} records"
+                        + (f" and {r.fallback} fallback versions" if r.fallback else "")
+                        + f" but {r.rows} written + {r.dead} quarantined + "
+                        f"{r.superseded} superseded + {r.tombstones} tombstones"
+                    )
         if problem is not None:  # nothing is prepared: the driver aborts the run
             _close(sinks)
             return TaskResult(task=task, attempt=attempt, records=seen, error=problem)
@@ -825,9 +937,15 @@ def _run_task(spec: TaskSpec, task: int, attempt: int,
         _close(sinks)
         raise
     _close(sinks)  # a failed sink's letters roll back with it
-    return TaskResult(task=task, attempt=attempt, records=seen, participants=participants,
-                      sinks={s.t.name: s.result() for s in sinks}, phases=phases.rounded(),
-                      seen=accounts.bitmaps() if accounts.spread else {})
+    return TaskResult(
+        task=task,
+        attempt=attempt,
+        records=seen,
+        participants=participants,
+        sinks={s.t.name: s.result() for s in sinks},
+        phases=phases.rounded(),
+        seen=accounts.bitmaps() if accounts.spread else {},
+    )
 
 
 def _set_aside_fallback(batch: pa.RecordBatch, sinks: list[_Sink]) -> pa.RecordBatch:

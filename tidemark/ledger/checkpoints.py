@@ -9,18 +9,26 @@ import psycopg
 from psycopg.rows import dict_row
 
 
-def listing(conn: psycopg.Connection, pipeline: str,
-            sinks: Iterable[str] | None = None) -> list[dict]:
+def listing(
+    conn: psycopg.Connection, pipeline: str, sinks: Iterable[str] | None = None
+) -> list[dict]:
     """Rows {sink, partition, next_offset, updated_at}, ordered by sink and partition."""
     names = None if sinks is None else list(sinks)
-    return conn.cursor(row_factory=dict_row).execute(
-        """SELECT sink, partition, next_offset, updated_at FROM tidemark.checkpoints
+    return (
+        conn.cursor(row_factory=dict_row)
+        .execute(
+            """SELECT sink, partition, next_offset, updated_at FROM tidemark.checkpoints
            WHERE pipeline = %s AND (%s::text[] IS NULL OR sink = ANY(%s::text[]))
-           ORDER BY sink, partition""", (pipeline, names, names)).fetchall()
+           ORDER BY sink, partition""",
+            (pipeline, names, names),
+        )
+        .fetchall()
+    )
 
 
-def positions(conn: psycopg.Connection, pipeline: str,
-              sinks: Iterable[str] | None = None) -> dict[str, dict[int, int]]:
+def positions(
+    conn: psycopg.Connection, pipeline: str, sinks: Iterable[str] | None = None
+) -> dict[str, dict[int, int]]:
     """{sink: {partition: next_offset}} of the pipeline (only ``sinks``, if given)."""
     out: dict[str, dict[int, int]] = {}
     for r in listing(conn, pipeline, sinks):

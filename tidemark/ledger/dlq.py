@@ -40,15 +40,49 @@ MAX_SEARCH = 200  # a reason holds at most 200 characters (engine/writer.py, REA
 LOCK_TIMEOUT = "2s"  # a redrive's prepared transaction holds its rows until it settles
 PREVIEW_BYTES = 160
 
-_SUMMARY = ("id", "pipeline", "sink", "run_id", "source_partition", "source_offset",
-            "error_class", "reason", "attempts", "status", "first_seen", "last_seen",
-            "resolved_by", "resolved_at", "note")
-ENVELOPE = ("id", "pipeline", "sink", "run_id", "source_partition", "source_offset", "key",
-            "payload", "headers", "error_class", "reason", "detail", "attempts", "status",
-            "first_seen", "last_seen", "resolved_by", "resolved_at", "note",
-            # the record's headers (bytes of their text) and timestamp as the source had
-            # them, and why not when unknown (sql/V007__dlq_source_record.sql)
-            "source_headers", "source_ts", "source_note")
+_SUMMARY = (
+    "id",
+    "pipeline",
+    "sink",
+    "run_id",
+    "source_partition",
+    "source_offset",
+    "error_class",
+    "reason",
+    "attempts",
+    "status",
+    "first_seen",
+    "last_seen",
+    "resolved_by",
+    "resolved_at",
+    "note",
+)
+ENVELOPE = (
+    "id",
+    "pipeline",
+    "sink",
+    "run_id",
+    "source_partition",
+    "source_offset",
+    "key",
+    "payload",
+    "headers",
+    "error_class",
+    "reason",
+    "detail",
+    "attempts",
+    "status",
+    "first_seen",
+    "last_seen",
+    "resolved_by",
+    "resolved_at",
+    "note",
+    # the record's headers (bytes of their text) and timestamp as the source had
+    # them, and why not when unknown (sql/V007__dlq_source_record.sql)
+    "source_headers",
+    "source_ts",
+    "source_note",
+)
 _DLQ = sql.Identifier("tidemark", "dlq")
 
 
@@ -72,10 +106,16 @@ def parse_ids(value: Any, field_name: str = "ids") -> list[int]:
     out = []
     for item in items:
         text = str(item).strip()
-        if isinstance(item, bool) or not text.isascii() or not text.isdigit() \
-                or not 0 < int(text) <= MAX_ID:
-            raise BadInput(f"{field_name}: {shown(item)} is not a dead-letter id "
-                           f"(a positive integer up to {MAX_ID:,})")
+        if (
+            isinstance(item, bool)
+            or not text.isascii()
+            or not text.isdigit()
+            or not 0 < int(text) <= MAX_ID
+        ):
+            raise BadInput(
+                f"{field_name}: {shown(item)} is not a dead-letter id "
+                f"(a positive integer up to {MAX_ID:,})"
+            )
         out.append(int(text))
     if len(out) > MAX_IDS:
         raise BadInput(f"{field_name}: {len(out):,} ids, at most {MAX_IDS:,} at a time")
@@ -102,8 +142,7 @@ class Filters(BaseModel):
 
     pipeline: Annotated[str, Field(pattern=IDENT)] | None = None
     sink: str | None = None
-    error_class: Literal["decode", "transform", "validation", "dq_gate", "sink_write"] | None \
-        = None
+    error_class: Literal["decode", "transform", "validation", "dq_gate", "sink_write"] | None = None
     status: Literal["quarantined", "redriven", "discarded"] | None = None
     since: datetime | None = None
     until: datetime | None = None
@@ -126,8 +165,10 @@ class Filters(BaseModel):
         if v is None:
             return None
         if v in ("-", "(source)"):
-            raise ValueError("every dead letter names its sink now; for records that failed "
-                             "before becoming rows, filter by class decode or transform")
+            raise ValueError(
+                "every dead letter names its sink now; for records that failed "
+                "before becoming rows, filter by class decode or transform"
+            )
         if not re.match(IDENT, v):
             raise ValueError("not a sink name")
         return v
@@ -140,8 +181,9 @@ class Filters(BaseModel):
     @model_validator(mode="after")
     def _window(self) -> Filters:
         if self.since and self.until and self.until <= self.since:
-            raise ValueError(f"until ({self.until.isoformat()}) must be after since "
-                             f"({self.since.isoformat()})")
+            raise ValueError(
+                f"until ({self.until.isoformat()}) must be after since ({self.since.isoformat()})"
+            )
         return self
 
     @classmethod
@@ -152,15 +194,15 @@ class Filters(BaseModel):
         for name, value in raw.items():
             if isinstance(value, str):
                 value = value.strip()
-            if value is None or value == "" or value == [] or (name == "status" and
-                                                                value == "any"):
+            if value is None or value == "" or value == [] or (name == "status" and value == "any"):
                 continue
             if name == "ids":
                 value = parse_ids(value)
             elif name in ("since", "until") and isinstance(value, str) and value.isdigit():
                 # pydantic reads digits as epoch seconds; users mean a date, say so
-                raise BadInput(f"{name} {shown(value)}: not an ISO timestamp "
-                               f"(e.g. 2026-05-01T12:00:00Z)")
+                raise BadInput(
+                    f"{name} {shown(value)}: not an ISO timestamp (e.g. 2026-05-01T12:00:00Z)"
+                )
             values[name] = value
         try:
             return cls(**values)
@@ -175,21 +217,36 @@ class Filters(BaseModel):
 
     def query(self) -> dict[str, str]:
         """The user filters as query-string values (for links that keep them)."""
-        out = {k: v for k, v in {
-            "pipeline": self.pipeline, "sink": self.sink, "error_class": self.error_class,
-            "status": self.status or "any",
-            "since": self.since.isoformat() if self.since else None,
-            "until": self.until.isoformat() if self.until else None,
-            "reason": self.reason}.items() if v}
+        out = {
+            k: v
+            for k, v in {
+                "pipeline": self.pipeline,
+                "sink": self.sink,
+                "error_class": self.error_class,
+                "status": self.status or "any",
+                "since": self.since.isoformat() if self.since else None,
+                "until": self.until.isoformat() if self.until else None,
+                "reason": self.reason,
+            }.items()
+            if v
+        }
         return out
 
     def described(self) -> str:
         """The filters in words, for a confirmation: "pipeline orders, class validation,
         reason contains 'amount'"."""
-        parts = [f"{label} {v}" for label, v in (
-            ("pipeline", self.pipeline), ("sink", self.sink), ("class", self.error_class),
-            ("status", self.status), ("last seen from", self.since and self.since.isoformat()),
-            ("until", self.until and self.until.isoformat())) if v]
+        parts = [
+            f"{label} {v}"
+            for label, v in (
+                ("pipeline", self.pipeline),
+                ("sink", self.sink),
+                ("class", self.error_class),
+                ("status", self.status),
+                ("last seen from", self.since and self.since.isoformat()),
+                ("until", self.until and self.until.isoformat()),
+            )
+            if v
+        ]
         if self.reason:
             parts.append(f"reason contains {shown(self.reason, MAX_SEARCH + 2)}")
         return ", ".join(parts) or "no filter"
@@ -236,8 +293,12 @@ def condition(filters: Filters) -> tuple[sql.Composable, list[Any]]:
 def matching_ids(conn: psycopg.Connection, filters: Filters, limit: int = MAX_IDS) -> list[int]:
     """Ids of the dead letters ``filters`` select, oldest first; BadInput past ``limit``."""
     where, args = _where(filters)
-    rows = conn.execute(sql.SQL("SELECT id FROM {} WHERE {} ORDER BY id LIMIT {}").format(
-        _DLQ, where, sql.Literal(limit + 1)), args).fetchall()
+    rows = conn.execute(
+        sql.SQL("SELECT id FROM {} WHERE {} ORDER BY id LIMIT {}").format(
+            _DLQ, where, sql.Literal(limit + 1)
+        ),
+        args,
+    ).fetchall()
     if len(rows) > limit:
         raise BadInput(f"more than {limit:,} dead letters match; act on them in parts")
     return [r[0] for r in rows]
@@ -247,14 +308,17 @@ def matching(conn: psycopg.Connection, filters: Filters) -> int:
     """How many dead letters ``filters`` select: what an "all matching" action asks people to
     confirm."""
     where, args = _where(filters)
-    return conn.execute(sql.SQL("SELECT count(*) FROM {} WHERE {}").format(_DLQ, where),
-                        args).fetchone()[0]
+    return conn.execute(
+        sql.SQL("SELECT count(*) FROM {} WHERE {}").format(_DLQ, where), args
+    ).fetchone()[0]
 
 
 def quarantined(conn: psycopg.Connection, pipeline: str) -> int:
     """How many of the pipeline's dead letters are live (quarantined)."""
-    return conn.execute("SELECT count(*) FROM tidemark.dlq WHERE pipeline = %s AND status = "
-                        "'quarantined'", (pipeline,)).fetchone()[0]
+    return conn.execute(
+        "SELECT count(*) FROM tidemark.dlq WHERE pipeline = %s AND status = 'quarantined'",
+        (pipeline,),
+    ).fetchone()[0]
 
 
 @contextmanager
@@ -279,27 +343,33 @@ class Page:
     next_before: int | None  # pass as ``before`` for the next (older) page; None: last page
 
 
-def page(conn: psycopg.Connection, filters: Filters, limit: int = 50,
-         before: int | None = None) -> Page:
+def page(
+    conn: psycopg.Connection, filters: Filters, limit: int = 50, before: int | None = None
+) -> Page:
     """Newest first, ``limit`` rows with ids below ``before``. Rows carry the summary columns,
     ``payload_size`` and ``payload_head`` (the first bytes, for a preview)."""
     if not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
         raise BadInput(f"limit {shown(limit)}: expected 1 to {MAX_LIMIT}")
     if before is not None and (not isinstance(before, int) or before <= 0):
         raise BadInput(f"before {shown(before)}: expected a dead-letter id")
-    cols = sql.SQL("{}, octet_length(payload) AS payload_size, "
-                   "substring(payload FROM 1 FOR {}) AS payload_head").format(
-        _columns(_SUMMARY), sql.Literal(PREVIEW_BYTES))
+    cols = sql.SQL(
+        "{}, octet_length(payload) AS payload_size, "
+        "substring(payload FROM 1 FOR {}) AS payload_head"
+    ).format(_columns(_SUMMARY), sql.Literal(PREVIEW_BYTES))
     # Without a status filter, merge one index scan per status (PostgreSQL cannot walk
     # (pipeline, status, id DESC) in id order across statuses by itself).
     parts, args = [], []
-    for status in ([filters.status] if filters.status else STATUSES):
+    for status in [filters.status] if filters.status else STATUSES:
         where, a = _where(filters, status=status, before=before)
-        parts.append(sql.SQL("(SELECT {} FROM {} WHERE {} ORDER BY id DESC LIMIT {})").format(
-            cols, _DLQ, where, sql.Literal(limit + 1)))
+        parts.append(
+            sql.SQL("(SELECT {} FROM {} WHERE {} ORDER BY id DESC LIMIT {})").format(
+                cols, _DLQ, where, sql.Literal(limit + 1)
+            )
+        )
         args.extend(a)
     query = sql.SQL("SELECT * FROM ({}) AS p ORDER BY id DESC LIMIT {}").format(
-        sql.SQL(" UNION ALL ").join(parts), sql.Literal(limit + 1))
+        sql.SQL(" UNION ALL ").join(parts), sql.Literal(limit + 1)
+    )
     rows = conn.cursor(row_factory=dict_row).execute(query, args).fetchall()
     more = len(rows) > limit
     rows = rows[:limit]
@@ -311,22 +381,31 @@ def page(conn: psycopg.Connection, filters: Filters, limit: int = 50,
 def counts(conn: psycopg.Connection, filters: Filters) -> dict[str, int]:
     """Records per error class under ``filters`` (every class present, zeros included)."""
     where, args = _where(filters)
-    rows = conn.execute(sql.SQL("SELECT error_class::text, count(*) FROM {} WHERE {} "
-                                "GROUP BY 1").format(_DLQ, where), args).fetchall()
+    rows = conn.execute(
+        sql.SQL("SELECT error_class::text, count(*) FROM {} WHERE {} GROUP BY 1").format(
+            _DLQ, where
+        ),
+        args,
+    ).fetchall()
     out = dict.fromkeys(ERROR_CLASSES, 0)
     out.update(dict(rows))
     return out
 
 
-def counts_by_pipeline(conn: psycopg.Connection,
-                       pipelines: list[str] | None = None) -> dict[str, dict[str, int]]:
+def counts_by_pipeline(
+    conn: psycopg.Connection, pipelines: list[str] | None = None
+) -> dict[str, dict[str, int]]:
     """Quarantined records per pipeline and error class (for alerting), pipelines with none
     left out."""
     where, args = _where(Filters(status="quarantined", pipelines=pipelines))
     out: dict[str, dict[str, int]] = {}
-    for p, cls, n in conn.execute(sql.SQL(
+    for p, cls, n in conn.execute(
+        sql.SQL(
             "SELECT pipeline, error_class::text, count(*) FROM {} WHERE {} GROUP BY 1, 2 "
-            "ORDER BY 1, 2").format(_DLQ, where), args):
+            "ORDER BY 1, 2"
+        ).format(_DLQ, where),
+        args,
+    ):
         out.setdefault(p, dict.fromkeys(ERROR_CLASSES, 0))[cls] = n
     return out
 
@@ -346,52 +425,65 @@ def pipelines(conn: psycopg.Connection) -> list[str]:
 
 def owners(conn: psycopg.Connection, ids: list[int]) -> dict[int, tuple[str, str]]:
     """id -> (pipeline, status) of the ids that exist."""
-    rows = conn.execute("SELECT id, pipeline, status::text FROM tidemark.dlq "
-                        "WHERE id = ANY(%s::bigint[])", (list(ids),)).fetchall()
+    rows = conn.execute(
+        "SELECT id, pipeline, status::text FROM tidemark.dlq WHERE id = ANY(%s::bigint[])",
+        (list(ids),),
+    ).fetchall()
     return {i: (p, s) for i, p, s in rows}
 
 
-def get(conn: psycopg.Connection, record_id: int, payload_limit: int | None = None
-        ) -> dict | None:
+def get(conn: psycopg.Connection, record_id: int, payload_limit: int | None = None) -> dict | None:
     """The whole envelope of one dead letter, with ``run`` (its tidemark.runs row; ``airflow``
     names the Airflow task try that started it, if any) and ``quality`` (the run's data-quality
     results: scope, success, docs_path). ``payload_size`` is the payload's length; with
     ``payload_limit`` ``payload`` holds only its first bytes (PostgreSQL cuts it, so a 10 MB
     payload never crosses the wire for a page that shows 256 KiB)."""
-    cols = [sql.Identifier(c) if c != "payload" or payload_limit is None else
-            sql.SQL("substring(payload FROM 1 FOR {}) AS payload").format(
-                sql.Literal(payload_limit)) for c in ENVELOPE]
+    cols = [
+        sql.Identifier(c)
+        if c != "payload" or payload_limit is None
+        else sql.SQL("substring(payload FROM 1 FOR {}) AS payload").format(
+            sql.Literal(payload_limit)
+        )
+        for c in ENVELOPE
+    ]
     cur = conn.cursor(row_factory=dict_row)
-    rec = cur.execute(sql.SQL("SELECT {}, octet_length(payload) AS payload_size FROM {} "
-                              "WHERE id = %s").format(sql.SQL(", ").join(cols), _DLQ),
-                      (record_id,)).fetchone()
+    rec = cur.execute(
+        sql.SQL("SELECT {}, octet_length(payload) AS payload_size FROM {} WHERE id = %s").format(
+            sql.SQL(", ").join(cols), _DLQ
+        ),
+        (record_id,),
+    ).fetchone()
     if rec is None:
         return None
     for k in ("key", "payload", "source_headers"):
         rec[k] = bytes(rec[k]) if rec[k] is not None else None
     rec["run"] = runs.get(conn, rec["run_id"])
-    rec["quality"] = cur.execute("""SELECT scope, success, rows_failed, docs_path
+    rec["quality"] = cur.execute(
+        """SELECT scope, success, rows_failed, docs_path
                                     FROM tidemark.dq_results WHERE run_id = %s ORDER BY scope""",
-                                 (rec["run_id"],)).fetchall()
+        (rec["run_id"],),
+    ).fetchall()
     return rec
 
 
 def pipeline_of(conn: psycopg.Connection, record_id: int) -> str | None:
     """The pipeline a dead letter belongs to (None: no such letter), without its bytes."""
-    row = conn.execute("SELECT pipeline FROM tidemark.dlq WHERE id = %s",
-                       (record_id,)).fetchone()
+    row = conn.execute("SELECT pipeline FROM tidemark.dlq WHERE id = %s", (record_id,)).fetchone()
     return row[0] if row else None
 
 
-def payload_chunks(conn: psycopg.Connection, record_id: int,
-                   chunk: int = 1024 * 1024) -> Iterator[bytes]:
+def payload_chunks(
+    conn: psycopg.Connection, record_id: int, chunk: int = 1024 * 1024
+) -> Iterator[bytes]:
     """A letter's payload in slices of ``chunk`` bytes, from one snapshot: a download holds
     one slice in memory, not the whole payload."""
     with _snapshot(conn):
         start = 1
         while True:
-            row = conn.execute("SELECT substring(payload FROM %s FOR %s) FROM tidemark.dlq "
-                               "WHERE id = %s", (start, chunk, record_id)).fetchone()
+            row = conn.execute(
+                "SELECT substring(payload FROM %s FOR %s) FROM tidemark.dlq WHERE id = %s",
+                (start, chunk, record_id),
+            ).fetchone()
             if row is None or not row[0]:
                 return
             yield bytes(row[0])
@@ -420,12 +512,15 @@ class Discarded:
     skipped: dict[int, str] = field(default_factory=dict)  # id -> why
 
     def to_dict(self) -> dict:
-        return {"discarded": self.changed,
-                "skipped": [{"id": i, "reason": r} for i, r in sorted(self.skipped.items())]}
+        return {
+            "discarded": self.changed,
+            "skipped": [{"id": i, "reason": r} for i, r in sorted(self.skipped.items())],
+        }
 
 
-def discard(conn: psycopg.Connection, ids: Iterable[int], note: str | None,
-            by: str | None) -> Discarded:
+def discard(
+    conn: psycopg.Connection, ids: Iterable[int], note: str | None, by: str | None
+) -> Discarded:
     """Mark quarantined records discarded, with who, when and why; others are skipped with the
     reason. All or nothing: a record locked by a redrive fails the whole call with Busy."""
     chosen = sorted(set(parse_ids(list(ids))))
@@ -437,21 +532,34 @@ def discard(conn: psycopg.Connection, ids: Iterable[int], note: str | None,
         conn.execute("SELECT set_config('lock_timeout', %s, true)", (LOCK_TIMEOUT,))
         try:
             with conn.transaction():  # a savepoint: find who is locked after a timeout
-                rows = conn.execute("SELECT id, status::text FROM tidemark.dlq WHERE id = "
-                                    "ANY(%s::bigint[]) ORDER BY id FOR UPDATE",
-                                    (chosen,)).fetchall()
+                rows = conn.execute(
+                    "SELECT id, status::text FROM tidemark.dlq WHERE id = "
+                    "ANY(%s::bigint[]) ORDER BY id FOR UPDATE",
+                    (chosen,),
+                ).fetchall()
         except pgerr.LockNotAvailable:
-            free = {r[0] for r in conn.execute(
-                "SELECT id FROM tidemark.dlq WHERE id = ANY(%s::bigint[]) FOR UPDATE SKIP LOCKED",
-                (chosen,))}
-            exist = {r[0] for r in conn.execute(
-                "SELECT id FROM tidemark.dlq WHERE id = ANY(%s::bigint[])", (chosen,))}
+            free = {
+                r[0]
+                for r in conn.execute(
+                    "SELECT id FROM tidemark.dlq WHERE id = ANY(%s::bigint[]) FOR UPDATE SKIP LOCKED",
+                    (chosen,),
+                )
+            }
+            exist = {
+                r[0]
+                for r in conn.execute(
+                    "SELECT id FROM tidemark.dlq WHERE id = ANY(%s::bigint[])", (chosen,)
+                )
+            }
             locked = sorted(exist - free) or chosen
             if len(locked) == 1:
-                raise Busy(f"record {locked[0]} is being redriven, try again; nothing was "
-                           f"discarded") from None
-            raise Busy(f"records {', '.join(map(str, locked[:20]))} are being redriven, try "
-                       f"again; nothing was discarded") from None
+                raise Busy(
+                    f"record {locked[0]} is being redriven, try again; nothing was discarded"
+                ) from None
+            raise Busy(
+                f"records {', '.join(map(str, locked[:20]))} are being redriven, try "
+                f"again; nothing was discarded"
+            ) from None
         status = dict(rows)
         for i in chosen:
             if i not in status:
@@ -460,16 +568,25 @@ def discard(conn: psycopg.Connection, ids: Iterable[int], note: str | None,
                 out.skipped[i] = f"already {status[i]}"
         todo = [i for i in chosen if status.get(i) == "quarantined"]
         if todo:
-            out.changed = sorted(r[0] for r in conn.execute(
-                """UPDATE tidemark.dlq SET status = 'discarded', resolved_by = %s,
+            out.changed = sorted(
+                r[0]
+                for r in conn.execute(
+                    """UPDATE tidemark.dlq SET status = 'discarded', resolved_by = %s,
                           resolved_at = now(), note = %s
                    WHERE id = ANY(%s::bigint[]) AND status = 'quarantined' RETURNING id""",
-                (by, note, todo)))
+                    (by, note, todo),
+                )
+            )
     return out
 
 
-def discard_matching(conn: psycopg.Connection, filters: Filters, note: str | None,
-                     by: str | None, expected: int | None = None) -> Discarded:
+def discard_matching(
+    conn: psycopg.Connection,
+    filters: Filters,
+    note: str | None,
+    by: str | None,
+    expected: int | None = None,
+) -> Discarded:
     """Discard every quarantined letter ``filters`` match now (up to MAX_IDS), as
     :func:`discard` does ids. ``expected``: the count the caller confirmed; more matching now
     is refused (nothing discarded): they confirmed fewer. Fewer is fine (some were resolved
@@ -477,8 +594,10 @@ def discard_matching(conn: psycopg.Connection, filters: Filters, note: str | Non
     _why(note, by)
     ids = matching_ids(conn, filters.model_copy(update={"status": "quarantined"}))
     if expected is not None and len(ids) > expected:
-        raise BadInput(f"{len(ids):,} dead letter(s) match now, not the {expected:,} confirmed; "
-                       f"nothing was discarded, look again")
+        raise BadInput(
+            f"{len(ids):,} dead letter(s) match now, not the {expected:,} confirmed; "
+            f"nothing was discarded, look again"
+        )
     if not ids:
         return Discarded()
     return discard(conn, ids, note, by)
@@ -509,27 +628,37 @@ def export_end(records: int) -> str:
     return json.dumps({EXPORT_END: {"records": records}}) + "\n"
 
 
-def export(conn: psycopg.Connection, filters: Filters, batch: int = 2000,
-           budget: int = EXPORT_BYTES) -> Iterator[str]:
+def export(
+    conn: psycopg.Connection, filters: Filters, batch: int = 2000, budget: int = EXPORT_BYTES
+) -> Iterator[str]:
     """JSON Lines, oldest first, then export_end's line with the count: a reader tells a whole
     export from a cut one. Memory is bounded by bytes, not rows: a server-side cursor
     walks (id, size) only; the envelopes are fetched in runs of consecutive letters holding at
     most ``budget`` bytes (or ``batch`` letters), a letter bigger than that alone. One
     REPEATABLE READ snapshot makes the runs one consistent export."""
     where, args = _where(filters)
-    sizes = sql.SQL("SELECT id, coalesce(octet_length(payload), 0) + coalesce(octet_length(key), 0)"
-                    " + coalesce(octet_length(detail), 0) + coalesce(octet_length(reason), 0)"
-                    " + coalesce(octet_length(note), 0) + coalesce(pg_column_size(headers), 0)"
-                    " + coalesce(octet_length(source_headers), 0)"
-                    " FROM {} WHERE {} ORDER BY id").format(_DLQ, where)
+    sizes = sql.SQL(
+        "SELECT id, coalesce(octet_length(payload), 0) + coalesce(octet_length(key), 0)"
+        " + coalesce(octet_length(detail), 0) + coalesce(octet_length(reason), 0)"
+        " + coalesce(octet_length(note), 0) + coalesce(pg_column_size(headers), 0)"
+        " + coalesce(octet_length(source_headers), 0)"
+        " FROM {} WHERE {} ORDER BY id"
+    ).format(_DLQ, where)
     # Binary results: a bytea arrives as its bytes, not as hex text twice their size.
     rows = sql.SQL("SELECT {} FROM {} WHERE id = ANY(%s::bigint[]) ORDER BY id").format(
-        sql.SQL(", ").join(sql.SQL("{}::text AS {}").format(sql.Identifier(c), sql.Identifier(c))
-                           if c in ("error_class", "status") else sql.Identifier(c)
-                           for c in ENVELOPE), _DLQ)
+        sql.SQL(", ").join(
+            sql.SQL("{}::text AS {}").format(sql.Identifier(c), sql.Identifier(c))
+            if c in ("error_class", "status")
+            else sql.Identifier(c)
+            for c in ENVELOPE
+        ),
+        _DLQ,
+    )
     with _snapshot(conn):
-        with conn.cursor(name="tidemark_dlq_export") as walk, \
-                conn.cursor(row_factory=dict_row, binary=True) as cur:
+        with (
+            conn.cursor(name="tidemark_dlq_export") as walk,
+            conn.cursor(row_factory=dict_row, binary=True) as cur,
+        ):
             walk.itersize = batch
             walk.execute(sizes, args)
             ids: list[int] = []
@@ -567,9 +696,10 @@ _HEX_LINE = 79  # one hexdump line and its newline
 def hexdump(data: bytes) -> str:
     lines = []
     for off in range(0, len(data), 16):
-        chunk = data[off:off + 16]
-        hx = " ".join(f"{b:02x}" for b in chunk[:8]) + "  " + " ".join(f"{b:02x}"
-                                                                          for b in chunk[8:])
+        chunk = data[off : off + 16]
+        hx = (
+            " ".join(f"{b:02x}" for b in chunk[:8]) + "  " + " ".join(f"{b:02x}" for b in chunk[8:])
+        )
         text = "".join(chr(b) if 32 <= b < 127 else "." for b in chunk)
         lines.append(f"{off:08x}  {hx:<48}  |{text}|")
     return "\n".join(lines)
@@ -623,13 +753,18 @@ def payload_kind(data: bytes | None, limit: int | None = None, size: int | None 
             pass
         return "text"
     for trim in range(4 if cut else 1):
-        if _text(data[:len(data) - trim]) is not None:
+        if _text(data[: len(data) - trim]) is not None:
             return "text"
     return "hex"
 
 
-def render_payload(data: bytes | None, fmt: str = "auto", limit: int | None = None,
-                   size: int | None = None, max_chars: int | None = None) -> tuple[str, str]:
+def render_payload(
+    data: bytes | None,
+    fmt: str = "auto",
+    limit: int | None = None,
+    size: int | None = None,
+    max_chars: int | None = None,
+) -> tuple[str, str]:
     """(kind, text): "json" pretty-printed when the bytes parse as JSON, "text" when they are
     UTF-8, else "hex" (a hexdump). ``fmt`` forces text, json or hex; ``limit`` cuts long
     payloads (in bytes) with a note saying so. ``size``: the whole payload's length when
@@ -648,14 +783,19 @@ def render_payload(data: bytes | None, fmt: str = "auto", limit: int | None = No
 
     def more(shown_bytes: int) -> str:
         rest = total - shown_bytes
-        return f"\n... {rest:,} more bytes not shown; download or export the record for all " \
-            f"of them" if rest else ""
+        return (
+            f"\n... {rest:,} more bytes not shown; download or export the record for all of them"
+            if rest
+            else ""
+        )
 
     def bounded(text: str, shown_bytes: int, why: str = "") -> str:
         """``text`` (of the first ``shown_bytes``) with the notes, cut at ``max_chars``."""
         if room is not None and len(text) > room:
-            return text[:room] + f"\n... {why}cut here: this view shows at most {room:,} " \
+            return (
+                text[:room] + f"\n... {why}cut here: this view shows at most {room:,} "
                 f"characters; download or export the record for all {total:,} bytes"
+            )
         return text + (f"\n... {why.rstrip('; ')}" if why else "") + more(shown_bytes)
 
     if fmt in ("auto", "json") and not cut and (text := _text(data)) is not None:
@@ -663,8 +803,9 @@ def render_payload(data: bytes | None, fmt: str = "auto", limit: int | None = No
             ok, value = _parsed(text)
         except RecursionError:  # 100,000 nested '[': valid or not, shown as text
             if fmt == "json":
-                raise BadInput("payload is nested too deeply to pretty-print; see it as text"
-                               ) from None
+                raise BadInput(
+                    "payload is nested too deeply to pretty-print; see it as text"
+                ) from None
         else:
             if ok:
                 pretty = pretty_json(value, room)
@@ -672,29 +813,36 @@ def render_payload(data: bytes | None, fmt: str = "auto", limit: int | None = No
                     return "json", pretty
                 # Indenting it would pass the bound (or the encoder's nesting limit): its own
                 # text instead, which the bytes read bound.
-                why = "nested too deeply" if room is None else \
-                    f"indented, this JSON would pass {room:,} characters"
-                return "text", bounded(text, len(data), f"not pretty-printed: {why}; this is "
-                                                         f"its plain text; ")
+                why = (
+                    "nested too deeply"
+                    if room is None
+                    else f"indented, this JSON would pass {room:,} characters"
+                )
+                return "text", bounded(
+                    text, len(data), f"not pretty-printed: {why}; this is its plain text; "
+                )
             if fmt == "json":
                 raise BadInput(f"payload is not JSON: {value}") from None
     if fmt == "json":
-        raise BadInput("payload is not JSON" + (" (too long to show parsed)" if cut else
-                                                 ": not UTF-8 text"))
+        raise BadInput(
+            "payload is not JSON" + (" (too long to show parsed)" if cut else ": not UTF-8 text")
+        )
     if fmt == "text":
-        head = data[:room * 4] if room is not None else data  # a character is 1 to 4 bytes
+        head = data[: room * 4] if room is not None else data  # a character is 1 to 4 bytes
         return "text", bounded(head.decode("utf-8", errors="replace"), len(head))
     if fmt == "auto":
         # a cut may split a multi-byte character: drop its first bytes rather than go hex
         for trim in range(4 if cut else 1):
-            head = data[:len(data) - trim]
+            head = data[: len(data) - trim]
             if (text := _text(head)) is not None:
                 return "text", bounded(text, len(head))
     # Only the lines that fit are made: a hexdump is about 5 characters per byte.
-    fits = data if room is None else data[:max(1, room // _HEX_LINE) * 16]
+    fits = data if room is None else data[: max(1, room // _HEX_LINE) * 16]
     return "hex", hexdump(fits) + more(len(fits)) + (
         f" (this view shows at most {room:,} characters of hexdump)"
-        if len(fits) < len(data) else "")
+        if len(fits) < len(data)
+        else ""
+    )
 
 
 def preview(head: bytes | None, size: int | None, width: int = 80) -> str:
@@ -703,11 +851,11 @@ def preview(head: bytes | None, size: int | None, width: int = 80) -> str:
         return ""
     text = None
     for trim in range(4):  # the head may end inside a multi-byte character
-        text = _text(head[:len(head) - trim])
+        text = _text(head[: len(head) - trim])
         if text is not None:
             break
     if text is None:
-        text = head[:width // 3].hex(" ")
+        text = head[: width // 3].hex(" ")
     text = " ".join(text.split())
     more = (size or 0) > len(head) or len(text) > width
     return text[:width] + ("…" if more else "")

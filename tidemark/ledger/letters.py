@@ -16,9 +16,22 @@ from psycopg import sql
 
 from tidemark.ledger import markers
 
-COLUMNS = ("pipeline", "sink", "run_id", "source_partition", "source_offset", "key",
-           "payload", "headers", "error_class", "reason", "detail", "source_headers",
-           "source_ts", "source_kept")
+COLUMNS = (
+    "pipeline",
+    "sink",
+    "run_id",
+    "source_partition",
+    "source_offset",
+    "key",
+    "payload",
+    "headers",
+    "error_class",
+    "reason",
+    "detail",
+    "source_headers",
+    "source_ts",
+    "source_kept",
+)
 _COLS = sql.SQL(", ").join(sql.Identifier(c) for c in COLUMNS)
 
 
@@ -43,19 +56,23 @@ class Stage:
     @contextmanager
     def copy(self):
         if not self.created:
-            self.conn.execute(sql.SQL(
-                "CREATE UNLOGGED TABLE {} AS SELECT {} FROM tidemark.dlq WITH NO DATA").format(
-                self.table, _COLS))
+            self.conn.execute(
+                sql.SQL(
+                    "CREATE UNLOGGED TABLE {} AS SELECT {} FROM tidemark.dlq WITH NO DATA"
+                ).format(self.table, _COLS)
+            )
             self.created = True
-        with self.conn.cursor().copy(sql.SQL("COPY {} ({}) FROM STDIN").format(
-                self.table, _COLS)) as copy:
+        with self.conn.cursor().copy(
+            sql.SQL("COPY {} ({}) FROM STDIN").format(self.table, _COLS)
+        ) as copy:
             yield copy
 
     def merge(self) -> None:
         # A source record never changes: a letter that knows its record's headers and
         # timestamp (or knows the source lost them) keeps that. A redrive of a lost one hands
         # back the stored headers, which must not pass for the source's.
-        self.conn.execute(sql.SQL("""
+        self.conn.execute(
+            sql.SQL("""
             INSERT INTO tidemark.dlq AS d ({cols}) SELECT {cols} FROM {stage}
             ON CONFLICT ON CONSTRAINT dlq_one_per_sink DO UPDATE
             SET attempts = d.attempts + 1, last_seen = now(), run_id = EXCLUDED.run_id,
@@ -66,7 +83,9 @@ class Stage:
                 source_ts = CASE WHEN d.source_kept IS NULL THEN EXCLUDED.source_ts
                                  ELSE d.source_ts END,
                 source_kept = coalesce(d.source_kept, EXCLUDED.source_kept)""").format(
-            cols=_COLS, stage=self.table))
+                cols=_COLS, stage=self.table
+            )
+        )
         self.conn.execute(sql.SQL("TRUNCATE {}").format(self.table))
 
     def drop(self) -> None:
@@ -82,49 +101,98 @@ _RESOLVE = """UPDATE tidemark.dlq SET status = 'redriven', resolved_by = %(by)s,
 
 def resolve_ids(conn: psycopg.Connection, ids: list[int], by: str, note: str) -> int:
     """Redrive: the held letters whose records are delivered now. Returns how many."""
-    return conn.execute(_RESOLVE.format(where="id = ANY(%(ids)s)"),
-                        {"ids": ids, "by": by, "note": note}).rowcount
+    return conn.execute(
+        _RESOLVE.format(where="id = ANY(%(ids)s)"), {"ids": ids, "by": by, "note": note}
+    ).rowcount
 
 
-def resolve_range(conn: psycopg.Connection, pipeline: str, sink: str, partition: int,
-                  start: int, end: int, failed: list[int], by: str, note: str) -> int:
+def resolve_range(
+    conn: psycopg.Connection,
+    pipeline: str,
+    sink: str,
+    partition: int,
+    start: int,
+    end: int,
+    failed: list[int],
+    by: str,
+    note: str,
+) -> int:
     """Re-delivery: the live letters of ``sink`` for records in ``[start, end)`` of
     ``partition``, except the ``failed`` offsets. Returns how many were resolved."""
-    return conn.execute(_RESOLVE.format(where="""pipeline = %(pipeline)s AND sink = %(sink)s
+    return conn.execute(
+        _RESOLVE.format(
+            where="""pipeline = %(pipeline)s AND sink = %(sink)s
         AND source_partition = %(p)s AND source_offset >= %(a)s AND source_offset < %(b)s
-        AND source_offset <> ALL(%(failed)s)"""),
-        {"pipeline": pipeline, "sink": sink, "p": partition, "a": start, "b": end,
-         "failed": failed, "by": by, "note": note}).rowcount
+        AND source_offset <> ALL(%(failed)s)"""
+        ),
+        {
+            "pipeline": pipeline,
+            "sink": sink,
+            "p": partition,
+            "a": start,
+            "b": end,
+            "failed": failed,
+            "by": by,
+            "note": note,
+        },
+    ).rowcount
 
 
-def live_offsets(conn: psycopg.Connection, pipeline: str, sink: str, partition: int,
-                 offsets: list[int]) -> set[int]:
+def live_offsets(
+    conn: psycopg.Connection, pipeline: str, sink: str, partition: int, offsets: list[int]
+) -> set[int]:
     """Which of ``offsets`` a live letter for ``sink`` holds (quarantined or discarded),
     as this transaction sees the ledger (its own letters included)."""
-    return {o for (o,) in conn.execute(
-        """SELECT source_offset FROM tidemark.dlq WHERE pipeline = %s AND sink = %s
+    return {
+        o
+        for (o,) in conn.execute(
+            """SELECT source_offset FROM tidemark.dlq WHERE pipeline = %s AND sink = %s
            AND source_partition = %s AND source_offset = ANY(%s) AND status <> 'redriven'""",
-        (pipeline, sink, partition, offsets))}
+            (pipeline, sink, partition, offsets),
+        )
+    }
 
 
-def resolve_offsets(conn: psycopg.Connection, pipeline: str, sink: str, partition: int,
-                    offsets: list[int], by: str, note: str) -> int:
+def resolve_offsets(
+    conn: psycopg.Connection,
+    pipeline: str,
+    sink: str,
+    partition: int,
+    offsets: list[int],
+    by: str,
+    note: str,
+) -> int:
     """Re-delivery: the live letters of ``sink`` for these records of ``partition``, placed
     by a row now (a key fell back to them). Returns how many were resolved."""
-    return conn.execute(_RESOLVE.format(where="""pipeline = %(pipeline)s AND sink = %(sink)s
-        AND source_partition = %(p)s AND source_offset = ANY(%(offs)s)"""),
-        {"pipeline": pipeline, "sink": sink, "p": partition, "offs": offsets, "by": by,
-         "note": note}).rowcount
+    return conn.execute(
+        _RESOLVE.format(
+            where="""pipeline = %(pipeline)s AND sink = %(sink)s
+        AND source_partition = %(p)s AND source_offset = ANY(%(offs)s)"""
+        ),
+        {
+            "pipeline": pipeline,
+            "sink": sink,
+            "p": partition,
+            "offs": offsets,
+            "by": by,
+            "note": note,
+        },
+    ).rowcount
 
 
-SOURCE_GONE = ("source timestamp and headers unknown: the source no longer holds this record "
-               "(a letter from before V007); a redrive hands the transform a NULL _tm_ts and "
-               "the headers as this letter stored them")
+SOURCE_GONE = (
+    "source timestamp and headers unknown: the source no longer holds this record "
+    "(a letter from before V007); a redrive hands the transform a NULL _tm_ts and "
+    "the headers as this letter stored them"
+)
 
 
-def fill_source(conn: psycopg.Connection, pipeline: str,
-                found: dict[tuple[int, int], tuple[str | None, datetime | None]],
-                gone: list[tuple[int, int]]) -> int:
+def fill_source(
+    conn: psycopg.Connection,
+    pipeline: str,
+    found: dict[tuple[int, int], tuple[str | None, datetime | None]],
+    gone: list[tuple[int, int]],
+) -> int:
     """Letters from before V007: the headers and timestamp the source still holds for their
     records (``found``: (partition, offset) -> (headers text, ts)), and for those it no
     longer holds (``gone``) NULL with the reason in ``source_note``. Every letter of the
@@ -132,19 +200,27 @@ def fill_source(conn: psycopg.Connection, pipeline: str,
     again changes nothing. Returns how many letters changed."""
     pos = list(found)
     with conn.transaction():
-        n = conn.execute("""
+        n = conn.execute(
+            """
             UPDATE tidemark.dlq d SET source_headers = f.h, source_ts = f.ts, source_kept = true
             FROM unnest(%s::int[], %s::bigint[], %s::bytea[], %s::timestamptz[])
                  AS f(p, o, h, ts)
             WHERE d.pipeline = %s AND d.source_partition = f.p AND d.source_offset = f.o
               AND d.source_kept IS NULL""",
-            ([p for p, _ in pos], [o for _, o in pos],
-             [header_bytes(found[k][0]) for k in pos], [found[k][1] for k in pos],
-             pipeline)).rowcount
-        n += conn.execute("""
+            (
+                [p for p, _ in pos],
+                [o for _, o in pos],
+                [header_bytes(found[k][0]) for k in pos],
+                [found[k][1] for k in pos],
+                pipeline,
+            ),
+        ).rowcount
+        n += conn.execute(
+            """
             UPDATE tidemark.dlq d SET source_kept = false, source_note = %s
             FROM unnest(%s::int[], %s::bigint[]) AS f(p, o)
             WHERE d.pipeline = %s AND d.source_partition = f.p AND d.source_offset = f.o
               AND d.source_kept IS NULL""",
-            (SOURCE_GONE, [p for p, _ in gone], [o for _, o in gone], pipeline)).rowcount
+            (SOURCE_GONE, [p for p, _ in gone], [o for _, o in gone], pipeline),
+        ).rowcount
     return n

@@ -16,7 +16,8 @@ from psycopg import sql
 # SQLSTATE of a key whose versions come from different partitions with no declared order.
 VERSION_CONFLICT = "TM001"
 
-MARKERS_DDL = """
+MARKERS_DDL = (
+    """
 CREATE SCHEMA IF NOT EXISTS tidemark;
 CREATE TABLE IF NOT EXISTS tidemark.commits (
     gid        text PRIMARY KEY,
@@ -28,18 +29,22 @@ CREATE TABLE IF NOT EXISTS tidemark.commits (
 CREATE OR REPLACE FUNCTION tidemark.version_conflict(k text, stored int, incoming int)
 RETURNS boolean LANGUAGE plpgsql AS $$
 BEGIN
-    RAISE EXCEPTION USING ERRCODE = '""" + VERSION_CONFLICT + """',
+    RAISE EXCEPTION USING ERRCODE = '"""
+    + VERSION_CONFLICT
+    + """',
         MESSAGE = format('key %s has versions from partitions %s and %s, which offsets do '
                          'not order; declare a version column for this sink (sinks[].version)',
                          k, stored, incoming);
 END $$;
 """
+)
 
 
 def ensure(conn: psycopg.Connection) -> None:
-    have = conn.execute("SELECT to_regclass('tidemark.commits') IS NOT NULL AND "
-                        "to_regprocedure('tidemark.version_conflict(text,int,int)') IS NOT NULL"
-                        ).fetchone()[0]
+    have = conn.execute(
+        "SELECT to_regclass('tidemark.commits') IS NOT NULL AND "
+        "to_regprocedure('tidemark.version_conflict(text,int,int)') IS NOT NULL"
+    ).fetchone()[0]
     if not have:
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(hashtext('tidemark.commits'))")
@@ -47,8 +52,9 @@ def ensure(conn: psycopg.Connection) -> None:
 
 
 def has(conn: psycopg.Connection, gid: str) -> bool:
-    return conn.execute("SELECT 1 FROM tidemark.commits WHERE gid = %s", (gid,)
-                        ).fetchone() is not None
+    return (
+        conn.execute("SELECT 1 FROM tidemark.commits WHERE gid = %s", (gid,)).fetchone() is not None
+    )
 
 
 def record(conn: psycopg.Connection, gid: str, run_id: int) -> None:
@@ -60,18 +66,23 @@ def prune(conn: psycopg.Connection, settled_below: int) -> None:
     """Markers matter only while a decision may be in doubt: drop day-old ones of runs below
     ``settled_below`` (all settled)."""
     if conn.execute("SELECT to_regclass('tidemark.commits')").fetchone()[0]:
-        conn.execute("""DELETE FROM tidemark.commits WHERE run_id < %s
-                        AND created_at < now() - interval '1 day'""", (settled_below,))
+        conn.execute(
+            """DELETE FROM tidemark.commits WHERE run_id < %s
+                        AND created_at < now() - interval '1 day'""",
+            (settled_below,),
+        )
 
 
 def stage_table(kind: str, gid: str) -> sql.Composed:
     """A task's unlogged staging table, named for its gid (``kind``: dlqstage, stage)."""
-    return sql.SQL("tidemark.{}").format(sql.Identifier(
-        f"{kind}_" + hashlib.sha1(gid.encode()).hexdigest()[:20]))
+    return sql.SQL("tidemark.{}").format(
+        sql.Identifier(f"{kind}_" + hashlib.sha1(gid.encode()).hexdigest()[:20])
+    )
 
 
-def version_conflict(label: sql.Composable, stored: sql.Composable,
-                     incoming: sql.Composable) -> sql.Composed:
+def version_conflict(
+    label: sql.Composable, stored: sql.Composable, incoming: sql.Composable
+) -> sql.Composed:
     """The merge guard's call that fails a key whose versions no offset orders."""
     return sql.SQL("tidemark.version_conflict({}, {}, {})").format(label, stored, incoming)
 
@@ -81,5 +92,7 @@ def forget(conn: psycopg.Connection, prefix: str, run_ids: list[int]) -> int:
     being deleted (retiring their pipeline); returns how many."""
     if not conn.execute("SELECT to_regclass('tidemark.commits')").fetchone()[0]:
         return 0
-    return conn.execute("DELETE FROM tidemark.commits WHERE run_id = ANY(%s) AND gid LIKE %s",
-                        (run_ids, f"{prefix}:%")).rowcount
+    return conn.execute(
+        "DELETE FROM tidemark.commits WHERE run_id = ANY(%s) AND gid LIKE %s",
+        (run_ids, f"{prefix}:%"),
+    ).rowcount

@@ -31,8 +31,9 @@ def current_version(conn: psycopg.Connection) -> int:
     exists = conn.execute("SELECT to_regclass('tidemark.schema_version')").fetchone()[0]
     if exists is None:
         return 0
-    return conn.execute("SELECT coalesce(max(version), 0) FROM tidemark.schema_version"
-                        ).fetchone()[0]
+    return conn.execute("SELECT coalesce(max(version), 0) FROM tidemark.schema_version").fetchone()[
+        0
+    ]
 
 
 def upgrade(dsn: str) -> tuple[int, list[str]]:
@@ -54,8 +55,10 @@ def upgrade(dsn: str) -> tuple[int, list[str]]:
                     conn.execute(path.read_text())
                 except psycopg.Error as exc:
                     raise TidemarkError(f"migration {path.name} failed: {exc}") from None
-                conn.execute("INSERT INTO tidemark.schema_version (version, name) VALUES (%s, %s)",
-                             (number, name))
+                conn.execute(
+                    "INSERT INTO tidemark.schema_version (version, name) VALUES (%s, %s)",
+                    (number, name),
+                )
                 applied.append(path.name)
                 version = number
     return version, applied
@@ -65,5 +68,7 @@ def require_current(conn: psycopg.Connection) -> None:
     latest = available()[-1][0]
     have = current_version(conn)
     if have < latest:
-        raise TidemarkError(f"ledger schema is at version {have}, this Tidemark needs {latest}: "
-                            f"run `tidemark db upgrade`")
+        raise TidemarkError(
+            f"ledger schema is at version {have}, this Tidemark needs {latest}: "
+            f"run `tidemark db upgrade`"
+        )

@@ -35,8 +35,14 @@ class Request:
     selection: dict
 
 
-def create(conn: psycopg.Connection, pipeline: str, by: str, *,
-           ids: list[int] | None = None, filters: dlq.Filters | None = None) -> Request | None:
+def create(
+    conn: psycopg.Connection,
+    pipeline: str,
+    by: str,
+    *,
+    ids: list[int] | None = None,
+    filters: dlq.Filters | None = None,
+) -> Request | None:
     """A request for ``ids`` (kept as given: the redrive reports those that do not exist or
     are no longer quarantined) or for the pipeline's quarantined letters ``filters`` match
     now. None when it would hold no letter. BadInput past MAX_LETTERS."""
@@ -57,31 +63,43 @@ def create(conn: psycopg.Connection, pipeline: str, by: str, *,
         rid = conn.execute(
             """INSERT INTO tidemark.redrive_requests (pipeline, requested_by, selection, letters)
                VALUES (%s, %s, %s, 0) RETURNING request_id""",
-            (pipeline, by, json.dumps(selection))).fetchone()[0]
+            (pipeline, by, json.dumps(selection)),
+        ).fetchone()[0]
         if filters is not None:
             where, args = dlq.condition(filters)
-            n = conn.execute(sql.SQL(
-                """INSERT INTO tidemark.redrive_letters (request_id, letter_id)
-                   SELECT {}, id FROM tidemark.dlq WHERE {} LIMIT {}""").format(
-                sql.Literal(rid), where, sql.Literal(MAX_LETTERS + 1)), args).rowcount
+            n = conn.execute(
+                sql.SQL(
+                    """INSERT INTO tidemark.redrive_letters (request_id, letter_id)
+                   SELECT {}, id FROM tidemark.dlq WHERE {} LIMIT {}"""
+                ).format(sql.Literal(rid), where, sql.Literal(MAX_LETTERS + 1)),
+                args,
+            ).rowcount
         else:
-            n = conn.execute("""INSERT INTO tidemark.redrive_letters (request_id, letter_id)
-                                SELECT %s, unnest(%s::bigint[])""", (rid, ids)).rowcount
+            n = conn.execute(
+                """INSERT INTO tidemark.redrive_letters (request_id, letter_id)
+                                SELECT %s, unnest(%s::bigint[])""",
+                (rid, ids),
+            ).rowcount
         if n > MAX_LETTERS:
-            raise BadInput(f"redrive of {pipeline}: more than {MAX_LETTERS:,} dead letters "
-                           f"match; redrive them in parts (by sink, class or time window)")
+            raise BadInput(
+                f"redrive of {pipeline}: more than {MAX_LETTERS:,} dead letters "
+                f"match; redrive them in parts (by sink, class or time window)"
+            )
         if n == 0:
             conn.execute("DELETE FROM tidemark.redrive_requests WHERE request_id = %s", (rid,))
             return None
-        conn.execute("UPDATE tidemark.redrive_requests SET letters = %s WHERE request_id = %s",
-                     (n, rid))
+        conn.execute(
+            "UPDATE tidemark.redrive_requests SET letters = %s WHERE request_id = %s", (n, rid)
+        )
     return Request(rid, pipeline, by, n, selection)
 
 
 def get(conn: psycopg.Connection, request_id: int) -> Request | None:
-    row = conn.execute("""SELECT request_id, pipeline, requested_by, letters, selection
+    row = conn.execute(
+        """SELECT request_id, pipeline, requested_by, letters, selection
                           FROM tidemark.redrive_requests WHERE request_id = %s""",
-                       (request_id,)).fetchone()
+        (request_id,),
+    ).fetchone()
     return Request(*row) if row else None
 
 
@@ -107,8 +125,9 @@ def _args(request_id: int, pipeline: str, sinks: list[str]) -> dict:
     return {"request": request_id, "pipeline": pipeline, "sinks": list(sinks)}
 
 
-def placement(conn: psycopg.Connection, request_id: int, pipeline: str, sinks: list[str]
-              ) -> tuple[list[tuple[str, int, int, int, int]], dict[int, str]]:
+def placement(
+    conn: psycopg.Connection, request_id: int, pipeline: str, sinks: list[str]
+) -> tuple[list[tuple[str, int, int, int, int]], dict[int, str]]:
     """Planning a redrive: per (sink, partition) of the placeable letters (sink, partition,
     first offset, end offset, letters), and why each other letter of the request is left
     out. Aggregated here: the driver never holds one Python row per placeable letter."""
@@ -116,8 +135,10 @@ def placement(conn: psycopg.Connection, request_id: int, pipeline: str, sinks: l
     ranges = conn.execute(
         "SELECT d.sink, d.source_partition, min(d.source_offset), max(d.source_offset) + 1, "
         "count(*)" + _PLACEABLE + " AND d.status = 'quarantined' GROUP BY 1, 2 ORDER BY 1, 2",
-        a).fetchall()
-    unplaced = conn.execute("""
+        a,
+    ).fetchall()
+    unplaced = conn.execute(
+        """
         SELECT r.letter_id, CASE
             WHEN d.id IS NULL THEN 'no such dead letter'
             WHEN d.pipeline <> %(pipeline)s THEN 'belongs to pipeline ' || d.pipeline
@@ -133,12 +154,15 @@ def placement(conn: psycopg.Connection, request_id: int, pipeline: str, sinks: l
           AND NOT coalesce(d.pipeline = %(pipeline)s AND d.status = 'quarantined'
                            AND d.sink = ANY(%(sinks)s::text[])
                            AND d.source_offset < c.next_offset, false)
-        ORDER BY r.letter_id""", a).fetchall()
+        ORDER BY r.letter_id""",
+        a,
+    ).fetchall()
     return ranges, dict(unplaced)
 
 
-def records(conn: psycopg.Connection, request_id: int, pipeline: str,
-            sinks: list[str]) -> Iterator[list[tuple]]:
+def records(
+    conn: psycopg.Connection, request_id: int, pipeline: str, sinks: list[str]
+) -> Iterator[list[tuple]]:
     """Each source record of the placeable letters once (several sinks' letters may hold it),
     as (partition, offset, key, payload, headers, timestamp) rows, the sources' schema, in
     chunks from a server-side cursor: memory holds one chunk of rows at a time.
@@ -147,48 +171,65 @@ def records(conn: psycopg.Connection, request_id: int, pipeline: str,
     letter whose source no longer held its record when they were looked up (a letter from
     before V007, ``source_kept`` false): a NULL timestamp and the headers as the letter
     stored them (jsonb text). Of one record's letters, one that kept them is read first."""
-    query = ("SELECT DISTINCT ON (d.source_partition, d.source_offset) d.source_partition, "
-             "d.source_offset, d.key, d.payload, CASE WHEN d.source_kept THEN d.source_headers "
-             "END, CASE WHEN d.source_kept IS NOT TRUE THEN d.headers::text END, "
-             "CASE WHEN d.source_kept THEN d.source_ts END"
-             + _PLACEABLE + " AND d.status = 'quarantined' "
-             "ORDER BY d.source_partition, d.source_offset, d.source_kept DESC NULLS LAST, d.id")
+    query = (
+        "SELECT DISTINCT ON (d.source_partition, d.source_offset) d.source_partition, "
+        "d.source_offset, d.key, d.payload, CASE WHEN d.source_kept THEN d.source_headers "
+        "END, CASE WHEN d.source_kept IS NOT TRUE THEN d.headers::text END, "
+        "CASE WHEN d.source_kept THEN d.source_ts END"
+        + _PLACEABLE
+        + " AND d.status = 'quarantined' "
+        "ORDER BY d.source_partition, d.source_offset, d.source_kept DESC NULLS LAST, d.id"
+    )
     with conn.transaction(), conn.cursor(name="tidemark_redrive_records") as cur:
         cur.itersize = FETCH
         cur.execute(query, _args(request_id, pipeline, sinks))
         while rows := cur.fetchmany(FETCH):
-            yield [(p, o, k, v, letters.header_text(exact) if exact is not None else stored, ts)
-                   for p, o, k, v, exact, stored, ts in rows]
+            yield [
+                (p, o, k, v, letters.header_text(exact) if exact is not None else stored, ts)
+                for p, o, k, v, exact, stored, ts in rows
+            ]
 
 
-def unknown_source(conn: psycopg.Connection, request_id: int, pipeline: str,
-                   sinks: list[str]) -> dict[int, list[int]]:
+def unknown_source(
+    conn: psycopg.Connection, request_id: int, pipeline: str, sinks: list[str]
+) -> dict[int, list[int]]:
     """The source positions (partition -> offsets) of the placeable letters whose source
     headers and timestamp the ledger does not know yet (letters from before V007)."""
     out: dict[int, list[int]] = {}
     for part, off in conn.execute(
-            "SELECT DISTINCT d.source_partition, d.source_offset" + _PLACEABLE
-            + " AND d.status = 'quarantined' AND d.source_kept IS NULL ORDER BY 1, 2",
-            _args(request_id, pipeline, sinks)):
+        "SELECT DISTINCT d.source_partition, d.source_offset"
+        + _PLACEABLE
+        + " AND d.status = 'quarantined' AND d.source_kept IS NULL ORDER BY 1, 2",
+        _args(request_id, pipeline, sinks),
+    ):
         out.setdefault(part, []).append(off)
     return out
 
 
-def source_unknown(conn: psycopg.Connection, request_id: int, pipeline: str,
-                   sinks: list[str]) -> list[int]:
+def source_unknown(
+    conn: psycopg.Connection, request_id: int, pipeline: str, sinks: list[str]
+) -> list[int]:
     """Ids of the placeable letters whose source headers and timestamp are unknown (the
     source no longer held the record): replayed with a NULL timestamp."""
-    return [i for (i,) in conn.execute(
-        "SELECT d.id" + _PLACEABLE + " AND d.status = 'quarantined' "
-        "AND d.source_kept IS NOT TRUE ORDER BY d.id", _args(request_id, pipeline, sinks))]
+    return [
+        i
+        for (i,) in conn.execute(
+            "SELECT d.id" + _PLACEABLE + " AND d.status = 'quarantined' "
+            "AND d.source_kept IS NOT TRUE ORDER BY d.id",
+            _args(request_id, pipeline, sinks),
+        )
+    ]
 
 
-def hold(conn: psycopg.Connection, request_id: int, pipeline: str,
-         sink: str) -> list[tuple[int, int, int, bool]]:
+def hold(
+    conn: psycopg.Connection, request_id: int, pipeline: str, sink: str
+) -> list[tuple[int, int, int, bool]]:
     """In a redrive task's ledger transaction: lock this sink's letters of the request (a
     concurrent discard waits). Returns (id, partition, offset, still quarantined): one
     discarded or resolved since the plan is left out by the caller."""
     return conn.execute(
         "SELECT d.id, d.source_partition, d.source_offset, d.status = 'quarantined'"
-        + _PLACEABLE + " ORDER BY d.id FOR UPDATE OF d",
-        _args(request_id, pipeline, [sink])).fetchall()
+        + _PLACEABLE
+        + " ORDER BY d.id FOR UPDATE OF d",
+        _args(request_id, pipeline, [sink]),
+    ).fetchall()

@@ -26,8 +26,10 @@ _OPEN = [str(s) for s in OPEN]
 _PIPELINE = "(%(pipeline)s::text IS NULL OR {col} = %(pipeline)s)"
 # A letter of dlq alias d resolved more than %({days})s days ago (one that was resolved
 # before resolved_at existed counts from when it was last seen).
-_EXPIRED_LETTER = ("d.status::text = ANY(%(resolved)s) AND coalesce(d.resolved_at, "
-                   "d.last_seen) < now() - make_interval(days => %({days})s)")
+_EXPIRED_LETTER = (
+    "d.status::text = ANY(%(resolved)s) AND coalesce(d.resolved_at, "
+    "d.last_seen) < now() - make_interval(days => %({days})s)"
+)
 
 
 def _ids(conn: psycopg.Connection, sql: str, params: dict, lock: str | None) -> list:
@@ -37,16 +39,35 @@ def _ids(conn: psycopg.Connection, sql: str, params: dict, lock: str | None) -> 
 
 
 # -- dead letters ---------------------------------------------------------------------------
-def letters(conn: psycopg.Connection, *, pipeline: str | None, after: int, limit: int,
-            days: int | None, lock: bool = False) -> list[int]:
+def letters(
+    conn: psycopg.Connection,
+    *,
+    pipeline: str | None,
+    after: int,
+    limit: int,
+    days: int | None,
+    lock: bool = False,
+) -> list[int]:
     """Ids of resolved letters resolved more than ``days`` ago; with ``days`` None, every
     letter of ``pipeline`` whatever its status (retiring it)."""
-    where = ("d.pipeline = %(pipeline)s" if days is None else
-             f"{_EXPIRED_LETTER.format(days='days')} AND {_PIPELINE.format(col='d.pipeline')}")
-    return _ids(conn, f"""SELECT d.id FROM tidemark.dlq d WHERE {where} AND d.id > %(after)s
+    where = (
+        "d.pipeline = %(pipeline)s"
+        if days is None
+        else f"{_EXPIRED_LETTER.format(days='days')} AND {_PIPELINE.format(col='d.pipeline')}"
+    )
+    return _ids(
+        conn,
+        f"""SELECT d.id FROM tidemark.dlq d WHERE {where} AND d.id > %(after)s
                           ORDER BY d.id LIMIT %(limit)s""",
-                {"pipeline": pipeline, "resolved": list(RESOLVED), "days": days,
-                 "after": after, "limit": limit}, "d" if lock else None)
+        {
+            "pipeline": pipeline,
+            "resolved": list(RESOLVED),
+            "days": days,
+            "after": after,
+            "limit": limit,
+        },
+        "d" if lock else None,
+    )
 
 
 def delete_letters(conn: psycopg.Connection, ids: list[int]) -> int:
@@ -54,8 +75,16 @@ def delete_letters(conn: psycopg.Connection, ids: list[int]) -> int:
 
 
 # -- runs -----------------------------------------------------------------------------------
-def runs(conn: psycopg.Connection, *, pipeline: str | None, after: int, limit: int,
-         days: int | None, letters_days: int = 0, lock: bool = False) -> list[int]:
+def runs(
+    conn: psycopg.Connection,
+    *,
+    pipeline: str | None,
+    after: int,
+    limit: int,
+    days: int | None,
+    letters_days: int = 0,
+    lock: bool = False,
+) -> list[int]:
     """Ids of finished runs that finished more than ``days`` ago and nothing protects (the
     module's docstring; a letter resolved more than ``letters_days`` ago, which the same prune
     deletes, does not); with ``days`` None, every run of ``pipeline`` (retiring it: its caller
@@ -64,24 +93,34 @@ def runs(conn: psycopg.Connection, *, pipeline: str | None, after: int, limit: i
         where = "r.pipeline = %(pipeline)s"
     else:
         # A run whose driver died has no finished_at: its sinks' last transition is its end.
-        where = f"""{_PIPELINE.format(col='r.pipeline')}
+        where = f"""{_PIPELINE.format(col="r.pipeline")}
             -- The newest run of each pipeline: the newest of all (the sweep's horizon) too.
             AND r.run_id < (SELECT n.run_id FROM newest n WHERE n.pipeline = r.pipeline)
             AND NOT EXISTS (SELECT 1 FROM tidemark.run_sinks s WHERE s.run_id = r.run_id
                             AND s.state::text = ANY(%(open)s))
             AND NOT EXISTS (SELECT 1 FROM tidemark.dlq d WHERE d.run_id = r.run_id
-                            AND NOT ({_EXPIRED_LETTER.format(days='letters_days')}))
+                            AND NOT ({_EXPIRED_LETTER.format(days="letters_days")}))
             AND NOT EXISTS (SELECT 1 FROM tidemark.leases l WHERE l.run_id = r.run_id)
             AND coalesce(r.finished_at, (SELECT max(s.updated_at) FROM tidemark.run_sinks s
                                          WHERE s.run_id = r.run_id), r.created_at)
                 < now() - make_interval(days => %(days)s)"""
-    return _ids(conn, f"""WITH newest AS (SELECT pipeline, max(run_id) AS run_id
+    return _ids(
+        conn,
+        f"""WITH newest AS (SELECT pipeline, max(run_id) AS run_id
                                         FROM tidemark.runs GROUP BY pipeline)
                           SELECT r.run_id FROM tidemark.runs r WHERE {where}
                           AND r.run_id > %(after)s ORDER BY r.run_id LIMIT %(limit)s""",
-                {"pipeline": pipeline, "open": _OPEN, "days": days, "after": after,
-                 "limit": limit, "resolved": list(RESOLVED), "letters_days": letters_days},
-                "r" if lock else None)
+        {
+            "pipeline": pipeline,
+            "open": _OPEN,
+            "days": days,
+            "after": after,
+            "limit": limit,
+            "resolved": list(RESOLVED),
+            "letters_days": letters_days,
+        },
+        "r" if lock else None,
+    )
 
 
 RUN_CHILDREN = ("participants", "run_ranges", "run_metrics", "dq_results", "run_sinks")
@@ -89,106 +128,158 @@ RUN_CHILDREN = ("participants", "run_ranges", "run_metrics", "dq_results", "run_
 
 def run_rows(conn: psycopg.Connection, ids: list[int]) -> dict[str, int]:
     """Rows per table that deleting the runs ``ids`` would delete (a dry run)."""
-    out = {t: conn.execute(f"SELECT count(*) FROM tidemark.{t} WHERE run_id = ANY(%s)",
-                           (ids,)).fetchone()[0] for t in RUN_CHILDREN}
+    out = {
+        t: conn.execute(
+            f"SELECT count(*) FROM tidemark.{t} WHERE run_id = ANY(%s)", (ids,)
+        ).fetchone()[0]
+        for t in RUN_CHILDREN
+    }
     out["runs"] = len(ids)
     return out
 
 
 def docs_pages(conn: psycopg.Connection, ids: list[int]) -> list[tuple[str, str]]:
     """(pipeline, Data Docs page) of the data-quality results of the runs ``ids``."""
-    return conn.execute("""SELECT r.pipeline, q.docs_path FROM tidemark.dq_results q
+    return conn.execute(
+        """SELECT r.pipeline, q.docs_path FROM tidemark.dq_results q
                            JOIN tidemark.runs r USING (run_id)
                            WHERE q.run_id = ANY(%s) AND q.docs_path IS NOT NULL""",
-                        (ids,)).fetchall()
+        (ids,),
+    ).fetchall()
 
 
 def delete_runs(conn: psycopg.Connection, ids: list[int]) -> dict[str, int]:
     """Delete the runs ``ids`` with their children (children first: foreign keys)."""
-    out = {t: conn.execute(f"DELETE FROM tidemark.{t} WHERE run_id = ANY(%s)", (ids,)).rowcount
-           for t in RUN_CHILDREN}
-    out["runs"] = conn.execute("DELETE FROM tidemark.runs WHERE run_id = ANY(%s)",
-                               (ids,)).rowcount
+    out = {
+        t: conn.execute(f"DELETE FROM tidemark.{t} WHERE run_id = ANY(%s)", (ids,)).rowcount
+        for t in RUN_CHILDREN
+    }
+    out["runs"] = conn.execute("DELETE FROM tidemark.runs WHERE run_id = ANY(%s)", (ids,)).rowcount
     return out
 
 
 # -- redrive requests -----------------------------------------------------------------------
-def requests(conn: psycopg.Connection, *, pipeline: str | None, after: int, limit: int,
-             days: int | None, lock: bool = False) -> list[tuple[int, int]]:
+def requests(
+    conn: psycopg.Connection,
+    *,
+    pipeline: str | None,
+    after: int,
+    limit: int,
+    days: int | None,
+    lock: bool = False,
+) -> list[tuple[int, int]]:
     """(id, letters) of redrive requests made more than ``days`` ago (none of a pipeline
     whose redrive is open); with ``days`` None, every request of ``pipeline``."""
-    where = ("q.pipeline = %(pipeline)s" if days is None else
-             f"""{_PIPELINE.format(col='q.pipeline')}
+    where = (
+        "q.pipeline = %(pipeline)s"
+        if days is None
+        else f"""{_PIPELINE.format(col="q.pipeline")}
                  AND q.requested_at < now() - make_interval(days => %(days)s)
                  AND NOT EXISTS (SELECT 1 FROM tidemark.runs r JOIN tidemark.run_sinks s
                                  USING (run_id) WHERE r.pipeline = q.pipeline
-                                 AND r.mode = 'redrive' AND s.state::text = ANY(%(open)s))""")
-    return _ids(conn, f"""SELECT q.request_id, q.letters FROM tidemark.redrive_requests q
+                                 AND r.mode = 'redrive' AND s.state::text = ANY(%(open)s))"""
+    )
+    return _ids(
+        conn,
+        f"""SELECT q.request_id, q.letters FROM tidemark.redrive_requests q
                           WHERE {where} AND q.request_id > %(after)s ORDER BY q.request_id
                           LIMIT %(limit)s""",
-                {"pipeline": pipeline, "open": _OPEN, "days": days, "after": after,
-                 "limit": limit}, "q" if lock else None)
+        {"pipeline": pipeline, "open": _OPEN, "days": days, "after": after, "limit": limit},
+        "q" if lock else None,
+    )
 
 
 def request_letters(conn: psycopg.Connection, ids: list[int]) -> int:
-    return conn.execute("SELECT count(*) FROM tidemark.redrive_letters WHERE request_id = "
-                        "ANY(%s)", (ids,)).fetchone()[0]
+    return conn.execute(
+        "SELECT count(*) FROM tidemark.redrive_letters WHERE request_id = ANY(%s)", (ids,)
+    ).fetchone()[0]
 
 
 def delete_requests(conn: psycopg.Connection, ids: list[int]) -> dict[str, int]:
     """Delete the requests ``ids`` and their letter rows."""
-    letters_ = conn.execute("DELETE FROM tidemark.redrive_letters WHERE request_id = ANY(%s)",
-                            (ids,)).rowcount
-    return {"redrive_letters": letters_, "redrive_requests": conn.execute(
-        "DELETE FROM tidemark.redrive_requests WHERE request_id = ANY(%s)", (ids,)).rowcount}
+    letters_ = conn.execute(
+        "DELETE FROM tidemark.redrive_letters WHERE request_id = ANY(%s)", (ids,)
+    ).rowcount
+    return {
+        "redrive_letters": letters_,
+        "redrive_requests": conn.execute(
+            "DELETE FROM tidemark.redrive_requests WHERE request_id = ANY(%s)", (ids,)
+        ).rowcount,
+    }
 
 
 # -- one pipeline (retiring it) ---------------------------------------------------------------
 def pipeline_rows(conn: psycopg.Connection, pipeline: str) -> dict[str, int]:
     """Rows per kind that retiring ``pipeline`` deletes."""
-    one = {"pipelines": "name = %(p)s", "checkpoints": "pipeline = %(p)s",
-           "leases": "pipeline = %(p)s", "runs": "pipeline = %(p)s",
-           "redrive_requests": "pipeline = %(p)s"}
-    out = {t: conn.execute(f"SELECT count(*) FROM tidemark.{t} WHERE {w}", {"p": pipeline}
-                           ).fetchone()[0] for t, w in one.items()}
+    one = {
+        "pipelines": "name = %(p)s",
+        "checkpoints": "pipeline = %(p)s",
+        "leases": "pipeline = %(p)s",
+        "runs": "pipeline = %(p)s",
+        "redrive_requests": "pipeline = %(p)s",
+    }
+    out = {
+        t: conn.execute(f"SELECT count(*) FROM tidemark.{t} WHERE {w}", {"p": pipeline}).fetchone()[
+            0
+        ]
+        for t, w in one.items()
+    }
     for t in RUN_CHILDREN:
-        out[t] = conn.execute(f"""SELECT count(*) FROM tidemark.{t} c JOIN tidemark.runs r
+        out[t] = conn.execute(
+            f"""SELECT count(*) FROM tidemark.{t} c JOIN tidemark.runs r
                                   USING (run_id) WHERE r.pipeline = %s""",
-                              (pipeline,)).fetchone()[0]
+            (pipeline,),
+        ).fetchone()[0]
     out["redrive_letters"] = conn.execute(
         """SELECT count(*) FROM tidemark.redrive_letters l JOIN tidemark.redrive_requests q
-           USING (request_id) WHERE q.pipeline = %s""", (pipeline,)).fetchone()[0]
-    for status, n in conn.execute("""SELECT status::text, count(*) FROM tidemark.dlq
-                                     WHERE pipeline = %s GROUP BY 1""", (pipeline,)):
+           USING (request_id) WHERE q.pipeline = %s""",
+        (pipeline,),
+    ).fetchone()[0]
+    for status, n in conn.execute(
+        """SELECT status::text, count(*) FROM tidemark.dlq
+                                     WHERE pipeline = %s GROUP BY 1""",
+        (pipeline,),
+    ):
         out[f"dlq_{status}"] = n
     return out
 
 
 def open_runs(conn: psycopg.Connection, pipeline: str) -> list[int]:
     """Runs of ``pipeline`` with a sink not settled yet."""
-    return [r[0] for r in conn.execute(
-        """SELECT DISTINCT r.run_id FROM tidemark.runs r JOIN tidemark.run_sinks s
+    return [
+        r[0]
+        for r in conn.execute(
+            """SELECT DISTINCT r.run_id FROM tidemark.runs r JOIN tidemark.run_sinks s
            USING (run_id) WHERE r.pipeline = %s AND s.state::text = ANY(%s)
-           ORDER BY 1""", (pipeline, _OPEN))]
+           ORDER BY 1""",
+            (pipeline, _OPEN),
+        )
+    ]
 
 
 def runs_among(conn: psycopg.Connection, pipeline: str, ids: list[int]) -> list[int]:
     """Those of ``ids`` that are runs of ``pipeline``."""
-    return [r[0] for r in conn.execute(
-        "SELECT run_id FROM tidemark.runs WHERE pipeline = %s AND run_id = ANY(%s) ORDER BY 1",
-        (pipeline, ids))]
+    return [
+        r[0]
+        for r in conn.execute(
+            "SELECT run_id FROM tidemark.runs WHERE pipeline = %s AND run_id = ANY(%s) ORDER BY 1",
+            (pipeline, ids),
+        )
+    ]
 
 
 def lock_pipeline(conn: psycopg.Connection, pipeline: str) -> str | None:
     """Lock the pipeline's row (a run's claim locks it first, so none starts meanwhile);
     returns its halt reason, None if not halted or not there."""
-    row = conn.execute("SELECT halted_reason FROM tidemark.pipelines WHERE name = %s "
-                       "FOR UPDATE", (pipeline,)).fetchone()
+    row = conn.execute(
+        "SELECT halted_reason FROM tidemark.pipelines WHERE name = %s FOR UPDATE", (pipeline,)
+    ).fetchone()
     return row[0] if row else None
 
 
 def delete_pipeline(conn: psycopg.Connection, pipeline: str) -> dict[str, int]:
     """The pipeline's checkpoints, leases and row (its runs, letters and requests gone)."""
-    return {t: conn.execute(f"DELETE FROM tidemark.{t} WHERE {col} = %s", (pipeline,)).rowcount
-            for t, col in (("checkpoints", "pipeline"), ("leases", "pipeline"),
-                           ("pipelines", "name"))}
+    return {
+        t: conn.execute(f"DELETE FROM tidemark.{t} WHERE {col} = %s", (pipeline,)).rowcount
+        for t, col in (("checkpoints", "pipeline"), ("leases", "pipeline"), ("pipelines", "name"))
+    }

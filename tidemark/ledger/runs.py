@@ -19,72 +19,97 @@ def newest(conn: psycopg.Connection) -> int:
 
 def committing(conn: psycopg.Connection) -> list[tuple[int, str, str]]:
     """(run_id, sink, pipeline) of every decided sink whose commits may not be done."""
-    return conn.execute("""SELECT rs.run_id, rs.sink, r.pipeline FROM tidemark.run_sinks rs
+    return conn.execute(
+        """SELECT rs.run_id, rs.sink, r.pipeline FROM tidemark.run_sinks rs
                            JOIN tidemark.runs r USING (run_id)
                            WHERE rs.state = %s ORDER BY rs.run_id""",
-                        (RunState.COMMITTING,)).fetchall()
+        (RunState.COMMITTING,),
+    ).fetchall()
 
 
 def chosen(conn: psycopg.Connection, run_id: int, sink: str) -> list[tuple[str, str]]:
     """(gid, target) of a decision that are not known to be committed yet."""
     return conn.execute(
         "SELECT gid, target FROM tidemark.participants WHERE run_id = %s AND sink = %s "
-        "AND outcome IS DISTINCT FROM 'committed' ORDER BY target, gid", (run_id, sink)).fetchall()
+        "AND outcome IS DISTINCT FROM 'committed' ORDER BY target, gid",
+        (run_id, sink),
+    ).fetchall()
 
 
-def record_outcome(conn: psycopg.Connection, run_id: int, sink: str, gid: str,
-                   outcome: str) -> None:
-    conn.execute("UPDATE tidemark.participants SET outcome = %s WHERE run_id = %s "
-                 "AND sink = %s AND gid = %s", (outcome, run_id, sink, gid))
+def record_outcome(
+    conn: psycopg.Connection, run_id: int, sink: str, gid: str, outcome: str
+) -> None:
+    conn.execute(
+        "UPDATE tidemark.participants SET outcome = %s WHERE run_id = %s "
+        "AND sink = %s AND gid = %s",
+        (outcome, run_id, sink, gid),
+    )
 
 
 def unsettled(conn: psycopg.Connection) -> list[tuple[int, str, str, bool, bool]]:
     """(run_id, sink, pipeline, owner alive, lease still its own) of every undecided sink."""
-    return conn.execute(f"""
-        SELECT rs.run_id, rs.sink, r.pipeline, {owner_alive_sql('rs.run_id')} AS alive,
+    return conn.execute(
+        f"""
+        SELECT rs.run_id, rs.sink, r.pipeline, {owner_alive_sql("rs.run_id")} AS alive,
                coalesce(l.run_id = rs.run_id AND l.epoch = rs.lease_epoch
                         AND l.expires_at >= now(), false) AS leased
         FROM tidemark.run_sinks rs JOIN tidemark.runs r USING (run_id)
         LEFT JOIN tidemark.leases l ON l.pipeline = r.pipeline AND l.sink = rs.sink
-        WHERE rs.state = ANY(%s)""", ([str(s) for s in ABORTABLE],)).fetchall()
+        WHERE rs.state = ANY(%s)""",
+        ([str(s) for s in ABORTABLE],),
+    ).fetchall()
 
 
 def open_sinks(conn: psycopg.Connection, up_to: int) -> dict[int, dict[str, str]]:
     """{run_id: {sink: state}} of runs up to ``up_to`` not settled yet."""
     out: dict[int, dict[str, str]] = {}
     for run_id, sink, st in conn.execute(
-            "SELECT run_id, sink, state::text FROM tidemark.run_sinks WHERE run_id <= %s "
-            "AND state = ANY(%s)", (up_to, [str(s) for s in OPEN])):
+        "SELECT run_id, sink, state::text FROM tidemark.run_sinks WHERE run_id <= %s "
+        "AND state = ANY(%s)",
+        (up_to, [str(s) for s in OPEN]),
+    ):
         out.setdefault(run_id, {})[sink] = st
     return out
 
 
 def decided_gids(conn: psycopg.Connection) -> set[str]:
     """Every gid a decision chose: never to be rolled back."""
-    return {r[0] for r in conn.execute(
-        """SELECT p.gid FROM tidemark.participants p JOIN tidemark.run_sinks rs
-           USING (run_id, sink) WHERE rs.state = ANY(%s)""", ([str(s) for s in DECIDED],))}
+    return {
+        r[0]
+        for r in conn.execute(
+            """SELECT p.gid FROM tidemark.participants p JOIN tidemark.run_sinks rs
+           USING (run_id, sink) WHERE rs.state = ANY(%s)""",
+            ([str(s) for s in DECIDED],),
+        )
+    }
 
 
 def recent_pipelines(conn: psycopg.Connection) -> dict[int, str]:
     """{run_id: pipeline} of runs unfinished or finished within a day."""
-    return dict(conn.execute("SELECT run_id, pipeline FROM tidemark.runs WHERE finished_at IS "
-                             "NULL OR finished_at > now() - interval '1 day'").fetchall())
+    return dict(
+        conn.execute(
+            "SELECT run_id, pipeline FROM tidemark.runs WHERE finished_at IS "
+            "NULL OR finished_at > now() - interval '1 day'"
+        ).fetchall()
+    )
 
 
-def long_leases(conn: psycopg.Connection, pipeline: str,
-                minutes: int) -> list[tuple[str, int, float]]:
+def long_leases(
+    conn: psycopg.Connection, pipeline: str, minutes: int
+) -> list[tuple[str, int, float]]:
     """(sink, run_id, minutes) of leases held by a run started more than ``minutes`` ago."""
     return conn.execute(
         """SELECT l.sink, l.run_id, extract(epoch FROM now() - r.created_at) / 60
            FROM tidemark.leases l JOIN tidemark.runs r USING (run_id)
            WHERE l.pipeline = %s AND l.run_id IS NOT NULL
            AND r.created_at < now() - make_interval(mins => %s)""",
-        (pipeline, minutes)).fetchall()
+        (pipeline, minutes),
+    ).fetchall()
 
 
-def of_dag_run(conn: psycopg.Connection, pipeline: str, dag_id: str,
-               dag_run_id: str) -> tuple[dict | None, list[dict]]:
+def of_dag_run(
+    conn: psycopg.Connection, pipeline: str, dag_id: str, dag_run_id: str
+) -> tuple[dict | None, list[dict]]:
     """The latest ledger run a task of this Airflow DAG run started (id, mode, created and
     finished, the task try), and its sinks (state, counts, phase timings, error)."""
     cur = conn.cursor(row_factory=dict_row)
@@ -92,7 +117,8 @@ def of_dag_run(conn: psycopg.Connection, pipeline: str, dag_id: str,
         """SELECT run_id, mode, created_at, finished_at, try_number FROM tidemark.runs
            WHERE pipeline = %s AND dag_id = %s
            AND dag_run_id = %s ORDER BY run_id DESC LIMIT 1""",
-        (pipeline, dag_id, dag_run_id)).fetchone()
+        (pipeline, dag_id, dag_run_id),
+    ).fetchone()
     if run is None:
         return None, []
     sinks = cur.execute(
@@ -103,20 +129,33 @@ def of_dag_run(conn: psycopg.Connection, pipeline: str, dag_id: str,
                    FROM tidemark.run_ranges rr
                    WHERE rr.run_id = rs.run_id AND rr.sink = rs.sink) AS ranges
            FROM tidemark.run_sinks rs WHERE run_id = %s ORDER BY sink""",
-        (run["run_id"],)).fetchall()
+        (run["run_id"],),
+    ).fetchall()
     return run, sinks
 
 
 def get(conn: psycopg.Connection, run_id: int) -> dict | None:
     """One run, with ``airflow`` (an AirflowRun as a dict) when Airflow started it."""
-    run = conn.cursor(row_factory=dict_row).execute(
-        """SELECT run_id, pipeline, mode, owner, created_at, finished_at, external_id, dag_id,
+    run = (
+        conn.cursor(row_factory=dict_row)
+        .execute(
+            """SELECT run_id, pipeline, mode, owner, created_at, finished_at, external_id, dag_id,
                   dag_run_id, task_id, try_number FROM tidemark.runs WHERE run_id = %s""",
-        (run_id,)).fetchone()
+            (run_id,),
+        )
+        .fetchone()
+    )
     if run is None:
         return None
     ids = {k: run.pop(k) for k in ("dag_id", "dag_run_id", "task_id", "try_number")}
-    run["airflow"] = None if ids["dag_id"] is None else AirflowRun(
-        dag_id=ids["dag_id"], run_id=ids["dag_run_id"], task_id=ids["task_id"],
-        try_number=ids["try_number"]).model_dump()
+    run["airflow"] = (
+        None
+        if ids["dag_id"] is None
+        else AirflowRun(
+            dag_id=ids["dag_id"],
+            run_id=ids["dag_run_id"],
+            task_id=ids["task_id"],
+            try_number=ids["try_number"],
+        ).model_dump()
+    )
     return run

@@ -58,7 +58,7 @@ class IllegalTransition(TidemarkError):
 class Range:
     partition: int
     start: int  # inclusive
-    end: int    # exclusive
+    end: int  # exclusive
 
     @property
     def size(self) -> int:
@@ -88,8 +88,11 @@ class Claim:
                 if r.size == 0:
                     continue
                 cur = by_part.get(r.partition)
-                by_part[r.partition] = r if cur is None else Range(
-                    r.partition, min(cur.start, r.start), max(cur.end, r.end))
+                by_part[r.partition] = (
+                    r
+                    if cur is None
+                    else Range(r.partition, min(cur.start, r.start), max(cur.end, r.end))
+                )
         return [by_part[p] for p in sorted(by_part)]
 
 
@@ -111,15 +114,28 @@ def hold_owner_lock(conn: psycopg.Connection, run_id: int) -> None:
 
 
 def ensure_pipeline(conn: psycopg.Connection, name: str, config: dict) -> None:
-    conn.execute("""INSERT INTO tidemark.pipelines (name, config) VALUES (%s, %s)
+    conn.execute(
+        """INSERT INTO tidemark.pipelines (name, config) VALUES (%s, %s)
                     ON CONFLICT (name) DO UPDATE SET config = EXCLUDED.config, updated_at = now()
                     WHERE tidemark.pipelines.config IS DISTINCT FROM EXCLUDED.config""",
-                 (name, json.dumps(config)))
+        (name, json.dumps(config)),
+    )
 
 
-def claim(conn: psycopg.Connection, *, pipeline: str, config: dict, sinks: Iterable[str],
-          mode: str, owner: str, delivery: str, ttl_seconds: int, plan: Planner,
-          external_id: str | None = None, airflow: AirflowRun | None = None) -> Claim | None:
+def claim(
+    conn: psycopg.Connection,
+    *,
+    pipeline: str,
+    config: dict,
+    sinks: Iterable[str],
+    mode: str,
+    owner: str,
+    delivery: str,
+    ttl_seconds: int,
+    plan: Planner,
+    external_id: str | None = None,
+    airflow: AirflowRun | None = None,
+) -> Claim | None:
     """Take the leases of the free sinks, bump their epochs and insert the run as planned.
 
     The owner's session advisory lock is taken on ``conn`` and must be held for the run's
@@ -129,23 +145,30 @@ def claim(conn: psycopg.Connection, *, pipeline: str, config: dict, sinks: Itera
     sinks = list(sinks)
     with conn.transaction():
         ensure_pipeline(conn, pipeline, config)
-        halted = conn.execute("SELECT halted_reason FROM tidemark.pipelines WHERE name = %s",
-                              (pipeline,)).fetchone()[0]
+        halted = conn.execute(
+            "SELECT halted_reason FROM tidemark.pipelines WHERE name = %s", (pipeline,)
+        ).fetchone()[0]
         if halted:
-            raise Halted(f"pipeline {pipeline} is halted: {halted} (inspect, then "
-                                f"`tidemark resume {pipeline}`)")
-        conn.execute("""INSERT INTO tidemark.leases (pipeline, sink)
+            raise Halted(
+                f"pipeline {pipeline} is halted: {halted} (inspect, then "
+                f"`tidemark resume {pipeline}`)"
+            )
+        conn.execute(
+            """INSERT INTO tidemark.leases (pipeline, sink)
                         SELECT %s, unnest(%s::text[]) ON CONFLICT DO NOTHING""",
-                     (pipeline, sinks))
-        leases = conn.execute(f"""
+            (pipeline, sinks),
+        )
+        leases = conn.execute(
+            f"""
             SELECT l.sink, l.epoch, l.run_id, l.owner,
                    l.run_id IS NULL OR l.expires_at < now()
-                       OR NOT {owner_alive_sql('l.run_id')} AS free,
+                       OR NOT {owner_alive_sql("l.run_id")} AS free,
                    rs.state
             FROM tidemark.leases l
             LEFT JOIN tidemark.run_sinks rs ON rs.run_id = l.run_id AND rs.sink = l.sink
             WHERE l.pipeline = %s AND l.sink = ANY(%s) ORDER BY l.sink FOR UPDATE OF l""",
-                              (pipeline, sinks)).fetchall()
+            (pipeline, sinks),
+        ).fetchall()
         free, skipped = [], {}
         for sink, _epoch, holder, holder_owner, is_free, holder_state in leases:
             if holder_state == RunState.COMMITTING:
@@ -155,8 +178,10 @@ def claim(conn: psycopg.Connection, *, pipeline: str, config: dict, sinks: Itera
             else:
                 free.append(sink)
         if not free:
-            raise LeaseHeld(f"pipeline {pipeline}: nothing claimed: " +
-                            "; ".join(f"{s}: {why}" for s, why in skipped.items()))
+            raise LeaseHeld(
+                f"pipeline {pipeline}: nothing claimed: "
+                + "; ".join(f"{s}: {why}" for s, why in skipped.items())
+            )
         checkpoints = {s: {} for s in free} | positions(conn, pipeline, free)
         planned = plan(checkpoints)
         # Seed the checkpoints of new partitions, even with nothing to read yet: where a sink
@@ -164,9 +189,11 @@ def claim(conn: psycopg.Connection, *, pipeline: str, config: dict, sinks: Itera
         # status shows them before a commit.
         for sink, rs in plan_seeds(checkpoints, planned).items():
             for r in rs:
-                conn.execute("""INSERT INTO tidemark.checkpoints (pipeline, sink, partition,
+                conn.execute(
+                    """INSERT INTO tidemark.checkpoints (pipeline, sink, partition,
                                 next_offset) VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING""",
-                             (pipeline, sink, r.partition, r.start))
+                    (pipeline, sink, r.partition, r.start),
+                )
         work = {s: [r for r in rs if r.size > 0] for s, rs in planned.items()}
         work = {s: rs for s, rs in work.items() if rs}
         if not work:
@@ -175,9 +202,19 @@ def claim(conn: psycopg.Connection, *, pipeline: str, config: dict, sinks: Itera
             """INSERT INTO tidemark.runs (pipeline, mode, delivery, owner, external_id, dag_id,
                dag_run_id, task_id, try_number) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)
                RETURNING run_id""",
-            (pipeline, mode, delivery, owner, external_id, *(
-                (airflow.dag_id, airflow.run_id, airflow.task_id, airflow.try_number)
-                if airflow else (None,) * 4))).fetchone()[0]
+            (
+                pipeline,
+                mode,
+                delivery,
+                owner,
+                external_id,
+                *(
+                    (airflow.dag_id, airflow.run_id, airflow.task_id, airflow.try_number)
+                    if airflow
+                    else (None,) * 4
+                ),
+            ),
+        ).fetchone()[0]
         hold_owner_lock(conn, run_id)
         result = Claim(run_id, pipeline, mode, skipped=skipped)
         for sink, rs in work.items():
@@ -185,56 +222,79 @@ def claim(conn: psycopg.Connection, *, pipeline: str, config: dict, sinks: Itera
                 """UPDATE tidemark.leases SET epoch = epoch + 1, run_id = %s, owner = %s,
                           expires_at = now() + make_interval(secs => %s)
                    WHERE pipeline = %s AND sink = %s RETURNING epoch""",
-                (run_id, owner, ttl_seconds, pipeline, sink)).fetchone()[0]
-            conn.execute("""INSERT INTO tidemark.run_sinks (run_id, sink, state, lease_epoch)
-                            VALUES (%s, %s, %s, %s)""", (run_id, sink, RunState.PLANNED, epoch))
+                (run_id, owner, ttl_seconds, pipeline, sink),
+            ).fetchone()[0]
+            conn.execute(
+                """INSERT INTO tidemark.run_sinks (run_id, sink, state, lease_epoch)
+                            VALUES (%s, %s, %s, %s)""",
+                (run_id, sink, RunState.PLANNED, epoch),
+            )
             with conn.cursor() as cur:
                 cur.executemany(
                     """INSERT INTO tidemark.run_ranges (run_id, sink, partition, from_offset,
                        to_offset) VALUES (%s, %s, %s, %s, %s)""",
-                    [(run_id, sink, r.partition, r.start, r.end) for r in rs])
+                    [(run_id, sink, r.partition, r.start, r.end) for r in rs],
+                )
             result.sinks[sink] = SinkClaim(sink, epoch, rs)
         return result
 
 
-def pending(conn: psycopg.Connection, pipeline: str, sinks: Iterable[str],
-            plan: Planner) -> bool:
+def pending(conn: psycopg.Connection, pipeline: str, sinks: Iterable[str], plan: Planner) -> bool:
     """Whether :func:`claim` would find something to do now: read-only (no lease, no run, no
     seed written), so a scheduler can ask it without paying for a job. Leases are not looked
     at: a sink held by another run counts, and the claim then says why it waits. A halted
     pipeline counts too, so that the claim reports the halt."""
     sinks = list(sinks)
-    row = conn.execute("SELECT halted_reason FROM tidemark.pipelines WHERE name = %s",
-                       (pipeline,)).fetchone()
+    row = conn.execute(
+        "SELECT halted_reason FROM tidemark.pipelines WHERE name = %s", (pipeline,)
+    ).fetchone()
     if row and row[0]:
         return True
     checkpoints = {s: {} for s in sinks} | positions(conn, pipeline, sinks)
     planned = plan(checkpoints)
     return any(r.size > 0 for rs in planned.values() for r in rs) or any(
-        plan_seeds(checkpoints, planned).values())
+        plan_seeds(checkpoints, planned).values()
+    )
 
 
-def plan_seeds(checkpoints: dict[str, dict[int, int]],
-               ranges: dict[str, list[Range]]) -> dict[str, list[Range]]:
-    return {s: [r for r in rs if r.partition not in checkpoints.get(s, {})]
-            for s, rs in ranges.items()}
+def plan_seeds(
+    checkpoints: dict[str, dict[int, int]], ranges: dict[str, list[Range]]
+) -> dict[str, list[Range]]:
+    return {
+        s: [r for r in rs if r.partition not in checkpoints.get(s, {})] for s, rs in ranges.items()
+    }
 
 
-def _transition(conn: psycopg.Connection, run_id: int, sink: str, to: RunState,
-                allowed: Iterable[RunState], **sets) -> None:
+def _transition(
+    conn: psycopg.Connection,
+    run_id: int,
+    sink: str,
+    to: RunState,
+    allowed: Iterable[RunState],
+    **sets,
+) -> None:
     assigns = ", ".join(f"{k} = %({k})s" for k in sets)
-    params = {"run_id": run_id, "sink": sink, "to": to.value,
-              "allowed": [s.value for s in allowed], **sets}
+    params = {
+        "run_id": run_id,
+        "sink": sink,
+        "to": to.value,
+        "allowed": [s.value for s in allowed],
+        **sets,
+    }
     row = conn.execute(
         f"""UPDATE tidemark.run_sinks SET state = %(to)s, updated_at = now()
-            {', ' + assigns if assigns else ''}
+            {", " + assigns if assigns else ""}
             WHERE run_id = %(run_id)s AND sink = %(sink)s AND state::text = ANY(%(allowed)s)
-            RETURNING state""", params).fetchone()
+            RETURNING state""",
+        params,
+    ).fetchone()
     if row is None:
-        cur = conn.execute("SELECT state FROM tidemark.run_sinks WHERE run_id = %s AND sink = %s",
-                           (run_id, sink)).fetchone()
-        raise IllegalTransition(f"run {run_id} sink {sink}: cannot go to {to.value} from "
-                                f"{cur[0] if cur else 'nowhere'}")
+        cur = conn.execute(
+            "SELECT state FROM tidemark.run_sinks WHERE run_id = %s AND sink = %s", (run_id, sink)
+        ).fetchone()
+        raise IllegalTransition(
+            f"run {run_id} sink {sink}: cannot go to {to.value} from {cur[0] if cur else 'nowhere'}"
+        )
 
 
 def _check_lease(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str) -> None:
@@ -246,18 +306,23 @@ def _check_lease(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str
            FROM tidemark.run_sinks rs
            JOIN tidemark.leases l ON l.pipeline = %s AND l.sink = rs.sink
            WHERE rs.run_id = %s AND rs.sink = %s FOR UPDATE OF l""",
-        (pipeline, run_id, sink)).fetchone()
+        (pipeline, run_id, sink),
+    ).fetchone()
     if row is None or row[1] != run_id or row[0] != row[2]:
         holder = f"run {row[1]} (epoch {row[0]})" if row else "nobody"
         raise Fenced(f"run {run_id} lost the lease of sink {sink} to {holder}")
     if row[3]:
-        raise Fenced(f"run {run_id}: its lease of sink {sink} expired (a stalled driver); "
-                     f"another run may take over")
+        raise Fenced(
+            f"run {run_id}: its lease of sink {sink} expired (a stalled driver); "
+            f"another run may take over"
+        )
 
 
 def _lock_lease(conn: psycopg.Connection, pipeline: str, sink: str) -> None:
-    conn.execute("SELECT 1 FROM tidemark.leases WHERE pipeline = %s AND sink = %s FOR UPDATE",
-                 (pipeline, sink))
+    conn.execute(
+        "SELECT 1 FROM tidemark.leases WHERE pipeline = %s AND sink = %s FOR UPDATE",
+        (pipeline, sink),
+    )
 
 
 def start_writing(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str) -> None:
@@ -266,12 +331,14 @@ def start_writing(conn: psycopg.Connection, pipeline: str, run_id: int, sink: st
         _transition(conn, run_id, sink, RunState.WRITING, [RunState.PLANNED])
 
 
-def mark_prepared(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str,
-                  counts: dict) -> None:
+def mark_prepared(
+    conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, counts: dict
+) -> None:
     with conn.transaction():
         _check_lease(conn, pipeline, run_id, sink)
-        _transition(conn, run_id, sink, RunState.PREPARED, [RunState.WRITING],
-                    counts=json.dumps(counts))
+        _transition(
+            conn, run_id, sink, RunState.PREPARED, [RunState.WRITING], counts=json.dumps(counts)
+        )
 
 
 @dataclass(frozen=True)
@@ -282,8 +349,9 @@ class Participant:
     rows: int
 
 
-def decide(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str,
-           chosen: list[Participant]) -> None:
+def decide(
+    conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, chosen: list[Participant]
+) -> None:
     """The commit point: lease still ours (and not expired), chosen gids recorded, state
     committing, in one ledger transaction."""
     with conn.transaction():
@@ -293,29 +361,40 @@ def decide(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str,
             cur.executemany(
                 """INSERT INTO tidemark.participants (run_id, sink, gid, target, task, rows)
                    VALUES (%s, %s, %s, %s, %s, %s)""",
-                [(run_id, sink, p.gid, p.target, p.task, p.rows) for p in chosen])
+                [(run_id, sink, p.gid, p.target, p.task, p.rows) for p in chosen],
+            )
 
 
 def state_of(conn: psycopg.Connection, run_id: int, sink: str) -> RunState | None:
-    row = conn.execute("SELECT state::text FROM tidemark.run_sinks WHERE run_id = %s "
-                       "AND sink = %s", (run_id, sink)).fetchone()
+    row = conn.execute(
+        "SELECT state::text FROM tidemark.run_sinks WHERE run_id = %s AND sink = %s", (run_id, sink)
+    ).fetchone()
     return RunState(row[0]) if row else None
 
 
-def advance(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str,
-            timings: dict | None = None) -> None:
+def advance(
+    conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, timings: dict | None = None
+) -> None:
     """committing -> committed: checkpoints to the ranges' ends (never backwards), lease freed,
     counts and timings stored as run metrics."""
     with conn.transaction():
         _lock_lease(conn, pipeline, sink)
-        _transition(conn, run_id, sink, RunState.COMMITTED, [RunState.COMMITTING],
-                    timings=json.dumps(timings or {}))
+        _transition(
+            conn,
+            run_id,
+            sink,
+            RunState.COMMITTED,
+            [RunState.COMMITTING],
+            timings=json.dumps(timings or {}),
+        )
         conn.execute(
             """INSERT INTO tidemark.run_metrics (run_id, sink, name, value)
                SELECT run_id, sink, m.key, m.value::float8 FROM tidemark.run_sinks,
                       jsonb_each_text(counts || timings) m
                WHERE run_id = %s AND sink = %s AND jsonb_typeof(counts || timings) = 'object'
-               ON CONFLICT DO NOTHING""", (run_id, sink))
+               ON CONFLICT DO NOTHING""",
+            (run_id, sink),
+        )
         conn.execute(
             """INSERT INTO tidemark.checkpoints AS c (pipeline, sink, partition, next_offset,
                       updated_by)
@@ -325,7 +404,8 @@ def advance(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str,
                ON CONFLICT (pipeline, sink, partition) DO UPDATE
                SET next_offset = greatest(c.next_offset, EXCLUDED.next_offset),
                    updated_at = now(), updated_by = EXCLUDED.updated_by""",
-            {"p": pipeline, "r": run_id, "s": sink})
+            {"p": pipeline, "r": run_id, "s": sink},
+        )
         _release(conn, pipeline, run_id, sink)
 
 
@@ -334,34 +414,46 @@ def abort(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, error
     with conn.transaction():
         _lock_lease(conn, pipeline, sink)
         try:
-            _transition(conn, run_id, sink, RunState.ABORTED, ABORTABLE, error=clamp(error, ERROR_MAX))
+            _transition(
+                conn, run_id, sink, RunState.ABORTED, ABORTABLE, error=clamp(error, ERROR_MAX)
+            )
         except IllegalTransition:
             return False
         _release(conn, pipeline, run_id, sink)
         return True
 
 
-def dq_failed(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str,
-              error: str) -> None:
+def dq_failed(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, error: str) -> None:
     with conn.transaction():
         _lock_lease(conn, pipeline, sink)
-        _transition(conn, run_id, sink, RunState.DQ_FAILED,
-                    [RunState.PLANNED, RunState.WRITING], error=clamp(error, ERROR_MAX))
+        _transition(
+            conn,
+            run_id,
+            sink,
+            RunState.DQ_FAILED,
+            [RunState.PLANNED, RunState.WRITING],
+            error=clamp(error, ERROR_MAX),
+        )
         _release(conn, pipeline, run_id, sink)
 
 
 def note_read(conn: psycopg.Connection, run_id: int, records: int) -> None:
     """The records the run read, on its sinks that ended without writing them (aborted,
     dq_failed): their counts say what the run saw, not nothing."""
-    conn.execute("""UPDATE tidemark.run_sinks SET counts = counts || jsonb_build_object(
+    conn.execute(
+        """UPDATE tidemark.run_sinks SET counts = counts || jsonb_build_object(
                         'records', %s::bigint)
                     WHERE run_id = %s AND state::text = ANY(%s) AND NOT counts ? 'records'""",
-                 (records, run_id, [RunState.ABORTED.value, RunState.DQ_FAILED.value]))
+        (records, run_id, [RunState.ABORTED.value, RunState.DQ_FAILED.value]),
+    )
 
 
 def _release(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str) -> None:
-    conn.execute("""UPDATE tidemark.leases SET run_id = NULL, owner = NULL, expires_at = NULL
-                    WHERE pipeline = %s AND sink = %s AND run_id = %s""", (pipeline, sink, run_id))
+    conn.execute(
+        """UPDATE tidemark.leases SET run_id = NULL, owner = NULL, expires_at = NULL
+                    WHERE pipeline = %s AND sink = %s AND run_id = %s""",
+        (pipeline, sink, run_id),
+    )
 
 
 def heartbeat(conn: psycopg.Connection, pipeline: str, run_id: int, ttl_seconds: int) -> int:
@@ -369,23 +461,36 @@ def heartbeat(conn: psycopg.Connection, pipeline: str, run_id: int, ttl_seconds:
     with conn.transaction():
         return conn.execute(
             """UPDATE tidemark.leases SET expires_at = now() + make_interval(secs => %s)
-               WHERE pipeline = %s AND run_id = %s""", (ttl_seconds, pipeline, run_id)).rowcount
+               WHERE pipeline = %s AND run_id = %s""",
+            (ttl_seconds, pipeline, run_id),
+        ).rowcount
 
 
 def finish_run(conn: psycopg.Connection, run_id: int) -> None:
     with conn.transaction():
-        conn.execute("UPDATE tidemark.runs SET finished_at = now() WHERE run_id = %s "
-                     "AND finished_at IS NULL", (run_id,))
+        conn.execute(
+            "UPDATE tidemark.runs SET finished_at = now() WHERE run_id = %s "
+            "AND finished_at IS NULL",
+            (run_id,),
+        )
 
 
 def halt(conn: psycopg.Connection, pipeline: str, reason: str) -> None:
     with conn.transaction():
-        conn.execute("""UPDATE tidemark.pipelines SET halted_reason = %s, halted_at = now()
-                        WHERE name = %s""", (clamp(reason, ERROR_MAX), pipeline))
+        conn.execute(
+            """UPDATE tidemark.pipelines SET halted_reason = %s, halted_at = now()
+                        WHERE name = %s""",
+            (clamp(reason, ERROR_MAX), pipeline),
+        )
 
 
 def resume(conn: psycopg.Connection, pipeline: str) -> bool:
     with conn.transaction():
-        return conn.execute("""UPDATE tidemark.pipelines SET halted_reason = NULL,
+        return (
+            conn.execute(
+                """UPDATE tidemark.pipelines SET halted_reason = NULL,
                                halted_at = NULL WHERE name = %s AND halted_reason IS NOT NULL""",
-                            (pipeline,)).rowcount > 0
+                (pipeline,),
+            ).rowcount
+            > 0
+        )

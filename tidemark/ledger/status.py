@@ -13,8 +13,9 @@ from tidemark.quality.outcomes import observed
 
 def pipeline_status(conn: psycopg.Connection, pipeline: str, runs: int = 10) -> dict:
     cur = conn.cursor(row_factory=dict_row)
-    row = cur.execute("SELECT halted_reason, halted_at FROM tidemark.pipelines WHERE name = %s",
-                      (pipeline,)).fetchone()
+    row = cur.execute(
+        "SELECT halted_reason, halted_at FROM tidemark.pipelines WHERE name = %s", (pipeline,)
+    ).fetchone()
     checkpoints = listing(conn, pipeline)
     recent = cur.execute(
         """SELECT r.run_id, r.mode, r.created_at, r.finished_at, rs.sink, rs.state::text AS state,
@@ -23,24 +24,37 @@ def pipeline_status(conn: psycopg.Connection, pipeline: str, runs: int = 10) -> 
            WHERE r.pipeline = %s AND r.run_id IN (
                SELECT run_id FROM tidemark.runs WHERE pipeline = %s
                ORDER BY run_id DESC LIMIT %s)
-           ORDER BY r.run_id DESC, rs.sink""", (pipeline, pipeline, runs)).fetchall()
+           ORDER BY r.run_id DESC, rs.sink""",
+        (pipeline, pipeline, runs),
+    ).fetchall()
     dlq = cur.execute(
         """SELECT coalesce(sink, '-') AS sink, error_class::text AS error_class,
                   status::text AS status, count(*) AS records
            FROM tidemark.dlq WHERE pipeline = %s GROUP BY 1, 2, 3 ORDER BY 1, 2, 3""",
-        (pipeline,)).fetchall()
+        (pipeline,),
+    ).fetchall()
     gates = cur.execute(
         """SELECT DISTINCT ON (d.scope) d.scope, d.run_id, d.success, d.rows_failed,
                   d.results, d.docs_path, d.created_at
            FROM tidemark.dq_results d JOIN tidemark.runs r USING (run_id)
-           WHERE r.pipeline = %s ORDER BY d.scope, d.run_id DESC""", (pipeline,)).fetchall()
+           WHERE r.pipeline = %s ORDER BY d.scope, d.run_id DESC""",
+        (pipeline,),
+    ).fetchall()
     leases = cur.execute(
         """SELECT sink, epoch, run_id, owner, expires_at FROM tidemark.leases
-           WHERE pipeline = %s ORDER BY sink""", (pipeline,)).fetchall()
-    return {"pipeline": pipeline, "known": row is not None,
-            "halted": row["halted_reason"] if row else None,
-            "checkpoints": checkpoints, "runs": recent, "dead_letters": dlq, "leases": leases,
-            "gates": gates}
+           WHERE pipeline = %s ORDER BY sink""",
+        (pipeline,),
+    ).fetchall()
+    return {
+        "pipeline": pipeline,
+        "known": row is not None,
+        "halted": row["halted_reason"] if row else None,
+        "checkpoints": checkpoints,
+        "runs": recent,
+        "dead_letters": dlq,
+        "leases": leases,
+        "gates": gates,
+    }
 
 
 def render(st: dict) -> str:
@@ -59,22 +73,27 @@ def render(st: dict) -> str:
         dead = counts.get("dead", counts.get("sink_dead", 0) + counts.get("source_dead", 0))
         err = f"  {r['error'][:100]}" if r["error"] else ""
         read = counts.get("records", 0)
-        out.append(f"    {r['run_id']:>6} {r['mode']:<8} {r['sink']:<16} {r['state']:<10} "
-                   f"{read:>10,} read {rows:>10,} rows {dead:>7,} dlq  "
-                   f"{r['created_at']:%Y-%m-%d %H:%M:%S}{err}")
+        out.append(
+            f"    {r['run_id']:>6} {r['mode']:<8} {r['sink']:<16} {r['state']:<10} "
+            f"{read:>10,} read {rows:>10,} rows {dead:>7,} dlq  "
+            f"{r['created_at']:%Y-%m-%d %H:%M:%S}{err}"
+        )
     if st["gates"]:
         out.append("  data quality (last gate per scope):")
         for g in st["gates"]:
-            out.append(f"    {g['scope'] or '(pipeline)':<16} run {g['run_id']:<6} "
-                       f"{'passed' if g['success'] else 'FAILED':<7} "
-                       f"{g['rows_failed']:,} rows quarantined")
+            out.append(
+                f"    {g['scope'] or '(pipeline)':<16} run {g['run_id']:<6} "
+                f"{'passed' if g['success'] else 'FAILED':<7} "
+                f"{g['rows_failed']:,} rows quarantined"
+            )
             out.extend(f"      failed: {line}" for line in failed_lines(g["results"]))
     out.append("  dead letters:")
     if not st["dead_letters"]:
         out.append("    none")
     for d in st["dead_letters"]:
-        out.append(f"    {d['sink']:<16} {d['error_class']:<11} {d['status']:<12} "
-                   f"{d['records']:>8,}")
+        out.append(
+            f"    {d['sink']:<16} {d['error_class']:<11} {d['status']:<12} {d['records']:>8,}"
+        )
     return "\n".join(out)
 
 
@@ -82,14 +101,25 @@ def failed_lines(results: list[dict]) -> list[str]:
     lines = []
     for r in results or []:
         if not r.get("success"):
-            args = ", ".join(f"{k}={v}" for k, v in (r.get("kwargs") or {}).items()
-                             if k not in ("result_format", "catch_exceptions", "meta"))
+            args = ", ".join(
+                f"{k}={v}"
+                for k, v in (r.get("kwargs") or {}).items()
+                if k not in ("result_format", "catch_exceptions", "meta")
+            )
             lines.append(f"{r.get('expectation')}({args}) {observed(r)}")
     return lines
 
 
-def save_dq_result(conn: psycopg.Connection, run_id: int, scope: str, success: bool,
-                   rows_failed: int, results: list, raw: object, docs_path: str | None) -> None:
+def save_dq_result(
+    conn: psycopg.Connection,
+    run_id: int,
+    scope: str,
+    success: bool,
+    rows_failed: int,
+    results: list,
+    raw: object,
+    docs_path: str | None,
+) -> None:
     """A gate's outcome for one scope of a run (pipeline or sink); a retry replaces it."""
     with conn.transaction():
         conn.execute(
@@ -99,15 +129,25 @@ def save_dq_result(conn: psycopg.Connection, run_id: int, scope: str, success: b
                ON CONFLICT (run_id, scope) DO UPDATE SET success = EXCLUDED.success,
                    rows_failed = EXCLUDED.rows_failed, results = EXCLUDED.results,
                    raw = EXCLUDED.raw, docs_path = EXCLUDED.docs_path""",
-            (run_id, scope, success, rows_failed, json.dumps(results, default=str),
-             json.dumps(raw, default=str), docs_path))
+            (
+                run_id,
+                scope,
+                success,
+                rows_failed,
+                json.dumps(results, default=str),
+                json.dumps(raw, default=str),
+                docs_path,
+            ),
+        )
 
 
 def dq_results(conn: psycopg.Connection, run_id: int) -> list[dict]:
     cur = conn.cursor(row_factory=dict_row)
-    return cur.execute("""SELECT scope, success, rows_failed, results, docs_path, created_at
+    return cur.execute(
+        """SELECT scope, success, rows_failed, results, docs_path, created_at
                           FROM tidemark.dq_results WHERE run_id = %s ORDER BY scope""",
-                       (run_id,)).fetchall()
+        (run_id,),
+    ).fetchall()
 
 
 def render_dq(run_id: int, rows: list[dict]) -> str:
@@ -115,12 +155,17 @@ def render_dq(run_id: int, rows: list[dict]) -> str:
         return f"run {run_id}: no data-quality results (no checks, or the run never reached them)"
     out = [f"run {run_id}: data quality"]
     for r in rows:
-        out.append(f"  {r['scope'] or '(pipeline)'}: {'passed' if r['success'] else 'FAILED'}, "
-                   f"{r['rows_failed']:,} rows quarantined")
+        out.append(
+            f"  {r['scope'] or '(pipeline)'}: {'passed' if r['success'] else 'FAILED'}, "
+            f"{r['rows_failed']:,} rows quarantined"
+        )
         for res in r["results"] or []:
             mark = "ok  " if res.get("success") else "FAIL"
-            args = ", ".join(f"{k}={v}" for k, v in (res.get("kwargs") or {}).items()
-                             if k not in ("result_format", "catch_exceptions", "meta"))
+            args = ", ".join(
+                f"{k}={v}"
+                for k, v in (res.get("kwargs") or {}).items()
+                if k not in ("result_format", "catch_exceptions", "meta")
+            )
             out.append(f"    {mark} {res.get('expectation')}({args}) {observed(res)}")
         if r["docs_path"]:
             out.append(f"    Data Docs: {r['docs_path']}")

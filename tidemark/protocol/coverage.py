@@ -48,6 +48,8 @@ def problem(spans: list[Span], seen: list[dict[int, str]]) -> str | None:
         if extra or missing:
             bad = np.unpackbits(twice if extra else ~once, count=s.size)
             first = s.start + int(np.argmax(bad))
-            return (f"partition {s.partition} [{s.start}, {s.end}): {missing} record(s) "
-                    f"missing, {extra} seen by two tasks (first at offset {first})")
+            return (
+                f"partition {s.partition} [{s.start}, {s.end}): {missing} record(s) "
+                f"missing, {extra} seen by two tasks (first at offset {first})"
+            )
     return None

@@ -35,17 +35,30 @@ class Policy:
 
     @classmethod
     def of(cls, s: Settings) -> Policy:
-        return cls(s.retention_letters_days, s.retention_runs_days, s.retention_requests_days,
-                   s.retention_batch_size)
+        return cls(
+            s.retention_letters_days,
+            s.retention_runs_days,
+            s.retention_requests_days,
+            s.retention_batch_size,
+        )
 
 
 # How each table's rows are named in a summary, in the order shown.
-LABELS = {"pipelines": "pipeline row", "checkpoints": "checkpoints", "leases": "leases",
-          "dlq": "dead letters", "runs": "runs", "run_sinks": "run sinks",
-          "run_ranges": "run ranges", "participants": "participants",
-          "run_metrics": "run metrics", "dq_results": "data-quality results",
-          "redrive_requests": "redrive requests", "redrive_letters": "redrive request letters",
-          "markers": "commit markers"}
+LABELS = {
+    "pipelines": "pipeline row",
+    "checkpoints": "checkpoints",
+    "leases": "leases",
+    "dlq": "dead letters",
+    "runs": "runs",
+    "run_sinks": "run sinks",
+    "run_ranges": "run ranges",
+    "participants": "participants",
+    "run_metrics": "run metrics",
+    "dq_results": "data-quality results",
+    "redrive_requests": "redrive requests",
+    "redrive_letters": "redrive request letters",
+    "markers": "commit markers",
+}
 
 
 def human_bytes(n: int) -> str:
@@ -74,33 +87,52 @@ class Summary:
 
     def lines(self) -> list[str]:
         verb = "would delete" if self.dry_run else "deleted"
-        out = [f"  {LABELS.get(k, k):<24} {self.rows.get(k, 0):>10,}" for k in LABELS
-               if k in self.rows]
-        out.append(f"  {'Data Docs files':<24} {self.docs_files:>10,}  "
-                   f"({human_bytes(self.docs_bytes)})")
+        out = [
+            f"  {LABELS.get(k, k):<24} {self.rows.get(k, 0):>10,}" for k in LABELS if k in self.rows
+        ]
+        out.append(
+            f"  {'Data Docs files':<24} {self.docs_files:>10,}  ({human_bytes(self.docs_bytes)})"
+        )
         if self.outside:
-            out.append(f"  kept {len(self.outside)} Data Docs page(s) outside the Data Docs "
-                       f"folder, e.g. {self.outside[0]}")
+            out.append(
+                f"  kept {len(self.outside)} Data Docs page(s) outside the Data Docs "
+                f"folder, e.g. {self.outside[0]}"
+            )
         out += [f"  {n}" for n in self.notes]
         return [f"{verb}:", *out]
 
     def to_dict(self) -> dict:
-        return {"dry_run": self.dry_run, "rows": self.rows, "docs_files": self.docs_files,
-                "docs_bytes": self.docs_bytes, "outside": self.outside, "notes": self.notes}
+        return {
+            "dry_run": self.dry_run,
+            "rows": self.rows,
+            "docs_files": self.docs_files,
+            "docs_bytes": self.docs_bytes,
+            "outside": self.outside,
+            "notes": self.notes,
+        }
 
 
 def locked(conn: psycopg.Connection) -> None:
     """Take the retention lock for this session, or say who holds it."""
     if not conn.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_KEY,)).fetchone()[0]:
-        raise TidemarkError("another `tidemark prune` or `pipelines retire` is running on this "
-                            "ledger; try again when it is done")
+        raise TidemarkError(
+            "another `tidemark prune` or `pipelines retire` is running on this "
+            "ledger; try again when it is done"
+        )
 
 
-def walk(conn: psycopg.Connection, kind: str, select: Callable[..., list],
-         delete: Callable[[list], dict[str, int]], count: Callable[[list], dict[str, int]],
-         summary: Summary, batch: int, progress: Progress,
-         each: Callable[[list], None] | None = None,
-         committed: Callable[[], None] | None = None) -> None:
+def walk(
+    conn: psycopg.Connection,
+    kind: str,
+    select: Callable[..., list],
+    delete: Callable[[list], dict[str, int]],
+    count: Callable[[list], dict[str, int]],
+    summary: Summary,
+    batch: int,
+    progress: Progress,
+    each: Callable[[list], None] | None = None,
+    committed: Callable[[], None] | None = None,
+) -> None:
     """Page through ``select`` (ids, or tuples whose first item is the id) ``batch`` at a time;
     per page, one transaction: ``each`` (reads what goes with the rows), ``delete`` (or, dry,
     ``count``) its rows; then ``committed`` (their files: only once the rows are gone)."""
@@ -122,40 +154,66 @@ def walk(conn: psycopg.Connection, kind: str, select: Callable[..., list],
         progress(f"{kind}: {'found' if summary.dry_run else 'deleted'} {done:,}")
 
 
-def prune(ledger_dsn: str, policy: Policy, docs_root: Path, *, pipeline: str | None = None,
-          dry_run: bool = False, progress: Progress = lambda m: None) -> Summary:
+def prune(
+    ledger_dsn: str,
+    policy: Policy,
+    docs_root: Path,
+    *,
+    pipeline: str | None = None,
+    dry_run: bool = False,
+    progress: Progress = lambda m: None,
+) -> Summary:
     """Delete (``dry_run``: count) what has outlived ``policy``; ``pipeline``: only its."""
     summary = Summary(dry_run=dry_run)
     b = policy.batch_size
-    with connect(ledger_dsn, autocommit=True, what="ledger",
-                 application="tidemark-prune") as conn:
+    with connect(ledger_dsn, autocommit=True, what="ledger", application="tidemark-prune") as conn:
         locked(conn)
         # Letters first: a run a deleted letter pointed at may go in the same prune.
-        walk(conn, "resolved dead letters",
-             lambda c, **kw: retention.letters(c, pipeline=pipeline, days=policy.letters_days,
-                                               **kw),
-             lambda ids: {"dlq": retention.delete_letters(conn, ids)},
-             lambda ids: {"dlq": len(ids)}, summary, b, progress)
+        walk(
+            conn,
+            "resolved dead letters",
+            lambda c, **kw: retention.letters(c, pipeline=pipeline, days=policy.letters_days, **kw),
+            lambda ids: {"dlq": retention.delete_letters(conn, ids)},
+            lambda ids: {"dlq": len(ids)},
+            summary,
+            b,
+            progress,
+        )
         pages: list[tuple[str, str]] = []
 
         def remove_pages() -> None:
             _docs(pages, docs_root, summary)
             pages.clear()
 
-        walk(conn, "finished runs",
-             lambda c, **kw: retention.runs(c, pipeline=pipeline, days=policy.runs_days,
-                                            letters_days=policy.letters_days, **kw),
-             lambda ids: retention.delete_runs(conn, ids),
-             lambda ids: retention.run_rows(conn, ids), summary, b, progress,
-             each=lambda ids: pages.extend(retention.docs_pages(conn, ids)),
-             committed=remove_pages)
-        walk(conn, "redrive requests",
-             lambda c, **kw: _by_letters(retention.requests(
-                 c, pipeline=pipeline, days=policy.requests_days, **kw), b),
-             lambda ids: retention.delete_requests(conn, ids),
-             lambda ids: {"redrive_requests": len(ids),
-                          "redrive_letters": retention.request_letters(conn, ids)},
-             summary, b, progress)
+        walk(
+            conn,
+            "finished runs",
+            lambda c, **kw: retention.runs(
+                c, pipeline=pipeline, days=policy.runs_days, letters_days=policy.letters_days, **kw
+            ),
+            lambda ids: retention.delete_runs(conn, ids),
+            lambda ids: retention.run_rows(conn, ids),
+            summary,
+            b,
+            progress,
+            each=lambda ids: pages.extend(retention.docs_pages(conn, ids)),
+            committed=remove_pages,
+        )
+        walk(
+            conn,
+            "redrive requests",
+            lambda c, **kw: _by_letters(
+                retention.requests(c, pipeline=pipeline, days=policy.requests_days, **kw), b
+            ),
+            lambda ids: retention.delete_requests(conn, ids),
+            lambda ids: {
+                "redrive_requests": len(ids),
+                "redrive_letters": retention.request_letters(conn, ids),
+            },
+            summary,
+            b,
+            progress,
+        )
     return summary
 
 

@@ -50,8 +50,11 @@ class Report:
         return not self.errors and not self.lost
 
     def summary(self) -> str:
-        parts = [f"rolled forward {len(self.rolled_forward)}", f"aborted {len(self.aborted)}",
-                 f"rolled back {len(self.rolled_back)} prepared transaction(s)"]
+        parts = [
+            f"rolled forward {len(self.rolled_forward)}",
+            f"aborted {len(self.aborted)}",
+            f"rolled back {len(self.rolled_back)} prepared transaction(s)",
+        ]
         if self.lost:
             parts.append(f"LOST {len(self.lost)}")
         if self.errors:
@@ -62,8 +65,9 @@ class Report:
 class Databases:
     """Autocommit connections to every database in play, opened on first use."""
 
-    def __init__(self, ledger_dsn: str, pipelines: dict[str, Pipeline],
-                 application: str = "tidemark-recover"):
+    def __init__(
+        self, ledger_dsn: str, pipelines: dict[str, Pipeline], application: str = "tidemark-recover"
+    ):
         self.ledger_dsn = ledger_dsn
         self.application = application
         self.sink_dsns: dict[tuple[str, str], str] = {}
@@ -78,8 +82,9 @@ class Databases:
 
     def conn(self, dsn: str) -> psycopg.Connection:
         if dsn not in self._conns:
-            self._conns[dsn] = connect(dsn, autocommit=True, what="database",
-                                       application=self.application)
+            self._conns[dsn] = connect(
+                dsn, autocommit=True, what="database", application=self.application
+            )
         return self._conns[dsn]
 
     def dsn_for(self, pipeline: str, target: str) -> str:
@@ -89,8 +94,10 @@ class Databases:
         try:
             return self.sink_dsns[(pipeline, sink)]
         except KeyError:
-            raise TidemarkError(f"pipeline {pipeline}: sink {sink} is not configured (pipeline "
-                                f"file missing or changed); cannot reach its database") from None
+            raise TidemarkError(
+                f"pipeline {pipeline}: sink {sink} is not configured (pipeline "
+                f"file missing or changed); cannot reach its database"
+            ) from None
 
     def users(self, dsn: str) -> list[str]:
         """The pipelines with a sink on ``dsn`` (the ledger's: every pipeline)."""
@@ -106,8 +113,9 @@ class Databases:
             c.close()
 
 
-def recover(ledger_dsn: str, pipelines: dict[str, Pipeline], prefix: str,
-            alert_seconds: float = 900.0) -> Report:
+def recover(
+    ledger_dsn: str, pipelines: dict[str, Pipeline], prefix: str, alert_seconds: float = 900.0
+) -> Report:
     report = Report()
     dbs = Databases(ledger_dsn, pipelines)
     for pipeline, what in dbs.errors:
@@ -130,27 +138,37 @@ def _roll_forward(ledger: psycopg.Connection, dbs: Databases, report: Report) ->
         try:
             lost = commit_chosen(ledger, dbs, pipeline, run_id, sink)
         except (psycopg.Error, TidemarkError) as exc:
-            report.error(f"run {run_id} sink {sink}: cannot roll forward: {one_line(exc)}",
-                         [pipeline])
+            report.error(
+                f"run {run_id} sink {sink}: cannot roll forward: {one_line(exc)}", [pipeline]
+            )
             continue
         if lost:
             report.lost.extend(lost)
-            state.halt(ledger, pipeline, f"run {run_id} sink {sink}: chosen transaction(s) "
-                       f"{', '.join(lost)} vanished without their marker rows")
+            state.halt(
+                ledger,
+                pipeline,
+                f"run {run_id} sink {sink}: chosen transaction(s) "
+                f"{', '.join(lost)} vanished without their marker rows",
+            )
             continue
         try:
             state.advance(ledger, pipeline, run_id, sink)
         except state.IllegalTransition:
             continue  # its owner got there first
         except psycopg.Error as exc:
-            report.error(f"run {run_id} sink {sink}: cannot advance: {one_line(exc)}",
-                         [pipeline])
+            report.error(f"run {run_id} sink {sink}: cannot advance: {one_line(exc)}", [pipeline])
             continue
         report.rolled_forward.append((run_id, sink))
 
 
-def commit_chosen(ledger: psycopg.Connection, dbs: Databases, pipeline: str, run_id: int,
-                  sink: str, after_each=None) -> list[str]:
+def commit_chosen(
+    ledger: psycopg.Connection,
+    dbs: Databases,
+    pipeline: str,
+    run_id: int,
+    sink: str,
+    after_each=None,
+) -> list[str]:
     """Commit the decision's gids; returns those that were lost (gone, no marker)."""
     lost = []
     for gid, target in runs.chosen(ledger, run_id, sink):
@@ -172,13 +190,18 @@ def _abort_dead(ledger: psycopg.Connection, report: Report) -> None:
             if state.abort(ledger, pipeline, run_id, sink, f"recovery: {why}"):
                 report.aborted.append((run_id, sink))
         except psycopg.Error as exc:  # one bad item never stops the rest
-            report.error(f"run {run_id} sink {sink}: cannot abort: {one_line(exc)}",
-                         [pipeline])
+            report.error(f"run {run_id} sink {sink}: cannot abort: {one_line(exc)}", [pipeline])
         # Its prepared work is rolled back by the sweep below (same rule as any orphan).
 
 
-def _sweep(ledger: psycopg.Connection, dbs: Databases, prefix: str, horizon: int,
-           alert_seconds: float, report: Report) -> None:
+def _sweep(
+    ledger: psycopg.Connection,
+    dbs: Databases,
+    prefix: str,
+    horizon: int,
+    alert_seconds: float,
+    report: Report,
+) -> None:
     live = runs.open_sinks(ledger, horizon)
     settled_below = min([*live, horizon + 1])
     chosen = runs.decided_gids(ledger)
@@ -192,8 +215,7 @@ def _sweep(ledger: psycopg.Connection, dbs: Databases, prefix: str, horizon: int
         try:
             markers.prune(conn, settled_below)
         except psycopg.Error as exc:
-            report.error(f"cannot prune markers on {mask(dsn)}: {one_line(exc)}",
-                         dbs.users(dsn))
+            report.error(f"cannot prune markers on {mask(dsn)}: {one_line(exc)}", dbs.users(dsn))
         for gid, age in found:
             g = gids.parse(gid, prefix)
             if g is None or g.run_id > horizon:

@@ -42,8 +42,9 @@ class Plan:
         return not any(self.rows.values()) and not self.docs_dir.exists()
 
 
-def _databases(ledger_dsn: str, name: str, pipelines: dict[str, Pipeline]
-               ) -> tuple[list[str], list[str]]:
+def _databases(
+    ledger_dsn: str, name: str, pipelines: dict[str, Pipeline]
+) -> tuple[list[str], list[str]]:
     """(DSNs to scan for its prepared transactions: the ledger and every sink database of a
     pipeline file, each once; what cannot be scanned)."""
     dsns, unchecked = [ledger_dsn], []
@@ -55,13 +56,20 @@ def _databases(ledger_dsn: str, name: str, pipelines: dict[str, Pipeline]
                 if p.name == name:
                     unchecked.append(str(exc))
     if name not in pipelines:
-        unchecked.append(f"pipeline {name}: no pipeline file, so only the ledger and the "
-                         f"sink databases of other pipeline files are scanned")
+        unchecked.append(
+            f"pipeline {name}: no pipeline file, so only the ledger and the "
+            f"sink databases of other pipeline files are scanned"
+        )
     return list(dict.fromkeys(dsns)), unchecked
 
 
-def blockers(conn: psycopg.Connection, ledger_dsn: str, name: str,
-             pipelines: dict[str, Pipeline], prefix: str) -> tuple[list[str], list[str]]:
+def blockers(
+    conn: psycopg.Connection,
+    ledger_dsn: str,
+    name: str,
+    pipelines: dict[str, Pipeline],
+    prefix: str,
+) -> tuple[list[str], list[str]]:
     """(why retiring ``name`` must wait, databases that could not be scanned)."""
     why = []
     open_ = retention.open_runs(conn, name)
@@ -71,8 +79,7 @@ def blockers(conn: psycopg.Connection, ledger_dsn: str, name: str,
     found: dict[int, str] = {}
     for dsn in dsns:
         try:
-            with connect(dsn, autocommit=True, what="database",
-                         application="tidemark-retire") as c:
+            with connect(dsn, autocommit=True, what="database", application="tidemark-retire") as c:
                 for gid, _ in twopc.prepared(c, f"{prefix}:%"):
                     g = gids.parse(gid, prefix)
                     if g is not None:
@@ -86,14 +93,17 @@ def blockers(conn: psycopg.Connection, ledger_dsn: str, name: str,
     return why, unchecked
 
 
-def plan(ledger_dsn: str, name: str, pipelines: dict[str, Pipeline], prefix: str,
-         docs_root: Path) -> Plan:
+def plan(
+    ledger_dsn: str, name: str, pipelines: dict[str, Pipeline], prefix: str, docs_root: Path
+) -> Plan:
     """Count what retiring ``name`` deletes, or refuse (one line) while it must wait."""
     with connect(ledger_dsn, autocommit=True, what="ledger") as conn:
         why, unchecked = blockers(conn, ledger_dsn, name, pipelines, prefix)
         if why:
-            raise TidemarkError(f"pipeline {name} cannot be retired yet: {'; '.join(why)}; "
-                                f"run `tidemark recover` first")
+            raise TidemarkError(
+                f"pipeline {name} cannot be retired yet: {'; '.join(why)}; "
+                f"run `tidemark recover` first"
+            )
         rows = retention.pipeline_rows(conn, name)
     folder = docs_root / name
     files, size = docs.tree_size(str(folder))
@@ -103,34 +113,63 @@ def plan(ledger_dsn: str, name: str, pipelines: dict[str, Pipeline], prefix: str
     return p
 
 
-def retire(ledger_dsn: str, name: str, pipelines: dict[str, Pipeline], prefix: str,
-           docs_root: Path, batch: int, progress: Progress = lambda m: None) -> Summary:
+def retire(
+    ledger_dsn: str,
+    name: str,
+    pipelines: dict[str, Pipeline],
+    prefix: str,
+    docs_root: Path,
+    batch: int,
+    progress: Progress = lambda m: None,
+) -> Summary:
     summary = Summary()
     dsns, _ = _databases(ledger_dsn, name, pipelines)
-    with connect(ledger_dsn, autocommit=True, what="ledger",
-                 application="tidemark-retire") as conn:
+    with connect(ledger_dsn, autocommit=True, what="ledger", application="tidemark-retire") as conn:
         locked(conn)
         with conn.transaction():
             # Checked again under the pipeline's row lock: no run can start or be open now.
             previous = retention.lock_pipeline(conn, name)
             why, _ = blockers(conn, ledger_dsn, name, pipelines, prefix)
             if why:
-                raise TidemarkError(f"pipeline {name} cannot be retired yet: "
-                                    f"{'; '.join(why)}; run `tidemark recover` first")
+                raise TidemarkError(
+                    f"pipeline {name} cannot be retired yet: "
+                    f"{'; '.join(why)}; run `tidemark recover` first"
+                )
             if previous != HALT:
                 state.halt(conn, name, HALT)
-        walk(conn, "dead letters",
-             lambda c, **kw: retention.letters(c, pipeline=name, days=None, **kw),
-             lambda ids: {"dlq": retention.delete_letters(conn, ids)},
-             lambda ids: {"dlq": len(ids)}, summary, batch, progress)
-        walk(conn, "runs", lambda c, **kw: retention.runs(c, pipeline=name, days=None, **kw),
-             lambda ids: retention.delete_runs(conn, ids) | {
-                 "markers": _forget_markers(dsns, prefix, ids, summary)},
-             lambda ids: {}, summary, batch, progress)
-        walk(conn, "redrive requests",
-             lambda c, **kw: retention.requests(c, pipeline=name, days=None, **kw),
-             lambda ids: retention.delete_requests(conn, ids),
-             lambda ids: {}, summary, batch, progress)
+        walk(
+            conn,
+            "dead letters",
+            lambda c, **kw: retention.letters(c, pipeline=name, days=None, **kw),
+            lambda ids: {"dlq": retention.delete_letters(conn, ids)},
+            lambda ids: {"dlq": len(ids)},
+            summary,
+            batch,
+            progress,
+        )
+        walk(
+            conn,
+            "runs",
+            lambda c, **kw: retention.runs(c, pipeline=name, days=None, **kw),
+            lambda ids: (
+                retention.delete_runs(conn, ids)
+                | {"markers": _forget_markers(dsns, prefix, ids, summary)}
+            ),
+            lambda ids: {},
+            summary,
+            batch,
+            progress,
+        )
+        walk(
+            conn,
+            "redrive requests",
+            lambda c, **kw: retention.requests(c, pipeline=name, days=None, **kw),
+            lambda ids: retention.delete_requests(conn, ids),
+            lambda ids: {},
+            summary,
+            batch,
+            progress,
+        )
         with conn.transaction():
             summary.add(retention.delete_pipeline(conn, name))
     files, size = docs.remove_tree(str(docs_root / name))
@@ -138,15 +177,13 @@ def retire(ledger_dsn: str, name: str, pipelines: dict[str, Pipeline], prefix: s
     return summary
 
 
-def _forget_markers(dsns: list[str], prefix: str, run_ids: list[int], summary: Summary
-                    ) -> int:
+def _forget_markers(dsns: list[str], prefix: str, run_ids: list[int], summary: Summary) -> int:
     """Its runs' commit markers on every database reachable (settled runs: no decision of
     theirs can be in doubt any more). One that cannot be reached keeps them: harmless."""
     n = 0
     for dsn in dsns:
         try:
-            with connect(dsn, autocommit=True, what="database",
-                         application="tidemark-retire") as c:
+            with connect(dsn, autocommit=True, what="database", application="tidemark-retire") as c:
                 n += markers.forget(c, prefix, run_ids)
         except (psycopg.Error, TidemarkError) as exc:
             summary.notes.append(f"commit markers kept on {mask(dsn)}: {one_line(exc)}")

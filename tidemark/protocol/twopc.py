@@ -19,12 +19,19 @@ def prepared(conn: psycopg.Connection, like: str) -> list[tuple[str, float]]:
     """(gid, age in seconds) of this database's prepared transactions matching ``like``."""
     return conn.execute(
         "SELECT gid, extract(epoch FROM now() - prepared)::float8 FROM pg_prepared_xacts "
-        "WHERE database = current_database() AND gid LIKE %s ORDER BY gid", (like,)).fetchall()
+        "WHERE database = current_database() AND gid LIKE %s ORDER BY gid",
+        (like,),
+    ).fetchall()
 
 
 def is_prepared(conn: psycopg.Connection, gid: str) -> bool:
-    return conn.execute("SELECT 1 FROM pg_prepared_xacts WHERE database = current_database() "
-                        "AND gid = %s", (gid,)).fetchone() is not None
+    return (
+        conn.execute(
+            "SELECT 1 FROM pg_prepared_xacts WHERE database = current_database() AND gid = %s",
+            (gid,),
+        ).fetchone()
+        is not None
+    )
 
 
 def _finish(conn: psycopg.Connection, verb: str, gid: str, busy_seconds: float) -> bool:

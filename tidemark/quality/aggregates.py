@@ -32,11 +32,20 @@ from tidemark.quality.validation import batch_definition, validate
 # sample lists read rows, but none when no samples are asked for (see _reads_no_rows).
 _SCHEMA = {"table.columns", "table.column_types"}
 _PARTIALS = (".condition", ".aggregate_fn")
-_SAMPLES = (".unexpected_values", ".unexpected_index_list", ".unexpected_index_query",
-            ".unexpected_rows", ".unexpected_value_counts")
+_SAMPLES = (
+    ".unexpected_values",
+    ".unexpected_index_list",
+    ".unexpected_index_query",
+    ".unexpected_rows",
+    ".unexpected_value_counts",
+)
 _VALUES = "_spark_column_map_condition_values"  # GX's sample values of a column map check
 _COLUMN_AGGREGATES: dict[str, Callable[[Column], Column]] = {
-    "column.mean": F.mean, "column.min": F.min, "column.max": F.max, "column.sum": F.sum}
+    "column.mean": F.mean,
+    "column.min": F.min,
+    "column.max": F.max,
+    "column.sum": F.sum,
+}
 # Domain keys GX always sets; any other that is set (a row condition, a filter) narrows the
 # rows in a way this module does not rebuild.
 _WHOLE_TABLE = {"batch_id", "table"}
@@ -49,14 +58,20 @@ class Plan:
     suite: Any
     result_format: dict
     empty: DataFrame
-    columns: list[Column] = field(default_factory=list)   # aggregates, aliased
-    ids: list = field(default_factory=list)               # their GX metric ids
+    columns: list[Column] = field(default_factory=list)  # aggregates, aliased
+    ids: list = field(default_factory=list)  # their GX metric ids
     conditions: dict[str, Column] = field(default_factory=dict)  # key(expectation) -> unexpected
-    order: list[str] = field(default_factory=list)        # key(expectation), as GX reports them
+    order: list[str] = field(default_factory=list)  # key(expectation), as GX reports them
 
 
-def plan(df: DataFrame, suite, result_format: dict, domain: Column | None, tag: str,
-         conditions: bool = False) -> Plan | None:
+def plan(
+    df: DataFrame,
+    suite,
+    result_format: dict,
+    domain: Column | None,
+    tag: str,
+    conditions: bool = False,
+) -> Plan | None:
     """The aggregates of ``suite`` over the rows of ``df`` where ``domain`` holds (all if
     None), aliased ``<tag><n>``; None when one of its metrics is not an aggregate known here.
     ``conditions``: also GX's unexpected condition of each of its (map) expectations, by
@@ -83,23 +98,31 @@ def plan(df: DataFrame, suite, result_format: dict, domain: Column | None, tag: 
 
     with _hooked(record, seen) as engine:
         _, res = validate(empty, suite, result_format)
-        if not res.success and any((r.exception_info or {}).get("raised_exception")
-                                   for r in res.results):
+        if not res.success and any(
+            (r.exception_info or {}).get("raised_exception") for r in res.results
+        ):
             return None  # GX reports it properly when it computes the suite itself
         found = {}
         for e in suite.expectations if conditions else []:
-            deps = e.get_validation_dependencies(execution_engine=engine,
-                                                 runtime_configuration={
-                                                     "result_format": result_format})
-            mc = deps.metric_configurations.get(f"{getattr(e, 'map_metric', None)}.unexpected_count")
+            deps = e.get_validation_dependencies(
+                execution_engine=engine, runtime_configuration={"result_format": result_format}
+            )
+            mc = deps.metric_configurations.get(
+                f"{getattr(e, 'map_metric', None)}.unexpected_count"
+            )
             same = [cfg for cfg in bundles.values() if mc is not None and _same(cfg, mc)]
             cond = condition(same[0]) if same else None
             if cond is not None:
                 found[key(e.configuration)] = F.coalesce(cond, F.lit(False))
     if not all(_reads_no_rows(name, result_format) for name in directs):
         return None
-    out = Plan(suite, result_format, empty, conditions=found,
-               order=[key(r.expectation_config) for r in res.results])
+    out = Plan(
+        suite,
+        result_format,
+        empty,
+        conditions=found,
+        order=[key(r.expectation_config) for r in res.results],
+    )
     for i, (mid, cfg) in enumerate(bundles.items()):
         agg = _aggregate(cfg, condition(cfg), domain)
         if agg is None:
@@ -113,12 +136,12 @@ def judge(p: Plan, row, tag: str):
     """GX's batch and validation result for ``p``'s suite from the job's ``row``."""
     from great_expectations.util import convert_to_json_serializable
 
-    values = {mid: convert_to_json_serializable(data=row[f"{tag}{i}"])
-              for i, mid in enumerate(p.ids)}
+    values = {
+        mid: convert_to_json_serializable(data=row[f"{tag}{i}"]) for i, mid in enumerate(p.ids)
+    }
 
     def given(engine, bundle):
-        return {cfg.metric_configuration.id: values[cfg.metric_configuration.id]
-                for cfg in bundle}
+        return {cfg.metric_configuration.id: values[cfg.metric_configuration.id] for cfg in bundle}
 
     with _hooked(given, lambda c: None):
         return validate(p.empty, p.suite, p.result_format)
@@ -138,12 +161,16 @@ def _hooked(bundles: Callable, direct: Callable):
             for c in plain:
                 direct(c)
             # The frame is empty, so are its sample values; asking Spark costs a query each.
-            return [dataclasses.replace(c, metric_fn=_no_values)
-                    if getattr(c.metric_fn, "__name__", "") == _VALUES else c
-                    for c in plain], bundled
+            return [
+                dataclasses.replace(c, metric_fn=_no_values)
+                if getattr(c.metric_fn, "__name__", "") == _VALUES
+                else c
+                for c in plain
+            ], bundled
 
         engine.resolve_metric_bundle = lambda metric_fn_bundle: bundles(
-            engine, list(metric_fn_bundle))
+            engine, list(metric_fn_bundle)
+        )
         engine._build_direct_and_bundled_metric_computation_configurations = split
         try:
             yield engine
@@ -162,8 +189,11 @@ def _same(cfg, mc) -> bool:
     """Whether the computed metric ``cfg`` is ``mc`` (GX adds the batch to the domain while
     it validates)."""
     a, b = cfg.metric_configuration, mc
-    return (a.metric_name == b.metric_name and a.id.metric_value_kwargs_id == b.id.metric_value_kwargs_id
-            and _domain(a) == _domain(b))
+    return (
+        a.metric_name == b.metric_name
+        and a.id.metric_value_kwargs_id == b.id.metric_value_kwargs_id
+        and _domain(a) == _domain(b)
+    )
 
 
 def _domain(mc) -> dict:
@@ -177,9 +207,12 @@ def _no_values(**kwargs) -> list:
 def _reads_no_rows(name: str, result_format: dict) -> bool:
     if name in _SCHEMA or name.endswith(_PARTIALS):
         return True
-    return (name.endswith(_SAMPLES) and result_format.get("partial_unexpected_count") == 0
-            and result_format.get("result_format") in ("BOOLEAN_ONLY", "BASIC", "SUMMARY")
-            and not result_format.get("unexpected_index_column_names"))
+    return (
+        name.endswith(_SAMPLES)
+        and result_format.get("partial_unexpected_count") == 0
+        and result_format.get("result_format") in ("BOOLEAN_ONLY", "BASIC", "SUMMARY")
+        and not result_format.get("unexpected_index_column_names")
+    )
 
 
 def _aggregate(cfg, cond: Column | None, domain: Column | None) -> Column | None:

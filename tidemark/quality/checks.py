@@ -49,7 +49,7 @@ def _cause(message: str) -> str:
     if not lines:
         return "no message"
     starts = [m.start() for m in re.finditer(r"[\w$]+(?:Exception|Error): ", lines[0])]
-    return lines[0][starts[-1]:] if starts else lines[0].removeprefix("Error: ")
+    return lines[0][starts[-1] :] if starts else lines[0].removeprefix("Error: ")
 
 
 def _evaluated(result) -> None:
@@ -59,8 +59,9 @@ def _evaluated(result) -> None:
     err = _gx_error(result)
     if err is not None:
         cfg = result.expectation_config
-        raise TidemarkError(f"{cfg.type}({domain(dict(cfg.kwargs))}): GX could not evaluate "
-                            f"it: {err}")
+        raise TidemarkError(
+            f"{cfg.type}({domain(dict(cfg.kwargs))}): GX could not evaluate it: {err}"
+        )
 
 
 def _json_safe(value):
@@ -93,8 +94,9 @@ FIRST = {"result_format": "SUMMARY", "partial_unexpected_count": 0}
 MAX_FAILURES = 100_000  # failing rows a run may quarantine; more is a wrong check or bad data
 
 
-def row_failures(df, expectations: list, max_failures: int = MAX_FAILURES,
-                 first: FirstPasses | None = None) -> dict[tuple[int, int], str]:
+def row_failures(
+    df, expectations: list, max_failures: int = MAX_FAILURES, first: FirstPasses | None = None
+) -> dict[tuple[int, int], str]:
     """Failing rows of the row-level expectations: ``{(partition, offset): reason}``.
 
     All row-level expectations run as one GX suite on ``df``; failing rows are those GX finds
@@ -129,16 +131,16 @@ def row_failures(df, expectations: list, max_failures: int = MAX_FAILURES,
     if not failing:
         return {}
     if conditions:
-        return _listed(df, failing, [conditions[aggregates.key(c)] for c in failing],
-                       max_failures)
+        return _listed(df, failing, [conditions[aggregates.key(c)] for c in failing], max_failures)
     result_format = {
         "result_format": "COMPLETE",
         "unexpected_index_column_names": list(_INDEX_COLS),
         "return_unexpected_index_query": False,
         "partial_unexpected_count": 0,
     }
-    _, res = validate(df, suite("tidemark-rows-failing", [c.to_domain_obj() for c in failing]),
-                      result_format)
+    _, res = validate(
+        df, suite("tidemark-rows-failing", [c.to_domain_obj() for c in failing]), result_format
+    )
     failures: dict[tuple[int, int], str] = {}
     for r in res.results:  # pass 1 already checked per-expectation counts
         _evaluated(r)
@@ -152,8 +154,7 @@ def row_failures(df, expectations: list, max_failures: int = MAX_FAILURES,
     return failures
 
 
-def _listed(df, configs: list, conditions: list, max_failures: int
-            ) -> dict[tuple[int, int], str]:
+def _listed(df, configs: list, conditions: list, max_failures: int) -> dict[tuple[int, int], str]:
     """Pass 2 on GX's own conditions: the failing rows of every failing expectation in one
     Spark job, each with its first expectation's reason (as GX's unexpected index lists)."""
     from pyspark.sql import functions as F
@@ -164,22 +165,29 @@ def _listed(df, configs: list, conditions: list, max_failures: int
     for c in conditions[1:]:
         hit = hit | c
     flags = [c.alias(f"_tm_unexpected{k}") for k, c in enumerate(conditions)]
-    rows = (df.where(hit).select(*_INDEX_COLS, *[F.col(c) for c in columns], *flags)
-            .limit(max_failures + 1).collect())
+    rows = (
+        df.where(hit)
+        .select(*_INDEX_COLS, *[F.col(c) for c in columns], *flags)
+        .limit(max_failures + 1)
+        .collect()
+    )
     _limit(len(rows), max_failures, "+")
     failures: dict[tuple[int, int], str] = {}
     for row in rows:
         k = next(k for k in range(len(configs)) if row[f"_tm_unexpected{k}"])
         values = {c: row[c] for c in (*_INDEX_COLS, *read[k])}
         failures[(int(row[PARTITION_COL]), int(row[OFFSET_COL]))] = reason(
-            configs[k].type, dict(configs[k].kwargs), values)
+            configs[k].type, dict(configs[k].kwargs), values
+        )
     return failures
 
 
 def _limit(failed: int, max_failures: int, more: str = "") -> None:
     if failed > max_failures:
-        raise TidemarkError(f"{failed}{more} rows fail row-level expectations, more than the "
-                            f"{max_failures} allowed for quarantine")
+        raise TidemarkError(
+            f"{failed}{more} rows fail row-level expectations, more than the "
+            f"{max_failures} allowed for quarantine"
+        )
 
 
 @dataclass
@@ -195,8 +203,7 @@ class GateOutcome:
         return [r for r in self.results if not r["success"]]
 
 
-def gate(df, expectations: list, docs_dir: str | None, label: str, first=None
-         ) -> GateOutcome:
+def gate(df, expectations: list, docs_dir: str | None, label: str, first=None) -> GateOutcome:
     """Run the batch-level expectations as one GX suite over ``df``; optionally render Data Docs.
     ``first``: the suite and its first (batch, result), if :func:`evaluate` computed them."""
     if not expectations:
@@ -226,8 +233,13 @@ def gate(df, expectations: list, docs_dir: str | None, label: str, first=None
         }
         # A column map expectation has no observed value: its counts and GX's sample of the
         # unexpected values (a failed gate's; up to 20) say what it saw (quality/outcomes.py).
-        for k in ("element_count", "missing_count", "unexpected_count", "unexpected_percent",
-                  "partial_unexpected_list"):
+        for k in (
+            "element_count",
+            "missing_count",
+            "unexpected_count",
+            "unexpected_percent",
+            "partial_unexpected_list",
+        ):
             if k in result:
                 item[k] = _json_safe(result[k])
         results.append(item)
@@ -262,10 +274,11 @@ def first_passes(df, rows: list, batch: list, label: str) -> FirstPasses | None:
         return None
     row_suite = suite("tidemark-rows", rows) if rows else None
     gate_suite = suite(_safe_name(label), batch) if batch else None
-    row_plan = aggregates.plan(df, row_suite, FIRST, None, "r", conditions=True) \
-        if rows else None
-    if rows and (row_plan is None or any(aggregates.key(e.configuration) not in
-                                         row_plan.conditions for e in rows)):
+    row_plan = aggregates.plan(df, row_suite, FIRST, None, "r", conditions=True) if rows else None
+    if rows and (
+        row_plan is None
+        or any(aggregates.key(e.configuration) not in row_plan.conditions for e in rows)
+    ):
         return None
     kept = None
     if row_plan is not None:
@@ -289,7 +302,8 @@ def first_passes(df, rows: list, batch: list, label: str) -> FirstPasses | None:
     # A row expectation that finds unexpected rows yet passes (`mostly`) quarantines none:
     # they stay in the gate's batch, which the job left them out of.
     tolerated = out.rows is not None and any(
-        r.success and (r.result or {}).get("unexpected_count") for r in out.rows.results)
+        r.success and (r.result or {}).get("unexpected_count") for r in out.rows.results
+    )
     if gate_plan is not None and not tolerated:
         out.gate = (gate_suite, aggregates.judge(gate_plan, row, "g"))
     for res in (out.rows, out.gate[1][1] if out.gate else None):
@@ -305,9 +319,9 @@ class OnePass:
     by that job (``observed``). Great Expectations judges them once it is done
     (:meth:`judged`)."""
 
-    checks: list                   # the row checks' configs, in the order GX reports them
-    check: Any                     # Column: index in ``checks`` of a record's first failure
-    observed: list                 # Columns: the aggregates, aliased
+    checks: list  # the row checks' configs, in the order GX reports them
+    check: Any  # Column: index in ``checks`` of a record's first failure
+    observed: list  # Columns: the aggregates, aliased
     rows: aggregates.Plan | None
     gate: aggregates.Plan | None
     gate_suite: Any
@@ -327,8 +341,7 @@ class Judged:
 _ALL, _FAILED = "_tm_records", "_tm_failed"
 
 
-def one_pass(df, rows: list, batch: list, label: str, domain, check_as: str
-             ) -> OnePass | None:
+def one_pass(df, rows: list, batch: list, label: str, domain, check_as: str) -> OnePass | None:
     """The row checks over the rows of ``df`` where ``domain`` holds, and the gate over those
     that no row check finds unexpected, as one job computes them while it writes the batch:
     a record's first failing row check is quarantined by the writer, the gate is judged
@@ -342,8 +355,11 @@ def one_pass(df, rows: list, batch: list, label: str, domain, check_as: str
     rows = [e for e in rows if is_row_level(e)]
     if not rows and not batch:
         return None
-    row_plan = aggregates.plan(df, suite("tidemark-rows", rows), FIRST, domain, "r",
-                               conditions=True) if rows else None
+    row_plan = (
+        aggregates.plan(df, suite("tidemark-rows", rows), FIRST, domain, "r", conditions=True)
+        if rows
+        else None
+    )
     if rows and (row_plan is None or set(row_plan.order) != set(row_plan.conditions)):
         return None
     gate_suite = suite(_safe_name(label), batch) if batch else None
@@ -358,11 +374,21 @@ def one_pass(df, rows: list, batch: list, label: str, domain, check_as: str
     gate_plan = aggregates.plan(df, gate_suite, FIRST, kept, "g") if batch else None
     if batch and gate_plan is None:
         return None
-    observed = [*(row_plan.columns if row_plan else []), *(gate_plan.columns if gate_plan else []),
-                F.count(F.lit(1)).alias(_ALL), F.count(failed).alias(_FAILED)]
+    observed = [
+        *(row_plan.columns if row_plan else []),
+        *(gate_plan.columns if gate_plan else []),
+        F.count(F.lit(1)).alias(_ALL),
+        F.count(failed).alias(_FAILED),
+    ]
     by_key = {aggregates.key(e.configuration): e.configuration for e in rows}
-    return OnePass([by_key[k] for k in (row_plan.order if row_plan else [])], check, observed,
-                   row_plan, gate_plan, gate_suite)
+    return OnePass(
+        [by_key[k] for k in (row_plan.order if row_plan else [])],
+        check,
+        observed,
+        row_plan,
+        gate_plan,
+        gate_suite,
+    )
 
 
 def judged(p: OnePass, values, records: int, max_failures: int = MAX_FAILURES) -> Judged:
@@ -372,8 +398,7 @@ def judged(p: OnePass, values, records: int, max_failures: int = MAX_FAILURES) -
     the gate passes. Otherwise (or if GX cannot evaluate an expectation) the run checks a
     cached batch and writes again."""
     if values[_ALL] != records:  # a stage ran twice and counted its rows twice
-        return Judged(False, f"the checks counted {values[_ALL]:,} records, the writes "
-                             f"{records:,}")
+        return Judged(False, f"the checks counted {values[_ALL]:,} records, the writes {records:,}")
     out = Judged(True, failed=values[_FAILED])
     if p.rows is not None:
         res = aggregates.judge(p.rows, values, "r")[1]
@@ -384,8 +409,11 @@ def judged(p: OnePass, values, records: int, max_failures: int = MAX_FAILURES) -
             if _gx_error(r):
                 return Judged(False, "GX could not evaluate a row check")
             if r.success and count:
-                return Judged(False, f"a row check passes with {count:,} unexpected rows "
-                                     f"(`mostly`): they stay in the batch")
+                return Judged(
+                    False,
+                    f"a row check passes with {count:,} unexpected rows "
+                    f"(`mostly`): they stay in the batch",
+                )
             if count > max_failures:
                 return Judged(False, f"{count:,} rows fail a row check")
         if out.failed > max_failures:

@@ -103,7 +103,7 @@ def validation_files(docs_dir: str, page: str) -> list[tuple[str, str]] | None:
     rel = os.path.relpath(path, pages)
     if rel.startswith(os.pardir) or not rel.endswith(".html"):
         return None
-    return [(path, pages), (os.path.join(results, rel[:-len(".html")] + ".json"), results)]
+    return [(path, pages), (os.path.join(results, rel[: -len(".html")] + ".json"), results)]
 
 
 def remove_files(files: list[tuple[str, str]]) -> tuple[int, int]:

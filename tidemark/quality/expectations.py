@@ -107,7 +107,9 @@ def parse_expectations(items: list, where: str, field: str) -> list:
             kwargs = {}
         if not isinstance(kwargs, dict):
             raise ConfigError(
-                where, f"{name}: arguments must be a mapping, got {shown(kwargs, VALUE_REPR_MAX)}", path
+                where,
+                f"{name}: arguments must be a mapping, got {shown(kwargs, VALUE_REPR_MAX)}",
+                path,
             )
         bad = [k for k in kwargs if not isinstance(k, str)]
         if bad:

@@ -42,13 +42,17 @@ def _unexpected(result: dict) -> str:
     total = result.get("element_count")
     if total is not None and etype != "expect_column_values_to_not_be_null":
         total -= result.get("missing_count") or 0  # GX counts the share of non-null values
-    out = f"{n:,} of {total:,} values" if total is not None else \
-        f"{n:,} value{'' if n == 1 else 's'}"
+    out = (
+        f"{n:,} of {total:,} values" if total is not None else f"{n:,} value{'' if n == 1 else 's'}"
+    )
     if result.get("unexpected_percent") is not None:
         out += f" ({float(result['unexpected_percent']):.3g}%)"
     out += f" {_WHAT.get(etype, 'unexpected')}"
-    samples = list(dict.fromkeys(json.dumps(v, default=str) for v in
-                                 result.get("partial_unexpected_list") or []))
+    samples = list(
+        dict.fromkeys(
+            json.dumps(v, default=str) for v in result.get("partial_unexpected_list") or []
+        )
+    )
     if samples and etype != "expect_column_values_to_not_be_null":
         out += "; e.g. " + ", ".join(literal(json.loads(s), 40) for s in samples[:SAMPLES])
     return out

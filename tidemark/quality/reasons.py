@@ -47,6 +47,7 @@ def reason(etype: str, kwargs: dict, row: dict) -> str:
         if etype == "expect_column_values_to_not_be_null":
             return f"{head}: null value"
         return f"{head}: unexpected value {seen}"
-    values = ", ".join(f"{k} = {literal(v, VALUE_REPR_MAX)}" for k, v in row.items()
-                       if k not in INDEX_COLS)
+    values = ", ".join(
+        f"{k} = {literal(v, VALUE_REPR_MAX)}" for k, v in row.items() if k not in INDEX_COLS
+    )
     return f"{head}: unexpected values {clamp(values, 2 * VALUE_REPR_MAX)}"

@@ -22,13 +22,20 @@ from tidemark.core.errors import TidemarkError
 from tidemark.ledger.state import Range
 
 # Every source yields batches of exactly this schema.
-SCHEMA = pa.schema([
-    ("_tm_partition", pa.int32()), ("_tm_offset", pa.int64()), ("_tm_key", pa.binary()),
-    ("_tm_payload", pa.binary()), ("_tm_headers", pa.string()),
-    ("_tm_ts", pa.timestamp("us", tz="UTC")),
-])
-SPARK_SCHEMA = ("_tm_partition int, _tm_offset bigint, _tm_key binary, _tm_payload binary, "
-                "_tm_headers string, _tm_ts timestamp")
+SCHEMA = pa.schema(
+    [
+        ("_tm_partition", pa.int32()),
+        ("_tm_offset", pa.int64()),
+        ("_tm_key", pa.binary()),
+        ("_tm_payload", pa.binary()),
+        ("_tm_headers", pa.string()),
+        ("_tm_ts", pa.timestamp("us", tz="UTC")),
+    ]
+)
+SPARK_SCHEMA = (
+    "_tm_partition int, _tm_offset bigint, _tm_key binary, _tm_payload binary, "
+    "_tm_headers string, _tm_ts timestamp"
+)
 BATCH_ROWS = 20_000
 # Wanted offsets closer than this are read again as one range (payloads()).
 REFETCH_GAP = 4096
@@ -51,8 +58,10 @@ def planner(pipeline: Pipeline) -> Planner:
     src = pipeline.source
     if isinstance(src, PostgresLogSource):
         from tidemark.sources.postgres_log import PostgresLogPlanner
+
         return PostgresLogPlanner(src, pipeline.source_dsn())
     from tidemark.sources.file_archive import FileArchivePlanner
+
     return FileArchivePlanner(src)
 
 
@@ -70,6 +79,7 @@ class ReadJob(BaseModel):
         if self.decoded is None:
             return SPARK_SCHEMA
         from tidemark.sources import json_arrow
+
         return f"{SPARK_SCHEMA}, {json_arrow.spark_columns(self.decoded)}"
 
     def batches(self, r: Range):
@@ -77,6 +87,7 @@ class ReadJob(BaseModel):
             yield from read_range(self.source, r)
             return
         from tidemark.sources import json_arrow
+
         for batch in read_range(self.source, r):
             yield json_arrow.decode(batch, self.decoded, trim=self.trim)
 
@@ -102,8 +113,11 @@ def payload_source(pipeline: Pipeline) -> PostgresLogSource | FileArchiveSource 
     from tidemark.sources import json_arrow
 
     t = pipeline.transform
-    if (json_arrow.fields(pipeline.decode.schema_) is None or t.python
-            or any("_tm_payload" in expr for expr in (t.select or {}).values())):
+    if (
+        json_arrow.fields(pipeline.decode.schema_) is None
+        or t.python
+        or any("_tm_payload" in expr for expr in (t.select or {}).values())
+    ):
         return None
     return reader_source(pipeline)
 
@@ -141,19 +155,24 @@ class PayloadReader:
                 try:
                     for batch in self._read(Range(part, offs[first], offs[i - 1] + 1)):
                         hit = batch.filter(pc.is_in(batch.column("_tm_offset"), need))
-                        for off, payload in zip(hit.column("_tm_offset").to_pylist(),
-                                                hit.column("_tm_payload").to_pylist(),
-                                                strict=True):
+                        for off, payload in zip(
+                            hit.column("_tm_offset").to_pylist(),
+                            hit.column("_tm_payload").to_pylist(),
+                            strict=True,
+                        ):
                             out[(part, off)] = payload
                 except TidemarkError as exc:
-                    raise TidemarkError(f"cannot read quarantined records' payloads again: "
-                                        f"{exc}") from None
+                    raise TidemarkError(
+                        f"cannot read quarantined records' payloads again: {exc}"
+                    ) from None
                 first = i
         gone = sorted((p, o) for p, offs in wanted.items() for o in offs if (p, o) not in out)
         if gone:
             more = f" and {len(gone) - 1:,} more" if len(gone) > 1 else ""
-            raise TidemarkError(f"source record {gone[0][0]}/{gone[0][1]}{more} is gone from "
-                                f"the source: its dead letter cannot keep its bytes")
+            raise TidemarkError(
+                f"source record {gone[0][0]}/{gone[0][1]}{more} is gone from "
+                f"the source: its dead letter cannot keep its bytes"
+            )
         return out
 
     def close(self) -> None:
@@ -177,8 +196,9 @@ def _close_together(offsets: list[int]) -> Iterator[list[int]]:
             first = i
 
 
-def headers_and_ts(pipeline: Pipeline, wanted: dict[int, list[int]]
-                   ) -> dict[tuple[int, int], tuple[str | None, datetime | None]]:
+def headers_and_ts(
+    pipeline: Pipeline, wanted: dict[int, list[int]]
+) -> dict[tuple[int, int], tuple[str | None, datetime | None]]:
     """Driver side: ``{(partition, offset): (headers text, ts)}`` of the ``wanted`` records
     (partition -> offsets) the source still holds, as a delivery reads them. A position left
     out is one the source no longer holds (retention, compaction); a source that cannot be
@@ -186,6 +206,7 @@ def headers_and_ts(pipeline: Pipeline, wanted: dict[int, list[int]]
     src = reader_source(pipeline)
     if isinstance(src, PostgresLogSource):
         from tidemark.sources.postgres_log import headers_and_ts as by_offset
+
         return by_offset(src, wanted)
     out: dict[tuple[int, int], tuple[str | None, datetime | None]] = {}
     plan = planner(pipeline)
@@ -198,9 +219,13 @@ def headers_and_ts(pipeline: Pipeline, wanted: dict[int, list[int]]
                 need = pa.array(group, pa.int64())
                 for batch in read_range(src, Range(part, group[0], group[-1] + 1)):
                     hit = batch.filter(pc.is_in(batch.column("_tm_offset"), need))
-                    for off, h, ts in zip(*(hit.column(c).to_pylist() for c in
-                                            ("_tm_offset", "_tm_headers", "_tm_ts")),
-                                          strict=True):
+                    for off, h, ts in zip(
+                        *(
+                            hit.column(c).to_pylist()
+                            for c in ("_tm_offset", "_tm_headers", "_tm_ts")
+                        ),
+                        strict=True,
+                    ):
                         out[(part, off)] = (h, ts)
     finally:
         plan.close()
@@ -235,10 +260,12 @@ def dataframe(spark, pipeline: Pipeline, ranges: list[Range]):
     records' payloads left out where :func:`payload_source` allows."""
     from tidemark.sources import json_arrow
 
-    job = ReadJob(source=reader_source(pipeline),
-                  ranges=[(r.partition, r.start, r.end) for r in ranges],
-                  decoded=json_arrow.fields(pipeline.decode.schema_),
-                  trim=payload_source(pipeline) is not None)
+    job = ReadJob(
+        source=reader_source(pipeline),
+        ranges=[(r.partition, r.start, r.end) for r in ranges],
+        decoded=json_arrow.fields(pipeline.decode.schema_),
+        trim=payload_source(pipeline) is not None,
+    )
     # Partition i of the range holds the one index i, so Spark partition i reads range i.
     # Spark's Python data source API would plan the same partitions in a Python process of
     # its own, started afresh by every run: about 3 s of a run's fixed cost (bench).
@@ -246,6 +273,17 @@ def dataframe(spark, pipeline: Pipeline, ranges: list[Range]):
     return spark.range(0, n, 1, max(n, 1)).mapInArrow(RangeReader(job), job.spark_schema())
 
 
-__all__ = ["SCHEMA", "SPARK_SCHEMA", "FileArchiveSource", "PostgresLogSource", "ReadJob",
-           "PayloadReader", "RangeReader", "dataframe", "headers_and_ts", "payload_source", "planner",
-           "read_range"]
+__all__ = [
+    "SCHEMA",
+    "SPARK_SCHEMA",
+    "FileArchiveSource",
+    "PostgresLogSource",
+    "ReadJob",
+    "PayloadReader",
+    "RangeReader",
+    "dataframe",
+    "headers_and_ts",
+    "payload_source",
+    "planner",
+    "read_range",
+]

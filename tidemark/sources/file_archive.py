@@ -75,19 +75,27 @@ _BASE_AND_EXT = re.compile(r"^(\d+)(.*)$")
 _HIDDEN = (".", "_")
 _SCRATCH = (".crc", ".tmp", "._COPYING_")
 _PART_PREFIX = "partition="
-_SECRET_PARAM = re.compile(r"((?:secret|token|password|key|signature|sig)[a-z_]*=)[^&\s]*",
-                           re.IGNORECASE)
+_SECRET_PARAM = re.compile(
+    r"((?:secret|token|password|key|signature|sig)[a-z_]*=)[^&\s]*", re.IGNORECASE
+)
 _TAIL_CHUNK = 64 * 1024  # bytes read from the end of a JSON Lines segment per step
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _US = timedelta(microseconds=1)
-_ARROW_SCHEMA = pa.schema([
-    ("partition", pa.int32()), ("offset", pa.int64()), ("key", pa.binary()),
-    ("payload", pa.binary()), ("headers", pa.string()), ("ts", pa.timestamp("us", tz="UTC")),
-])
+_ARROW_SCHEMA = pa.schema(
+    [
+        ("partition", pa.int32()),
+        ("offset", pa.int64()),
+        ("key", pa.binary()),
+        ("payload", pa.binary()),
+        ("headers", pa.string()),
+        ("ts", pa.timestamp("us", tz="UTC")),
+    ]
+)
 _IO_ERRORS = (OSError, pa.ArrowException)
 
 
 # --- locations ---------------------------------------------------------------------------------
+
 
 def _hide(text: str) -> str:
     """``text`` with passwords (user:pw@) and secret query parameters masked."""
@@ -105,8 +113,9 @@ class _Archive:
             else:
                 self.fs, root = pafs.LocalFileSystem(), os.path.abspath(uri)
         except (*_IO_ERRORS, ValueError) as exc:
-            raise TidemarkError(f"file archive {self.shown}: cannot open: "
-                                f"{_first_line(exc)}") from None
+            raise TidemarkError(
+                f"file archive {self.shown}: cannot open: {_first_line(exc)}"
+            ) from None
         self.root = root.rstrip("/")
 
     def part_dir(self, partition: int) -> str:
@@ -114,7 +123,7 @@ class _Archive:
 
     def show(self, path: str) -> str:
         """``path`` (inside the filesystem) as the user would spell it, from the uri."""
-        rel = path[len(self.root):] if path.startswith(self.root) else "/" + path
+        rel = path[len(self.root) :] if path.startswith(self.root) else "/" + path
         return self.shown.rstrip("/") + rel
 
     def listdir(self, path: str, what: str) -> list[pafs.FileInfo] | None:
@@ -127,8 +136,9 @@ class _Archive:
                 raise TidemarkError(f"file archive {self.show(path)}: {what} is not a directory")
             return self.fs.get_file_info(pafs.FileSelector(path, recursive=False))
         except _IO_ERRORS as exc:
-            raise TidemarkError(f"file archive {self.show(path)}: cannot list {what}: "
-                                f"{_first_line(exc)}") from None
+            raise TidemarkError(
+                f"file archive {self.show(path)}: cannot list {what}: {_first_line(exc)}"
+            ) from None
 
     def segments(self, partition: int) -> list[Segment]:
         """The partition's segments, of every format, by base (empty if no folder).
@@ -145,9 +155,11 @@ class _Archive:
             if seg is None:
                 continue
             if seg.base in out:
-                raise TidemarkError(f"file archive {self.show(seg.path)}: base offset "
-                                    f"{seg.base} is also {out[seg.base].path.rsplit('/', 1)[-1]}"
-                                    f"'s: keep one segment per base offset")
+                raise TidemarkError(
+                    f"file archive {self.show(seg.path)}: base offset "
+                    f"{seg.base} is also {out[seg.base].path.rsplit('/', 1)[-1]}"
+                    f"'s: keep one segment per base offset"
+                )
             out[seg.base] = seg
         return [out[b] for b in sorted(out)]
 
@@ -161,11 +173,14 @@ class _Archive:
         if m is None and not _SEGMENT_LIKE.search(name):
             return None
         if m is None:
-            raise TidemarkError(f"file archive {self.show(e.path)}: {_not_a_segment(name)} "
-                                f"(rename it, or hide it behind a leading '.' or '_')")
+            raise TidemarkError(
+                f"file archive {self.show(e.path)}: {_not_a_segment(name)} "
+                f"(rename it, or hide it behind a leading '.' or '_')"
+            )
         if e.type != pafs.FileType.File:
-            raise TidemarkError(f"file archive {self.show(e.path)}: named like a segment but "
-                                f"not a file")
+            raise TidemarkError(
+                f"file archive {self.show(e.path)}: named like a segment but not a file"
+            )
         return Segment(int(m[1]), e.path, m[2])
 
 
@@ -179,10 +194,13 @@ def _not_a_segment(name: str) -> str:
     m = _BASE_AND_EXT.match(name)
     if m and len(m[1]) == 20:
         ext = m[2] or "none"
-        return (f"unknown segment format (extension {ext!r}): a segment is "
-                f"<base offset>.parquet or <base offset>.jsonl")
-    return ("not a segment name: a segment is <base offset, zero-padded to 20 digits>.parquet "
-            "or .jsonl")
+        return (
+            f"unknown segment format (extension {ext!r}): a segment is "
+            f"<base offset>.parquet or <base offset>.jsonl"
+        )
+    return (
+        "not a segment name: a segment is <base offset, zero-padded to 20 digits>.parquet or .jsonl"
+    )
 
 
 def _first_line(exc: BaseException) -> str:
@@ -191,6 +209,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 # --- planner -----------------------------------------------------------------------------------
+
 
 class FileArchivePlanner:
     """Driver side: lists the archive once per instance and reads only footers / tails."""
@@ -217,11 +236,13 @@ class FileArchivePlanner:
             for e in entries:
                 if e.type != pafs.FileType.Directory or not e.base_name.startswith(_PART_PREFIX):
                     continue
-                value = e.base_name[len(_PART_PREFIX):]
+                value = e.base_name[len(_PART_PREFIX) :]
                 if not value.isascii() or not value.isdigit() or str(int(value)) != value:
-                    raise TidemarkError(f"file archive {a.show(e.path)}: folder name must be "
-                                        f"partition=<non-negative integer without leading "
-                                        f"zeros>, not {e.base_name!r}")
+                    raise TidemarkError(
+                        f"file archive {a.show(e.path)}: folder name must be "
+                        f"partition=<non-negative integer without leading "
+                        f"zeros>, not {e.base_name!r}"
+                    )
                 parts[int(value)] = e.path
             self._parts = sorted(parts)
         return list(self._parts)
@@ -261,7 +282,8 @@ class FileArchivePlanner:
             raise TidemarkError(
                 f"file archive {self.archive.shown} partition {partition}: reading from offset "
                 f"{start} but the first segment starts at {segs[0].base}: offsets "
-                f"[{start}, {segs[0].base}) are no longer in the archive")
+                f"[{start}, {segs[0].base}) are no longer in the archive"
+            )
         return max(start, min(start + limit, self.end(partition)))
 
 
@@ -282,8 +304,10 @@ def _segment_end(a: _Archive, seg: Segment) -> int:
     if top is None:  # a JSON Lines segment without a line
         raise _empty(shown)
     if top < seg.base:
-        raise TidemarkError(f"file archive {shown}: highest offset {top} is below the "
-                            f"segment's base offset {seg.base}")
+        raise TidemarkError(
+            f"file archive {shown}: highest offset {top} is below the "
+            f"segment's base offset {seg.base}"
+        )
     return top + 1
 
 
@@ -295,9 +319,11 @@ def _empty(shown: str) -> TidemarkError:
 
 def _check_base(first: int, base: int, shown: str) -> None:
     if first != base:
-        raise TidemarkError(f"file archive {shown}: first record has offset {first}, not the "
-                            f"base offset {base} the name gives (a segment is named after "
-                            f"its first record)")
+        raise TidemarkError(
+            f"file archive {shown}: first record has offset {first}, not the "
+            f"base offset {base} the name gives (a segment is named after "
+            f"its first record)"
+        )
 
 
 _NO_STATS = object()
@@ -319,8 +345,13 @@ def _rg_stats(pf: pq.ParquetFile, j: int | None, i: int) -> tuple[int, int] | No
     if j is None:
         return None
     st = pf.metadata.row_group(i).column(j).statistics
-    if st is None or not st.has_min_max or isinstance(st.min, bool) \
-            or not isinstance(st.min, int) or not isinstance(st.max, int):
+    if (
+        st is None
+        or not st.has_min_max
+        or isinstance(st.min, bool)
+        or not isinstance(st.min, int)
+        or not isinstance(st.max, int)
+    ):
         return None
     return st.min, st.max
 
@@ -375,6 +406,7 @@ def _jsonl_last_offset(a: _Archive, path: str, shown: str) -> int | None:
 
 # --- reader ------------------------------------------------------------------------------------
 
+
 def read_range(src: FileArchiveSource, r: Range) -> Iterator[pa.RecordBatch]:
     """Executor side: the records of ``r`` as batches of :data:`tidemark.sources.SCHEMA`.
 
@@ -391,8 +423,10 @@ def read_range(src: FileArchiveSource, r: Range) -> Iterator[pa.RecordBatch]:
     where = f"file archive {a.shown} partition {r.partition}"
     if not segs or r.start < segs[0].base:
         first = f"the first segment starts at {segs[0].base}" if segs else "it has no segment"
-        raise TidemarkError(f"{where}: range [{r.start}, {r.end}) cannot be read: {first} "
-                            f"(segments deleted or rewritten inside a planned range)")
+        raise TidemarkError(
+            f"{where}: range [{r.start}, {r.end}) cannot be read: {first} "
+            f"(segments deleted or rewritten inside a planned range)"
+        )
     picked: list[tuple[Segment, int | None]] = []
     for i, seg in enumerate(segs):
         nxt = segs[i + 1].base if i + 1 < len(segs) else None
@@ -402,9 +436,11 @@ def read_range(src: FileArchiveSource, r: Range) -> Iterator[pa.RecordBatch]:
         last = picked[-1][0]
         end = _segment_end(a, last)
         if r.end > end:
-            raise TidemarkError(f"{where}: range [{r.start}, {r.end}) goes past the end of "
-                                f"the archive ({end}): segment {a.show(last.path)} rewritten "
-                                f"or truncated")
+            raise TidemarkError(
+                f"{where}: range [{r.start}, {r.end}) goes past the end of "
+                f"the archive ({end}): segment {a.show(last.path)} rewritten "
+                f"or truncated"
+            )
     out = _Batcher(SCHEMA, BATCH_ROWS)
     for seg, nxt in picked:
         read = _read_parquet if seg.fmt == "parquet" else _read_jsonl
@@ -454,28 +490,35 @@ class _Order:
         prev = self.prev
         for o in offsets:
             if prev is not None and o <= prev:
-                raise TidemarkError(f"file archive {self.shown}{where}: offset {o} after "
-                                    f"{prev}: records must be in strictly increasing offset "
-                                    f"order")
+                raise TidemarkError(
+                    f"file archive {self.shown}{where}: offset {o} after "
+                    f"{prev}: records must be in strictly increasing offset "
+                    f"order"
+                )
             prev = o
         lo, hi = offsets[0], offsets[-1]
         if lo < self.base or (self.nxt is not None and hi >= self.nxt):
             bad = lo if lo < self.base else hi
             upper = "" if self.nxt is None else f", {self.nxt}"
-            raise TidemarkError(f"file archive {self.shown}{where}: offset {bad} outside the "
-                                f"segment's interval [{self.base}{upper})")
+            raise TidemarkError(
+                f"file archive {self.shown}{where}: offset {bad} outside the "
+                f"segment's interval [{self.base}{upper})"
+            )
         self.prev = prev
 
 
 def _check_columns(names: list[str], shown: str) -> None:
     missing = [c for c in COLUMNS if c not in names]
     if missing:
-        raise TidemarkError(f"file archive {shown}: missing column(s) {', '.join(missing)} "
-                            f"(a segment has {', '.join(COLUMNS)})")
+        raise TidemarkError(
+            f"file archive {shown}: missing column(s) {', '.join(missing)} "
+            f"(a segment has {', '.join(COLUMNS)})"
+        )
 
 
-def _read_parquet(a: _Archive, path: str, r: Range, base: int, nxt: int | None,
-                  batch_rows: int) -> Iterator[pa.RecordBatch]:
+def _read_parquet(
+    a: _Archive, path: str, r: Range, base: int, nxt: int | None, batch_rows: int
+) -> Iterator[pa.RecordBatch]:
     shown = a.show(path)
     order = _Order(shown, base, nxt)
     try:
@@ -491,8 +534,9 @@ def _read_parquet(a: _Archive, path: str, r: Range, base: int, nxt: int | None,
                     groups.append(i)
             if not groups:
                 return
-            for raw in pf.iter_batches(batch_size=batch_rows, row_groups=groups,
-                                       columns=list(COLUMNS), use_threads=False):
+            for raw in pf.iter_batches(
+                batch_size=batch_rows, row_groups=groups, columns=list(COLUMNS), use_threads=False
+            ):
                 batch = _conform(raw, shown, r.partition)
                 off = batch.column(1)
                 keep = pc.and_(pc.greater_equal(off, r.start), pc.less(off, r.end))
@@ -513,33 +557,43 @@ def _conform(raw: pa.RecordBatch, shown: str, partition: int) -> pa.RecordBatch:
         col = raw.column(name)
         t = col.type
         ok = {
-            "partition": pa.types.is_integer(t), "offset": pa.types.is_integer(t),
-            "key": _bytes_like(t), "payload": _bytes_like(t),
-            "headers": pa.types.is_string(t) or pa.types.is_large_string(t)
-            or pa.types.is_null(t),
+            "partition": pa.types.is_integer(t),
+            "offset": pa.types.is_integer(t),
+            "key": _bytes_like(t),
+            "payload": _bytes_like(t),
+            "headers": pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t),
             "ts": pa.types.is_timestamp(t) or pa.types.is_null(t),
         }[name]
         if not ok:
-            raise TidemarkError(f"file archive {shown}: column {name} has type {t}, expected "
-                                f"{target}")
+            raise TidemarkError(
+                f"file archive {shown}: column {name} has type {t}, expected {target}"
+            )
         if name in ("partition", "offset") and col.null_count:
             raise TidemarkError(f"file archive {shown}: column {name} has nulls")
         try:
             col = pc.cast(col, options=pc.CastOptions(target, allow_time_truncate=True))
         except pa.ArrowException as exc:
-            raise TidemarkError(f"file archive {shown}: column {name}: "
-                                f"{_first_line(exc)}") from None
+            raise TidemarkError(
+                f"file archive {shown}: column {name}: {_first_line(exc)}"
+            ) from None
         cols.append(col)
     if len(cols[0]) and not pc.all(pc.equal(cols[0], partition)).as_py():
         bad = pc.filter(cols[0], pc.not_equal(cols[0], partition))[0].as_py()
-        raise TidemarkError(f"file archive {shown}: record of partition {bad} in the folder "
-                            f"of partition {partition}")
+        raise TidemarkError(
+            f"file archive {shown}: record of partition {bad} in the folder "
+            f"of partition {partition}"
+        )
     return pa.RecordBatch.from_arrays(cols, schema=SCHEMA)
 
 
 def _bytes_like(t: pa.DataType) -> bool:
-    return (pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_string(t)
-            or pa.types.is_large_string(t) or pa.types.is_null(t))
+    return (
+        pa.types.is_binary(t)
+        or pa.types.is_large_binary(t)
+        or pa.types.is_string(t)
+        or pa.types.is_large_string(t)
+        or pa.types.is_null(t)
+    )
 
 
 def _check_headers(headers: pa.Array, offsets: pa.Array, shown: str) -> None:
@@ -553,12 +607,12 @@ def _check_headers(headers: pa.Array, offsets: pa.Array, shown: str) -> None:
         except ValueError:
             ok = False
         if not ok:
-            raise TidemarkError(f"file archive {shown}: offset {o}: headers is not a JSON "
-                                f"object")
+            raise TidemarkError(f"file archive {shown}: offset {o}: headers is not a JSON object")
 
 
-def _read_jsonl(a: _Archive, path: str, r: Range, base: int, nxt: int | None,
-                batch_rows: int) -> Iterator[pa.RecordBatch]:
+def _read_jsonl(
+    a: _Archive, path: str, r: Range, base: int, nxt: int | None, batch_rows: int
+) -> Iterator[pa.RecordBatch]:
     from tidemark.sources import SCHEMA
 
     shown = a.show(path)
@@ -568,10 +622,16 @@ def _read_jsonl(a: _Archive, path: str, r: Range, base: int, nxt: int | None,
     def batch() -> pa.RecordBatch:
         n = len(buf[0])
         return pa.RecordBatch.from_arrays(
-            [pa.array([r.partition] * n, pa.int32()), pa.array(buf[0], pa.int64()),
-             pa.array(buf[1], pa.binary()), pa.array(buf[2], pa.binary()),
-             pa.array(buf[3], pa.string()), pa.array(buf[4], pa.timestamp("us", tz="UTC"))],
-            schema=SCHEMA)
+            [
+                pa.array([r.partition] * n, pa.int32()),
+                pa.array(buf[0], pa.int64()),
+                pa.array(buf[1], pa.binary()),
+                pa.array(buf[2], pa.binary()),
+                pa.array(buf[3], pa.string()),
+                pa.array(buf[4], pa.timestamp("us", tz="UTC")),
+            ],
+            schema=SCHEMA,
+        )
 
     try:
         with a.fs.open_input_stream(path) as raw:
@@ -588,8 +648,10 @@ def _read_jsonl(a: _Archive, path: str, r: Range, base: int, nxt: int | None,
                     break
                 part = _int_field(rec, "partition", shown, at)
                 if part != r.partition:
-                    raise TidemarkError(f"file archive {shown} {at}: record of partition "
-                                        f"{part} in the folder of partition {r.partition}")
+                    raise TidemarkError(
+                        f"file archive {shown} {at}: record of partition "
+                        f"{part} in the folder of partition {r.partition}"
+                    )
                 if offset < r.start:
                     continue
                 buf[0].append(offset)
@@ -617,8 +679,7 @@ def _json_line(line: bytes, shown: str, at: str) -> dict:
         raise TidemarkError(f"file archive {shown} {at}: not a JSON object")
     missing = [c for c in COLUMNS if c not in rec]
     if missing:
-        raise TidemarkError(f"file archive {shown} {at}: missing field(s) "
-                            f"{', '.join(missing)}")
+        raise TidemarkError(f"file archive {shown} {at}: missing field(s) {', '.join(missing)}")
     return rec
 
 
@@ -634,13 +695,13 @@ def _b64(rec: dict, name: str, shown: str, at: str) -> bytes | None:
     if v is None:
         return None
     if not isinstance(v, str):
-        raise TidemarkError(f"file archive {shown} {at}: {name} must be a base64 string or "
-                            f"null")
+        raise TidemarkError(f"file archive {shown} {at}: {name} must be a base64 string or null")
     try:
         return base64.b64decode(v, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise TidemarkError(f"file archive {shown} {at}: {name} is not valid base64: "
-                            f"{exc}") from None
+        raise TidemarkError(
+            f"file archive {shown} {at}: {name} is not valid base64: {exc}"
+        ) from None
 
 
 def _headers_text(rec: dict, shown: str, at: str) -> str | None:
@@ -667,14 +728,17 @@ def _ts_micros(rec: dict, shown: str, at: str) -> int | None:
             if dt.tzinfo is None:
                 dt = dt.replace(tzinfo=UTC)
             return (dt - _EPOCH) // _US
-    raise TidemarkError(f"file archive {shown} {at}: ts must be ISO-8601 text or epoch "
-                        f"milliseconds, not {v!r}")
+    raise TidemarkError(
+        f"file archive {shown} {at}: ts must be ISO-8601 text or epoch milliseconds, not {v!r}"
+    )
 
 
 # --- writer ------------------------------------------------------------------------------------
 
-def write_segment(uri: str, partition: int, records: list[dict], fmt: str,
-                  *, row_group_size: int | None = None) -> str:
+
+def write_segment(
+    uri: str, partition: int, records: list[dict], fmt: str, *, row_group_size: int | None = None
+) -> str:
     """Write ``records`` (dicts with partition, offset, key, payload, headers, ts) as one
     segment of ``uri``'s archive, in the layout above; returns the segment's path.
 
@@ -690,11 +754,14 @@ def write_segment(uri: str, partition: int, records: list[dict], fmt: str,
     prev = None
     for rec in records:
         if rec["partition"] != partition:
-            raise TidemarkError(f"record of partition {rec['partition']} given for partition "
-                                f"{partition}")
+            raise TidemarkError(
+                f"record of partition {rec['partition']} given for partition {partition}"
+            )
         if prev is not None and rec["offset"] <= prev:
-            raise TidemarkError(f"offset {rec['offset']} after {prev}: records must be in "
-                                f"strictly increasing offset order")
+            raise TidemarkError(
+                f"offset {rec['offset']} after {prev}: records must be in "
+                f"strictly increasing offset order"
+            )
         prev = rec["offset"]
     if partition < 0 or records[0]["offset"] < 0:
         raise TidemarkError("partitions and offsets must be non-negative")
@@ -706,8 +773,9 @@ def write_segment(uri: str, partition: int, records: list[dict], fmt: str,
         a.fs.create_dir(folder, recursive=True)
         for other in (f"{folder}/{name.rsplit('.', 1)[0]}.{f}" for f in FORMATS):
             if a.fs.get_file_info(other).type != pafs.FileType.NotFound:
-                raise TidemarkError(f"file archive {a.show(other)}: segment exists (segments "
-                                    f"are immutable)")
+                raise TidemarkError(
+                    f"file archive {a.show(other)}: segment exists (segments are immutable)"
+                )
         if fmt == "parquet":
             table = pa.Table.from_pylist([_arrow_row(rec) for rec in records], _ARROW_SCHEMA)
             pq.write_table(table, tmp, filesystem=a.fs, row_group_size=row_group_size)
@@ -719,8 +787,9 @@ def write_segment(uri: str, partition: int, records: list[dict], fmt: str,
     except _IO_ERRORS as exc:
         with contextlib.suppress(*_IO_ERRORS):
             a.fs.delete_file(tmp)
-        raise TidemarkError(f"file archive {a.show(final)}: cannot write: "
-                            f"{_first_line(exc)}") from None
+        raise TidemarkError(
+            f"file archive {a.show(final)}: cannot write: {_first_line(exc)}"
+        ) from None
     return final
 
 
@@ -739,9 +808,14 @@ def _ts_value(ts) -> datetime | None:
 
 
 def _arrow_row(rec: dict) -> dict:
-    return {"partition": rec["partition"], "offset": rec["offset"], "key": rec.get("key"),
-            "payload": rec.get("payload"), "headers": _headers_json(rec.get("headers")),
-            "ts": _ts_value(rec.get("ts"))}
+    return {
+        "partition": rec["partition"],
+        "offset": rec["offset"],
+        "key": rec.get("key"),
+        "payload": rec.get("payload"),
+        "headers": _headers_json(rec.get("headers")),
+        "ts": _ts_value(rec.get("ts")),
+    }
 
 
 def _jsonl_row(rec: dict) -> bytes:
@@ -750,10 +824,14 @@ def _jsonl_row(rec: dict) -> bytes:
 
     h = rec.get("headers")
     ts = _ts_value(rec.get("ts"))
-    row = {"partition": rec["partition"], "offset": rec["offset"], "key": b64(rec.get("key")),
-           "payload": b64(rec.get("payload")),
-           "headers": json.loads(h) if isinstance(h, str) else h,
-           "ts": None if ts is None else ts.isoformat()}
+    row = {
+        "partition": rec["partition"],
+        "offset": rec["offset"],
+        "key": b64(rec.get("key")),
+        "payload": b64(rec.get("payload")),
+        "headers": json.loads(h) if isinstance(h, str) else h,
+        "ts": None if ts is None else ts.isoformat(),
+    }
     return json.dumps(row, ensure_ascii=False).encode("utf-8") + b"\n"
 
 

@@ -17,9 +17,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 
-TYPES = {"int": pa.int32(), "integer": pa.int32(), "bigint": pa.int64(), "long": pa.int64(),
-         "double": pa.float64(), "string": pa.string(), "boolean": pa.bool_(),
-         "timestamp": pa.timestamp("us", tz="UTC")}
+TYPES = {
+    "int": pa.int32(),
+    "integer": pa.int32(),
+    "bigint": pa.int64(),
+    "long": pa.int64(),
+    "double": pa.float64(),
+    "string": pa.string(),
+    "boolean": pa.bool_(),
+    "timestamp": pa.timestamp("us", tz="UTC"),
+}
 # An instant as Arrow may read it: read as text, then only this form, with its zone, which
 # means the same in every session time zone. Any other form falls back to Spark.
 ISO_INSTANT = r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,6})?(Z|[+-]\d{2}:\d{2})$"
@@ -40,23 +47,24 @@ def fields(schema: dict[str, str]) -> dict[str, str] | None:
 
 def spark_columns(decoded: dict[str, str]) -> str:
     """The columns the reader adds, as Spark DDL."""
-    cols = [f"{column(i)} {'int' if t == 'integer' else t}"
-            for i, t in enumerate(decoded.values())]
+    cols = [f"{column(i)} {'int' if t == 'integer' else t}" for i, t in enumerate(decoded.values())]
     return ", ".join([*cols, f"{OK} boolean"])
 
 
 def _parse(payload: pa.Array, want: pa.Schema) -> pa.Table | None:
     """The payloads as one table, one row each, or None if Arrow cannot read them all."""
-    schema = pa.schema([(f.name, pa.string() if pa.types.is_timestamp(f.type) else f.type)
-                        for f in want])
+    schema = pa.schema(
+        [(f.name, pa.string() if pa.types.is_timestamp(f.type) else f.type) for f in want]
+    )
     n = len(payload)
     if not n or payload.null_count:
         return None
     # Each payload one line that is one object: a payload spanning lines would shift every
     # row after it, and Arrow reads a bare `null` as a row of nulls (and crashes on one at
     # the start of its input), where Spark finds no object.
-    if not (pc.all(pc.starts_with(payload, "{")).as_py()
-            and pc.all(pc.ends_with(payload, "}")).as_py()):
+    if not (
+        pc.all(pc.starts_with(payload, "{")).as_py() and pc.all(pc.ends_with(payload, "}")).as_py()
+    ):
         return None
     buf = b"\n".join(payload.to_pylist())
     if buf.count(b"\n") != n - 1 or b"\r" in buf:
@@ -66,8 +74,10 @@ def _parse(payload: pa.Array, want: pa.Schema) -> pa.Table | None:
         table = pj.read_json(
             pa.BufferReader(buf),
             read_options=pj.ReadOptions(use_threads=False, block_size=len(buf) + 1),
-            parse_options=pj.ParseOptions(explicit_schema=schema,
-                                          unexpected_field_behavior="ignore"))
+            parse_options=pj.ParseOptions(
+                explicit_schema=schema, unexpected_field_behavior="ignore"
+            ),
+        )
     except (pa.ArrowException, UnicodeDecodeError, ValueError):
         return None
     # Two objects on one line read as two rows: only one row per payload is the same parse.
@@ -86,8 +96,7 @@ def _parse(payload: pa.Array, want: pa.Schema) -> pa.Table | None:
     return table
 
 
-def decode(batch: pa.RecordBatch, decoded: dict[str, str], trim: bool = False
-           ) -> pa.RecordBatch:
+def decode(batch: pa.RecordBatch, decoded: dict[str, str], trim: bool = False) -> pa.RecordBatch:
     """``batch`` with the decoded fields and ``_tm_json_ok`` appended; ``trim``: the payloads
     of the records decoded here set to NULL (tidemark.sources.payload_source)."""
     schema = pa.schema([(name, TYPES[t]) for name, t in decoded.items()])
@@ -101,15 +110,21 @@ def decode(batch: pa.RecordBatch, decoded: dict[str, str], trim: bool = False
             piece = payload.slice(at, CHUNK)
             got = _parse(piece, schema)
             ok.append(pa.array([got is not None] * len(piece), pa.bool_()))
-            parts.append(got if got is not None else
-                         pa.table({f.name: pa.nulls(len(piece), f.type) for f in schema}))
+            parts.append(
+                got
+                if got is not None
+                else pa.table({f.name: pa.nulls(len(piece), f.type) for f in schema})
+            )
     table = pa.concat_tables(parts).combine_chunks() if len(parts) > 1 else parts[0]
     flags = pa.concat_arrays(ok) if len(ok) > 1 else ok[0]
     cols = batch.columns
     if trim:
         at = batch.schema.get_field_index("_tm_payload")
-        cols = [*cols[:at], pc.if_else(flags, pa.scalar(None, pa.binary()), payload),
-                *cols[at + 1:]]
+        cols = [
+            *cols[:at],
+            pc.if_else(flags, pa.scalar(None, pa.binary()), payload),
+            *cols[at + 1 :],
+        ]
     arrays = [*cols, *(table.column(i).combine_chunks() for i in range(len(schema))), flags]
     names = [*batch.schema.names, *(column(i) for i in range(len(schema))), OK]
     return pa.RecordBatch.from_arrays(arrays, names=names)

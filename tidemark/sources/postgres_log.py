@@ -42,18 +42,24 @@ def create_log_table(conn: psycopg.Connection, table: str) -> None:
     with conn.transaction():
         if schema:
             conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
-        conn.execute(sql.SQL("""CREATE TABLE IF NOT EXISTS {} (
+        conn.execute(
+            sql.SQL("""CREATE TABLE IF NOT EXISTS {} (
             "partition" int NOT NULL, "offset" bigint NOT NULL, key bytea, payload bytea,
             headers jsonb, ts timestamptz NOT NULL DEFAULT now(),
             xid xid8 NOT NULL DEFAULT pg_current_xact_id(),
-            PRIMARY KEY ("partition", "offset"))""").format(t))
-        conn.execute(sql.SQL("""CREATE TABLE IF NOT EXISTS {} (
-            "partition" int PRIMARY KEY, next_offset bigint NOT NULL)""").format(heads))
+            PRIMARY KEY ("partition", "offset"))""").format(t)
+        )
+        conn.execute(
+            sql.SQL("""CREATE TABLE IF NOT EXISTS {} (
+            "partition" int PRIMARY KEY, next_offset bigint NOT NULL)""").format(heads)
+        )
 
 
-def append(conn: psycopg.Connection, table: str,
-           records: Iterable[tuple[int, bytes | None, bytes | None, str | None, datetime | None]]
-           ) -> dict[int, tuple[int, int]]:
+def append(
+    conn: psycopg.Connection,
+    table: str,
+    records: Iterable[tuple[int, bytes | None, bytes | None, str | None, datetime | None]],
+) -> dict[int, tuple[int, int]]:
     """Append ``(partition, key, payload, headers_json, ts)`` records in one transaction.
 
     Takes each touched partition's head row lock (in partition order, so writers never
@@ -67,19 +73,29 @@ def append(conn: psycopg.Connection, table: str,
     now = datetime.now(UTC)
     with conn.transaction():
         for part in sorted(by_part):
-            conn.execute(sql.SQL("INSERT INTO {} VALUES (%s, 0) ON CONFLICT DO NOTHING"
-                                 ).format(heads), (part,))
-            start = conn.execute(sql.SQL('SELECT next_offset FROM {} WHERE "partition" = %s '
-                                         "FOR UPDATE").format(heads), (part,)).fetchone()[0]
+            conn.execute(
+                sql.SQL("INSERT INTO {} VALUES (%s, 0) ON CONFLICT DO NOTHING").format(heads),
+                (part,),
+            )
+            start = conn.execute(
+                sql.SQL('SELECT next_offset FROM {} WHERE "partition" = %s FOR UPDATE').format(
+                    heads
+                ),
+                (part,),
+            ).fetchone()[0]
             recs = by_part[part]
-            with conn.cursor().copy(sql.SQL(
+            with conn.cursor().copy(
+                sql.SQL(
                     'COPY {} ("partition", "offset", key, payload, headers, ts) FROM STDIN'
-            ).format(t)) as copy:
+                ).format(t)
+            ) as copy:
                 for i, (_, key, payload, headers, ts) in enumerate(recs):
                     copy.write_row((part, start + i, key, payload, headers, ts or now))
             end = start + len(recs)
-            conn.execute(sql.SQL('UPDATE {} SET next_offset = %s WHERE "partition" = %s'
-                                 ).format(heads), (end, part))
+            conn.execute(
+                sql.SQL('UPDATE {} SET next_offset = %s WHERE "partition" = %s').format(heads),
+                (end, part),
+            )
             spans[part] = (start, end)
     return spans
 
@@ -102,13 +118,15 @@ class PostgresLogPlanner:
             return list(self.src.partitions)
         try:
             # Loose index scan over the primary key: one probe per partition.
-            rows = self.conn.execute(self._q("""
+            rows = self.conn.execute(
+                self._q("""
                 WITH RECURSIVE p AS (
                     (SELECT {partition} AS v FROM {t} ORDER BY {partition} LIMIT 1)
                     UNION ALL
                     SELECT (SELECT {partition} FROM {t} WHERE {partition} > p.v
                             ORDER BY {partition} LIMIT 1) FROM p WHERE p.v IS NOT NULL)
-                SELECT v FROM p WHERE v IS NOT NULL""")).fetchall()
+                SELECT v FROM p WHERE v IS NOT NULL""")
+            ).fetchall()
         except psycopg.Error as exc:
             raise TidemarkError(f"source {self.src.table}: {str(exc).splitlines()[0]}") from None
         return [r[0] for r in rows]
@@ -116,14 +134,18 @@ class PostgresLogPlanner:
     def earliest(self, partition: int) -> int | None:
         """The first *settled* offset: a row a still-running writer may yet commit below the
         first visible one would otherwise be skipped for good."""
-        return self.conn.execute(self._q("""
+        return self.conn.execute(
+            self._q("""
             SELECT min({offset}) FROM {t} WHERE {partition} = %s
-              AND {xid} < pg_snapshot_xmin(pg_current_snapshot())"""), (partition,)
-                                 ).fetchone()[0]
+              AND {xid} < pg_snapshot_xmin(pg_current_snapshot())"""),
+            (partition,),
+        ).fetchone()[0]
 
     def record_time(self, partition: int, offset: int) -> datetime | None:
-        row = self.conn.execute(self._q("SELECT {ts} FROM {t} WHERE {partition} = %s "
-                                        "AND {offset} = %s"), (partition, offset)).fetchone()
+        row = self.conn.execute(
+            self._q("SELECT {ts} FROM {t} WHERE {partition} = %s AND {offset} = %s"),
+            (partition, offset),
+        ).fetchone()
         return row[0] if row else None
 
     def latest(self, partition: int) -> int | None:
@@ -135,34 +157,40 @@ class PostgresLogPlanner:
     def safe_end(self, partition: int, start: int, limit: int) -> int:
         """End (exclusive) of the longest gap-free run of settled rows from ``start``."""
         stop = start + limit
-        row = self.conn.execute(self._q("""
+        row = self.conn.execute(
+            self._q("""
             SELECT count(*), min({offset}), max({offset}) FROM {t}
             WHERE {partition} = %(p)s AND {offset} >= %(a)s AND {offset} < %(b)s
               AND {xid} < pg_snapshot_xmin(pg_current_snapshot())"""),
-                                {"p": partition, "a": start, "b": stop}).fetchone()
+            {"p": partition, "a": start, "b": stop},
+        ).fetchone()
         count, lo, hi = row
         if count == 0 or lo != start:
             return start
         if count == hi - start + 1:
             return hi + 1
-        gap = self.conn.execute(self._q("""
+        gap = self.conn.execute(
+            self._q("""
             SELECT min(o) + 1 FROM (
                 SELECT {offset} AS o, lead({offset}) OVER (ORDER BY {offset}) AS nxt FROM {t}
                 WHERE {partition} = %(p)s AND {offset} >= %(a)s AND {offset} < %(b)s
                   AND {xid} < pg_snapshot_xmin(pg_current_snapshot())) x
-            WHERE nxt IS DISTINCT FROM o + 1"""), {"p": partition, "a": start, "b": stop}
-                                ).fetchone()[0]
+            WHERE nxt IS DISTINCT FROM o + 1"""),
+            {"p": partition, "a": start, "b": stop},
+        ).fetchone()[0]
         return gap
 
 
-def headers_and_ts(src: PostgresLogSource, wanted: dict[int, list[int]]
-                   ) -> dict[tuple[int, int], tuple[str | None, datetime | None]]:
+def headers_and_ts(
+    src: PostgresLogSource, wanted: dict[int, list[int]]
+) -> dict[tuple[int, int], tuple[str | None, datetime | None]]:
     """``{(partition, offset): (headers text, ts)}`` of the ``wanted`` records the table
     still holds (see tidemark.sources.headers_and_ts), cast as :func:`read_range` casts them:
     the headers' text, a timestamp without time zone as UTC."""
-    query = sql.SQL("SELECT {offset}, {headers}::text, {ts} FROM {t} "
-                    "WHERE {partition} = %s AND {offset} = ANY(%s::bigint[])").format(
-        t=_table(src.table), **_ids(src.columns.model_dump()))
+    query = sql.SQL(
+        "SELECT {offset}, {headers}::text, {ts} FROM {t} "
+        "WHERE {partition} = %s AND {offset} = ANY(%s::bigint[])"
+    ).format(t=_table(src.table), **_ids(src.columns.model_dump()))
     out: dict[tuple[int, int], tuple[str | None, datetime | None]] = {}
     with connect(src.dsn, autocommit=True, what=f"source {src.table} at") as conn:
         for part, offs in wanted.items():
@@ -181,8 +209,7 @@ def connect_reader(src: PostgresLogSource):
     """An ADBC connection for :func:`read_range` (the caller closes it)."""
     import adbc_driver_postgresql.dbapi as adbc
 
-    dsn = conninfo.make_conninfo(src.dsn, application_name="tidemark-reader",
-                                 connect_timeout=10)
+    dsn = conninfo.make_conninfo(src.dsn, application_name="tidemark-reader", connect_timeout=10)
     return adbc.connect(dsn, autocommit=True)
 
 
@@ -198,11 +225,19 @@ def read_range(src: PostgresLogSource, r: Range, conn=None) -> Iterator[pa.Recor
     from tidemark.sources import BATCH_ROWS, SCHEMA
 
     cols = _ids(src.columns.model_dump())
-    query = sql.SQL("""SELECT {offset}, {key}, {payload}, {headers}::text, {ts}
+    query = (
+        sql.SQL("""SELECT {offset}, {key}, {payload}, {headers}::text, {ts}
         FROM {t} WHERE {partition} = {p} AND {offset} >= {a} AND {offset} < {b}
-        ORDER BY {offset}""").format(
-        t=_table(src.table), p=sql.Literal(r.partition), a=sql.Literal(r.start),
-        b=sql.Literal(r.end), **cols).as_string(None)
+        ORDER BY {offset}""")
+        .format(
+            t=_table(src.table),
+            p=sql.Literal(r.partition),
+            a=sql.Literal(r.start),
+            b=sql.Literal(r.end),
+            **cols,
+        )
+        .as_string(None)
+    )
     expected = r.start
     with conn.cursor() as cur:
         cur.execute(query)
@@ -216,13 +251,16 @@ def read_range(src: PostgresLogSource, r: Range, conn=None) -> Iterator[pa.Recor
                     raise TidemarkError(
                         f"source {src.table} partition {r.partition}: expected offset "
                         f"{expected + wrong[0]}, found {offsets[wrong[0]]} (rows deleted or "
-                        f"rewritten inside a planned range)")
+                        f"rewritten inside a planned range)"
+                    )
                 expected += n
                 # A text key or a timestamp without time zone casts as psycopg read them:
                 # the text's bytes, the time as UTC.
                 yield pa.RecordBatch.from_arrays(
-                    [pa.array(np.full(n, r.partition, np.int32)), *part.columns],
-                    names=SCHEMA.names).cast(SCHEMA)
+                    [pa.array(np.full(n, r.partition, np.int32)), *part.columns], names=SCHEMA.names
+                ).cast(SCHEMA)
     if expected != r.end:
-        raise TidemarkError(f"source {src.table} partition {r.partition}: range "
-                            f"[{r.start}, {r.end}) ended at {expected}: rows missing")
+        raise TidemarkError(
+            f"source {src.table} partition {r.partition}: range "
+            f"[{r.start}, {r.end}) ended at {expected}: rows missing"
+        )

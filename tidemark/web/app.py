@@ -53,8 +53,10 @@ from tidemark.web.auth import Caller, Forbidden, NotAuthenticated, guard
 
 TEMPLATES = Path(__file__).resolve().parent / "templates" / "dlq"
 STATIC = {"dlq.css": "text/css", "dlq.js": "text/javascript", "icon.svg": "image/svg+xml"}
-CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-       "connect-src 'self'; form-action 'self'; frame-ancestors 'self'; base-uri 'none'")
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; form-action 'self'; frame-ancestors 'self'; base-uri 'none'"
+)
 # Data Docs are GX's own HTML, carrying a check's unexpected values unescaped. The pages are
 # rendered on the server and read fine without their scripts (which come from CDNs without
 # integrity), so none runs: an opaque-origin sandbox without allow-scripts, keeping them away
@@ -70,10 +72,12 @@ DOCS_STYLES = (
     "https://unpkg.com/bootstrap-table@1.19.1/",
 )
 DOCS_FONTS = ("https://cdnjs.cloudflare.com/ajax/libs/font-awesome/6.6.0/webfonts/",)
-DOCS_CSP = ("sandbox allow-popups; default-src 'none'; script-src 'none'; "
-            f"style-src 'unsafe-inline' {' '.join(DOCS_STYLES)}; font-src {' '.join(DOCS_FONTS)}; "
-            "img-src 'self' data:; connect-src 'none'; form-action 'none'; base-uri 'none'; "
-            "frame-ancestors 'self'")
+DOCS_CSP = (
+    "sandbox allow-popups; default-src 'none'; script-src 'none'; "
+    f"style-src 'unsafe-inline' {' '.join(DOCS_STYLES)}; font-src {' '.join(DOCS_FONTS)}; "
+    "img-src 'self' data:; connect-src 'none'; form-action 'none'; base-uri 'none'; "
+    "frame-ancestors 'self'"
+)
 SHOW_BYTES = 256 * 1024  # payload bytes a page renders; the download and export have them all
 SHOW_CHARS = dlq.RENDER_CHARS  # what one rendering of them (pretty JSON, hexdump) may grow to
 KEY_CHARS = 64 * 1024  # a key's or the headers' rendering
@@ -84,11 +88,21 @@ UNAVAILABLE = "the ledger database is unavailable; try again later"
 FORM = "application/x-www-form-urlencoded"
 log = logging.getLogger(__name__)
 
-jinja = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=True,
-                    undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+jinja = Environment(
+    loader=FileSystemLoader(TEMPLATES),
+    autoescape=True,
+    undefined=StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
 jinja.filters["when"] = lambda iso: f"{iso[:19].replace('T', ' ')} UTC" if iso else "-"
-app = FastAPI(title="Tidemark dead letters", docs_url=None, redoc_url=None, openapi_url=None,
-              dependencies=[Depends(guard)])
+app = FastAPI(
+    title="Tidemark dead letters",
+    docs_url=None,
+    redoc_url=None,
+    openapi_url=None,
+    dependencies=[Depends(guard)],
+)
 
 
 class LedgerUnavailable(TidemarkError):
@@ -98,8 +112,12 @@ class LedgerUnavailable(TidemarkError):
 # -- plumbing ---------------------------------------------------------------------------------
 def _ledger(**kw) -> psycopg.Connection:
     try:
-        return connect(get_settings().airflow_ledger("Airflow's API server"), autocommit=True,
-                       what="ledger", **kw)
+        return connect(
+            get_settings().airflow_ledger("Airflow's API server"),
+            autocommit=True,
+            what="ledger",
+            **kw,
+        )
     except TidemarkError as exc:  # names host, port and user: for the log, not for the caller
         log.warning("tidemark dead letters: %s", mask(str(exc)))
         raise LedgerUnavailable(UNAVAILABLE) from None
@@ -108,7 +126,7 @@ def _ledger(**kw) -> psycopg.Connection:
 def _rel(request: Request) -> str:
     """The path inside this app (without Airflow's root path and the mount prefix)."""
     root, path = request.scope.get("root_path", ""), request.url.path
-    return path[len(root):] if root and path.startswith(root) else path
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 def _is_api(request: Request) -> bool:
@@ -121,15 +139,20 @@ def _wants_html(request: Request) -> bool:
 
 
 def _links(request: Request) -> dict[str, str]:
-    return {"prefix": request.scope.get("root_path", ""),  # this app, e.g. /tidemark
-            "airflow": request.base_url.path.rstrip("/")}  # Airflow's UI root
+    return {
+        "prefix": request.scope.get("root_path", ""),  # this app, e.g. /tidemark
+        "airflow": request.base_url.path.rstrip("/"),
+    }  # Airflow's UI root
 
 
 def _html(request: Request, template: str, status: int = 200, **ctx: Any) -> HTMLResponse:
     caller: Caller | None = getattr(request.state, "tm_caller", None)
     body = jinja.get_template(template).render(
-        **_links(request), user=caller.name if caller else "",
-        csrf=web_auth.csrf_token(caller) if caller and caller.via_cookie else "", **ctx)
+        **_links(request),
+        user=caller.name if caller else "",
+        csrf=web_auth.csrf_token(caller) if caller and caller.via_cookie else "",
+        **ctx,
+    )
     return HTMLResponse(body, status_code=status)
 
 
@@ -148,8 +171,7 @@ class BodyLimit:
     long as the client likes). A body on a method that takes none is refused unread. The body
     (at most ``limit`` bytes) is read here and handed on whole."""
 
-    def __init__(self, app: ASGIApp, limit: int = MAX_BODY,
-                 seconds: float = BODY_SECONDS) -> None:
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY, seconds: float = BODY_SECONDS) -> None:
         self.app, self.limit, self.seconds = app, limit, seconds
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -159,9 +181,11 @@ class BodyLimit:
         headers = Headers(scope=scope)
         length = headers.get("content-length", "").strip()
         if scope["method"] in BODYLESS and (
-                (length.isdigit() and int(length) > 0) or "transfer-encoding" in headers):
+            (length.isdigit() and int(length) > 0) or "transfer-encoding" in headers
+        ):
             await _error(Request(scope), 400, f"{scope['method']} takes no request body")(
-                scope, receive, send)
+                scope, receive, send
+            )
             return
         if length.isdigit() and int(length) > self.limit:
             await self._refuse(scope, receive, send)
@@ -181,11 +205,15 @@ class BodyLimit:
                     if not message.get("more_body", False):
                         break
         except TimeoutError:
-            await _error(Request(scope), 408, f"request body not received within "
-                                              f"{self.seconds:g} s")(scope, receive, send)
+            await _error(
+                Request(scope), 408, f"request body not received within {self.seconds:g} s"
+            )(scope, receive, send)
             return
-        body: Message | None = {"type": "http.request", "body": b"".join(chunks),
-                                "more_body": False}
+        body: Message | None = {
+            "type": "http.request",
+            "body": b"".join(chunks),
+            "more_body": False,
+        }
 
         async def replay() -> Message:
             nonlocal body
@@ -198,9 +226,13 @@ class BodyLimit:
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The server drops the unread rest of the body after this answer.
-        response = _error(Request(scope), 413, f"request body too large: at most "
-                                               f"{self.limit:,} bytes; send fewer dead-letter "
-                                               f"ids at a time")
+        response = _error(
+            Request(scope),
+            413,
+            f"request body too large: at most "
+            f"{self.limit:,} bytes; send fewer dead-letter "
+            f"ids at a time",
+        )
         await response(scope, receive, send)
 
 
@@ -213,8 +245,7 @@ class SlashRedirect:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _rel(Request(scope)) not in ("", "/") \
-                and not _routed(scope):
+        if scope["type"] == "http" and _rel(Request(scope)) not in ("", "/") and not _routed(scope):
             path = scope["path"]
             other = {**scope, "path": path.rstrip("/") if path.endswith("/") else path + "/"}
             if _routed(other):
@@ -269,14 +300,20 @@ class Answers:
             await self.app(scope, receive, headed)
         except Exception as exc:  # noqa: BLE001 - the log has the traceback, never the caller
             if started:
-                log.error("tidemark dead letters: %s %s failed after the answer began; "
-                          "the connection is cut so the client sees a broken transfer: %s",
-                          request.method, request.url.path, mask(one_line(exc)))
+                log.error(
+                    "tidemark dead letters: %s %s failed after the answer began; "
+                    "the connection is cut so the client sees a broken transfer: %s",
+                    request.method,
+                    request.url.path,
+                    mask(one_line(exc)),
+                )
                 raise TransferAborted(one_line(exc)) from exc
-            log.exception("tidemark dead letters: %s %s failed", request.method,
-                          request.url.path)
-            await _error(request, 500, f"internal error ({type(exc).__name__}); the API "
-                                       f"server's log has the details")(scope, receive, headed)
+            log.exception("tidemark dead letters: %s %s failed", request.method, request.url.path)
+            await _error(
+                request,
+                500,
+                f"internal error ({type(exc).__name__}); the API server's log has the details",
+            )(scope, receive, headed)
 
 
 app.router.redirect_slashes = False  # SlashRedirect's instead
@@ -290,8 +327,11 @@ app.add_middleware(Answers)
 @app.exception_handler(NotAuthenticated)
 async def _not_authenticated(request: Request, exc: NotAuthenticated) -> Response:
     if _is_api(request) or request.method != "GET":
-        return JSONResponse({"detail": f"not authenticated: {exc}"}, status_code=401,
-                            headers={"WWW-Authenticate": "Bearer"})
+        return JSONResponse(
+            {"detail": f"not authenticated: {exc}"},
+            status_code=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
     return RedirectResponse(web_auth.login_url(request), status_code=303)
 
 
@@ -302,16 +342,27 @@ async def _forbidden(request: Request, exc: Forbidden) -> Response:
 
 @app.exception_handler(TidemarkError)
 async def _tidemark_error(request: Request, exc: TidemarkError) -> Response:
-    status = 404 if isinstance(exc, NotFound) else 400 if isinstance(exc, BadInput) \
-        else 409 if isinstance(exc, Busy) else 503
+    status = (
+        404
+        if isinstance(exc, NotFound)
+        else 400
+        if isinstance(exc, BadInput)
+        else 409
+        if isinstance(exc, Busy)
+        else 503
+    )
     return _error(request, status, str(exc))
 
 
 @app.exception_handler(psycopg.Error)
 async def _db_error(request: Request, exc: psycopg.Error) -> Response:
     # The error names the server, its port and the user: the log has them, masked.
-    log.warning("tidemark dead letters: %s %s: ledger error: %s", request.method,
-                request.url.path, one_line(exc))
+    log.warning(
+        "tidemark dead letters: %s %s: ledger error: %s",
+        request.method,
+        request.url.path,
+        one_line(exc),
+    )
     return _error(request, 503, UNAVAILABLE)
 
 
@@ -352,10 +403,15 @@ def _record_id(value: str) -> int:
 def _filters(request: Request, default_status: str | None) -> dlq.Filters:
     q = request.query_params
     return dlq.Filters.parse(
-        pipeline=q.get("pipeline"), sink=q.get("sink"),
+        pipeline=q.get("pipeline"),
+        sink=q.get("sink"),
         error_class=q.get("error_class", q.get("class")),
-        status=q.get("status", default_status), since=q.get("since"), until=q.get("until"),
-        reason=q.get("reason"), ids=q.getlist("ids") or None)
+        status=q.get("status", default_status),
+        since=q.get("since"),
+        until=q.get("until"),
+        reason=q.get("reason"),
+        ids=q.getlist("ids") or None,
+    )
 
 
 class ActionBody(BaseModel):
@@ -378,8 +434,11 @@ class ActionBody(BaseModel):
     reason: StrictStr | None = None
 
 
-WANTED = {"ids": "expected dead-letter ids: [4, 7] or \"4,7\"",
-          "all_matching": "expected true or false", "expected": "expected a count"}
+WANTED = {
+    "ids": 'expected dead-letter ids: [4, 7] or "4,7"',
+    "all_matching": "expected true or false",
+    "expected": "expected a count",
+}
 
 
 def _checked(data: dict[str, Any]) -> dict[str, Any]:
@@ -389,8 +448,7 @@ def _checked(data: dict[str, Any]) -> dict[str, Any]:
         err = exc.errors()[0]
         name = str(err["loc"][0]) if err["loc"] else "body"
         given = data.get(name, err.get("input"))
-        raise BadInput(f"{name} {shown(given, 40)}: {WANTED.get(name, 'expected text')}"
-                       ) from None
+        raise BadInput(f"{name} {shown(given, 40)}: {WANTED.get(name, 'expected text')}") from None
 
 
 async def _body(request: Request) -> dict[str, Any]:
@@ -443,9 +501,14 @@ def _ids_from(body: dict) -> list[int]:
 def _back(request: Request, body: dict) -> str:
     """Where a form's result page links back to: the list with the filters it had."""
     query = str(body.get("back") or "")
-    safe = urlencode([(k, v) for k, vs in parse_qs(query).items() for v in vs
-                      if k in ("pipeline", "sink", "error_class", "status", "since", "until",
-                               "reason")])
+    safe = urlencode(
+        [
+            (k, v)
+            for k, vs in parse_qs(query).items()
+            for v in vs
+            if k in ("pipeline", "sink", "error_class", "status", "since", "until", "reason")
+        ]
+    )
     return f"{_links(request)['prefix']}/dlq/" + (f"?{safe}" if safe else "")
 
 
@@ -460,8 +523,9 @@ def _visible(conn: psycopg.Connection, caller: Caller, f: dlq.Filters) -> dlq.Fi
     return f.model_copy(update={"pipelines": web_auth.readable(caller, dlq.pipelines(conn))})
 
 
-def _owned(conn: psycopg.Connection, caller: Caller, ids: list[int],
-           method: str) -> dict[int, tuple[str, str]]:
+def _owned(
+    conn: psycopg.Connection, caller: Caller, ids: list[int], method: str
+) -> dict[int, tuple[str, str]]:
     """id -> (pipeline, status) of the ids that exist and that the caller may see: the others
     are left out, so they read like ids that do not exist. 403 if the caller may see one but
     not ``method`` it (edit, PUT)."""
@@ -517,23 +581,32 @@ def _record(request: Request, rec: dict, fmt: str) -> dict:
     """A letter read with ``payload_limit=SHOW_BYTES``: ``payload`` (base64) only when that
     is all of it, else null; ``payload_download`` has every byte."""
     size = rec["payload_size"]
-    kind, text = dlq.render_payload(rec["payload"], fmt, limit=SHOW_BYTES, size=size,
-                                    max_chars=SHOW_CHARS)
+    kind, text = dlq.render_payload(
+        rec["payload"], fmt, limit=SHOW_BYTES, size=size, max_chars=SHOW_CHARS
+    )
     docs = []
     if rec["error_class"] in ("validation", "dq_gate"):  # links only: no server paths
-        docs = [{"scope": q["scope"] or "(pipeline)", "success": q["success"],
-                 "href": _docs_href(request, rec["pipeline"], q["docs_path"])}
-                for q in rec["quality"] if q["docs_path"]]
+        docs = [
+            {
+                "scope": q["scope"] or "(pipeline)",
+                "success": q["success"],
+                "href": _docs_href(request, rec["pipeline"], q["docs_path"]),
+            }
+            for q in rec["quality"]
+            if q["docs_path"]
+        ]
     whole = size is None or size <= SHOW_BYTES
     return {
         **dlq.envelope(rec if whole else {**rec, "payload": None}),
         "payload_size": size,
         "payload_complete": whole,
         "payload_download": f"{_links(request)['prefix']}/dlq/api/records/{rec['id']}/payload"
-        if size is not None else None,
+        if size is not None
+        else None,
         "payload_rendered": {"kind": kind, "text": text},
-        "key_text": None if rec["key"] is None else
-        dlq.render_payload(rec["key"], limit=4096, max_chars=KEY_CHARS)[1],
+        "key_text": None
+        if rec["key"] is None
+        else dlq.render_payload(rec["key"], limit=4096, max_chars=KEY_CHARS)[1],
         "run": {k: _iso(v) for k, v in rec["run"].items()} if rec["run"] else None,
         "links": _airflow_links(request, rec["run"]),
         "data_docs": docs,
@@ -560,23 +633,36 @@ def list_page(request: Request, caller: CallerDep) -> Response:
     matching = by_class[f.error_class] if f.error_class else sum(by_class.values())
     keep = f.query()
     plain = {k: v for k, v in keep.items() if k != "error_class"}
-    class_links = [("all classes", sum(by_class.values()), f"?{urlencode(plain)}",
-                    not f.error_class)]
-    class_links += [(c, n, f"?{urlencode({**plain, 'error_class': c})}", c == f.error_class)
-                    for c, n in by_class.items()]
+    class_links = [
+        ("all classes", sum(by_class.values()), f"?{urlencode(plain)}", not f.error_class)
+    ]
+    class_links += [
+        (c, n, f"?{urlencode({**plain, 'error_class': c})}", c == f.error_class)
+        for c, n in by_class.items()
+    ]
     return _html(
-        request, "list.html", rows=[_summary(r) for r in pg.rows], next_before=pg.next_before,
-        class_links=class_links, f=f, pipelines=names,
-        can_act=bool(editable), classes=dlq.ERROR_CLASSES, statuses=dlq.STATUSES,
+        request,
+        "list.html",
+        rows=[_summary(r) for r in pg.rows],
+        next_before=pg.next_before,
+        class_links=class_links,
+        f=f,
+        pipelines=names,
+        can_act=bool(editable),
+        classes=dlq.ERROR_CLASSES,
+        statuses=dlq.STATUSES,
         # "all matching" actions: one pipeline's quarantined letters, after a confirm step
         redrive_all=bool(f.pipeline in editable and f.status == "quarantined" and matching),
         matching=matching,
-        keep=keep, query=urlencode(keep), limit=limit, before=before,
+        keep=keep,
+        query=urlencode(keep),
+        limit=limit,
+        before=before,
         since_value=f.since.astimezone(UTC).strftime("%Y-%m-%dT%H:%M") if f.since else "",
         until_value=f.until.astimezone(UTC).strftime("%Y-%m-%dT%H:%M") if f.until else "",
-        windows=[("last hour", _window(1)), ("24 hours", _window(24)),
-                 ("7 days", _window(24 * 7))],
-        urlencode=urlencode)
+        windows=[("last hour", _window(1)), ("24 hours", _window(24)), ("7 days", _window(24 * 7))],
+        urlencode=urlencode,
+    )
 
 
 @app.get("/dlq/confirm")
@@ -591,9 +677,17 @@ def confirm_page(request: Request, caller: CallerDep) -> Response:
     with _ledger(options="-c statement_timeout=30000") as conn:
         n = dlq.matching(conn, f)
     keep = f.query()
-    return _html(request, "confirm.html", action=action, n=n, f=f,
-                 described=f.without("status").described(), keep=keep,
-                 fields={k: keep[k] for k in MATCHING if keep.get(k)}, query=urlencode(keep))
+    return _html(
+        request,
+        "confirm.html",
+        action=action,
+        n=n,
+        f=f,
+        described=f.without("status").described(),
+        keep=keep,
+        fields={k: keep[k] for k in MATCHING if keep.get(k)},
+        query=urlencode(keep),
+    )
 
 
 def _may(caller: Caller, method: str, pipeline: str) -> bool:
@@ -633,9 +727,16 @@ def record_page(request: Request, record_id: str, caller: CallerDep) -> Response
     # 256 KiB again costs milliseconds; indenting it could cost a 48 MB page).
     if dlq.payload_kind(rec["payload"], SHOW_BYTES, rec["payload_size"]) == "json":
         formats.insert(1, "json")
-    return _html(request, "record.html", r=view, fmt=fmt, formats=formats, show_bytes=SHOW_BYTES,
-                 can_act=_may(caller, "PUT", rec["pipeline"]),
-                 headers_text=_headers_text(rec))
+    return _html(
+        request,
+        "record.html",
+        r=view,
+        fmt=fmt,
+        formats=formats,
+        show_bytes=SHOW_BYTES,
+        can_act=_may(caller, "PUT", rec["pipeline"]),
+        headers_text=_headers_text(rec),
+    )
 
 
 def _headers_text(rec: dict) -> str | None:
@@ -654,8 +755,10 @@ def _headers_text(rec: dict) -> str | None:
     return plain if len(plain) <= KEY_CHARS else plain[:KEY_CHARS] + CUT
 
 
-CUT = f"\n... cut here: this view shows at most {KEY_CHARS:,} characters; export the record " \
-      f"for all of them"
+CUT = (
+    f"\n... cut here: this view shows at most {KEY_CHARS:,} characters; export the record "
+    f"for all of them"
+)
 
 
 @app.get("/dlq/docs/{pipeline}/{path:path}")
@@ -676,16 +779,20 @@ def data_docs(request: Request, pipeline: str, path: str, caller: CallerDep) -> 
     if not target.is_relative_to(site) or not target.is_file():
         raise missing
     ctype = mimetypes.guess_type(target.name)[0] or "application/octet-stream"
-    return Response(target.read_bytes(), media_type=ctype,
-                    headers={"Content-Security-Policy": DOCS_CSP})
+    return Response(
+        target.read_bytes(), media_type=ctype, headers={"Content-Security-Policy": DOCS_CSP}
+    )
 
 
 @app.get("/dlq/static/{name}")
 def static(name: str, caller: CallerDep) -> Response:
     if name not in STATIC:
         raise NotFound(f"no static file {name!r}")
-    return Response((TEMPLATES / name).read_bytes(), media_type=STATIC[name],
-                    headers={"Cache-Control": "private, max-age=300"})
+    return Response(
+        (TEMPLATES / name).read_bytes(),
+        media_type=STATIC[name],
+        headers={"Cache-Control": "private, max-age=300"},
+    )
 
 
 # -- JSON API -----------------------------------------------------------------------------------
@@ -696,8 +803,7 @@ def api_records(request: Request, caller: CallerDep) -> Response:
     limit, before = _int(q.get("limit"), "limit", 50), _int(q.get("before"), "before")
     with _ledger(options="-c statement_timeout=30000") as conn:
         pg = dlq.page(conn, _visible(conn, caller, f), limit, before)
-    return JSONResponse({"records": [_summary(r) for r in pg.rows],
-                         "next_before": pg.next_before})
+    return JSONResponse({"records": [_summary(r) for r in pg.rows], "next_before": pg.next_before})
 
 
 @app.get("/dlq/api/records/{record_id}")
@@ -717,19 +823,30 @@ def api_payload(record_id: str, caller: CallerDep) -> Response:
         with _ledger() as conn:
             yield from dlq.payload_chunks(conn, rid)
 
-    return StreamingResponse(chunks(), media_type="application/octet-stream", headers={
-        "Content-Disposition": f'attachment; filename="dead-letter-{rid}.bin"'})
+    return StreamingResponse(
+        chunks(),
+        media_type="application/octet-stream",
+        headers={"Content-Disposition": f'attachment; filename="dead-letter-{rid}.bin"'},
+    )
 
 
 @app.get("/dlq/api/counts")
 def api_counts(caller: CallerDep) -> Response:
     """Quarantined records per pipeline and error class: poll it for alerting."""
     with _ledger(options="-c statement_timeout=30000") as conn:
-        only = None if web_auth.may_read_all(caller) else \
-            web_auth.readable(caller, dlq.pipelines(conn))
+        only = (
+            None
+            if web_auth.may_read_all(caller)
+            else web_auth.readable(caller, dlq.pipelines(conn))
+        )
         by_pipeline = dlq.counts_by_pipeline(conn, only)
-    return JSONResponse({"status": "quarantined", "pipelines": by_pipeline,
-                         "total": sum(sum(c.values()) for c in by_pipeline.values())})
+    return JSONResponse(
+        {
+            "status": "quarantined",
+            "pipelines": by_pipeline,
+            "total": sum(sum(c.values()) for c in by_pipeline.values()),
+        }
+    )
 
 
 def _export(f: dlq.Filters) -> Iterator[str]:
@@ -739,8 +856,11 @@ def _export(f: dlq.Filters) -> Iterator[str]:
 
 def _download(f: dlq.Filters) -> StreamingResponse:
     name = f"dead-letters-{datetime.now(UTC):%Y%m%dT%H%M%SZ}.jsonl"
-    return StreamingResponse(_export(f), media_type="application/x-ndjson",
-                             headers={"Content-Disposition": f'attachment; filename="{name}"'})
+    return StreamingResponse(
+        _export(f),
+        media_type="application/x-ndjson",
+        headers={"Content-Disposition": f'attachment; filename="{name}"'},
+    )
 
 
 @app.get("/dlq/api/export")
@@ -775,27 +895,50 @@ async def api_discard(request: Request, caller: CallerDep) -> Response:
 
         res = await run_in_threadpool(everything)
         if _wants_html(request):
-            return _html(request, "result.html", title="Discard", back=_back(request, body),
-                         done=[f"Discarded {len(res.changed):,} dead letter(s) matching "
-                               f"{f.without('status').described()}"], runs=[], skipped=[],
-                         errors=[])
+            return _html(
+                request,
+                "result.html",
+                title="Discard",
+                back=_back(request, body),
+                done=[
+                    f"Discarded {len(res.changed):,} dead letter(s) matching "
+                    f"{f.without('status').described()}"
+                ],
+                runs=[],
+                skipped=[],
+                errors=[],
+            )
         return JSONResponse({**res.to_dict(), "by": caller.name})
     ids = _ids_from(body)
 
     def work() -> dlq.Discarded:
         with _ledger() as conn:
             owners = _owned(conn, caller, ids, "PUT")
-            res = dlq.discard(conn, sorted(owners), body.get("note"), caller.name) if owners \
+            res = (
+                dlq.discard(conn, sorted(owners), body.get("note"), caller.name)
+                if owners
                 else dlq.Discarded()
+            )
         res.skipped.update({i: "no such dead letter" for i in ids if i not in owners})
         return res
 
     res = await run_in_threadpool(work)
     if _wants_html(request):
-        return _html(request, "result.html", title="Discard", back=_back(request, body),
-                     done=[f"Discarded {len(res.changed):,} dead letter(s): "
-                           + ", ".join(map(str, res.changed))] if res.changed else [],
-                     runs=[], skipped=res.to_dict()["skipped"], errors=[])
+        return _html(
+            request,
+            "result.html",
+            title="Discard",
+            back=_back(request, body),
+            done=[
+                f"Discarded {len(res.changed):,} dead letter(s): "
+                + ", ".join(map(str, res.changed))
+            ]
+            if res.changed
+            else [],
+            runs=[],
+            skipped=res.to_dict()["skipped"],
+            errors=[],
+        )
     return JSONResponse({**res.to_dict(), "by": caller.name})
 
 
@@ -811,8 +954,15 @@ async def api_redrive(request: Request, caller: CallerDep) -> Response:
         out = await run_in_threadpool(_redrive, request, caller, _ids_from(body))
     status = 502 if out["errors"] and not out["runs"] else 200
     if _wants_html(request):
-        return _html(request, "result.html", status, title="Redrive", back=_back(request, body),
-                     done=[], **out)
+        return _html(
+            request,
+            "result.html",
+            status,
+            title="Redrive",
+            back=_back(request, body),
+            done=[],
+            **out,
+        )
     return JSONResponse(out, status_code=status)
 
 
@@ -821,8 +971,11 @@ def _redrive(request: Request, caller: Caller, ids: list[int]) -> dict:
     with _ledger() as conn:
         owners = _owned(conn, caller, ids, "PUT")
     skipped = [{"id": i, "reason": "no such dead letter"} for i in ids if i not in owners]
-    skipped += [{"id": i, "reason": f"already {s}"} for i, (_, s) in sorted(owners.items())
-                if s != "quarantined"]
+    skipped += [
+        {"id": i, "reason": f"already {s}"}
+        for i, (_, s) in sorted(owners.items())
+        if s != "quarantined"
+    ]
     groups: dict[str, list[int]] = {}
     for i, (p, s) in sorted(owners.items()):
         if s == "quarantined":
@@ -831,8 +984,9 @@ def _redrive(request: Request, caller: Caller, ids: list[int]) -> dict:
     return {**out, "skipped": skipped}
 
 
-def _redrive_matching(request: Request, caller: Caller, f: dlq.Filters,
-                      expected: int | None = None) -> dict:
+def _redrive_matching(
+    request: Request, caller: Caller, f: dlq.Filters, expected: int | None = None
+) -> dict:
     """Every quarantined letter of ``f.pipeline`` that ``f`` matches now, as one request;
     none if more match now than the caller confirmed (``expected``)."""
     web_auth.require(caller, "PUT", [f.pipeline])
@@ -864,30 +1018,51 @@ def _trigger(request: Request, caller: Caller, selections: dict[str, dict]) -> d
     runs, errors = [], []
     api = airflow_api()
     root = _links(request)["airflow"]
-    with _ledger() as conn, httpx.Client(
-            timeout=30, headers={"Authorization": f"Bearer {caller.token}"},
-            follow_redirects=False) as http:
+    with (
+        _ledger() as conn,
+        httpx.Client(
+            timeout=30, headers={"Authorization": f"Bearer {caller.token}"}, follow_redirects=False
+        ) as http,
+    ):
         for pipeline, sel in selections.items():
             dag = dag_id(pipeline, "redrive")
             ids = sel.get("ids")
-            req = redrives.create(conn, pipeline, caller.name, ids=ids,
-                                  filters=sel.get("filters"))
+            req = redrives.create(conn, pipeline, caller.name, ids=ids, filters=sel.get("filters"))
             if req is None:
-                errors.append({"pipeline": pipeline, "dag_id": dag, "ids": [], "letters": 0,
-                               "error": "no quarantined dead letters match"})
+                errors.append(
+                    {
+                        "pipeline": pipeline,
+                        "dag_id": dag,
+                        "ids": [],
+                        "letters": 0,
+                        "error": "no quarantined dead letters match",
+                    }
+                )
                 continue
-            what = {"pipeline": pipeline, "dag_id": dag, "request": req.request_id,
-                    "letters": req.letters, "ids": ids or []}
+            what = {
+                "pipeline": pipeline,
+                "dag_id": dag,
+                "request": req.request_id,
+                "letters": req.letters,
+                "ids": ids or [],
+            }
             if sel.get("expected") is not None and req.letters > sel["expected"]:
                 redrives.delete(conn, req.request_id)
-                errors.append({**what, "error": f"{req.letters:,} dead letter(s) match now, not "
-                                                f"the {sel['expected']:,} confirmed; nothing "
-                                                f"was redriven, look again"})
+                errors.append(
+                    {
+                        **what,
+                        "error": f"{req.letters:,} dead letter(s) match now, not "
+                        f"the {sel['expected']:,} confirmed; nothing "
+                        f"was redriven, look again",
+                    }
+                )
                 continue
             conf = {"request": req.request_id, "requested_by": caller.name}
             try:
-                r = http.post(f"{api}/dags/{quote(dag, safe='')}/dagRuns",
-                              json={"logical_date": None, "conf": conf})
+                r = http.post(
+                    f"{api}/dags/{quote(dag, safe='')}/dagRuns",
+                    json={"logical_date": None, "conf": conf},
+                )
             except httpx.HTTPError as exc:
                 redrives.delete(conn, req.request_id)
                 errors.append({**what, "error": f"cannot reach Airflow's API: {exc}"})
@@ -897,10 +1072,14 @@ def _trigger(request: Request, caller: Caller, selections: dict[str, dict]) -> d
                 errors.append({**what, "error": _airflow_error(dag, r)})
                 continue
             run_id = r.json()["dag_run_id"]
-            runs.append({
-                **what, "dag_run_id": run_id,
-                "url": f"{root}/dags/{quote(dag, safe='')}/runs/{quote(run_id, safe='')}",
-                "paused": _paused(http, f"{api}/dags/{quote(dag, safe='')}")})
+            runs.append(
+                {
+                    **what,
+                    "dag_run_id": run_id,
+                    "url": f"{root}/dags/{quote(dag, safe='')}/runs/{quote(run_id, safe='')}",
+                    "paused": _paused(http, f"{api}/dags/{quote(dag, safe='')}"),
+                }
+            )
     return {"runs": runs, "errors": errors}
 
 
@@ -918,8 +1097,9 @@ def _airflow_error(dag: str, r: httpx.Response) -> str:
         detail = r.json().get("detail")
     except ValueError:
         detail = None
-    detail = detail if isinstance(detail, str) else json.dumps(detail)[:300] if detail \
-        else r.text[:300]
+    detail = (
+        detail if isinstance(detail, str) else json.dumps(detail)[:300] if detail else r.text[:300]
+    )
     if r.status_code == 404:
         return f"DAG {dag} not found in Airflow (is the pipeline deployed?): {detail}"
     return f"Airflow refused to trigger {dag} (HTTP {r.status_code}): {detail}"

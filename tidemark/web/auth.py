@@ -82,8 +82,9 @@ async def guard(request: Request) -> Caller:
     caller = await authenticate(request)
     if request.method not in SAFE_METHODS:
         if not same_origin(request):
-            raise Forbidden(f"cross-origin request refused (Origin "
-                            f"{request.headers.get('origin')!r})")
+            raise Forbidden(
+                f"cross-origin request refused (Origin {request.headers.get('origin')!r})"
+            )
         if caller.via_cookie and not csrf_ok(caller, await _csrf_sent(request)):
             raise Forbidden("missing or wrong CSRF token; reload the page and try again")
     return caller
@@ -122,7 +123,7 @@ def csrf_ok(caller: Caller, sent: str | None) -> bool:
         return False
     if len(raw) != 2 * len(secret):
         return False
-    return hmac.compare_digest(_xor(raw[:len(secret)], raw[len(secret):]), secret)
+    return hmac.compare_digest(_xor(raw[: len(secret)], raw[len(secret) :]), secret)
 
 
 async def _csrf_sent(request: Request) -> str | None:
@@ -191,10 +192,15 @@ def _allowed(caller: Caller, method: str, dag: str, team: object) -> bool:
     am = _auth_manager()
     if team is _UNKNOWN:
         every = [None, *sorted(Team.get_all_team_names())]
-        return all(am.is_authorized_dag(method=method, user=caller.user,
-                                        details=DagDetails(id=dag, team_name=t)) for t in every)
-    return am.is_authorized_dag(method=method, user=caller.user,
-                                details=DagDetails(id=dag, team_name=team))
+        return all(
+            am.is_authorized_dag(
+                method=method, user=caller.user, details=DagDetails(id=dag, team_name=t)
+            )
+            for t in every
+        )
+    return am.is_authorized_dag(
+        method=method, user=caller.user, details=DagDetails(id=dag, team_name=team)
+    )
 
 
 def may_read_all(caller: Caller) -> bool:
@@ -211,8 +217,11 @@ def readable(caller: Caller, pipelines: Iterable[str]) -> list[str]:
     ok: set[str] = {d for d, t in teams.items() if t is _UNKNOWN and _allowed(caller, "GET", d, t)}
     for team in {teams.get(d) for d in by_dag} - {_UNKNOWN}:
         ok |= _auth_manager().filter_authorized_dag_ids(
-            dag_ids={d for d in by_dag if teams.get(d) == team}, user=caller.user,
-            method="GET", team_name=team)
+            dag_ids={d for d in by_dag if teams.get(d) == team},
+            user=caller.user,
+            method="GET",
+            team_name=team,
+        )
     return sorted(by_dag[d] for d in ok)
 
 
@@ -223,8 +232,10 @@ def require(caller: Caller, method: str, pipelines: Iterable[str]) -> None:
     for p in chosen:
         if not _allowed(caller, method, dag_id(p), teams.get(dag_id(p))):
             need = "read" if method == "GET" else "edit"
-            raise Forbidden(f"{caller.name} may not {'see' if method == 'GET' else 'change'} "
-                            f"dead letters of {p}: needs {need} access to DAG {dag_id(p)}")
+            raise Forbidden(
+                f"{caller.name} may not {'see' if method == 'GET' else 'change'} "
+                f"dead letters of {p}: needs {need} access to DAG {dag_id(p)}"
+            )
 
 
 def login_url(request: Request) -> str:

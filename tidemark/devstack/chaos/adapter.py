@@ -27,7 +27,7 @@ INTERNAL = 70
 
 @dataclass
 class Outcome:
-    code: int | None          # None: killed by a signal
+    code: int | None  # None: killed by a signal
     text: str
     signal: int | None = None
 
@@ -61,9 +61,13 @@ class InProcess:
     def _settings(self):
         from tidemark.core.settings import Settings
 
-        return Settings(ledger_dsn=self.world.ledger_dsn, pipelines_dir=self.world.pipelines_dir,
-                        data_docs_dir=self.world.docs_dir, spark_master="local[2,4]",
-                        lock_timeout_ms=self.lock_timeout_ms)
+        return Settings(
+            ledger_dsn=self.world.ledger_dsn,
+            pipelines_dir=self.world.pipelines_dir,
+            data_docs_dir=self.world.docs_dir,
+            spark_master="local[2,4]",
+            lock_timeout_ms=self.lock_timeout_ms,
+        )
 
     def _pipelines(self) -> dict:
         from tidemark import config
@@ -83,8 +87,9 @@ class InProcess:
             return Outcome(1, _one_line(f"database error: {exc}"))
         except Exception as exc:  # noqa: BLE001 - the CLI would exit 70: a bug, reported
             tb = traceback.format_exc(limit=-4)
-            return Outcome(INTERNAL, _one_line(f"internal error {type(exc).__name__}: {exc}",
-                                               400) + "\n" + tb)
+            return Outcome(
+                INTERNAL, _one_line(f"internal error {type(exc).__name__}: {exc}", 400) + "\n" + tb
+            )
 
     def _execute(self, runner) -> Outcome:
         report = runner.execute()
@@ -95,21 +100,41 @@ class InProcess:
 
         def go():
             all_p = self._pipelines()
-            return self._execute(Run(all_p[PIPELINE], self._settings(),
-                                     ledger_dsn=self.world.ledger_dsn, all_pipelines=all_p,
-                                     sink_names=sinks, spark=self.spark, log=self.log.append))
+            return self._execute(
+                Run(
+                    all_p[PIPELINE],
+                    self._settings(),
+                    ledger_dsn=self.world.ledger_dsn,
+                    all_pipelines=all_p,
+                    sink_names=sinks,
+                    spark=self.spark,
+                    log=self.log.append,
+                )
+            )
+
         return self._call(go)
 
-    def backfill(self, partition: int, start: int, end: int,
-                 sinks: list[str] | None = None) -> Outcome:
+    def backfill(
+        self, partition: int, start: int, end: int, sinks: list[str] | None = None
+    ) -> Outcome:
         from tidemark.driver.run import Backfill, Run
 
         def go():
             all_p = self._pipelines()
-            return self._execute(Run(all_p[PIPELINE], self._settings(),
-                                     ledger_dsn=self.world.ledger_dsn, all_pipelines=all_p,
-                                     mode="backfill", backfill=Backfill(partition, start, end),
-                                     sink_names=sinks, spark=self.spark, log=self.log.append))
+            return self._execute(
+                Run(
+                    all_p[PIPELINE],
+                    self._settings(),
+                    ledger_dsn=self.world.ledger_dsn,
+                    all_pipelines=all_p,
+                    mode="backfill",
+                    backfill=Backfill(partition, start, end),
+                    sink_names=sinks,
+                    spark=self.spark,
+                    log=self.log.append,
+                )
+            )
+
         return self._call(go)
 
     def redrive(self, ids: list[int], by: str = "chaos") -> Outcome:
@@ -117,23 +142,34 @@ class InProcess:
 
         def go():
             all_p = self._pipelines()
-            return self._execute(Redrive(all_p[PIPELINE], self._settings(),
-                                         ledger_dsn=self.world.ledger_dsn, ids=ids, by=by,
-                                         all_pipelines=all_p, spark=self.spark,
-                                         log=self.log.append))
+            return self._execute(
+                Redrive(
+                    all_p[PIPELINE],
+                    self._settings(),
+                    ledger_dsn=self.world.ledger_dsn,
+                    ids=ids,
+                    by=by,
+                    all_pipelines=all_p,
+                    spark=self.spark,
+                    log=self.log.append,
+                )
+            )
+
         return self._call(go)
 
     def discard(self, ids: list[int], note: str = "chaos", by: str = "chaos") -> Outcome:
         from tidemark.ledger import dlq
 
         def go():
-            with psycopg.connect(self.world.ledger_dsn, autocommit=True,
-                                 application_name="tidemark-chaos") as conn:
+            with psycopg.connect(
+                self.world.ledger_dsn, autocommit=True, application_name="tidemark-chaos"
+            ) as conn:
                 res = dlq.discard(conn, ids, note, by)
             text = f"discarded {res.changed or 'none'}"
             if res.skipped:
                 text += f", skipped {sorted(res.skipped)}"
             return Outcome(0 if res.changed else 1, text)
+
         return self._call(go)
 
     def recover(self) -> Outcome:
@@ -143,6 +179,7 @@ class InProcess:
             rep = recover(self.world.ledger_dsn, self._pipelines(), self._settings().gid_prefix)
             text = rep.summary() + "".join(f"; error: {e}" for e in rep.errors)
             return Outcome(0 if rep.ok else 1, _one_line(text, 400))
+
         return self._call(go)
 
 
@@ -157,8 +194,10 @@ def _report(report) -> str:
         parts.append(f"{s}=skipped ({_one_line(why, 60)})")
     if report.redrive is not None:
         r = report.redrive
-        parts.append(f"redriven {r['redriven']}, failed again {len(r['failed_again'])}, "
-                     f"skipped {len(r['skipped'])}")
+        parts.append(
+            f"redriven {r['redriven']}, failed again {len(r['failed_again'])}, "
+            f"skipped {len(r['skipped'])}"
+        )
     return "; ".join(parts)
 
 
@@ -172,16 +211,20 @@ class Subprocess:
 
     def env(self, **extra) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEMARK_")}
-        env.update({"TIDEMARK_LEDGER_DSN": self.world.ledger_dsn,
-                    "TIDEMARK_PIPELINES_DIR": str(self.world.pipelines_dir),
-                    "TIDEMARK_DATA_DOCS_DIR": str(self.world.docs_dir),
-                    "TIDEMARK_SPARK_MASTER": "local[2,4]",
-                    "TIDEMARK_LOCK_TIMEOUT_MS": "10000",
-                    "TIDEMARK_DRIVER_MEMORY": "1g",
-                    "PYTHONUNBUFFERED": "1",
-                    # A killed job leaves its Spark scratch behind: keep it in the world.
-                    "SPARK_LOCAL_DIRS": str(self.world.scratch_dir),
-                    "TMPDIR": str(self.world.scratch_dir)})
+        env.update(
+            {
+                "TIDEMARK_LEDGER_DSN": self.world.ledger_dsn,
+                "TIDEMARK_PIPELINES_DIR": str(self.world.pipelines_dir),
+                "TIDEMARK_DATA_DOCS_DIR": str(self.world.docs_dir),
+                "TIDEMARK_SPARK_MASTER": "local[2,4]",
+                "TIDEMARK_LOCK_TIMEOUT_MS": "10000",
+                "TIDEMARK_DRIVER_MEMORY": "1g",
+                "PYTHONUNBUFFERED": "1",
+                # A killed job leaves its Spark scratch behind: keep it in the world.
+                "SPARK_LOCAL_DIRS": str(self.world.scratch_dir),
+                "TMPDIR": str(self.world.scratch_dir),
+            }
+        )
         env.update({k: str(v) for k, v in extra.items()})
         return env
 
@@ -189,23 +232,41 @@ class Subprocess:
         self.count += 1
         log = self.world.logs_dir / f"job-{self.count:04d}-{args[0]}.log"
         pause = self.world.root / "pause" / f"{self.count:04d}"
-        return Job([self.python, "-m", "tidemark", *args], self.env(**how.pop("env", {})),
-                   cwd=self.world.root, log_path=log, pause_dir=pause, **how)
+        return Job(
+            [self.python, "-m", "tidemark", *args],
+            self.env(**how.pop("env", {})),
+            cwd=self.world.root,
+            log_path=log,
+            pause_dir=pause,
+            **how,
+        )
 
     def run(self, sinks: list[str] | None = None, **how) -> Job:
         return self._start(["run", PIPELINE, *_sink_args(sinks)], **how)
 
-    def backfill(self, partition: int, start: int, end: int, sinks: list[str] | None = None,
-                 **how) -> Job:
-        return self._start(["backfill", PIPELINE, "--partition", str(partition), "--from",
-                            str(start), "--to", str(end), *_sink_args(sinks)], **how)
+    def backfill(
+        self, partition: int, start: int, end: int, sinks: list[str] | None = None, **how
+    ) -> Job:
+        return self._start(
+            [
+                "backfill",
+                PIPELINE,
+                "--partition",
+                str(partition),
+                "--from",
+                str(start),
+                "--to",
+                str(end),
+                *_sink_args(sinks),
+            ],
+            **how,
+        )
 
     def redrive(self, ids: list[int], by: str = "chaos", **how) -> Job:
         return self._start(["dlq", "redrive", PIPELINE, *map(str, ids), "--by", by], **how)
 
     def discard(self, ids: list[int], note: str = "chaos", by: str = "chaos", **how) -> Job:
-        return self._start(["dlq", "discard", *map(str, ids), "--note", note, "--by", by],
-                           **how)
+        return self._start(["dlq", "discard", *map(str, ids), "--note", note, "--by", by], **how)
 
     def recover(self, **how) -> Job:
         return self._start(["recover"], **how)

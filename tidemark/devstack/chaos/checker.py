@@ -55,28 +55,28 @@ class Target:
 
     ledger_dsn: str
     pipeline: str
-    source: Source                       # the source log's records (chaos/source.py)
-    sinks: dict[str, tuple[str, str]]    # name -> (dsn, table)
-    databases: list[str]                 # every database whose prepared transactions count
-    key_shift: int | None = None         # a sink key may also be the payload's id + this
-    versioned: bool = False              # the sinks order versions by the version column
-    key_from_key: bool = False           # the sink key is the source key's number (tombstones)
+    source: Source  # the source log's records (chaos/source.py)
+    sinks: dict[str, tuple[str, str]]  # name -> (dsn, table)
+    databases: list[str]  # every database whose prepared transactions count
+    key_shift: int | None = None  # a sink key may also be the payload's id + this
+    versioned: bool = False  # the sinks order versions by the version column
+    key_from_key: bool = False  # the sink key is the source key's number (tombstones)
 
     def keys(self, pid: int) -> tuple[int, ...]:
         return (pid,) if self.key_shift is None else (pid, pid + self.key_shift)
 
 
 class Source(Protocol):
-    def records(self) -> list: ...   # of SourceRecord: p, o, key, payload, headers, ts
+    def records(self) -> list: ...  # of SourceRecord: p, o, key, payload, headers, ts
 
 
 @dataclass
 class Snapshot:
     checkpoints: dict[tuple[str, int], int] = field(default_factory=dict)
-    rows: dict[str, int] = field(default_factory=dict)           # sink -> rows
-    live: dict[str, int] = field(default_factory=dict)           # sink -> live letters
+    rows: dict[str, int] = field(default_factory=dict)  # sink -> rows
+    live: dict[str, int] = field(default_factory=dict)  # sink -> live letters
     letters: int = 0
-    tombs: dict[str, int] = field(default_factory=dict)          # sink -> deleting tombstones
+    tombs: dict[str, int] = field(default_factory=dict)  # sink -> deleting tombstones
 
 
 def _ident(table: str) -> sql.Composable:
@@ -114,24 +114,34 @@ class Checker:
         snap = Snapshot()
         source = {(r.p, r.o): (_b(r.key), _b(r.payload)) for r in self.t.source.records()}
         with psycopg.connect(self.t.ledger_dsn, autocommit=True, application_name=APP) as led:
-            checkpoints = {(s, p): n for s, p, n in led.execute(
-                "SELECT sink, partition, next_offset FROM tidemark.checkpoints "
-                "WHERE pipeline = %s", (self.t.pipeline,))}
+            checkpoints = {
+                (s, p): n
+                for s, p, n in led.execute(
+                    "SELECT sink, partition, next_offset FROM tidemark.checkpoints "
+                    "WHERE pipeline = %s",
+                    (self.t.pipeline,),
+                )
+            }
             letters = led.execute(
                 """SELECT id, sink, source_partition, source_offset, key, payload,
                           status::text, error_class::text
                    FROM tidemark.dlq WHERE pipeline = %s ORDER BY id""",
-                (self.t.pipeline,)).fetchall()
-            halted = led.execute("SELECT halted_reason FROM tidemark.pipelines WHERE name = %s",
-                                 (self.t.pipeline,)).fetchone()
+                (self.t.pipeline,),
+            ).fetchall()
+            halted = led.execute(
+                "SELECT halted_reason FROM tidemark.pipelines WHERE name = %s", (self.t.pipeline,)
+            ).fetchone()
             open_runs = led.execute(
                 """SELECT rs.run_id, rs.sink, rs.state::text FROM tidemark.run_sinks rs
                    JOIN tidemark.runs r USING (run_id)
                    WHERE r.pipeline = %s AND rs.state::text = ANY(%s) ORDER BY 1, 2""",
-                (self.t.pipeline, list(OPEN_STATES))).fetchall()
+                (self.t.pipeline, list(OPEN_STATES)),
+            ).fetchall()
             prepared = led.execute(
                 "SELECT database, gid FROM pg_prepared_xacts WHERE database = ANY(%s) "
-                "ORDER BY database, gid", (self.t.databases,)).fetchall()
+                "ORDER BY database, gid",
+                (self.t.databases,),
+            ).fetchall()
         rows = {s: self._sink_rows(dsn, table) for s, (dsn, table) in self.t.sinks.items()}
         tombs = {s: self._tombs(dsn) for s, (dsn, _table) in self.t.sinks.items()}
 
@@ -146,25 +156,49 @@ class Checker:
         for lid, sink, p, o, key, payload, status, cls in letters:
             where = (p, o)
             if where not in source:
-                problems.append(Problem(sink or "-", p, o, f"dead letter {lid} ({cls}, {status})"
-                                        f" holds a record that is not in the source"))
+                problems.append(
+                    Problem(
+                        sink or "-",
+                        p,
+                        o,
+                        f"dead letter {lid} ({cls}, {status})"
+                        f" holds a record that is not in the source",
+                    )
+                )
             else:
                 skey, spayload = source[where]
                 if _b(payload) != spayload:
-                    problems.append(Problem(sink or "-", p, o, f"dead letter {lid} ({cls}): "
-                                            f"payload differs from the source record's bytes"))
+                    problems.append(
+                        Problem(
+                            sink or "-",
+                            p,
+                            o,
+                            f"dead letter {lid} ({cls}): "
+                            f"payload differs from the source record's bytes",
+                        )
+                    )
                 if _b(key) != skey:
-                    problems.append(Problem(sink or "-", p, o, f"dead letter {lid} ({cls}): "
-                                            f"key differs from the source record's key"))
+                    problems.append(
+                        Problem(
+                            sink or "-",
+                            p,
+                            o,
+                            f"dead letter {lid} ({cls}): key differs from the source record's key",
+                        )
+                    )
             if sink is None:
-                problems.append(Problem("-", p, o, f"dead letter {lid} ({cls}, {status}) "
-                                        f"names no sink"))
+                problems.append(
+                    Problem("-", p, o, f"dead letter {lid} ({cls}, {status}) names no sink")
+                )
                 if status in LIVE:
                     unnamed.setdefault((p, o), []).append(lid)
                 continue
             if sink not in self.t.sinks:
-                problems.append(Problem(sink, p, o, f"dead letter {lid} names a sink the "
-                                        f"pipeline does not have"))
+                problems.append(
+                    Problem(
+                        sink, p, o, f"dead letter {lid} names a sink the pipeline does not have"
+                    )
+                )
                 continue
             if status in LIVE:
                 live.setdefault((sink, p, o), []).append(lid)
@@ -178,22 +212,40 @@ class Checker:
                 by_id[rid] = (p, o, version)
                 cp = checkpoints.get((s, p), 0)
                 if (p, o) not in source:
-                    problems.append(Problem(s, p, o, f"sink row id {rid} for a record that is "
-                                            f"not in the source"))
+                    problems.append(
+                        Problem(
+                            s, p, o, f"sink row id {rid} for a record that is not in the source"
+                        )
+                    )
                     continue
                 pid, pversion = parsed[(p, o)]
                 if pid is None:
-                    problems.append(Problem(s, p, o, f"sink row id {rid} for a record whose "
-                                            f"payload has no readable id"))
+                    problems.append(
+                        Problem(
+                            s,
+                            p,
+                            o,
+                            f"sink row id {rid} for a record whose payload has no readable id",
+                        )
+                    )
                 elif rid not in self.t.keys(pid):
-                    problems.append(Problem(s, p, o, f"sink row id {rid} but its source "
-                                            f"record's id is {pid}"))
+                    problems.append(
+                        Problem(s, p, o, f"sink row id {rid} but its source record's id is {pid}")
+                    )
                 elif pversion is not None and version is not None and pversion != version:
-                    problems.append(Problem(s, p, o, f"sink row id {rid} version {version} but "
-                                            f"its source record's version is {pversion}"))
+                    problems.append(
+                        Problem(
+                            s,
+                            p,
+                            o,
+                            f"sink row id {rid} version {version} but "
+                            f"its source record's version is {pversion}",
+                        )
+                    )
                 if o >= cp:
-                    problems.append(Problem(s, p, o, f"sink row id {rid} at or above the "
-                                            f"checkpoint {cp}"))
+                    problems.append(
+                        Problem(s, p, o, f"sink row id {rid} at or above the checkpoint {cp}")
+                    )
             tomb_pos: dict[tuple[int, int], int] = {}
             tomb_id: dict[int, tuple[int, int, None]] = {}
             for tid, p, o in tombs[s]:
@@ -201,38 +253,65 @@ class Checker:
                 tomb_id[tid] = (p, o, None)
                 cp = checkpoints.get((s, p), 0)
                 if (p, o) not in source:
-                    problems.append(Problem(s, p, o, f"tombstone of key {tid} for a record that "
-                                            f"is not in the source"))
+                    problems.append(
+                        Problem(
+                            s,
+                            p,
+                            o,
+                            f"tombstone of key {tid} for a record that is not in the source",
+                        )
+                    )
                     continue
                 skey, spayload = source[(p, o)]
                 if spayload is not None:
-                    problems.append(Problem(s, p, o, f"tombstone of key {tid} for a record "
-                                            f"with a payload"))
+                    problems.append(
+                        Problem(s, p, o, f"tombstone of key {tid} for a record with a payload")
+                    )
                 elif tid not in self.t.keys(parsed[(p, o)][0] or -1):
-                    problems.append(Problem(s, p, o, f"tombstone of key {tid} for a record "
-                                            f"whose key is {skey!r}"))
+                    problems.append(
+                        Problem(
+                            s, p, o, f"tombstone of key {tid} for a record whose key is {skey!r}"
+                        )
+                    )
                 if o >= cp:
-                    problems.append(Problem(s, p, o, f"tombstone of key {tid} at or above the "
-                                            f"checkpoint {cp}"))
+                    problems.append(
+                        Problem(s, p, o, f"tombstone of key {tid} at or above the checkpoint {cp}")
+                    )
                 row = by_id.get(tid)
                 if row and self._newer((p, o, None), row[0], row[1], row[2], tie=True):
-                    problems.append(Problem(s, row[0], row[1], f"sink row id {tid} is older "
-                                            f"than its key's tombstone at {p}:{o}"))
-            for (p, o) in sorted(source):
+                    problems.append(
+                        Problem(
+                            s,
+                            row[0],
+                            row[1],
+                            f"sink row id {tid} is older than its key's tombstone at {p}:{o}",
+                        )
+                    )
+            for p, o in sorted(source):
                 cp = checkpoints.get((s, p), 0)
                 mine = live.get((s, p, o), [])
                 own = (p, o) in by_pos or (p, o) in tomb_pos
                 if o >= cp:
                     if mine:
-                        problems.append(Problem(s, p, o, f"live dead letter(s) "
-                                                f"{_ids(mine)} at or above the checkpoint {cp}"))
+                        problems.append(
+                            Problem(
+                                s,
+                                p,
+                                o,
+                                f"live dead letter(s) {_ids(mine)} at or above the checkpoint {cp}",
+                            )
+                        )
                     continue
                 if len(mine) > 1:
-                    problems.append(Problem(s, p, o, f"{len(mine)} live dead letters "
-                                            f"{_ids(mine)} for one record"))
+                    problems.append(
+                        Problem(
+                            s, p, o, f"{len(mine)} live dead letters {_ids(mine)} for one record"
+                        )
+                    )
                 if own and mine:
-                    problems.append(Problem(s, p, o, f"in the sink and in live dead "
-                                            f"letter(s) {_ids(mine)}"))
+                    problems.append(
+                        Problem(s, p, o, f"in the sink and in live dead letter(s) {_ids(mine)}")
+                    )
                 if own or mine:
                     continue
                 pid, pversion = parsed[(p, o)]
@@ -244,12 +323,17 @@ class Checker:
                         newer = row
                 if newer is not None:
                     continue
-                newer = next((by_id[k] for k in (self.t.keys(pid) if pid is not None else ())
-                              if k in by_id), None)
+                newer = next(
+                    (by_id[k] for k in (self.t.keys(pid) if pid is not None else ()) if k in by_id),
+                    None,
+                )
                 what = f"below the checkpoint {cp} but not placed: no sink row"
                 if pid is not None:
-                    what += (f", id {pid} in the sink at {newer[0]}:{newer[1]}" if newer
-                             else f", no row for id {pid}")
+                    what += (
+                        f", id {pid} in the sink at {newer[0]}:{newer[1]}"
+                        if newer
+                        else f", no row for id {pid}"
+                    )
                 what += ", no live dead letter"
                 if (p, o) in unnamed:
                     what += f" (only {_ids(unnamed[(p, o)])} without a sink)"
@@ -262,16 +346,20 @@ class Checker:
         # -- checkpoints: monotone, within the source ---------------------------------------
         for (s, p), n in sorted(checkpoints.items()):
             if n > ends.get(p, 0):
-                problems.append(Problem(s, p, n, f"checkpoint {n} is past the end of the "
-                                        f"source ({ends.get(p, 0)})"))
+                problems.append(
+                    Problem(
+                        s, p, n, f"checkpoint {n} is past the end of the source ({ends.get(p, 0)})"
+                    )
+                )
         if self.previous is not None:
             for (s, p), before in sorted(self.previous.items()):
                 now = checkpoints.get((s, p))
                 if now is None:
                     problems.append(Problem(s, p, before, "checkpoint row disappeared"))
                 elif now < before:
-                    problems.append(Problem(s, p, now, f"checkpoint moved backwards from "
-                                            f"{before} to {now}"))
+                    problems.append(
+                        Problem(s, p, now, f"checkpoint moved backwards from {before} to {now}")
+                    )
         # Keep the highest seen, so one backward move is reported once, not forever after.
         merged = dict(self.previous or {})
         for k, v in checkpoints.items():
@@ -282,17 +370,25 @@ class Checker:
 
         # -- nothing in doubt after recovery ----------------------------------------------
         for db, gid in prepared:
-            problems.append(Problem("-", "-", "-", f"prepared transaction {gid} left on "
-                                    f"database {db}"))
+            problems.append(
+                Problem("-", "-", "-", f"prepared transaction {gid} left on database {db}")
+            )
         for run_id, sink, st in open_runs:
             problems.append(Problem(sink, "-", "-", f"run {run_id} still {st} after recovery"))
         if halted and halted[0]:
-            problems.append(Problem("-", "-", "-", f"pipeline {self.t.pipeline} is halted: "
-                                    f"{halted[0]}"))
+            problems.append(
+                Problem("-", "-", "-", f"pipeline {self.t.pipeline} is halted: {halted[0]}")
+            )
         return sorted(set(problems), key=_order), snap
 
-    def _newer(self, row: tuple[int, int, int | None], p: int, o: int,
-               version: int | None, tie: bool = False) -> bool:
+    def _newer(
+        self,
+        row: tuple[int, int, int | None],
+        p: int,
+        o: int,
+        version: int | None,
+        tie: bool = False,
+    ) -> bool:
         """Whether the sink row (or tombstone) at ``row`` (partition, offset, version) is a
         newer version than the record at ``p:o`` (``tie``: or the same)."""
         rp, ro, rv = row
@@ -302,8 +398,7 @@ class Checker:
             a, b = (rp == p, ro), (True, o)
         return a > b or (tie and a == b)
 
-    def _fields(self, key: bytes | None, payload: bytes | None
-                ) -> tuple[int | None, int | None]:
+    def _fields(self, key: bytes | None, payload: bytes | None) -> tuple[int | None, int | None]:
         """(id, version) of a record: the payload's, the id the key's where sink keys come
         from source keys (a tombstone's only id)."""
         pid, version = _payload_fields(payload)
@@ -316,28 +411,41 @@ class Checker:
         """(key, partition, offset) of the sink's tombstones that delete (its database's one
         tombstone table, if any run ever deleted a key)."""
         with psycopg.connect(dsn, autocommit=True, application_name=APP) as conn:
-            names = [r[0] for r in conn.execute(
-                "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-                "WHERE n.nspname = 'tidemark' AND c.relname LIKE 'tomb\\_%' "
-                "AND c.relkind = 'r'")]
+            names = [
+                r[0]
+                for r in conn.execute(
+                    "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                    "WHERE n.nspname = 'tidemark' AND c.relname LIKE 'tomb\\_%' "
+                    "AND c.relkind = 'r'"
+                )
+            ]
             out = []
             for name in names:
-                out += conn.execute(sql.SQL(
-                    "SELECT id, _tm_partition, _tm_offset FROM {}").format(
-                    sql.Identifier("tidemark", name))).fetchall()
+                out += conn.execute(
+                    sql.SQL("SELECT id, _tm_partition, _tm_offset FROM {}").format(
+                        sql.Identifier("tidemark", name)
+                    )
+                ).fetchall()
             return out
 
     def _sink_rows(self, dsn: str, table: str) -> list[tuple]:
         with psycopg.connect(dsn, autocommit=True, application_name=APP) as conn:
             if conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is None:
                 return []  # created by the first run that writes to it
-            cols = {r[0] for r in conn.execute(
-                "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass "
-                "AND attnum > 0 AND NOT attisdropped", (table,))}
+            cols = {
+                r[0]
+                for r in conn.execute(
+                    "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass "
+                    "AND attnum > 0 AND NOT attisdropped",
+                    (table,),
+                )
+            }
             version = sql.Identifier("version") if "version" in cols else sql.SQL("NULL")
-            return conn.execute(sql.SQL(
-                "SELECT id, {}, _tm_partition, _tm_offset FROM {}").format(
-                version, _ident(table))).fetchall()
+            return conn.execute(
+                sql.SQL("SELECT id, {}, _tm_partition, _tm_offset FROM {}").format(
+                    version, _ident(table)
+                )
+            ).fetchall()
 
 
 def _ids(ids: list[int]) -> str:
@@ -345,5 +453,10 @@ def _ids(ids: list[int]) -> str:
 
 
 def _order(p: Problem):
-    return (str(p.sink), str(type(p.partition)), p.partition if isinstance(p.partition, int)
-            else 0, p.offset if isinstance(p.offset, int) else -1, p.what)
+    return (
+        str(p.sink),
+        str(type(p.partition)),
+        p.partition if isinstance(p.partition, int) else 0,
+        p.offset if isinstance(p.offset, int) else -1,
+        p.what,
+    )

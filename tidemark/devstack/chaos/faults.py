@@ -37,7 +37,7 @@ def session_pids(sid: int) -> list[int]:
         except OSError:
             continue
         # pid (comm) state ppid pgrp session ...; comm may hold spaces and parentheses.
-        fields = stat[stat.rfind(")") + 2:].split()
+        fields = stat[stat.rfind(")") + 2 :].split()
         if len(fields) > 3 and int(fields[3]) == sid and fields[0] != "Z":
             pids.append(int(entry))
     return pids
@@ -56,8 +56,17 @@ def signal_session(sid: int, sig: int) -> int:
 class Job:
     """One `tidemark` process, optionally paused at a protocol point or crashing at one."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], *, cwd: Path, log_path: Path,
-                 pause_dir: Path, pause_at: str | None = None, crash_at: str | None = None):
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        *,
+        cwd: Path,
+        log_path: Path,
+        pause_dir: Path,
+        pause_at: str | None = None,
+        crash_at: str | None = None,
+    ):
         env = armed(env, pause_dir, pause_at, crash_at)
         self.pause_dir = pause_dir
         self.pause_at = pause_at
@@ -65,9 +74,15 @@ class Job:
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in wait()/kill()
         self._log.write("$ " + " ".join(argv[1:]) + "\n")
         self._log.flush()
-        self.proc = subprocess.Popen(argv, env=env, cwd=cwd, stdout=self._log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv,
+            env=env,
+            cwd=cwd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.pid = self.proc.pid
         self.stopped = False
         self.timed_out = False
@@ -99,8 +114,9 @@ class Job:
         point inside Spark tasks pauses once per worker process) until the job exits."""
         if self._answering is not None or not self.pause_at:
             return
-        self._answering = threading.Thread(target=self._answer, daemon=True,
-                                           name=f"chaos-resume-{self.pid}")
+        self._answering = threading.Thread(
+            target=self._answer, daemon=True, name=f"chaos-resume-{self.pid}"
+        )
         self._answering.start()
 
     def _answer(self) -> None:
@@ -179,5 +195,6 @@ def terminate_backends(dsn: str) -> list[str]:
         rows = conn.execute(
             """SELECT pid, datname, application_name, pg_terminate_backend(pid)
                FROM pg_stat_activity WHERE application_name LIKE 'tidemark%%'
-               AND pid <> pg_backend_pid()""").fetchall()
+               AND pid <> pg_backend_pid()"""
+        ).fetchall()
     return [f"{app}@{db}" for _pid, db, app, ok in rows if ok]

@@ -27,15 +27,24 @@ from tidemark.devstack.chaos.adapter import InProcess, Outcome, Subprocess
 from tidemark.devstack.chaos.faults import KINDS, Job, terminate_backends
 from tidemark.ledger import checkpoints, dlq
 
-OPS = {"append": 12, "append_poison": 8, "append_chain": 8, "run": 18, "run_sink": 10,
-       "backfill": 10, "redrive": 8, "discard": 5, "edit": 14}
+OPS = {
+    "append": 12,
+    "append_poison": 8,
+    "append_chain": 8,
+    "run": 18,
+    "run_sink": 10,
+    "backfill": 10,
+    "redrive": 8,
+    "discard": 5,
+    "edit": 14,
+}
 # Worlds with tombstones also append tombstones of existing keys (Features.tombstones).
 TOMBSTONE_OPS = {**OPS, "append_tombstone": 12}
 POISON = ("not_json", "bad_utf8", "wrong_type", "null_id", "empty", "out_of_range")
 JOB_OPS = {"run": 60, "run_sink": 15, "backfill": 15, "redrive": 10}
-STOP_TTL = 10           # lease TTL of a job that gets SIGSTOPped (the settings' minimum)
-JOB_TIMEOUT = 300       # a job that outlives this after its fault is hung (a problem)
-TIE = 0.3               # versioned worlds: a new version repeats the last one's number
+STOP_TTL = 10  # lease TTL of a job that gets SIGSTOPped (the settings' minimum)
+JOB_TIMEOUT = 300  # a job that outlives this after its fault is hung (a problem)
+TIE = 0.3  # versioned worlds: a new version repeats the last one's number
 
 # What a run's log says about how it ran (tidemark/driver/run.py's messages): its layout
 # (tidemark/driver/modes.py Layout) and its quality path (docs/quality.md, "One pass").
@@ -78,7 +87,7 @@ def plan(seed: int, n: int, fault_every: int, ops: dict[str, int] = OPS) -> Step
 class Result:
     desc: str
     outcome: str
-    problems: list[str] = field(default_factory=list)   # operation-level findings
+    problems: list[str] = field(default_factory=list)  # operation-level findings
 
 
 class Chaos:
@@ -130,8 +139,14 @@ class Chaos:
         for r in recs:
             if r[0] == "tomb":  # a key and no payload
                 i = r[1]
-                out.append((i % self.P, str(i).encode(), None,
-                            f'{{"tombstone": true, "trace": "t-{i}-x"}}'))
+                out.append(
+                    (
+                        i % self.P,
+                        str(i).encode(),
+                        None,
+                        f'{{"tombstone": true, "trace": "t-{i}-x"}}',
+                    )
+                )
                 continue
             if r[0] != "order":
                 out.append(r)
@@ -161,28 +176,35 @@ class Chaos:
             return self._draft(self._new_id(rng), round(rng.uniform(*w.OUT_OF_RANGE), 2), rng)
         if kind == "wrong_type":
             if rng.random() < 0.5:
-                payload = json.dumps({"id": f"order-{tag}", "name": "x", "amount": 1.0,
-                                      "version": 1}).encode()
+                payload = json.dumps(
+                    {"id": f"order-{tag}", "name": "x", "amount": 1.0, "version": 1}
+                ).encode()
             else:  # a readable id of its own, an amount that is not a number
                 i, self.next_id = self.next_id, self.next_id + 1
                 p = i % self.P
-                payload = json.dumps({"id": i, "name": "x", "amount": "lots",
-                                      "version": 1}).encode()
+                payload = json.dumps(
+                    {"id": i, "name": "x", "amount": "lots", "version": 1}
+                ).encode()
         elif kind == "not_json":
             payload = b'{"id": %d, "name": not json' % tag
         elif kind == "bad_utf8":
             payload = b'{"id": 7, "name": "\xff\xfe\xfa", "amount": 1.0, "version": 1}'
         elif kind == "null_id":
-            payload = json.dumps({"id": None, "name": "no id", "amount": 2.0,
-                                  "version": 1}).encode()
+            payload = json.dumps(
+                {"id": None, "name": "no id", "amount": 2.0, "version": 1}
+            ).encode()
         else:  # empty: no bytes at all, or no payload
             payload = b"" if rng.random() < 0.5 else None
         return (p, f"poison-{kind}-{tag}".encode(), payload, None)
 
     def chain(self, rng: random.Random) -> list[tuple]:
         """A long version chain: many versions of a few ids, some failing the row checks."""
-        ids = [self._new_id(rng) if not self.ids or rng.random() < 0.3
-               else self.ids[rng.randrange(len(self.ids))] for _ in range(rng.randint(1, 3))]
+        ids = [
+            self._new_id(rng)
+            if not self.ids or rng.random() < 0.3
+            else self.ids[rng.randrange(len(self.ids))]
+            for _ in range(rng.randint(1, 3))
+        ]
         recs = []
         for _ in range(rng.randint(6, 16)):
             bad = rng.random() < 0.3
@@ -200,13 +222,22 @@ class Chaos:
         recs = [("tomb", i) for i in ids]
         self.appended["tombstone"] += len(recs)
         if rng.random() < 0.4:
-            recs.append(self._draft(ids[rng.randrange(len(ids))],
-                                    round(rng.uniform(0, w.CLEAN_MAX), 2), rng))
+            recs.append(
+                self._draft(
+                    ids[rng.randrange(len(ids))], round(rng.uniform(0, w.CLEAN_MAX), 2), rng
+                )
+            )
             self.appended["clean"] += 1
         return recs
 
-    def append(self, rng: random.Random, clean: int, poison: int = 0, chain: bool = False,
-               tombs: bool = False) -> str:
+    def append(
+        self,
+        rng: random.Random,
+        clean: int,
+        poison: int = 0,
+        chain: bool = False,
+        tombs: bool = False,
+    ) -> str:
         recs = [self.clean(rng) for _ in range(clean)] + [self.poison(rng) for _ in range(poison)]
         if chain:
             recs += self.chain(rng)
@@ -218,8 +249,11 @@ class Chaos:
         rng.shuffle(recs)
         spans = self.world.append(self._versioned(recs, rng), rng)
         where = " ".join(f"p{p}:{a}-{b}" for p, (a, b) in sorted(spans.items()))
-        what = f"{clean} clean + {poison} poison" + (" + a version chain" if chain else "") \
+        what = (
+            f"{clean} clean + {poison} poison"
+            + (" + a version chain" if chain else "")
             + (f" + {n_tombs} tombstone(s)" if tombs else "")
+        )
         return f"appended {what} ({where})"
 
     # -- state the choices must fit -------------------------------------------------------
@@ -237,8 +271,9 @@ class Chaos:
 
     def quarantined(self) -> list[int]:
         with self._ledger() as conn:
-            return dlq.matching_ids(conn, dlq.Filters.parse(pipeline=w.PIPELINE,
-                                                             status="quarantined"))
+            return dlq.matching_ids(
+                conn, dlq.Filters.parse(pipeline=w.PIPELINE, status="quarantined")
+            )
 
     def _backfill_args(self, rng: random.Random):
         sinks = rng.choice([None, None, ["a"], ["b"]])
@@ -261,12 +296,15 @@ class Chaos:
         for rec in self.world.source.records():
             if rec.p == p and rec.o < below:
                 by_key.setdefault(rec.key, []).append(rec.o)
-        chains = [(sorted(offs),) for key, offs in sorted(by_key.items(), key=lambda kv: (
-            kv[0] is None, kv[0] or b"")) if len(offs) >= 3]
+        chains = [
+            (sorted(offs),)
+            for key, offs in sorted(by_key.items(), key=lambda kv: (kv[0] is None, kv[0] or b""))
+            if len(offs) >= 3
+        ]
         if not chains:
             return None
         offs = chains[r.randrange(len(chains))][0]
-        i = r.randrange(1, len(offs))                   # after the first version
+        i = r.randrange(1, len(offs))  # after the first version
         start = offs[i] if r.random() < 0.5 else r.randint(0, offs[i])
         j = r.randrange(i, len(offs))
         end = offs[j] + (1 if j == i or r.random() < 0.3 else 0)  # before version j, often
@@ -295,8 +333,7 @@ class Chaos:
         if step.op == "append_tombstone":
             return Result("append tombstone", self.append(rng, rng.randint(0, 5), tombs=True))
         if step.op == "append_poison":
-            return Result("append poison", self.append(rng, rng.randint(0, 10),
-                                                       rng.randint(1, 6)))
+            return Result("append poison", self.append(rng, rng.randint(0, 10), rng.randint(1, 6)))
         if step.op == "run":
             return self._inproc("run", self.inproc.run())
         if step.op == "run_sink":
@@ -307,8 +344,9 @@ class Chaos:
             if args is None:
                 return Result("backfill", "skipped: nothing committed there yet")
             p, a, b, sinks = args
-            return self._inproc(f"backfill p{p} [{a},{b}){_sinks(sinks)}",
-                                self.inproc.backfill(p, a, b, sinks))
+            return self._inproc(
+                f"backfill p{p} [{a},{b}){_sinks(sinks)}", self.inproc.backfill(p, a, b, sinks)
+            )
         if step.op == "redrive":
             ids = self._letters(rng, 8)
             if not ids:
@@ -367,8 +405,16 @@ class Chaos:
     def edit(self, rng: random.Random) -> str:
         k = self.world.knobs
         # A failing gate blocks every run and backfill: the next edit most often restores it.
-        choices = ["gate", "policy", "rows", "rows_min", "b_rows", "transform", "spread",
-                   "b_checks"]
+        choices = [
+            "gate",
+            "policy",
+            "rows",
+            "rows_min",
+            "b_rows",
+            "transform",
+            "spread",
+            "b_checks",
+        ]
         weights = [90 if k.gate_fails else 25, 15, 20, 15, 15, 20, 15, 15]
         if self.tombstones:
             choices += ["tombstones", "b_tombstones"]
@@ -377,8 +423,9 @@ class Chaos:
         if what == "gate":
             k = replace(k, gate_fails=not k.gate_fails)
         elif what == "policy":
-            k = replace(k, on_gate_failure="quarantine_batch" if k.on_gate_failure == "halt"
-                        else "halt")
+            k = replace(
+                k, on_gate_failure="quarantine_batch" if k.on_gate_failure == "halt" else "halt"
+            )
         elif what == "rows":
             k = replace(k, rows_max=rng.choice([m for m in w.ROWS_MAX if m != k.rows_max]))
         elif what == "rows_min":
@@ -392,8 +439,10 @@ class Chaos:
         elif what == "tombstones":
             k = replace(k, tombstones="delete" if k.tombstones == "quarantine" else "quarantine")
         elif what == "b_tombstones":
-            k = replace(k, b_tombstones=rng.choice([t for t in (None, *w.TOMBSTONES)
-                                                    if t != k.b_tombstones]))
+            k = replace(
+                k,
+                b_tombstones=rng.choice([t for t in (None, *w.TOMBSTONES) if t != k.b_tombstones]),
+            )
         else:
             k = replace(k, variant=rng.choice([v for v in w.VARIANTS if v != k.variant]))
         if k.b_rows_max > k.rows_max:  # sink b checks at least as much as the pipeline
@@ -406,10 +455,13 @@ class Chaos:
         self.faults[kind] += 1
         op = rng.choices(list(JOB_OPS), weights=list(JOB_OPS.values()))[0]
         point = rng.choice(POINTS)
-        crash = rng.random() < 0.5          # kill: TIDEMARK_CRASH_AT, else pause + kill
+        crash = rng.random() < 0.5  # kill: TIDEMARK_CRASH_AT, else pause + kill
         run_meanwhile = rng.random() < 0.6  # sigstop: a run while the job is stopped
-        sink_u, backfill_rng, letters_rng = rng.random(), random.Random(rng.random()), \
-            random.Random(rng.random())
+        sink_u, backfill_rng, letters_rng = (
+            rng.random(),
+            random.Random(rng.random()),
+            random.Random(rng.random()),
+        )
         appended = self.append(rng, rng.randint(5, 20))
         env = {"TIDEMARK_LEASE_TTL_SECONDS": STOP_TTL} if kind == "sigstop" else {}
         how = {"env": env}
@@ -423,8 +475,10 @@ class Chaos:
             args = self._backfill_args(backfill_rng)
             if args:
                 p, a, b, sinks = args
-                job, what = self.sub.backfill(p, a, b, sinks, **how), \
-                    f"backfill p{p} [{a},{b}){_sinks(sinks)}"
+                job, what = (
+                    self.sub.backfill(p, a, b, sinks, **how),
+                    f"backfill p{p} [{a},{b}){_sinks(sinks)}",
+                )
         elif op == "redrive":
             ids = self._letters(letters_rng, 8)
             if ids:
@@ -464,9 +518,10 @@ class Chaos:
     def _finish(self, job: Job, res: Result) -> str:
         code, sig = job.wait(JOB_TIMEOUT)
         if job.timed_out:
-            res.problems.append(f"job {job.log_path.name} hung: still running {JOB_TIMEOUT}s "
-                                f"after its fault (killed); last output: "
-                                + " | ".join(job.tail(5).splitlines()))
+            res.problems.append(
+                f"job {job.log_path.name} hung: still running {JOB_TIMEOUT}s "
+                f"after its fault (killed); last output: " + " | ".join(job.tail(5).splitlines())
+            )
         return f"job killed (signal {sig})" if code is None else f"job exit {code}"
 
     def _inject(self, kind: str, job: Job, run_meanwhile: bool, res: Result) -> str:
@@ -494,8 +549,7 @@ class Chaos:
                 self.seen(self.inproc.log)
                 notes.append(f"run meanwhile: {str(out).splitlines()[0]}")
                 if out.internal_error:
-                    res.problems.append(f"run while a job was stopped: internal error: "
-                                        f"{out.text}")
+                    res.problems.append(f"run while a job was stopped: internal error: {out.text}")
             job.cont()
             job.resume()
             notes.append("continued: " + self._finish(job, res))

@@ -38,8 +38,12 @@ from tidemark.devstack.chaos.checker import APP, Problem, Target, _ident
 Pos = tuple[int, int]
 LIVE = ("quarantined", "discarded")
 # The decode schema world.py declares, as the JSON types that read as each field.
-FIELDS: dict[str, tuple[type, ...]] = {"id": (int,), "name": (str,), "amount": (int, float),
-                                       "version": (int,)}
+FIELDS: dict[str, tuple[type, ...]] = {
+    "id": (int,),
+    "name": (str,),
+    "amount": (int, float),
+    "version": (int,),
+}
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ class Record:
     p: int
     o: int
     payload: bytes | None
-    headers: str | None      # as the source log reads them (jsonb as text)
+    headers: str | None  # as the source log reads them (jsonb as text)
     ts: datetime | None
     key: bytes | None = None
 
@@ -69,8 +73,8 @@ class Tomb:
 @dataclass(frozen=True)
 class Row:
     key: int
-    order: tuple              # version order of the key: larger is newer
-    cols: tuple               # the sink's columns, COLUMNS order
+    order: tuple  # version order of the key: larger is newer
+    cols: tuple  # the sink's columns, COLUMNS order
 
     @property
     def pos(self) -> Pos:
@@ -143,9 +147,9 @@ class Pipeline:
     def row(self, rec: Record) -> Row | None:
         """The record's row, or None where this pipeline quarantines it for this sink."""
         d = decode(rec.payload)
-        if d is None or self.key_of(d, rec) is None:     # decode; required id
+        if d is None or self.key_of(d, rec) is None:  # decode; required id
             return None
-        if self.f.versioned and d["version"] is None:    # the version column is NOT NULL
+        if self.f.versioned and d["version"] is None:  # the version column is NOT NULL
             return None
         amount = d["amount"]
         if amount is not None:  # GX's between passes NULL
@@ -170,12 +174,12 @@ def columns(features: w.Features) -> list[str]:
 
 @dataclass
 class SinkModel:
-    rows: dict[int, Row] = field(default_factory=dict)         # key -> row
-    live: dict[Pos, str] = field(default_factory=dict)         # record -> letter status
-    checkpoint: dict[int, int] = field(default_factory=dict)   # partition -> next offset
+    rows: dict[int, Row] = field(default_factory=dict)  # key -> row
+    live: dict[Pos, str] = field(default_factory=dict)  # record -> letter status
+    checkpoint: dict[int, int] = field(default_factory=dict)  # partition -> next offset
     # key -> its newest tombstone that deleted (what the sink's tombstone table keeps).
     tombs: dict[int, Tomb] = field(default_factory=dict)
-    counts: Counter = field(default_factory=Counter)           # tombstones: what they did
+    counts: Counter = field(default_factory=Counter)  # tombstones: what they did
 
     def deliver(self, recs: list[Record], pipe: Pipeline, whole_batch: bool) -> None:
         """A first delivery: the newest version per key (a row or a tombstone that deletes)
@@ -325,8 +329,8 @@ class Oracle:
         self.sinks = {s: SinkModel() for s in target.sinks}
         self.source: dict[Pos, Record] = {}
         self.last_run = 0
-        self.last: list[Applied] = []      # what the last sync applied
-        self.aborted: list[Problem] = []   # (run, sink)s the last sync found aborted
+        self.last: list[Applied] = []  # what the last sync applied
+        self.aborted: list[Problem] = []  # (run, sink)s the last sync found aborted
 
     # -- learning what happened -----------------------------------------------------------
     def _led(self) -> psycopg.Connection:
@@ -335,17 +339,26 @@ class Oracle:
     def letters(self, ids: Iterable[int]) -> dict[int, tuple[str, int, int]]:
         """Dead letter id -> (sink, partition, offset): what a letter holds never changes."""
         with self._led() as led:
-            return {i: (s, p, o) for i, s, p, o in led.execute(
-                "SELECT id, sink, source_partition, source_offset FROM tidemark.dlq "
-                "WHERE id = ANY(%s)", (list(ids),))}
+            return {
+                i: (s, p, o)
+                for i, s, p, o in led.execute(
+                    "SELECT id, sink, source_partition, source_offset FROM tidemark.dlq "
+                    "WHERE id = ANY(%s)",
+                    (list(ids),),
+                )
+            }
 
-    def sync(self, knobs: w.Knobs, redrive: dict[int, tuple[str, int, int]] | None = None,
-             discarded: dict[int, tuple[str, int, int]] | None = None) -> list[Applied]:
+    def sync(
+        self,
+        knobs: w.Knobs,
+        redrive: dict[int, tuple[str, int, int]] | None = None,
+        discarded: dict[int, tuple[str, int, int]] | None = None,
+    ) -> list[Applied]:
         """Apply every (run, sink) committed since the last sync, with ``knobs`` (the
         pipeline of this step); ``redrive``: the letters this step's redrive asked for;
         ``discarded``: letters this step discarded."""
         have: dict[int, int] = {}
-        for (p, o) in self.source:
+        for p, o in self.source:
             have[p] = max(have.get(p, -1), o)
         for r in self.t.source.records(have):
             self.source[(r.p, r.o)] = Record(r.p, r.o, r.payload, r.headers, r.ts, r.key)
@@ -355,16 +368,22 @@ class Oracle:
                    FROM tidemark.run_sinks rs
                    JOIN tidemark.runs r USING (run_id)
                    WHERE r.pipeline = %s AND rs.run_id > %s ORDER BY 1, 2""",
-                (self.t.pipeline, self.last_run)).fetchall()
+                (self.t.pipeline, self.last_run),
+            ).fetchall()
             if not runs:
                 ranges, gates = [], []
             else:
                 ids = sorted({r[0] for r in runs})
                 ranges = led.execute(
                     "SELECT run_id, sink, partition, from_offset, to_offset "
-                    "FROM tidemark.run_ranges WHERE run_id = ANY(%s)", (ids,)).fetchall()
-                gates = led.execute("SELECT run_id, scope FROM tidemark.dq_results "
-                                    "WHERE run_id = ANY(%s) AND NOT success", (ids,)).fetchall()
+                    "FROM tidemark.run_ranges WHERE run_id = ANY(%s)",
+                    (ids,),
+                ).fetchall()
+                gates = led.execute(
+                    "SELECT run_id, scope FROM tidemark.dq_results "
+                    "WHERE run_id = ANY(%s) AND NOT success",
+                    (ids,),
+                ).fetchall()
         if discarded:
             for s, p, o in discarded.values():
                 if self.sinks[s].live.get((p, o)) == "quarantined":
@@ -378,24 +397,50 @@ class Oracle:
         for run_id, s, mode, st, error in runs:
             self.last_run = max(self.last_run, run_id)
             if st == "aborted":
-                self.aborted.append(Problem(s, "-", "-", f"run {run_id} ({mode}) aborted: "
-                                            f"{' '.join(str(error).split())[:300]}"))
+                self.aborted.append(
+                    Problem(
+                        s,
+                        "-",
+                        "-",
+                        f"run {run_id} ({mode}) aborted: {' '.join(str(error).split())[:300]}",
+                    )
+                )
             if st != "committed" or s not in self.sinks:
                 continue
             gate_failed = (run_id, "") in failed or (run_id, s) in failed
-            done.append(self._apply(run_id, s, mode, sorted(by_run.get((run_id, s), [])),
-                                    gate_failed, knobs, redrive or {}))
+            done.append(
+                self._apply(
+                    run_id,
+                    s,
+                    mode,
+                    sorted(by_run.get((run_id, s), [])),
+                    gate_failed,
+                    knobs,
+                    redrive or {},
+                )
+            )
         self.last = done
         return done
 
-    def _apply(self, run_id: int, s: str, mode: str, ranges: list[tuple[int, int, int]],
-               gate_failed: bool, knobs: w.Knobs, redrive: dict[int, tuple[str, int, int]]
-               ) -> Applied:
+    def _apply(
+        self,
+        run_id: int,
+        s: str,
+        mode: str,
+        ranges: list[tuple[int, int, int]],
+        gate_failed: bool,
+        knobs: w.Knobs,
+        redrive: dict[int, tuple[str, int, int]],
+    ) -> Applied:
         m, pipe = self.sinks[s], Pipeline(knobs, self.f, s)
         span = " ".join(f"p{p}[{a},{b})" for p, a, b in ranges)
         if mode == "run":
-            recs = [self.source[(p, o)] for p, a, b in ranges for o in range(a, b)
-                    if (p, o) in self.source]
+            recs = [
+                self.source[(p, o)]
+                for p, a, b in ranges
+                for o in range(a, b)
+                if (p, o) in self.source
+            ]
             whole = gate_failed and knobs.on_gate_failure == "quarantine_batch"
             if not gate_failed or whole:
                 m.deliver(recs, pipe, whole)
@@ -404,12 +449,16 @@ class Oracle:
             return Applied(run_id, s, mode, span + (" gate quarantined" if whole else ""))
         if mode == "backfill":
             if not gate_failed:  # a backfill whose gate fails changes nothing
-                chosen = {(p, o) for p, a, b in ranges for o in range(a, b)
-                          if (p, o) in self.source}
+                chosen = {
+                    (p, o) for p, a, b in ranges for o in range(a, b) if (p, o) in self.source
+                }
                 m.redeliver(chosen, self.source, pipe)
             return Applied(run_id, s, mode, span)
-        chosen = {(p, o) for ls, p, o in redrive.values()
-                  if ls == s and m.live.get((p, o)) == "quarantined"}
+        chosen = {
+            (p, o)
+            for ls, p, o in redrive.values()
+            if ls == s and m.live.get((p, o)) == "quarantined"
+        }
         m.redeliver(chosen, self.source, pipe)
         return Applied(run_id, s, mode, f"{len(chosen)} letter(s)")
 
@@ -428,7 +477,8 @@ class Oracle:
             letters = led.execute(
                 "SELECT sink, source_partition, source_offset, status::text, id "
                 "FROM tidemark.dlq WHERE pipeline = %s AND status::text = ANY(%s)",
-                (self.t.pipeline, list(LIVE))).fetchall()
+                (self.t.pipeline, list(LIVE)),
+            ).fetchall()
         have_live: dict[str, dict[Pos, tuple[str, int]]] = {s: {} for s in self.sinks}
         for s, p, o, status, lid in letters:
             if s in have_live:
@@ -444,44 +494,69 @@ class Oracle:
                 got = have.get(k, [])
                 if want is None:
                     for g in got:
-                        problems.append(Problem(s, g[-2], g[-1], f"extra row: key {k} "
-                                                f"{self._show(g)} should not be in the sink"))
+                        problems.append(
+                            Problem(
+                                s,
+                                g[-2],
+                                g[-1],
+                                f"extra row: key {k} {self._show(g)} should not be in the sink",
+                            )
+                        )
                     continue
                 p, o = want.pos
                 if not got:
-                    problems.append(Problem(s, p, o, f"missing row: key {k} should hold "
-                                            f"{self._show(want.cols)}"))
+                    problems.append(
+                        Problem(
+                            s, p, o, f"missing row: key {k} should hold {self._show(want.cols)}"
+                        )
+                    )
                     continue
                 g = got[0]
-                diff = [f"{c} {g[i]!r} (want {want.cols[i]!r})"
-                        for i, c in enumerate(self.cols) if g[i] != want.cols[i]]
+                diff = [
+                    f"{c} {g[i]!r} (want {want.cols[i]!r})"
+                    for i, c in enumerate(self.cols)
+                    if g[i] != want.cols[i]
+                ]
                 if diff:
-                    problems.append(Problem(s, p, o, f"wrong row for key {k}: "
-                                            + ", ".join(diff)))
+                    problems.append(Problem(s, p, o, f"wrong row for key {k}: " + ", ".join(diff)))
             for pos in sorted(set(m.live) | set(have_live[s])):
                 want_st = m.live.get(pos)
                 got_st = have_live[s].get(pos)
                 if got_st is None:
-                    problems.append(Problem(s, *pos, f"letter should be live "
-                                            f"({want_st}) but none is"))
+                    problems.append(
+                        Problem(s, *pos, f"letter should be live ({want_st}) but none is")
+                    )
                 elif want_st is None:
-                    problems.append(Problem(s, *pos, f"live letter {got_st[1]} "
-                                            f"({got_st[0]}) should not be live"))
+                    problems.append(
+                        Problem(
+                            s, *pos, f"live letter {got_st[1]} ({got_st[0]}) should not be live"
+                        )
+                    )
                 elif want_st != got_st[0]:
-                    problems.append(Problem(s, *pos, f"letter {got_st[1]} is {got_st[0]}, "
-                                            f"should be {want_st}"))
+                    problems.append(
+                        Problem(s, *pos, f"letter {got_st[1]} is {got_st[0]}, should be {want_st}")
+                    )
         return problems
 
     def _show(self, cols: tuple) -> str:
-        return "(" + ", ".join(f"{c}={v!r}" for c, v in zip(self.cols, cols, strict=True)
-                               if not c.startswith("_tm_")) + f" from {cols[-2]}:{cols[-1]})"
+        return (
+            "("
+            + ", ".join(
+                f"{c}={v!r}"
+                for c, v in zip(self.cols, cols, strict=True)
+                if not c.startswith("_tm_")
+            )
+            + f" from {cols[-2]}:{cols[-1]})"
+        )
 
     def _rows(self, dsn: str, table: str) -> list[tuple]:
         with psycopg.connect(dsn, autocommit=True, application_name=APP) as conn:
             if conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is None:
                 return []
-            cols = [sql.SQL("{}::text").format(sql.Identifier(c)) if c == "hdr"
-                    else sql.Identifier(c) for c in self.cols]
-            return conn.execute(sql.SQL("SELECT {} FROM {}").format(
-                sql.SQL(", ").join(cols), _ident(table))).fetchall()
-
+            cols = [
+                sql.SQL("{}::text").format(sql.Identifier(c)) if c == "hdr" else sql.Identifier(c)
+                for c in self.cols
+            ]
+            return conn.execute(
+                sql.SQL("SELECT {} FROM {}").format(sql.SQL(", ").join(cols), _ident(table))
+            ).fetchall()

@@ -24,9 +24,9 @@ from tidemark.devstack.chaos.world import (
     World,
 )
 
-MAX_SHOWN = 60           # problems printed in full
-CATCH_UP_RUNS = 60       # final runs allowed to bring every sink up to date
-FAULT_EVERY = 3          # every 3rd step is a fault (the first four cover every kind)
+MAX_SHOWN = 60  # problems printed in full
+CATCH_UP_RUNS = 60  # final runs allowed to bring every sink up to date
+FAULT_EVERY = 3  # every 3rd step is a fault (the first four cover every kind)
 
 
 def echo(line: str = "") -> None:
@@ -34,10 +34,16 @@ def echo(line: str = "") -> None:
 
 
 def target(world: World) -> Target:
-    return Target(ledger_dsn=world.ledger_dsn, pipeline=PIPELINE, source=world.source,
-                  sinks={s: (dsn, SINK_TABLE) for s, dsn in world.sink_dsns.items()},
-                  databases=world.databases, key_shift=KEY_SHIFT,
-                  versioned=world.features.versioned, key_from_key=world.features.tombstones)
+    return Target(
+        ledger_dsn=world.ledger_dsn,
+        pipeline=PIPELINE,
+        source=world.source,
+        sinks={s: (dsn, SINK_TABLE) for s, dsn in world.sink_dsns.items()},
+        databases=world.databases,
+        key_shift=KEY_SHIFT,
+        versioned=world.features.versioned,
+        key_from_key=world.features.tombstones,
+    )
 
 
 def world_params(seed: int) -> tuple[int, int, Features]:
@@ -48,8 +54,13 @@ def world_params(seed: int) -> tuple[int, int, Features]:
     meta = r.random() < 0.3
     # A file_archive source; tombstones (only without a version column: world.Features).
     archive, tombs = r.random() < 0.4, r.random() < 0.5
-    return partitions, limit, Features(versioned=versioned, meta=meta, archive=archive,
-                                       tombstones=tombs and not versioned)
+    return (
+        partitions,
+        limit,
+        Features(
+            versioned=versioned, meta=meta, archive=archive, tombstones=tombs and not versioned
+        ),
+    )
 
 
 class _Interrupted(BaseException):
@@ -60,14 +71,21 @@ def _sigterm(signum, frame):
     raise _Interrupted()
 
 
-def run(seed: int | None, steps: int, keep_dir: bool = False, fault_every: int = FAULT_EVERY,
-        out: Callable[[str], None] = echo) -> int:
+def run(
+    seed: int | None,
+    steps: int,
+    keep_dir: bool = False,
+    fault_every: int = FAULT_EVERY,
+    out: Callable[[str], None] = echo,
+) -> int:
     if seed is None:
         seed = random.SystemRandom().randrange(1, 10**9)
     partitions, limit, features = world_params(seed)
-    out(f"chaos: seed {seed}, {steps} steps, a fault every {fault_every} steps, "
+    out(
+        f"chaos: seed {seed}, {steps} steps, a fault every {fault_every} steps, "
         f"{partitions} partitions, max {limit} records per partition and run, "
-        f"pipeline: {features.short()}")
+        f"pipeline: {features.short()}"
+    )
     started = time.monotonic()
     previous = signal.signal(signal.SIGTERM, _sigterm)
     world = World.create(partitions, limit, features=features)
@@ -97,8 +115,10 @@ def run(seed: int | None, steps: int, keep_dir: bool = False, fault_every: int =
                 problems += oracle.aborted
             done = n
             verdict = "ok" if not problems else f"{len(problems)} PROBLEM(S)"
-            out(f"step {n:>4}  {res.desc:<52} {res.outcome}  [{verdict}] "
-                f"{time.monotonic() - t0:.1f}s")
+            out(
+                f"step {n:>4}  {res.desc:<52} {res.outcome}  [{verdict}] "
+                f"{time.monotonic() - t0:.1f}s"
+            )
             if problems:
                 for a in oracle.last:
                     out(f"  model applied: run {a.run_id} sink {a.sink} {a.mode} {a.what}")
@@ -126,14 +146,28 @@ def run(seed: int | None, steps: int, keep_dir: bool = False, fault_every: int =
         if keep_dir:
             with contextlib.suppress(Exception):
                 world.stop()
-            out(f"kept: {world.root} (cluster data in {world.cluster.data}, job logs in "
+            out(
+                f"kept: {world.root} (cluster data in {world.cluster.data}, job logs in "
                 f"{world.logs_dir}, pipeline in {world.pipelines_dir}); start it with "
                 f"`python -m tidemark.devstack.localpg start --dir {world.cluster.root} --port "
-                f"{world.cluster.port}`")
+                f"{world.cluster.port}`"
+            )
         else:
             world.destroy()
-    summary(seed, done, chaos, snap, problems, failed_at, time.monotonic() - started, out,
-            keep_dir, fault_every, world, oracle)
+    summary(
+        seed,
+        done,
+        chaos,
+        snap,
+        problems,
+        failed_at,
+        time.monotonic() - started,
+        out,
+        keep_dir,
+        fault_every,
+        world,
+        oracle,
+    )
     return 1 if problems else 0
 
 
@@ -141,13 +175,17 @@ def content(oracle: Oracle, chaos: Chaos, world: World) -> list[Problem]:
     """The oracle learns what this step committed, then compares every sink and the DLQ."""
     asked = set(chaos.redrive_ids) | set(chaos.discard_ids)
     letters = oracle.letters(asked) if asked else {}
-    oracle.sync(world.knobs, {i: letters[i] for i in chaos.redrive_ids if i in letters},
-                {i: letters[i] for i in chaos.discard_ids if i in letters})
+    oracle.sync(
+        world.knobs,
+        {i: letters[i] for i in chaos.redrive_ids if i in letters},
+        {i: letters[i] for i in chaos.discard_ids if i in letters},
+    )
     return oracle.compare()
 
 
-def settle_and_check(inproc: InProcess, checker: Checker, found: list[str]
-                     ) -> tuple[list[Problem], Snapshot]:
+def settle_and_check(
+    inproc: InProcess, checker: Checker, found: list[str]
+) -> tuple[list[Problem], Snapshot]:
     """Recovery (as after every step), then the independent checker."""
     problems = [Problem("-", "-", "-", f) for f in found]
     rec = inproc.recover()
@@ -160,12 +198,17 @@ def settle_and_check(inproc: InProcess, checker: Checker, found: list[str]
 def _behind(chaos: Chaos) -> list[str]:
     ends = chaos.world.source.ends()
     cps = chaos.checkpoints()
-    return [f"{s}/p{p} at {cps.get((s, p), 0)} of {end}" for s in SINKS
-            for p, end in sorted(ends.items()) if cps.get((s, p), 0) < end]
+    return [
+        f"{s}/p{p} at {cps.get((s, p), 0)} of {end}"
+        for s in SINKS
+        for p, end in sorted(ends.items())
+        if cps.get((s, p), 0) < end
+    ]
 
 
-def final(world: World, inproc: InProcess, checker: Checker, chaos: Chaos,
-          out: Callable[[str], None]) -> tuple[list[Problem], Snapshot]:
+def final(
+    world: World, inproc: InProcess, checker: Checker, chaos: Chaos, out: Callable[[str], None]
+) -> tuple[list[Problem], Snapshot]:
     """A passing pipeline (gate passes, loosest row checks), then runs until every sink is
     up to date, then the checks once more."""
     knobs = world.knobs.loosest()
@@ -179,15 +222,19 @@ def final(world: World, inproc: InProcess, checker: Checker, chaos: Chaos,
             break
         t0 = time.monotonic()
         res = inproc.run()
-        out(f"final {i:>3}  run ({', '.join(behind)}): {str(res).splitlines()[0]}  "
-            f"{time.monotonic() - t0:.1f}s")
+        out(
+            f"final {i:>3}  run ({', '.join(behind)}): {str(res).splitlines()[0]}  "
+            f"{time.monotonic() - t0:.1f}s"
+        )
         if res.internal_error:
             found.append(f"final run failed with an internal error: {res.text}")
             break
         failures = 0 if res.ok else failures + 1
         if failures >= 3:
-            found.append(f"sinks cannot catch up with a passing pipeline: 3 runs in a row "
-                         f"failed, last: {res}")
+            found.append(
+                f"sinks cannot catch up with a passing pipeline: 3 runs in a row "
+                f"failed, last: {res}"
+            )
             break
     else:
         found.append(f"sinks still behind after {CATCH_UP_RUNS} runs: {', '.join(_behind(chaos))}")
@@ -196,10 +243,20 @@ def final(world: World, inproc: InProcess, checker: Checker, chaos: Chaos,
     return settle_and_check(inproc, checker, found)
 
 
-def summary(seed: int, done: int, chaos: Chaos | None, snap: Snapshot, problems: list[Problem],
-            failed_at: str | None, seconds: float, out: Callable[[str], None],
-            keep_dir: bool, fault_every: int, world: World | None = None,
-            oracle: Oracle | None = None) -> None:
+def summary(
+    seed: int,
+    done: int,
+    chaos: Chaos | None,
+    snap: Snapshot,
+    problems: list[Problem],
+    failed_at: str | None,
+    seconds: float,
+    out: Callable[[str], None],
+    keep_dir: bool,
+    fault_every: int,
+    world: World | None = None,
+    oracle: Oracle | None = None,
+) -> None:
     out("")
     out(f"steps: {done} in {seconds:.0f}s")
     if chaos is not None:
@@ -208,24 +265,37 @@ def summary(seed: int, done: int, chaos: Chaos | None, snap: Snapshot, problems:
         for what, c in chaos.coverage().items():
             out(f"{what} (runs, from their logs): " + (_counts(c) or "none"))
         kinds = {k.split(":", 1)[1]: v for k, v in chaos.appended.items() if ":" in k}
-        out(f"records appended: {chaos.appended['clean']} clean, "
+        out(
+            f"records appended: {chaos.appended['clean']} clean, "
             f"{chaos.appended['poison']} poison ({_counts(kinds) or '-'}), "
-            f"{chaos.appended['tombstone']} tombstone(s)")
+            f"{chaos.appended['tombstone']} tombstone(s)"
+        )
     if world is not None:
         src = world.source
         seg = src.segments
-        out(f"source: {src.kind}" + (f" ({seg['parquet']} parquet + {seg['jsonl']} jsonl "
-                                     f"segments, {seg['gaps']} gap(s))"
-                                     if src.kind == "file_archive" else ""))
+        out(
+            f"source: {src.kind}"
+            + (
+                f" ({seg['parquet']} parquet + {seg['jsonl']} jsonl segments, {seg['gaps']} gap(s))"
+                if src.kind == "file_archive"
+                else ""
+            )
+        )
     if world is not None and world.features.tombstones and oracle is not None:
-        out("tombstones (model, per sink and delivery): " + (_counts(oracle.tombstone_counts)
-                                                            or "none reached"))
+        out(
+            "tombstones (model, per sink and delivery): "
+            + (_counts(oracle.tombstone_counts) or "none reached")
+        )
     if snap.tombs:
-        out("tombstones that delete, at the end: "
-            + ", ".join(f"{s} {n}" for s, n in snap.tombs.items()))
+        out(
+            "tombstones that delete, at the end: "
+            + ", ".join(f"{s} {n}" for s, n in snap.tombs.items())
+        )
     out("final rows per sink: " + (", ".join(f"{s} {n}" for s, n in snap.rows.items()) or "-"))
-    out("live dead letters per sink: "
-        + (", ".join(f"{s} {n}" for s, n in snap.live.items()) or "-"))
+    out(
+        "live dead letters per sink: "
+        + (", ".join(f"{s} {n}" for s, n in snap.live.items()) or "-")
+    )
     out(f"problems found: {len(problems)}")
     if problems:
         out("")
@@ -238,10 +308,14 @@ def summary(seed: int, done: int, chaos: Chaos | None, snap: Snapshot, problems:
         k = done if not step.isdigit() else int(step)
         out(f"seed {seed}, first failing step {failed_at}")
         extra = f" --fault-every {fault_every}" if fault_every != FAULT_EVERY else ""
-        out(f"reproduce: tidemark chaos --seed {seed} --steps {k}{extra}"
-            + ("" if keep_dir else "   (add --keep-dir to keep the databases and job logs)"))
-        out(f"chaos seed={seed} steps={done}: FAILED at step {failed_at}, "
-            f"{len(problems)} problem(s)")
+        out(
+            f"reproduce: tidemark chaos --seed {seed} --steps {k}{extra}"
+            + ("" if keep_dir else "   (add --keep-dir to keep the databases and job logs)")
+        )
+        out(
+            f"chaos seed={seed} steps={done}: FAILED at step {failed_at}, "
+            f"{len(problems)} problem(s)"
+        )
     else:
         out(f"chaos seed={seed} steps={done}: PASSED, no problems")
 

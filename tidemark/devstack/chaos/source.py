@@ -34,7 +34,7 @@ class SourceRecord:
     o: int
     key: bytes | None
     payload: bytes | None
-    headers: str | None       # as the transform's _tm_headers reads them
+    headers: str | None  # as the transform's _tm_headers reads them
     ts: datetime | None
 
 
@@ -58,8 +58,9 @@ class PostgresLog:
     def spec(self) -> dict:
         return {"type": "postgres_log", "dsn": self.dsn, "table": self.table}
 
-    def append(self, records: list[Draft], rng: random.Random | None = None
-               ) -> dict[int, tuple[int, int]]:
+    def append(
+        self, records: list[Draft], rng: random.Random | None = None
+    ) -> dict[int, tuple[int, int]]:
         """Append records in one transaction; {partition: (first offset, last offset)}."""
         from tidemark.sources.postgres_log import append
 
@@ -69,24 +70,35 @@ class PostgresLog:
     def records(self, after: dict[int, int] | None = None) -> list[SourceRecord]:
         """Every record (or those above ``after``'s offset per partition)."""
         with psycopg.connect(self.dsn, autocommit=True, application_name="chaos-check") as c:
-            return [SourceRecord(p, o, None if k is None else bytes(k),
-                                 None if v is None else bytes(v), h, ts)
-                    for p, o, k, v, h, ts in c.execute(sql.SQL(
+            return [
+                SourceRecord(
+                    p, o, None if k is None else bytes(k), None if v is None else bytes(v), h, ts
+                )
+                for p, o, k, v, h, ts in c.execute(
+                    sql.SQL(
                         'SELECT "partition", "offset", key, payload, headers::text, ts FROM {} '
                         'WHERE "offset" > coalesce((%s::jsonb ->> "partition"::text)::bigint, '
-                        "-1)").format(_ident(self.table)),
-                        (json.dumps({str(k): v for k, v in (after or {}).items()}),))]
+                        "-1)"
+                    ).format(_ident(self.table)),
+                    (json.dumps({str(k): v for k, v in (after or {}).items()}),),
+                )
+            ]
 
     def ends(self) -> dict[int, int]:
         """Partition -> its highest offset + 1."""
         with psycopg.connect(self.dsn, autocommit=True, application_name="chaos-check") as c:
-            return dict(c.execute(sql.SQL('SELECT "partition", max("offset") + 1 FROM {} '
-                                          'GROUP BY 1').format(_ident(self.table))).fetchall())
+            return dict(
+                c.execute(
+                    sql.SQL('SELECT "partition", max("offset") + 1 FROM {} GROUP BY 1').format(
+                        _ident(self.table)
+                    )
+                ).fetchall()
+            )
 
 
 class FileArchive:
     kind = "file_archive"
-    GAP = 0.3          # a new segment starts a few offsets past the end (a compaction gap)
+    GAP = 0.3  # a new segment starts a few offsets past the end (a compaction gap)
 
     def __init__(self, root: Path):
         self.root = root
@@ -99,8 +111,9 @@ class FileArchive:
     def spec(self) -> dict:
         return {"type": "file_archive", "uri": str(self.root)}
 
-    def append(self, records: list[Draft], rng: random.Random | None = None
-               ) -> dict[int, tuple[int, int]]:
+    def append(
+        self, records: list[Draft], rng: random.Random | None = None
+    ) -> dict[int, tuple[int, int]]:
         """Append records as new segments, one or two per partition, each of a format drawn
         from ``rng`` (seeded), sometimes after a gap; {partition: (first, last offset)}."""
         from tidemark.sources.file_archive import write_segment
@@ -121,8 +134,17 @@ class FileArchive:
                     start += r.randint(1, 3)
                     self.segments["gaps"] += 1
                 fmt = r.choice(("parquet", "jsonl"))
-                rows = [{"partition": p, "offset": start + i, "key": k, "payload": v,
-                         "headers": h, "ts": ts} for i, (_p, k, v, h) in enumerate(chunk)]
+                rows = [
+                    {
+                        "partition": p,
+                        "offset": start + i,
+                        "key": k,
+                        "payload": v,
+                        "headers": h,
+                        "ts": ts,
+                    }
+                    for i, (_p, k, v, h) in enumerate(chunk)
+                ]
                 write_segment(str(self.root), p, rows, fmt)
                 self.segments[fmt] += 1
                 self.next[p] = start + len(chunk)
@@ -150,8 +172,16 @@ class FileArchive:
                 continue  # every record of this segment is below the next segment's base
             if f.suffix == ".parquet":
                 for r in pq.read_table(f).to_pylist():
-                    out.append(SourceRecord(r["partition"], r["offset"], r["key"],
-                                            r["payload"], r["headers"], r["ts"]))
+                    out.append(
+                        SourceRecord(
+                            r["partition"],
+                            r["offset"],
+                            r["key"],
+                            r["payload"],
+                            r["headers"],
+                            r["ts"],
+                        )
+                    )
             else:
                 for line in f.read_bytes().splitlines():
                     if not line.strip():
@@ -159,14 +189,24 @@ class FileArchive:
                     r = json.loads(line)
                     h = r["headers"]
                     ts = datetime.fromisoformat(r["ts"]) if r["ts"] is not None else None
-                    out.append(SourceRecord(
-                        r["partition"], r["offset"], _unb64(r["key"]), _unb64(r["payload"]),
-                        None if h is None else json.dumps(h, ensure_ascii=False), ts))
+                    out.append(
+                        SourceRecord(
+                            r["partition"],
+                            r["offset"],
+                            _unb64(r["key"]),
+                            _unb64(r["payload"]),
+                            None if h is None else json.dumps(h, ensure_ascii=False),
+                            ts,
+                        )
+                    )
         return [r for r in out if r.o > after.get(r.p, -1)]
 
     def ends(self) -> dict[int, int]:
-        return dict(self.next) if self.next else {
-            r.p: r.o + 1 for r in sorted(self.records(), key=lambda r: (r.p, r.o))}
+        return (
+            dict(self.next)
+            if self.next
+            else {r.p: r.o + 1 for r in sorted(self.records(), key=lambda r: (r.p, r.o))}
+        )
 
 
 def _unb64(v: str | None) -> bytes | None:

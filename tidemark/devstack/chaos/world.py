@@ -26,12 +26,12 @@ SINKS = ("a", "b")
 # between OUT_OF_RANGE. Sink b always checks at most as much as the pipeline does.
 CLEAN_MAX = 400.0
 OUT_OF_RANGE = (450.0, 2500.0)
-ROWS_MAX = (1000.0, 3000.0)             # the pipeline's row check: tight, loose
+ROWS_MAX = (1000.0, 3000.0)  # the pipeline's row check: tight, loose
 # Its lower bound: off, failing small clean amounts, or every clean one. With both bounds
 # moving, a record that failed may pass while a newer version that passed fails (a backfill
 # must then place the older one, or fall back).
 ROWS_MIN = (0.0, 100.0, 500.0)
-B_ROWS_MAX = (300.0, 700.0, 2000.0)     # sink b's stricter row check
+B_ROWS_MAX = (300.0, 700.0, 2000.0)  # sink b's stricter row check
 
 # Transform variants an edit switches between. Every variant has the same output columns and
 # types (the sink table is created once, by the first run), keeps the key NOT NULL and only
@@ -54,41 +54,49 @@ TOMBSTONES = ("quarantine", "delete")
 class Knobs:
     """What a pipeline edit changes."""
 
-    gate_fails: bool = False            # the batch gate's mean bound fails every real batch
-    on_gate_failure: str = "halt"       # or quarantine_batch
+    gate_fails: bool = False  # the batch gate's mean bound fails every real batch
+    on_gate_failure: str = "halt"  # or quarantine_batch
     rows_max: float = ROWS_MAX[0]
     rows_min: float = ROWS_MIN[0]
     b_rows_max: float = B_ROWS_MAX[0]
     # Off (at first): sink b has no checks of its own, so that runs check their batch while
     # writing it (docs/quality.md, "One pass"); on, they check first.
     b_checks: bool = False
-    variant: str = "plain"              # a transform of VARIANTS
-    spread: bool = False                # split_min_records 1: spread runs over tasks by key
-    tombstones: str = "quarantine"      # the pipeline's tombstones: (worlds with tombstones)
-    b_tombstones: str | None = None     # sink b's own, or None: the pipeline's
+    variant: str = "plain"  # a transform of VARIANTS
+    spread: bool = False  # split_min_records 1: spread runs over tasks by key
+    tombstones: str = "quarantine"  # the pipeline's tombstones: (worlds with tombstones)
+    b_tombstones: str | None = None  # sink b's own, or None: the pipeline's
 
     def tombstones_of(self, sink: str) -> str:
         return (self.b_tombstones or self.tombstones) if sink == "b" else self.tombstones
 
     def loosest(self) -> Knobs:
         """A passing gate and the loosest row checks (the end of a chaos run)."""
-        return replace(self, gate_fails=False, rows_max=ROWS_MAX[-1], rows_min=ROWS_MIN[0],
-                       b_rows_max=B_ROWS_MAX[-1])
+        return replace(
+            self,
+            gate_fails=False,
+            rows_max=ROWS_MAX[-1],
+            rows_min=ROWS_MIN[0],
+            b_rows_max=B_ROWS_MAX[-1],
+        )
 
     def short(self) -> str:
-        return (f"gate={'FAIL' if self.gate_fails else 'pass'}/{self.on_gate_failure} "
-                f"rows{f'>={self.rows_min:g},' if self.rows_min else ''}<={self.rows_max:g} "
-                f"{f'b<={self.b_rows_max:g}' if self.b_checks else 'b unchecked'} "
-                f"transform={self.variant}"
-                f"{' spread' if self.spread else ''}"
-                f"{f' tombstones={self.tombstones}' if self.tombstones != 'quarantine' else ''}"
-                f"{f' b_tombstones={self.b_tombstones}' if self.b_tombstones else ''}")
+        return (
+            f"gate={'FAIL' if self.gate_fails else 'pass'}/{self.on_gate_failure} "
+            f"rows{f'>={self.rows_min:g},' if self.rows_min else ''}<={self.rows_max:g} "
+            f"{f'b<={self.b_rows_max:g}' if self.b_checks else 'b unchecked'} "
+            f"transform={self.variant}"
+            f"{' spread' if self.spread else ''}"
+            f"{f' tombstones={self.tombstones}' if self.tombstones != 'quarantine' else ''}"
+            f"{f' b_tombstones={self.b_tombstones}' if self.b_tombstones else ''}"
+        )
 
 
 def _between(column: str, max_value: float, min_value: float = 0.0) -> dict:
     bounds = {"min_value": min_value} if min_value else {}
-    return {"expect_column_values_to_be_between": {"column": column, **bounds,
-                                                   "max_value": max_value}}
+    return {
+        "expect_column_values_to_be_between": {"column": column, **bounds, "max_value": max_value}
+    }
 
 
 @dataclass(frozen=True)
@@ -109,15 +117,28 @@ class Features:
     tombstones: bool = False
 
     def short(self) -> str:
-        on = [n for n, v in (("versioned", self.versioned), ("ts+headers", self.meta),
-                             ("file_archive", self.archive), ("tombstones", self.tombstones))
-              if v]
+        on = [
+            n
+            for n, v in (
+                ("versioned", self.versioned),
+                ("ts+headers", self.meta),
+                ("file_archive", self.archive),
+                ("tombstones", self.tombstones),
+            )
+            if v
+        ]
         return ", ".join(on) or "plain"
 
 
 class World:
-    def __init__(self, root: Path, partitions: int, limit: int, port: int | None = None,
-                 features: Features = Features()):
+    def __init__(
+        self,
+        root: Path,
+        partitions: int,
+        limit: int,
+        port: int | None = None,
+        features: Features = Features(),
+    ):
         self.root = root
         self.partitions = partitions
         self.limit = limit
@@ -126,18 +147,27 @@ class World:
         self.pipelines_dir = root / "pipelines"
         self.docs_dir = root / "data_docs"
         self.logs_dir = root / "logs"
-        self.scratch_dir = root / "tmp"   # Spark and temp files of the jobs
+        self.scratch_dir = root / "tmp"  # Spark and temp files of the jobs
         self.names = {"ledger": "chaos_ledger", "a": "chaos_sink_a", "b": "chaos_sink_b"}
         # Spread needs fewer partitions than cores; a world with tombstones starts deleting.
-        self.knobs = Knobs(spread=partitions == 1,
-                           tombstones="delete" if features.tombstones else "quarantine")
-        self.source = FileArchive(root / "archive") if features.archive else \
-            PostgresLog(self.ledger_dsn, SOURCE_TABLE)
+        self.knobs = Knobs(
+            spread=partitions == 1, tombstones="delete" if features.tombstones else "quarantine"
+        )
+        self.source = (
+            FileArchive(root / "archive")
+            if features.archive
+            else PostgresLog(self.ledger_dsn, SOURCE_TABLE)
+        )
 
     # -- life cycle -----------------------------------------------------------------------
     @classmethod
-    def create(cls, partitions: int = 2, limit: int = 40, root: Path | None = None,
-               features: Features = Features()) -> World:
+    def create(
+        cls,
+        partitions: int = 2,
+        limit: int = 40,
+        root: Path | None = None,
+        features: Features = Features(),
+    ) -> World:
         if root is None:
             root = Path(tempfile.mkdtemp(prefix="tidemark-chaos-"))
         root.mkdir(parents=True, exist_ok=True)
@@ -170,8 +200,21 @@ class World:
     def restart_postgres(self) -> None:
         """An immediate (crash) restart: no checkpoint, crash recovery on start."""
         c = self.cluster
-        c._run("pg_ctl", "restart", "-w", "-t", "120", "-m", "immediate", "-D", str(c.data),
-               "-l", str(c.logfile), "-o", f"-p {c.port}")
+        c._run(
+            "pg_ctl",
+            "restart",
+            "-w",
+            "-t",
+            "120",
+            "-m",
+            "immediate",
+            "-D",
+            str(c.data),
+            "-l",
+            str(c.logfile),
+            "-o",
+            f"-p {c.port}",
+        )
 
     # -- addresses ------------------------------------------------------------------------
     @property
@@ -189,13 +232,15 @@ class World:
     # -- the pipeline ---------------------------------------------------------------------
     def pipeline_doc(self, knobs: Knobs | None = None) -> dict:
         k = knobs or self.knobs
-        batch = [{"expect_table_row_count_to_be_between": {"min_value": 0,
-                                                           "max_value": 1_000_000}}]
+        batch = [{"expect_table_row_count_to_be_between": {"min_value": 0, "max_value": 1_000_000}}]
         if k.gate_fails:  # every batch of clean records has a mean amount far above 5
-            batch.append({"expect_column_mean_to_be_between": {"column": "amount",
-                                                               "max_value": 5}})
-        sink = {"dsn": None, "table": SINK_TABLE, "key": ["id"],
-                **({"version": "version"} if self.features.versioned else {})}
+            batch.append({"expect_column_mean_to_be_between": {"column": "amount", "max_value": 5}})
+        sink = {
+            "dsn": None,
+            "table": SINK_TABLE,
+            "key": ["id"],
+            **({"version": "version"} if self.features.versioned else {}),
+        }
         select = {**VARIANTS[k.variant], "amount": "amount", "version": "version"}
         if self.features.tombstones:
             select["id"] = KEY_ID + (f" + {KEY_SHIFT}" if k.variant == "rekey" else "")
@@ -206,23 +251,38 @@ class World:
             "description": "tidemark chaos: " + k.short(),
             "source": self.source.spec(),
             **({"tombstones": k.tombstones} if self.features.tombstones else {}),
-            "decode": {"schema": {"id": "bigint", "name": "string", "amount": "double",
-                                  "version": "int"}},
+            "decode": {
+                "schema": {"id": "bigint", "name": "string", "amount": "double", "version": "int"}
+            },
             "transform": {"select": select, "required": ["id"]},
             "sinks": [
                 {**sink, "name": "a", "dsn": self.sink_dsns["a"]},
-                {**sink, "name": "b", "dsn": self.sink_dsns["b"],
-                 **({"tombstones": k.b_tombstones} if self.features.tombstones
-                    and k.b_tombstones else {}),
-                 **({"quality": {"rows": [_between("amount", k.b_rows_max)]}}
-                    if k.b_checks else {})},
+                {
+                    **sink,
+                    "name": "b",
+                    "dsn": self.sink_dsns["b"],
+                    **(
+                        {"tombstones": k.b_tombstones}
+                        if self.features.tombstones and k.b_tombstones
+                        else {}
+                    ),
+                    **(
+                        {"quality": {"rows": [_between("amount", k.b_rows_max)]}}
+                        if k.b_checks
+                        else {}
+                    ),
+                },
             ],
             # Spread needs fewer partitions than cores (local[2]): a 1-partition world.
-            "limits": {"max_records_per_partition": self.limit,
-                       "split_min_records": 1 if k.spread else 50_000},
-            "quality": {"on_gate_failure": k.on_gate_failure,
-                        "rows": [_between("amount", k.rows_max, k.rows_min)],
-                        "batch": batch},
+            "limits": {
+                "max_records_per_partition": self.limit,
+                "split_min_records": 1 if k.spread else 50_000,
+            },
+            "quality": {
+                "on_gate_failure": k.on_gate_failure,
+                "rows": [_between("amount", k.rows_max, k.rows_min)],
+                "batch": batch,
+            },
         }
 
     def write_pipeline(self, knobs: Knobs | None = None) -> Path:
@@ -238,8 +298,9 @@ class World:
         return asdict(self.knobs)
 
     # -- the source -----------------------------------------------------------------------
-    def append(self, records: list[tuple[int, bytes | None, bytes | None, str | None]],
-               rng=None) -> dict[int, tuple[int, int]]:
+    def append(
+        self, records: list[tuple[int, bytes | None, bytes | None, str | None]], rng=None
+    ) -> dict[int, tuple[int, int]]:
         """Append (partition, key, payload, headers JSON) records (a file archive draws its
         segments' formats and gaps from ``rng``)."""
         return self.source.append(records, rng)
