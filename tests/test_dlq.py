@@ -1,5 +1,6 @@
 """Dead-letter review (tidemark/ledger/dlq.py and `tidemark dlq`) against a real PostgreSQL: filters,
-counts, keyset pages over 100,000 rows, discard, export, payload rendering, injection."""
+counts, keyset pages over 100,000 rows, discard, export, payload rendering
+(tidemark/render/payloads.py), injection."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from tests.test_cli import assert_one_clear_line, tm
 from tidemark.core.errors import BadInput, Busy
 from tidemark.ledger import dlq
+from tidemark.render import payloads
 
 T0 = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
 INJECTIONS = (
@@ -384,41 +386,44 @@ def test_a_big_payload_is_read_in_slices(ledger):
 
 
 def test_render_payload():
-    assert dlq.render_payload(b'{"b": [1, 2], "a": "\xc3\xa9"}') == (
+    assert payloads.render_payload(b'{"b": [1, 2], "a": "\xc3\xa9"}') == (
         "json",
         '{\n  "b": [\n    1,\n    2\n  ],\n  "a": "é"\n}',
     )
-    assert dlq.render_payload("plain text, ünïcode\n".encode()) == ("text", "plain text, ünïcode\n")
-    kind, text = dlq.render_payload(b"\x00\x01\x02ABC\xff" + b"z" * 20)
+    assert payloads.render_payload("plain text, ünïcode\n".encode()) == (
+        "text",
+        "plain text, ünïcode\n",
+    )
+    kind, text = payloads.render_payload(b"\x00\x01\x02ABC\xff" + b"z" * 20)
     assert kind == "hex"
     assert text.splitlines()[0] == (
         "00000000  00 01 02 41 42 43 ff 7a  7a 7a 7a 7a 7a 7a 7a 7a  |...ABC.zzzzzzzzz|"
     )
-    assert dlq.render_payload(b'{"a": 1}', "text") == ("text", '{"a": 1}')
-    assert dlq.render_payload(b'{"a": 1}', "hex")[0] == "hex"
-    assert dlq.render_payload(b"not json\x07")[0] == "hex"
+    assert payloads.render_payload(b'{"a": 1}', "text") == ("text", '{"a": 1}')
+    assert payloads.render_payload(b'{"a": 1}', "hex")[0] == "hex"
+    assert payloads.render_payload(b"not json\x07")[0] == "hex"
     with pytest.raises(BadInput, match="payload is not JSON"):
-        dlq.render_payload(b"nope", "json")
+        payloads.render_payload(b"nope", "json")
     with pytest.raises(BadInput, match="format"):
-        dlq.render_payload(b"x", "yaml")
-    kind, text = dlq.render_payload(b"a" * 100, limit=10)
+        payloads.render_payload(b"x", "yaml")
+    kind, text = payloads.render_payload(b"a" * 100, limit=10)
     assert kind == "text" and text.startswith("a" * 10 + "\n... 90 more bytes not shown")
-    assert dlq.render_payload(None) == ("text", "")
+    assert payloads.render_payload(None) == ("text", "")
     # 100,000 nested '[' make json.loads raise RecursionError: text, not a crash
-    assert dlq.render_payload(b"[" * 100_000) == ("text", "[" * 100_000)
+    assert payloads.render_payload(b"[" * 100_000) == ("text", "[" * 100_000)
     with pytest.raises(BadInput, match="nested too deeply"):
-        dlq.render_payload(b"[" * 100_000, "json")
+        payloads.render_payload(b"[" * 100_000, "json")
     # only the head of a longer payload (get(..., payload_limit=...)): the note counts the rest
-    kind, text = dlq.render_payload(b'{"a": 1', limit=10, size=5000)
+    kind, text = payloads.render_payload(b'{"a": 1', limit=10, size=5000)
     assert kind == "text" and text.endswith(
         "4,993 more bytes not shown; download or export the record for all of them"
     )
-    kind, text = dlq.render_payload("ab€".encode()[:4], limit=4, size=5)  # cut inside the €
+    kind, text = payloads.render_payload("ab€".encode()[:4], limit=4, size=5)  # cut inside the €
     assert (kind, text.splitlines()) == (
         "text",
         ["ab", "... 3 more bytes not shown; download or export the record for all of them"],
     )
-    assert dlq.preview(b'{"id": "\xc3\xa9\xc3', 40) == '{"id": "é…'
+    assert payloads.preview(b'{"id": "\xc3\xa9\xc3', 40) == '{"id": "é…'
 
 
 # 121 KB that indent to 48.5 MB: 60,000 numbers 400 levels deep (issue 34)
@@ -427,10 +432,14 @@ WIDE_AND_DEEP = b"[" * 400 + b",".join([b"1"] * 60_000) + b"]" * 400
 
 @pytest.mark.parametrize("fmt", ["auto", "json", "text", "hex"])
 def test_every_rendering_is_bounded_by_its_output(fmt):
-    kind, text = dlq.render_payload(
-        WIDE_AND_DEEP, fmt, limit=256 * 1024, size=len(WIDE_AND_DEEP), max_chars=dlq.RENDER_CHARS
+    kind, text = payloads.render_payload(
+        WIDE_AND_DEEP,
+        fmt,
+        limit=256 * 1024,
+        size=len(WIDE_AND_DEEP),
+        max_chars=payloads.RENDER_CHARS,
     )
-    assert len(text) <= dlq.RENDER_CHARS + 300  # the output and its note, not 48.5 MB
+    assert len(text) <= payloads.RENDER_CHARS + 300  # the output and its note, not 48.5 MB
     if fmt in ("auto", "json"):  # too big indented: its plain text, whole, saying why
         assert kind == "text" and text.startswith("[" * 400 + "1,1")
         assert text.endswith(
@@ -448,36 +457,41 @@ def test_every_rendering_is_bounded_by_its_output(fmt):
 
 
 def test_renderings_cut_at_their_bound_say_so():
-    kind, text = dlq.render_payload(b"abcdefghijklmnop", "text", max_chars=10)
+    kind, text = payloads.render_payload(b"abcdefghijklmnop", "text", max_chars=10)
     assert (kind, text) == (
         "text",
         "abcdefghij\n... cut here: this view shows at most 10 "
         "characters; download or export the record for all 16 bytes",
     )
-    assert dlq.render_payload(b"a" * 16, max_chars=10)[1].startswith("a" * 10 + "\n... cut here")
-    kind, text = dlq.render_payload(b'{"a": [1, 2]}', "json", max_chars=10)
+    assert payloads.render_payload(b"a" * 16, max_chars=10)[1].startswith(
+        "a" * 10 + "\n... cut here"
+    )
+    kind, text = payloads.render_payload(b'{"a": [1, 2]}', "json", max_chars=10)
     assert kind == "text" and text.startswith('{"a": [1, \n... not pretty-printed')
     assert text.endswith(
         "cut here: this view shows at most 10 characters; download or "
         "export the record for all 13 bytes"
     )
-    kind, text = dlq.render_payload(bytes(range(64)), "hex", max_chars=100)
+    kind, text = payloads.render_payload(bytes(range(64)), "hex", max_chars=100)
     assert kind == "hex" and len(text.splitlines()) == 2
     assert text.splitlines()[1].startswith("... 48 more bytes not shown")
     # within the bound: exactly as before
-    assert dlq.render_payload(b'{"a": [1]}', max_chars=100) == (
+    assert payloads.render_payload(b'{"a": [1]}', max_chars=100) == (
         "json",
         '{\n  "a": [\n    1\n  ]\n}',
     )
-    assert dlq.pretty_json({"a": [1]}, 5) is None and dlq.pretty_json({"a": 1}) == '{\n  "a": 1\n}'
+    assert (
+        payloads.pretty_json({"a": [1]}, 5) is None
+        and payloads.pretty_json({"a": 1}) == '{\n  "a": 1\n}'
+    )
 
 
 def test_the_kind_of_a_payload_is_known_without_rendering_it():
-    assert dlq.payload_kind(WIDE_AND_DEEP) == "json"
-    assert dlq.payload_kind(b"[" * 100_000) == "text"  # too deep to parse
-    assert dlq.payload_kind(b'{"a": 1', limit=5, size=5000) == "text"
-    assert dlq.payload_kind(b"\x00\x01") == "hex" and dlq.payload_kind(None) == "text"
-    assert dlq.payload_kind("ab€".encode()[:4], limit=4, size=5) == "text"
+    assert payloads.payload_kind(WIDE_AND_DEEP) == "json"
+    assert payloads.payload_kind(b"[" * 100_000) == "text"  # too deep to parse
+    assert payloads.payload_kind(b'{"a": 1', limit=5, size=5000) == "text"
+    assert payloads.payload_kind(b"\x00\x01") == "hex" and payloads.payload_kind(None) == "text"
+    assert payloads.payload_kind("ab€".encode()[:4], limit=4, size=5) == "text"
 
 
 def test_ids_past_bigint_are_refused_naming_the_field():

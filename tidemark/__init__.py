@@ -13,6 +13,8 @@ The package is layered; a module imports only from its own layer and the layers 
     sources    planning and reading source logs (one Spark input partition per range)
     engine     Spark: the session, decode and transform, the task writer
     driver     one run end to end (deliver, backfill, redrive) and its quality gate
+    render     a dead letter's payload as people read it (JSON, text, hexdump, previews): the
+               web app's and the CLI's, kept out of the ledger
     airflow    the Airflow adapter (DAG factory, tasks, notifiers)   } siblings: neither
     web        the dead-letter web app, served as an Airflow plugin  } imports the other
     devstack   local PostgreSQL, local Airflow, demo data, the chaos checker: for `make up`
@@ -30,6 +32,7 @@ LAYERS = (
     ("sources",),
     ("engine",),
     ("driver",),
+    ("render",),
     ("airflow", "web"),
     ("devstack",),
     ("cli",),

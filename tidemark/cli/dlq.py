@@ -14,6 +14,7 @@ from tidemark.core.errors import BadInput, NotFound
 from tidemark.ledger import dlq as dlq_mod
 from tidemark.ledger import letters
 from tidemark.ledger.state import AirflowRun
+from tidemark.render import payloads
 
 
 @cli.group("dlq")
@@ -104,7 +105,7 @@ def _plain(row: dict) -> dict:
         for k, v in row.items()
         if k != "payload_head"
     }
-    out["payload_preview"] = dlq_mod.preview(row["payload_head"], row["payload_size"])
+    out["payload_preview"] = payloads.preview(row["payload_head"], row["payload_size"])
     return out
 
 
@@ -172,7 +173,7 @@ def dlq_show(ctx: Ctx, record_id: int, fmt: str, as_json: bool) -> None:
         rec = dlq_mod.get(conn, record_id)
     if rec is None:
         raise NotFound(f"no dead letter {record_id}")
-    kind, text = dlq_mod.render_payload(rec["payload"], fmt)
+    kind, text = payloads.render_payload(rec["payload"], fmt)
     if as_json:
         out = dlq_mod.envelope(rec)
         out["payload_rendered"] = {"kind": kind, "text": text}
@@ -209,7 +210,7 @@ def dlq_show(ctx: Ctx, record_id: int, fmt: str, as_json: bool) -> None:
     for q in rec["quality"]:
         if q["docs_path"] and rec["error_class"] in ("validation", "dq_gate"):
             lines.append(f"  data docs  {q['scope'] or '(pipeline)'}: {q['docs_path']}")
-    key = dlq_mod.render_payload(rec["key"])[1] if rec["key"] is not None else "(none)"
+    key = payloads.render_payload(rec["key"])[1] if rec["key"] is not None else "(none)"
     lines.append(f"  key        {key}")
     # As the source had them when the letter kept them; else as jsonb stored them.
     exact = letters.header_text(rec["source_headers"])

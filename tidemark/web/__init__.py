@@ -1,6 +1,6 @@
 """The dead-letter web app (FastAPI), mounted in Airflow's API server by
 plugins/tidemark_dlq.py, with Airflow's own authentication and DAG permissions.
 
-May import: ledger, config, quality (where Data Docs sites are), core (not airflow: the two
-adapters are siblings).
+May import: render, ledger, config, quality (where Data Docs sites are), core (not airflow:
+the two adapters are siblings).
 """

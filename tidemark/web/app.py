@@ -48,6 +48,7 @@ from tidemark.core.settings import get_settings
 from tidemark.core.text import shown
 from tidemark.ledger import dlq, letters, redrives
 from tidemark.quality.docs import site_dir
+from tidemark.render import payloads
 from tidemark.web import auth as web_auth
 from tidemark.web.auth import Caller, Forbidden, NotAuthenticated, guard
 
@@ -79,7 +80,7 @@ DOCS_CSP = (
     "frame-ancestors 'self'"
 )
 SHOW_BYTES = 256 * 1024  # payload bytes a page renders; the download and export have them all
-SHOW_CHARS = dlq.RENDER_CHARS  # what one rendering of them (pretty JSON, hexdump) may grow to
+SHOW_CHARS = payloads.RENDER_CHARS  # what one rendering of them (pretty JSON, hexdump) may grow to
 KEY_CHARS = 64 * 1024  # a key's or the headers' rendering
 MAX_BODY = 2 * 1024 * 1024  # a POST's body: 100,000 ids and a note fit with room to spare
 BODY_SECONDS = 10.0  # to receive a whole body: 2 MiB take well under a second on any link
@@ -547,7 +548,7 @@ def _iso(v: Any) -> Any:
 
 def _summary(row: dict) -> dict:
     out = {k: _iso(v) for k, v in row.items() if k != "payload_head"}
-    out["payload_preview"] = dlq.preview(row["payload_head"], row["payload_size"])
+    out["payload_preview"] = payloads.preview(row["payload_head"], row["payload_size"])
     return out
 
 
@@ -581,7 +582,7 @@ def _record(request: Request, rec: dict, fmt: str) -> dict:
     """A letter read with ``payload_limit=SHOW_BYTES``: ``payload`` (base64) only when that
     is all of it, else null; ``payload_download`` has every byte."""
     size = rec["payload_size"]
-    kind, text = dlq.render_payload(
+    kind, text = payloads.render_payload(
         rec["payload"], fmt, limit=SHOW_BYTES, size=size, max_chars=SHOW_CHARS
     )
     docs = []
@@ -606,7 +607,7 @@ def _record(request: Request, rec: dict, fmt: str) -> dict:
         "payload_rendered": {"kind": kind, "text": text},
         "key_text": None
         if rec["key"] is None
-        else dlq.render_payload(rec["key"], limit=4096, max_chars=KEY_CHARS)[1],
+        else payloads.render_payload(rec["key"], limit=4096, max_chars=KEY_CHARS)[1],
         "run": {k: _iso(v) for k, v in rec["run"].items()} if rec["run"] else None,
         "links": _airflow_links(request, rec["run"]),
         "data_docs": docs,
@@ -725,7 +726,7 @@ def record_page(request: Request, record_id: str, caller: CallerDep) -> Response
     formats = ["auto", "text", "hex"]
     # Whether to offer the JSON tab, without rendering a view nobody asked for (parsing
     # 256 KiB again costs milliseconds; indenting it could cost a 48 MB page).
-    if dlq.payload_kind(rec["payload"], SHOW_BYTES, rec["payload_size"]) == "json":
+    if payloads.payload_kind(rec["payload"], SHOW_BYTES, rec["payload_size"]) == "json":
         formats.insert(1, "json")
     return _html(
         request,
@@ -747,7 +748,7 @@ def _headers_text(rec: dict) -> str | None:
         return exact if len(exact) <= KEY_CHARS else exact[:KEY_CHARS] + CUT
     if rec["headers"] is None:
         return None
-    pretty = dlq.pretty_json(rec["headers"], KEY_CHARS)
+    pretty = payloads.pretty_json(rec["headers"], KEY_CHARS)
     if pretty is not None:
         return pretty
     # Indented they would pass the bound: their plain JSON, cut.
