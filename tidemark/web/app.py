@@ -6,7 +6,8 @@ Pages are server-rendered Jinja2 with autoescaping and a Content-Security-Policy
 only this app's own script and stylesheet. Redrive does not run Spark here: it records the
 selection as a redrive request in the ledger and triggers the pipeline's
 ``tidemark_<pipeline>_redrive`` DAG with the request's id, through Airflow's REST API at
-Airflow's configured address (never the client's Host header), as the caller.
+Airflow's configured address (never the client's Host header), as the caller
+(airflow_api.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import parse_qs, quote, unquote, urlencode
 
-import httpx
 import psycopg
 from fastapi import Depends, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
@@ -50,6 +50,7 @@ from tidemark.ledger import dlq, letters, redrives
 from tidemark.quality.docs import site_dir
 from tidemark.render import payloads
 from tidemark.web import auth as web_auth
+from tidemark.web.airflow_api import AirflowApi, TriggerFailed
 from tidemark.web.auth import Caller, Forbidden, NotAuthenticated, guard
 
 TEMPLATES = Path(__file__).resolve().parent / "templates" / "dlq"
@@ -995,36 +996,13 @@ def _redrive_matching(
     return {**out, "skipped": []}
 
 
-def airflow_api() -> str:
-    """Airflow's REST API at the address Airflow is configured with: ``[api] base_url``, else
-    its own host and port. Never the request's Host header: a client could name any host
-    and the API server would send it the caller's token (server-side request forgery)."""
-    from airflow.configuration import conf
-
-    base = (conf.get("api", "base_url", fallback="") or "").strip()
-    if not base:
-        host = (conf.get("api", "host", fallback="") or "").strip()
-        if host in ("", "0.0.0.0", "::", "[::]"):
-            host = "127.0.0.1"  # listening everywhere: loopback reaches it
-        elif ":" in host and not host.startswith("["):
-            host = f"[{host}]"
-        base = f"http://{host}:{conf.getint('api', 'port', fallback=8080)}"
-    return f"{base.rstrip('/')}/api/v2"
-
-
 def _trigger(request: Request, caller: Caller, selections: dict[str, dict]) -> dict:
     """Per pipeline: a redrive request in the ledger (``ids`` or ``filters``), then
     tidemark_<pipeline>_redrive triggered with only its id in the conf, as the caller (their
     JWT: Airflow authorizes the trigger too). A request whose trigger fails is deleted."""
     runs, errors = [], []
-    api = airflow_api()
     root = _links(request)["airflow"]
-    with (
-        _ledger() as conn,
-        httpx.Client(
-            timeout=30, headers={"Authorization": f"Bearer {caller.token}"}, follow_redirects=False
-        ) as http,
-    ):
+    with AirflowApi(caller.token) as airflow, _ledger() as conn:
         for pipeline, sel in selections.items():
             dag = dag_id(pipeline, "redrive")
             ids = sel.get("ids")
@@ -1060,47 +1038,17 @@ def _trigger(request: Request, caller: Caller, selections: dict[str, dict]) -> d
                 continue
             conf = {"request": req.request_id, "requested_by": caller.name}
             try:
-                r = http.post(
-                    f"{api}/dags/{quote(dag, safe='')}/dagRuns",
-                    json={"logical_date": None, "conf": conf},
-                )
-            except httpx.HTTPError as exc:
+                run_id = airflow.trigger(dag, conf)
+            except TriggerFailed as exc:
                 redrives.delete(conn, req.request_id)
-                errors.append({**what, "error": f"cannot reach Airflow's API: {exc}"})
+                errors.append({**what, "error": str(exc)})
                 continue
-            if r.status_code != 200:
-                redrives.delete(conn, req.request_id)
-                errors.append({**what, "error": _airflow_error(dag, r)})
-                continue
-            run_id = r.json()["dag_run_id"]
             runs.append(
                 {
                     **what,
                     "dag_run_id": run_id,
                     "url": f"{root}/dags/{quote(dag, safe='')}/runs/{quote(run_id, safe='')}",
-                    "paused": _paused(http, f"{api}/dags/{quote(dag, safe='')}"),
+                    "paused": airflow.paused(dag),
                 }
             )
     return {"runs": runs, "errors": errors}
-
-
-def _paused(http: httpx.Client, url: str) -> bool:
-    """A paused DAG's run waits in the queue: say so rather than leave people waiting."""
-    try:
-        r = http.get(url)
-        return r.status_code == 200 and bool(r.json().get("is_paused"))
-    except (httpx.HTTPError, ValueError):
-        return False
-
-
-def _airflow_error(dag: str, r: httpx.Response) -> str:
-    try:
-        detail = r.json().get("detail")
-    except ValueError:
-        detail = None
-    detail = (
-        detail if isinstance(detail, str) else json.dumps(detail)[:300] if detail else r.text[:300]
-    )
-    if r.status_code == 404:
-        return f"DAG {dag} not found in Airflow (is the pipeline deployed?): {detail}"
-    return f"Airflow refused to trigger {dag} (HTTP {r.status_code}): {detail}"
