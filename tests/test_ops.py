@@ -121,7 +121,7 @@ def test_lag_is_measured_per_sink_and_partition_and_alerts_past_the_threshold(en
     import psycopg
 
     from tidemark import config
-    from tidemark.airflow.tasks import lag_problems
+    from tidemark.airflow.health import lag_problems
     from tidemark.driver import lag
 
     old = datetime(2026, 1, 1, tzinfo=UTC)
@@ -154,7 +154,7 @@ def test_lag_is_measured_per_sink_and_partition_and_alerts_past_the_threshold(en
 
 
 def test_a_lag_episode_alerts_once_then_again_after_it_ended():
-    from tidemark.airflow.tasks import Health, Problem, lag_episodes
+    from tidemark.airflow.health import Health, Problem, lag_episodes
 
     def health(*episodes, unmeasured=()):
         return Health(

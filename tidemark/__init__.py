@@ -15,8 +15,9 @@ The package is layered; a module imports only from its own layer and the layers 
     driver     one run end to end (deliver, backfill, redrive) and its quality gate
     render     a dead letter's payload as people read it (JSON, text, hexdump, previews): the
                web app's and the CLI's, kept out of the ledger
-    airflow    the Airflow adapter (DAG factory, tasks, notifiers)   } siblings: neither
-    web        the dead-letter web app, served as an Airflow plugin  } imports the other
+    airflow    the Airflow adapter: the DAG factory, tasks, health checks, notifiers
+    web        the dead-letter web app, served as an Airflow plugin, and its Airflow REST
+               client (airflow and web are siblings: neither imports the other)
     devstack   local PostgreSQL, local Airflow, demo data, the chaos checker: for `make up`
                and the tests, never imported by the runtime
     cli        the `tidemark` command and the spark-submit entry point
