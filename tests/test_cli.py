@@ -271,7 +271,7 @@ def test_an_up_to_date_run_is_cheap_and_a_bad_check_stops_a_due_one(env):
 def test_a_file_archive_segment_it_cannot_read_is_one_line_and_a_failed_run(env):
     """Issue 32: a segment the source cannot read (here an unknown extension) was skipped as
     a compaction gap with exit 0; now the run fails, naming the file, and claims nothing."""
-    from tidemark.sources.file_archive import write_segment
+    from tidemark.devstack.archive_writer import write_segment
 
     archive = env.tmp / "archive"
     recs = [

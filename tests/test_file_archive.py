@@ -14,6 +14,7 @@ import pytest
 import tidemark.sources as sources
 from tidemark.config import FileArchiveSource
 from tidemark.core.errors import TidemarkError
+from tidemark.devstack import archive_writer
 from tidemark.ledger.state import Range
 from tidemark.sources import file_archive as fa
 
@@ -56,7 +57,7 @@ def archive(request, tmp_path):
     root = tmp_path / "arch"
     for p, segs in LAYOUT.items():
         for offs in segs:
-            fa.write_segment(str(root), p, [rec(p, o) for o in offs], fmt)
+            archive_writer.write_segment(str(root), p, [rec(p, o) for o in offs], fmt)
     add_noise(root)
     return root, fmt
 
@@ -140,7 +141,7 @@ def test_layout_written_by_write_segment(archive):
     ]
     assert not [n for n in names if ".tmp-" in n]  # temp names renamed away
     with pytest.raises(TidemarkError, match="immutable"):
-        fa.write_segment(str(root), 1, [rec(1, 100)], fmt)
+        archive_writer.write_segment(str(root), 1, [rec(1, 100)], fmt)
 
 
 def test_partitions_and_earliest(archive):
@@ -172,8 +173,8 @@ def test_listing_cached_per_planner(archive):
     assert pl.partitions() == [0, 1, 2]
     assert pl.safe_end(2, 0, 100) == 5
     assert pl.earliest(1) == 100
-    fa.write_segment(str(root), 2, [rec(2, o) for o in range(5, 9)], fmt)
-    fa.write_segment(str(root), 3, [rec(3, 0)], fmt)
+    archive_writer.write_segment(str(root), 2, [rec(2, o) for o in range(5, 9)], fmt)
+    archive_writer.write_segment(str(root), 3, [rec(3, 0)], fmt)
     (root / "partition=1" / seg_name(100, fmt)).unlink()  # retention
     assert pl.safe_end(2, 0, 100) == 5
     assert pl.partitions() == [0, 1, 2]
@@ -197,7 +198,9 @@ def test_planner_reads_only_last_segment(archive):
 def test_parquet_without_statistics_falls_back_to_offset_column(tmp_path):
     folder = tmp_path / "partition=4"
     folder.mkdir()
-    table = pa.Table.from_pylist([fa._arrow_row(rec(4, o)) for o in (3, 4, 9)], fa._ARROW_SCHEMA)
+    table = pa.Table.from_pylist(
+        [archive_writer.arrow_row(rec(4, o)) for o in (3, 4, 9)], archive_writer.ARROW_SCHEMA
+    )
     pq.write_table(table, folder / seg_name(3, "parquet"), write_statistics=False)
     assert (
         pq.ParquetFile(folder / seg_name(3, "parquet")).metadata.row_group(0).column(1).statistics
@@ -208,7 +211,7 @@ def test_parquet_without_statistics_falls_back_to_offset_column(tmp_path):
 
 
 def test_jsonl_tail_read_in_small_chunks(tmp_path, monkeypatch):
-    fa.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(40, 60, 3)], "jsonl")
+    archive_writer.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(40, 60, 3)], "jsonl")
     path = tmp_path / "partition=0" / seg_name(40, "jsonl")
     with open(path, "ab") as f:
         f.write(b"\n  \n")  # trailing blank lines are not records
@@ -265,7 +268,7 @@ def test_batches_hold_at_most_batch_rows(archive, monkeypatch):
 
 
 def test_parquet_row_groups_pruned_correctly(tmp_path):
-    fa.write_segment(
+    archive_writer.write_segment(
         str(tmp_path), 0, [rec(0, o) for o in range(0, 20)], "parquet", row_group_size=3
     )
     assert (
@@ -400,9 +403,10 @@ def test_bad_parquet_records(tmp_path):
     folder.mkdir()
 
     def put(base, offsets, part=0, headers=None):
-        rows_ = [fa._arrow_row({**rec(part, o), "headers": headers}) for o in offsets]
+        rows_ = [archive_writer.arrow_row({**rec(part, o), "headers": headers}) for o in offsets]
         pq.write_table(
-            pa.Table.from_pylist(rows_, fa._ARROW_SCHEMA), folder / seg_name(base, "parquet")
+            pa.Table.from_pylist(rows_, archive_writer.ARROW_SCHEMA),
+            folder / seg_name(base, "parquet"),
         )
 
     put(0, [0, 1, 2], part=1)
@@ -474,7 +478,9 @@ def write_mixed(root, p: int, bases: list[int], size: int) -> list[str]:
     """Segments of ``size`` dense offsets from each base, parquet and JSON Lines in turn."""
     fmts = [FORMATS[i % 2] for i in range(len(bases))]
     for base, fmt in zip(bases, fmts, strict=True):
-        fa.write_segment(str(root), p, [rec(p, o) for o in range(base, base + size)], fmt)
+        archive_writer.write_segment(
+            str(root), p, [rec(p, o) for o in range(base, base + size)], fmt
+        )
     return fmts
 
 
@@ -551,10 +557,10 @@ def test_a_folder_named_like_a_segment_stops_the_run(archive):
 
 
 def test_two_segments_with_one_base_stop_the_run(tmp_path):
-    fa.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(0, 5)], "parquet")
+    archive_writer.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(0, 5)], "parquet")
     with pytest.raises(TidemarkError, match="segment exists"):  # write_segment refuses it
-        fa.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(0, 8)], "jsonl")
-    fa.write_segment(str(tmp_path / "x"), 0, [rec(0, o) for o in range(0, 8)], "jsonl")
+        archive_writer.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(0, 8)], "jsonl")
+    archive_writer.write_segment(str(tmp_path / "x"), 0, [rec(0, o) for o in range(0, 8)], "jsonl")
     os.rename(
         tmp_path / "x" / "partition=0" / seg_name(0, "jsonl"),
         tmp_path / "partition=0" / seg_name(0, "jsonl"),
@@ -567,8 +573,8 @@ def test_two_segments_with_one_base_stop_the_run(tmp_path):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_segment_must_start_at_its_base(tmp_path, fmt):
-    fa.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(0, 10)], fmt)
-    fa.write_segment(str(tmp_path / "x"), 0, [rec(0, o) for o in range(13, 20)], fmt)
+    archive_writer.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(0, 10)], fmt)
+    archive_writer.write_segment(str(tmp_path / "x"), 0, [rec(0, o) for o in range(13, 20)], fmt)
     os.rename(
         tmp_path / "x" / "partition=0" / seg_name(13, fmt),
         tmp_path / "partition=0" / seg_name(10, fmt),
@@ -587,7 +593,9 @@ def test_a_segment_must_start_at_its_base(tmp_path, fmt):
 @pytest.mark.parametrize("damage", ["empty", "truncated", "garbage"])
 def test_a_damaged_segment_stops_the_run_wherever_it_is(tmp_path, fmt, damage):
     for base in (0, 10, 20):
-        fa.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(base, base + 10)], fmt)
+        archive_writer.write_segment(
+            str(tmp_path), 0, [rec(0, o) for o in range(base, base + 10)], fmt
+        )
     for base in (10, 20):  # in the middle (the reader finds it), last (the planner does)
         path = tmp_path / "partition=0" / seg_name(base, fmt)
         data = path.read_bytes()
@@ -610,9 +618,10 @@ def test_a_damaged_segment_stops_the_run_wherever_it_is(tmp_path, fmt, damage):
 
 
 def test_a_parquet_segment_without_rows_stops_the_run(tmp_path):
-    fa.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(0, 10)], "parquet")
+    archive_writer.write_segment(str(tmp_path), 0, [rec(0, o) for o in range(0, 10)], "parquet")
     pq.write_table(
-        fa._ARROW_SCHEMA.empty_table(), tmp_path / "partition=0" / seg_name(10, "parquet")
+        archive_writer.ARROW_SCHEMA.empty_table(),
+        tmp_path / "partition=0" / seg_name(10, "parquet"),
     )
     problem = f"{seg_name(10, 'parquet')}: holds no record"
     with pytest.raises(TidemarkError, match=problem):

@@ -11,10 +11,10 @@ The contract writers follow:
   one record. Each segment is read by its extension: a folder may mix the two formats. The
   source's ``format`` field is accepted for compatibility and changes nothing.
 * Segments are immutable once present: write to a temporary name in the same folder (e.g.
-  ``.<name>.tmp``) and rename (:func:`write_segment` does). Segment *i* holds offsets
-  ``[base_i, base_{i+1})``; the last one ends at its highest offset + 1. New segments must start
-  above that end, and old ones may only be deleted once every checkpoint is past them. One base
-  offset, one segment (not a ``.parquet`` and a ``.jsonl`` both).
+  ``.<name>.tmp``) and rename (tidemark/devstack/archive_writer.py does). Segment *i* holds
+  offsets ``[base_i, base_{i+1})``; the last one ends at its highest offset + 1. New segments
+  must start above that end, and old ones may only be deleted once every checkpoint is past
+  them. One base offset, one segment (not a ``.parquet`` and a ``.jsonl`` both).
 * Other files in a partition folder: hidden names (a leading ``.`` or ``_``: temporary files,
   ``.crc`` checksums, ``_SUCCESS``), names ending in ``.tmp``, ``.crc`` or ``._COPYING_``, and
   names that look like no segment (``README``) are ignored. A name that looks like one (it
@@ -43,12 +43,10 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import io
 import json
 import os
 import re
-import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import NamedTuple
@@ -70,7 +68,7 @@ _SEGMENT = re.compile(r"^(\d{20})\.(parquet|jsonl)$")
 # or has a segment format's extension. Such a name that is not a segment's stops the run.
 _SEGMENT_LIKE = re.compile(r"^\d|\.(parquet|jsonl)(\.|$)", re.IGNORECASE)
 _BASE_AND_EXT = re.compile(r"^(\d+)(.*)$")
-# Never records: hidden names (write_segment's .<name>.tmp-…, Hadoop's .<name>.crc), markers
+# Never records: hidden names (a writer's .<name>.tmp-…, Hadoop's .<name>.crc), markers
 # (_SUCCESS, _temporary) and files still being copied in.
 _HIDDEN = (".", "_")
 _SCRATCH = (".crc", ".tmp", "._COPYING_")
@@ -81,17 +79,7 @@ _SECRET_PARAM = re.compile(
 _TAIL_CHUNK = 64 * 1024  # bytes read from the end of a JSON Lines segment per step
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _US = timedelta(microseconds=1)
-_ARROW_SCHEMA = pa.schema(
-    [
-        ("partition", pa.int32()),
-        ("offset", pa.int64()),
-        ("key", pa.binary()),
-        ("payload", pa.binary()),
-        ("headers", pa.string()),
-        ("ts", pa.timestamp("us", tz="UTC")),
-    ]
-)
-_IO_ERRORS = (OSError, pa.ArrowException)
+IO_ERRORS = (OSError, pa.ArrowException)  # what a filesystem or Arrow raises on I/O
 
 
 # --- locations ---------------------------------------------------------------------------------
@@ -102,7 +90,7 @@ def _hide(text: str) -> str:
     return _SECRET_PARAM.sub(lambda m: f"{m[1]}***", mask(text))
 
 
-class _Archive:
+class Archive:
     """A filesystem, the archive's root path in it, and how to name things in messages."""
 
     def __init__(self, uri: str):
@@ -112,9 +100,9 @@ class _Archive:
                 self.fs, root = pafs.FileSystem.from_uri(uri)
             else:
                 self.fs, root = pafs.LocalFileSystem(), os.path.abspath(uri)
-        except (*_IO_ERRORS, ValueError) as exc:
+        except (*IO_ERRORS, ValueError) as exc:
             raise TidemarkError(
-                f"file archive {self.shown}: cannot open: {_first_line(exc)}"
+                f"file archive {self.shown}: cannot open: {first_line(exc)}"
             ) from None
         self.root = root.rstrip("/")
 
@@ -135,9 +123,9 @@ class _Archive:
             if info.type != pafs.FileType.Directory:
                 raise TidemarkError(f"file archive {self.show(path)}: {what} is not a directory")
             return self.fs.get_file_info(pafs.FileSelector(path, recursive=False))
-        except _IO_ERRORS as exc:
+        except IO_ERRORS as exc:
             raise TidemarkError(
-                f"file archive {self.show(path)}: cannot list {what}: {_first_line(exc)}"
+                f"file archive {self.show(path)}: cannot list {what}: {first_line(exc)}"
             ) from None
 
     def segments(self, partition: int) -> list[Segment]:
@@ -203,7 +191,8 @@ def _not_a_segment(name: str) -> str:
     )
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message, secrets masked: for an error naming a file."""
     text = str(exc).strip().splitlines()
     return _hide(text[0]) if text else type(exc).__name__
 
@@ -216,7 +205,7 @@ class FileArchivePlanner:
 
     def __init__(self, src: FileArchiveSource):
         self.src = src
-        self.archive = _Archive(src.uri)
+        self.archive = Archive(src.uri)
         self._parts: list[int] | None = None
         self._segments: dict[int, list[Segment]] = {}
         self._ends: dict[int, int] = {}
@@ -287,7 +276,7 @@ class FileArchivePlanner:
         return max(start, min(start + limit, self.end(partition)))
 
 
-def _segment_end(a: _Archive, seg: Segment) -> int:
+def _segment_end(a: Archive, seg: Segment) -> int:
     """Highest offset in the segment + 1, reading as little as possible: a parquet footer's
     statistics (else its offset column), a JSON Lines tail."""
     shown = a.show(seg.path)
@@ -299,8 +288,8 @@ def _segment_end(a: _Archive, seg: Segment) -> int:
                 top = _parquet_bounds(pf, seg.base, shown)[1]
         else:
             top = _jsonl_last_offset(a, seg.path, shown)
-    except _IO_ERRORS as exc:
-        raise TidemarkError(f"file archive {shown}: cannot read: {_first_line(exc)}") from None
+    except IO_ERRORS as exc:
+        raise TidemarkError(f"file archive {shown}: cannot read: {first_line(exc)}") from None
     if top is None:  # a JSON Lines segment without a line
         raise _empty(shown)
     if top < seg.base:
@@ -312,8 +301,8 @@ def _segment_end(a: _Archive, seg: Segment) -> int:
 
 
 def _empty(shown: str) -> TidemarkError:
-    # write_segment never writes one: a segment is named after its first record. An empty
-    # file is most often a copy that failed.
+    # A writer keeping the contract never makes one: a segment is named after its first record.
+    # An empty file is most often a copy that failed.
     return TidemarkError(f"file archive {shown}: holds no record (empty or truncated segment)")
 
 
@@ -386,7 +375,7 @@ def _parquet_bounds(pf: pq.ParquetFile, base: int, shown: str) -> tuple[int, int
     return bounds
 
 
-def _jsonl_last_offset(a: _Archive, path: str, shown: str) -> int | None:
+def _jsonl_last_offset(a: Archive, path: str, shown: str) -> int | None:
     with a.fs.open_input_file(path) as f:
         pos = f.size()
         tail = b""
@@ -418,7 +407,7 @@ def read_range(src: FileArchiveSource, r: Range) -> Iterator[pa.RecordBatch]:
 
     if r.size <= 0:
         return
-    a = _Archive(src.uri)
+    a = Archive(src.uri)
     segs = a.segments(r.partition)
     where = f"file archive {a.shown} partition {r.partition}"
     if not segs or r.start < segs[0].base:
@@ -517,7 +506,7 @@ def _check_columns(names: list[str], shown: str) -> None:
 
 
 def _read_parquet(
-    a: _Archive, path: str, r: Range, base: int, nxt: int | None, batch_rows: int
+    a: Archive, path: str, r: Range, base: int, nxt: int | None, batch_rows: int
 ) -> Iterator[pa.RecordBatch]:
     shown = a.show(path)
     order = _Order(shown, base, nxt)
@@ -544,8 +533,8 @@ def _read_parquet(
                 order.check(batch.column(1).to_pylist())
                 _check_headers(batch.column(4), batch.column(1), shown)
                 yield batch
-    except _IO_ERRORS as exc:
-        raise TidemarkError(f"file archive {shown}: cannot read: {_first_line(exc)}") from None
+    except IO_ERRORS as exc:
+        raise TidemarkError(f"file archive {shown}: cannot read: {first_line(exc)}") from None
 
 
 def _conform(raw: pa.RecordBatch, shown: str, partition: int) -> pa.RecordBatch:
@@ -573,9 +562,7 @@ def _conform(raw: pa.RecordBatch, shown: str, partition: int) -> pa.RecordBatch:
         try:
             col = pc.cast(col, options=pc.CastOptions(target, allow_time_truncate=True))
         except pa.ArrowException as exc:
-            raise TidemarkError(
-                f"file archive {shown}: column {name}: {_first_line(exc)}"
-            ) from None
+            raise TidemarkError(f"file archive {shown}: column {name}: {first_line(exc)}") from None
         cols.append(col)
     if len(cols[0]) and not pc.all(pc.equal(cols[0], partition)).as_py():
         bad = pc.filter(cols[0], pc.not_equal(cols[0], partition))[0].as_py()
@@ -611,7 +598,7 @@ def _check_headers(headers: pa.Array, offsets: pa.Array, shown: str) -> None:
 
 
 def _read_jsonl(
-    a: _Archive, path: str, r: Range, base: int, nxt: int | None, batch_rows: int
+    a: Archive, path: str, r: Range, base: int, nxt: int | None, batch_rows: int
 ) -> Iterator[pa.RecordBatch]:
     from tidemark.sources import SCHEMA
 
@@ -662,8 +649,8 @@ def _read_jsonl(
                 if len(buf[0]) >= batch_rows:
                     yield batch()
                     buf = [[], [], [], [], []]
-    except _IO_ERRORS as exc:
-        raise TidemarkError(f"file archive {shown}: cannot read: {_first_line(exc)}") from None
+    except IO_ERRORS as exc:
+        raise TidemarkError(f"file archive {shown}: cannot read: {first_line(exc)}") from None
     if order.prev is None:
         raise _empty(shown)
     if buf[0]:
@@ -736,103 +723,4 @@ def _ts_micros(rec: dict, shown: str, at: str) -> int | None:
 # --- writer ------------------------------------------------------------------------------------
 
 
-def write_segment(
-    uri: str, partition: int, records: list[dict], fmt: str, *, row_group_size: int | None = None
-) -> str:
-    """Write ``records`` (dicts with partition, offset, key, payload, headers, ts) as one
-    segment of ``uri``'s archive, in the layout above; returns the segment's path.
-
-    ``key``/``payload`` are bytes or None, ``headers`` a dict (or JSON text) or None, ``ts`` a
-    datetime (naive means UTC), epoch milliseconds or None. Written under a temporary name then
-    renamed, so readers never see a partial segment; an existing segment (of either format)
-    is never replaced.
-    """
-    if fmt not in FORMATS:
-        raise TidemarkError(f"unknown archive format {fmt!r}; use one of {', '.join(FORMATS)}")
-    if not records:
-        raise TidemarkError("a segment needs at least one record (it is named after the first)")
-    prev = None
-    for rec in records:
-        if rec["partition"] != partition:
-            raise TidemarkError(
-                f"record of partition {rec['partition']} given for partition {partition}"
-            )
-        if prev is not None and rec["offset"] <= prev:
-            raise TidemarkError(
-                f"offset {rec['offset']} after {prev}: records must be in "
-                f"strictly increasing offset order"
-            )
-        prev = rec["offset"]
-    if partition < 0 or records[0]["offset"] < 0:
-        raise TidemarkError("partitions and offsets must be non-negative")
-    a = _Archive(uri)
-    folder = a.part_dir(partition)
-    name = f"{records[0]['offset']:020d}.{fmt}"
-    final, tmp = f"{folder}/{name}", f"{folder}/.{name}.tmp-{uuid.uuid4().hex}"
-    try:
-        a.fs.create_dir(folder, recursive=True)
-        for other in (f"{folder}/{name.rsplit('.', 1)[0]}.{f}" for f in FORMATS):
-            if a.fs.get_file_info(other).type != pafs.FileType.NotFound:
-                raise TidemarkError(
-                    f"file archive {a.show(other)}: segment exists (segments are immutable)"
-                )
-        if fmt == "parquet":
-            table = pa.Table.from_pylist([_arrow_row(rec) for rec in records], _ARROW_SCHEMA)
-            pq.write_table(table, tmp, filesystem=a.fs, row_group_size=row_group_size)
-        else:
-            data = b"".join(_jsonl_row(rec) for rec in records)
-            with a.fs.open_output_stream(tmp, compression=None) as out:
-                out.write(data)
-        a.fs.move(tmp, final)
-    except _IO_ERRORS as exc:
-        with contextlib.suppress(*_IO_ERRORS):
-            a.fs.delete_file(tmp)
-        raise TidemarkError(
-            f"file archive {a.show(final)}: cannot write: {_first_line(exc)}"
-        ) from None
-    return final
-
-
-def _headers_json(h) -> str | None:
-    if h is None or isinstance(h, str):
-        return h
-    return json.dumps(h, ensure_ascii=False)
-
-
-def _ts_value(ts) -> datetime | None:
-    if ts is None:
-        return None
-    if isinstance(ts, int) and not isinstance(ts, bool):
-        return _EPOCH + timedelta(milliseconds=ts)
-    return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)
-
-
-def _arrow_row(rec: dict) -> dict:
-    return {
-        "partition": rec["partition"],
-        "offset": rec["offset"],
-        "key": rec.get("key"),
-        "payload": rec.get("payload"),
-        "headers": _headers_json(rec.get("headers")),
-        "ts": _ts_value(rec.get("ts")),
-    }
-
-
-def _jsonl_row(rec: dict) -> bytes:
-    def b64(v: bytes | None) -> str | None:
-        return None if v is None else base64.b64encode(v).decode("ascii")
-
-    h = rec.get("headers")
-    ts = _ts_value(rec.get("ts"))
-    row = {
-        "partition": rec["partition"],
-        "offset": rec["offset"],
-        "key": b64(rec.get("key")),
-        "payload": b64(rec.get("payload")),
-        "headers": json.loads(h) if isinstance(h, str) else h,
-        "ts": None if ts is None else ts.isoformat(),
-    }
-    return json.dumps(row, ensure_ascii=False).encode("utf-8") + b"\n"
-
-
-__all__ = ["FileArchivePlanner", "read_range", "write_segment"]
+__all__ = ["FileArchivePlanner", "read_range"]

@@ -5,8 +5,8 @@
   ``<uri>/partition=<P>/<20-digit base offset>.<parquet|jsonl>``, both formats mixed within a
   partition, optionally with compaction gaps (offsets no segment holds) between segments.
 
-Both append through the library's own writer (``postgres_log.append``,
-``file_archive.write_segment``) and read the records back with plain SQL or plain
+Both append through a writer of Tidemark's (``postgres_log.append``,
+``archive_writer.write_segment``) and read the records back with plain SQL or plain
 pyarrow/JSON (the checker and the oracle read the source through :meth:`records`, never
 through ``tidemark.sources``'s readers: a reader bug cannot hide itself from its judge).
 """
@@ -116,7 +116,7 @@ class FileArchive:
     ) -> dict[int, tuple[int, int]]:
         """Append records as new segments, one or two per partition, each of a format drawn
         from ``rng`` (seeded), sometimes after a gap; {partition: (first, last offset)}."""
-        from tidemark.sources.file_archive import write_segment
+        from tidemark.devstack.archive_writer import write_segment
 
         r = rng or random.Random(0)
         by_part: dict[int, list[Draft]] = {}
