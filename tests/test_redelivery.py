@@ -270,3 +270,27 @@ def test_older_versions_outside_the_range_follow_their_newer_version_to_its_new_
     assert letters(env) == {1: "quarantined"}
     assert report.sinks["main"].removed == 1 and report.sinks["main"].fallback == 1
     assert_exactly_once(env, table="moved")
+
+
+def test_the_fallback_fails_the_sink_on_versions_offsets_do_not_order():
+    """Without a version column offsets order a key's versions within one partition only: the
+    fallback's version order refuses two partitions' versions with the merge's message (it
+    raised KeyError: None), and still orders the rest as before. Pure logic, no Spark."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from tidemark.engine.redelivery import Redelivery, Unordered
+
+    def row(partition: int, offset: int, **more) -> dict:
+        return {"id": 7, "_tm_partition": partition, "_tm_offset": offset, **more}
+
+    order = Redelivery.__new__(Redelivery)
+    order.t = SimpleNamespace(version=None, key=["id"])
+    assert order._order(row(0, 5), row(0, 3)) == 1 and order._order(row(1, 3), row(1, 5)) == -1
+    with pytest.raises(Unordered, match=r"key \(id\)=\(7\) has versions from several partitions"):
+        order._order(row(0, 5), row(1, 3))
+    order.t = SimpleNamespace(version="v", key=["id"])
+    assert order._order(row(0, 5, v=1), row(1, 3, v=2)) == -1
+    assert order._order(row(0, 5, v=None), row(1, 3, v=2)) == -1  # unversioned below versioned
+    assert order._order(row(0, 5, v=2), row(1, 3, v=2)) == -1  # a tie: (partition, offset)

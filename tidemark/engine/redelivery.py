@@ -24,7 +24,7 @@ one (if one does, the sink fails and says to backfill instead).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pyarrow as pa
@@ -38,6 +38,10 @@ if TYPE_CHECKING:
     from tidemark.protocol.taskspec import SinkTarget, TaskSpec
 
 PARTITION, OFFSET = "_tm_partition", "_tm_offset"
+
+
+class Unordered(Exception):
+    """Versions of one key from two partitions and no version column to order them."""
 
 
 class Redelivery:
@@ -209,7 +213,11 @@ class Redelivery:
                 versions.setdefault(tuple(r[k] for k in self.t.key), []).append(r)
         good, bad, tombs = [], [], []
         for chain in versions.values():
-            chain.sort(key=functools.cmp_to_key(self._order), reverse=True)
+            try:
+                chain.sort(key=functools.cmp_to_key(self._order), reverse=True)
+            except Unordered as exc:
+                self.w._fail(exc)
+                return placed
             for r in chain:
                 pos = (r[PARTITION], r[OFFSET])
                 if r[ERR_CLASS] == TOMBSTONE and (pos in ours or pos in applied):
@@ -243,12 +251,20 @@ class Redelivery:
         where one has no version (a tombstone the transform gave none, or a version that
         fails), by offset within a partition, and below every versioned one across them."""
         v = self.t.version
+        x: tuple[Any, ...]
+        y: tuple[Any, ...]
         if v and a[v] is not None and b[v] is not None:
             x, y = (a[v], a[PARTITION], a[OFFSET]), (b[v], b[PARTITION], b[OFFSET])
         elif a[PARTITION] == b[PARTITION]:
-            x, y = a[OFFSET], b[OFFSET]
-        else:
+            x, y = (a[OFFSET],), (b[OFFSET],)
+        elif v:
             x, y = (a[v] is not None, a[PARTITION]), (b[v] is not None, b[PARTITION])
+        else:  # as the writer's merge refuses them (writer.py, _check_partitions)
+            raise Unordered(
+                f"key ({', '.join(self.t.key)})={_show(tuple(a[k] for k in self.t.key))} has "
+                f"versions from several partitions, which offsets do not order; declare a "
+                f"version column for this sink (sinks[].version)"
+            )
         return (x > y) - (x < y)
 
     def _fails(self, r: dict) -> tuple[str, str] | None:
