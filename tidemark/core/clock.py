@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class Phases:
@@ -22,7 +25,7 @@ class Phases:
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
 
-    def waiting(self, phase: str, items: Iterator):
+    def waiting(self, phase: str, items: Iterable[T]) -> Iterator[T]:
         """``items``, with the time spent waiting for each next one charged to ``phase``."""
         it = iter(items)
         while True:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import psycopg
 from psycopg import errors as pgerr
 
@@ -17,7 +19,7 @@ def connect(
     autocommit: bool = False,
     what: str = "database",
     application: str = APP_NAME,
-    **kwargs,
+    **kwargs: Any,
 ) -> psycopg.Connection:
     try:
         return psycopg.connect(
@@ -39,8 +41,22 @@ def is_data_error(exc: BaseException) -> bool:
     return state.startswith(("22", "23")) or isinstance(exc, pgerr.DatatypeMismatch)
 
 
+def one(cur: psycopg.Cursor[tuple[Any, ...]]) -> tuple[Any, ...]:
+    """The one row a query always returns (an aggregate, SHOW, a function call, ``RETURNING``
+    of a row just written). No row is a bug: raised as one, not as a TypeError on None."""
+    row = cur.fetchone()
+    if row is None:
+        raise LookupError("no row from a query that always returns one")
+    return row
+
+
+def scalar(cur: psycopg.Cursor[tuple[Any, ...]]) -> Any:
+    """The first value of :func:`one`'s row."""
+    return one(cur)[0]
+
+
 def require_prepared_transactions(conn: psycopg.Connection, what: str) -> None:
-    value = int(conn.execute("SHOW max_prepared_transactions").fetchone()[0])
+    value = int(scalar(conn.execute("SHOW max_prepared_transactions")))
     if value <= 0:
         raise TidemarkError(
             f"{what}: max_prepared_transactions is 0 on this server; Tidemark's two-phase commit "

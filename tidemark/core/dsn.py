@@ -32,7 +32,7 @@ def mask(text: str) -> str:
 
 
 def expand_env(value: str, where: str = "DSN") -> str:
-    def sub(m: re.Match) -> str:
+    def sub(m: re.Match[str]) -> str:
         name = m.group(1)
         if name not in os.environ:
             raise ConfigError(where, f"environment variable {name} is not set")
@@ -48,18 +48,16 @@ def airflow_connection_uri(conn_id: str) -> str:
     if env and not env.lstrip().startswith("{"):
         return _normalize_scheme(env)
     try:
-        from airflow.sdk import BaseHook  # type: ignore[attr-defined]
+        from airflow.sdk import BaseHook
     except Exception:  # noqa: BLE001 - Airflow absent or not configured
-        BaseHook = None
-    if BaseHook is not None:
-        try:
-            conn = BaseHook.get_connection(conn_id)
-        except Exception as exc:  # noqa: BLE001
-            raise BadInput(f"Airflow connection {conn_id!r} not found: {mask(str(exc))}") from None
-        return _normalize_scheme(conn.get_uri())
-    raise BadInput(
-        f"connection {conn_id!r}: set AIRFLOW_CONN_{conn_id.upper()} or run inside Airflow"
-    )
+        raise BadInput(
+            f"connection {conn_id!r}: set AIRFLOW_CONN_{conn_id.upper()} or run inside Airflow"
+        ) from None
+    try:
+        conn = BaseHook.get_connection(conn_id)
+    except Exception as exc:  # noqa: BLE001
+        raise BadInput(f"Airflow connection {conn_id!r} not found: {mask(str(exc))}") from None
+    return _normalize_scheme(conn.get_uri())
 
 
 def airflow_connection_if_defined(conn_id: str) -> str | None:
@@ -67,7 +65,7 @@ def airflow_connection_if_defined(conn_id: str) -> str | None:
     has no such connection (any other failure raises, masked). Always through Airflow's
     ``BaseHook``, so that inside a task Airflow masks the password in the logs."""
     try:
-        from airflow.sdk import BaseHook  # type: ignore[attr-defined]
+        from airflow.sdk import BaseHook
     except Exception:  # noqa: BLE001 - Airflow absent or not configured
         return None
     try:

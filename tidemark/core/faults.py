@@ -38,6 +38,7 @@ def armed(
     env = dict(env)
     if pause_at:
         assert pause_at in POINTS, pause_at
+        assert pause_dir is not None, "pausing needs a folder for the FIFOs"
         pause_dir.mkdir(parents=True, exist_ok=True)
         for name in ("reached", "resume"):
             os.mkfifo(pause_dir / name)

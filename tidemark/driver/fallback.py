@@ -23,12 +23,15 @@ newest remaining version that passes now. So, before the write, per sink:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import psycopg
 from psycopg import sql
 from pyspark import StorageLevel
-from pyspark.sql import DataFrame
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
@@ -44,6 +47,12 @@ from tidemark.protocol.taskspec import FALLBACK, Failures
 PART, OFF = "_tm_partition", "_tm_offset"
 
 
+class Reads(Protocol):
+    """What the fallback asks of the run's mode (driver/modes.py): its source's records."""
+
+    def source(self, spark: SparkSession, pipeline: Pipeline, read: list[Range]) -> DataFrame: ...
+
+
 @dataclass
 class SinkPlan:
     """One sink of the backfill: where it is, its range, its checkpoints, and the row-level
@@ -54,7 +63,7 @@ class SinkPlan:
     ranges: list[Range]
     checkpoints: dict[int, int]
     failed: Failures = field(default_factory=dict)
-    moved: list[tuple] = field(default_factory=list)  # keys of _moved_keys, for the task
+    moved: list[tuple[Any, ...]] = field(default_factory=list)  # keys of _moved_keys, for the task
 
 
 @dataclass
@@ -62,21 +71,23 @@ class Fallback:
     df: DataFrame  # the backfill's records, then the fallback versions
     failed: dict[str, Failures]  # sink -> row-level failures of its versions
     cached: list[DataFrame]
-    moved: dict[str, list[tuple]]  # sink -> keys of _moved_keys (step 2 above)
+    moved: dict[str, list[tuple[Any, ...]]]  # sink -> keys of _moved_keys (step 2 above)
 
     def release(self) -> None:
         for d in self.cached:
             d.unpersist()
 
 
-def _ask(s: SinkPlan, what: sql.Composable, where: str, args: list[tuple]) -> set[tuple]:
+def _ask(
+    s: SinkPlan, what: sql.Composable, where: str, args: list[tuple[Any, ...]]
+) -> set[tuple[Any, ...]]:
     """``SELECT DISTINCT what ... WHERE _tm_partition = %s AND where`` over the sink's table
     and its tombstones (a tombstone is a version with a position too), once per ``args``."""
-    found: set[tuple] = set()
+    found: set[tuple[Any, ...]] = set()
     with psycopg.connect(
         s.dsn, autocommit=True, connect_timeout=10, application_name="tidemark-backfill"
     ) as conn:
-        tables = [sql.SQL(qualified(s.config.table))]
+        tables: list[sql.Composable] = [sql.SQL(qualified(s.config.table))]
         if tombstones.exists(conn, s.config.table):
             tables.append(tombstone_table(s.config.table))
         for table in tables:
@@ -88,7 +99,7 @@ def _ask(s: SinkPlan, what: sql.Composable, where: str, args: list[tuple]) -> se
     return found
 
 
-def _removed_keys(spark, df: DataFrame, s: SinkPlan) -> DataFrame | None:
+def _removed_keys(spark: SparkSession, df: DataFrame, s: SinkPlan) -> DataFrame | None:
     """The keys of the sink's rows, and tombstones, whose position lies in the range (step 1
     removes them)."""
     keys = s.config.key
@@ -117,7 +128,7 @@ def _passing(df: DataFrame, s: SinkPlan) -> DataFrame:
     return good
 
 
-def _moved_keys(df: DataFrame, s: SinkPlan) -> list[tuple]:
+def _moved_keys(df: DataFrame, s: SinkPlan) -> list[tuple[Any, ...]]:
     """The keys the range's records that do not pass now map to, where such a record has a
     row or a tombstone in the sink (step 1 removes it). Usually the key that row has; after
     a transform change, another: the older versions that row placed are that key's now."""
@@ -127,7 +138,7 @@ def _moved_keys(df: DataFrame, s: SinkPlan) -> list[tuple]:
     )
     for k in keys:
         failing = failing.where(F.col(k).isNotNull())
-    at: dict[tuple[int, int], tuple] = {
+    at: dict[tuple[int, int], tuple[Any, ...]] = {
         (r[PART], r[OFF]): tuple(r[k] for k in keys)
         for r in failing.select(PART, OFF, *keys).collect()
     }
@@ -142,7 +153,7 @@ def _moved_keys(df: DataFrame, s: SinkPlan) -> list[tuple]:
     return sorted({at[pos] for pos in held}, key=repr)
 
 
-def _within(ranges: list[Range]):
+def _within(ranges: list[Range]) -> Column:
     cond = F.lit(False)
     for r in ranges:
         cond = cond | (
@@ -152,7 +163,12 @@ def _within(ranges: list[Range]):
 
 
 def attach(
-    spark, pipeline: Pipeline, mode, df: DataFrame, plans: dict[str, SinkPlan], log
+    spark: SparkSession,
+    pipeline: Pipeline,
+    mode: Reads,
+    df: DataFrame,
+    plans: dict[str, SinkPlan],
+    log: Callable[[str], None],
 ) -> Fallback | None:
     """The backfill's records with the fallback versions of every sink appended (one Spark
     partition: the backfill's one task), or None when no key loses its row."""
@@ -208,13 +224,13 @@ def attach(
             + ", ".join(f"partition {r.partition} [{r.start}, {r.end})" for r in scope[name])
         )
     versions = records.rows(mode.source(spark, pipeline, list(reads.values())), pipeline)
-    found = None
+    each = []
     for name, keys in lost.items():
         s = plans[name]
         outside = gate.in_ranges(versions, scope[name]).where(~_within(s.ranges))
-        one = outside.join(keys, s.config.key, "left_semi").withColumn(FALLBACK, F.lit(name))
-        found = one if found is None else found.unionByName(one)
-    found = found.persist(StorageLevel.MEMORY_AND_DISK)
+        each.append(outside.join(keys, s.config.key, "left_semi").withColumn(FALLBACK, F.lit(name)))
+    # lost holds a sink at least (checked above)
+    found = functools.reduce(DataFrame.unionByName, each).persist(StorageLevel.MEMORY_AND_DISK)
     cached.append(found)
     failed = {
         name: gate.row_verdicts(

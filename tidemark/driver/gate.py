@@ -22,11 +22,15 @@ Results (per expectation, observed values, the GX result, the Data Docs page) go
 
 from __future__ import annotations
 
+import functools
+import operator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
-from pyspark.sql import DataFrame, Observation
+from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 
 from tidemark.config import META_PREFIX, Pipeline, Quality
@@ -59,7 +63,7 @@ def _summary(outcome: quality.GateOutcome) -> str:
     return "data-quality gate failed: " + "; ".join(parts)
 
 
-def _args(kwargs: dict) -> str:
+def _args(kwargs: dict[str, Any]) -> str:
     return ", ".join(
         f"{k}={v}"
         for k, v in kwargs.items()
@@ -77,10 +81,13 @@ def _without(df: DataFrame, failures: Failures) -> DataFrame:
     if not failures:
         return df
     if sum(len(offs) for offs in failures.values()) <= FILTER_MAX:
-        hit = None
-        for p, offs in failures.items():
-            c = (F.col(PARTITION) == p) & F.col(OFFSET).isin(sorted(offs))
-            hit = c if hit is None else hit | c
+        hit = functools.reduce(
+            operator.or_,
+            (
+                (F.col(PARTITION) == p) & F.col(OFFSET).isin(sorted(offs))
+                for p, offs in failures.items()
+            ),
+        )
         return df.where(~hit)
     spark = df.sparkSession
     bad = spark.createDataFrame(
@@ -138,7 +145,7 @@ def _for_gx(df: DataFrame, checks: list[Quality], where: str) -> DataFrame:
 
 
 @contextmanager
-def _many_small_queries(spark):
+def _many_small_queries(spark: SparkSession) -> Iterator[None]:
     """Spark settings for GX's metric queries, restored afterwards.
 
     The gate asks one-row questions of the cached batch (a few dozen when GX computes a suite
@@ -156,11 +163,11 @@ def _many_small_queries(spark):
     try:
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
+        for k, was in saved.items():
+            if was is None:
                 spark.conf.unset(k)
             else:
-                spark.conf.set(k, v)
+                spark.conf.set(k, was)
 
 
 def evaluate(
@@ -235,7 +242,7 @@ class Speculation:
     checks: list[RowCheck]
     plan: quality.OnePass
     observation: Observation
-    batch: list
+    batch: list[Any]
     label: str
 
 

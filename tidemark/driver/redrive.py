@@ -17,16 +17,21 @@ on its own. Checkpoints never move.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pyarrow as pa
+from pyspark.sql import DataFrame, SparkSession
 
 from tidemark import sources
-from tidemark.config import Pipeline
+from tidemark.config import Pipeline, Quality, Sink
 from tidemark.core.db import connect
 from tidemark.core.errors import BadInput, TidemarkError
+from tidemark.core.settings import Settings
 from tidemark.driver.modes import Layout, Mode, NothingToClose
 from tidemark.driver.run import Run, RunReport
 from tidemark.ledger import letters, redrives
-from tidemark.ledger.state import Range, RunState
+from tidemark.ledger.state import Claim, Planner, Range, RunState
+from tidemark.protocol.sinks import ResolvedSink
 
 SHOW_UNPLACED = 20  # letters left out, logged one by one; the rest as a count
 
@@ -41,12 +46,21 @@ class RedriveMode(Mode):
         self.unplaced: dict[int, str] = {}  # id -> why it is left out
         self.source_unknown: list[int] = []  # ids replayed with a NULL timestamp
 
-    def planner(self, pipeline: Pipeline):
+    @property
+    def request_id(self) -> int:
+        """The request being replayed: Redrive makes it (from ids) before the run plans."""
+        if self.request is None:
+            raise RuntimeError("a redrive planned before its request was made")
+        return self.request
+
+    def planner(self, pipeline: Pipeline) -> tuple[Planner, NothingToClose]:
         names = [s.name for s in pipeline.sinks]
 
         def plan(free: dict[str, dict[int, int]]) -> dict[str, list[Range]]:
             with connect(self.ledger_dsn, autocommit=True, what="ledger") as conn:
-                ranges, self.unplaced = redrives.placement(conn, self.request, pipeline.name, names)
+                ranges, self.unplaced = redrives.placement(
+                    conn, self.request_id, pipeline.name, names
+                )
             out: dict[str, list[Range]] = {}
             self.by_sink = {}
             for sink, part, start, end, n in ranges:
@@ -62,16 +76,17 @@ class RedriveMode(Mode):
 
         return plan, NothingToClose()
 
-    def source(self, spark, pipeline: Pipeline, read: list[Range]):
+    def source(self, spark: SparkSession, pipeline: Pipeline, read: list[Range]) -> DataFrame:
         """Each record once (several sinks' letters may hold it), from the stored bytes, read
         from the ledger in chunks straight into Arrow."""
         batches = []
-        fill_source_fields(self.ledger_dsn, pipeline, self.request, list(self.by_sink))
+        request = self.request_id
+        fill_source_fields(self.ledger_dsn, pipeline, request, list(self.by_sink))
         with connect(self.ledger_dsn, autocommit=True, what="ledger") as conn:
             self.source_unknown = redrives.source_unknown(
-                conn, self.request, pipeline.name, list(self.by_sink)
+                conn, request, pipeline.name, list(self.by_sink)
             )
-            for rows in redrives.records(conn, self.request, pipeline.name, list(self.by_sink)):
+            for rows in redrives.records(conn, request, pipeline.name, list(self.by_sink)):
                 cols = zip(*rows, strict=True)
                 batches.append(
                     pa.RecordBatch.from_arrays(
@@ -83,11 +98,11 @@ class RedriveMode(Mode):
         # One task: each sink's status change is one transaction with its sink write.
         return spark.createDataFrame(table).coalesce(1)
 
-    def payloads(self, pipeline: Pipeline):
+    def payloads(self, pipeline: Pipeline) -> None:
         return None  # the stored bytes are the batch's: every payload is carried
 
     def quality(self, pipeline: Pipeline) -> Pipeline:
-        def rows_only(q):
+        def rows_only(q: Quality) -> Quality:
             return q.model_copy(update={"batch": []})
 
         return pipeline.model_copy(
@@ -99,7 +114,7 @@ class RedriveMode(Mode):
             }
         )
 
-    def layout(self, read: list[Range], sinks, **_) -> Layout:
+    def layout(self, read: list[Range], sinks: list[Sink], **_: Any) -> Layout:
         return Layout("records", 1, read)  # one task over hand-picked records
 
 
@@ -132,13 +147,13 @@ class Redrive(Run):
     def __init__(
         self,
         pipeline: Pipeline,
-        settings,
+        settings: Settings,
         *,
         ledger_dsn: str,
         by: str,
         request: int | None = None,
         ids: list[int] | None = None,
-        **kw,
+        **kw: Any,
     ):
         if (request is None) == (ids is None):
             raise ValueError("give a redrive request or ids")
@@ -152,6 +167,8 @@ class Redrive(Run):
         with connect(self.ledger_dsn, autocommit=True, what="ledger") as conn:
             if self.redrive.request is None:
                 req = redrives.create(conn, self.p.name, self.by or "tidemark", ids=self.ids)
+                if req is None:  # ids holds one at least (checked in __init__)
+                    raise BadInput(f"redrive {self.p.name}: no dead letters given")
                 self.redrive.request = req.request_id
                 return
             req = redrives.get(conn, self.redrive.request)
@@ -201,7 +218,7 @@ class Redrive(Run):
             report.message = "nothing to redrive"
         return report
 
-    def _protocol(self, claim, by_name, report: RunReport) -> None:
+    def _protocol(self, claim: Claim, by_name: dict[str, ResolvedSink], report: RunReport) -> None:
         n = sum(self.redrive.by_sink.values())
         self.log(
             f"run {claim.run_id}: redriving {n:,} dead letter(s) of {self.p.name} "

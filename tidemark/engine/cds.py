@@ -24,7 +24,9 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from tidemark.core.errors import TidemarkError
 
@@ -131,7 +133,7 @@ def _dump(tmp: Path) -> int:
         ],
     )
 
-    def batches(it):
+    def batches(it: Iterator[Any]) -> Iterator[Any]:  # pyarrow RecordBatches (no stubs)
         for b in it:
             ids = b.column(0).to_pylist()
             yield pa.RecordBatch.from_pydict(
@@ -149,9 +151,12 @@ def _dump(tmp: Path) -> int:
     )
     df.where(F.col("d").isNotNull()).mapInArrow(lambda it: it, df.schema).collect()
     spark.stop()
-    proc = SparkContext._gateway.proc  # the JVM exits once its stdin closes
+    gateway = SparkContext._gateway
+    if gateway is None:
+        raise TidemarkError("the Spark session started no JVM to archive")
+    proc = gateway.proc  # the JVM exits once its stdin closes
     proc.stdin.close()
-    return proc.wait(timeout=120)
+    return int(proc.wait(timeout=120))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -150,7 +151,7 @@ class Encoder:
         return memoryview(rows.buffers()[2])[offsets[0] : offsets[-1]] if n else memoryview(b"")
 
 
-def column_types(conn, table: str) -> dict[str, str]:
+def column_types(conn: psycopg.Connection, table: str) -> dict[str, str]:
     """A table's columns and their ``pg_type.typname``, what :func:`encoder` matches against.
     ``table`` is quoted already (``core.db.qualified``)."""
     return dict(

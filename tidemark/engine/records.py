@@ -111,7 +111,7 @@ def transform(df: DataFrame, pipeline: Pipeline) -> DataFrame:
             fn = getattr(importlib.import_module(module), func)
         except (ImportError, AttributeError) as exc:
             raise ConfigError(where, f"cannot load {t.python}: {exc}", "python") from None
-        out = fn(df)
+        out: DataFrame = fn(df)  # the pipeline's own function: DataFrame -> DataFrame
         missing = [c for c in carried if c not in out.columns]
         if missing:
             raise ConfigError(

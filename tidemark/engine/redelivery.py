@@ -50,8 +50,16 @@ class Redelivery:
         self.removed = False
         self.keys = [sql.Identifier(k) for k in target.key]
 
+    @property
+    def _conn(self) -> psycopg.Connection:
+        """The sink's connection of the task: :meth:`remove` opened it (it runs first)."""
+        conn = self.w.conn
+        if conn is None:
+            raise RuntimeError("re-delivery on a sink writer that has no connection open")
+        return conn
+
     # -- step 1 ------------------------------------------------------------------------------
-    def positions(self) -> list[tuple[int, sql.Composable, list]]:
+    def positions(self) -> list[tuple[int, sql.Composable, list[Any]]]:
         """(partition, condition on _tm_offset, its arguments) of the re-delivered range."""
         if self.spec.mode == "redrive":
             return [
@@ -141,7 +149,7 @@ class Redelivery:
         back like the keys that lost their rows."""
         if not self.t.moved:
             return
-        with self.w.conn.cursor() as cur:
+        with self._conn.cursor() as cur:
             cur.executemany(
                 sql.SQL("INSERT INTO {} ({}) VALUES ({})").format(
                     self.lost_table,
@@ -151,12 +159,12 @@ class Redelivery:
                 self.t.moved,
             )
 
-    def _lost(self) -> set[tuple]:
+    def _lost(self) -> set[tuple[Any, ...]]:
         """Keys whose row step 1 removed and that have none now."""
         match = sql.SQL(" AND ").join(sql.SQL("t.{k} = l.{k}").format(k=k) for k in self.keys)
         return {
             tuple(r)
-            for r in self.w.conn.execute(
+            for r in self._conn.execute(
                 sql.SQL(
                     "SELECT DISTINCT {keys} FROM {lost} l WHERE NOT EXISTS "
                     "(SELECT 1 FROM {t} t WHERE {match})"
@@ -170,10 +178,10 @@ class Redelivery:
         }
 
     def _drop(self) -> None:
-        self.w.conn.execute(sql.SQL("DROP TABLE {}").format(self.lost_table))
+        self._conn.execute(sql.SQL("DROP TABLE {}").format(self.lost_table))
 
     def _fall_back(
-        self, lost: set[tuple], candidates: list[pa.RecordBatch]
+        self, lost: set[tuple[Any, ...]], candidates: list[pa.RecordBatch]
     ) -> dict[int, list[int]]:
         """Step 4: per lost key, its candidate versions newest first (version column, then
         partition and offset); each that fails now is quarantined (one a live letter holds
@@ -207,7 +215,7 @@ class Redelivery:
         except psycopg.Error as exc:
             self.w._fail(exc)
             return placed
-        versions: dict[tuple, list[dict]] = {}
+        versions: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
         for r in rows:
             if (r[PARTITION], r[OFFSET]) not in own:
                 versions.setdefault(tuple(r[k] for k in self.t.key), []).append(r)
@@ -241,12 +249,15 @@ class Redelivery:
                 bad.append(r)
         self.w.add_tombstones(tombs)
         if good:
+            # Only candidates pass: the range's own tombstones stop the walk (ours), so
+            # ``read`` holds every row in ``good``.
+            assert read is not None
             self.w.add(pa.Table.from_pylist(good, schema=read.schema).to_batches()[0])
         self.w.flush()
         self.dead.add(bad)
         return placed
 
-    def _order(self, a: dict, b: dict) -> int:
+    def _order(self, a: dict[str, Any], b: dict[str, Any]) -> int:
         """Version order (docs/design.md): the version column, ties by (partition, offset);
         where one has no version (a tombstone the transform gave none, or a version that
         fails), by offset within a partition, and below every versioned one across them."""
@@ -267,7 +278,7 @@ class Redelivery:
             )
         return (x > y) - (x < y)
 
-    def _fails(self, r: dict) -> tuple[str, str] | None:
+    def _fails(self, r: dict[str, Any]) -> tuple[str, str] | None:
         """Why candidate ``r`` fails with the current pipeline (None: it passes)."""
         if r[ERR_CLASS] == TOMBSTONE:  # where the sink keeps tombstones as letters
             return "decode", TOMBSTONE_KEPT
@@ -281,5 +292,5 @@ class Redelivery:
         return None
 
 
-def _show(key: tuple) -> str:
+def _show(key: tuple[Any, ...]) -> str:
     return "(" + ", ".join(str(k) for k in key) + ")"

@@ -8,6 +8,11 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # PySpark loads when a session starts, not with this module
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
 
 # Hide credentials inside DSNs wherever Spark prints options or plans.
 LOG4J = Path(__file__).with_name("log4j2.properties")
@@ -39,7 +44,9 @@ def log4j_option() -> str:
     return f"-Dlog4j2.configurationFile=file:{LOG4J}"
 
 
-def session(master: str | None, app_name: str, java_options: list[str] | None = None):
+def session(
+    master: str | None, app_name: str, java_options: list[str] | None = None
+) -> SparkSession:
     """Tidemark's SparkSession. The driver JVM's options (``java_options``, else
     :func:`driver_java_options`) apply when this process starts the JVM; under spark-submit
     the JVM is up already and spark-submit's own options hold."""
@@ -93,7 +100,7 @@ def session(master: str | None, app_name: str, java_options: list[str] | None = 
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("TIDEMARK_SPARK_LOG_LEVEL", "ERROR"))
     # The master may come from the argument or from spark-submit: ask the started context.
-    if not spark.sparkContext.master.startswith("local"):
+    if not (spark.sparkContext.master or "").startswith("local"):
         ship_package(spark.sparkContext)
     return spark
 
@@ -108,7 +115,7 @@ def _submitted_master() -> str:
     return SparkConf().get("spark.master", "local[*]")
 
 
-def ship_package(sc) -> Path:
+def ship_package(sc: SparkContext) -> Path:
     """Executors on a cluster (spark://, yarn, k8s://) cannot import the driver's tidemark:
     zip the package (sources and package data, no __pycache__), once per process and named by
     its content hash, and add it to the context's Python path (a no-op if already added)."""

@@ -14,9 +14,12 @@ without a version column do).
 
 from __future__ import annotations
 
+from typing import Any
+
 import psycopg
 from psycopg import sql
 
+from tidemark.core.db import scalar
 from tidemark.ledger import markers
 from tidemark.protocol.sinks import tombstone_name, tombstone_table
 
@@ -57,7 +60,7 @@ def newer(a: str, b: str, key: list[str], version: str | None) -> sql.Composed:
 def exists(conn: psycopg.Connection, table: str) -> bool:
     """Whether the sink ever deleted keys (its tombstone table exists)."""
     return (
-        conn.execute("SELECT to_regclass(%s)", (f"tidemark.{tombstone_name(table)}",)).fetchone()[0]
+        scalar(conn.execute("SELECT to_regclass(%s)", (f"tidemark.{tombstone_name(table)}",)))
         is not None
     )
 
@@ -78,7 +81,7 @@ class Tombstones:
         self.table = tombstone_table(table)
         self.stage = markers.stage_table("tombstage", gid)
         self.cols = [*key, *([version] if version else []), PARTITION, OFFSET]
-        self.pending: list[dict] = []
+        self.pending: list[dict[str, Any]] = []
         self.staged = False
 
     def not_older(self, alias: str) -> sql.Composed:
@@ -91,7 +94,7 @@ class Tombstones:
             tomb=self.table, match=match, newer=newer("x", alias, self.key, self.version)
         )
 
-    def add(self, rows: list[dict]) -> None:
+    def add(self, rows: list[dict[str, Any]]) -> None:
         self.pending += rows
 
     def apply(self) -> None:
@@ -173,7 +176,7 @@ class Tombstones:
         }
 
     def remove_at(
-        self, partition: int, cond: sql.Composable, args: list, lost: sql.Composable
+        self, partition: int, cond: sql.Composable, args: list[Any], lost: sql.Composable
     ) -> int:
         """Re-delivery, step 1: the tombstones at the range's positions go like its rows,
         their keys into ``lost``. Returns how many."""

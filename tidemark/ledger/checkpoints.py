@@ -4,6 +4,7 @@ the run state machine (state.py: seeded at a claim, advanced at a commit); read 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
@@ -11,7 +12,7 @@ from psycopg.rows import dict_row
 
 def listing(
     conn: psycopg.Connection, pipeline: str, sinks: Iterable[str] | None = None
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """Rows {sink, partition, next_offset, updated_at}, ordered by sink and partition."""
     names = None if sinks is None else list(sinks)
     return (

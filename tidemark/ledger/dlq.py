@@ -25,8 +25,10 @@ from psycopg import errors as pgerr
 from psycopg import pq, sql
 from psycopg.rows import dict_row
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
 
 from tidemark.config import IDENT
+from tidemark.core.db import scalar
 from tidemark.core.errors import BadInput, Busy
 from tidemark.core.text import shown
 from tidemark.ledger import runs
@@ -123,10 +125,10 @@ def parse_ids(value: Any, field_name: str = "ids") -> list[int]:
     return out
 
 
-def _problem(err: dict) -> str:
+def _problem(err: ErrorDetails) -> str:
     kind = err["type"]
     if kind == "literal_error":
-        return "expected one of " + err["ctx"]["expected"].replace("'", "")
+        return "expected one of " + str(err["ctx"]["expected"]).replace("'", "")
     if kind == "string_pattern_mismatch":
         return "not a name (lowercase letters, digits and _, at most 40)"
     if kind.startswith("datetime"):
@@ -253,7 +255,9 @@ class Filters(BaseModel):
         return ", ".join(parts) or "no filter"
 
 
-def _where(f: Filters, *, status: str | None = None, before: int | None = None):
+def _where(
+    f: Filters, *, status: str | None = None, before: int | None = None
+) -> tuple[sql.Composable, list[Any]]:
     conds: list[sql.Composable] = []
     args: list[Any] = []
 
@@ -309,17 +313,21 @@ def matching(conn: psycopg.Connection, filters: Filters) -> int:
     """How many dead letters ``filters`` select: what an "all matching" action asks people to
     confirm."""
     where, args = _where(filters)
-    return conn.execute(
-        sql.SQL("SELECT count(*) FROM {} WHERE {}").format(_DLQ, where), args
-    ).fetchone()[0]
+    return int(
+        scalar(conn.execute(sql.SQL("SELECT count(*) FROM {} WHERE {}").format(_DLQ, where), args))
+    )
 
 
 def quarantined(conn: psycopg.Connection, pipeline: str) -> int:
     """How many of the pipeline's dead letters are live (quarantined)."""
-    return conn.execute(
-        "SELECT count(*) FROM tidemark.dlq WHERE pipeline = %s AND status = 'quarantined'",
-        (pipeline,),
-    ).fetchone()[0]
+    return int(
+        scalar(
+            conn.execute(
+                "SELECT count(*) FROM tidemark.dlq WHERE pipeline = %s AND status = 'quarantined'",
+                (pipeline,),
+            )
+        )
+    )
 
 
 @contextmanager
@@ -340,7 +348,7 @@ def _columns(names: Iterable[str]) -> sql.Composable:
 # -- reading ------------------------------------------------------------------------------------
 @dataclass
 class Page:
-    rows: list[dict]
+    rows: list[dict[str, Any]]
     next_before: int | None  # pass as ``before`` for the next (older) page; None: last page
 
 
@@ -433,7 +441,9 @@ def owners(conn: psycopg.Connection, ids: list[int]) -> dict[int, tuple[str, str
     return {i: (p, s) for i, p, s in rows}
 
 
-def get(conn: psycopg.Connection, record_id: int, payload_limit: int | None = None) -> dict | None:
+def get(
+    conn: psycopg.Connection, record_id: int, payload_limit: int | None = None
+) -> dict[str, Any] | None:
     """The whole envelope of one dead letter, with ``run`` (its tidemark.runs row; ``airflow``
     names the Airflow task try that started it, if any) and ``quality`` (the run's data-quality
     results: scope, success, docs_path). ``payload_size`` is the payload's length; with
@@ -512,7 +522,7 @@ class Discarded:
     changed: list[int] = field(default_factory=list)
     skipped: dict[int, str] = field(default_factory=dict)  # id -> why
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "discarded": self.changed,
             "skipped": [{"id": i, "reason": r} for i, r in sorted(self.skipped.items())],
@@ -561,7 +571,7 @@ def discard(
                 f"records {', '.join(map(str, locked[:20]))} are being redriven, try "
                 f"again; nothing was discarded"
             ) from None
-        status = dict(rows)
+        status: dict[int, str] = dict(rows)
         for i in chosen:
             if i not in status:
                 out.skipped[i] = "no such dead letter"
@@ -605,7 +615,7 @@ def discard_matching(
 
 
 # -- export ---------------------------------------------------------------------------------
-def envelope(row: dict) -> dict:
+def envelope(row: dict[str, Any]) -> dict[str, Any]:
     """A JSON-ready envelope: key and payload base64, timestamps ISO 8601."""
     out = {}
     for k in ENVELOPE:
@@ -677,7 +687,9 @@ def export(
     yield export_end(sent)
 
 
-def _lines(cur: psycopg.Cursor, query: sql.Composable, ids: list[int]) -> Iterator[str]:
+def _lines(
+    cur: psycopg.Cursor[dict[str, Any]], query: sql.Composed, ids: list[int]
+) -> Iterator[str]:
     cur.execute(query, (ids,))
     while (row := cur.fetchone()) is not None:
         line = json.dumps(envelope(row))

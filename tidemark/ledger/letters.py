@@ -8,6 +8,7 @@ now succeeds resolves the letters of what it delivered.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 
@@ -54,7 +55,7 @@ class Stage:
         self.created = False
 
     @contextmanager
-    def copy(self):
+    def copy(self) -> Iterator[psycopg.Copy]:
         if not self.created:
             self.conn.execute(
                 sql.SQL(

@@ -13,6 +13,8 @@ import hashlib
 import psycopg
 from psycopg import sql
 
+from tidemark.core.db import scalar
+
 # SQLSTATE of a key whose versions come from different partitions with no declared order.
 VERSION_CONFLICT = "TM001"
 
@@ -41,10 +43,12 @@ END $$;
 
 
 def ensure(conn: psycopg.Connection) -> None:
-    have = conn.execute(
-        "SELECT to_regclass('tidemark.commits') IS NOT NULL AND "
-        "to_regprocedure('tidemark.version_conflict(text,int,int)') IS NOT NULL"
-    ).fetchone()[0]
+    have = scalar(
+        conn.execute(
+            "SELECT to_regclass('tidemark.commits') IS NOT NULL AND "
+            "to_regprocedure('tidemark.version_conflict(text,int,int)') IS NOT NULL"
+        )
+    )
     if not have:
         with conn.transaction():
             conn.execute("SELECT pg_advisory_xact_lock(hashtext('tidemark.commits'))")
@@ -65,7 +69,7 @@ def record(conn: psycopg.Connection, gid: str, run_id: int) -> None:
 def prune(conn: psycopg.Connection, settled_below: int) -> None:
     """Markers matter only while a decision may be in doubt: drop day-old ones of runs below
     ``settled_below`` (all settled)."""
-    if conn.execute("SELECT to_regclass('tidemark.commits')").fetchone()[0]:
+    if scalar(conn.execute("SELECT to_regclass('tidemark.commits')")):
         conn.execute(
             """DELETE FROM tidemark.commits WHERE run_id < %s
                         AND created_at < now() - interval '1 day'""",
@@ -90,7 +94,7 @@ def version_conflict(
 def forget(conn: psycopg.Connection, prefix: str, run_ids: list[int]) -> int:
     """Drop this installation's (``prefix``) markers of settled runs whose ledger rows are
     being deleted (retiring their pipeline); returns how many."""
-    if not conn.execute("SELECT to_regclass('tidemark.commits')").fetchone()[0]:
+    if not scalar(conn.execute("SELECT to_regclass('tidemark.commits')")):
         return 0
     return conn.execute(
         "DELETE FROM tidemark.commits WHERE run_id = ANY(%s) AND gid LIKE %s",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import psycopg
 
-from tidemark.core.db import connect, require_prepared_transactions
+from tidemark.core.db import connect, require_prepared_transactions, scalar
 from tidemark.core.errors import TidemarkError
 
 SQL_DIR = Path(os.environ.get("TIDEMARK_SQL_DIR", Path(__file__).resolve().parent / "sql"))
@@ -28,12 +28,12 @@ def available() -> list[tuple[int, str, Path]]:
 
 
 def current_version(conn: psycopg.Connection) -> int:
-    exists = conn.execute("SELECT to_regclass('tidemark.schema_version')").fetchone()[0]
+    exists = scalar(conn.execute("SELECT to_regclass('tidemark.schema_version')"))
     if exists is None:
         return 0
-    return conn.execute("SELECT coalesce(max(version), 0) FROM tidemark.schema_version").fetchone()[
-        0
-    ]
+    return int(
+        scalar(conn.execute("SELECT coalesce(max(version), 0) FROM tidemark.schema_version"))
+    )
 
 
 def upgrade(dsn: str) -> tuple[int, list[str]]:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 from psycopg import sql
 
+from tidemark.core.db import scalar
 from tidemark.core.errors import BadInput
 from tidemark.ledger import dlq, letters
 
@@ -32,7 +34,7 @@ class Request:
     pipeline: str
     requested_by: str
     letters: int
-    selection: dict
+    selection: dict[str, Any]
 
 
 def create(
@@ -53,18 +55,22 @@ def create(
         raise BadInput("by: required; who asks for the redrive")
     if filters is not None:
         filters = filters.model_copy(update={"pipeline": pipeline, "status": "quarantined"})
-        selection = {k: v for k, v in filters.query().items() if k != "status"}
+        selection: dict[str, str | int] = {
+            k: v for k, v in filters.query().items() if k != "status"
+        }
         if filters.ids is not None:
             selection["ids"] = len(filters.ids)
     else:
         ids = sorted(set(ids or []))
         selection = {"ids": len(ids)}
     with conn.transaction():
-        rid = conn.execute(
-            """INSERT INTO tidemark.redrive_requests (pipeline, requested_by, selection, letters)
-               VALUES (%s, %s, %s, 0) RETURNING request_id""",
-            (pipeline, by, json.dumps(selection)),
-        ).fetchone()[0]
+        rid = scalar(
+            conn.execute(
+                """INSERT INTO tidemark.redrive_requests (pipeline, requested_by, selection,
+                   letters) VALUES (%s, %s, %s, 0) RETURNING request_id""",
+                (pipeline, by, json.dumps(selection)),
+            )
+        )
         if filters is not None:
             where, args = dlq.condition(filters)
             n = conn.execute(
@@ -121,7 +127,7 @@ _PLACEABLE = """
       AND d.sink = ANY(%(sinks)s::text[]) AND d.source_offset < c.next_offset"""
 
 
-def _args(request_id: int, pipeline: str, sinks: list[str]) -> dict:
+def _args(request_id: int, pipeline: str, sinks: list[str]) -> dict[str, Any]:
     return {"request": request_id, "pipeline": pipeline, "sinks": list(sinks)}
 
 
@@ -162,7 +168,7 @@ def placement(
 
 def records(
     conn: psycopg.Connection, request_id: int, pipeline: str, sinks: list[str]
-) -> Iterator[list[tuple]]:
+) -> Iterator[list[tuple[Any, ...]]]:
     """Each source record of the placeable letters once (several sinks' letters may hold it),
     as (partition, offset, key, payload, headers, timestamp) rows, the sources' schema, in
     chunks from a server-side cursor: memory holds one chunk of rows at a time.

@@ -17,8 +17,11 @@ What is never selected by age (the protocol's needs, docs/design.md):
 
 from __future__ import annotations
 
+from typing import Any
+
 import psycopg
 
+from tidemark.core.db import scalar
 from tidemark.ledger.runs import OPEN
 
 RESOLVED = ("redriven", "discarded")
@@ -32,7 +35,7 @@ _EXPIRED_LETTER = (
 )
 
 
-def _ids(conn: psycopg.Connection, sql: str, params: dict, lock: str | None) -> list:
+def _ids(conn: psycopg.Connection, sql: str, params: dict[str, Any], lock: str | None) -> list[Any]:
     if lock:
         sql += f" FOR UPDATE OF {lock} SKIP LOCKED"
     return [r[0] if len(r) == 1 else tuple(r) for r in conn.execute(sql, params).fetchall()]
@@ -129,9 +132,7 @@ RUN_CHILDREN = ("participants", "run_ranges", "run_metrics", "dq_results", "run_
 def run_rows(conn: psycopg.Connection, ids: list[int]) -> dict[str, int]:
     """Rows per table that deleting the runs ``ids`` would delete (a dry run)."""
     out = {
-        t: conn.execute(
-            f"SELECT count(*) FROM tidemark.{t} WHERE run_id = ANY(%s)", (ids,)
-        ).fetchone()[0]
+        t: scalar(conn.execute(f"SELECT count(*) FROM tidemark.{t} WHERE run_id = ANY(%s)", (ids,)))
         for t in RUN_CHILDREN
     }
     out["runs"] = len(ids)
@@ -190,9 +191,13 @@ def requests(
 
 
 def request_letters(conn: psycopg.Connection, ids: list[int]) -> int:
-    return conn.execute(
-        "SELECT count(*) FROM tidemark.redrive_letters WHERE request_id = ANY(%s)", (ids,)
-    ).fetchone()[0]
+    return int(
+        scalar(
+            conn.execute(
+                "SELECT count(*) FROM tidemark.redrive_letters WHERE request_id = ANY(%s)", (ids,)
+            )
+        )
+    )
 
 
 def delete_requests(conn: psycopg.Connection, ids: list[int]) -> dict[str, int]:
@@ -219,22 +224,24 @@ def pipeline_rows(conn: psycopg.Connection, pipeline: str) -> dict[str, int]:
         "redrive_requests": "pipeline = %(p)s",
     }
     out = {
-        t: conn.execute(f"SELECT count(*) FROM tidemark.{t} WHERE {w}", {"p": pipeline}).fetchone()[
-            0
-        ]
+        t: scalar(conn.execute(f"SELECT count(*) FROM tidemark.{t} WHERE {w}", {"p": pipeline}))
         for t, w in one.items()
     }
     for t in RUN_CHILDREN:
-        out[t] = conn.execute(
-            f"""SELECT count(*) FROM tidemark.{t} c JOIN tidemark.runs r
-                                  USING (run_id) WHERE r.pipeline = %s""",
+        out[t] = scalar(
+            conn.execute(
+                f"""SELECT count(*) FROM tidemark.{t} c JOIN tidemark.runs r
+                                      USING (run_id) WHERE r.pipeline = %s""",
+                (pipeline,),
+            )
+        )
+    out["redrive_letters"] = scalar(
+        conn.execute(
+            """SELECT count(*) FROM tidemark.redrive_letters l JOIN tidemark.redrive_requests q
+               USING (request_id) WHERE q.pipeline = %s""",
             (pipeline,),
-        ).fetchone()[0]
-    out["redrive_letters"] = conn.execute(
-        """SELECT count(*) FROM tidemark.redrive_letters l JOIN tidemark.redrive_requests q
-           USING (request_id) WHERE q.pipeline = %s""",
-        (pipeline,),
-    ).fetchone()[0]
+        )
+    )
     for status, n in conn.execute(
         """SELECT status::text, count(*) FROM tidemark.dlq
                                      WHERE pipeline = %s GROUP BY 1""",

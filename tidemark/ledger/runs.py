@@ -3,9 +3,12 @@ checks and the Dead letters page. The writes are the transitions of state.py."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import psycopg
 from psycopg.rows import dict_row
 
+from tidemark.core.db import scalar
 from tidemark.ledger.state import ABORTABLE, AirflowRun, RunState, owner_alive_sql
 
 # The states a run's sink is in before it is settled (committed, aborted or dq_failed).
@@ -14,7 +17,7 @@ DECIDED = (RunState.COMMITTING, RunState.COMMITTED)
 
 
 def newest(conn: psycopg.Connection) -> int:
-    return conn.execute("SELECT coalesce(max(run_id), 0) FROM tidemark.runs").fetchone()[0]
+    return int(scalar(conn.execute("SELECT coalesce(max(run_id), 0) FROM tidemark.runs")))
 
 
 def committing(conn: psycopg.Connection) -> list[tuple[int, str, str]]:
@@ -109,7 +112,7 @@ def long_leases(
 
 def of_dag_run(
     conn: psycopg.Connection, pipeline: str, dag_id: str, dag_run_id: str
-) -> tuple[dict | None, list[dict]]:
+) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """The latest ledger run a task of this Airflow DAG run started (id, mode, created and
     finished, the task try), and its sinks (state, counts, phase timings, error)."""
     cur = conn.cursor(row_factory=dict_row)
@@ -134,7 +137,7 @@ def of_dag_run(
     return run, sinks
 
 
-def get(conn: psycopg.Connection, run_id: int) -> dict | None:
+def get(conn: psycopg.Connection, run_id: int) -> dict[str, Any] | None:
     """One run, with ``airflow`` (an AirflowRun as a dict) when Airflow started it."""
     run = (
         conn.cursor(row_factory=dict_row)

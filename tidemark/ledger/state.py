@@ -15,10 +15,12 @@ import enum
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
 from pydantic import BaseModel, ConfigDict
 
+from tidemark.core.db import scalar
 from tidemark.core.errors import Fenced, Halted, LeaseHeld, TidemarkError
 from tidemark.core.text import clamp
 from tidemark.ledger.checkpoints import positions
@@ -113,7 +115,7 @@ def hold_owner_lock(conn: psycopg.Connection, run_id: int) -> None:
     conn.execute("SELECT pg_advisory_lock(%s, %s)", (OWNER_LOCK_CLASS, run_id))
 
 
-def ensure_pipeline(conn: psycopg.Connection, name: str, config: dict) -> None:
+def ensure_pipeline(conn: psycopg.Connection, name: str, config: dict[str, Any]) -> None:
     conn.execute(
         """INSERT INTO tidemark.pipelines (name, config) VALUES (%s, %s)
                     ON CONFLICT (name) DO UPDATE SET config = EXCLUDED.config, updated_at = now()
@@ -126,7 +128,7 @@ def claim(
     conn: psycopg.Connection,
     *,
     pipeline: str,
-    config: dict,
+    config: dict[str, Any],
     sinks: Iterable[str],
     mode: str,
     owner: str,
@@ -145,9 +147,11 @@ def claim(
     sinks = list(sinks)
     with conn.transaction():
         ensure_pipeline(conn, pipeline, config)
-        halted = conn.execute(
-            "SELECT halted_reason FROM tidemark.pipelines WHERE name = %s", (pipeline,)
-        ).fetchone()[0]
+        halted = scalar(
+            conn.execute(
+                "SELECT halted_reason FROM tidemark.pipelines WHERE name = %s", (pipeline,)
+            )
+        )
         if halted:
             raise Halted(
                 f"pipeline {pipeline} is halted: {halted} (inspect, then "
@@ -182,7 +186,9 @@ def claim(
                 f"pipeline {pipeline}: nothing claimed: "
                 + "; ".join(f"{s}: {why}" for s, why in skipped.items())
             )
-        checkpoints = {s: {} for s in free} | positions(conn, pipeline, free)
+        checkpoints: dict[str, dict[int, int]] = {s: {} for s in free} | positions(
+            conn, pipeline, free
+        )
         planned = plan(checkpoints)
         # Seed the checkpoints of new partitions, even with nothing to read yet: where a sink
         # starts is decided once (`start: latest` must not move on with every run), and
@@ -198,32 +204,36 @@ def claim(
         work = {s: rs for s, rs in work.items() if rs}
         if not work:
             return None
-        run_id = conn.execute(
-            """INSERT INTO tidemark.runs (pipeline, mode, delivery, owner, external_id, dag_id,
-               dag_run_id, task_id, try_number) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s)
-               RETURNING run_id""",
-            (
-                pipeline,
-                mode,
-                delivery,
-                owner,
-                external_id,
-                *(
-                    (airflow.dag_id, airflow.run_id, airflow.task_id, airflow.try_number)
-                    if airflow
-                    else (None,) * 4
+        run_id: int = scalar(
+            conn.execute(
+                """INSERT INTO tidemark.runs (pipeline, mode, delivery, owner, external_id,
+                   dag_id, dag_run_id, task_id, try_number)
+                   VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s) RETURNING run_id""",
+                (
+                    pipeline,
+                    mode,
+                    delivery,
+                    owner,
+                    external_id,
+                    *(
+                        (airflow.dag_id, airflow.run_id, airflow.task_id, airflow.try_number)
+                        if airflow
+                        else (None,) * 4
+                    ),
                 ),
-            ),
-        ).fetchone()[0]
+            )
+        )
         hold_owner_lock(conn, run_id)
         result = Claim(run_id, pipeline, mode, skipped=skipped)
         for sink, rs in work.items():
-            epoch = conn.execute(
-                """UPDATE tidemark.leases SET epoch = epoch + 1, run_id = %s, owner = %s,
-                          expires_at = now() + make_interval(secs => %s)
-                   WHERE pipeline = %s AND sink = %s RETURNING epoch""",
-                (run_id, owner, ttl_seconds, pipeline, sink),
-            ).fetchone()[0]
+            epoch = scalar(
+                conn.execute(
+                    """UPDATE tidemark.leases SET epoch = epoch + 1, run_id = %s, owner = %s,
+                              expires_at = now() + make_interval(secs => %s)
+                       WHERE pipeline = %s AND sink = %s RETURNING epoch""",
+                    (run_id, owner, ttl_seconds, pipeline, sink),
+                )
+            )
             conn.execute(
                 """INSERT INTO tidemark.run_sinks (run_id, sink, state, lease_epoch)
                             VALUES (%s, %s, %s, %s)""",
@@ -250,7 +260,9 @@ def pending(conn: psycopg.Connection, pipeline: str, sinks: Iterable[str], plan:
     ).fetchone()
     if row and row[0]:
         return True
-    checkpoints = {s: {} for s in sinks} | positions(conn, pipeline, sinks)
+    checkpoints: dict[str, dict[int, int]] = {s: {} for s in sinks} | positions(
+        conn, pipeline, sinks
+    )
     planned = plan(checkpoints)
     return any(r.size > 0 for rs in planned.values() for r in rs) or any(
         plan_seeds(checkpoints, planned).values()
@@ -271,7 +283,7 @@ def _transition(
     sink: str,
     to: RunState,
     allowed: Iterable[RunState],
-    **sets,
+    **sets: Any,
 ) -> None:
     assigns = ", ".join(f"{k} = %({k})s" for k in sets)
     params = {
@@ -332,7 +344,7 @@ def start_writing(conn: psycopg.Connection, pipeline: str, run_id: int, sink: st
 
 
 def mark_prepared(
-    conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, counts: dict
+    conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, counts: dict[str, Any]
 ) -> None:
     with conn.transaction():
         _check_lease(conn, pipeline, run_id, sink)
@@ -373,7 +385,11 @@ def state_of(conn: psycopg.Connection, run_id: int, sink: str) -> RunState | Non
 
 
 def advance(
-    conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, timings: dict | None = None
+    conn: psycopg.Connection,
+    pipeline: str,
+    run_id: int,
+    sink: str,
+    timings: dict[str, Any] | None = None,
 ) -> None:
     """committing -> committed: checkpoints to the ranges' ends (never backwards), lease freed,
     counts and timings stored as run metrics."""

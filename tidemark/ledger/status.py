@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import psycopg
 from psycopg.rows import dict_row
@@ -11,7 +12,7 @@ from tidemark.ledger.checkpoints import listing
 from tidemark.quality.outcomes import observed
 
 
-def pipeline_status(conn: psycopg.Connection, pipeline: str, runs: int = 10) -> dict:
+def pipeline_status(conn: psycopg.Connection, pipeline: str, runs: int = 10) -> dict[str, Any]:
     cur = conn.cursor(row_factory=dict_row)
     row = cur.execute(
         "SELECT halted_reason, halted_at FROM tidemark.pipelines WHERE name = %s", (pipeline,)
@@ -57,7 +58,7 @@ def pipeline_status(conn: psycopg.Connection, pipeline: str, runs: int = 10) -> 
     }
 
 
-def render(st: dict) -> str:
+def render(st: dict[str, Any]) -> str:
     out = [f"pipeline {st['pipeline']}"]
     if not st["known"]:
         return out[0] + ": never run"
@@ -97,7 +98,7 @@ def render(st: dict) -> str:
     return "\n".join(out)
 
 
-def failed_lines(results: list[dict]) -> list[str]:
+def failed_lines(results: list[dict[str, Any]]) -> list[str]:
     lines = []
     for r in results or []:
         if not r.get("success"):
@@ -116,7 +117,7 @@ def save_dq_result(
     scope: str,
     success: bool,
     rows_failed: int,
-    results: list,
+    results: list[Any],
     raw: object,
     docs_path: str | None,
 ) -> None:
@@ -141,7 +142,7 @@ def save_dq_result(
         )
 
 
-def dq_results(conn: psycopg.Connection, run_id: int) -> list[dict]:
+def dq_results(conn: psycopg.Connection, run_id: int) -> list[dict[str, Any]]:
     cur = conn.cursor(row_factory=dict_row)
     return cur.execute(
         """SELECT scope, success, rows_failed, results, docs_path, created_at
@@ -150,7 +151,7 @@ def dq_results(conn: psycopg.Connection, run_id: int) -> list[dict]:
     ).fetchall()
 
 
-def render_dq(run_id: int, rows: list[dict]) -> str:
+def render_dq(run_id: int, rows: list[dict[str, Any]]) -> str:
     if not rows:
         return f"run {run_id}: no data-quality results (no checks, or the run never reached them)"
     out = [f"run {run_id}: data quality"]

@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
-from tidemark.core.db import connect
+from tidemark.core.db import connect, scalar
 from tidemark.core.errors import TidemarkError
 from tidemark.core.settings import Settings
 from tidemark.ledger import retention
@@ -101,7 +102,7 @@ class Summary:
         out += [f"  {n}" for n in self.notes]
         return [f"{verb}:", *out]
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "dry_run": self.dry_run,
             "rows": self.rows,
@@ -114,7 +115,7 @@ class Summary:
 
 def locked(conn: psycopg.Connection) -> None:
     """Take the retention lock for this session, or say who holds it."""
-    if not conn.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_KEY,)).fetchone()[0]:
+    if not scalar(conn.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_KEY,))):
         raise TidemarkError(
             "another `tidemark prune` or `pipelines retire` is running on this "
             "ledger; try again when it is done"
@@ -124,13 +125,13 @@ def locked(conn: psycopg.Connection) -> None:
 def walk(
     conn: psycopg.Connection,
     kind: str,
-    select: Callable[..., list],
-    delete: Callable[[list], dict[str, int]],
-    count: Callable[[list], dict[str, int]],
+    select: Callable[..., list[Any]],
+    delete: Callable[[list[int]], dict[str, int]],
+    count: Callable[[list[int]], dict[str, int]],
     summary: Summary,
     batch: int,
     progress: Progress,
-    each: Callable[[list], None] | None = None,
+    each: Callable[[list[int]], None] | None = None,
     committed: Callable[[], None] | None = None,
 ) -> None:
     """Page through ``select`` (ids, or tuples whose first item is the id) ``batch`` at a time;
@@ -220,7 +221,8 @@ def prune(
 def _by_letters(page: list[tuple[int, int]], batch: int) -> list[tuple[int, int]]:
     """The first requests of ``page`` holding about ``batch`` letter rows in all (at least
     one request): deleting a request deletes its letters in the same statement."""
-    out, letters = [], 0
+    out: list[tuple[int, int]] = []
+    letters = 0
     for request_id, n in page:
         if out and letters + n > batch:
             break

@@ -14,6 +14,7 @@ ledger advisory lock, so two recoveries never interleave; every step is idempote
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import psycopg
@@ -40,7 +41,7 @@ class Report:
     # pipeline -> its errors: one pipeline's broken database never fails another's checks.
     errors_of: dict[str, list[str]] = field(default_factory=dict)
 
-    def error(self, what: str, pipelines) -> None:
+    def error(self, what: str, pipelines: Iterable[str]) -> None:
         self.errors.append(what)
         for name in pipelines:
             self.errors_of.setdefault(name, []).append(what)
@@ -167,7 +168,7 @@ def commit_chosen(
     pipeline: str,
     run_id: int,
     sink: str,
-    after_each=None,
+    after_each: Callable[[], None] | None = None,
 ) -> list[str]:
     """Commit the decision's gids; returns those that were lost (gone, no marker)."""
     lost = []

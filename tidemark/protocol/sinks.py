@@ -9,7 +9,7 @@ import psycopg
 from psycopg import sql
 
 from tidemark.config import Pipeline, Sink
-from tidemark.core.db import connect, qualified, require_prepared_transactions
+from tidemark.core.db import connect, qualified, require_prepared_transactions, scalar
 from tidemark.core.errors import TidemarkError
 from tidemark.ledger import markers
 
@@ -40,7 +40,7 @@ def prepare_database(conn: psycopg.Connection, what: str) -> None:
 def table_exists(sink: ResolvedSink) -> bool:
     with connect(sink.dsn, autocommit=True, what=f"sink {sink.name}") as conn:
         return (
-            conn.execute("SELECT to_regclass(%s)", (qualified(sink.config.table),)).fetchone()[0]
+            scalar(conn.execute("SELECT to_regclass(%s)", (qualified(sink.config.table),)))
             is not None
         )
 
@@ -53,7 +53,7 @@ def ensure_table(
     cfg = sink.config
     with connect(sink.dsn, autocommit=True, what=what) as conn:
         prepare_database(conn, what)
-        exists = conn.execute("SELECT to_regclass(%s)", (qualified(cfg.table),)).fetchone()[0]
+        exists = scalar(conn.execute("SELECT to_regclass(%s)", (qualified(cfg.table),)))
         if exists is None:
             if not cfg.create_table:
                 raise TidemarkError(
@@ -81,7 +81,7 @@ def tombstone_table(table: str) -> sql.Composed:
 
 def _create_tombstones(conn: psycopg.Connection, cfg: Sink) -> None:
     name = tombstone_name(cfg.table)
-    if conn.execute("SELECT to_regclass(%s)", (f"tidemark.{name}",)).fetchone()[0]:
+    if scalar(conn.execute("SELECT to_regclass(%s)", (f"tidemark.{name}",))):
         return
     tomb = tombstone_table(cfg.table)
     cols = [*cfg.key, *([cfg.version] if cfg.version else []), "_tm_partition", "_tm_offset"]
@@ -127,7 +127,7 @@ def _create(conn: psycopg.Connection, cfg: Sink, columns: list[tuple[str, str]])
 
 
 def _check(conn: psycopg.Connection, cfg: Sink, columns: list[tuple[str, str]], what: str) -> None:
-    have = dict(
+    have: dict[str, bool] = dict(
         conn.execute(
             """SELECT attname, attnotnull FROM pg_attribute WHERE attrelid = %s::regclass
            AND attnum > 0 AND NOT attisdropped""",
