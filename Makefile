@@ -96,6 +96,7 @@ down:
 lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 test: venv browser lint spark-archive
 	$(BIN)/pytest

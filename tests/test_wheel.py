@@ -157,6 +157,7 @@ def test_the_wheel_carries_the_whole_package(source, wheel):
     missing = package - shipped
     assert not missing, f"files of the package missing from {wheel.name}: {sorted(missing)}"
     for needed in (
+        "tidemark/py.typed",
         "tidemark/cli/spark_job.py",
         "tidemark/engine/log4j2.properties",
         "tidemark/web/templates/dlq/list.html",

@@ -313,7 +313,7 @@ class Pipeline(_Model):
         """(where, Airflow connection id) of every database the pipeline names by
         ``conn_id``: its source and its sinks."""
         named = [("source", self.source)] + [(f"sink {s.name}", s) for s in self.sinks]
-        return [(where, c.conn_id) for where, c in named if getattr(c, "conn_id", None)]
+        return [(where, conn_id) for where, c in named if (conn_id := getattr(c, "conn_id", None))]
 
     def output_columns(self) -> list[str] | None:
         """Columns the transform produces, when knowable without running it."""

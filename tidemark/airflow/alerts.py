@@ -293,7 +293,8 @@ class WebhookNotifier(HttpNotifier):
     @cached_property
     def hook(self) -> HttpHook:
         hook = _WebhookHook(method=self.method, http_conn_id=self.http_conn_id)
-        hook._log = logging.getLogger(_HOOK_LOGGER)  # LoggingMixin's logger slot
+        # LoggingMixin's logger slot: it takes a stdlib logger, though typed as structlog's
+        hook._log = logging.getLogger(_HOOK_LOGGER)  # type: ignore[assignment]
         return hook
 
     def render_template_fields(self, context, jinja_env=None) -> None:

@@ -39,8 +39,17 @@ from tidemark.core.errors import BadInput, Halted
 from tidemark.core.text import clamp
 from tidemark.engine.session import driver_java_options, log4j_option
 
-# The spark-submit application, found in the installed package (not imported: it is the job).
-JOB = Path(importlib.util.find_spec("tidemark.cli.spark_job").origin)
+
+def _job() -> Path:
+    """The spark-submit application, found in the installed package (not imported: it is
+    the job)."""
+    spec = importlib.util.find_spec("tidemark.cli.spark_job")
+    if spec is None or spec.origin is None:
+        raise ImportError("tidemark.cli.spark_job is missing from the installed package")
+    return Path(spec.origin)
+
+
+JOB = _job()
 START = datetime(2026, 1, 1, tzinfo=UTC)
 # The task try starting a run (tidemark.ledger.state.AirflowRun), stored as run columns.
 AIRFLOW_RUN = (

@@ -102,12 +102,16 @@ def check_health(pipelines: dict[str, config.Pipeline], ledger: str) -> Health:
                 health.prepared_oldest_seconds, float(minutes) * 60
             )
             g = gids.parse(gid, prefix)
-            name = run_pipeline.get(g.run_id) if g else None
-            limit = pipelines[name].alerts.prepared_max_age_minutes if name in pipelines else 30
+            owner = run_pipeline.get(g.run_id) if g else None
+            limit = (
+                pipelines[owner].alerts.prepared_max_age_minutes
+                if owner is not None and owner in pipelines
+                else 30
+            )
             if minutes > limit:
                 health.problems.append(
                     Problem(
-                        name or "-",
+                        owner or "-",
                         f"prepared transaction {gid} on "
                         f"{label} is {minutes:.0f} min old "
                         f"(> {limit})",

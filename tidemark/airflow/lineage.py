@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from airflow.providers.openlineage.extractors import OperatorLineage
 from openlineage.client.event_v2 import InputDataset, OutputDataset
+from openlineage.client.generated.base import InputDatasetFacet
 from openlineage.client.generated.data_quality_assertions_dataset import (
     Assertion,
     DataQualityAssertionsDatasetFacet,
@@ -31,6 +32,7 @@ from tidemark.airflow import assets
 from tidemark.airflow.tasks import ledger_dsn
 from tidemark.core.db import connect
 from tidemark.ledger import runs
+from tidemark.ledger.state import RunState
 from tidemark.ledger.status import dq_results
 
 
@@ -74,7 +76,7 @@ def replay_lineage(pipeline_file: str, dag_id: str, run_id: str) -> OperatorLine
     if run is None:
         return OperatorLineage()
     namespace, name = source_dataset(p)
-    input_facets = (
+    input_facets: dict[str, InputDatasetFacet] = (
         {"dataQualityAssertions": DataQualityAssertionsDatasetFacet(assertions=_assertions(dq))}
         if dq
         else {}
@@ -85,7 +87,7 @@ def replay_lineage(pipeline_file: str, dag_id: str, run_id: str) -> OperatorLine
         if s["sink"] not in declared:
             continue
         o_ns, o_name = _dataset(assets.sink_uri(p, declared[s["sink"]]))
-        written = (s["counts"] or {}).get("rows", 0) if s["state"] == runs.RunState.COMMITTED else 0
+        written = (s["counts"] or {}).get("rows", 0) if s["state"] == RunState.COMMITTED else 0
         outputs.append(
             OutputDataset(
                 namespace=o_ns,

@@ -237,7 +237,7 @@ def backfill_cmd(
     as_json: bool,
 ) -> None:
     """Re-deliver the committed range [FROM, TO) of one partition."""
-    from tidemark.driver.run import Backfill
+    from tidemark.driver.modes import Backfill
 
     if end <= start:
         raise click.BadParameter(f"--to ({end}) must be greater than --from ({start})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import overload
 
 import click
 
@@ -13,8 +14,13 @@ from tidemark.cli.main import Ctx, cli, pass_ctx, pipelines
 from tidemark.core.errors import BadInput
 
 
+@overload
+def _pipeline_name(name: str) -> str: ...
+@overload
+def _pipeline_name(name: None) -> None: ...
 def _pipeline_name(name: str | None) -> str | None:
-    # It names a folder under the Data Docs folder: never a path.
+    """A pipeline name as given, checked: it names a folder under the Data Docs folder, so
+    never a path."""
     if name is not None and not re.fullmatch(cfg.IDENT, name):
         raise BadInput(f"pipeline {name!r}: not a pipeline name")
     return name

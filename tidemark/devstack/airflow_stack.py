@@ -65,7 +65,7 @@ def ledger_connection(ledger_dsn: str) -> str:
     conn = {
         "conn_type": "postgres",
         "host": info.pop("host", "127.0.0.1"),
-        "port": int(info.pop("port", 5432)),
+        "port": int(info.pop("port", None) or 5432),
         "login": info.pop("user", None),
         "password": info.pop("password", None),
         "schema": info.pop("dbname", None),

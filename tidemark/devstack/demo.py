@@ -21,7 +21,7 @@ from functools import cache
 
 from psycopg import sql
 
-from tidemark.core.db import connect, qualified
+from tidemark.core.db import connect, qualified, scalar
 from tidemark.core.errors import TidemarkError
 from tidemark.sources.postgres_log import append, create_log_table
 
@@ -130,9 +130,9 @@ def load(
     total = FLIGHTS * repeat
     with connect(dsn, autocommit=True, what="demo source") as conn:
         create_log_table(conn, table)
-        have = conn.execute(
-            sql.SQL("SELECT count(*) FROM {}").format(sql.SQL(qualified(table)))
-        ).fetchone()[0]
+        have = scalar(
+            conn.execute(sql.SQL("SELECT count(*) FROM {}").format(sql.SQL(qualified(table))))
+        )
         if have == total:
             return 0
         if have:

@@ -14,7 +14,9 @@ no cloud mode is ever used.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
+import operator
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -282,10 +284,8 @@ def first_passes(df, rows: list, batch: list, label: str) -> FirstPasses | None:
         return None
     kept = None
     if row_plan is not None:
-        unexpected = None
-        for c in row_plan.conditions.values():
-            unexpected = c if unexpected is None else unexpected | c
-        kept = ~unexpected
+        # every row expectation has its condition (checked above), so there is at least one
+        kept = ~functools.reduce(operator.or_, row_plan.conditions.values())
     gate_plan = aggregates.plan(df, gate_suite, FIRST, kept, "g") if batch else None
     if batch and gate_plan is None:
         return None

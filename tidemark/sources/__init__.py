@@ -232,12 +232,15 @@ def headers_and_ts(
     return out
 
 
-def read_range(source: PostgresLogSource | FileArchiveSource, r: Range):
+def read_range(source: PostgresLogSource | FileArchiveSource, r: Range) -> Iterator[pa.RecordBatch]:
     if isinstance(source, PostgresLogSource):
-        from tidemark.sources.postgres_log import read_range as impl
+        from tidemark.sources import postgres_log
+
+        yield from postgres_log.read_range(source, r)
     else:
-        from tidemark.sources.file_archive import read_range as impl
-    yield from impl(source, r)
+        from tidemark.sources import file_archive
+
+        yield from file_archive.read_range(source, r)
 
 
 class RangeReader:

@@ -280,6 +280,7 @@ def _segment_end(a: Archive, seg: Segment) -> int:
     """Highest offset in the segment + 1, reading as little as possible: a parquet footer's
     statistics (else its offset column), a JSON Lines tail."""
     shown = a.show(seg.path)
+    top: int | None
     try:
         if seg.fmt == "parquet":
             with a.fs.open_input_file(seg.path) as f:

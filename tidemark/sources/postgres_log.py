@@ -21,7 +21,7 @@ import pyarrow as pa
 from psycopg import conninfo, sql
 
 from tidemark.config import PostgresLogSource
-from tidemark.core.db import connect, one_line, qualified
+from tidemark.core.db import connect, one, one_line, qualified, scalar
 from tidemark.core.errors import TidemarkError
 from tidemark.ledger.state import Range
 
@@ -32,6 +32,13 @@ def _ids(cols) -> dict[str, sql.Identifier]:
 
 def _table(name: str) -> sql.Composable:
     return sql.SQL(qualified(name))
+
+
+def _dsn(src: PostgresLogSource) -> str:
+    """The DSN of a source as the reader gets it: tidemark.sources resolves a conn_id first."""
+    if src.dsn is None:
+        raise TidemarkError(f"source {src.table}: its conn_id was not resolved to a DSN")
+    return src.dsn
 
 
 def create_log_table(conn: psycopg.Connection, table: str) -> None:
@@ -77,12 +84,14 @@ def append(
                 sql.SQL("INSERT INTO {} VALUES (%s, 0) ON CONFLICT DO NOTHING").format(heads),
                 (part,),
             )
-            start = conn.execute(
-                sql.SQL('SELECT next_offset FROM {} WHERE "partition" = %s FOR UPDATE').format(
-                    heads
-                ),
-                (part,),
-            ).fetchone()[0]
+            start = scalar(
+                conn.execute(
+                    sql.SQL('SELECT next_offset FROM {} WHERE "partition" = %s FOR UPDATE').format(
+                        heads
+                    ),
+                    (part,),
+                )
+            )
             recs = by_part[part]
             with conn.cursor().copy(
                 sql.SQL(
@@ -134,12 +143,15 @@ class PostgresLogPlanner:
     def earliest(self, partition: int) -> int | None:
         """The first *settled* offset: a row a still-running writer may yet commit below the
         first visible one would otherwise be skipped for good."""
-        return self.conn.execute(
-            self._q("""
-            SELECT min({offset}) FROM {t} WHERE {partition} = %s
-              AND {xid} < pg_snapshot_xmin(pg_current_snapshot())"""),
-            (partition,),
-        ).fetchone()[0]
+        first: int | None = scalar(
+            self.conn.execute(
+                self._q("""
+                SELECT min({offset}) FROM {t} WHERE {partition} = %s
+                  AND {xid} < pg_snapshot_xmin(pg_current_snapshot())"""),
+                (partition,),
+            )
+        )
+        return first
 
     def record_time(self, partition: int, offset: int) -> datetime | None:
         row = self.conn.execute(
@@ -157,27 +169,31 @@ class PostgresLogPlanner:
     def safe_end(self, partition: int, start: int, limit: int) -> int:
         """End (exclusive) of the longest gap-free run of settled rows from ``start``."""
         stop = start + limit
-        row = self.conn.execute(
-            self._q("""
-            SELECT count(*), min({offset}), max({offset}) FROM {t}
-            WHERE {partition} = %(p)s AND {offset} >= %(a)s AND {offset} < %(b)s
-              AND {xid} < pg_snapshot_xmin(pg_current_snapshot())"""),
-            {"p": partition, "a": start, "b": stop},
-        ).fetchone()
-        count, lo, hi = row
+        count, lo, hi = one(
+            self.conn.execute(
+                self._q("""
+                SELECT count(*), min({offset}), max({offset}) FROM {t}
+                WHERE {partition} = %(p)s AND {offset} >= %(a)s AND {offset} < %(b)s
+                  AND {xid} < pg_snapshot_xmin(pg_current_snapshot())"""),
+                {"p": partition, "a": start, "b": stop},
+            )
+        )
         if count == 0 or lo != start:
             return start
         if count == hi - start + 1:
             return hi + 1
-        gap = self.conn.execute(
-            self._q("""
-            SELECT min(o) + 1 FROM (
-                SELECT {offset} AS o, lead({offset}) OVER (ORDER BY {offset}) AS nxt FROM {t}
-                WHERE {partition} = %(p)s AND {offset} >= %(a)s AND {offset} < %(b)s
-                  AND {xid} < pg_snapshot_xmin(pg_current_snapshot())) x
-            WHERE nxt IS DISTINCT FROM o + 1"""),
-            {"p": partition, "a": start, "b": stop},
-        ).fetchone()[0]
+        gap: int = scalar(
+            self.conn.execute(
+                self._q("""
+                SELECT min(o) + 1 FROM (
+                    SELECT {offset} AS o, lead({offset}) OVER (ORDER BY {offset}) AS nxt
+                    FROM {t}
+                    WHERE {partition} = %(p)s AND {offset} >= %(a)s AND {offset} < %(b)s
+                      AND {xid} < pg_snapshot_xmin(pg_current_snapshot())) x
+                WHERE nxt IS DISTINCT FROM o + 1"""),
+                {"p": partition, "a": start, "b": stop},
+            )
+        )
         return gap
 
 
@@ -192,7 +208,7 @@ def headers_and_ts(
         "WHERE {partition} = %s AND {offset} = ANY(%s::bigint[])"
     ).format(t=_table(src.table), **_ids(src.columns.model_dump()))
     out: dict[tuple[int, int], tuple[str | None, datetime | None]] = {}
-    with connect(src.dsn, autocommit=True, what=f"source {src.table} at") as conn:
+    with connect(_dsn(src), autocommit=True, what=f"source {src.table} at") as conn:
         for part, offs in wanted.items():
             try:
                 rows = conn.execute(query, (part, list(offs))).fetchall()
@@ -209,7 +225,7 @@ def connect_reader(src: PostgresLogSource):
     """An ADBC connection for :func:`read_range` (the caller closes it)."""
     import adbc_driver_postgresql.dbapi as adbc
 
-    dsn = conninfo.make_conninfo(src.dsn, application_name="tidemark-reader", connect_timeout=10)
+    dsn = conninfo.make_conninfo(_dsn(src), application_name="tidemark-reader", connect_timeout=10)
     return adbc.connect(dsn, autocommit=True)
 
 

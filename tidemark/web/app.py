@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, overload
 from urllib.parse import parse_qs, quote, unquote, urlencode
 
 import psycopg
@@ -384,6 +384,10 @@ CallerDep = Annotated[Caller, Depends(_caller)]
 
 
 # -- input --------------------------------------------------------------------------------------
+@overload
+def _int(value: str | None, name: str, default: int) -> int: ...
+@overload
+def _int(value: str | None, name: str, default: None = None) -> int | None: ...
 def _int(value: str | None, name: str, default: int | None = None) -> int | None:
     if value is None or value.strip() == "":
         return default
@@ -480,18 +484,19 @@ def _all_matching(body: dict) -> bool:
     return str(body.get("all_matching", "")).lower() in ("1", "true", "on")
 
 
-def _matching(body: dict, action: str) -> tuple[dlq.Filters, int | None]:
-    """An "all matching" action's filters (one pipeline's quarantined letters) and the count
-    the caller confirmed (``expected``; the page's confirm step always sends it)."""
+def _matching(body: dict, action: str) -> tuple[dlq.Filters, str, int | None]:
+    """An "all matching" action's filters (one pipeline's quarantined letters), that pipeline,
+    and the count the caller confirmed (``expected``; the page's confirm step always sends
+    it)."""
     f = dlq.Filters.parse(**{k: body.get(k) for k in MATCHING}, status="quarantined")
     if not f.pipeline:
         raise BadInput(f"pipeline: choose the pipeline whose dead letters to {action}")
     expected = body.get("expected")
     if expected in (None, ""):
-        return f, None
+        return f, f.pipeline, None
     if isinstance(expected, bool) or not str(expected).strip().isdigit():
         raise BadInput(f"expected {shown(expected, 40)}: not a count")
-    return f, int(str(expected).strip())
+    return f, f.pipeline, int(str(expected).strip())
 
 
 def _ids_from(body: dict) -> list[int]:
@@ -674,8 +679,8 @@ def confirm_page(request: Request, caller: CallerDep) -> Response:
     action = request.query_params.get("action", "")
     if action not in ("redrive", "discard"):
         raise BadInput(f"action {shown(action, 40)}: expected redrive or discard")
-    f, _ = _matching(dict(request.query_params), action)
-    web_auth.require(caller, "PUT", [f.pipeline])
+    f, pipeline, _ = _matching(dict(request.query_params), action)
+    web_auth.require(caller, "PUT", [pipeline])
     with _ledger(options="-c statement_timeout=30000") as conn:
         n = dlq.matching(conn, f)
     keep = f.query()
@@ -888,10 +893,10 @@ async def api_export_selected(request: Request, caller: CallerDep) -> Response:
 async def api_discard(request: Request, caller: CallerDep) -> Response:
     body = await _body(request)
     if _all_matching(body):
-        f, expected = _matching(body, "discard")
+        f, pipeline, expected = _matching(body, "discard")
 
         def everything() -> dlq.Discarded:
-            web_auth.require(caller, "PUT", [f.pipeline])
+            web_auth.require(caller, "PUT", [pipeline])
             with _ledger() as conn:
                 return dlq.discard_matching(conn, f, body.get("note"), caller.name, expected)
 
@@ -950,8 +955,8 @@ async def api_redrive(request: Request, caller: CallerDep) -> Response:
     pipeline that the filters (pipeline, sink, error_class, since, until, reason) match."""
     body = await _body(request)
     if _all_matching(body):
-        f, expected = _matching(body, "redrive")
-        out = await run_in_threadpool(_redrive_matching, request, caller, f, expected)
+        f, pipeline, expected = _matching(body, "redrive")
+        out = await run_in_threadpool(_redrive_matching, request, caller, f, pipeline, expected)
     else:
         out = await run_in_threadpool(_redrive, request, caller, _ids_from(body))
     status = 502 if out["errors"] and not out["runs"] else 200
@@ -987,12 +992,12 @@ def _redrive(request: Request, caller: Caller, ids: list[int]) -> dict:
 
 
 def _redrive_matching(
-    request: Request, caller: Caller, f: dlq.Filters, expected: int | None = None
+    request: Request, caller: Caller, f: dlq.Filters, pipeline: str, expected: int | None = None
 ) -> dict:
-    """Every quarantined letter of ``f.pipeline`` that ``f`` matches now, as one request;
+    """Every quarantined letter of ``pipeline`` that ``f`` matches now, as one request;
     none if more match now than the caller confirmed (``expected``)."""
-    web_auth.require(caller, "PUT", [f.pipeline])
-    out = _trigger(request, caller, {f.pipeline: {"filters": f, "expected": expected}})
+    web_auth.require(caller, "PUT", [pipeline])
+    out = _trigger(request, caller, {pipeline: {"filters": f, "expected": expected}})
     return {**out, "skipped": []}
 
 

@@ -16,12 +16,13 @@ it.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 from urllib.parse import parse_qs, urlsplit
 
 from fastapi import Request
@@ -132,7 +133,8 @@ async def _csrf_sent(request: Request) -> str | None:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype == "application/x-www-form-urlencoded":
         form = parse_qs((await request.body()).decode("utf-8", "replace"))
-        return (form.get(CSRF_FIELD) or [None])[0]
+        sent = form.get(CSRF_FIELD)
+        return sent[0] if sent else None
     return None
 
 
@@ -166,10 +168,14 @@ def _multi_team() -> bool:
 # A DAG no bundle holds (deleted, renamed, never deployed, run only from the CLI) has no known
 # team. Treating it as "no team" would open its letters to every team, so such a pipeline
 # needs the access a caller has to every team's DAGs at once: in practice, an admin's.
-_UNKNOWN = object()
+class _Team(enum.Enum):
+    UNKNOWN = "unknown"
 
 
-def _teams(dag_ids: Iterable[str]) -> dict[str, object]:
+_UNKNOWN: Final = _Team.UNKNOWN
+
+
+def _teams(dag_ids: Iterable[str]) -> dict[str, str | None | _Team]:
     """The team of each DAG (multi-team mode; else none): a name, None for a DAG of a bundle
     without a team, or _UNKNOWN for a DAG Airflow does not know."""
     if not _multi_team():
@@ -185,7 +191,7 @@ def _teams(dag_ids: Iterable[str]) -> dict[str, object]:
     return {d: (named.get(d) if d in known else _UNKNOWN) for d in wanted}
 
 
-def _allowed(caller: Caller, method: str, dag: str, team: object) -> bool:
+def _allowed(caller: Caller, method: str, dag: str, team: str | None | _Team) -> bool:
     from airflow.api_fastapi.auth.managers.models.resource_details import DagDetails
     from airflow.models.team import Team
 

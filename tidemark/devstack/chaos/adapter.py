@@ -117,7 +117,8 @@ class InProcess:
     def backfill(
         self, partition: int, start: int, end: int, sinks: list[str] | None = None
     ) -> Outcome:
-        from tidemark.driver.run import Backfill, Run
+        from tidemark.driver.modes import Backfill
+        from tidemark.driver.run import Run
 
         def go():
             all_p = self._pipelines()

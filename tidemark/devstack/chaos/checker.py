@@ -67,7 +67,8 @@ class Target:
 
 
 class Source(Protocol):
-    def records(self) -> list: ...  # of SourceRecord: p, o, key, payload, headers, ts
+    # of SourceRecord (p, o, key, payload, headers, ts); ``after``: only those above its offsets
+    def records(self, after: dict[int, int] | None = None) -> list: ...
 
 
 @dataclass
@@ -362,8 +363,8 @@ class Checker:
                     )
         # Keep the highest seen, so one backward move is reported once, not forever after.
         merged = dict(self.previous or {})
-        for k, v in checkpoints.items():
-            merged[k] = max(v, merged.get(k, v))
+        for at, n in checkpoints.items():
+            merged[at] = max(n, merged.get(at, n))
         self.previous = merged
         snap.checkpoints = checkpoints
         snap.letters = len(letters)
@@ -392,6 +393,8 @@ class Checker:
         """Whether the sink row (or tombstone) at ``row`` (partition, offset, version) is a
         newer version than the record at ``p:o`` (``tie``: or the same)."""
         rp, ro, rv = row
+        a: tuple[int, ...]  # bools order as ints: a row of the record's partition is after
+        b: tuple[int, ...]
         if self.t.versioned and rv is not None:
             a, b = (rv, rp, ro), (version if version is not None else -1, p, o)
         else:
@@ -430,7 +433,8 @@ class Checker:
 
     def _sink_rows(self, dsn: str, table: str) -> list[tuple]:
         with psycopg.connect(dsn, autocommit=True, application_name=APP) as conn:
-            if conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is None:
+            found = conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()
+            if found is None or found[0] is None:
                 return []  # created by the first run that writes to it
             cols = {
                 r[0]

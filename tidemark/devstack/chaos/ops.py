@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import psycopg
 
@@ -135,7 +136,7 @@ class Chaos:
         return ("order", i, amount, self._part(i, rng))
 
     def _versioned(self, recs: list[tuple], rng: random.Random) -> list[tuple]:
-        out = []
+        out: list[tuple] = []
         for r in recs:
             if r[0] == "tomb":  # a key and no payload
                 i = r[1]
@@ -172,6 +173,7 @@ class Chaos:
         self.appended[f"poison:{kind}"] += 1
         p = rng.randrange(self.P)
         tag = rng.randrange(10**6)
+        payload: bytes | None
         if kind == "out_of_range":  # a real order (new id or new version) failing row checks
             return self._draft(self._new_id(rng), round(rng.uniform(*w.OUT_OF_RANGE), 2), rng)
         if kind == "wrong_type":
@@ -363,7 +365,7 @@ class Chaos:
             return self._inproc(f"discard {_short(ids)}", out)
         if step.op == "edit":
             return Result("edit", self.edit(rng))
-        if step.op == "fault":
+        if step.op == "fault" and step.fault is not None:  # a fault step names its kind
             return self.fault(step.fault, rng)
         raise AssertionError(step.op)
 
@@ -464,7 +466,7 @@ class Chaos:
         )
         appended = self.append(rng, rng.randint(5, 20))
         env = {"TIDEMARK_LEASE_TTL_SECONDS": STOP_TTL} if kind == "sigstop" else {}
-        how = {"env": env}
+        how: dict[str, Any] = {"env": env}
         if kind == "kill" and crash:
             how["crash_at"] = point
         else:

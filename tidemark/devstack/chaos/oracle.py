@@ -97,7 +97,7 @@ def decode(payload: bytes | None) -> dict | None:
         v = doc.get(name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, types)):
             return None
-        out[name] = float(v) if name == "amount" and v is not None else v
+        out[name] = float(v) if name == "amount" and isinstance(v, int | float) else v
     return out
 
 
@@ -142,12 +142,14 @@ class Pipeline:
             return None if k is None else (k, (rec.p, rec.o))
         if d is None or d["id"] is None:
             return None
-        return self.key_of(d, rec), self.order(rec, d)
+        k = self.key_of(d, rec)
+        return None if k is None else (k, self.order(rec, d))
 
     def row(self, rec: Record) -> Row | None:
         """The record's row, or None where this pipeline quarantines it for this sink."""
         d = decode(rec.payload)
-        if d is None or self.key_of(d, rec) is None:  # decode; required id
+        key = None if d is None else self.key_of(d, rec)
+        if d is None or key is None:  # decode; required id
             return None
         if self.f.versioned and d["version"] is None:  # the version column is NOT NULL
             return None
@@ -160,7 +162,6 @@ class Pipeline:
         name = d["name"]
         if name is not None and self.k.variant == "upper":
             name = name.upper()
-        key = self.key_of(d, rec)
         cols: tuple = (key, name, amount, d["version"])
         if self.f.meta:
             cols += (rec.ts, rec.headers)
@@ -551,7 +552,8 @@ class Oracle:
 
     def _rows(self, dsn: str, table: str) -> list[tuple]:
         with psycopg.connect(dsn, autocommit=True, application_name=APP) as conn:
-            if conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()[0] is None:
+            found = conn.execute("SELECT to_regclass(%s)", (table,)).fetchone()
+            if found is None or found[0] is None:
                 return []
             cols = [
                 sql.SQL("{}::text").format(sql.Identifier(c)) if c == "hdr" else sql.Identifier(c)

@@ -9,6 +9,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -232,7 +233,9 @@ class World:
     # -- the pipeline ---------------------------------------------------------------------
     def pipeline_doc(self, knobs: Knobs | None = None) -> dict:
         k = knobs or self.knobs
-        batch = [{"expect_table_row_count_to_be_between": {"min_value": 0, "max_value": 1_000_000}}]
+        batch: list[dict[str, dict[str, Any]]] = [
+            {"expect_table_row_count_to_be_between": {"min_value": 0, "max_value": 1_000_000}}
+        ]
         if k.gate_fails:  # every batch of clean records has a mean amount far above 5
             batch.append({"expect_column_mean_to_be_between": {"column": "amount", "max_value": 5}})
         sink = {
