@@ -105,11 +105,11 @@ def _wait_for_lock_wait(env, what: str, timeout: float = 20) -> None:
 
 
 def test_the_heartbeat_reconnects_after_its_connection_is_dropped(env):
-    from tidemark.driver.run import _Heartbeat
+    from tidemark.driver.watch import Heartbeat
 
     with psycopg.connect(env.ledger_dsn, autocommit=True) as conn:
         rid = _claimed(conn, ttl=3)
-        beat = _Heartbeat(env.ledger_dsn, "orders", rid, 3)
+        beat = Heartbeat(env.ledger_dsn, "orders", rid, 3)
         beat.start()
         try:
             _until(lambda: beat.beats >= 1, "a first heartbeat")

@@ -58,6 +58,17 @@ def test_gid_round_trip():
     assert gids.parse("tm:x:s.main:3:1", "tm") is None
     assert g.sink == "main" and not g.on_ledger
     assert gids.parse("tm:12:src:0:0", "tm").on_ledger
+    # A second write numbers itself in a field of its own; the first's gids read as before.
+    second = gids.Gid("tm", 12, gids.dlq_stage("main"), 3, 0, write=1)
+    assert str(second) == "tm:12:d.main:3:0:1"
+    assert gids.parse(str(second), "tm") == second
+    assert gids.parse("tm:12:d.main:3:0:0", "tm") is None
+    assert g.earlier_than(second) and not second.earlier_than(g)
+    assert gids.Gid("tm", 12, "s.main", 3, 0).earlier_than(g)
+    assert not gids.Gid("tm", 12, "s.main", 4, 0).earlier_than(g)  # another task
+    # A second write's gid from before the field (attempts from 100): still ours to sweep.
+    old = gids.parse("tm:12:s.main:3:100", "tm")
+    assert (old.run_id, old.sink, old.task, old.attempt, old.write) == (12, "main", 3, 100, 0)
 
 
 def test_the_demo_pipeline_is_valid():
@@ -66,6 +77,23 @@ def test_the_demo_pipeline_is_valid():
     p = config.load(REPO / "dags" / "pipelines" / "flights.yaml")
     assert p.sinks[0].key == ["flight_date", "carrier", "flight", "origin", "copy"]
     assert p.output_columns()[:5] == p.sinks[0].key
+
+
+def test_a_run_refuses_a_mode_or_quality_path_it_cannot_type_check():
+    """``Run(mode="backfill")`` once ran a delivery: a mode is a Mode, never a name."""
+    from tests.conftest import REPO
+    from tidemark.core.settings import Settings
+    from tidemark.driver.run import Backfill, QualityPath, Run
+
+    p = config.load(REPO / "dags" / "pipelines" / "flights.yaml")
+    settings = Settings(ledger_dsn="postgresql://u@h/db")
+    with pytest.raises(TypeError, match="takes a Mode"):
+        Run(p, settings, ledger_dsn="postgresql://u@h/db", mode="backfill")
+    with pytest.raises(TypeError, match="takes a QualityPath"):
+        Run(p, settings, ledger_dsn="postgresql://u@h/db", quality="first")
+    run = Run(p, settings, ledger_dsn="postgresql://u@h/db", mode=Backfill(0, 0, 5))
+    assert run.mode.name == "backfill" and run.quality is QualityPath.WHILE_WRITING
+    assert Run(p, settings, ledger_dsn="postgresql://u@h/db").mode.name == "run"
 
 
 def test_pg_types():

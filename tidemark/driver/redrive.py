@@ -26,7 +26,7 @@ from tidemark.core.errors import BadInput, TidemarkError
 from tidemark.driver.modes import Layout, Mode, NothingToClose
 from tidemark.driver.run import Run, RunReport
 from tidemark.ledger import letters, redrives
-from tidemark.ledger.state import Range, RunState
+from tidemark.ledger.state import Claim, Range, RunState
 
 SHOW_UNPLACED = 20  # letters left out, logged one by one; the rest as a count
 
@@ -201,11 +201,11 @@ class Redrive(Run):
             report.message = "nothing to redrive"
         return report
 
-    def _protocol(self, claim, by_name, report: RunReport) -> None:
+    def _announce(self, claim: Claim, report: RunReport) -> None:
         n = sum(self.redrive.by_sink.values())
         self.log(
             f"run {claim.run_id}: redriving {n:,} dead letter(s) of {self.p.name} "
             f"(request {self.redrive.request}) into {', '.join(claim.sinks)} for "
             f"{self.by}"
         )
-        super()._protocol(claim, by_name, report)
+        super()._announce(claim, report)

@@ -109,21 +109,18 @@ def _finish(conn: psycopg.Connection, gid: str, run_id: int, prepare: bool) -> N
 
 
 def rollback_earlier_attempts(
-    dsn: str, prefix: str, run_id: int, stage: str, task: int, attempt: int
+    dsn: str, prefix: str, run_id: int, stage: str, task: int, attempt: int, write: int = 0
 ) -> list[str]:
     """A retried attempt first rolls back what *earlier* attempts of its task left prepared
-    (no decision can exist yet), or it would wait forever on their row locks. A later attempt
-    (this one is a zombie, say after a lost executor) is never touched."""
+    (no decision can exist yet), or it would wait forever on their row locks; so does each
+    task of a second write (``write``), for what the first left. A later attempt (this one is
+    a zombie, say after a lost executor) is never touched."""
+    me = gids.Gid(prefix, run_id, stage, task, attempt, write)
     done = []
     with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
         for gid, _age in twopc.prepared(conn, gids.like_task(prefix, run_id, stage, task)):
             parsed = gids.parse(gid, prefix)
-            if (
-                parsed
-                and parsed.task == task
-                and parsed.attempt < attempt
-                and twopc.rollback(conn, gid)
-            ):
+            if parsed and parsed.earlier_than(me) and twopc.rollback(conn, gid):
                 done.append(gid)
     return done
 
@@ -845,7 +842,7 @@ def make_task(spec: TaskSpec):
 
         spec = TaskSpec.model_validate_json(shipped)
         ctx = TaskContext.get()
-        task, attempt = ctx.partitionId(), spec.first_attempt + ctx.attemptNumber()
+        task, attempt = ctx.partitionId(), ctx.attemptNumber()
         result = _run_task(spec, task, attempt, batches)
         yield pa.RecordBatch.from_pydict(
             {"task": [task], "attempt": [attempt], "result": [result.model_dump_json()]},
@@ -862,13 +859,16 @@ def _run_task(
 ) -> TaskResult:
     prefix, run_id = spec.prefix, spec.run_id
 
-    def gid(stage: str) -> str:
-        return str(gids.Gid(prefix, run_id, stage, task, attempt))
+    write = spec.write
 
-    if attempt > 0:
-        rollback_earlier_attempts(spec.ledger_dsn, prefix, run_id, "%", task, attempt)
+    def gid(stage: str) -> str:
+        return str(gids.Gid(prefix, run_id, stage, task, attempt, write))
+
+    if attempt > 0 or write > 0:
+        rollback_earlier_attempts(spec.ledger_dsn, prefix, run_id, "%", task, attempt, write)
         for t in spec.sinks:
-            rollback_earlier_attempts(t.dsn, prefix, run_id, gids.sink_stage(t.name), task, attempt)
+            stage = gids.sink_stage(t.name)
+            rollback_earlier_attempts(t.dsn, prefix, run_id, stage, task, attempt, write)
     phases = Phases()
     sinks = []
     for t in spec.sinks:
@@ -931,7 +931,8 @@ def _run_task(
                 if p:
                     participants.append(p)
                     if first:
-                        faults.point("task_after_prepare", attempt)
+                        # Only the run's first try fails on purpose (TIDEMARK_FAIL_AT).
+                        faults.point("task_after_prepare", attempt if write == 0 else None)
                         first = False
     except BaseException:
         _close(sinks)

@@ -92,7 +92,7 @@ class TaskSpec(_Model):
     # quarantines again from here (tidemark.sources.payload_source). None: all are carried.
     payloads: Source | None = None
     sinks: list[SinkTarget]
-    first_attempt: int = 0  # added to Spark's attempt number (gids.REWRITE_ATTEMPT)
+    write: int = 0  # which write of the run's batch (gids.Gid.write)
 
     @property
     def redelivery(self) -> bool:
