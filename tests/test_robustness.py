@@ -15,7 +15,7 @@ import pytest
 from tests.invariants import assert_exactly_once
 from tests.proc import JobProcess
 from tidemark.core.errors import Fenced
-from tidemark.engine.writer import rollback_earlier_attempts
+from tidemark.engine.transactions import rollback_earlier_attempts
 from tidemark.ledger import markers, state
 from tidemark.ledger.state import Range
 from tidemark.protocol import twopc

@@ -176,6 +176,115 @@ def test_spread_coverage_finds_a_missing_and_a_doubled_offset():
     assert coverage.problem([gaps], [bitmaps[0]]) is None
 
 
+def test_a_task_spec_accounts_for_what_it_places_and_survives_the_trip_to_its_task():
+    """The driver->task contract is a discriminated union at both ends: a redrive, and only a
+    redrive, accounts by records; a re-delivery never spreads by key."""
+    from pydantic import ValidationError
+
+    from tidemark.protocol.taskspec import (
+        Backfilling,
+        ByKey,
+        ByRanges,
+        ByRecords,
+        Delivering,
+        Redriving,
+        Span,
+        TaskSpec,
+    )
+
+    spans = [Span(partition=0, start=0, end=10)]
+    base = dict(
+        run_id=1,
+        pipeline="orders",
+        prefix="tm",
+        prepare=True,
+        lock_timeout_ms=1000,
+        ledger_dsn="postgresql://u@h/db",
+        columns=["id"],
+        sinks=[],
+    )
+    fine = [
+        (ByRanges(reads=[spans]), Delivering()),
+        (ByKey(spread=spans), Delivering()),
+        (ByRanges(reads=[spans]), Backfilling(by="ann", fallback=True, moved={"main": [[1]]})),
+        (ByRecords(), Redriving(request=7, by="ann")),
+    ]
+    for accounting, placement in fine:
+        spec = TaskSpec(**base, accounting=accounting, placement=placement)
+        assert TaskSpec.model_validate_json(spec.model_dump_json()) == spec
+        assert spec.redelivery == (not isinstance(placement, Delivering))
+    for accounting, placement in [
+        (ByRecords(), Delivering()),
+        (ByRanges(reads=[spans]), Redriving(request=7)),
+        (ByKey(spread=spans), Backfilling()),
+    ]:
+        with pytest.raises(ValidationError):
+            TaskSpec(**base, accounting=accounting, placement=placement)
+    wire = TaskSpec(**base, accounting=ByRecords(), placement=Redriving(request=7)).model_dump()
+    wire["placement"]["mode"] = "run"  # a delivery has no request: refused, not ignored
+    with pytest.raises(ValidationError):
+        TaskSpec.model_validate(wire)
+
+
+def test_a_task_accounts_by_ranges_by_key_or_by_records():
+    import pyarrow as pa
+
+    from tidemark.engine.accounts import (
+        KeyAccounts,
+        NotAccountable,
+        RecordAccounts,
+        SpanAccounts,
+        accounts_for,
+    )
+    from tidemark.protocol.taskspec import ByKey, ByRanges, ByRecords, Span
+
+    def batch(*offsets: int) -> pa.RecordBatch:
+        return pa.record_batch({"_tm_offset": pa.array(offsets, pa.int64())})
+
+    spans = [Span(partition=0, start=10, end=14)]
+    ranges = accounts_for(ByRanges(reads=[spans]), 0)
+    assert type(ranges) is SpanAccounts
+    ranges.add(0, batch(10, 11, 13))
+    assert "1 record(s) missing" in ranges.problem([])
+    ranges.add(0, batch(12))
+    assert ranges.problem([]) is None and ranges.bitmaps() == {}
+    with pytest.raises(NotAccountable, match="beyond the 1 task"):
+        accounts_for(ByRanges(reads=[spans]), 1)
+    by_key = accounts_for(ByKey(spread=spans), 3)
+    assert type(by_key) is KeyAccounts
+    by_key.add(0, batch(11))  # the rest is other tasks'
+    assert by_key.problem([]) is None and set(by_key.bitmaps()) == {0}
+    by_key.add(0, batch(11))
+    assert "1 extra cop(ies)" in by_key.problem([])
+    records = accounts_for(ByRecords(), 0)
+    assert type(records) is RecordAccounts
+    records.add(2, batch(5, 9))
+    held = [{2: pa.array([5, 9, 11], pa.int64())}]
+    assert "1 missing" in records.problem(held)
+    records.add(2, batch(11))
+    assert records.problem(held) is None
+
+
+def test_a_quality_strategy_judges_a_write_stands_redo_or_fails():
+    from tidemark.driver.checking import (
+        CheckFirst,
+        CheckWhileWriting,
+        Fails,
+        Job,
+        NoChecks,
+        Redo,
+        Stands,
+    )
+
+    ctx = None  # judging a failed job or a plain write reads nothing of the run
+    assert NoChecks().judge(Job([]), ctx) == Stands()
+    assert CheckFirst().judge(Job([]), ctx) == Stands()
+    assert NoChecks().judge(Job([], "Spark job failed: x"), ctx) == Fails("Spark job failed: x")
+    redo = CheckWhileWriting(ahead=None).judge(Job([], "Spark job failed: x"), ctx)
+    assert isinstance(redo, Redo) and isinstance(redo.then, CheckFirst)
+    assert CheckFirst.caches and not NoChecks.caches and not CheckWhileWriting.caches
+
+
 # -- what users read: values in reasons, JSON decode failures, gate results ------------------
 @pytest.mark.parametrize(
     "value, text",

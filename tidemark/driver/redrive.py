@@ -17,6 +17,8 @@ on its own. Checkpoints never move.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pyarrow as pa
 
 from tidemark import sources
@@ -27,6 +29,10 @@ from tidemark.driver.modes import Layout, Mode, NothingToClose
 from tidemark.driver.run import Run, RunReport
 from tidemark.ledger import letters, redrives
 from tidemark.ledger.state import Claim, Range, RunState
+from tidemark.protocol.taskspec import ByRecords, Placement, Redriving
+
+if TYPE_CHECKING:
+    from tidemark.driver.fallback import Fallback
 
 SHOW_UNPLACED = 20  # letters left out, logged one by one; the rest as a count
 
@@ -100,7 +106,12 @@ class RedriveMode(Mode):
         )
 
     def layout(self, read: list[Range], sinks, **_) -> Layout:
-        return Layout("records", 1, read)  # one task over hand-picked records
+        return Layout("records", 1, read, ByRecords())  # one task over hand-picked records
+
+    def placement(self, by: str | None, fallen: Fallback | None) -> Placement:
+        if self.request is None:
+            raise TidemarkError("a redrive places the letters of its request: none made")
+        return Redriving(request=self.request, by=by)
 
 
 def fill_source_fields(ledger_dsn: str, pipeline: Pipeline, request: int, sinks: list[str]) -> int:

@@ -40,7 +40,7 @@ from tidemark.ledger import checkpoints, runs, state
 from tidemark.ledger.migrations import require_current
 from tidemark.ledger.state import AirflowRun, Claim, Participant, RunState
 from tidemark.protocol import coverage, gids, recovery, sinks, twopc
-from tidemark.protocol.taskspec import TASK_PHASES, SinkTarget, TaskResult, TaskSpec
+from tidemark.protocol.taskspec import TASK_PHASES, ByKey, SinkTarget, TaskResult, TaskSpec
 
 __all__ = ["Backfill", "Delivery", "QualityPath", "Run", "RunReport", "SinkOutcome"]
 
@@ -105,7 +105,8 @@ class Run:
         self._mark("start")
         report = RunReport(None, self.p.name, self.mode.name)
         by_name = {s.name: s for s in sinks.resolve(self.p, self.sink_names)}
-        # The run's own ledger session: its owner lock tells recovery this process is alive.
+        # The run's own ledger session: the claim takes the run's owner lock on it, which
+        # tells recovery that this process is alive.
         self.ledger = connect(self.ledger_dsn, autocommit=True, what="ledger")
         try:
             self._recover()  # on every database, with recovery's own connections
@@ -436,27 +437,21 @@ class Run:
                     ranges={r.partition: (r.start, r.end) for r in claim.sinks[s].ranges},
                     failed=v.rows.get(s, {}),
                     quarantine=v.quarantine.get(s),
-                    fallback_failed=fallen.failed.get(s, {}) if fallen else {},
-                    moved=[list(k) for k in fallen.moved.get(s, [])] if fallen else [],
                     tombstones=self.p.tombstones_of(cfg),
                 )
             )
         return TaskSpec(
             run_id=claim.run_id,
             pipeline=self.p.name,
-            mode=self.mode.name,
             prefix=self.s.gid_prefix,
             prepare=self.p.delivery == "exactly_once",
             lock_timeout_ms=self.s.lock_timeout_ms,
             ledger_dsn=self.ledger_dsn,
             columns=columns,
-            by=self.by,
-            request=self.mode.request,
-            reads=self.layout.reads,
-            spread=self.layout.spread,
+            accounting=self.layout.accounting,
+            placement=self.mode.placement(self.by, fallen),
             failed=v.rows.get(gate.PIPELINE, {}),
             quarantine=v.quarantine.get(gate.PIPELINE),
-            fallback=fallen is not None,
             payloads=self.mode.payloads(self.p),
             sinks=targets,
             checks=checked.row_checks,
@@ -507,9 +502,10 @@ class Run:
         accounting = [r.error for r in self.results if r.error]
         if len(self.results) != layout.tasks:
             accounting.append(f"{len(self.results)} task results for {layout.tasks} tasks")
-        elif layout.spread is not None and not accounting:
+        elif isinstance(layout.accounting, ByKey) and not accounting:
             # Each task saw a part of every range: only together do they cover them.
-            problem = coverage.problem(layout.spread, [r.seen for r in self.results])
+            spread = layout.accounting.spread
+            problem = coverage.problem(spread, [r.seen for r in self.results])
             if problem:
                 accounting.append(problem)
         if accounting:

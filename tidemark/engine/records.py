@@ -52,21 +52,7 @@ def decode(df: DataFrame, pipeline: Pipeline) -> DataFrame:
     # CASE WHEN evaluates a branch only for the rows that take it.
     df = df.withColumn(_PARSED, F.when(slow, parsed) if pre else parsed)
     field = F.col(f"{_PARSED}.{_CORRUPT}")
-    # Name the first field whose raw JSON value did not read as its declared type.
-    mismatch = F.coalesce(
-        *[
-            F.when(
-                F.get_json_object(text, f"$['{name}']").isNotNull() & F.col(_PARSED)[name].isNull(),
-                F.concat(
-                    F.lit(f"field {name}: cannot read '"),
-                    F.substring(F.get_json_object(text, f"$['{name}']"), 1, 60),
-                    F.lit(f"' as {typ}"),
-                ),
-            )
-            for name, typ in schema.items()
-        ],
-        F.lit("payload is not a JSON object"),
-    )
+    mismatch = _mismatch(text, schema)
     tombstone = slow & F.col("_tm_payload").isNull() & F.col("_tm_key").isNotNull()
     reason = (
         F.when(~slow, F.lit(None).cast("string"))
@@ -98,6 +84,24 @@ def decode(df: DataFrame, pipeline: Pipeline) -> DataFrame:
         .when(reason.isNotNull(), F.lit("decode"))
         .alias(ERR_CLASS),
         reason.alias(ERR_REASON),
+    )
+
+
+def _mismatch(text: Column, schema: dict[str, str]) -> Column:
+    """Names the first field whose raw JSON value did not read as its declared type."""
+    return F.coalesce(
+        *[
+            F.when(
+                F.get_json_object(text, f"$['{name}']").isNotNull() & F.col(_PARSED)[name].isNull(),
+                F.concat(
+                    F.lit(f"field {name}: cannot read '"),
+                    F.substring(F.get_json_object(text, f"$['{name}']"), 1, 60),
+                    F.lit(f"' as {typ}"),
+                ),
+            )
+            for name, typ in schema.items()
+        ],
+        F.lit("payload is not a JSON object"),
     )
 
 
