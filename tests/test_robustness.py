@@ -38,6 +38,21 @@ def test_a_retry_rolls_back_only_earlier_attempts_of_its_task(env):
     assert env.prepared() == ["tm:7:d.main:3:2", "tm:7:d.main:4:0"]  # the zombie's is kept
 
 
+def test_recovery_sweeps_a_second_writes_gids_and_those_of_a_release_before_write_numbers(env):
+    """A second write's gid carries its write number as a last field; a release before write
+    numbers gave that write attempts from 100 instead. Recovery reads both as its run's and
+    rolls them back once the run is gone."""
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as conn:
+        rid = _claimed(conn)  # its owner's session ends here: the run is orphaned
+    mine = [f"tm:{rid}:d.main:0:0:1", f"tm:{rid}:d.main:1:100", f"tm:{rid}:d.main:2:0"]
+    for gid in mine:
+        _prepare(env.ledger_dsn, gid)
+    rep = env.recover()
+    assert rep.ok, rep.errors
+    assert sorted(rep.rolled_back) == sorted(mine)
+    assert env.prepared() == []
+
+
 def _claimed(conn, ttl: int = 60):
     def plan(cps):
         return {s: [Range(0, 0, 5)] for s in cps}

@@ -28,10 +28,11 @@ PARTITION, OFFSET = "_tm_partition", "_tm_offset"
 
 
 class SinkTask:
+    """One sink's part of one task; ``gid`` names the task's transaction of a stage."""
+
     def __init__(
         self, spec: TaskSpec, target: SinkTarget, placing: Placing, gid: Callable[[str], str]
     ) -> None:
-        """``gid``: the task's gid of a stage."""
         self.spec, self.t, self.placing = spec, target, placing
         self.dead = DeadLetters(spec, target.name, gid(gids.dlq_stage(target.name)), Phases())
         self.w = SinkWriter(
