@@ -22,7 +22,7 @@ META = ["_tm_partition", "_tm_offset", "_tm_key", "_tm_payload", "_tm_headers", 
 ERR_CLASS, ERR_REASON = "_tm_error_class", "_tm_reason"
 # A record with a key and no payload: not an error, but not a row either. Its class stays
 # set through the transform and the checks (which judge rows only); each sink then deletes
-# its key or keeps it as a dead letter (config.Tombstones, tidemark/engine/writer.py).
+# its key or keeps it as a dead letter (config.Tombstones, tidemark/engine/sink_task.py).
 TOMBSTONE = "tombstone"
 TOMBSTONE_REASON = "tombstone: a key and no payload"
 TOMBSTONE_KEPT = (
