@@ -15,7 +15,7 @@ import pytest
 from tests.invariants import assert_exactly_once
 from tidemark.core.db import is_data_error
 from tidemark.engine import pgbinary
-from tidemark.engine.writer import _for_csv
+from tidemark.engine.sink_writer import _for_csv
 
 COLUMNS = """i2 smallint, i4 integer, i8 bigint, wide bigint, f4 real, f8 double precision,
     b boolean, s text, v varchar(8), j jsonb, by bytea, d date, ts timestamptz, tn timestamp"""

@@ -12,8 +12,8 @@ import pytest
 from tests.invariants import assert_exactly_once
 from tests.proc import JobProcess
 from tidemark import config
-from tidemark.driver.run import Run
-from tidemark.protocol import sinks
+from tidemark.driver.run import QualityPath, Run
+from tidemark.protocol import gids, sinks
 
 AMOUNT = {"expect_column_values_to_be_between": {"column": "amount", "max_value": 100}}
 NOT_5_OR_90 = {"expect_column_values_to_not_be_in_set": {"column": "id", "value_set": [5, 90]}}
@@ -82,9 +82,9 @@ def _run(env, spark, name: str, one_pass: bool, **kw):
         all_pipelines=pipelines,
         spark=spark,
         log=lines.append,
+        quality=QualityPath.WHILE_WRITING if one_pass else QualityPath.FIRST,
         **kw,
     )
-    run.one_pass = one_pass
     return run.execute(), "\n".join(lines)
 
 
@@ -237,9 +237,9 @@ class _CleanupFails(Run):
 
 
 def test_a_write_left_prepared_by_an_undone_one_pass_write_does_not_block_the_second(env, spark):
-    """The second write of a run numbers its attempts past the first's (gids.REWRITE_ATTEMPT):
-    its gids are new, and each of its tasks first rolls back what the first write left of it,
-    which would otherwise hold the rows' locks until recovery."""
+    """The second write of a run has write number 1 in its gids (gids.Gid.write): they are
+    new, and each of its tasks first rolls back what the first write left of it, which would
+    otherwise hold the rows' locks until recovery."""
     _pipeline(env, "orders", CASES["gate_quarantines"])
     env.append_orders(range(100))
     env.append(POISON)
@@ -258,13 +258,12 @@ def test_a_write_left_prepared_by_an_undone_one_pass_write_does_not_block_the_se
     assert run.skipped == 1
     assert "rolled back the write, checking the batch before writing it again" in "\n".join(lines)
     assert env.prepared() == []
-    attempts = {
-        a
-        for (a,) in env.ledger(
-            "SELECT DISTINCT split_part(gid, ':', 5)::int FROM tidemark.participants"
-        )
+    chosen = {
+        (gid.attempt, gid.write)
+        for (g,) in env.ledger("SELECT gid FROM tidemark.participants")
+        if (gid := gids.parse(g, "tm"))
     }
-    assert attempts == {100}
+    assert chosen == {(0, 1)}
     assert env.ledger(
         "SELECT sink, error_class::text, count(*) FROM tidemark.dlq GROUP BY 1, 2 ORDER BY 1, 2"
     ) == [(s, c, n) for s in ("main", "second") for c, n in (("decode", 2), ("dq_gate", 100))]

@@ -44,7 +44,7 @@ def test_a_backfill_whose_check_changes_places_each_records_newest_passing_versi
     assert letters(env) == {1: "quarantined", 3: "quarantined"}
 
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "min_value": 100}}]})
-    report = env.run(spark, mode="backfill", backfill=Backfill(0, 1, 5))
+    report = env.run(spark, mode=Backfill(0, 1, 5))
     assert report.ok, report.summary()
     assert rows(env) == [(7, 1, 500.0), (8, 3, 500.0), (9, 5, 150.0)]
     assert letters(env) == {1: "redriven", 2: "quarantined", 3: "redriven", 4: "quarantined"}
@@ -67,7 +67,7 @@ def test_a_backfill_whose_transform_changes_the_key_leaves_no_row_of_the_old_key
     env.pipeline(
         decode=decode, transform={"select": {"id": "id", "code": "lower(code)"}}, sinks=[sink]
     )
-    report = env.run(spark, mode="backfill", backfill=Backfill(0, 0, 2))
+    report = env.run(spark, mode=Backfill(0, 0, 2))
     assert report.ok, report.summary()
     assert env.q(env.sink_dsn, "SELECT code, id, _tm_offset FROM codes ORDER BY code") == [
         ("a", 1, 0),
@@ -87,7 +87,7 @@ def test_a_key_split_and_merged_by_a_new_transform_keeps_its_newest_passing_vers
     assert env.run(spark).ok
     # Now keyed by group: ids 1 and 2 are versions of key 1, ids 3 and 4 of key 2.
     env.pipeline(decode=decode, transform={"select": {"k": "grp", "id": "id"}}, sinks=[sink])
-    report = env.run(spark, mode="backfill", backfill=Backfill(0, 1, 4))
+    report = env.run(spark, mode=Backfill(0, 1, 4))
     assert report.ok, report.summary()
     # Offset 0 (outside the range) keeps its row, key 1, as it was: offset 1 is newer and
     # takes key 1; offsets 2 and 3 map to key 2, the newest wins. Keys 3 and 4 lost their
@@ -135,7 +135,7 @@ def test_equal_versions_across_partitions_are_broken_by_position_in_and_across_r
     env.append([(0, b"7", order(7, "p0"), None, None)])
     assert env.run(spark).ok  # the sink is not stuck
     # A backfill of partition 0 converges on the same rows.
-    back = env.run(spark, mode="backfill", backfill=Backfill(0, 0, 3))
+    back = env.run(spark, mode=Backfill(0, 0, 3))
     assert back.ok, back.summary()
     assert env.q(env.sink_dsn, "SELECT id, name FROM orders ORDER BY id") == [
         (5, "p1"),
@@ -163,7 +163,7 @@ def test_a_backfill_whose_every_record_fails_now_removes_their_rows(env, spark):
     env.pipeline()
     assert env.run(spark).ok
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]})
-    report = env.run(spark, mode="backfill", backfill=Backfill(0, 1, 3))
+    report = env.run(spark, mode=Backfill(0, 1, 3))
     assert report.ok, report.summary()
     assert rows(env) == [(1, 0, 1.0)]
     assert letters(env) == {1: "quarantined", 2: "quarantined"}
@@ -227,7 +227,7 @@ def test_two_sinks_at_different_checkpoints_converge_under_a_new_key(env, spark)
     env.pipeline(
         decode=decode, transform={"select": {"id": "id", "code": "lower(code)"}}, sinks=sinks
     )
-    report = env.run(spark, mode="backfill", backfill=Backfill(0, 1, 3))
+    report = env.run(spark, mode=Backfill(0, 1, 3))
     assert report.ok, report.summary()
     for dsn, want in ((env.sink_dsn, ["A", "D", "b", "c"]), (env.sink2_dsn, ["A", "b", "c"])):
         assert [c for (c,) in env.q(dsn, "SELECT code FROM codes ORDER BY code")] == want
@@ -264,7 +264,7 @@ def test_older_versions_outside_the_range_follow_their_newer_version_to_its_new_
         sinks=[sink],
         quality={"rows": [{ROWS: {"column": "amount", "max_value": 300}}]},
     )
-    report = env.run(spark, mode="backfill", backfill=Backfill(0, 1, 2))
+    report = env.run(spark, mode=Backfill(0, 1, 2))
     assert report.ok, report.summary()
     assert env.q(env.sink_dsn, "SELECT k, name, _tm_offset FROM moved") == [(107, "old", 0)]
     assert letters(env) == {1: "quarantined"}

@@ -15,7 +15,7 @@ import pytest
 from tests.invariants import assert_exactly_once
 from tests.proc import JobProcess
 from tidemark.core.errors import Fenced
-from tidemark.engine.writer import rollback_earlier_attempts
+from tidemark.engine.transactions import rollback_earlier_attempts
 from tidemark.ledger import markers, state
 from tidemark.ledger.state import Range
 from tidemark.protocol import twopc
@@ -36,6 +36,21 @@ def test_a_retry_rolls_back_only_earlier_attempts_of_its_task(env):
     done = rollback_earlier_attempts(env.ledger_dsn, "tm", 7, "%", 3, 1)
     assert done == ["tm:7:d.main:3:0"]
     assert env.prepared() == ["tm:7:d.main:3:2", "tm:7:d.main:4:0"]  # the zombie's is kept
+
+
+def test_recovery_sweeps_a_second_writes_gids_and_those_of_a_release_before_write_numbers(env):
+    """A second write's gid carries its write number as a last field; a release before write
+    numbers gave that write attempts from 100 instead. Recovery reads both as its run's and
+    rolls them back once the run is gone."""
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as conn:
+        rid = _claimed(conn)  # its owner's session ends here: the run is orphaned
+    mine = [f"tm:{rid}:d.main:0:0:1", f"tm:{rid}:d.main:1:100", f"tm:{rid}:d.main:2:0"]
+    for gid in mine:
+        _prepare(env.ledger_dsn, gid)
+    rep = env.recover()
+    assert rep.ok, rep.errors
+    assert sorted(rep.rolled_back) == sorted(mine)
+    assert env.prepared() == []
 
 
 def _claimed(conn, ttl: int = 60):
@@ -105,11 +120,11 @@ def _wait_for_lock_wait(env, what: str, timeout: float = 20) -> None:
 
 
 def test_the_heartbeat_reconnects_after_its_connection_is_dropped(env):
-    from tidemark.driver.run import _Heartbeat
+    from tidemark.driver.watch import Heartbeat
 
     with psycopg.connect(env.ledger_dsn, autocommit=True) as conn:
         rid = _claimed(conn, ttl=3)
-        beat = _Heartbeat(env.ledger_dsn, "orders", rid, 3)
+        beat = Heartbeat(env.ledger_dsn, "orders", rid, 3)
         beat.start()
         try:
             _until(lambda: beat.beats >= 1, "a first heartbeat")

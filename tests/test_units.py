@@ -58,6 +58,17 @@ def test_gid_round_trip():
     assert gids.parse("tm:x:s.main:3:1", "tm") is None
     assert g.sink == "main" and not g.on_ledger
     assert gids.parse("tm:12:src:0:0", "tm").on_ledger
+    # A second write numbers itself in a field of its own; the first's gids read as before.
+    second = gids.Gid("tm", 12, gids.dlq_stage("main"), 3, 0, write=1)
+    assert str(second) == "tm:12:d.main:3:0:1"
+    assert gids.parse(str(second), "tm") == second
+    assert gids.parse("tm:12:d.main:3:0:0", "tm") is None
+    assert g.earlier_than(second) and not second.earlier_than(g)
+    assert gids.Gid("tm", 12, "s.main", 3, 0).earlier_than(g)
+    assert not gids.Gid("tm", 12, "s.main", 4, 0).earlier_than(g)  # another task
+    # A second write's gid from before the field (attempts from 100): still ours to sweep.
+    old = gids.parse("tm:12:s.main:3:100", "tm")
+    assert (old.run_id, old.sink, old.task, old.attempt, old.write) == (12, "main", 3, 100, 0)
 
 
 def test_the_demo_pipeline_is_valid():
@@ -66,6 +77,23 @@ def test_the_demo_pipeline_is_valid():
     p = config.load(REPO / "dags" / "pipelines" / "flights.yaml")
     assert p.sinks[0].key == ["flight_date", "carrier", "flight", "origin", "copy"]
     assert p.output_columns()[:5] == p.sinks[0].key
+
+
+def test_a_run_refuses_a_mode_or_quality_path_it_cannot_type_check():
+    """``Run(mode="backfill")`` once ran a delivery: a mode is a Mode, never a name."""
+    from tests.conftest import REPO
+    from tidemark.core.settings import Settings
+    from tidemark.driver.run import Backfill, QualityPath, Run
+
+    p = config.load(REPO / "dags" / "pipelines" / "flights.yaml")
+    settings = Settings(ledger_dsn="postgresql://u@h/db")
+    with pytest.raises(TypeError, match="takes a Mode"):
+        Run(p, settings, ledger_dsn="postgresql://u@h/db", mode="backfill")
+    with pytest.raises(TypeError, match="takes a QualityPath"):
+        Run(p, settings, ledger_dsn="postgresql://u@h/db", quality="first")
+    run = Run(p, settings, ledger_dsn="postgresql://u@h/db", mode=Backfill(0, 0, 5))
+    assert run.mode.name == "backfill" and run.quality is QualityPath.WHILE_WRITING
+    assert Run(p, settings, ledger_dsn="postgresql://u@h/db").mode.name == "run"
 
 
 def test_pg_types():
@@ -146,6 +174,115 @@ def test_spread_coverage_finds_a_missing_and_a_doubled_offset():
     )
     gaps = span.model_copy(update={"dense": False})  # an archive: a gap is no problem
     assert coverage.problem([gaps], [bitmaps[0]]) is None
+
+
+def test_a_task_spec_accounts_for_what_it_places_and_survives_the_trip_to_its_task():
+    """The driver->task contract is a discriminated union at both ends: a redrive, and only a
+    redrive, accounts by records; a re-delivery never spreads by key."""
+    from pydantic import ValidationError
+
+    from tidemark.protocol.taskspec import (
+        Backfilling,
+        ByKey,
+        ByRanges,
+        ByRecords,
+        Delivering,
+        Redriving,
+        Span,
+        TaskSpec,
+    )
+
+    spans = [Span(partition=0, start=0, end=10)]
+    base = dict(
+        run_id=1,
+        pipeline="orders",
+        prefix="tm",
+        prepare=True,
+        lock_timeout_ms=1000,
+        ledger_dsn="postgresql://u@h/db",
+        columns=["id"],
+        sinks=[],
+    )
+    fine = [
+        (ByRanges(reads=[spans]), Delivering()),
+        (ByKey(spread=spans), Delivering()),
+        (ByRanges(reads=[spans]), Backfilling(by="ann", fallback=True, moved={"main": [[1]]})),
+        (ByRecords(), Redriving(request=7, by="ann")),
+    ]
+    for accounting, placement in fine:
+        spec = TaskSpec(**base, accounting=accounting, placement=placement)
+        assert TaskSpec.model_validate_json(spec.model_dump_json()) == spec
+        assert spec.redelivery == (not isinstance(placement, Delivering))
+    for accounting, placement in [
+        (ByRecords(), Delivering()),
+        (ByRanges(reads=[spans]), Redriving(request=7)),
+        (ByKey(spread=spans), Backfilling()),
+    ]:
+        with pytest.raises(ValidationError):
+            TaskSpec(**base, accounting=accounting, placement=placement)
+    wire = TaskSpec(**base, accounting=ByRecords(), placement=Redriving(request=7)).model_dump()
+    wire["placement"]["mode"] = "run"  # a delivery has no request: refused, not ignored
+    with pytest.raises(ValidationError):
+        TaskSpec.model_validate(wire)
+
+
+def test_a_task_accounts_by_ranges_by_key_or_by_records():
+    import pyarrow as pa
+
+    from tidemark.engine.accounts import (
+        KeyAccounts,
+        NotAccountable,
+        RecordAccounts,
+        SpanAccounts,
+        accounts_for,
+    )
+    from tidemark.protocol.taskspec import ByKey, ByRanges, ByRecords, Span
+
+    def batch(*offsets: int) -> pa.RecordBatch:
+        return pa.record_batch({"_tm_offset": pa.array(offsets, pa.int64())})
+
+    spans = [Span(partition=0, start=10, end=14)]
+    ranges = accounts_for(ByRanges(reads=[spans]), 0)
+    assert type(ranges) is SpanAccounts
+    ranges.add(0, batch(10, 11, 13))
+    assert "1 record(s) missing" in ranges.problem([])
+    ranges.add(0, batch(12))
+    assert ranges.problem([]) is None and ranges.bitmaps() == {}
+    with pytest.raises(NotAccountable, match="beyond the 1 task"):
+        accounts_for(ByRanges(reads=[spans]), 1)
+    by_key = accounts_for(ByKey(spread=spans), 3)
+    assert type(by_key) is KeyAccounts
+    by_key.add(0, batch(11))  # the rest is other tasks'
+    assert by_key.problem([]) is None and set(by_key.bitmaps()) == {0}
+    by_key.add(0, batch(11))
+    assert "1 extra cop(ies)" in by_key.problem([])
+    records = accounts_for(ByRecords(), 0)
+    assert type(records) is RecordAccounts
+    records.add(2, batch(5, 9))
+    held = [{2: pa.array([5, 9, 11], pa.int64())}]
+    assert "1 missing" in records.problem(held)
+    records.add(2, batch(11))
+    assert records.problem(held) is None
+
+
+def test_a_quality_strategy_judges_a_write_stands_redo_or_fails():
+    from tidemark.driver.checking import (
+        CheckFirst,
+        CheckWhileWriting,
+        Fails,
+        Job,
+        NoChecks,
+        Redo,
+        Stands,
+    )
+
+    ctx = None  # judging a failed job or a plain write reads nothing of the run
+    assert NoChecks().judge(Job([]), ctx) == Stands()
+    assert CheckFirst().judge(Job([]), ctx) == Stands()
+    assert NoChecks().judge(Job([], "Spark job failed: x"), ctx) == Fails("Spark job failed: x")
+    redo = CheckWhileWriting(ahead=None).judge(Job([], "Spark job failed: x"), ctx)
+    assert isinstance(redo, Redo) and isinstance(redo.then, CheckFirst)
+    assert CheckFirst.caches and not NoChecks.caches and not CheckWhileWriting.caches
 
 
 # -- what users read: values in reasons, JSON decode failures, gate results ------------------

@@ -172,52 +172,11 @@ def attach(
 ) -> Fallback | None:
     """The backfill's records with the fallback versions of every sink appended (one Spark
     partition: the backfill's one task), or None when no key loses its row."""
-    lost: dict[str, DataFrame] = {}
     cached: list[DataFrame] = []
-    for name, s in plans.items():
-        removed = _removed_keys(spark, df, s)
-        if removed is None:
-            continue
-        s.moved = _moved_keys(df, s)
-        if s.moved:
-            removed = removed.unionByName(spark.createDataFrame(s.moved, removed.schema))
-        passing = _passing(df, s).select(*s.config.key).distinct()
-        keys = (
-            removed.distinct()
-            .join(passing, s.config.key, "left_anti")
-            .persist(StorageLevel.MEMORY_AND_DISK)
-        )
-        n = keys.count()
-        if n:
-            lost[name] = keys
-            cached.append(keys)
-            log(f"sink {name}: {n:,} key(s) lose their row in the range and get none back")
-        else:
-            keys.unpersist()
+    lost = _lost_keys(spark, df, plans, cached, log)
     if not lost:
         return None
-    planner = sources.planner(pipeline)
-    try:
-        reads: dict[int, Range] = {}
-        scope: dict[str, list[Range]] = {}
-        for name in lost:
-            s = plans[name]
-            parts = (
-                sorted(s.checkpoints)
-                if s.config.version
-                else sorted({r.partition for r in s.ranges})
-            )
-            mine = []
-            for p in parts:
-                first = planner.earliest(p)
-                if first is None or first >= s.checkpoints.get(p, 0):
-                    continue
-                mine.append(Range(p, first, s.checkpoints[p]))
-                have = reads.get(p)
-                reads[p] = Range(p, first, max(s.checkpoints[p], have.end if have else 0))
-            scope[name] = mine
-    finally:
-        planner.close()
+    reads, scope = _scopes(pipeline, lost, plans)
     for name in lost:
         log(
             f"sink {name}: reading the older versions of those keys from "
@@ -242,3 +201,66 @@ def attach(
     log("fallback versions: " + ", ".join(f"sink {name} {sizes.get(name, 0):,}" for name in lost))
     out = df.withColumn(FALLBACK, F.lit(None).cast("string")).unionByName(found).coalesce(1)
     return Fallback(out, failed, cached, {name: plans[name].moved for name in lost})
+
+
+def _lost_keys(
+    spark: SparkSession,
+    df: DataFrame,
+    plans: dict[str, SinkPlan],
+    cached: list[DataFrame],
+    log: Callable[[str], None],
+) -> dict[str, DataFrame]:
+    """Per sink, the keys that lose their row in the range and get none back (steps 1-3
+    above), cached (in ``cached``); sinks with none are left out."""
+    lost: dict[str, DataFrame] = {}
+    for name, s in plans.items():
+        removed = _removed_keys(spark, df, s)
+        if removed is None:
+            continue
+        s.moved = _moved_keys(df, s)
+        if s.moved:
+            removed = removed.unionByName(spark.createDataFrame(s.moved, removed.schema))
+        passing = _passing(df, s).select(*s.config.key).distinct()
+        keys = (
+            removed.distinct()
+            .join(passing, s.config.key, "left_anti")
+            .persist(StorageLevel.MEMORY_AND_DISK)
+        )
+        n = keys.count()
+        if n:
+            lost[name] = keys
+            cached.append(keys)
+            log(f"sink {name}: {n:,} key(s) lose their row in the range and get none back")
+        else:
+            keys.unpersist()
+    return lost
+
+
+def _scopes(
+    pipeline: Pipeline, lost: dict[str, DataFrame], plans: dict[str, SinkPlan]
+) -> tuple[dict[int, Range], dict[str, list[Range]]]:
+    """Where the older versions lie (step 4 above): one read per partition for every sink,
+    and each sink's own ranges of it, below its checkpoints."""
+    planner = sources.planner(pipeline)
+    try:
+        reads: dict[int, Range] = {}
+        scope: dict[str, list[Range]] = {}
+        for name in lost:
+            s = plans[name]
+            parts = (
+                sorted(s.checkpoints)
+                if s.config.version
+                else sorted({r.partition for r in s.ranges})
+            )
+            mine = []
+            for p in parts:
+                first = planner.earliest(p)
+                if first is None or first >= s.checkpoints.get(p, 0):
+                    continue
+                mine.append(Range(p, first, s.checkpoints[p]))
+                have = reads.get(p)
+                reads[p] = Range(p, first, max(s.checkpoints[p], have.end if have else 0))
+            scope[name] = mine
+    finally:
+        planner.close()
+    return reads, scope

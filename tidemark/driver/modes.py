@@ -11,20 +11,37 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from tidemark import sources
-from tidemark.config import Pipeline, Sink
+from tidemark.config import Pipeline, Sink, Source
 from tidemark.core.errors import TidemarkError
 from tidemark.ledger import state
 from tidemark.ledger.state import Planner, Range
-from tidemark.protocol.taskspec import Span
+from tidemark.protocol.taskspec import (
+    Accounting,
+    Backfilling,
+    ByKey,
+    ByRanges,
+    Delivering,
+    Placement,
+    Span,
+)
+
+if TYPE_CHECKING:  # Spark: planning and pending() need none of it
+    import psycopg
+    from pyspark.sql import DataFrame, SparkSession
+
+    from tidemark.driver.fallback import Fallback
+
+
+class Closing(Protocol):
+    def close(self) -> None: ...
 
 
 class Mode(ABC):
     name = "run"
     gate_policy: str | None = None  # None: the pipeline's on_gate_failure
-    request: int | None = None  # redrive: the request whose letters it replays
     spreads = False  # may spread its records over tasks by key (Layout)
     falls_back = False  # removed rows fall back to older versions (fallback.py)
     # May run the pipeline's checks in its write job (docs/quality.md, "One pass"): only a
@@ -32,23 +49,28 @@ class Mode(ABC):
     checks_while_writing = False
 
     @abstractmethod
-    def planner(self, pipeline: Pipeline) -> tuple[Planner, object]:
+    def planner(self, pipeline: Pipeline) -> tuple[Planner, Closing]:
         """(plan, something to close once the claim is made)."""
 
-    def pending(self, ledger, pipeline: Pipeline, sinks: list[str]) -> bool:
+    def pending(self, ledger: psycopg.Connection, pipeline: Pipeline, sinks: list[str]) -> bool:
         """Whether a claim may find work (read-only); a mode that cannot tell cheaply says
         yes and lets the claim decide."""
         return True
 
-    def source(self, spark, pipeline: Pipeline, read: list[Range]):
+    def source(self, spark: SparkSession, pipeline: Pipeline, read: list[Range]) -> DataFrame:
         return sources.dataframe(spark, pipeline, read)
 
-    def payloads(self, pipeline: Pipeline):
+    def payloads(self, pipeline: Pipeline) -> Source | None:
         """Where a task reads again a payload its batch left out (None: it left none out)."""
         return sources.payload_source(pipeline)
 
     def quality(self, pipeline: Pipeline) -> Pipeline:
         return pipeline
+
+    def placement(self, by: str | None, fallen: Fallback | None) -> Placement:
+        """What its tasks place (TaskSpec.placement); ``by`` resolves a re-delivery's
+        letters, ``fallen`` holds a backfill's fallback versions."""
+        return Delivering()
 
     def layout(
         self, read: list[Range], sinks: list[Sink], *, dense: bool, parallelism: int, split_min: int
@@ -70,10 +92,10 @@ class Mode(ABC):
             and (len(read) < parallelism or versioned)
         ):
             tasks = max(parallelism, len(read))
-            return Layout("spread", tasks, pieces(read, tasks), spread=spans, by=by)
+            return Layout("spread", tasks, pieces(read, tasks), ByKey(spread=spans), by=by)
         if versioned:
-            return Layout("together", 1, read, reads=[spans])
-        return Layout("ranges", len(read), read, reads=[[s] for s in spans])
+            return Layout("together", 1, read, ByRanges(reads=[spans]))
+        return Layout("ranges", len(read), read, ByRanges(reads=[[s] for s in spans]))
 
 
 @dataclass(frozen=True)
@@ -89,16 +111,19 @@ class Layout:
     * ``spread``: the source reads ``read`` (the ranges cut into sub-ranges, read side by
       side), then Spark hash-partitions the records on the sinks' common key columns ``by``
       into ``tasks`` tasks. Every version of a key lands in one task, so no two tasks write
-      one key; each task accounts for what it saw of ``spread``, and the driver checks that
+      one key; each task accounts for what it saw of the spans, and the driver checks that
       together they saw every offset once (tidemark/protocol/coverage.py).
     * ``records``: a redrive's one task over hand-picked records, accounted per record.
+
+    ``accounting`` is how the tasks account for their records (TaskSpec.accounting): by
+    ranges for ``ranges`` and ``together``, by key for ``spread``, by records for
+    ``records``.
     """
 
     kind: Literal["ranges", "together", "spread", "records"]
     tasks: int
     read: list[Range]
-    reads: list[list[Span]] | None = None
-    spread: list[Span] | None = None
+    accounting: Accounting
     by: list[str] | None = None
 
 
@@ -133,7 +158,7 @@ class Delivery(Mode):
     spreads = True
     checks_while_writing = True
 
-    def planner(self, pipeline: Pipeline, limit: int | None = None):
+    def planner(self, pipeline: Pipeline, limit: int | None = None) -> tuple[Planner, Closing]:
         limit = limit or pipeline.limits.max_records_per_partition
         src = sources.planner(pipeline)
 
@@ -149,18 +174,17 @@ class Delivery(Mode):
                 for p in parts:
                     if p not in cps and p not in starts:
                         starts[p] = first(p)
-            out: dict[str, dict[int, int]] = {
-                s: {
-                    p: cps[p] if p in cps else starts[p]
-                    for p in parts
-                    if p in cps or starts[p] is not None
-                }
-                for s, cps in checkpoints.items()
-            }
+            out: dict[str, dict[int, int]] = {}
+            for s, cps in checkpoints.items():
+                out[s] = {}
+                for p in parts:
+                    start = cps[p] if p in cps else starts[p]
+                    if start is not None:
+                        out[s][p] = start
             # One read per partition, from the minimum over the sinks and at most `limit`
             # records long; each sink gets the part at or above its own checkpoint (a sink far
             # ahead of a lagging one gets nothing until the laggard catches up).
-            ends = {}
+            ends: dict[int, int] = {}
             for p in parts:
                 los = [cps[p] for cps in out.values() if p in cps]
                 if los:
@@ -173,7 +197,7 @@ class Delivery(Mode):
 
         return plan, src
 
-    def pending(self, ledger, pipeline: Pipeline, sinks: list[str]) -> bool:
+    def pending(self, ledger: psycopg.Connection, pipeline: Pipeline, sinks: list[str]) -> bool:
         # The claim's own plan over the current checkpoints, without the claim: an idle
         # scheduled run ends here, before Spark or Great Expectations is loaded. One record
         # per partition is enough to tell, and keeps this cheap before a big claim (the
@@ -196,7 +220,17 @@ class Backfill(Mode):
     gate_policy = "halt"  # re-delivery never quarantines a whole batch
     falls_back = True
 
-    def planner(self, pipeline: Pipeline):
+    def placement(self, by: str | None, fallen: Fallback | None) -> Placement:
+        if fallen is None:
+            return Backfilling(by=by)
+        return Backfilling(
+            by=by,
+            fallback=True,
+            fallback_failed=fallen.failed,
+            moved={s: [list(k) for k in keys] for s, keys in fallen.moved.items()},
+        )
+
+    def planner(self, pipeline: Pipeline) -> tuple[Planner, Closing]:
         def plan(checkpoints: dict[str, dict[int, int]]) -> dict[str, list[Range]]:
             for sink, cps in checkpoints.items():
                 if self.partition not in cps or self.end > cps[self.partition]:

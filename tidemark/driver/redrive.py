@@ -17,7 +17,7 @@ on its own. Checkpoints never move.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
@@ -31,7 +31,10 @@ from tidemark.driver.modes import Layout, Mode, NothingToClose
 from tidemark.driver.run import Run, RunReport
 from tidemark.ledger import letters, redrives
 from tidemark.ledger.state import Claim, Planner, Range, RunState
-from tidemark.protocol.sinks import ResolvedSink
+from tidemark.protocol.taskspec import ByRecords, Placement, Redriving
+
+if TYPE_CHECKING:
+    from tidemark.driver.fallback import Fallback
 
 SHOW_UNPLACED = 20  # letters left out, logged one by one; the rest as a count
 
@@ -115,7 +118,12 @@ class RedriveMode(Mode):
         )
 
     def layout(self, read: list[Range], sinks: list[Sink], **_: Any) -> Layout:
-        return Layout("records", 1, read)  # one task over hand-picked records
+        return Layout("records", 1, read, ByRecords())  # one task over hand-picked records
+
+    def placement(self, by: str | None, fallen: Fallback | None) -> Placement:
+        if self.request is None:
+            raise TidemarkError("a redrive places the letters of its request: none made")
+        return Redriving(request=self.request, by=by)
 
 
 def fill_source_fields(ledger_dsn: str, pipeline: Pipeline, request: int, sinks: list[str]) -> int:
@@ -218,11 +226,11 @@ class Redrive(Run):
             report.message = "nothing to redrive"
         return report
 
-    def _protocol(self, claim: Claim, by_name: dict[str, ResolvedSink], report: RunReport) -> None:
+    def _announce(self, claim: Claim, report: RunReport) -> None:
         n = sum(self.redrive.by_sink.values())
         self.log(
             f"run {claim.run_id}: redriving {n:,} dead letter(s) of {self.p.name} "
             f"(request {self.redrive.request}) into {', '.join(claim.sinks)} for "
             f"{self.by}"
         )
-        super()._protocol(claim, by_name, report)
+        super()._announce(claim, report)

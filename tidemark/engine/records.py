@@ -22,7 +22,7 @@ META = ["_tm_partition", "_tm_offset", "_tm_key", "_tm_payload", "_tm_headers", 
 ERR_CLASS, ERR_REASON = "_tm_error_class", "_tm_reason"
 # A record with a key and no payload: not an error, but not a row either. Its class stays
 # set through the transform and the checks (which judge rows only); each sink then deletes
-# its key or keeps it as a dead letter (config.Tombstones, tidemark/engine/writer.py).
+# its key or keeps it as a dead letter (config.Tombstones, tidemark/engine/sink_task.py).
 TOMBSTONE = "tombstone"
 TOMBSTONE_REASON = "tombstone: a key and no payload"
 TOMBSTONE_KEPT = (
@@ -52,21 +52,7 @@ def decode(df: DataFrame, pipeline: Pipeline) -> DataFrame:
     # CASE WHEN evaluates a branch only for the rows that take it.
     df = df.withColumn(_PARSED, F.when(slow, parsed) if pre else parsed)
     field = F.col(f"{_PARSED}.{_CORRUPT}")
-    # Name the first field whose raw JSON value did not read as its declared type.
-    mismatch = F.coalesce(
-        *[
-            F.when(
-                F.get_json_object(text, f"$['{name}']").isNotNull() & F.col(_PARSED)[name].isNull(),
-                F.concat(
-                    F.lit(f"field {name}: cannot read '"),
-                    F.substring(F.get_json_object(text, f"$['{name}']"), 1, 60),
-                    F.lit(f"' as {typ}"),
-                ),
-            )
-            for name, typ in schema.items()
-        ],
-        F.lit("payload is not a JSON object"),
-    )
+    mismatch = _mismatch(text, schema)
     tombstone = slow & F.col("_tm_payload").isNull() & F.col("_tm_key").isNotNull()
     reason = (
         F.when(~slow, F.lit(None).cast("string"))
@@ -98,6 +84,24 @@ def decode(df: DataFrame, pipeline: Pipeline) -> DataFrame:
         .when(reason.isNotNull(), F.lit("decode"))
         .alias(ERR_CLASS),
         reason.alias(ERR_REASON),
+    )
+
+
+def _mismatch(text: Column, schema: dict[str, str]) -> Column:
+    """Names the first field whose raw JSON value did not read as its declared type."""
+    return F.coalesce(
+        *[
+            F.when(
+                F.get_json_object(text, f"$['{name}']").isNotNull() & F.col(_PARSED)[name].isNull(),
+                F.concat(
+                    F.lit(f"field {name}: cannot read '"),
+                    F.substring(F.get_json_object(text, f"$['{name}']"), 1, 60),
+                    F.lit(f"' as {typ}"),
+                ),
+            )
+            for name, typ in schema.items()
+        ],
+        F.lit("payload is not a JSON object"),
     )
 
 

@@ -8,14 +8,15 @@ with the current pipeline, and every record outside it as it was. Replace by pos
    ``(partition, offset)`` lies in the range goes; their keys are kept in a scratch table.
 2. the records of the range that pass now are placed by the writer's merge, as in a first
    delivery (newest version of a key wins; never over a newer row outside the range);
-3. those that fail now are quarantined for this sink (``_Sink.place``);
-4. :meth:`Redelivery.finish`: a key that lost its row in 1 and has none now falls back to its
-   newest remaining version that passes now (the driver read the candidates:
-   tidemark/driver/fallback.py); newer ones that fail now are quarantined in turn. So does
-   the key a removed row's record maps to now, where it fails now and that key has no row
-   (``SinkTarget.moved``): after a transform change, the versions that row placed are its;
+3. those that fail now are quarantined for this sink (tidemark/engine/sink_task.py);
+4. :meth:`Redelivery.settle` finds the keys that lost their row in 1 and have none now, and
+   :meth:`Redelivery.fall_back` places each one's newest remaining version that passes now
+   (the driver read the candidates: tidemark/driver/fallback.py); newer ones that fail now
+   are quarantined in turn. So does the key a removed row's record maps to now, where it
+   fails now and that key has no row (``moved``): after a transform change, the versions
+   that row placed are its;
 5. a live letter is resolved when its record ends placed by a row: the range's records that
-   passed now, and the version a key fell back to.
+   passed now, and the version a key fell back to (tidemark/engine/placement.py).
 
 A redrive's "range" is its letters' positions; their records have no rows, so no key loses
 one (if one does, the sink fails and says to backfill instead).
@@ -24,6 +25,7 @@ one (if one does, the sink fails and says to backfill instead).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -32,12 +34,40 @@ from psycopg import sql
 
 from tidemark.engine.records import ERR_CLASS, ERR_REASON, TOMBSTONE, TOMBSTONE_KEPT
 from tidemark.ledger import markers
+from tidemark.protocol.taskspec import Failures, SinkTarget
 
 if TYPE_CHECKING:
-    from tidemark.engine.writer import DeadLetters, SinkWriter
-    from tidemark.protocol.taskspec import SinkTarget, TaskSpec
+    from tidemark.engine.dead_letters import DeadLetters, Record
+    from tidemark.engine.sink_writer import SinkWriter
 
 PARTITION, OFFSET = "_tm_partition", "_tm_offset"
+Key = tuple[Any, ...]
+# (partition, condition on _tm_offset, its arguments): where the re-delivered records sit.
+Position = tuple[int, sql.Composable, list[Any]]
+
+
+def range_positions(target: SinkTarget) -> list[Position]:
+    return [
+        (p, sql.SQL("_tm_offset >= %s AND _tm_offset < %s"), [a, b])
+        for p, (a, b) in target.ranges.items()
+    ]
+
+
+def held_positions(dead: DeadLetters) -> list[Position]:
+    return [
+        (p, sql.SQL("_tm_offset = ANY(%s)"), [offs.to_pylist()])
+        for p, offs in dead.held_offsets.items()
+    ]
+
+
+@dataclass
+class _Known:
+    """What the sink and the ledger already hold of the candidate versions."""
+
+    own: set[tuple[int, int]] = field(default_factory=set)  # a row of their own
+    lettered: set[tuple[int, int]] = field(default_factory=set)  # a live letter
+    applied: set[tuple[int, int]] = field(default_factory=set)  # tombstones in the table
+    ours: set[tuple[int, int]] = field(default_factory=set)  # this task's tombstones
 
 
 class Unordered(Exception):
@@ -45,32 +75,24 @@ class Unordered(Exception):
 
 
 class Redelivery:
-    def __init__(self, spec: TaskSpec, target: SinkTarget, writer: SinkWriter, dead: DeadLetters):
-        self.spec, self.t, self.w, self.dead = spec, target, writer, dead
+    def __init__(
+        self,
+        target: SinkTarget,
+        writer: SinkWriter,
+        dead: DeadLetters,
+        positions: list[Position],
+        *,
+        moved: list[list[Any]] | None = None,
+        fallback_failed: Failures | None = None,
+    ) -> None:
+        self.t, self.w, self.dead = target, writer, dead
+        self.positions = positions
+        self.moved = moved or []  # keys the range's failing records map to now
+        self.fallback_failed = fallback_failed or {}  # row-level failures of the candidates
         self.removed = False
         self.keys = [sql.Identifier(k) for k in target.key]
 
-    @property
-    def _conn(self) -> psycopg.Connection:
-        """The sink's connection of the task: :meth:`remove` opened it (it runs first)."""
-        conn = self.w.conn
-        if conn is None:
-            raise RuntimeError("re-delivery on a sink writer that has no connection open")
-        return conn
-
     # -- step 1 ------------------------------------------------------------------------------
-    def positions(self) -> list[tuple[int, sql.Composable, list[Any]]]:
-        """(partition, condition on _tm_offset, its arguments) of the re-delivered range."""
-        if self.spec.mode == "redrive":
-            return [
-                (p, sql.SQL("_tm_offset = ANY(%s)"), [offs.to_pylist()])
-                for p, offs in self.dead.held_offsets.items()
-            ]
-        return [
-            (p, sql.SQL("_tm_offset >= %s AND _tm_offset < %s"), [a, b])
-            for p, (a, b) in self.t.ranges.items()
-        ]
-
     def remove(self) -> None:
         """Step 1, once, before the task's first row reaches the sink."""
         if self.removed:
@@ -84,7 +106,7 @@ class Redelivery:
                 self.lost_table, keys, self.w.table
             )
         )
-        for part, cond, args in self.positions():
+        for part, cond, args in self.positions:
             self.w.out["removed"] += conn.execute(
                 sql.SQL(
                     "WITH gone AS (DELETE FROM {t} WHERE _tm_partition = %s AND {cond} "
@@ -95,12 +117,13 @@ class Redelivery:
             if self.w.tombs is not None:  # a tombstone is a version too: it goes likewise
                 self.w.out["removed"] += self.w.tombs.remove_at(part, cond, args, self.lost_table)
 
-    # -- steps 4 and 5 ------------------------------------------------------------------------
-    def finish(self, candidates: list[pa.RecordBatch]) -> None:
-        """After the range is placed: fall back (4), then resolve letters (5)."""
+    # -- step 4 ------------------------------------------------------------------------------
+    def settle(self) -> set[Key] | None:
+        """After the range is placed: the keys that lost their row and have none now, or
+        None if the sink failed (it says why)."""
         self.w.flush()
         if self.w.failed:
-            return
+            return None
         try:
             self.remove()  # a range with no row to write still removes its rows
             self._moved()
@@ -108,63 +131,42 @@ class Redelivery:
             self._drop()
         except psycopg.Error as exc:
             self.w._fail(exc)
-            return
+            return None
         refused = lost & self.w.write_failed_keys
         if refused:
             self.w._fail(
                 RuntimeError(
-                    f"key ({', '.join(self.t.key)})={_show(next(iter(refused)))} lost its row: "
+                    f"key ({', '.join(self.t.key)})={show(next(iter(refused)))} lost its row: "
                     f"its record in the range passes the checks but PostgreSQL refused its row "
                     f"(see its dead letter), and its older versions were not read; fix the table "
                     f"or the transform, then backfill again"
                 )
             )
-            return
-        if self.spec.mode == "redrive":
-            if lost:
-                self.w._fail(
-                    RuntimeError(
-                        f"key ({', '.join(self.t.key)})={_show(next(iter(lost)))} had its row at "
-                        f"the position of a live dead letter (placed twice); backfill that range "
-                        f"instead of redriving it"
-                    )
-                )
-                return
-            self.dead.resolve_held()
-            return
-        placed = self._fall_back(lost, candidates)
-        if self.w.failed:
-            return
-        by = self.spec.by or "tidemark"
-        for part, (a, b) in self.t.ranges.items():
-            self.dead.resolve(part, a, b)
-        for part, offs in placed.items():
-            self.dead.resolve_offsets(
-                part, offs, by, f"fallen back to by {self.spec.mode} run {self.spec.run_id}"
-            )
+            return None
+        return lost
 
     def _moved(self) -> None:
         """The keys the range's failing records map to now where their rows went (the
         driver found them): the versions those rows placed are theirs now, so they fall
         back like the keys that lost their rows."""
-        if not self.t.moved:
+        if not self.moved:
             return
-        with self._conn.cursor() as cur:
+        with self.w._open().cursor() as cur:
             cur.executemany(
                 sql.SQL("INSERT INTO {} ({}) VALUES ({})").format(
                     self.lost_table,
                     sql.SQL(", ").join(self.keys),
                     sql.SQL(", ").join([sql.Placeholder()] * len(self.keys)),
                 ),
-                self.t.moved,
+                self.moved,
             )
 
-    def _lost(self) -> set[tuple[Any, ...]]:
+    def _lost(self) -> set[Key]:
         """Keys whose row step 1 removed and that have none now."""
         match = sql.SQL(" AND ").join(sql.SQL("t.{k} = l.{k}").format(k=k) for k in self.keys)
         return {
             tuple(r)
-            for r in self._conn.execute(
+            for r in self.w._open().execute(
                 sql.SQL(
                     "SELECT DISTINCT {keys} FROM {lost} l WHERE NOT EXISTS "
                     "(SELECT 1 FROM {t} t WHERE {match})"
@@ -178,11 +180,9 @@ class Redelivery:
         }
 
     def _drop(self) -> None:
-        self._conn.execute(sql.SQL("DROP TABLE {}").format(self.lost_table))
+        self.w._open().execute(sql.SQL("DROP TABLE {}").format(self.lost_table))
 
-    def _fall_back(
-        self, lost: set[tuple[Any, ...]], candidates: list[pa.RecordBatch]
-    ) -> dict[int, list[int]]:
+    def fall_back(self, lost: set[Key], candidates: list[pa.RecordBatch]) -> dict[int, list[int]]:
         """Step 4: per lost key, its candidate versions newest first (version column, then
         partition and offset); each that fails now is quarantined (one a live letter holds
         already keeps it as it is), the first that passes is placed. A candidate with a row
@@ -199,36 +199,53 @@ class Redelivery:
             for r in (read.to_pylist() if read else []) + self.w.tomb_rows
             if tuple(r[k] for k in self.t.key) in lost
         ]
-        ours = {(r[PARTITION], r[OFFSET]) for r in self.w.tomb_rows}
-        own: set[tuple[int, int]] = set()
-        lettered: set[tuple[int, int]] = set()
-        applied: set[tuple[int, int]] = set()  # tombstones the sink's table holds
-        by_part: dict[int, list[int]] = {}
-        for r in rows:
-            by_part.setdefault(r[PARTITION], []).append(r[OFFSET])
         try:
-            for part, offs in by_part.items():
-                own |= {(part, o) for o in self.w.own_rows(part, offs)}
-                lettered |= {(part, o) for o in self.dead.live(part, offs)}
-                if self.w.tombs is not None:
-                    applied |= {(part, o) for o in self.w.tombs.held(part, offs)}
+            known = self._known(rows)
         except psycopg.Error as exc:
             self.w._fail(exc)
             return placed
-        versions: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+        versions: dict[Key, list[Record]] = {}
         for r in rows:
-            if (r[PARTITION], r[OFFSET]) not in own:
+            if (r[PARTITION], r[OFFSET]) not in known.own:
                 versions.setdefault(tuple(r[k] for k in self.t.key), []).append(r)
-        good, bad, tombs = [], [], []
+        try:
+            good, bad, tombs = self._walk(versions, known, placed)
+        except Unordered as exc:
+            self.w._fail(exc)
+            return placed
+        self.w.add_tombstones(tombs)
+        if good:
+            assert read is not None  # a version that passes is a candidate, not a tombstone
+            self.w.add(pa.Table.from_pylist(good, schema=read.schema).to_batches()[0])
+        self.w.flush()
+        self.dead.add(bad)
+        return placed
+
+    def _known(self, rows: list[Record]) -> _Known:
+        known = _Known(ours={(r[PARTITION], r[OFFSET]) for r in self.w.tomb_rows})
+        by_part: dict[int, list[int]] = {}
+        for r in rows:
+            by_part.setdefault(r[PARTITION], []).append(r[OFFSET])
+        for part, offs in by_part.items():
+            known.own |= {(part, o) for o in self.w.own_rows(part, offs)}
+            known.lettered |= {(part, o) for o in self.dead.live(part, offs)}
+            if self.w.tombs is not None:
+                known.applied |= {(part, o) for o in self.w.tombs.held(part, offs)}
+        return known
+
+    def _walk(
+        self, versions: dict[Key, list[Record]], known: _Known, placed: dict[int, list[int]]
+    ) -> tuple[list[Record], list[Record], list[Record]]:
+        """Each key's versions, newest first, until one places it: (versions that place a
+        row, versions quarantined on the way, tombstones that keep it deleted)."""
+        good: list[Record] = []
+        bad: list[Record] = []
+        tombs: list[Record] = []
         for chain in versions.values():
-            try:
-                chain.sort(key=functools.cmp_to_key(self._order), reverse=True)
-            except Unordered as exc:
-                self.w._fail(exc)
-                return placed
+            chain.sort(key=functools.cmp_to_key(self._order), reverse=True)
             for r in chain:
                 pos = (r[PARTITION], r[OFFSET])
-                if r[ERR_CLASS] == TOMBSTONE and (pos in ours or pos in applied):
+                if r[ERR_CLASS] == TOMBSTONE and (pos in known.ours or pos in known.applied):
                     break  # placed already (by the range, or as it was): the key stays deleted
                 if r[ERR_CLASS] == TOMBSTONE and self.t.tombstones == "delete":
                     # The key stays deleted, this tombstone its newest version now; a letter
@@ -238,53 +255,45 @@ class Redelivery:
                     placed.setdefault(pos[0], []).append(pos[1])
                     break
                 why = self._fails(r)
-                if why is not None and (r[PARTITION], r[OFFSET]) in lettered:
+                if why is not None and pos in known.lettered:
                     continue  # placed by its letter as it was (an operator's discard stands)
                 self.w.out["fallback"] += 1
                 if why is None:
                     good.append(r)
-                    placed.setdefault(r[PARTITION], []).append(r[OFFSET])
+                    placed.setdefault(pos[0], []).append(pos[1])
                     break
                 r[ERR_CLASS], r[ERR_REASON] = why
                 bad.append(r)
-        self.w.add_tombstones(tombs)
-        if good:
-            # Only candidates pass: the range's own tombstones stop the walk (ours), so
-            # ``read`` holds every row in ``good``.
-            assert read is not None
-            self.w.add(pa.Table.from_pylist(good, schema=read.schema).to_batches()[0])
-        self.w.flush()
-        self.dead.add(bad)
-        return placed
+        return good, bad, tombs
 
-    def _order(self, a: dict[str, Any], b: dict[str, Any]) -> int:
+    def _order(self, a: Record, b: Record) -> int:
         """Version order (docs/design.md): the version column, ties by (partition, offset);
         where one has no version (a tombstone the transform gave none, or a version that
         fails), by offset within a partition, and below every versioned one across them."""
         v = self.t.version
-        x: tuple[Any, ...]
-        y: tuple[Any, ...]
+        x: Any
+        y: Any
         if v and a[v] is not None and b[v] is not None:
             x, y = (a[v], a[PARTITION], a[OFFSET]), (b[v], b[PARTITION], b[OFFSET])
         elif a[PARTITION] == b[PARTITION]:
-            x, y = (a[OFFSET],), (b[OFFSET],)
+            x, y = a[OFFSET], b[OFFSET]
         elif v:
             x, y = (a[v] is not None, a[PARTITION]), (b[v] is not None, b[PARTITION])
-        else:  # as the writer's merge refuses them (writer.py, _check_partitions)
+        else:  # as the merge refuses them (sink_writer.py)
             raise Unordered(
-                f"key ({', '.join(self.t.key)})={_show(tuple(a[k] for k in self.t.key))} has "
+                f"key ({', '.join(self.t.key)})={show(tuple(a[k] for k in self.t.key))} has "
                 f"versions from several partitions, which offsets do not order; declare a "
                 f"version column for this sink (sinks[].version)"
             )
-        return (x > y) - (x < y)
+        return int((x > y) - (x < y))
 
-    def _fails(self, r: dict[str, Any]) -> tuple[str, str] | None:
+    def _fails(self, r: Record) -> tuple[str, str] | None:
         """Why candidate ``r`` fails with the current pipeline (None: it passes)."""
         if r[ERR_CLASS] == TOMBSTONE:  # where the sink keeps tombstones as letters
             return "decode", TOMBSTONE_KEPT
         if r[ERR_CLASS] is not None:
             return r[ERR_CLASS], r[ERR_REASON]
-        why = (self.t.fallback_failed.get(r[PARTITION]) or {}).get(r[OFFSET])
+        why = (self.fallback_failed.get(r[PARTITION]) or {}).get(r[OFFSET])
         if why is not None:
             return "validation", why
         if self.t.version and r[self.t.version] is None:
@@ -292,5 +301,5 @@ class Redelivery:
         return None
 
 
-def _show(key: tuple[Any, ...]) -> str:
+def show(key: Key) -> str:
     return "(" + ", ".join(str(k) for k in key) + ")"

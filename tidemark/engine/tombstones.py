@@ -104,18 +104,7 @@ class Tombstones:
             return
         pending, self.pending = self.pending, []
         cols = sql.SQL(", ").join(sql.Identifier(c) for c in self.cols)
-        if not self.staged:
-            self.conn.execute(
-                sql.SQL("CREATE UNLOGGED TABLE {} AS SELECT {} FROM {} WITH NO DATA").format(
-                    self.stage, cols, self.table
-                )
-            )
-            self.staged = True
-        with self.conn.cursor().copy(
-            sql.SQL("COPY {} ({}) FROM STDIN").format(self.stage, cols)
-        ) as copy:
-            for r in pending:
-                copy.write_row([r[c] for c in self.cols])
+        self._stage(pending, cols)
         keys = sql.SQL(", ").join(sql.Identifier(k) for k in self.key)
         order = (
             [sql.SQL("{} DESC NULLS LAST").format(sql.Identifier(self.version))]
@@ -162,6 +151,21 @@ class Tombstones:
             )
         )
         self.conn.execute(sql.SQL("TRUNCATE {}").format(self.stage))
+
+    def _stage(self, pending: list[dict[str, Any]], cols: sql.Composable) -> None:
+        """COPY the pending tombstones into this task's staging table."""
+        if not self.staged:
+            self.conn.execute(
+                sql.SQL("CREATE UNLOGGED TABLE {} AS SELECT {} FROM {} WITH NO DATA").format(
+                    self.stage, cols, self.table
+                )
+            )
+            self.staged = True
+        with self.conn.cursor().copy(
+            sql.SQL("COPY {} ({}) FROM STDIN").format(self.stage, cols)
+        ) as copy:
+            for r in pending:
+                copy.write_row([r[c] for c in self.cols])
 
     def held(self, partition: int, offsets: list[int]) -> set[int]:
         """Which of ``offsets`` of ``partition`` are a key's tombstone in the table."""

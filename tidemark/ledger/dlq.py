@@ -39,7 +39,7 @@ MAX_LIMIT = 1000
 MAX_IDS = 100_000
 MAX_ID = 2**63 - 1  # id is a bigint: a bigger number is no id, and PostgreSQL would refuse it
 MAX_NOTE = 2000
-MAX_SEARCH = 200  # a reason holds at most 200 characters (engine/writer.py, REASON_MAX)
+MAX_SEARCH = 200  # a reason holds at most 200 characters (engine/dead_letters.py, REASON_MAX)
 LOCK_TIMEOUT = "2s"  # a redrive's prepared transaction holds its rows until it settles
 PREVIEW_BYTES = 160
 

@@ -3,17 +3,25 @@
 The driver builds one :class:`TaskSpec` per run and Spark ships it to every task as JSON; the
 task validates it, writes, and returns one :class:`TaskResult`, which the driver validates
 before it counts anything or chooses a gid (docs/design.md, "Task accounting").
+
+Two choices of a run reach its tasks as discriminated unions, each decided once by the driver
+and dispatched on once by the task (tidemark/engine/writer.py):
+
+* :data:`Accounting`, how a task accounts for its records: :class:`ByRanges` (task i reads
+  whole spans), :class:`ByKey` (records spread over the tasks by key) or :class:`ByRecords`
+  (a redrive's hand-picked records);
+* :data:`Placement`, what it places: :class:`Delivering` (records the sinks have not had),
+  :class:`Backfilling` or :class:`Redriving` (re-delivery, docs/design.md).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tidemark.config import Source
 
-Mode = Literal["run", "backfill", "redrive"]
 # Where a task's time goes (seconds, TaskResult.phases and SinkResult.phases): waiting for
 # Spark to read, decode and transform the next batch; scoping, accounting and row verdicts;
 # then per sink encoding, COPY, the staging merge, writing the dead letters, and the marker row
@@ -65,39 +73,102 @@ class SinkTarget(_Model):
     ranges: dict[int, tuple[int, int]]  # partition -> [start, end): this sink's offsets
     failed: Failures = {}  # its own row-level expectations' failures
     quarantine: str | None = None  # its batch gate failed under quarantine_batch: why
-    fallback_failed: Failures = {}  # row-level failures of its fallback versions
-    # Keys a backfill's failing records map to now where their rows go (driver/fallback.py).
-    moved: list[list[Any]] = []
     tombstones: Literal["quarantine", "delete"] = "quarantine"  # config.Tombstones
+
+
+# -- how a task accounts for its records (docs/design.md, "Task accounting") ----------------
+class ByRanges(_Model):
+    """Task i reads the spans ``reads[i]`` and sees each of their offsets exactly once (in a
+    dense span, every one)."""
+
+    kind: Literal["ranges"] = "ranges"
+    reads: list[list[Span]]
+
+
+class ByKey(_Model):
+    """Records spread over the tasks by key: each task sees part of every span of ``spread``
+    and returns what it saw (TaskResult.seen); together they must see each offset once,
+    which the driver checks (tidemark/protocol/coverage.py)."""
+
+    kind: Literal["key"] = "key"
+    spread: list[Span]
+
+
+class ByRecords(_Model):
+    """A redrive's one task over hand-picked records: each record of a letter it holds seen
+    exactly once."""
+
+    kind: Literal["records"] = "records"
+
+
+Accounting = Annotated[ByRanges | ByKey | ByRecords, Field(discriminator="kind")]
+
+
+# -- what a task places (docs/design.md, "Re-delivery") -------------------------------------
+class Delivering(_Model):
+    """A first delivery: records the sinks have not had, so rows may go by COPY straight
+    into the target."""
+
+    mode: Literal["run"] = "run"
+
+
+class Backfilling(_Model):
+    """Re-delivers each sink's ranges: rows at their positions are replaced, keys that lose
+    their row fall back to older versions (tidemark/driver/fallback.py)."""
+
+    mode: Literal["backfill"] = "backfill"
+    by: str | None = None  # who resolves the dead letters it places
+    fallback: bool = False  # fallback versions come after the range (column FALLBACK)
+    fallback_failed: dict[str, Failures] = {}  # sink -> row-level failures of its versions
+    # sink -> keys the range's failing records map to now, where their rows go
+    moved: dict[str, list[list[Any]]] = {}
+
+
+class Redriving(_Model):
+    """Re-delivers the records of a redrive request's dead letters, each to its sink."""
+
+    mode: Literal["redrive"] = "redrive"
+    request: int  # the letters are in the ledger (tidemark/ledger/redrives.py)
+    by: str | None = None  # who resolves them
+
+
+Placement = Annotated[Delivering | Backfilling | Redriving, Field(discriminator="mode")]
 
 
 class TaskSpec(_Model):
     run_id: int
     pipeline: str
-    mode: Mode
     prefix: str
     prepare: bool  # exactly once (PREPARE) or at least once (COMMIT)
     lock_timeout_ms: int
     ledger_dsn: str
     columns: list[str]
-    by: str | None = None  # who a re-delivery resolves dead letters for
-    request: int | None = None  # redrive: its request (the letters are in the ledger)
-    reads: list[list[Span]] | None = None  # task i reads the spans reads[i]; None: a redrive
-    spread: list[Span] | None = None  # or every task sees part of these (records by key)
+    accounting: Accounting
+    placement: Placement
     failed: Failures = {}  # pipeline-level row expectations' failures
     quarantine: str | None = None  # pipeline batch gate failed under quarantine_batch
     checks: list[RowCheck] = []  # the pipeline's row checks, indexed by CHECK
-    fallback: bool = False  # a backfill's fallback versions come too (FALLBACK)
     # The reader left out the payloads of the records it decoded: a task reads those it
     # quarantines again from here (tidemark.sources.payload_source). None: all are carried.
     payloads: Source | None = None
     sinks: list[SinkTarget]
-    first_attempt: int = 0  # added to Spark's attempt number (gids.REWRITE_ATTEMPT)
+    write: int = 0  # which write of the run's batch (gids.Gid.write)
+
+    @model_validator(mode="after")
+    def _accounts_for_what_it_places(self) -> TaskSpec:
+        # A redrive's records are hand-picked; a re-delivery resolves the letters of its
+        # whole range in each task, which tasks holding parts of one range would fight over.
+        redrive = isinstance(self.placement, Redriving)
+        if redrive != isinstance(self.accounting, ByRecords):
+            raise ValueError("a redrive, and only a redrive, accounts by records")
+        if self.redelivery and isinstance(self.accounting, ByKey):
+            raise ValueError("a re-delivery cannot spread its records by key")
+        return self
 
     @property
     def redelivery(self) -> bool:
         """Backfill and redrive give sinks records they had before (docs/design.md)."""
-        return self.mode != "run"
+        return not isinstance(self.placement, Delivering)
 
 
 class Prepared(_Model):

@@ -1,6 +1,6 @@
 """A failing row's reason, as its dead letter states it: the expectation, its columns and the
 offending value. Plain Python, no Great Expectations: Spark tasks write these reasons too
-(tidemark/engine/writer.py) when the write job itself finds the failing rows."""
+(tidemark/engine/sink_task.py) when the write job itself finds the failing rows."""
 
 from __future__ import annotations
 

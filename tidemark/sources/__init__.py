@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from datetime import datetime
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -20,6 +20,9 @@ from pydantic import BaseModel, ConfigDict
 from tidemark.config import FileArchiveSource, Pipeline, PostgresLogSource, Source
 from tidemark.core.errors import TidemarkError
 from tidemark.ledger.state import Range
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
 
 # Every source yields batches of exactly this schema.
 SCHEMA = pa.schema(
@@ -257,7 +260,7 @@ class RangeReader:
                 yield from job.batches(Range(*job.ranges[i]))
 
 
-def dataframe(spark, pipeline: Pipeline, ranges: list[Range]):
+def dataframe(spark: SparkSession, pipeline: Pipeline, ranges: list[Range]) -> DataFrame:
     """The source records of ``ranges`` as a DataFrame, one Spark partition per range; with
     the payloads' JSON fields already decoded where Arrow can (json_arrow), and those
     records' payloads left out where :func:`payload_source` allows."""

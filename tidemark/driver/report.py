@@ -1,0 +1,100 @@
+"""What a run reports (tidemark/driver/run.py): per sink its state and counts, the records it
+read, and where the time went."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tidemark.ledger.state import RunState
+
+UP_TO_DATE = "up to date: nothing to replay"
+# What a sink's tasks count, summed per sink (SinkOutcome, protocol.taskspec.SinkResult).
+COUNTS = ("rows", "dead", "superseded", "removed", "resolved", "fallback", "tombstones")
+
+
+@dataclass
+class SinkOutcome:
+    sink: str
+    state: str
+    rows: int = 0
+    dead: int = 0
+    superseded: int = 0  # versions not written: a newer one of their key won
+    removed: int = 0  # re-delivery: rows of the range removed (then placed again)
+    resolved: int = 0  # re-delivery: dead letters resolved (their records now delivered)
+    fallback: int = 0  # backfill: older versions examined for keys that lost their row
+    tombstones: int = 0  # tombstones that delete their key (tombstones: delete)
+    error: str | None = None
+    copy_format: str = ""  # "binary", or "csv: <the column binary COPY cannot carry>"
+
+
+@dataclass
+class RunReport:
+    run_id: int | None
+    pipeline: str
+    mode: str
+    records: int = 0
+    sinks: dict[str, SinkOutcome] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+    message: str = ""
+    redrive: dict[str, Any] | None = None  # redriven / failed_again / skipped dead letters
+    phases: dict[str, float] = field(default_factory=dict)  # where the time went (seconds)
+
+    @property
+    def ok(self) -> bool:
+        return all(s.state == RunState.COMMITTED for s in self.sinks.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "pipeline": self.pipeline,
+            "mode": self.mode,
+            "records": self.records,
+            "seconds": round(self.seconds, 2),
+            "message": self.message,
+            "skipped": self.skipped,
+            "redrive": self.redrive,
+            "phases": self.phases,
+            "sinks": {k: vars(v) for k, v in self.sinks.items()},
+        }
+
+    def summary(self) -> str:
+        if self.run_id is None:
+            return f"{self.pipeline}: {self.message}"
+        lines = [
+            f"run {self.run_id} ({self.pipeline}, {self.mode}): {self.records:,} records "
+            f"read in {self.seconds:.1f}s"
+        ]
+        for s in self.sinks.values():
+            tail = f" - {s.error}" if s.error else ""
+            more = "".join(
+                f", {n:,} {what}"
+                for n, what in (
+                    (s.superseded, "superseded by newer versions"),
+                    (s.removed, "rows removed"),
+                    (s.resolved, "dead letters resolved"),
+                    (s.fallback, "older versions of their keys placed again"),
+                    (s.tombstones, "tombstones"),
+                )
+                if n
+            )
+            lines.append(
+                f"  sink {s.sink}: {s.state}, {s.rows:,} rows written, "
+                f"{s.dead:,} quarantined{more}{tail}"
+            )
+        for sink, why in self.skipped.items():
+            lines.append(f"  sink {sink}: skipped ({why})")
+        if self.redrive is not None and self.run_id is not None:
+            r = self.redrive
+            lines.append(
+                f"  dead letters: {r['redriven']:,} redriven, "
+                f"{len(r['failed_again']):,} failed again (still quarantined, "
+                f"attempts + 1), {len(r['skipped']):,} skipped"
+            )
+            if r.get("source_unknown"):
+                lines.append(
+                    f"  {len(r['source_unknown']):,} replayed with a NULL _tm_ts: "
+                    f"the source no longer holds their records (source_note)"
+                )
+        return "\n".join(lines)

@@ -1,0 +1,150 @@
+"""What a task places (TaskSpec.placement), chosen once per task by :func:`placing_for` and
+asked the same few questions for each of its sinks:
+
+* :class:`Deliver`: the records of each sink's range, which it has not had: rows may go by
+  COPY straight into the target;
+* :class:`Backfill`: each sink's range again (docs/design.md, "Re-delivery"): rows at its
+  positions are replaced, keys that lose their row fall back to older versions, and the
+  letters of what is placed now are resolved (tidemark/engine/redelivery.py);
+* :class:`Redrive`: the records of the dead letters the task holds for each sink; each letter
+  is resolved or quarantined again in the transaction of the sink's letters.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from tidemark.engine.redelivery import Redelivery, held_positions, range_positions, show
+from tidemark.protocol.taskspec import Backfilling, Delivering, Redriving, TaskSpec
+
+if TYPE_CHECKING:
+    from tidemark.engine.sink_task import SinkTask
+
+OFFSET = "_tm_offset"
+
+
+class Placing(ABC):
+    direct = False  # rows may go by COPY straight into the target
+    fallback = False  # a backfill's fallback versions follow the range (column FALLBACK)
+
+    def open(self, s: SinkTask) -> None:  # noqa: B027 - most placements need nothing first
+        """Before the task's first batch."""
+
+    @abstractmethod
+    def scope(self, s: SinkTask, partition: int, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """The records of ``batch`` (all of ``partition``) that sink ``s`` must place."""
+
+    def finish(self, s: SinkTask, fallback: list[pa.RecordBatch]) -> None:
+        """After the task's last batch: everything placed, nothing prepared yet."""
+        s.w.flush()
+
+    def extra(self, s: SinkTask) -> dict[str, Any]:
+        """Its own part of the sink's result (SinkResult)."""
+        return {}
+
+
+def in_range(s: SinkTask, partition: int, batch: pa.RecordBatch) -> pa.RecordBatch:
+    span = s.t.ranges.get(partition)
+    if span is None:
+        return batch.slice(0, 0)
+    off = batch.column(OFFSET)
+    return batch.filter(pc.and_(pc.greater_equal(off, span[0]), pc.less(off, span[1])))
+
+
+class Deliver(Placing):
+    direct = True
+
+    def scope(self, s: SinkTask, partition: int, batch: pa.RecordBatch) -> pa.RecordBatch:
+        return in_range(s, partition, batch)
+
+
+class Backfill(Placing):
+    def __init__(self, how: Backfilling, run_id: int) -> None:
+        self.how, self.run_id = how, run_id
+        self.by = how.by or "tidemark"
+        self.fallback = how.fallback
+
+    def open(self, s: SinkTask) -> None:
+        s.w.redelivery = Redelivery(
+            s.t,
+            s.w,
+            s.dead,
+            range_positions(s.t),
+            moved=self.how.moved.get(s.t.name),
+            fallback_failed=self.how.fallback_failed.get(s.t.name),
+        )
+
+    def scope(self, s: SinkTask, partition: int, batch: pa.RecordBatch) -> pa.RecordBatch:
+        return in_range(s, partition, batch)
+
+    def finish(self, s: SinkTask, fallback: list[pa.RecordBatch]) -> None:
+        """Steps 4 and 5: fall back, then resolve the letters of what is placed now."""
+        assert s.w.redelivery is not None
+        lost = s.w.redelivery.settle()
+        if lost is None:
+            return
+        placed = s.w.redelivery.fall_back(lost, fallback)
+        if s.w.failed:
+            return
+        for part, (a, b) in s.t.ranges.items():
+            s.dead.resolve(part, a, b, self.by, f"delivered again by backfill run {self.run_id}")
+        for part, offs in placed.items():
+            s.dead.resolve_offsets(
+                part, offs, self.by, f"fallen back to by backfill run {self.run_id}"
+            )
+
+
+class Redrive(Placing):
+    def __init__(self, how: Redriving, run_id: int) -> None:
+        self.how, self.run_id = how, run_id
+        self.by = how.by or "tidemark"
+
+    def open(self, s: SinkTask) -> None:
+        """Locks the sink's letters of the request (a concurrent discard waits)."""
+        s.skipped = s.dead.hold(self.how.request)
+        s.w.redelivery = Redelivery(s.t, s.w, s.dead, held_positions(s.dead))
+
+    def scope(self, s: SinkTask, partition: int, batch: pa.RecordBatch) -> pa.RecordBatch:
+        offs = s.dead.held_offsets.get(partition)
+        if offs is None:
+            return batch.slice(0, 0)
+        return batch.filter(pc.is_in(batch.column(OFFSET), value_set=offs))
+
+    def finish(self, s: SinkTask, fallback: list[pa.RecordBatch]) -> None:
+        assert s.w.redelivery is not None
+        lost = s.w.redelivery.settle()
+        if lost is None:
+            return
+        if lost:
+            s.w._fail(
+                RuntimeError(
+                    f"key ({', '.join(s.t.key)})={show(next(iter(lost)))} had its row at "
+                    f"the position of a live dead letter (placed twice); backfill that range "
+                    f"instead of redriving it"
+                )
+            )
+            return
+        s.dead.resolve_held(self.by, f"redriven by run {self.run_id}")
+
+    def extra(self, s: SinkTask) -> dict[str, Any]:
+        failed = set(s.dead.failed_again)
+        return {
+            "redriven": len(s.dead.held) - len(failed),
+            "failed_again": sorted(failed),
+            "skipped": s.skipped,
+        }
+
+
+def placing_for(spec: TaskSpec) -> Placing:
+    match spec.placement:
+        case Delivering():
+            return Deliver()
+        case Backfilling() as how:
+            return Backfill(how, spec.run_id)
+        case Redriving() as how:
+            return Redrive(how, spec.run_id)
+    raise AssertionError(f"unknown placement {spec.placement!r}")
