@@ -22,6 +22,14 @@ from tidemark.sources.postgres_log import append, create_log_table
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_collection_modifyitems(items):
+    # A test that takes the SparkSession needs Spark whatever its module says: marked here, so
+    # `make test-fast` (-m "not slow and not spark and not airflow") cannot pick it up.
+    for item in items:
+        if "spark" in item.fixturenames:
+            item.add_marker(pytest.mark.spark)
+
+
 @pytest.fixture(scope="session")
 def pg():
     root = Path(tempfile.mkdtemp(prefix="tidemark-test-pg-"))

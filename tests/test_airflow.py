@@ -23,7 +23,7 @@ from tests.conftest import REPO, Env, free_port
 from tidemark.devstack.airflow_stack import Stack
 from tidemark.devstack.localpg import PASSWORD
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.airflow, pytest.mark.timeout(900)]
 
 PIPELINES = (REPO / "dags" / "tidemark_pipelines.py").read_text()
 PIPELINE_FILES = (REPO / "dags" / "tidemark_pipeline_files.py").read_text()

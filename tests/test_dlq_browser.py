@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import REPO, Env, free_port
 from tidemark.devstack.airflow_stack import Stack
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.airflow, pytest.mark.timeout(900)]
 
 CHROMIUM = "/usr/bin/chromium"
 SHOTS = REPO / "test-artifacts" / "browser"

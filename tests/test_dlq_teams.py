@@ -16,7 +16,7 @@ from tests.conftest import REPO, Env, free_port
 from tests.test_dlq import add, exported
 from tidemark.devstack.airflow_stack import Stack
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.airflow, pytest.mark.timeout(900)]
 
 PIPELINES = (REPO / "dags" / "tidemark_pipelines.py").read_text()
 TEAMS = {"orders": "team_a", "other": "team_b"}  # pipeline -> the team owning its DAG

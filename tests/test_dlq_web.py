@@ -26,7 +26,7 @@ from tests.conftest import REPO, Env, free_port
 from tests.test_dlq import INJECTIONS, add, exported
 from tidemark.devstack.airflow_stack import Stack
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.airflow, pytest.mark.timeout(900)]
 
 SCOPED_USER = "scoped"  # tests/scoped_auth.py: sees and edits the pipeline orders only
 
