@@ -29,6 +29,16 @@ def pytest_collection_modifyitems(items):
         if "spark" in item.fixturenames:
             item.add_marker(pytest.mark.spark)
 
+    # The Airflow modules last, in their order, those with an Airflow of their own first: the
+    # session's Airflow (airflow_site) then runs from its first module to the end of the
+    # session without idling beside the other tests or another Airflow.
+    def rank(item) -> int:
+        if item.get_closest_marker("airflow") is None:
+            return 0
+        return 2 if "airflow_site" in item.fixturenames else 1
+
+    items.sort(key=rank)  # stable: the order within each rank stays
+
 
 @pytest.fixture(scope="session")
 def pg():
@@ -41,6 +51,20 @@ def pg():
     cluster.start()
     yield cluster
     cluster.destroy()
+
+
+@pytest.fixture(scope="session")
+def airflow_site(pg, tmp_path_factory):
+    """One real Airflow for the session's Airflow modules (tests/airflow_site.py), started by
+    the first that asks for it."""
+    from tests.airflow_site import AirflowSite
+
+    site = AirflowSite(pg, tmp_path_factory.mktemp("airflow-site"))
+    try:
+        site.start()
+        yield site
+    finally:
+        site.stop()
 
 
 @pytest.fixture(scope="session")
