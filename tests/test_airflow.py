@@ -477,7 +477,10 @@ def test_redrive_dag_hands_the_job_a_ledger_request(world):
         "tidemark.redrive_requests WHERE request_id = %s",
         (request,),
     ) == [("orders", 10, "validation")]
-    assert f"--request {request}" in world.log("tidemark_orders_redrive", run_id, "replay")
+    # The job's command line as Airflow rendered it (not the task log's echo of it).
+    ti = world.api.get(f"/dags/tidemark_orders_redrive/dagRuns/{run_id}/taskInstances/replay")
+    args = ti.json()["rendered_fields"]["application_args"]
+    assert str(args[args.index("--request") + 1]) == str(request), args
     assert env.ledger(
         "SELECT status::text, count(*) FROM tidemark.dlq WHERE pipeline = 'orders' GROUP BY 1"
     ) == [("redriven", 10)]
