@@ -11,15 +11,16 @@ PGDIR  := $(STATE)/pg
 ENVF   := $(STATE)/env
 UV_VERSION := 0.13.9
 
-.PHONY: help venv spark-archive lock browser pg up down test lint bench chaos clean
+.PHONY: help venv spark-archive lock browser pg up down test test-fast lint bench chaos clean
 
 help:
-	@echo "make up     local PostgreSQL + ledger + demo data + Airflow (demo DAG unpaused)"
-	@echo "make down   stop what 'make up' started"
-	@echo "make test   lint and the whole test suite (starts its own servers)"
-	@echo "make bench  the replay benchmark (2M records)"
-	@echo "make chaos  randomized fault checker (STEPS=300 SEED=<n>; default seed random)"
-	@echo "make lock   recompile requirements.txt from pyproject.toml"
+	@echo "make up         local PostgreSQL + ledger + demo data + Airflow (demo DAG unpaused)"
+	@echo "make down       stop what 'make up' started"
+	@echo "make test       lint and the whole test suite (starts its own servers)"
+	@echo "make test-fast  the tests that need no Spark and no Airflow (PostgreSQL only): 2-3 minutes"
+	@echo "make bench      the replay benchmark (2M records)"
+	@echo "make chaos      randomized fault checker (STEPS=300 SEED=<n>; default seed random)"
+	@echo "make lock       recompile requirements.txt from pyproject.toml"
 
 venv: $(VENV)/.installed
 
@@ -100,6 +101,13 @@ lint: venv
 
 test: venv browser lint spark-archive
 	$(BIN)/pytest
+
+# A selection of the one suite by marker (pyproject.toml): units, the layer check, migrations,
+# the CLI and the ledger against its own PostgreSQL. Tests taking the spark fixture are marked
+# spark by tests/conftest.py; those starting Spark or Airflow processes carry their marker.
+FAST := not slow and not spark and not airflow
+test-fast: venv
+	$(BIN)/pytest -m "$(FAST)"
 
 bench: pg spark-archive
 	$(BIN)/tidemark db upgrade

@@ -1,29 +1,23 @@
-"""Airflow end to end: a real Airflow 3.3 (API server, scheduler, DAG processor, LocalExecutor)
-started by the test, DAGs generated from pipeline YAMLs, Spark jobs through SparkSubmitOperator,
-alerts to a real SMTP server (aiosmtpd) and a real HTTP receiver."""
+"""Airflow end to end: a real Airflow 3.3 (API server, scheduler, DAG processor, LocalExecutor),
+the session's (tests/airflow_site.py), DAGs generated from pipeline YAMLs, Spark jobs through
+SparkSubmitOperator, alerts to a real SMTP server (aiosmtpd) and a real HTTP receiver."""
 
 from __future__ import annotations
 
-import email
 import json
 import shutil
-import socket
-import threading
 import time
-from email import policy
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import psycopg
 import pytest
-from aiosmtpd.controller import Controller
 from psycopg.conninfo import conninfo_to_dict
 
-from tests.conftest import REPO, Env, free_port
+from tests.airflow_site import Inbox
+from tests.conftest import REPO, Env
 from tidemark.devstack.airflow_stack import Stack
-from tidemark.devstack.localpg import PASSWORD
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.airflow, pytest.mark.timeout(900)]
 
 PIPELINES = (REPO / "dags" / "tidemark_pipelines.py").read_text()
 PIPELINE_FILES = (REPO / "dags" / "tidemark_pipeline_files.py").read_text()
@@ -42,70 +36,6 @@ for dag_id, uri in {uris!r}.items():
 
         seen()
 """
-
-
-class Inbox:
-    """Messages an SMTP server or a webhook receiver got, awaited by event."""
-
-    def __init__(self):
-        self.items: list = []
-        self.cond = threading.Condition()
-
-    def put(self, item) -> None:
-        with self.cond:
-            self.items.append(item)
-            self.cond.notify_all()
-
-    def wait(self, pred, timeout: float = 240):
-        with self.cond:
-            assert self.cond.wait_for(lambda: any(pred(i) for i in self.items), timeout), (
-                f"nothing matching arrived in {timeout}s; got {self.items!r}"
-            )
-            return next(i for i in self.items if pred(i))
-
-
-class _Mail:
-    def __init__(self, inbox: Inbox):
-        self.inbox = inbox
-
-    async def handle_DATA(self, server, session, envelope):  # noqa: N802 - aiosmtpd hook
-        self.inbox.put(email.message_from_bytes(envelope.content, policy=policy.default))
-        return "250 OK"
-
-
-def _webhook(inbox: Inbox) -> ThreadingHTTPServer:
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802 - http.server hook
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            inbox.put({"path": self.path, "json": json.loads(body)})
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *a):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv
-
-
-def _statsd(inbox: Inbox) -> socket.socket:
-    """A StatsD server: Tidemark's metric lines into ``inbox`` (Airflow's own are many)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-
-    def serve():
-        while True:
-            try:
-                data = sock.recv(65535)
-            except OSError:  # closed
-                return
-            for line in data.decode().splitlines():
-                if ".tidemark." in line:
-                    inbox.put(line)
-
-    threading.Thread(target=serve, daemon=True).start()
-    return sock
 
 
 class World:
@@ -214,15 +144,11 @@ class World:
 
 
 @pytest.fixture(scope="module")
-def world(pg, tmp_path_factory):
+def world(airflow_site, pg, tmp_path_factory):
+    site = airflow_site
     tmp = tmp_path_factory.mktemp("airflow")
     env = Env(pg, tmp)
     env.append_orders(range(N))
-    mails, hooks, stats = Inbox(), Inbox(), Inbox()
-    smtp = Controller(_Mail(mails), hostname="127.0.0.1", port=free_port())
-    smtp.start()
-    hook = _webhook(hooks)
-    statsd = _statsd(stats)
     alerts = {"email": ["ops@example.com"], "webhook_conn_id": "tidemark_webhook"}
     fast = {"retries": 0, "driver_memory": "1g"}
     # orders retries (quickly): a failure that must not retry shows as one try.
@@ -272,62 +198,38 @@ def world(pg, tmp_path_factory):
             },
         ],
     )
-    dags = env.dir.parent / "dags"
-    shutil.move(env.dir, dags / "pipelines")
-    env.dir = dags / "pipelines"
-    (dags / "tidemark_pipelines.py").write_text(PIPELINES)
-    (dags / "tidemark_pipeline_files.py").write_text(PIPELINE_FILES)
-    (dags / "tidemark_maintenance.py").write_text(MAINTENANCE)
-    host = f"postgres://127.0.0.1:{pg.port}/{env.names['sink']}/public"
-    (dags / "downstream.py").write_text(
-        DOWNSTREAM.format(
-            uris={
-                "downstream_orders": f"{host}/orders",
-                "downstream_gated": f"{host}/gated",
-                "downstream_offline": f"{host}/offline",
-            }
-        )
-    )
-    lineage_file = tmp / "openlineage.jsonl"
-    stack = Stack(
-        home=tmp / "home",
-        ledger_dsn=env.ledger_dsn,
-        port=free_port(),
-        dags_folder=dags,
-        env_extra={
-            "TIDEMARK_PIPELINES_DIR": str(env.dir),
-            "TIDEMARK_DATA_DOCS_DIR": str(tmp / "docs"),
-            "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "local[2]"}),
-            "AIRFLOW_CONN_SMTP_DEFAULT": json.dumps(
-                {
-                    "conn_type": "smtp",
-                    "host": "127.0.0.1",
-                    "port": smtp.port,
-                    "extra": {
-                        "disable_ssl": True,
-                        "disable_tls": True,
-                        "from_email": "tidemark@localhost",
-                    },
-                }
-            ),
-            "AIRFLOW_CONN_TIDEMARK_WEBHOOK": json.dumps(
-                {"conn_type": "http", "host": f"http://127.0.0.1:{hook.server_port}/hook/T0K3N"}
-            ),
-            "AIRFLOW__OPENLINEAGE__NAMESPACE": "tidemark-test",
-            "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(
-                {"type": "file", "log_file_path": str(lineage_file), "append": True}
-            ),
-            "AIRFLOW__METRICS__STATSD_ON": "True",
-            "AIRFLOW__METRICS__STATSD_HOST": "127.0.0.1",
-            "AIRFLOW__METRICS__STATSD_PORT": str(statsd.getsockname()[1]),
-            "AIRFLOW__METRICS__STATSD_PREFIX": "airflow",
-        },
-    )
+    dags = site.enter("test_airflow", env.ledger_dsn, tmp / "docs")
     try:
-        stack.start()
+        shutil.move(env.dir, dags / "pipelines")
+        env.dir = dags / "pipelines"
+        (dags / "tidemark_pipelines.py").write_text(PIPELINES)
+        (dags / "tidemark_pipeline_files.py").write_text(PIPELINE_FILES)
+        (dags / "tidemark_maintenance.py").write_text(MAINTENANCE)
+        host = f"postgres://127.0.0.1:{pg.port}/{env.names['sink']}/public"
+        (dags / "downstream.py").write_text(
+            DOWNSTREAM.format(
+                uris={
+                    "downstream_orders": f"{host}/orders",
+                    "downstream_gated": f"{host}/gated",
+                    "downstream_offline": f"{host}/offline",
+                }
+            )
+        )
+        stack = site.stack
+        site.wait_dags(
+            dags,
+            [
+                "tidemark_orders",
+                "tidemark_gated",
+                "tidemark_maintenance",
+                "downstream_orders",
+                "downstream_gated",
+                "downstream_offline",
+            ],
+        )
         for dag_id in ("downstream_orders", "downstream_gated", "downstream_offline"):
             stack.unpause(dag_id)
-        w = World(env, stack, mails, hooks, lineage_file, stats)
+        w = World(env, stack, site.mails, site.hooks, site.lineage_file, site.stats)
         for conn_id, dsn in (("newuser_src", env.ledger_dsn), ("newuser_wh", env.sink_dsn)):
             c = conninfo_to_dict(dsn)
             r = w.api.post(
@@ -346,10 +248,7 @@ def world(pg, tmp_path_factory):
         yield w
         w.api.close()
     finally:
-        stack.stop()
-        smtp.stop()
-        hook.shutdown()
-        statsd.close()
+        site.leave(dags)
         env.drop()
 
 
@@ -397,9 +296,11 @@ def test_trigger_replays_exactly_once_and_reports(world):
     assert ids == ("tidemark_orders", run_id, "replay", 1)
     # The ledger came from the Airflow connection tidemark_ledger (the tasks, and the job
     # through the env the operator hands it): Airflow's processes have no TIDEMARK_LEDGER_DSN.
-    stack_env = world.stack.env()
-    assert "TIDEMARK_LEDGER_DSN" not in stack_env
-    assert json.loads(stack_env["AIRFLOW_CONN_TIDEMARK_LEDGER"])["password"] == PASSWORD
+    # (Here the connection is in Airflow's database; `make up` sets it in the environment,
+    # tests/test_ops.py.)
+    assert "TIDEMARK_LEDGER_DSN" not in world.stack.env()
+    conn = world.api.get("/connections/tidemark_ledger").json()
+    assert (conn["schema"], conn["login"]) == (env.names["ledger"], "tidemark")
     # The report task sent the run's numbers through Airflow's StatsD client.
     world.stats.wait(lambda m: m == f"airflow.tidemark.records_delivered.orders.main:{N}|c")
     world.stats.wait(lambda m: m == "airflow.tidemark.records_quarantined.orders.main:0|c")
@@ -576,7 +477,10 @@ def test_redrive_dag_hands_the_job_a_ledger_request(world):
         "tidemark.redrive_requests WHERE request_id = %s",
         (request,),
     ) == [("orders", 10, "validation")]
-    assert f"--request {request}" in world.log("tidemark_orders_redrive", run_id, "replay")
+    # The job's command line as Airflow rendered it (not the task log's echo of it).
+    ti = world.api.get(f"/dags/tidemark_orders_redrive/dagRuns/{run_id}/taskInstances/replay")
+    args = ti.json()["rendered_fields"]["application_args"]
+    assert str(args[args.index("--request") + 1]) == str(request), args
     assert env.ledger(
         "SELECT status::text, count(*) FROM tidemark.dlq WHERE pipeline = 'orders' GROUP BY 1"
     ) == [("redriven", 10)]

@@ -439,6 +439,7 @@ def test_the_oracle_finds_hand_made_differences(spark, tmp_path):
         world.destroy()
 
 
+@pytest.mark.spark  # `tidemark chaos` runs Spark jobs
 def test_a_short_seeded_run_with_every_kind_of_fault_passes(tmp_path):
     """NOTE: fails until the data path writes a dead letter per sink (today letters
     quarantined before the sinks name no sink); see the report it prints."""

@@ -1,5 +1,6 @@
 """The Dead letters page in a real browser: headless Debian Chromium driven by Playwright,
-against a real Airflow 3.3 started here, with dead letters a real Spark run quarantined.
+against a real Airflow 3.3 (the session's, tests/airflow_site.py), with dead letters a real
+Spark run quarantined.
 
 Log in, open Dead letters from Airflow's navigation, filter, open a record (its `<script>`
 payload shown, never run), redrive one that now passes (through the redrive DAG, Spark and
@@ -8,16 +9,14 @@ both checked in the ledger. Screenshots go to test-artifacts/browser/."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 
 import pytest
 
-from tests.conftest import REPO, Env, free_port
-from tidemark.devstack.airflow_stack import Stack
+from tests.conftest import REPO, Env
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.airflow, pytest.mark.timeout(900)]
 
 CHROMIUM = "/usr/bin/chromium"
 SHOTS = REPO / "test-artifacts" / "browser"
@@ -32,7 +31,7 @@ def _rows_check(max_value: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def site(pg, spark, tmp_path_factory):
+def site(airflow_site, pg, spark, tmp_path_factory):
     from tidemark import config
     from tidemark.driver.run import Run
 
@@ -40,8 +39,7 @@ def site(pg, spark, tmp_path_factory):
     env = Env(pg, tmp)
     env.append_orders(range(90))  # amount = id * 1.25: ids 81..89 fail the check
     env.append([(0, b"xss", XSS, None, None)])
-    # Its own pipeline name: the test modules share Airflow's metadata database, and DAG ids
-    # of another module's pipelines must not meet this module's ledger.
+    # Its own pipeline name, not another module's: the modules share the session's Airflow.
     env.pipeline(
         NAME, quality={"rows": [_rows_check(100)]}, airflow={"retries": 0, "driver_memory": "1g"}
     )
@@ -80,27 +78,15 @@ def site(pg, spark, tmp_path_factory):
     env.pipeline(
         NAME, quality={"rows": [_rows_check(105)]}, airflow={"retries": 0, "driver_memory": "1g"}
     )
-    dags = tmp / "dags"
-    shutil.move(env.dir, dags / "pipelines")
-    env.dir = dags / "pipelines"
-    (dags / "tidemark_pipelines.py").write_text(PIPELINES)
-    stack = Stack(
-        home=tmp / "home",
-        ledger_dsn=env.ledger_dsn,
-        port=free_port(),
-        dags_folder=dags,
-        env_extra={
-            "TIDEMARK_PIPELINES_DIR": str(env.dir),
-            "TIDEMARK_DATA_DOCS_DIR": str(tmp / "docs"),
-            "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "local[2]"}),
-        },
-    )
+    dags = airflow_site.enter("test_dlq_browser", env.ledger_dsn, tmp / "docs")
     try:
-        stack.start()
-        stack.wait_dag(f"tidemark_{NAME}_redrive")
-        yield env, stack
+        shutil.move(env.dir, dags / "pipelines")
+        env.dir = dags / "pipelines"
+        (dags / "tidemark_pipelines.py").write_text(PIPELINES)
+        airflow_site.wait_dags(dags, [f"tidemark_{NAME}_redrive", f"tidemark_{GATED}"])
+        yield env, airflow_site.stack
     finally:
-        stack.stop()
+        airflow_site.leave(dags)
         env.drop()
 
 

@@ -16,7 +16,7 @@ from tests.conftest import REPO, Env, free_port
 from tests.test_dlq import add, exported
 from tidemark.devstack.airflow_stack import Stack
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.airflow, pytest.mark.timeout(900)]
 
 PIPELINES = (REPO / "dags" / "tidemark_pipelines.py").read_text()
 TEAMS = {"orders": "team_a", "other": "team_b"}  # pipeline -> the team owning its DAG
@@ -91,10 +91,14 @@ def teams(pg, tmp_path_factory):
             cls="validation",
             payload=b'{"marker": "ghost-payload"}',
         )
+    # A stack of its own, not the session's (tests/airflow_site.py): multi-team mode, the
+    # teams' bundles and users are settings of Airflow's processes. Its own metadata database
+    # too, as the session's stack may be running.
     stack = Stack(
         home=tmp / "home",
         ledger_dsn=env.ledger_dsn,
         port=free_port(),
+        metadata_db="airflow_teams",
         env_extra={
             "AIRFLOW__CORE__MULTI_TEAM": "True",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,alice:op:team_a,bob:op:team_b",

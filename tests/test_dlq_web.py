@@ -1,8 +1,9 @@
-"""The Dead letters plugin in a real Airflow 3.3 (API server, scheduler, DAG processor) started
-here: Airflow's auth manager in front of every route, read vs edit rights, CSRF and origin
-checks, filters and injection over HTTP, escaping, Data Docs confinement, redrive through
-the pipeline's redrive DAG, bounded bodies and payloads, and answers that say no more than
-needed (a letter one may not see is not found; no ledger host; no server paths)."""
+"""The Dead letters plugin in a real Airflow 3.3 (API server, scheduler, DAG processor), the
+session's (tests/airflow_site.py): Airflow's auth manager in front of every route, read vs
+edit rights, CSRF and origin checks, filters and injection over HTTP, escaping, Data Docs
+confinement, redrive through the pipeline's redrive DAG, bounded bodies and payloads, and
+answers that say no more than needed (a letter one may not see is not found; no ledger host;
+no server paths)."""
 
 from __future__ import annotations
 
@@ -22,13 +23,13 @@ import psycopg
 import pytest
 from fastapi.routing import APIRoute
 
-from tests.conftest import REPO, Env, free_port
+from tests.airflow_site import SCOPED_USER  # sees and edits the pipeline orders only
+from tests.conftest import REPO, Env
 from tests.test_dlq import INJECTIONS, add, exported
 from tidemark.devstack.airflow_stack import Stack
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.airflow, pytest.mark.timeout(900)]
 
-SCOPED_USER = "scoped"  # tests/scoped_auth.py: sees and edits the pipeline orders only
 
 PIPELINES = (REPO / "dags" / "tidemark_pipelines.py").read_text()
 XSS = b"<script>window.pwned=1</script>"
@@ -141,7 +142,7 @@ def _seed(env: Env, docs_page: Path) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def site(pg, tmp_path_factory):
+def site(airflow_site, pg, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dlqweb")
     env = Env(pg, tmp)
     docs = tmp / "docs"
@@ -160,29 +161,13 @@ def site(pg, tmp_path_factory):
     )
     ids = _seed(env, page)
     env.pipeline("orders")
-    dags = tmp / "dags"
-    shutil.move(env.dir, dags / "pipelines")
-    env.dir = dags / "pipelines"
-    (dags / "tidemark_pipelines.py").write_text(PIPELINES)
-    stack = Stack(
-        home=tmp / "home",
-        ledger_dsn=env.ledger_dsn,
-        port=free_port(),
-        dags_folder=dags,
-        env_extra={
-            "TIDEMARK_PIPELINES_DIR": str(env.dir),
-            "TIDEMARK_DATA_DOCS_DIR": str(docs),
-            # Airflow's SimpleAuthManager plus a user who sees one pipeline only
-            "PYTHONPATH": os.pathsep.join(
-                [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
-            ),
-            "AIRFLOW__CORE__AUTH_MANAGER": "tests.scoped_auth.ScopedAuthManager",
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"admin:admin,viewer:viewer,{SCOPED_USER}:admin",
-        },
-    )
+    dags = airflow_site.enter("test_dlq_web", env.ledger_dsn, docs)
     try:
-        stack.password(SCOPED_USER)
-        stack.start()
+        shutil.move(env.dir, dags / "pipelines")
+        env.dir = dags / "pipelines"
+        (dags / "tidemark_pipelines.py").write_text(PIPELINES)
+        stack = airflow_site.stack
+        airflow_site.wait_dags(dags, ["tidemark_orders", "tidemark_orders_redrive"])
         yield Site(
             env,
             stack,
@@ -194,7 +179,7 @@ def site(pg, tmp_path_factory):
             stack.token(SCOPED_USER),
         )
     finally:
-        stack.stop()
+        airflow_site.leave(dags)
         env.drop()
 
 

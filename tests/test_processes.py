@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -9,6 +10,7 @@ import pytest
 
 from tests.invariants import assert_exactly_once
 from tests.proc import JobProcess
+from tidemark.core.errors import Terminated
 
 pytestmark = pytest.mark.slow
 
@@ -27,10 +29,12 @@ def test_sigterm_before_the_decision_rolls_back_and_releases_the_lease(env, tmp_
     job.signal(signal.SIGTERM)
     code = job.wait()
     out = job.output()
-    assert code == 143, out
-    assert "SIGTERM" in out and "Traceback" not in out
+    assert code == Terminated.exit_code, out
+    assert "Traceback" not in out
     assert env.prepared() == []
-    assert env.ledger("SELECT state::text, error FROM tidemark.run_sinks")[0][0] == "aborted"
+    assert env.ledger("SELECT state::text, error FROM tidemark.run_sinks") == [
+        ("aborted", "terminated (SIGTERM) before the decision")
+    ]
     assert env.ledger("SELECT run_id FROM tidemark.leases") == [(None,)]
     assert set(env.checkpoints().values()) <= {0}
     assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(0,)]
@@ -91,7 +95,7 @@ def test_a_paused_run_whose_lease_was_taken_over_is_fenced(env, spark, tmp_path)
     env.append_orders(range(100))
     env.pipeline()
     old = JobProcess(
-        env.cli_argv("run", "orders"),
+        env.cli_argv("run", "orders", "--json"),
         env.cli_env(),
         pause_dir=tmp_path / "p",
         pause_at="after_prepare",
@@ -111,7 +115,10 @@ def test_a_paused_run_whose_lease_was_taken_over_is_fenced(env, spark, tmp_path)
     code = old.wait()
     out = old.output()
     assert code != 0, out
-    assert "lost the lease" in out
+    # Its report (the one JSON line among the log lines) says why its sink was aborted.
+    (report,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    main = report["sinks"]["main"]
+    assert main["state"] == "aborted" and "lost the lease of sink main" in main["error"], main
     states = dict(env.ledger("SELECT run_id, state::text FROM tidemark.run_sinks"))
     assert sorted(states.values()) == ["aborted", "committed"]
     assert env.q(env.sink_dsn, "SELECT count(DISTINCT _tm_run_id) FROM orders") == [(1,)]

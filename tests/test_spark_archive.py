@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 
 # A fresh process starts Tidemark's session and says whether its JVM maps the archive.
@@ -37,6 +39,7 @@ def _tidemark(env, *args):
     )
 
 
+@pytest.mark.spark  # a JVM of its own
 def test_the_class_archive_is_built_once_and_mapped_by_a_fresh_session(tmp_path):
     env = {**os.environ, "TIDEMARK_SPARK_CDS_DIR": str(tmp_path)}
     first = _tidemark(env, "spark", "archive")
@@ -109,6 +112,7 @@ raise SystemExit("tidemark: error: the job's own error line")
 """
 
 
+@pytest.mark.spark  # a JVM of its own
 def test_a_submitted_jobs_error_is_not_buried_in_spark_info_lines(tmp_path):
     """Under spark-submit (as Airflow runs the job) the driver's JVM starts before the job's
     Python: Spark's log level must come from spark-submit's command line, or Spark's INFO
