@@ -34,6 +34,7 @@ from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 
 from tidemark.config import META_PREFIX, Pipeline, Quality
+from tidemark.core.columns import OFFSET, PARTITION
 from tidemark.engine.records import ERR_CLASS
 from tidemark.ledger.state import Range
 from tidemark.ledger.status import save_dq_result
@@ -43,7 +44,6 @@ from tidemark.quality import expectations
 from tidemark.quality.outcomes import observed
 from tidemark.quality.reasons import COLUMN_KWARGS
 
-PARTITION, OFFSET = quality.PARTITION_COL, quality.OFFSET_COL
 PIPELINE = ""  # the scope of pipeline-level checks
 
 Failures = dict[int, dict[int, str]]  # partition -> offset -> reason

@@ -18,10 +18,10 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
+from tidemark.core.columns import OFFSET
 from tidemark.protocol import coverage
 from tidemark.protocol.taskspec import Accounting, ByKey, ByRanges, ByRecords, Span
 
-OFFSET = "_tm_offset"
 Held = dict[int, pa.Array]  # one sink's letters held by a redrive: partition -> offsets
 
 

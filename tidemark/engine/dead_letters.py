@@ -14,6 +14,7 @@ import psycopg
 import pyarrow as pa
 
 from tidemark.core.clock import Phases
+from tidemark.core.columns import OFFSET, PARTITION
 from tidemark.core.text import clamp
 from tidemark.engine import transactions
 from tidemark.engine.json_reasons import decode_reason
@@ -28,7 +29,6 @@ FLUSH_LETTERS = 10_000
 FLUSH_LETTER_BYTES = 64 * 2**20
 REASON_MAX = 200
 DETAIL_MAX = 8_000
-PARTITION, OFFSET = "_tm_partition", "_tm_offset"
 Record = dict[str, Any]  # one record as Arrow's to_pylist gives it
 Pending = tuple[Record, str, str, str | None]  # (record, class, reason, detail)
 

@@ -18,13 +18,12 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tidemark.core.columns import OFFSET
 from tidemark.engine.redelivery import Redelivery, held_positions, range_positions, show
 from tidemark.protocol.taskspec import Backfilling, Delivering, Redriving, TaskSpec
 
 if TYPE_CHECKING:
     from tidemark.engine.sink_task import SinkTask
-
-OFFSET = "_tm_offset"
 
 
 class Placing(ABC):

@@ -32,6 +32,7 @@ import psycopg
 import pyarrow as pa
 from psycopg import sql
 
+from tidemark.core.columns import OFFSET, PARTITION
 from tidemark.engine.records import ERR_CLASS, ERR_REASON, TOMBSTONE, TOMBSTONE_KEPT
 from tidemark.ledger import markers
 from tidemark.protocol.taskspec import Failures, SinkTarget
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
     from tidemark.engine.dead_letters import DeadLetters, Record
     from tidemark.engine.sink_writer import SinkWriter
 
-PARTITION, OFFSET = "_tm_partition", "_tm_offset"
 Key = tuple[Any, ...]
 # (partition, condition on _tm_offset, its arguments): where the re-delivered records sit.
 Position = tuple[int, sql.Composable, list[Any]]

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tidemark.core.clock import Phases
+from tidemark.core.columns import OFFSET, PARTITION
 from tidemark.engine.dead_letters import DeadLetters, Record
 from tidemark.engine.placement import Placing
 from tidemark.engine.records import ERR_CLASS, ERR_REASON, TOMBSTONE, TOMBSTONE_KEPT
@@ -23,8 +24,6 @@ from tidemark.engine.sink_writer import SinkWriter
 from tidemark.protocol import gids
 from tidemark.protocol.taskspec import CHECK, Prepared, SinkResult, SinkTarget, TaskSpec
 from tidemark.quality import reasons
-
-PARTITION, OFFSET = "_tm_partition", "_tm_offset"
 
 
 class SinkTask:

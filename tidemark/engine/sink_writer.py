@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 from psycopg import sql
 
+from tidemark.core.columns import OFFSET, PARTITION
 from tidemark.core.db import is_data_error, one_line, qualified
 from tidemark.engine import pgbinary, tombstones, transactions
 from tidemark.engine.dead_letters import DeadLetters, Record
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     from tidemark.engine.redelivery import Redelivery
 
 FLUSH_ROWS = 50_000
-PARTITION, OFFSET = "_tm_partition", "_tm_offset"
 
 
 class SinkWriter:

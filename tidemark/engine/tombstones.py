@@ -19,11 +19,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from tidemark.core.columns import OFFSET, PARTITION
 from tidemark.core.db import scalar
 from tidemark.ledger import markers
 from tidemark.protocol.sinks import tombstone_name, tombstone_table
-
-PARTITION, OFFSET = "_tm_partition", "_tm_offset"
 
 
 def newer(a: str, b: str, key: list[str], version: str | None) -> sql.Composed:

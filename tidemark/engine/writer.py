@@ -26,6 +26,7 @@ import pyarrow.compute as pc
 
 from tidemark.core import faults
 from tidemark.core.clock import Phases
+from tidemark.core.columns import PARTITION
 from tidemark.engine import transactions
 from tidemark.engine.accounts import Accounts, NotAccountable, accounts_for
 from tidemark.engine.placement import Placing, placing_for
@@ -34,7 +35,6 @@ from tidemark.protocol import gids
 from tidemark.protocol.taskspec import FALLBACK, Prepared, TaskResult, TaskSpec
 
 RESULT_SCHEMA = "task int, attempt int, result string"
-PARTITION = "_tm_partition"
 Task = Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
 
 

@@ -31,7 +31,7 @@ from tidemark.config import IDENT
 from tidemark.core.db import scalar
 from tidemark.core.errors import BadInput, Busy
 from tidemark.core.text import shown
-from tidemark.ledger import runs
+from tidemark.ledger import letters, runs
 
 ERROR_CLASSES = ("decode", "transform", "validation", "dq_gate", "sink_write")
 STATUSES = ("quarantined", "redriven", "discarded")
@@ -62,17 +62,7 @@ _SUMMARY = (
 )
 ENVELOPE = (
     "id",
-    "pipeline",
-    "sink",
-    "run_id",
-    "source_partition",
-    "source_offset",
-    "key",
-    "payload",
-    "headers",
-    "error_class",
-    "reason",
-    "detail",
+    *letters.RECORD,
     "attempts",
     "status",
     "first_seen",

@@ -17,7 +17,9 @@ from psycopg import sql
 
 from tidemark.ledger import markers
 
-COLUMNS = (
+# What a letter says of its record and why it failed: the start of every letter's columns,
+# those a task writes (COLUMNS) and those a reader gets (dlq.ENVELOPE).
+RECORD = (
     "pipeline",
     "sink",
     "run_id",
@@ -29,10 +31,8 @@ COLUMNS = (
     "error_class",
     "reason",
     "detail",
-    "source_headers",
-    "source_ts",
-    "source_kept",
 )
+COLUMNS = (*RECORD, "source_headers", "source_ts", "source_kept")
 _COLS = sql.SQL(", ").join(sql.Identifier(c) for c in COLUMNS)
 
 

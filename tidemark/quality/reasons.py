@@ -4,11 +4,11 @@ offending value. Plain Python, no Great Expectations: Spark tasks write these re
 
 from __future__ import annotations
 
+from tidemark.core.columns import OFFSET as OFFSET_COL
+from tidemark.core.columns import PARTITION as PARTITION_COL
 from tidemark.core.text import clamp, literal
 from tidemark.quality.expectations import VALUE_REPR_MAX
 
-PARTITION_COL = "_tm_partition"
-OFFSET_COL = "_tm_offset"
 INDEX_COLS = [PARTITION_COL, OFFSET_COL]
 # The kwargs that name an expectation's columns: all a reason needs of them.
 COLUMN_KWARGS = ("column", "column_A", "column_B", "column_list")
