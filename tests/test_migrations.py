@@ -74,7 +74,7 @@ def test_v005_moves_airflow_identity_into_columns(pg, monkeypatch):
 def test_the_ledger_enums_are_the_python_enums(env):
     """One list of run states (RunState), error classes and letter statuses: the ledger's
     enum types must hold exactly those, in order."""
-    from tidemark.ledger.dlq import ERROR_CLASSES, STATUSES
+    from tidemark.ledger.dlq import ErrorClass, LetterStatus
     from tidemark.ledger.state import RunState
 
     def labels(name: str) -> list[str]:
@@ -89,8 +89,8 @@ def test_the_ledger_enums_are_the_python_enums(env):
         ]
 
     assert labels("run_state") == [s.value for s in RunState]
-    assert labels("error_class") == list(ERROR_CLASSES)
-    assert labels("dlq_status") == list(STATUSES)
+    assert labels("error_class") == [c.value for c in ErrorClass]
+    assert labels("dlq_status") == [s.value for s in LetterStatus]
 
 
 def test_v007_letters_from_before_it_get_the_source_fields_or_the_reason(pg, monkeypatch):

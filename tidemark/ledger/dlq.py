@@ -10,6 +10,7 @@ what page 1 costs (indexes in sql/V003__dlq_browse.sql).
 from __future__ import annotations
 
 import base64
+import enum
 import getpass
 import json
 import re
@@ -33,8 +34,27 @@ from tidemark.core.errors import BadInput, Busy
 from tidemark.core.text import shown
 from tidemark.ledger import letters, runs
 
-ERROR_CLASSES = ("decode", "transform", "validation", "dq_gate", "sink_write")
-STATUSES = ("quarantined", "redriven", "discarded")
+
+class ErrorClass(enum.StrEnum):
+    """Why a record was quarantined: the ledger's enum type tidemark.error_class, in order."""
+
+    DECODE = "decode"
+    TRANSFORM = "transform"
+    VALIDATION = "validation"
+    DQ_GATE = "dq_gate"
+    SINK_WRITE = "sink_write"
+
+
+class LetterStatus(enum.StrEnum):
+    """Where a dead letter stands: the ledger's enum type tidemark.dlq_status, in order."""
+
+    QUARANTINED = "quarantined"
+    REDRIVEN = "redriven"
+    DISCARDED = "discarded"
+
+
+ERROR_CLASSES = tuple(c.value for c in ErrorClass)
+STATUSES = tuple(s.value for s in LetterStatus)
 MAX_LIMIT = 1000
 MAX_IDS = 100_000
 MAX_ID = 2**63 - 1  # id is a bigint: a bigger number is no id, and PostgreSQL would refuse it
