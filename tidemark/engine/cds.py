@@ -56,6 +56,16 @@ def archive() -> Path | None:
         return None
     jars = Path(spec.submodule_search_locations[0], "jars").resolve()
     st = java.stat()
+    # The JVM maps an archive only for the class path it was dumped with, jar for jar and in
+    # the order `jars/*` expanded to: directory order, which a reinstall at the same path
+    # changes. So the jars as listed (name, size, time) are part of the key.
+    # (Inside a job spark-submit started, pyspark comes from a zip: no jars to list, and its
+    # JVM is running already.)
+    listed = (
+        [f"{e.name}:{e.stat().st_size}:{e.stat().st_mtime_ns}" for e in os.scandir(jars)]
+        if jars.is_dir()
+        else []
+    )
     key = "\0".join(
         [
             importlib.metadata.version("pyspark"),
@@ -63,6 +73,7 @@ def archive() -> Path | None:
             str(java),
             str(st.st_size),
             str(st.st_mtime_ns),
+            *listed,
         ]
     )
     return folder() / f"spark-driver-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsa"
