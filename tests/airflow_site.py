@@ -5,7 +5,7 @@ started and stopped per module: the ``airflow_site`` fixture of tests/conftest.p
 What differed between their stacks is either the same for all of them here (the auth
 manager with the user ``scoped``, Spark's master, the SMTP server, webhook receiver, StatsD
 server and OpenLineage file that only test_airflow reads) or switched when a module starts
-(``enter``): its DAG folder, its ledger (the Airflow connection ``tidemark_ledger``, kept in
+(``enter``, then ``wait_dags``): its DAG folder, its ledger (the Airflow connection ``tidemark_ledger``, kept in
 Airflow's database instead of the environment so that it can change) and its Data Docs (a
 symlink the processes' TIDEMARK_DATA_DOCS_DIR names). ``leave`` pauses the module's DAGs, fails
 its unfinished runs, deletes its DAGs with their history and the connections and variables it
@@ -180,14 +180,20 @@ class AirflowSite:
             },
         )
         self._before: tuple[set[str], set[str]] = (set(), set())
+        self._ledger: str | None = None  # the current module's
+        self.started = False
 
-    def start(self) -> None:
+    def _start(self) -> None:
+        # Once the first module's DAG files are in place: the DAG processor parses them while
+        # the other components start, instead of finding them at its next refresh.
         self.stack.password(SCOPED_USER)
         self.stack.start()
+        self.started = True
 
     def stop(self) -> None:
         try:
-            self.stack.stop()
+            if self.started:
+                self.stack.stop()
         finally:
             self.smtp.stop()
             self.webhook.shutdown()
@@ -205,8 +211,15 @@ class AirflowSite:
         link.replace(self.docs)  # atomic: a process reads the old target or the new one
         for inbox in (self.mails, self.hooks, self.stats):
             inbox.clear()
+        self._ledger = ledger_dsn
+        if self.started:
+            self._point_at_ledger()
+        return folder
+
+    def _point_at_ledger(self) -> None:
+        assert self._ledger is not None
         with self.stack.api() as api:
-            conn = json.loads(ledger_connection(ledger_dsn))
+            conn = json.loads(ledger_connection(self._ledger))
             extra = conn.pop("extra", None)
             api.delete("/connections/tidemark_ledger")  # 404 when there is none yet
             r = api.post(
@@ -219,11 +232,14 @@ class AirflowSite:
             )
             assert r.status_code == 201, r.text
             self._before = (self._connections(api), self._variables(api))
-        return folder
 
     def wait_dags(self, folder: Path, dag_ids, timeout: float = 180) -> None:
         """Until each DAG is parsed from ``folder``: one of an earlier module's with the same
-        id would otherwise answer for it."""
+        id would otherwise answer for it. The first module's call starts the stack, its DAG
+        files written."""
+        if not self.started:
+            self._start()
+            self._point_at_ledger()
         deadline = time.monotonic() + timeout
         with self.stack.api() as api:
             for dag_id in dag_ids:
@@ -238,6 +254,9 @@ class AirflowSite:
     def leave(self, folder: Path, timeout: float = 120) -> None:
         """Remove a module's DAGs, their runs and what it added to Airflow's connections and
         variables, and its DAG folder."""
+        if not self.started:  # the module failed before its wait_dags
+            shutil.rmtree(folder)
+            return
         with self.stack.api() as api:
             dags = [
                 d["dag_id"]

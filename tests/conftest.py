@@ -55,13 +55,12 @@ def pg():
 
 @pytest.fixture(scope="session")
 def airflow_site(pg, tmp_path_factory):
-    """One real Airflow for the session's Airflow modules (tests/airflow_site.py), started by
-    the first that asks for it."""
+    """One real Airflow for the session's Airflow modules (tests/airflow_site.py), started
+    once the first of them has written its DAG files."""
     from tests.airflow_site import AirflowSite
 
     site = AirflowSite(pg, tmp_path_factory.mktemp("airflow-site"))
     try:
-        site.start()
         yield site
     finally:
         site.stop()
