@@ -32,9 +32,6 @@ def _rows_check(max_value: int) -> dict:
 
 @pytest.fixture(scope="module")
 def site(airflow_site, pg, spark, tmp_path_factory):
-    from tidemark import config
-    from tidemark.driver.run import Run
-
     tmp = tmp_path_factory.mktemp("browser")
     env = Env(pg, tmp)
     env.append_orders(range(90))  # amount = id * 1.25: ids 81..89 fail the check
@@ -43,15 +40,7 @@ def site(airflow_site, pg, spark, tmp_path_factory):
     env.pipeline(
         NAME, quality={"rows": [_rows_check(100)]}, airflow={"retries": 0, "driver_memory": "1g"}
     )
-    all_p, _ = config.load_all(env.dir)
-    report = Run(
-        all_p[NAME],
-        env.settings(data_docs_dir=tmp / "docs"),
-        ledger_dsn=env.ledger_dsn,
-        spark=spark,
-        all_pipelines=all_p,
-        log=lambda m: None,
-    ).execute()
+    report = env.run(spark, NAME, settings=env.settings(data_docs_dir=tmp / "docs"))
     assert report.ok, report.summary()
     # A second pipeline whose batch gate fails (max amount 111.25): its letters link the
     # failed gate's Data Docs page.
@@ -64,15 +53,7 @@ def site(airflow_site, pg, spark, tmp_path_factory):
         },
         airflow={"retries": 0, "driver_memory": "1g"},
     )
-    all_p, _ = config.load_all(env.dir)
-    report = Run(
-        all_p[GATED],
-        env.settings(data_docs_dir=tmp / "docs"),
-        ledger_dsn=env.ledger_dsn,
-        spark=spark,
-        all_pipelines=all_p,
-        log=lambda m: None,
-    ).execute()
+    report = env.run(spark, GATED, settings=env.settings(data_docs_dir=tmp / "docs"))
     assert report.ok, report.summary()
     # The fix a user makes before redriving: amounts up to 105 are fine (ids 81..84).
     env.pipeline(
