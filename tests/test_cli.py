@@ -8,6 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from tests.conftest import free_port
@@ -294,3 +295,50 @@ def test_a_file_archive_segment_it_cannot_read_is_one_line_and_a_failed_run(env)
     assert_one_clear_line(err, f"{bad}: unknown segment format (extension '.avro')")
     assert env.ledger("SELECT count(*) FROM tidemark.runs") == [(0,)]
     assert env.checkpoints() == {}
+
+
+def test_validate_checks_the_world_and_names_each_mismatch_with_its_fix(env):
+    env.append_orders([1])  # the source log table exists
+    good = env.pipeline("good")
+    with psycopg.connect(env.sink2_dsn, autocommit=True) as c:
+        c.execute(
+            "CREATE TABLE legacy (id int PRIMARY KEY, version int, amount numeric(6,2), "
+            "_tm_partition int NOT NULL, _tm_offset bigint NOT NULL, _tm_run_id bigint NOT NULL)"
+        )
+    bad = env.pipeline(
+        "bad",
+        source={"type": "postgres_log", "dsn": env.ledger_dsn, "table": "src.nolog"},
+        sinks=[
+            {
+                "name": "old",
+                "dsn": env.sink2_dsn,
+                "table": "public.legacy",
+                "key": ["id", "version"],
+            }
+        ],
+    )
+    code, out, err = tm(env.cli_env(), "pipelines", "validate")
+    assert code == 2, out + err
+    assert f"ok      {good}" in out, out
+    problems = [ln.removeprefix(f"invalid {bad}: ") for ln in out.splitlines() if str(bad) in ln]
+    assert problems == [
+        "source table src.nolog does not exist (docs/pipelines.md, 'Sources', names "
+        "the columns it needs)",
+        "sink old: table public.legacy: column amount is numeric(6,2), the transform writes "
+        "double precision, which it cannot take whole; fix: ALTER TABLE public.legacy ALTER "
+        "COLUMN amount TYPE double precision  (or cast amount to numeric(6,2) in the "
+        "transform's select)",
+        "sink old: table public.legacy allows NULL in key column(s) version; fix: ALTER TABLE "
+        "public.legacy ALTER COLUMN version SET NOT NULL",
+        "sink old: table public.legacy needs a unique index on exactly (id, version) for keyed "
+        "upserts; fix: CREATE UNIQUE INDEX ON public.legacy (id, version)",
+        "sink old: table public.legacy: unique index or constraint legacy_pkey on (id) is "
+        "narrower than the key (id, version) and would refuse rows the key tells apart; fix: "
+        "ALTER TABLE public.legacy DROP CONSTRAINT legacy_pkey  (DROP INDEX legacy_pkey if it "
+        "is an index alone), or rebuild the sink under the new key",
+    ], out
+    assert_one_clear_line(err, "1 of 2 pipeline file(s) invalid")
+    # The files alone are fine: --offline connects to nothing.
+    code, out, err = tm(env.cli_env(), "pipelines", "validate", "--offline")
+    assert code == 0, out + err
+    assert f"ok      {bad}" in out, out

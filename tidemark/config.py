@@ -179,6 +179,9 @@ class Sink(Connection):
     version: Annotated[str, Field(pattern=IDENT)] | None = None
     quality: Quality = Quality()  # stricter checks for this sink only
     tombstones: Tombstones | None = None  # None: the pipeline's
+    # evolve: a column the transform newly produces is added to the table (nullable) before
+    # the write; strict: any difference between table and output refuses the sink.
+    schema_: Literal["evolve", "strict"] = Field("evolve", alias="schema")
 
     @property
     def not_null(self) -> list[str]:

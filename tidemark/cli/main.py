@@ -150,18 +150,34 @@ def pipelines_list(ctx: Ctx) -> None:
 
 @pipelines.command("validate")
 @click.argument("files", nargs=-1, type=click.Path(path_type=Path))
+@click.option(
+    "--offline",
+    is_flag=True,
+    help="Check the files alone: connect to no source or sink database.",
+)
 @pass_ctx
-def pipelines_validate(ctx: Ctx, files: tuple[Path, ...]) -> None:
-    """Validate pipeline files (default: every file in the pipelines folder)."""
+def pipelines_validate(ctx: Ctx, files: tuple[Path, ...], offline: bool) -> None:
+    """Validate pipeline files (default: every file in the pipelines folder), then what each
+    needs of the world: its source, and each sink's database and table against what the
+    transform writes, every mismatch with the DDL that fixes it."""
+    from tidemark.driver import preflight
+
     paths = list(files) or cfg.pipeline_files(ctx.folder)
     failed = 0
     for path in paths:
         try:
-            cfg.load(path)
-            click.echo(f"ok      {path}")
+            pipeline = cfg.load(path)
         except ConfigError as exc:
             failed += 1
             click.echo(f"invalid {exc}")
+            continue
+        problems = [] if offline else preflight.problems(pipeline)
+        if problems:
+            failed += 1
+            for problem in problems:
+                click.echo(f"invalid {path}: {problem}")
+        else:
+            click.echo(f"ok      {path}")
     if failed:
         raise BadInput(f"{failed} of {len(paths)} pipeline file(s) invalid")
 

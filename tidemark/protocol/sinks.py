@@ -12,8 +12,8 @@ from tidemark.config import Pipeline, Sink
 from tidemark.core.db import connect, qualified, require_prepared_transactions, scalar
 from tidemark.core.errors import TidemarkError
 from tidemark.ledger import markers
-
-META_COLUMNS = [("_tm_partition", "integer"), ("_tm_offset", "bigint"), ("_tm_run_id", "bigint")]
+from tidemark.protocol import sink_schema
+from tidemark.protocol.sink_schema import META_COLUMNS
 
 
 @dataclass
@@ -45,26 +45,52 @@ def table_exists(sink: ResolvedSink) -> bool:
         )
 
 
+def table_problems(
+    sink: ResolvedSink, columns: list[tuple[str, str | None]] | None, what: str
+) -> list[str]:
+    """What keeps the run from writing ``columns`` (None: not knowable before Spark runs the
+    transform; the key and Tidemark's columns are checked still) to the sink's table, each
+    with its fix; a missing table the run may create is none."""
+    with connect(sink.dsn, autocommit=True, what=what) as conn:
+        require_prepared_transactions(conn, what)
+        have = sink_schema.table_columns(conn, sink.config.table)
+        if have is None:
+            return [] if sink.config.create_table else [_no_table(sink.config, what)]
+        keys = sink_schema.unique_keys(conn, sink.config.table)
+        return sink_schema.plan(sink.config, have, keys, columns).problems
+
+
+def _no_table(cfg: Sink, what: str) -> str:
+    return f"{what}: table {cfg.table} does not exist (create it, or set create_table: true)"
+
+
 def ensure_table(
     sink: ResolvedSink, columns: list[tuple[str, str]], what: str, tombstones: bool = False
-) -> None:
-    """The sink's table, created or checked; with ``tombstones`` (the sink deletes keys) also
-    its tombstone table."""
+) -> list[str]:
+    """The sink's table, created, or checked and evolved as its ``schema`` allows; with
+    ``tombstones`` (the sink deletes keys) also its tombstone table. Returns what changed
+    in the table ("added column x text")."""
     cfg = sink.config
     with connect(sink.dsn, autocommit=True, what=what) as conn:
         prepare_database(conn, what)
-        exists = scalar(conn.execute("SELECT to_regclass(%s)", (qualified(cfg.table),)))
-        if exists is None:
+        changes: list[str] = []
+        have = sink_schema.table_columns(conn, cfg.table)
+        if have is None:
             if not cfg.create_table:
-                raise TidemarkError(
-                    f"{what}: table {cfg.table} does not exist "
-                    f"(create it, or set create_table: true)"
-                )
+                raise TidemarkError(_no_table(cfg, what))
             _create(conn, cfg, columns)
         else:
-            _check(conn, cfg, columns, what)
+            keys = sink_schema.unique_keys(conn, cfg.table)
+            plan = sink_schema.plan(cfg, have, keys, list(columns))
+            if not plan.ok:
+                raise TidemarkError(f"{what}: {'; '.join(plan.problems)}")
+            # Before the write: a column added now is NULL in every row already there, and a
+            # write that then fails leaves only that (the next run adds nothing again).
+            sink_schema.evolve(conn, cfg, plan.adds)
+            changes = plan.changes()
         if tombstones:
             _create_tombstones(conn, cfg)
+        return changes
 
 
 def tombstone_name(table: str) -> str:
@@ -123,38 +149,4 @@ def _create(conn: psycopg.Connection, cfg: Sink, columns: list[tuple[str, str]])
             sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
                 sql.SQL(qualified(cfg.table)), sql.SQL(", ").join(defs)
             )
-        )
-
-
-def _check(conn: psycopg.Connection, cfg: Sink, columns: list[tuple[str, str]], what: str) -> None:
-    have: dict[str, bool] = dict(
-        conn.execute(
-            """SELECT attname, attnotnull FROM pg_attribute WHERE attrelid = %s::regclass
-           AND attnum > 0 AND NOT attisdropped""",
-            (qualified(cfg.table),),
-        ).fetchall()
-    )
-    missing = [n for n, _ in [*columns, *META_COLUMNS] if n not in have]
-    if missing:
-        raise TidemarkError(f"{what}: table {cfg.table} lacks columns {', '.join(missing)}")
-    # A NULL key is distinct from every other NULL: the row would duplicate on every
-    # re-delivery (and vanish in the merge's DISTINCT ON). Refuse such a table.
-    nullable = [k for k in cfg.key if not have[k]]
-    if nullable:
-        raise TidemarkError(
-            f"{what}: table {cfg.table} allows NULL in key column(s) "
-            f"{', '.join(nullable)}; make them NOT NULL (ALTER TABLE "
-            f"{cfg.table} ALTER COLUMN {nullable[0]} SET NOT NULL)"
-        )
-    unique = conn.execute(
-        """SELECT 1 FROM pg_index i WHERE i.indrelid = %s::regclass AND i.indisunique
-           AND i.indpred IS NULL AND (SELECT array_agg(a.attname::text ORDER BY a.attname)
-               FROM pg_attribute a WHERE a.attrelid = i.indrelid
-               AND a.attnum = ANY(i.indkey)) = %s""",
-        (qualified(cfg.table), sorted(cfg.key)),
-    ).fetchone()
-    if unique is None:
-        raise TidemarkError(
-            f"{what}: table {cfg.table} needs a unique index on exactly "
-            f"({', '.join(cfg.key)}) for keyed upserts"
         )

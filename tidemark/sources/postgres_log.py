@@ -62,6 +62,33 @@ def create_log_table(conn: psycopg.Connection, table: str) -> None:
         )
 
 
+def problems(src: PostgresLogSource, dsn: str) -> list[str]:
+    """What keeps a run from reading the log table: it or its columns missing, one line each."""
+    with connect(dsn, autocommit=True, what="source database") as conn:
+        if scalar(conn.execute("SELECT to_regclass(%s)", (qualified(src.table),))) is None:
+            return [
+                f"source table {src.table} does not exist (docs/pipelines.md, 'Sources', "
+                f"names the columns it needs)"
+            ]
+        have = {
+            r[0]
+            for r in conn.execute(
+                "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 0 "
+                "AND NOT attisdropped",
+                (qualified(src.table),),
+            )
+        }
+    missing = [f"{k} ({v})" for k, v in src.columns.model_dump().items() if v not in have]
+    return (
+        [
+            f"source table {src.table} lacks the column(s) named for {', '.join(missing)} "
+            f"(set source.columns to its names)"
+        ]
+        if missing
+        else []
+    )
+
+
 def append(
     conn: psycopg.Connection,
     table: str,
