@@ -629,3 +629,15 @@ def test_a_parquet_segment_without_rows_stops_the_run(tmp_path):
     with pytest.raises(TidemarkError, match=problem):
         read(tmp_path, None, 0, 5, 11)
     assert len(rows(read(tmp_path, None, 0, 5, 10))) == 5  # a range below it does not open it
+
+
+def test_a_time_window_maps_to_offsets_of_each_partition_from_the_records_times(archive):
+    root, _ = archive
+    planner = fa.FileArchivePlanner(FileArchiveSource(type="file_archive", uri=str(root)))
+    # rec() stamps offset o at T0 + o seconds: [T0+3s, T0+12s) holds offsets 3..11 of
+    # partition 0 and 3..4 of partition 2 (partition 1 starts at 100 s).
+    since, until = T0 + timedelta(seconds=3), T0 + timedelta(seconds=12)
+    assert planner.window(0, since, until, end=25) == (3, 12)
+    assert planner.window(0, since, until, end=8) == (3, 8)
+    assert planner.window(2, since, until, end=5) == (3, 5)
+    assert planner.window(1, since, until, end=126) is None

@@ -448,3 +448,22 @@ def test_payloads_the_reader_decodes_with_arrow_decode_as_spark_alone_would(env,
             x, y = got[json_arrow.column(i)], r[name]
             assert x == y or (x != x and y != y), (payloads[r["_tm_offset"]][:80], name, x, y)
     assert accepted > 2000, accepted
+
+
+def test_a_time_window_maps_to_the_smallest_offset_range_holding_each_of_its_records(env):
+    t0 = datetime(2026, 3, 1, tzinfo=UTC)
+    with psycopg.connect(env.ledger_dsn) as c:
+        # Partition 0's times run out of order at offset 3 (a late producer's clock).
+        for off, minute in enumerate([0, 5, 10, 2, 15, 20]):
+            c.execute(
+                'INSERT INTO src.log ("partition", "offset", payload, ts) VALUES (0, %s, %s, %s)',
+                (off, b"{}", t0.replace(minute=minute)),
+            )
+    planner = _planner(env)
+    since, until = t0.replace(minute=1), t0.replace(minute=11)
+    # Minutes 5 and 10 (offsets 1, 2) and the late 2 (offset 3): [1, 4).
+    assert planner.window(0, since, until, end=6) == (1, 4)
+    # Only what lies below ``end`` (the committed checkpoint) counts.
+    assert planner.window(0, since, until, end=3) == (1, 3)
+    assert planner.window(0, t0.replace(minute=21), t0.replace(minute=30), end=6) is None
+    assert planner.window(1, since, until, end=6) is None

@@ -248,6 +248,24 @@ class FileArchivePlanner:
     def latest(self, partition: int) -> int | None:
         return self.end(partition) if self._segs(partition) else None
 
+    def window(
+        self, partition: int, since: datetime, until: datetime, end: int
+    ) -> tuple[int, int] | None:
+        """Reads the records' times from the partition's first offset to ``end``: an archive
+        has no index by time."""
+        first = self.earliest(partition)
+        if first is None or first >= end:
+            return None
+        lo = hi = None
+        for b in read_range(self.src, Range(partition, first, end)):
+            ts, off = b.column("_tm_ts"), b.column("_tm_offset")
+            inside = pc.and_(pc.greater_equal(ts, since), pc.less(ts, until))
+            picked = pc.filter(off, inside)
+            if len(picked):
+                lo = pc.min(picked).as_py() if lo is None else lo
+                hi = pc.max(picked).as_py()
+        return None if lo is None or hi is None else (lo, hi + 1)
+
     def record_time(self, partition: int, offset: int) -> None:
         return None  # it would mean reading a segment: the lag alert uses the record count
 

@@ -187,6 +187,18 @@ class PostgresLogPlanner:
         ).fetchone()
         return row[0] if row else None
 
+    def window(
+        self, partition: int, since: datetime, until: datetime, end: int
+    ) -> tuple[int, int] | None:
+        row = self.conn.execute(
+            self._q(
+                "SELECT min({offset}), max({offset}) FROM {t} WHERE {partition} = %s "
+                "AND {offset} < %s AND {ts} >= %s AND {ts} < %s"
+            ),
+            (partition, end, since, until),
+        ).fetchone()
+        return None if row is None or row[0] is None else (row[0], row[1] + 1)
+
     def latest(self, partition: int) -> int | None:
         first = self.earliest(partition)
         if first is None:
