@@ -177,7 +177,7 @@ def commit_chosen(
         if after_each:
             after_each()
         runs.record_outcome(ledger, run_id, sink, gid, outcome)
-        if outcome == "lost":
+        if outcome == runs.Outcome.LOST:
             lost.append(gid)
     return lost
 
