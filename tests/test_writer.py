@@ -26,6 +26,7 @@ from tidemark.protocol.taskspec import (
     ByKey,
     ByRanges,
     ByRecords,
+    CopyFormat,
     Delivering,
     Placement,
     Redriving,
@@ -284,8 +285,9 @@ def test_binary_copy_and_the_csv_fallback(env: Any) -> None:
     awkward = ['quote " comma , new\nline', "", None, "日本 \\x41"]
     records = [order(0, o, name=awkward[o], amount=o * 1.25) for o in range(4)]
     r = bench.run(spec, [batch(records)])
-    assert r.sinks["main"].copy_format == "binary"
-    assert r.sinks["copy"].copy_format.startswith("csv: column amount (double into numeric")
+    assert r.sinks["main"].copy_format == CopyFormat.BINARY
+    assert r.sinks["copy"].copy_format == CopyFormat.CSV
+    assert r.sinks["copy"].csv_why.startswith("column amount (double into numeric")
     bench.commit(r)
     for sink in ("main", "copy"):
         got = [(i, n, float(a)) for i, n, a, *_ in bench.rows(sink)]
