@@ -285,7 +285,7 @@ def raw_copy(
                     if fmt == "binary":
                         cp.write(pgbinary.TRAILER)
                 conn.commit()
-        except BaseException as exc:  # reported after the join
+        except BaseException as exc:  # noqa: BLE001 - a thread's error, reported after the join
             errors.append(exc)
 
     threads = [threading.Thread(target=load, args=(s,)) for s in shares]

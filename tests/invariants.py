@@ -53,6 +53,33 @@ def assert_exactly_once(
         assert left == [], f"prepared transactions left: {left}"
 
 
+def assert_at_least_once(
+    env, pipeline: str = "orders", sinks: dict[str, str] | None = None, table: str = "orders"
+) -> None:
+    """What at least once promises (docs/pipelines.md, ``delivery``), per sink: every source
+    offset below its checkpoint is placed (its own row or a live dead letter naming the sink,
+    or superseded by a newer version of its key), maybe more than once; no prepared
+    transaction is left (none is ever made)."""
+    sinks = sinks or {"main": env.sink_dsn}
+    source = env.ledger('SELECT "partition", "offset" FROM src.log')
+    for sink, dsn in sinks.items():
+        cps = env.checkpoints(pipeline, sink)
+        below = {(p, o) for p, o in source if o < cps.get(p, 0)}
+        delivered = set(env.q(dsn, f"SELECT _tm_partition, _tm_offset FROM {table}"))
+        dead = env.ledger(
+            "SELECT source_partition, source_offset FROM tidemark.dlq WHERE pipeline = %s "
+            "AND sink = %s AND status::text = ANY(%s)",
+            (pipeline, sink, list(LIVE)),
+        )
+        placed = delivered | set(dead) | _superseded(env, below, delivered)
+        assert placed >= below, (
+            f"{sink}: records below the checkpoint lost: {sorted(below - placed)[:5]}"
+        )
+    for dsn in {env.ledger_dsn, *sinks.values()}:
+        left = env.q(dsn, "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()")
+        assert left == [], f"prepared transactions left: {left}"
+
+
 def _superseded(
     env, offsets: set[tuple[int, int]], delivered: set[tuple[int, int]]
 ) -> set[tuple[int, int]]:

@@ -90,6 +90,14 @@ def _until(what: str, pred, timeout: float = 420):
     raise AssertionError(f"{what}: not reached in {timeout}s")
 
 
+def _sign_in(page, stack) -> None:
+    """Airflow's own sign-in form, as admin."""
+    page.goto(stack.url + "/")
+    page.fill("input[name=username]", "admin")
+    page.fill("input[name=password]", stack.password())
+    page.get_by_role("button", name="Sign in").click()
+
+
 def test_review_redrive_and_discard_in_the_browser(site):
     from playwright.sync_api import expect, sync_playwright
 
@@ -100,10 +108,7 @@ def test_review_redrive_and_discard_in_the_browser(site):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True)
         page = browser.new_page(viewport={"width": 1400, "height": 900})
-        page.goto(stack.url + "/")
-        page.fill("input[name=username]", "admin")
-        page.fill("input[name=password]", stack.password())
-        page.get_by_role("button", name="Sign in").click()
+        _sign_in(page, stack)
         page.get_by_role("link", name="Dead letters").first.click()
         frame = page.frame_locator("iframe").first
         expect(frame.get_by_text("Dead letters").first).to_be_visible(timeout=60_000)
@@ -176,10 +181,7 @@ def test_data_docs_render_in_their_sandbox_and_send_nothing_anywhere(site):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True)
         page = browser.new_page(viewport={"width": 1400, "height": 900})
-        page.goto(stack.url + "/")
-        page.fill("input[name=username]", "admin")
-        page.fill("input[name=password]", stack.password())
-        page.get_by_role("button", name="Sign in").click()
+        _sign_in(page, stack)
         expect(page.get_by_role("link", name="Dead letters").first).to_be_visible(timeout=60_000)
         page.goto(stack.url + f"/tidemark/dlq/record/{letter[0]}")
         docs = page.locator("a[href*='/tidemark/dlq/docs/']").first

@@ -5,6 +5,7 @@ before it get their source headers and timestamp from the source, or the reason 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from datetime import UTC, datetime
 
@@ -91,6 +92,20 @@ def test_the_ledger_enums_are_the_python_enums(env):
     assert labels("run_state") == [s.value for s in RunState]
     assert labels("error_class") == [c.value for c in ErrorClass]
     assert labels("dlq_status") == [s.value for s in LetterStatus]
+
+
+def test_the_participant_outcomes_are_the_python_enum(env):
+    """A participant's outcome is a CHECK on text, not an enum type: the values it allows
+    must be exactly Outcome's."""
+    from tidemark.ledger.runs import Outcome
+
+    [(check,)] = env.ledger(
+        "SELECT pg_get_constraintdef(c.oid) FROM pg_constraint c "
+        "JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = ANY(c.conkey) "
+        "WHERE c.conrelid = 'tidemark.participants'::regclass AND c.contype = 'c' "
+        "AND a.attname = 'outcome'"
+    )
+    assert re.findall(r"'([^']*)'::text", check) == [o.value for o in Outcome]
 
 
 def test_v007_letters_from_before_it_get_the_source_fields_or_the_reason(pg, monkeypatch):

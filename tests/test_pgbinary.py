@@ -16,6 +16,7 @@ from tests.invariants import assert_exactly_once
 from tidemark.core.db import is_data_error
 from tidemark.engine import pgbinary
 from tidemark.engine.sink_writer import _for_csv
+from tidemark.protocol.taskspec import CopyFormat
 
 COLUMNS = """i2 smallint, i4 integer, i8 bigint, wide bigint, f4 real, f8 double precision,
     b boolean, s text, v varchar(8), j jsonb, by bytea, d date, ts timestamptz, tn timestamp"""
@@ -145,7 +146,8 @@ def test_a_run_says_how_its_rows_went_in(env, spark):
     env.append_orders(range(40))
     env.pipeline()
     rep = env.run(spark)
-    assert rep.ok and rep.sinks["main"].copy_format == "binary"
+    assert rep.ok and rep.sinks["main"].copy_format == CopyFormat.BINARY
+    assert rep.to_dict()["sinks"]["main"]["csv_why"] == ""
     with psycopg.connect(env.sink2_dsn, autocommit=True) as c:
         c.execute("""CREATE TABLE public.orders (id integer PRIMARY KEY, name text,
             amount numeric(12, 2), version bigint, _tm_partition integer NOT NULL,
@@ -156,7 +158,8 @@ def test_a_run_says_how_its_rows_went_in(env, spark):
     )
     rep = env.run(spark, name="typed")
     assert rep.ok and rep.sinks["main"].rows == 40
-    assert rep.sinks["main"].copy_format.startswith("csv: column amount (double into numeric")
+    assert rep.sinks["main"].copy_format == CopyFormat.CSV
+    assert rep.sinks["main"].csv_why.startswith("column amount (double into numeric")
     assert env.q(env.sink2_dsn, "SELECT amount FROM public.orders WHERE id = 3") == [
         (pytest.approx(3.75),)
     ]

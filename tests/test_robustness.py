@@ -6,6 +6,7 @@ PostgreSQL and real job processes."""
 from __future__ import annotations
 
 import signal
+import subprocess
 import threading
 import time
 
@@ -14,6 +15,7 @@ import pytest
 
 from tests.invariants import assert_exactly_once
 from tests.proc import JobProcess
+from tidemark.core.dsn import mask
 from tidemark.core.errors import Fenced
 from tidemark.engine.transactions import rollback_earlier_attempts
 from tidemark.ledger import markers, state
@@ -51,6 +53,35 @@ def test_recovery_sweeps_a_second_writes_gids_and_those_of_a_release_before_writ
     assert rep.ok, rep.errors
     assert sorted(rep.rolled_back) == sorted(mine)
     assert env.prepared() == []
+
+
+def test_recovery_reports_a_gid_with_its_prefix_it_cannot_read_and_leaves_it_prepared(env):
+    """A prepared transaction with Tidemark's prefix whose gid does not parse names no run,
+    stage or task: recovery never guesses (commit or roll back), it leaves it prepared and
+    says so, naming the database and the gid, and `tidemark recover` exits 1. A gid without
+    the prefix is someone else's and stays out of it."""
+    env.pipeline()
+    odd = ["tm:7:s.main:3:0:0", "tm:7:s.main:x:0"]  # write 0 spelled out; a task no number
+    for gid in [*odd, "theirs:7:s.main:3:0"]:
+        _prepare(env.sink_dsn, gid)
+    try:
+        rep = env.recover()
+        assert not rep.ok and rep.rolled_back == []
+        assert rep.unparsed == [(mask(env.sink_dsn), gid) for gid in odd]
+        assert len(rep.errors) == 2
+        for gid, line in zip(odd, rep.errors, strict=True):
+            assert mask(env.sink_dsn) in line and gid in line and "left prepared" in line
+        code = subprocess.run(
+            env.cli_argv("recover"), env=env.cli_env(), capture_output=True, text=True
+        )
+        assert code.returncode == 1
+        assert f"error: {rep.errors[0]}" in code.stdout, code.stdout
+        still = env.q(env.sink_dsn, "SELECT gid FROM pg_prepared_xacts ORDER BY gid")
+        assert [g for (g,) in still] == sorted([*odd, "theirs:7:s.main:3:0"])
+    finally:
+        with psycopg.connect(env.sink_dsn, autocommit=True) as c:
+            for gid in [*odd, "theirs:7:s.main:3:0"]:
+                twopc.rollback(c, gid)
 
 
 def _claimed(conn, ttl: int = 60):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tidemark import config
@@ -224,6 +226,34 @@ def test_a_task_spec_accounts_for_what_it_places_and_survives_the_trip_to_its_ta
     wire["placement"]["mode"] = "run"  # a delivery has no request: refused, not ignored
     with pytest.raises(ValidationError):
         TaskSpec.model_validate(wire)
+
+
+def test_a_sink_result_says_its_copy_format_and_why_csv():
+    """The COPY format is an enum on the wire, and the reason for CSV its own field: given
+    for CSV, and only for it."""
+    from pydantic import ValidationError
+
+    from tidemark.driver.report import SinkOutcome
+    from tidemark.protocol.taskspec import CopyFormat, SinkResult
+
+    csv = SinkResult(rows=2, copy_format=CopyFormat.CSV, csv_why="column amount (double)")
+    assert SinkResult.model_validate_json(csv.model_dump_json()) == csv
+    assert SinkResult.model_validate({"copy_format": "binary"}).copy_format is CopyFormat.BINARY
+    for bad in [
+        {"copy_format": "csv"},
+        {"copy_format": "binary", "csv_why": "x"},
+        {"csv_why": "x"},
+        {"copy_format": "csv: column amount"},
+    ]:
+        with pytest.raises(ValidationError):
+            SinkResult.model_validate(bad)
+    out = SinkOutcome("main", "committed")
+    out.take_copy_format([SinkResult(), csv, SinkResult(copy_format=CopyFormat.CSV, csv_why="b")])
+    assert (out.copy_format, out.csv_why) == (CopyFormat.CSV, "column amount (double)")
+    assert json.loads(json.dumps(vars(out)))["copy_format"] == "csv"
+    none = SinkOutcome("main", "committed")
+    none.take_copy_format([SinkResult()])
+    assert (none.copy_format, none.csv_why) == (None, "")
 
 
 def test_a_task_accounts_by_ranges_by_key_or_by_records():

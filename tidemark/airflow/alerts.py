@@ -305,7 +305,7 @@ class WebhookNotifier(HttpNotifier):
         try:
             conn = BaseHook.get_connection(self.webhook_conn_id)
             url = webhook_url(conn)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - whatever Airflow raises: one line
             raise RuntimeError(
                 f"webhook connection {self.webhook_conn_id!r}: {_one_line(exc)}"
             ) from None
@@ -324,7 +324,7 @@ class WebhookNotifier(HttpNotifier):
             HttpNotifier.notify(self, {})
         except _HTTPStatus as exc:
             raise RuntimeError(f"webhook {where}: {exc}") from None
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - any failure: one line, secrets masked
             raise RuntimeError(f"webhook {where}: {_one_line(exc, *secrets)}") from None
         finally:
             self.json = None
@@ -373,7 +373,7 @@ class EmailAlert(_Alert):
                     html_content=_html(body),
                     from_email=self.from_email,
                 )
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - whatever SMTP raises: one line
             raise RuntimeError(
                 f"e-mail via connection {self.smtp_conn_id} to "
                 f"{', '.join(self.to)}: {_one_line(exc)}"
@@ -420,6 +420,6 @@ def send(pipeline, subject: str, body: str) -> list[str]:
             elif isinstance(notifier, WebhookNotifier):
                 notifier.post(f"{subject}\n{body}")
                 delivered.append("webhook")
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - an alert never hides the task's own failure
             log.error("alert not sent: %s", exc)
     return delivered

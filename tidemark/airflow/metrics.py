@@ -114,5 +114,5 @@ def safely(fn, *args) -> None:
     """Metrics never fail the task that sends them: a problem is logged in one line."""
     try:
         fn(*args)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - metrics never fail the task
         log.warning("tidemark metrics not sent: %s: %s", type(exc).__name__, exc)

@@ -500,7 +500,7 @@ def main(argv: list[str] | None = None) -> None:
     except psycopg.Error as exc:
         click.echo(f"tidemark: database error: {one_line(exc)}", err=True)
         sys.exit(1)
-    except Exception as exc:  # noqa: BLE001 - never a bare traceback to a user
+    except Exception as exc:  # never a bare traceback to a user
         if os.environ.get("TIDEMARK_DEBUG"):
             raise
         click.echo(

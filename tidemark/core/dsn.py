@@ -55,7 +55,7 @@ def airflow_connection_uri(conn_id: str) -> str:
         ) from None
     try:
         conn = BaseHook.get_connection(conn_id)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - whatever Airflow raises: one masked line
         raise BadInput(f"Airflow connection {conn_id!r} not found: {mask(str(exc))}") from None
     return _normalize_scheme(conn.get_uri())
 
@@ -70,7 +70,7 @@ def airflow_connection_if_defined(conn_id: str) -> str | None:
         return None
     try:
         conn = BaseHook.get_connection(conn_id)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - its type is Airflow's (core cannot import it)
         if type(exc).__name__ == "AirflowNotFoundException":
             return None
         raise TidemarkError(f"Airflow connection {conn_id!r}: {mask(str(exc))}") from None

@@ -3,10 +3,12 @@ read, and where the time went."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from tidemark.ledger.state import RunState
+from tidemark.protocol.taskspec import CopyFormat, SinkResult
 
 UP_TO_DATE = "up to date: nothing to replay"
 # What a sink's tasks count, summed per sink (SinkOutcome, protocol.taskspec.SinkResult).
@@ -25,7 +27,15 @@ class SinkOutcome:
     fallback: int = 0  # backfill: older versions examined for keys that lost their row
     tombstones: int = 0  # tombstones that delete their key (tombstones: delete)
     error: str | None = None
-    copy_format: str = ""  # "binary", or "csv: <the column binary COPY cannot carry>"
+    copy_format: CopyFormat | None = None  # None: no rows went in
+    csv_why: str = ""  # CSV: the first column binary COPY cannot carry
+
+    def take_copy_format(self, results: Iterable[SinkResult]) -> None:
+        """The format of the first task that wrote rows: every task chooses the same one (the
+        schema is the transform's, the columns the sink's)."""
+        first = next((r for r in results if r.copy_format is not None), None)
+        if first is not None:
+            self.copy_format, self.csv_why = first.copy_format, first.csv_why
 
 
 @dataclass

@@ -525,9 +525,9 @@ class Run:
         errors = [m.error for m in mine if m.error]
         for name in COUNTS:
             setattr(out, name, sum(getattr(m, name) for m in mine))
-        out.copy_format = next((m.copy_format for m in mine if m.copy_format), "")
-        if out.copy_format.startswith("csv"):  # slower, not wrong: say why once per run
-            self.log(f"run {claim.run_id} sink {sink}: rows go by CSV COPY ({out.copy_format[5:]})")
+        out.take_copy_format(mine)
+        if out.csv_why:  # slower, not wrong: say why once per run
+            self.log(f"run {claim.run_id} sink {sink}: rows go by CSV COPY ({out.csv_why})")
         if not errors:
             missing = self._not_prepared(sink, by_name)
             if missing:

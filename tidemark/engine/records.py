@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 
+from pyspark.errors import PySparkException
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import DataType
@@ -136,7 +137,9 @@ def transform(df: DataFrame, pipeline: Pipeline) -> DataFrame:
     try:
         outputs = [F.expr(expr).alias(col) for col, expr in t.select.items()]
         out = df.select(*carried, *outputs)
-    except Exception as exc:  # AnalysisException / ParseException: a pipeline bug
+    # Spark's analysis or parse error: a pipeline bug. Only Spark's: a SIGTERM (Terminated)
+    # while Spark analyses the select must stop the run, not read as a bad expression.
+    except PySparkException as exc:
         raise ConfigError(
             where, f"invalid expression: {str(exc).splitlines()[0]}", "select"
         ) from None

@@ -141,7 +141,8 @@ class SinkTask:
             tombstones=o["tombstones"],
             resolved=self.dead.resolved,
             error=self.w.failed,
-            copy_format=self.w.copy_format or "",
+            copy_format=self.w.copy_format,
+            csv_why=self.w.csv_why,
             phases=self.w.phases.rounded(),
             **extra,
         )

@@ -27,7 +27,7 @@ from tidemark.engine import pgbinary, tombstones, transactions
 from tidemark.engine.dead_letters import DeadLetters, Record
 from tidemark.ledger import markers
 from tidemark.protocol import gids, twopc
-from tidemark.protocol.taskspec import Prepared, SinkTarget, TaskSpec
+from tidemark.protocol.taskspec import CopyFormat, Prepared, SinkTarget, TaskSpec
 
 if TYPE_CHECKING:
     from tidemark.engine.redelivery import Redelivery
@@ -61,7 +61,8 @@ class SinkWriter:
         self.staged = False
         self.tombs: tombstones.Tombstones | None = None  # the sink ever deleted keys
         self.tomb_rows: list[Record] = []  # this task's tombstones that delete (redelivery)
-        self.copy_format: str | None = None  # "binary" or "csv: <why>", at the first rows
+        self.copy_format: CopyFormat | None = None  # chosen at the first rows
+        self.csv_why = ""  # CSV: the first column binary COPY cannot carry
         self.encoder: pgbinary.Encoder | None = None
         self.redelivery: Redelivery | None = None  # set for backfill and redrive
         self.write_failed_keys: set[tuple[Any, ...]] = set()  # keys of rows PostgreSQL refused
@@ -190,12 +191,12 @@ class SinkWriter:
     def _choose_format(self, schema: pa.Schema) -> None:
         """Binary COPY when every column's type carries over exactly, else CSV (which lets
         PostgreSQL parse and cast); decided once per task, the schema is the transform's."""
-        self.encoder, why = pgbinary.encoder(schema, self.pg_types)
-        fmt = "binary" if self.encoder is not None else "csv"
-        self.copy_format = f"csv: {why}" if why else fmt
+        self.encoder, self.csv_why = pgbinary.encoder(schema, self.pg_types)
+        fmt = CopyFormat.BINARY if self.encoder is not None else CopyFormat.CSV
+        self.copy_format = fmt
         copy = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT {})")
-        self.copy_sql = copy.format(self.stage_table, self.ident, sql.SQL(fmt))
-        self.direct_sql = copy.format(self.table, self.ident, sql.SQL(fmt))
+        self.copy_sql = copy.format(self.stage_table, self.ident, sql.SQL(fmt.value))
+        self.direct_sql = copy.format(self.table, self.ident, sql.SQL(fmt.value))
 
     def _write(self, table: pa.Table) -> None:
         buf = self._encode(table)  # encoded once, whichever path takes it

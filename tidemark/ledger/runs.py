@@ -3,6 +3,7 @@ checks and the Dead letters page. The writes are the transitions of state.py."""
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 import psycopg
@@ -14,6 +15,14 @@ from tidemark.ledger.state import ABORTABLE, AirflowRun, RunState, owner_alive_s
 # The states a run's sink is in before it is settled (committed, aborted or dq_failed).
 OPEN = (RunState.PLANNED, RunState.WRITING, RunState.PREPARED, RunState.COMMITTING)
 DECIDED = (RunState.COMMITTING, RunState.COMMITTED)
+
+
+class Outcome(StrEnum):
+    """What became of a chosen participant (``tidemark.participants.outcome``): committed
+    (now or earlier), or lost (gone without its marker row: someone else rolled it back)."""
+
+    COMMITTED = "committed"
+    LOST = "lost"
 
 
 def newest(conn: psycopg.Connection) -> int:
@@ -34,13 +43,13 @@ def chosen(conn: psycopg.Connection, run_id: int, sink: str) -> list[tuple[str, 
     """(gid, target) of a decision that are not known to be committed yet."""
     return conn.execute(
         "SELECT gid, target FROM tidemark.participants WHERE run_id = %s AND sink = %s "
-        "AND outcome IS DISTINCT FROM 'committed' ORDER BY target, gid",
-        (run_id, sink),
+        "AND outcome IS DISTINCT FROM %s ORDER BY target, gid",
+        (run_id, sink, Outcome.COMMITTED),
     ).fetchall()
 
 
 def record_outcome(
-    conn: psycopg.Connection, run_id: int, sink: str, gid: str, outcome: str
+    conn: psycopg.Connection, run_id: int, sink: str, gid: str, outcome: Outcome
 ) -> None:
     conn.execute(
         "UPDATE tidemark.participants SET outcome = %s WHERE run_id = %s "

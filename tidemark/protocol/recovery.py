@@ -9,7 +9,9 @@ ledger advisory lock, so two recoveries never interleave; every step is idempote
    released the moment its process dies) or whose lease expired or moved: roll back its
    sink's prepared transactions and mark it ``aborted``.
 3. Any prepared transaction with our prefix that no live run may still choose: roll back.
-   Runs newer than this recovery's view of the ledger are left alone.
+   Runs newer than this recovery's view of the ledger are left alone. One with our prefix
+   whose gid does not parse (no run, stage or task can be read from it) is never guessed
+   at: it stays prepared and is reported as an error naming its database and gid.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Report:
     rolled_back: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)
     old_prepared: list[tuple[str, str, float]] = field(default_factory=list)  # db, gid, age
+    unparsed: list[tuple[str, str]] = field(default_factory=list)  # db, gid: left prepared
     errors: list[str] = field(default_factory=list)
     # pipeline -> its errors: one pipeline's broken database never fails another's checks.
     errors_of: dict[str, list[str]] = field(default_factory=dict)
@@ -177,7 +180,7 @@ def commit_chosen(
         if after_each:
             after_each()
         runs.record_outcome(ledger, run_id, sink, gid, outcome)
-        if outcome == "lost":
+        if outcome == runs.Outcome.LOST:
             lost.append(gid)
     return lost
 
@@ -219,7 +222,16 @@ def _sweep(
             report.error(f"cannot prune markers on {mask(dsn)}: {one_line(exc)}", dbs.users(dsn))
         for gid, age in found:
             g = gids.parse(gid, prefix)
-            if g is None or g.run_id > horizon:
+            if g is None:  # ours by its prefix, but whose? Never guess: a human decides.
+                report.unparsed.append((mask(dsn), gid))
+                report.error(
+                    f"{mask(dsn)}: prepared transaction {gid} has the gid prefix "
+                    f"{prefix} but no run, stage or task can be read from it; left "
+                    f"prepared: COMMIT PREPARED or ROLLBACK PREPARED it by hand",
+                    dbs.users(dsn),
+                )
+                continue
+            if g.run_id > horizon:
                 continue
             if gid in chosen or _may_still_choose(live.get(g.run_id, {}), g):
                 if age >= alert_seconds:

@@ -16,6 +16,7 @@ and dispatched on once by the task (tidemark/engine/writer.py):
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -34,6 +35,14 @@ FALLBACK = "_tm_fallback"
 # The index (in TaskSpec.checks) of a record's first failing row check, when the write job
 # itself runs the row checks (docs/quality.md, "One pass"); None: it passes them all.
 CHECK = "_tm_check"
+
+
+class CopyFormat(StrEnum):
+    """How a sink's rows go in (tidemark/engine/sink_writer.py): binary COPY when every
+    column's type carries over exactly, else CSV, which lets PostgreSQL parse and cast."""
+
+    BINARY = "binary"
+    CSV = "csv"
 
 
 class _Model(BaseModel):
@@ -193,8 +202,15 @@ class SinkResult(_Model):
     failed_again: list[int] = []  # redrive: letter ids quarantined again
     skipped: list[int] = []  # redrive: letter ids no longer quarantined
     error: str | None = None  # this sink failed in this task
-    copy_format: str = ""  # "binary", or "csv: <why>" (no rows: "")
+    copy_format: CopyFormat | None = None  # None: no rows
+    csv_why: str = ""  # CSV: the first column binary COPY cannot carry
     phases: dict[str, float] = {}  # seconds: encode, copy, merge, prepare
+
+    @model_validator(mode="after")
+    def _csv_says_why(self) -> SinkResult:
+        if (self.copy_format == CopyFormat.CSV) != bool(self.csv_why):
+            raise ValueError("csv_why is given for CSV COPY, and only for it")
+        return self
 
 
 class TaskResult(_Model):

@@ -13,6 +13,7 @@ import psycopg
 from psycopg import errors as pgerr
 
 from tidemark.ledger import markers
+from tidemark.ledger.runs import Outcome
 
 
 def prepared(conn: psycopg.Connection, like: str) -> list[tuple[str, float]]:
@@ -57,13 +58,13 @@ def rollback(conn: psycopg.Connection, gid: str, busy_seconds: float = 60.0) -> 
     return _finish(conn, "ROLLBACK", gid, busy_seconds)
 
 
-def commit(conn: psycopg.Connection, gid: str, busy_seconds: float = 60.0) -> str:
-    """Commit a chosen gid. Returns 'committed' (now or earlier) or 'lost'.
+def commit(conn: psycopg.Connection, gid: str, busy_seconds: float = 60.0) -> Outcome:
+    """Commit a chosen gid: committed (now or earlier) or lost.
 
     A gid that is gone committed earlier if its marker row is here; with no marker it was
     rolled back by someone else, which the caller must treat as an inconsistency. A lost
     connection propagates: the outcome is then unknown and only recovery may settle it.
     """
     if _finish(conn, "COMMIT", gid, busy_seconds):
-        return "committed"
-    return "committed" if markers.has(conn, gid) else "lost"
+        return Outcome.COMMITTED
+    return Outcome.COMMITTED if markers.has(conn, gid) else Outcome.LOST

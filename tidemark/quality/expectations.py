@@ -60,7 +60,7 @@ def _pydantic_problem(name: str, exc: Exception) -> str:
     """One readable line from a pydantic (v1) ValidationError, naming the arguments."""
     try:
         errors = exc.errors()  # type: ignore[attr-defined]
-    except Exception:  # not a pydantic error
+    except Exception:  # noqa: BLE001 - not a pydantic error: its own message then
         return f"{name}: {exc}"
     seen: dict[str, list[str]] = {}
     for err in errors:
@@ -116,7 +116,7 @@ def parse_expectations(items: list, where: str, field: str) -> list:
             raise ConfigError(where, f"{name}: argument names must be strings: {bad!r}", path)
         try:
             out.append(reg[name](**kwargs))
-        except Exception as exc:  # pydantic ValidationError, or a validator's ValueError
+        except Exception as exc:  # noqa: BLE001 - pydantic's ValidationError or a validator's own
             raise ConfigError(where, _pydantic_problem(name, exc), path) from None
     return out
 

@@ -300,7 +300,7 @@ class Answers:
         request = Request(scope)
         try:
             await self.app(scope, receive, headed)
-        except Exception as exc:  # noqa: BLE001 - the log has the traceback, never the caller
+        except Exception as exc:  # the log has the traceback, never the caller
             if started:
                 log.error(
                     "tidemark dead letters: %s %s failed after the answer began; "
