@@ -185,6 +185,16 @@ def test_backfill_arguments_are_checked(env):
     )
     assert code == 2
     assert "--to (3) must be greater than --from (9)" in err
+    for args, says in [
+        (["--partition", "0"], "--partition N needs --from and --to"),
+        ([], "say what to backfill: --partition, or --since and --until"),
+        (["--since", "2026-01-01"], "give both --since and --until"),
+        (["--since", "2026-01-02", "--until", "2026-01-01"], "must be after --since"),
+        (["--partition", "x"], "'x' is neither a partition number nor 'all'"),
+        (["--since", "2026-01-01", "--until", "2026-01-02", "--from", "1"], "or offsets"),
+    ]:
+        code, _, err = tm(env.cli_env(), "backfill", "orders", *args)
+        assert code == 2 and says in err and "Traceback" not in err, (args, err)
 
 
 def test_dq_show_and_status_report_the_gate(env):

@@ -14,6 +14,7 @@ from tests.invariants import assert_exactly_once
 from tidemark.core.errors import TidemarkError
 from tidemark.driver.run import Backfill
 from tidemark.ledger import dlq
+from tidemark.ledger.state import Range
 
 ROWS = "expect_column_values_to_be_between"
 
@@ -104,7 +105,7 @@ def test_a_backfill_leaves_the_sink_as_one_delivery_with_the_current_pipeline_wo
 
     # The pipeline changes: ids 0 .. 3 now fail (amount < 5), ids 21 .. 32 now pass.
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "min_value": 5, "max_value": 40}}]})
-    report = env.run(spark, mode=Backfill(0, 0, 40), by="erin")
+    report = env.run(spark, mode=Backfill([Range(0, 0, 40)]), by="erin")
     assert report.ok, report.summary()
     out = report.sinks["main"]
     # Every row of the range goes first (21: ids 0 .. 20), then the range is placed again.
@@ -133,7 +134,7 @@ def test_a_backfill_leaves_the_sink_as_one_delivery_with_the_current_pipeline_wo
 
     # Back to the first check: the 12 redriven letters are quarantined again, their rows gone.
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 25}}]})
-    again = env.run(spark, mode=Backfill(0, 0, 40))
+    again = env.run(spark, mode=Backfill([Range(0, 0, 40)]))
     assert again.ok and again.sinks["main"].removed == 29, again.summary()
     assert again.sinks["main"].resolved == 4  # ids 0 .. 3 pass again
     assert ids(env, env.sink_dsn) == list(range(21))
@@ -205,7 +206,7 @@ def test_a_backfill_that_removes_a_keys_row_places_its_older_versions_again(env,
     ]
 
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 50}}]})
-    report = env.run(spark, mode=Backfill(0, 3, 7))
+    report = env.run(spark, mode=Backfill([Range(0, 3, 7)]))
     assert report.ok, report.summary()
     out = report.sinks["main"]
     # Range: the rows of 4 .. 6 removed; 3 placed, 4 .. 6 quarantined. Keys 7 and 8 lost
@@ -229,7 +230,7 @@ def test_a_backfill_that_removes_a_keys_row_places_its_older_versions_again(env,
     # Back to no check: the backfill puts the newest versions back, and resolves the letters
     # of its range; offset 2 stays quarantined (outside the range), superseded by the row.
     env.pipeline()
-    again = env.run(spark, mode=Backfill(0, 3, 7))
+    again = env.run(spark, mode=Backfill([Range(0, 3, 7)]))
     assert again.ok and again.sinks["main"].resolved == 3, again.summary()
     assert env.q(env.sink_dsn, "SELECT id, _tm_offset FROM orders ORDER BY id") == [
         (7, 4),
@@ -269,7 +270,7 @@ def test_a_backfill_falls_back_to_a_version_in_another_partition_by_the_version_
         sinks=[main],
         quality={"rows": [{ROWS: {"column": "amount", "max_value": 50}}]},
     )
-    report = env.run(spark, mode=Backfill(0, 0, 2))
+    report = env.run(spark, mode=Backfill([Range(0, 0, 2)]))
     assert report.ok, report.summary()
     assert (report.sinks["main"].removed, report.sinks["main"].fallback) == (2, 1)
     assert env.q(env.sink_dsn, "SELECT id, version, _tm_partition FROM orders ORDER BY id") == [
@@ -292,7 +293,7 @@ def test_a_backfill_whose_batch_gate_fails_changes_nothing_whatever_the_policy(e
     env.pipeline(
         quality={**quality, "batch": [{"expect_table_row_count_to_be_between": {"max_value": 5}}]}
     )
-    report = env.run(spark, mode=Backfill(0, 0, 31))
+    report = env.run(spark, mode=Backfill([Range(0, 0, 31)]))
     assert report.sinks["main"].state == "dq_failed", report.summary()
     assert (env.q(env.sink_dsn, "SELECT * FROM orders ORDER BY id"), letters(env)) == before
     assert env.checkpoints() == {0: 31}
@@ -340,7 +341,7 @@ def test_versions_of_a_key_from_two_partitions_need_a_declared_order(env, spark)
     assert second.ok, second.summary()
     assert env.q(env.sink_dsn, "SELECT name, version FROM orders WHERE id = 7") == [("p1", 2)]
     # Re-delivering partition 0 never puts back an older version; what it skips is counted.
-    back = env.run(spark, mode=Backfill(0, 0, 3))
+    back = env.run(spark, mode=Backfill([Range(0, 0, 3)]))
     assert back.ok and back.sinks["main"].superseded == 2, back.summary()
     assert env.q(env.sink_dsn, "SELECT id, name, version FROM orders ORDER BY id") == [
         (1, "b", 2),

@@ -74,7 +74,11 @@ MATRIX = [
     ),
     *(
         Combo(mode, layout, delivery, path)
-        for mode, layout in (("backfill", "ranges"), ("redrive", "records"))
+        for mode, layout in (
+            ("backfill", "ranges"),
+            ("backfill", "together"),
+            ("redrive", "records"),
+        )
         for delivery in GUARANTEES
         for path in (NONE, FIRST)
     ),
@@ -119,7 +123,7 @@ def _modes(pipeline: Pipeline) -> list[Mode]:
     """One instance of every mode; a mode without one here fails the matrix's test."""
     made: dict[type, Callable[[], Mode]] = {
         Delivery: Delivery,
-        Backfill: lambda: Backfill(0, 0, 4),
+        Backfill: lambda: Backfill([Range(0, 0, 4)]),
         RedriveMode: lambda: RedriveMode(pipeline, "postgresql:///unused", None),
     }
     classes = _concrete(Mode)
@@ -129,14 +133,18 @@ def _modes(pipeline: Pipeline) -> list[Mode]:
 
 def _reads(mode: Mode, pipeline: Pipeline) -> list[list[Range]]:
     """The reads a claim of ``mode`` can hand its layout. A backfill plans without the
-    source: its plan says (one range, however many sinks). A delivery's (and a redrive's)
-    depend on the source (the letters): one partition or several."""
+    source: its plan says (its ranges, however many sinks): one partition's, or several
+    (--partition all, a time window). A delivery's (and a redrive's) depend on the source
+    (the letters): one partition or several."""
     if isinstance(mode, Backfill):
-        plan, _ = mode.planner(pipeline)
-        planned = plan({"a": {0: 10}, "b": {0: 10, 1: 10}})
-        claim = Claim(0, pipeline.name, mode.name)
-        claim.sinks = {s: SinkClaim(s, 1, r) for s, r in planned.items()}
-        return [claim.read_ranges()]
+        reads = []
+        for ranges in (mode.ranges, [Range(0, 0, 4), Range(1, 0, 4)]):
+            plan, _ = Backfill(ranges).planner(pipeline)
+            planned = plan({"a": {0: 10, 1: 10}, "b": {0: 10, 1: 10}})
+            claim = Claim(0, pipeline.name, mode.name)
+            claim.sinks = {s: SinkClaim(s, 1, r) for s, r in planned.items()}
+            reads.append(claim.read_ranges())
+        return reads
     return [[Range(0, 0, 10)], [Range(0, 0, 10), Range(1, 0, 10)]]
 
 
@@ -417,8 +425,9 @@ def _deliver(env, spark, combo: Combo, taken: Taken) -> Outcome:
 
 
 def _backfill(env, spark, combo: Combo, taken: Taken) -> Outcome:
-    """Delivered without checks, then partition 0 backfilled with names upper-cased and (FIRST)
-    the row check: its rows as the current pipeline makes them, partition 1's as they were."""
+    """Delivered without checks, then partition 0 (layout ranges) or every partition (layout
+    together) backfilled with names upper-cased and (FIRST) the row check: the backfilled
+    rows as the current pipeline makes them, the others as they were."""
     _append(env, RECORDS["ranges"])
     _write_pipeline(env, combo, {}, False)
     assert _run(env, spark, QualityPath.FIRST).ok
@@ -427,14 +436,17 @@ def _backfill(env, spark, combo: Combo, taken: Taken) -> Outcome:
         env, combo, quality, False, transform={"select": {**SELECT, "name": "upper(name)"}}
     )
     taken.clear()
-    report = _run(env, spark, path, Backfill(0, 0, env.checkpoints(sink="main")[0]))
+    # ranges: partition 0's range; together: every partition's (--partition all)
+    parts = [0] if combo.layout == "ranges" else sorted(env.checkpoints(sink="main"))
+    ranges = [Range(p, 0, env.checkpoints(sink="main")[p]) for p in parts]
+    report = _run(env, spark, path, Backfill(ranges))
 
     def place(p: int, rec: dict) -> tuple[dict | None, str | None]:
-        if p == 1:
+        if p not in parts:
             return rec, None
         return _checked(_strict(quality))(p, {**rec, "name": rec["name"].upper()})
 
-    return Outcome(report, _expected(env, place, False), 1)  # one partition's range
+    return Outcome(report, _expected(env, place, False), 1)  # a backfill writes in one task
 
 
 def _redrive(env, spark, combo: Combo, taken: Taken) -> Outcome:

@@ -11,6 +11,7 @@ from tests.invariants import assert_exactly_once
 from tidemark.core.errors import TidemarkError
 from tidemark.driver.run import Backfill
 from tidemark.ledger import state
+from tidemark.ledger.state import Range
 from tidemark.protocol.taskspec import TASK_PHASES
 
 
@@ -260,7 +261,7 @@ def test_backfill_is_idempotent_and_never_moves_checkpoints_back(env, spark):
     before = env.q(env.sink_dsn, f"SELECT {cols} FROM orders ORDER BY id")
     cps = env.checkpoints()
 
-    report = env.run(spark, mode=Backfill(0, 10, 40))
+    report = env.run(spark, mode=Backfill([Range(0, 10, 40)]))
     assert report.ok, report.summary()
     assert report.records == 30
     assert env.q(env.sink_dsn, f"SELECT {cols} FROM orders ORDER BY id") == before
@@ -269,11 +270,11 @@ def test_backfill_is_idempotent_and_never_moves_checkpoints_back(env, spark):
         ("backfill",)
     ]
     # Twice is the same as once.
-    assert env.run(spark, mode=Backfill(0, 10, 40)).ok
+    assert env.run(spark, mode=Backfill([Range(0, 10, 40)])).ok
     assert env.q(env.sink_dsn, f"SELECT {cols} FROM orders ORDER BY id") == before
 
     with pytest.raises(TidemarkError, match="goes past the checkpoint"):
-        env.run(spark, mode=Backfill(0, 40, 60))
+        env.run(spark, mode=Backfill([Range(0, 40, 60)]))
     assert env.prepared() == []
     assert_exactly_once(env)
 
@@ -287,7 +288,7 @@ def test_an_older_offset_never_overwrites_a_newer_version_of_a_key(env, spark):
     assert env.q(env.sink_dsn, "SELECT version, _tm_offset FROM orders WHERE id = 3") == [(3, 4)]
 
     # Re-delivering the old versions (offsets 0..3) leaves the newest in place.
-    assert env.run(spark, mode=Backfill(0, 0, 4)).ok
+    assert env.run(spark, mode=Backfill([Range(0, 0, 4)])).ok
     assert env.q(env.sink_dsn, "SELECT version, _tm_offset FROM orders WHERE id = 3") == [(3, 4)]
     assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(3,)]
 
@@ -297,7 +298,7 @@ def test_rerunning_a_range_counts_attempts_on_one_dead_letter(env, spark):
     env.append_orders([2, 4], partitions=1)
     env.pipeline()
     assert env.run(spark).ok
-    assert env.run(spark, mode=Backfill(0, 0, 3)).ok
+    assert env.run(spark, mode=Backfill([Range(0, 0, 3)])).ok
     rows = env.ledger("SELECT source_offset, attempts, status::text FROM tidemark.dlq")
     assert rows == [(0, 2, "quarantined")]
 

@@ -5,9 +5,12 @@ outside it as it was. The cases a review found broken, on real PostgreSQL and Sp
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime, timedelta
 
 from tests.invariants import assert_exactly_once
+from tidemark.driver import windows
 from tidemark.driver.run import Backfill
+from tidemark.ledger.state import Range
 
 ROWS = "expect_column_values_to_be_between"
 
@@ -44,7 +47,7 @@ def test_a_backfill_whose_check_changes_places_each_records_newest_passing_versi
     assert letters(env) == {1: "quarantined", 3: "quarantined"}
 
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "min_value": 100}}]})
-    report = env.run(spark, mode=Backfill(0, 1, 5))
+    report = env.run(spark, mode=Backfill([Range(0, 1, 5)]))
     assert report.ok, report.summary()
     assert rows(env) == [(7, 1, 500.0), (8, 3, 500.0), (9, 5, 150.0)]
     assert letters(env) == {1: "redriven", 2: "quarantined", 3: "redriven", 4: "quarantined"}
@@ -67,7 +70,7 @@ def test_a_backfill_whose_transform_changes_the_key_leaves_no_row_of_the_old_key
     env.pipeline(
         decode=decode, transform={"select": {"id": "id", "code": "lower(code)"}}, sinks=[sink]
     )
-    report = env.run(spark, mode=Backfill(0, 0, 2))
+    report = env.run(spark, mode=Backfill([Range(0, 0, 2)]))
     assert report.ok, report.summary()
     assert env.q(env.sink_dsn, "SELECT code, id, _tm_offset FROM codes ORDER BY code") == [
         ("a", 1, 0),
@@ -87,7 +90,7 @@ def test_a_key_split_and_merged_by_a_new_transform_keeps_its_newest_passing_vers
     assert env.run(spark).ok
     # Now keyed by group: ids 1 and 2 are versions of key 1, ids 3 and 4 of key 2.
     env.pipeline(decode=decode, transform={"select": {"k": "grp", "id": "id"}}, sinks=[sink])
-    report = env.run(spark, mode=Backfill(0, 1, 4))
+    report = env.run(spark, mode=Backfill([Range(0, 1, 4)]))
     assert report.ok, report.summary()
     # Offset 0 (outside the range) keeps its row, key 1, as it was: offset 1 is newer and
     # takes key 1; offsets 2 and 3 map to key 2, the newest wins. Keys 3 and 4 lost their
@@ -135,7 +138,7 @@ def test_equal_versions_across_partitions_are_broken_by_position_in_and_across_r
     env.append([(0, b"7", order(7, "p0"), None, None)])
     assert env.run(spark).ok  # the sink is not stuck
     # A backfill of partition 0 converges on the same rows.
-    back = env.run(spark, mode=Backfill(0, 0, 3))
+    back = env.run(spark, mode=Backfill([Range(0, 0, 3)]))
     assert back.ok, back.summary()
     assert env.q(env.sink_dsn, "SELECT id, name FROM orders ORDER BY id") == [
         (5, "p1"),
@@ -163,7 +166,7 @@ def test_a_backfill_whose_every_record_fails_now_removes_their_rows(env, spark):
     env.pipeline()
     assert env.run(spark).ok
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]})
-    report = env.run(spark, mode=Backfill(0, 1, 3))
+    report = env.run(spark, mode=Backfill([Range(0, 1, 3)]))
     assert report.ok, report.summary()
     assert rows(env) == [(1, 0, 1.0)]
     assert letters(env) == {1: "quarantined", 2: "quarantined"}
@@ -227,7 +230,7 @@ def test_two_sinks_at_different_checkpoints_converge_under_a_new_key(env, spark)
     env.pipeline(
         decode=decode, transform={"select": {"id": "id", "code": "lower(code)"}}, sinks=sinks
     )
-    report = env.run(spark, mode=Backfill(0, 1, 3))
+    report = env.run(spark, mode=Backfill([Range(0, 1, 3)]))
     assert report.ok, report.summary()
     for dsn, want in ((env.sink_dsn, ["A", "D", "b", "c"]), (env.sink2_dsn, ["A", "b", "c"])):
         assert [c for (c,) in env.q(dsn, "SELECT code FROM codes ORDER BY code")] == want
@@ -264,7 +267,7 @@ def test_older_versions_outside_the_range_follow_their_newer_version_to_its_new_
         sinks=[sink],
         quality={"rows": [{ROWS: {"column": "amount", "max_value": 300}}]},
     )
-    report = env.run(spark, mode=Backfill(0, 1, 2))
+    report = env.run(spark, mode=Backfill([Range(0, 1, 2)]))
     assert report.ok, report.summary()
     assert env.q(env.sink_dsn, "SELECT k, name, _tm_offset FROM moved") == [(107, "old", 0)]
     assert letters(env) == {1: "quarantined"}
@@ -294,3 +297,46 @@ def test_the_fallback_fails_the_sink_on_versions_offsets_do_not_order():
     assert order._order(row(0, 5, v=1), row(1, 3, v=2)) == -1
     assert order._order(row(0, 5, v=None), row(1, 3, v=2)) == -1  # unversioned below versioned
     assert order._order(row(0, 5, v=2), row(1, 3, v=2)) == -1  # a tie: (partition, offset)
+
+
+def test_a_time_window_backfill_redelivers_each_partitions_records_of_the_window(env, spark):
+    """Issue 36 point 4: --since/--until maps to the smallest offset range of each partition
+    holding every record of the window, out-of-order times included, cut at the committed
+    end; the whole window is one backfill run (one decision)."""
+    t0 = datetime(2026, 5, 1, tzinfo=UTC)
+    minutes = {0: [0, 10, 20, 12, 40], 1: [5, 15, 25, 35]}  # partition 0: a late record
+    env.append(
+        [
+            (p, str(p * 10 + o).encode(), _order(p * 10 + o), None, t0 + timedelta(minutes=m))
+            for p, ms in minutes.items()
+            for o, m in enumerate(ms)
+        ]
+    )
+    env.pipeline()
+    assert env.run(spark).ok
+    before = dict(env.q(env.sink_dsn, "SELECT id, amount FROM orders"))
+
+    env.pipeline(
+        transform={
+            "select": {"id": "id", "name": "name", "amount": "amount * 2", "version": "version"}
+        }
+    )
+    p = env.load()
+    ends = windows.committed(env.ledger_dsn, p, None)
+    ranges = windows.by_time(p, ends, t0 + timedelta(minutes=10), t0 + timedelta(minutes=20))
+    # Partition 0: minutes 10 and 12 (offsets 1 and 3) and the 20 between them: [1, 4).
+    # Partition 1: minute 15 (offset 1): [1, 2).
+    assert ranges == [Range(0, 1, 4), Range(1, 1, 2)]
+    report = env.run(spark, mode=Backfill(ranges))
+    assert report.ok, report.summary()
+    after = dict(env.q(env.sink_dsn, "SELECT id, amount FROM orders"))
+    doubled = {1, 2, 3, 11}
+    assert after == {i: a * 2 if i in doubled else a for i, a in before.items()}
+    assert env.ledger("SELECT count(*) FROM tidemark.runs WHERE mode = 'backfill'") == [(1,)]
+    assert_exactly_once(env)
+    # --partition all re-delivers everything committed, from each partition's first record.
+    assert windows.by_offsets(p, ends, None, None) == [Range(0, 0, 5), Range(1, 0, 4)]
+
+
+def _order(i: int) -> bytes:
+    return json.dumps({"id": i, "name": f"o{i}", "amount": i + 0.5, "version": 1}).encode()

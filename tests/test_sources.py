@@ -231,7 +231,7 @@ def test_records_an_earlier_run_stepped_over_are_placed_by_a_backfill(env, spark
     assert env.run(spark).ok
     assert env.checkpoints() == {0: 200}
     assert _placed(env) == [(0, o) for o in (*range(50), *range(100, 200))]
-    assert env.run(spark, mode=Backfill(0, 0, 200)).ok
+    assert env.run(spark, mode=Backfill([Range(0, 0, 200)])).ok
     assert _placed(env) == [(0, o) for o in range(200)]
     assert env.checkpoints() == {0: 200}
     assert env.prepared() == []

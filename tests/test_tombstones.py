@@ -8,6 +8,7 @@ import json
 
 from tests.invariants import assert_exactly_once
 from tidemark.driver.run import Backfill
+from tidemark.ledger.state import Range
 
 ROWS = "expect_column_values_to_be_between"
 KEYED = {
@@ -55,7 +56,7 @@ def test_a_tombstone_deletes_its_keys_row_and_no_backfill_brings_it_back(env, sp
     assert ids(env) == [(2, 1)] and letters(env) == []
     # Re-delivering the older version of key 1 (offset 0, before the tombstone) places
     # nothing: the tombstone is its key's newest version.
-    back = env.run(spark, mode=Backfill(0, 0, 2))
+    back = env.run(spark, mode=Backfill([Range(0, 0, 2)]))
     assert back.ok and back.sinks["main"].superseded == 1, back.summary()
     assert ids(env) == [(2, 1)] and letters(env) == []
     # A newer version brings the key back.
@@ -106,12 +107,12 @@ def test_a_fallback_stops_at_a_tombstone(env, spark):
         tombstones="delete",
         quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]},
     )
-    report = env.run(spark, mode=Backfill(0, 2, 3))
+    report = env.run(spark, mode=Backfill([Range(0, 2, 3)]))
     assert report.ok, report.summary()
     assert ids(env) == [(2, 3)]
     assert [(o, s) for o, _, _, s in letters(env)] == [(2, "quarantined")]
     # Kept as tombstones again: the backfill of the whole log leaves key 1 deleted.
-    again = env.run(spark, mode=Backfill(0, 0, 4))
+    again = env.run(spark, mode=Backfill([Range(0, 0, 4)]))
     assert again.ok, again.summary()
     assert ids(env) == [(2, 3)]
     assert_exactly_once(env, tombstones=True)
@@ -157,7 +158,7 @@ def test_a_fallback_to_a_tombstone_a_letter_held_applies_it_and_resolves_the_let
         tombstones="delete",
         quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]},
     )
-    report = env.run(spark, mode=Backfill(0, 2, 3))
+    report = env.run(spark, mode=Backfill([Range(0, 2, 3)]))
     assert report.ok, report.summary()
     assert ids(env) == []
     assert [(o, s) for o, _, _, s in letters(env)] == [(1, "redriven"), (2, "quarantined")]
@@ -175,7 +176,7 @@ def test_a_tombstone_kept_after_a_key_change_gives_its_older_version_back(env, s
     assert ids(env) == [] and letters(env) == []
     moved = {"select": {**KEYED["select"], "id": "cast(cast(_tm_key as string) as int) + 100"}}
     env.pipeline(transform=moved, tombstones="quarantine")
-    back = env.run(spark, mode=Backfill(0, 1, 2))
+    back = env.run(spark, mode=Backfill([Range(0, 1, 2)]))
     assert back.ok and back.sinks["main"].fallback == 1, back.summary()
     assert ids(env) == [(101, 0)]
     assert [(o, s) for o, _c, _r, s in letters(env)] == [(1, "quarantined")]

@@ -9,6 +9,7 @@ import pytest
 from tidemark import config
 from tidemark.core import dsn
 from tidemark.core.errors import ConfigError
+from tidemark.ledger.state import Range
 from tidemark.protocol import gids
 
 
@@ -93,7 +94,7 @@ def test_a_run_refuses_a_mode_or_quality_path_it_cannot_type_check():
         Run(p, settings, ledger_dsn="postgresql://u@h/db", mode="backfill")
     with pytest.raises(TypeError, match="takes a QualityPath"):
         Run(p, settings, ledger_dsn="postgresql://u@h/db", quality="first")
-    run = Run(p, settings, ledger_dsn="postgresql://u@h/db", mode=Backfill(0, 0, 5))
+    run = Run(p, settings, ledger_dsn="postgresql://u@h/db", mode=Backfill([Range(0, 0, 5)]))
     assert run.mode.name == "backfill" and run.quality is QualityPath.WHILE_WRITING
     assert Run(p, settings, ledger_dsn="postgresql://u@h/db").mode.name == "run"
 

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 
 import click
@@ -19,7 +20,7 @@ from tidemark.core.dsn import mask
 from tidemark.core.errors import BadInput, ConfigError, TidemarkError
 from tidemark.core.settings import Settings, get_settings
 from tidemark.core.text import clamp
-from tidemark.ledger.state import AirflowRun
+from tidemark.ledger.state import AirflowRun, Range
 
 ENV_FILE = Path(".tidemark/env")
 
@@ -227,14 +228,39 @@ def run_cmd(
     _run(ctx, pipeline, as_json, sink_names=_names(sinks), external_id=external_id, airflow=airflow)
 
 
+class _Partition(click.ParamType):
+    name = "PARTITION|all"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) or value == "all":
+            return value
+        if isinstance(value, str) and value.isdigit():
+            return int(value)
+        self.fail(f"{value!r} is neither a partition number nor 'all'", param, ctx)
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    """A naive time is UTC, as the sources store theirs."""
+    return value if value is None or value.tzinfo else value.replace(tzinfo=UTC)
+
+
+TIME_FORMATS = ["%Y-%m-%d", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M:%S%z"]
+
+
 @cli.command("backfill")
 @click.argument("pipeline")
-@click.option("--partition", type=click.IntRange(min=0), required=True)
 @click.option(
-    "--from", "start", type=click.IntRange(min=0), required=True, help="First offset (inclusive)."
+    "--partition",
+    type=_Partition(),
+    help="One partition, or 'all' (the default with --since/--until).",
+)
+@click.option("--from", "start", type=click.IntRange(min=0), help="First offset (inclusive).")
+@click.option("--to", "end", type=click.IntRange(min=0), help="End offset (exclusive).")
+@click.option(
+    "--since", type=click.DateTime(TIME_FORMATS), help="Records from this time on (UTC if naive)."
 )
 @click.option(
-    "--to", "end", type=click.IntRange(min=0), required=True, help="End offset (exclusive)."
+    "--until", type=click.DateTime(TIME_FORMATS), help="Records before this time (UTC if naive)."
 )
 @click.option("--sink", "sinks", multiple=True, help="Only these sinks (default: all).")
 @click.option("--external-id", help="Caller's own id for this run.")
@@ -244,28 +270,78 @@ def run_cmd(
 def backfill_cmd(
     ctx: Ctx,
     pipeline: str,
-    partition: int,
-    start: int,
-    end: int,
+    partition: int | str | None,
+    start: int | None,
+    end: int | None,
+    since: datetime | None,
+    until: datetime | None,
     sinks: tuple[str, ...],
     external_id: str | None,
     airflow: AirflowRun | None,
     as_json: bool,
 ) -> None:
-    """Re-deliver the committed range [FROM, TO) of one partition."""
+    """Re-deliver committed records of PIPELINE again, exactly once, with the current
+    pipeline: [FROM, TO) of one partition; with --partition all, of every partition (by
+    default all it has committed); or with --since/--until, the records of a time window
+    (the smallest offset range of each partition holding every one of them)."""
     from tidemark.driver.modes import Backfill
 
-    if end <= start:
-        raise click.BadParameter(f"--to ({end}) must be greater than --from ({start})")
+    ranges = _backfill_ranges(
+        ctx, pipeline, partition, start, end, _utc(since), _utc(until), _names(sinks)
+    )
+    if not ranges:
+        click.echo(f"backfill of {pipeline}: nothing committed in what you asked; nothing to do")
+        return
+    mode = Backfill(ranges)
+    click.echo(f"backfill of {pipeline}: {mode.describe()}", err=True)
     _run(
         ctx,
         pipeline,
         as_json,
-        mode=Backfill(partition, start, end),
+        mode=mode,
         sink_names=_names(sinks),
         external_id=external_id,
         airflow=airflow,
     )
+
+
+def _backfill_ranges(
+    ctx: Ctx,
+    name: str,
+    partition: int | str | None,
+    start: int | None,
+    end: int | None,
+    since: datetime | None,
+    until: datetime | None,
+    sinks: list[str] | None,
+) -> list[Range]:
+    from tidemark.driver import windows
+
+    timed = since is not None or until is not None
+    if timed and (since is None or until is None):
+        raise click.UsageError("give both --since and --until")
+    if timed and since is not None and until is not None and until <= since:
+        raise click.BadParameter(
+            f"--until ({until.isoformat()}) must be after --since ({since.isoformat()})"
+        )
+    if timed and (start is not None or end is not None):
+        raise click.UsageError("give a time window (--since/--until) or offsets (--from/--to)")
+    if isinstance(partition, int) and not timed:
+        if start is None or end is None:
+            raise click.UsageError("--partition N needs --from and --to (or use --partition all)")
+        if end <= start:
+            raise click.BadParameter(f"--to ({end}) must be greater than --from ({start})")
+        return [Range(partition, start, end)]
+    if partition is None and not timed:
+        raise click.UsageError("say what to backfill: --partition, or --since and --until")
+    pipeline = ctx.pipelines(deep=False).get(name) or cfg.find(ctx.folder, name, deep=False)
+    ends = windows.committed(ctx.ledger_dsn, pipeline, sinks)
+    if isinstance(partition, int):
+        ends = {p: e for p, e in ends.items() if p == partition}
+    if timed:
+        assert since is not None and until is not None
+        return windows.by_time(pipeline, ends, since, until)
+    return windows.by_offsets(pipeline, ends, start, end)
 
 
 @cli.command("recover")

@@ -211,14 +211,24 @@ class Delivery(Mode):
 
 @dataclass
 class Backfill(Mode):
-    """Re-deliver ``[start, end)`` of one partition to sinks that already have it."""
+    """Re-deliver committed ranges, at most one per partition, to sinks that already have
+    them (tidemark/driver/windows.py turns what the user says into them)."""
 
-    partition: int
-    start: int
-    end: int
+    ranges: list[Range]
     name = "backfill"
     gate_policy = "halt"  # re-delivery never quarantines a whole batch
     falls_back = True
+
+    def __post_init__(self) -> None:
+        parts = [r.partition for r in self.ranges]
+        if not self.ranges or len(set(parts)) != len(parts):
+            raise ValueError("a backfill takes one or more ranges, one per partition at most")
+        for r in self.ranges:
+            if r.start < 0 or r.end <= r.start:
+                raise ValueError(f"range [{r.start}, {r.end}) of partition {r.partition} is empty")
+
+    def describe(self) -> str:
+        return ", ".join(f"partition {r.partition} [{r.start}, {r.end})" for r in self.ranges)
 
     def placement(self, by: str | None, fallen: Fallback | None) -> Placement:
         if fallen is None:
@@ -230,17 +240,28 @@ class Backfill(Mode):
             moved={s: [list(k) for k in keys] for s, keys in fallen.moved.items()},
         )
 
+    def layout(
+        self, read: list[Range], sinks: list[Sink], *, dense: bool, parallelism: int, split_min: int
+    ) -> Layout:
+        # One task for every range: the fallback's versions of a key go to the backfill's one
+        # write task (driver/fallback.py), wherever in the ranges the key's row was.
+        spans = [Span(partition=r.partition, start=r.start, end=r.end, dense=dense) for r in read]
+        if len(read) > 1:
+            return Layout("together", 1, read, ByRanges(reads=[spans]))
+        return Layout("ranges", 1, read, ByRanges(reads=[spans]))
+
     def planner(self, pipeline: Pipeline) -> tuple[Planner, Closing]:
         def plan(checkpoints: dict[str, dict[int, int]]) -> dict[str, list[Range]]:
             for sink, cps in checkpoints.items():
-                if self.partition not in cps or self.end > cps[self.partition]:
-                    have = cps.get(self.partition, "none")
-                    raise TidemarkError(
-                        f"backfill of {pipeline.name} sink {sink} partition {self.partition} "
-                        f"[{self.start}, {self.end}) goes past the checkpoint ({have}); only "
-                        f"committed ranges can be backfilled - run the pipeline instead"
-                    )
-            return {s: [Range(self.partition, self.start, self.end)] for s in checkpoints}
+                for r in self.ranges:
+                    if r.partition not in cps or r.end > cps[r.partition]:
+                        have = cps.get(r.partition, "none")
+                        raise TidemarkError(
+                            f"backfill of {pipeline.name} sink {sink} partition {r.partition} "
+                            f"[{r.start}, {r.end}) goes past the checkpoint ({have}); only "
+                            f"committed ranges can be backfilled - run the pipeline instead"
+                        )
+            return {s: list(self.ranges) for s in checkpoints}
 
         return plan, NothingToClose()
 

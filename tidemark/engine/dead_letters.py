@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections import Counter
 from typing import Any
 
 import psycopg
@@ -28,6 +29,8 @@ from tidemark.sources import PayloadReader
 FLUSH_LETTERS = 10_000
 FLUSH_LETTER_BYTES = 64 * 2**20
 REASON_MAX = 200
+REASON_SHOWN = 120  # a reason as the run's report counts it
+TOP_REASONS = 5  # reasons a task reports per sink
 DETAIL_MAX = 8_000
 Record = dict[str, Any]  # one record as Arrow's to_pylist gives it
 Pending = tuple[Record, str, str, str | None]  # (record, class, reason, detail)
@@ -73,6 +76,8 @@ class DeadLetters:
         self.failed_again: list[int] = []
         self.reader: PayloadReader | None = None  # reads left-out payloads (_fill_payloads)
         self.pending: list[Pending] = []  # not yet written
+        # "<class>: <reason>" -> letters, for the quarantine ceiling's message
+        self.reasons: Counter[str] = Counter()
         self.pending_bytes = 0
 
     def _open(self) -> psycopg.Connection:
@@ -109,7 +114,9 @@ class DeadLetters:
         """Quarantine ``records`` for this sink; they reach the ledger at :meth:`flush`."""
         for r in records:
             part, off = r[PARTITION], r[OFFSET]
-            self.pending.append((r, error_class or r[ERR_CLASS], reason or r[ERR_REASON], detail))
+            why = (error_class or r[ERR_CLASS], reason or r[ERR_REASON])
+            self.pending.append((r, *why, detail))
+            self.reasons[f"{why[0]}: {clamp(str(why[1]), REASON_SHOWN)}"] += 1
             self.pending_bytes += len(r["_tm_payload"] or b"")
             self.offsets.setdefault(part, []).append(off)
             if (part, off) in self.held:

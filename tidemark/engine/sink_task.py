@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 
 from tidemark.core.clock import Phases
 from tidemark.core.columns import OFFSET, PARTITION
-from tidemark.engine.dead_letters import DeadLetters, Record
+from tidemark.engine.dead_letters import TOP_REASONS, DeadLetters, Record
 from tidemark.engine.placement import Placing
 from tidemark.engine.records import ERR_CLASS, ERR_REASON, TOMBSTONE, TOMBSTONE_KEPT
 from tidemark.engine.sink_writer import SinkWriter
@@ -135,6 +135,7 @@ class SinkTask:
             records=o["records"],
             rows=o["rows"],
             dead=self.dead.rows,
+            reasons=dict(self.dead.reasons.most_common(TOP_REASONS)),
             superseded=o["superseded"],
             removed=o["removed"],
             fallback=o["fallback"],

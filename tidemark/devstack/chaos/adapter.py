@@ -18,7 +18,7 @@ import psycopg
 
 from tidemark.devstack.chaos.faults import Job
 from tidemark.devstack.chaos.world import PIPELINE, World
-from tidemark.ledger.state import RunState
+from tidemark.ledger.state import Range, RunState
 
 # Exit codes of the CLI (README "Exit codes"): 0 done, 1 failed, 2 bad input, 3 lease held,
 # 4 fenced, 5 halted by an inconsistency, 143 SIGTERM; 70 an internal error (a bug).
@@ -128,7 +128,7 @@ class InProcess:
                     self._settings(),
                     ledger_dsn=self.world.ledger_dsn,
                     all_pipelines=all_p,
-                    mode=Backfill(partition, start, end),
+                    mode=Backfill([Range(partition, start, end)]),
                     sink_names=sinks,
                     spark=self.spark,
                     log=self.log.append,

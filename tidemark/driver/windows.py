@@ -1,0 +1,66 @@
+"""What a backfill re-delivers, as the user says it: one partition's offsets, every
+partition's (``--partition all``), or a time window mapped to each partition's offsets from the
+source's record times. Only what every chosen sink has committed can be re-delivered.
+
+May import: sources, ledger, config, core.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from tidemark import sources
+from tidemark.config import Pipeline
+from tidemark.core.db import connect
+from tidemark.core.errors import BadInput
+from tidemark.ledger import checkpoints
+from tidemark.ledger.state import Range
+
+
+def committed(ledger_dsn: str, pipeline: Pipeline, sinks: list[str] | None) -> dict[int, int]:
+    """Per partition, the end of what every chosen sink has committed (a partition one of
+    them has never received is left out: there is nothing to re-deliver to it)."""
+    names = sinks or [s.name for s in pipeline.sinks]
+    with connect(ledger_dsn, autocommit=True, what="ledger") as conn:
+        cps = checkpoints.positions(conn, pipeline.name, names)
+    if any(n not in cps for n in names):
+        missing = [n for n in names if n not in cps]
+        raise BadInput(
+            f"backfill of {pipeline.name}: sink(s) {', '.join(missing)} have received nothing "
+            f"yet - run the pipeline instead"
+        )
+    parts = set.intersection(*(set(cps[n]) for n in names))
+    return {p: min(cps[n][p] for n in names) for p in sorted(parts)}
+
+
+def by_offsets(
+    pipeline: Pipeline, ends: dict[int, int], start: int | None, end: int | None
+) -> list[Range]:
+    """Every partition's [start, end) (default: from the first record the source still has to
+    the committed end), cut at the committed end; partitions with nothing left are skipped."""
+    plan = sources.planner(pipeline)
+    try:
+        out = []
+        for p, done in ends.items():
+            first = plan.earliest(p) if start is None else start
+            last = done if end is None else min(end, done)
+            if first is not None and last > first:
+                out.append(Range(p, first, last))
+        return out
+    finally:
+        plan.close()
+
+
+def by_time(
+    pipeline: Pipeline, ends: dict[int, int], since: datetime, until: datetime
+) -> list[Range]:
+    """Per partition, the smallest offset range below the committed end holding every record
+    whose time is in [since, until) (sources.Planner.window)."""
+    if until <= since:
+        raise BadInput(f"--until ({until.isoformat()}) must be after --since ({since.isoformat()})")
+    plan = sources.planner(pipeline)
+    try:
+        found = ((p, plan.window(p, since, until, done)) for p, done in ends.items())
+        return [Range(p, w[0], w[1]) for p, w in found if w is not None]
+    finally:
+        plan.close()
