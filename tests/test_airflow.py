@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psycopg
@@ -16,6 +17,7 @@ from psycopg.conninfo import conninfo_to_dict
 from tests.airflow_site import Inbox
 from tests.conftest import REPO, Env
 from tidemark.devstack.airflow_stack import Stack
+from tidemark.sources.postgres_log import append, create_log_table
 
 pytestmark = [pytest.mark.slow, pytest.mark.airflow, pytest.mark.timeout(900)]
 
@@ -36,6 +38,17 @@ for dag_id, uri in {uris!r}.items():
 
         seen()
 """
+
+
+WT0 = datetime(2026, 1, 1, tzinfo=UTC)
+# (id, time after WT0) of the windowed pipeline's records: two in the first hour, one in the
+# second, one in the fourth.
+WLOG = [(1, timedelta(minutes=10)), (2, timedelta(minutes=50)), (3, timedelta(minutes=70)),
+        (4, timedelta(minutes=200))]  # fmt: skip
+
+
+def _wrec(i: int) -> bytes:
+    return json.dumps({"id": i, "name": f"w{i}", "amount": 1.0, "version": 1}).encode()
 
 
 class World:
@@ -183,6 +196,18 @@ def world(airflow_site, pg, tmp_path_factory):
         airflow=fast,
         schedule="0 * * * *",
         sinks=[{"name": "main", "dsn": env.sink_dsn, "table": "public.hourly", "key": ["id"]}],
+    )
+    # Opted in: Airflow's own Backfill re-delivers each run's data interval. Its own log,
+    # with times in the past, so that Airflow's Backfill may cover them.
+    with psycopg.connect(env.ledger_dsn) as c:
+        create_log_table(c, "src.wlog")
+        append(c, "src.wlog", [(0, str(i).encode(), _wrec(i), None, WT0 + m) for i, m in WLOG])
+    env.pipeline(
+        "windowed",
+        airflow={**fast, "backfill_by_interval": True},
+        schedule="0 * * * *",
+        source={"type": "postgres_log", "dsn": env.ledger_dsn, "table": "src.wlog"},
+        sinks=[{"name": "main", "dsn": env.sink_dsn, "table": "public.windowed", "key": ["id"]}],
     )
     env.pipeline(
         "offline",
@@ -673,6 +698,61 @@ def test_a_sink_that_commits_is_announced_when_another_fails(world):
     assert (extra["pipeline"], extra["sink"], extra["counts"]["rows"]) == ("offline", "main", N)
 
 
+def test_airflows_own_backfill_re_delivers_each_runs_data_interval_when_opted_in(world):
+    """airflow.backfill_by_interval: each run of Airflow's Backfill of tidemark_windowed
+    re-delivers the records of its data interval (a backfill by time), and the backfill
+    DAG's form takes a time window too."""
+    env = world.env
+    world.stack.unpause("tidemark_windowed")  # its first scheduled run delivers every record
+    first = world.wait_runs("tidemark_windowed", 1)[0]
+    assert first["state"] == "success", world.tasks("tidemark_windowed", first["dag_run_id"])
+    names = "SELECT id, name FROM public.windowed ORDER BY id"
+    assert env.q(env.sink_dsn, names) == [(i, f"w{i}") for i, _ in WLOG]
+    with psycopg.connect(env.sink_dsn, autocommit=True) as c:
+        c.execute("UPDATE public.windowed SET name = 'tampered'")
+
+    r = world.api.post(
+        "/backfills",
+        json={
+            "dag_id": "tidemark_windowed",
+            "from_date": "2026-01-01T00:00:00Z",
+            "to_date": "2026-01-01T01:00:00Z",
+            "max_active_runs": 1,
+            "reprocess_behavior": "completed",
+        },
+    )
+    assert r.status_code in (200, 201), r.text
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        runs = [x for x in world.runs("tidemark_windowed") if x["run_type"] == "backfill"]
+        if len(runs) >= 2 and all(x["state"] in ("success", "failed") for x in runs):
+            break
+        time.sleep(2)  # polling the REST API: Airflow offers no run-finished event
+    assert len(runs) == 2 and {x["state"] for x in runs} == {"success"}, runs
+    # Hours 0 and 1 re-delivered (ids 1, 2 and 3); id 4, at 03:20, was not.
+    assert env.q(env.sink_dsn, names) == [(1, "w1"), (2, "w2"), (3, "w3"), (4, "tampered")]
+    ids = [x["dag_run_id"] for x in runs]
+    assert env.ledger(
+        "SELECT mode, count(*) FROM tidemark.runs WHERE pipeline = 'windowed' "
+        "AND dag_run_id = ANY(%s) GROUP BY 1",
+        (ids,),
+    ) == [("backfill", 2)]
+
+    form = world.trigger(
+        "tidemark_windowed_backfill",
+        {"partition": None, "since": "2026-01-01T03:00:00Z", "until": "2026-01-01T04:00:00Z",
+         "sinks": ["main"]},
+    )  # fmt: skip
+    assert form.status_code == 200, form.text
+    run_id = form.json()["dag_run_id"]
+    assert world.wait_run("tidemark_windowed_backfill", run_id) == "success", world.tasks(
+        "tidemark_windowed_backfill", run_id
+    )
+    assert env.q(env.sink_dsn, names) == [(i, f"w{i}") for i, _ in WLOG]
+    report = world.xcom("tidemark_windowed_backfill", run_id, "report")
+    assert report["mode"] == "backfill" and report["sinks"]["main"]["counts"]["rows"] == 1
+
+
 def test_airflows_own_backfill_of_the_scheduled_dag_is_refused_saying_why(world):
     """A run reads from the checkpoints, not by date: Airflow's Backfill of tidemark_hourly
     would re-deliver nothing and look green. Each of its runs fails at once, saying what to
@@ -706,7 +786,7 @@ def test_airflows_own_backfill_of_the_scheduled_dag_is_refused_saying_why(world)
     assert "reads from its checkpoints, not by date" in log
     assert "tidemark_hourly_backfill" in log
     assert env.ledger(
-        "SELECT count(*) FROM tidemark.runs WHERE dag_run_id = ANY(%s)",
+        "SELECT count(*) FROM tidemark.runs WHERE pipeline = 'hourly' AND dag_run_id = ANY(%s)",
         ([x["dag_run_id"] for x in runs],),
     ) == [(0,)]
 

@@ -8,6 +8,7 @@ import shutil
 import pytest
 
 from tests.conftest import REPO
+from tidemark.core.errors import BadInput
 
 
 @pytest.fixture(scope="module")
@@ -203,3 +204,78 @@ def test_maintenance_dag_prunes_beside_the_check(airflow_home):
     assert prune.trigger_rule == TriggerRule.ALL_DONE
     assert check.trigger_rule == TriggerRule.ALL_DONE
     assert prune.python_callable.__module__ == "tidemark.airflow.tasks"
+
+
+def test_the_backfill_form_takes_a_time_window_or_every_partition(airflow_home):
+    from tidemark.airflow.tasks import check_backfill
+
+    dag = _bag(REPO / "dags").dags["tidemark_flights_backfill"]
+    window = {
+        "partition": None,
+        "since": "2026-05-01T10:00:00",
+        "until": "2026-05-01T12:00:00+02:00",
+        "sinks": ["warehouse"],
+    }
+    p = copy.deepcopy(dag.params)
+    p.update(window)
+    assert p.validate()["since"] == "2026-05-01T10:00:00"
+    path = str(REPO / "dags/pipelines/flights.yaml")
+    # Naive is UTC; the window's end, 10:00 UTC, is not after its start: refused.
+    with pytest.raises(BadInput, match="must be after since"):
+        check_backfill(path, window)
+    window["until"] = "2026-05-01T14:00:00+02:00"
+    assert check_backfill(path, window)["args"] == [
+        "--sink",
+        "warehouse",
+        "--since",
+        "2026-05-01T10:00:00+0000",
+        "--until",
+        "2026-05-01T14:00:00+0200",
+    ]
+    every = {"partition": None, "from_offset": None, "to_offset": None, "sinks": ["warehouse"]}
+    assert check_backfill(path, every)["args"] == ["--sink", "warehouse", "--partition", "all"]
+    with pytest.raises(BadInput, match="give both since and until"):
+        check_backfill(path, {**every, "since": "2026-05-01"})
+
+    # The command replay runs: the check's arguments after the pipeline's name.
+    replay = dag.get_task("replay")
+    replay.application_args = ["--pipelines-dir", "d", "backfill", "flights", "--airflow-run", "{}"]
+
+    class Ti:
+        def xcom_pull(self, task_ids):
+            assert task_ids == "check"
+            return {"args": ["--partition", "all"]}
+
+    assert replay._command({"ti": Ti()}) == [
+        "--pipelines-dir", "d", "backfill", "flights", "--partition", "all", "--airflow-run", "{}"
+    ]  # fmt: skip
+
+
+def test_airflows_backfill_of_a_scheduled_run_re_delivers_its_data_interval_when_opted_in(
+    airflow_home,
+):
+    from datetime import UTC, datetime
+
+    from tidemark.airflow.dags import ReplayOperator
+
+    args = ["--pipelines-dir", "d", "run", "flights", "--airflow-run", "{}"]
+    op = ReplayOperator(
+        task_id="replay", pipeline="flights", pipeline_file="f", application="a",
+        application_args=args, by_interval=True,
+    )  # fmt: skip
+
+    class Run:
+        run_type = "backfill"
+
+    ctx = {
+        "dag_run": Run(),
+        "data_interval_start": datetime(2026, 1, 1, 0, tzinfo=UTC),
+        "data_interval_end": datetime(2026, 1, 1, 1, tzinfo=UTC),
+    }
+    assert op._command(ctx) == [
+        "--pipelines-dir", "d", "backfill", "flights",
+        "--since", "2026-01-01T00:00:00+0000", "--until", "2026-01-01T01:00:00+0000",
+        "--airflow-run", "{}",
+    ]  # fmt: skip
+    Run.run_type = "scheduled"
+    assert op._command(ctx) == args

@@ -231,6 +231,9 @@ class Orchestration(_Model):
     retry_delay_seconds: Annotated[int, Field(ge=1)] = 60
     max_retry_delay_seconds: Annotated[int, Field(ge=1)] = 900  # exponential backoff cap
     driver_memory: Annotated[str, Field(pattern=r"^\d+[mMgG]$")] = "2g"
+    # Airflow's own Backfill of the scheduled DAG re-delivers each run's data interval (its
+    # records by time: `tidemark backfill --since --until`); off, such runs are refused.
+    backfill_by_interval: bool = False
 
 
 class Pipeline(_Model):
@@ -259,6 +262,13 @@ class Pipeline(_Model):
         for i, name in enumerate(names):
             if names.index(name) != i:
                 raise ConfigError(where, f"sink name {name!r} is used twice", f"sinks[{i}].name")
+        if self.airflow.backfill_by_interval and not self.schedule:
+            raise ConfigError(
+                where,
+                "backfill_by_interval needs a schedule (each run's data interval is the "
+                "time between two of its ticks)",
+                "airflow.backfill_by_interval",
+            )
         if deep:
             self.check_expectations(where)
         outputs = self.output_columns()

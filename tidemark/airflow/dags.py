@@ -137,10 +137,22 @@ class ReplayOperator(SparkSubmitOperator):
     (e.g. the sink that failed and why) instead of the spark-submit command line, and fails
     without retries when the job exits 2 (bad input) or 5 (halted)."""
 
-    def __init__(self, *, pipeline: str, pipeline_file: str, **kwargs):
+    def __init__(
+        self,
+        *,
+        pipeline: str,
+        pipeline_file: str,
+        args_from: str | None = None,
+        by_interval: bool = False,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self.pipeline = pipeline
         self.pipeline_file = pipeline_file
+        # The task whose return value's ``args`` complete the command (check_backfill).
+        self.args_from = args_from
+        # A run of Airflow's own Backfill re-delivers its data interval (backfill by time).
+        self.by_interval = by_interval
 
     def execute(self, context):
         # The job's process cannot ask Airflow for connections: it gets the ledger this task
@@ -148,6 +160,7 @@ class ReplayOperator(SparkSubmitOperator):
         # templating, so the DSN is not among the rendered fields shown in the UI.
         # Likewise every connection the pipeline names (tidemark/airflow/connections.py).
         named = airflow_tasks.connections_exist(config.load(Path(self.pipeline_file), deep=False))
+        self.application_args = self._command(context)
         self.env_vars = {
             **(self.env_vars or {}),
             **named,
@@ -175,6 +188,23 @@ class ReplayOperator(SparkSubmitOperator):
                 raise
             raise RuntimeError(why) from exc
 
+    def _command(self, context) -> list[str]:
+        args = list(self.application_args or [])
+        if self.args_from:
+            at = args.index(self.pipeline) + 1
+            args[at:at] = context["ti"].xcom_pull(task_ids=self.args_from)["args"]
+        elif self.by_interval and getattr(context.get("dag_run"), "run_type", None) == "backfill":
+            at = args.index("run")
+            args[at : at + 2] = [
+                "backfill",
+                self.pipeline,
+                "--since",
+                context["data_interval_start"].strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "--until",
+                context["data_interval_end"].strftime("%Y-%m-%dT%H:%M:%S%z"),
+            ]
+        return args
+
     # The OpenLineage provider's listener calls these (tidemark/airflow/lineage.py): the
     # source log in, the sink tables out, rows and the data-quality outcome as facets.
     def get_openlineage_facets_on_complete(self, task_instance):
@@ -186,10 +216,11 @@ class ReplayOperator(SparkSubmitOperator):
         return self.get_openlineage_facets_on_complete(task_instance)
 
 
-def _spark(p: config.Pipeline, path: Path, args: list[str]) -> SparkSubmitOperator:
+def _spark(p: config.Pipeline, path: Path, args: list[str], **kw) -> SparkSubmitOperator:
     return ReplayOperator(
         pipeline=p.name,
         pipeline_file=str(path),
+        **kw,
         task_id="replay",
         application=str(JOB),
         conn_id="spark_default",
@@ -247,12 +278,23 @@ def _report(p: config.Pipeline, path: Path) -> list[PythonOperator]:
     ]
 
 
+def _schedule(p: config.Pipeline):
+    """The pipeline's schedule; with ``backfill_by_interval`` a data-interval timetable, so
+    each run (of Airflow's Backfill too) covers [previous tick, this tick) instead of the
+    zero-length interval Airflow 3 gives a cron string."""
+    if p.airflow.backfill_by_interval and p.schedule:
+        from airflow.sdk import CronDataIntervalTimetable
+
+        return CronDataIntervalTimetable(p.schedule, timezone="UTC")
+    return p.schedule
+
+
 def replay_dag(p: config.Pipeline, path: Path) -> DAG:
     with DAG(
         dag_id=config.dag_id(p.name),
         description=(p.description or f"Replay {p.name}")[:200],
         doc_md=_doc(p, path, "scheduled replay"),
-        schedule=p.schedule,
+        schedule=_schedule(p),
         start_date=START,
         catchup=False,
         max_active_runs=1,
@@ -266,7 +308,8 @@ def replay_dag(p: config.Pipeline, path: Path) -> DAG:
             python_callable=airflow_tasks.pending,
             op_kwargs={"pipelines_dir": str(path.parent), "pipeline": p.name},
         )
-        first >> _spark(p, path, ["run", p.name]) >> _report(p, path)
+        replay = _spark(p, path, ["run", p.name], by_interval=p.airflow.backfill_by_interval)
+        first >> replay >> _report(p, path)
     return dag
 
 
@@ -294,24 +337,40 @@ def backfill_dag(p: config.Pipeline, path: Path) -> DAG:
     params = {
         "partition": Param(
             0,
-            type="integer",
+            type=["integer", "null"],
             minimum=0,
             title="Partition",
-            description="Source partition to re-deliver.",
+            description="Source partition to re-deliver; empty: every partition.",
         ),
         "from_offset": Param(
             0,
-            type="integer",
+            type=["integer", "null"],
             minimum=0,
             title="From offset",
-            description="First offset, inclusive.",
+            description="First offset, inclusive (empty with every partition: the first kept).",
         ),
         "to_offset": Param(
             1,
-            type="integer",
+            type=["integer", "null"],
             minimum=1,
             title="To offset",
-            description="End offset, exclusive; at most the sink's checkpoint.",
+            description="End offset, exclusive; at most the sink's checkpoint (empty with "
+            "every partition: the checkpoint).",
+        ),
+        "since": Param(
+            None,
+            type=["null", "string"],
+            format="date-time",
+            title="Since (time window)",
+            description="Re-deliver the records of a time window instead of offsets: from "
+            "this time (inclusive, UTC unless it says), with Until.",
+        ),
+        "until": Param(
+            None,
+            type=["null", "string"],
+            format="date-time",
+            title="Until (time window)",
+            description="End of the time window, exclusive.",
         ),
         "sinks": Param(
             names,
@@ -327,13 +386,14 @@ def backfill_dag(p: config.Pipeline, path: Path) -> DAG:
     with _triggered(
         p,
         "backfill",
-        f"Re-deliver an offset range of {p.name}",
-        _doc(p, path, "backfill an offset range")
+        f"Re-deliver an offset range or a time window of {p.name}",
+        _doc(p, path, "backfill an offset range or a time window")
         + (
-            "\n\nTrigger with a configuration: the form asks for the partition, "
-            "the offset range [from, to) and the sinks. Re-delivery is idempotent "
-            "and never moves checkpoints; a newer version of a key is never "
-            "overwritten."
+            "\n\nTrigger with a configuration: the form asks for the partition (empty: "
+            "all) and the offset range [from, to), or a time window [since, until) mapped "
+            "to each partition's offsets from the records' times, and the sinks. "
+            "Re-delivery is idempotent and never moves checkpoints; a newer version of a "
+            "key is never overwritten."
         ),
         params,
         is_paused_upon_creation=False,
@@ -343,32 +403,31 @@ def backfill_dag(p: config.Pipeline, path: Path) -> DAG:
             path,
             "check",
             airflow_tasks.check_backfill,
-            [
-                "backfill",
-                p.name,
-                "--partition",
-                "{{ params.partition }}",
-                "--from",
-                "{{ params.from_offset }}",
-                "--to",
-                "{{ params.to_offset }}",
-                "--sink",
-                "{{ params.sinks | join(',') }}",
-            ],
+            ["backfill", p.name],
+            args_from="check",
         )
     return dag
 
 
-def _checked_replay(p: config.Pipeline, path: Path, task_id: str, check, args: list[str], **kwargs):
+def _checked_replay(
+    p: config.Pipeline,
+    path: Path,
+    task_id: str,
+    check,
+    args: list[str],
+    args_from: str | None = None,
+    **kwargs,
+):
     """recover -> a check of the trigger's params (no retries: bad input stays bad) ->
-    replay -> report."""
+    replay (its command completed by the check's ``args`` with ``args_from``) -> report."""
     first = PythonOperator(
         task_id=task_id,
         python_callable=check,
         retries=0,
         op_kwargs={"pipeline_file": str(path), **kwargs},
     )
-    _recover(p, path) >> first >> _spark(p, path, args) >> _report(p, path)
+    replay = _spark(p, path, args, args_from=args_from)
+    _recover(p, path) >> first >> replay >> _report(p, path)
 
 
 def redrive_dag(p: config.Pipeline, path: Path) -> DAG:

@@ -85,22 +85,27 @@ def pending(pipelines_dir: str, pipeline: str, dag_run=None) -> str | None:
     new: the ShortCircuitOperator then skips replay, report and announce, so an idle run
     starts no JVM and imports no Great Expectations.
 
-    A run of Airflow's own Backfill is refused: a run reads from the checkpoints, not from
-    its date, so it would re-deliver nothing and look as if it had."""
+    A run of Airflow's own Backfill re-delivers its data interval when the pipeline says
+    ``airflow.backfill_by_interval`` (replay then runs a backfill by time, ReplayOperator);
+    otherwise it is refused: a run reads from the checkpoints, not from its date, so it would
+    re-deliver nothing and look as if it had."""
     from tidemark.driver.modes import Delivery
 
+    p = config.find(Path(pipelines_dir), pipeline, deep=False)
     if getattr(dag_run, "run_type", None) == "backfill":
-        from airflow.sdk.exceptions import AirflowFailException
+        if not p.airflow.backfill_by_interval:
+            from airflow.sdk.exceptions import AirflowFailException
 
-        raise AirflowFailException(
-            f"{config.dag_id(pipeline)} reads from its checkpoints, not by date: an Airflow "
-            f"backfill of it would re-deliver nothing. Re-deliver an offset range with the DAG "
-            f"{config.dag_id(pipeline, 'backfill')} or `tidemark backfill {pipeline}` (not "
-            f"retried)"
-        )
+            raise AirflowFailException(
+                f"{config.dag_id(pipeline)} reads from its checkpoints, not by date: an Airflow "
+                f"backfill of it would re-deliver nothing. Set airflow.backfill_by_interval: "
+                f"true in the pipeline to re-deliver each run's data interval, or re-deliver "
+                f"with the DAG {config.dag_id(pipeline, 'backfill')} or `tidemark backfill "
+                f"{pipeline}` (not retried)"
+            )
+        return f"{recover(pipelines_dir, pipeline)}; re-delivering the run's data interval"
 
     swept = recover(pipelines_dir, pipeline)
-    p = config.find(Path(pipelines_dir), pipeline, deep=False)
     with connect(_ledger(), autocommit=True, what="ledger") as c:
         if Delivery().pending(c, p, [s.name for s in p.sinks]):
             return f"{swept}; {p.name} has records to replay"
@@ -109,29 +114,76 @@ def pending(pipelines_dir: str, pipeline: str, dag_run=None) -> str | None:
 
 
 def check_backfill(pipeline_file: str, params: dict) -> dict:
-    """The backfill form's checks that JSON schema cannot express (``params``: the form)."""
+    """The backfill form's checks that JSON schema cannot express (``params``: the form), and
+    the `tidemark backfill` arguments it means (``args``, which replay passes on): a time
+    window (since and until), or offsets of one partition or of all (partition empty)."""
     p = config.load(Path(pipeline_file), deep=False)
-    partition, from_offset, to_offset = (
-        int(params[k]) for k in ("partition", "from_offset", "to_offset")
-    )
-    sinks = list(params.get("sinks") or [])
     where = f"backfill of {p.name}"
-    if to_offset <= from_offset:
-        raise BadInput(
-            f"{where}: to_offset ({to_offset}) must be greater than from_offset ({from_offset})"
-        )
+    sinks = list(params.get("sinks") or [])
     known = [s.name for s in p.sinks]
     unknown = [s for s in sinks if s not in known]
     if unknown or not sinks:
         raise BadInput(
             f"{where}: sinks must be some of {', '.join(known)}; got {', '.join(unknown) or 'none'}"
         )
+    partition = params.get("partition")
+    since, until = params.get("since") or None, params.get("until") or None
+    start, end = params.get("from_offset"), params.get("to_offset")
+    args = ["--sink", ",".join(sinks)]
+    if partition is not None:
+        args += ["--partition", str(int(partition))]
+    elif since is None:
+        args += ["--partition", "all"]
+    if since is not None or until is not None:
+        args += _window(where, since, until)
+    else:
+        args += _offsets(where, p.name, partition, start, end, sinks)
+    return {"pipeline": p.name, "sinks": sinks, "args": args}
+
+
+def _window(where: str, since: str | None, until: str | None) -> list[str]:
+    from datetime import UTC, datetime
+
+    if since is None or until is None:
+        raise BadInput(f"{where}: give both since and until for a time window")
+    try:
+        t0, t1 = (datetime.fromisoformat(t) for t in (since, until))
+    except ValueError as exc:
+        raise BadInput(f"{where}: since/until: {exc}") from None
+    t0, t1 = (t if t.tzinfo else t.replace(tzinfo=UTC) for t in (t0, t1))
+    if t1 <= t0:
+        raise BadInput(f"{where}: until ({until}) must be after since ({since})")
+    return [
+        "--since",
+        t0.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "--until",
+        t1.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    ]
+
+
+def _offsets(
+    where: str,
+    name: str,
+    partition: int | None,
+    start: int | None,
+    end: int | None,
+    sinks: list[str],
+) -> list[str]:
+    if partition is None:  # every partition: from/to optional, each cut at what is committed
+        return [
+            *(["--from", str(start)] if start is not None else []),
+            *(["--to", str(end)] if end is not None else []),
+        ]
+    if start is None or end is None:
+        raise BadInput(f"{where}: from_offset and to_offset are needed for one partition")
+    if end <= start:
+        raise BadInput(f"{where}: to_offset ({end}) must be greater than from_offset ({start})")
     with connect(_ledger(), autocommit=True, what="ledger") as c:
-        at = checkpoints.positions(c, p.name, sinks)
+        at = checkpoints.positions(c, name, sinks)
     behind = [
         (s, at[s][partition])
         for s in sinks
-        if partition in at.get(s, {}) and at[s][partition] < to_offset
+        if partition in at.get(s, {}) and at[s][partition] < end
     ]
     if behind:
         lines = ", ".join(f"{s} at {o}" for s, o in behind)
@@ -139,13 +191,7 @@ def check_backfill(pipeline_file: str, params: dict) -> dict:
             f"{where}: partition {partition} is committed only up to {lines}; "
             f"backfill re-delivers committed offsets (to_offset <= checkpoint)"
         )
-    return {
-        "pipeline": p.name,
-        "partition": partition,
-        "from_offset": from_offset,
-        "to_offset": to_offset,
-        "sinks": sinks,
-    }
+    return ["--from", str(start), "--to", str(end)]
 
 
 def select_redrive(pipeline_file: str, params: dict, by: str) -> int:
