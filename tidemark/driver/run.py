@@ -30,7 +30,7 @@ from tidemark.core.errors import Fenced, Inconsistency, Terminated, TidemarkErro
 from tidemark.core.settings import Settings
 from tidemark.driver.checking import QualityPath
 from tidemark.driver.modes import Backfill, Delivery, Layout, Mode
-from tidemark.driver.report import UP_TO_DATE, RunReport, SinkOutcome
+from tidemark.driver.report import UP_TO_DATE, RunReport, SinkOutcome, phases
 from tidemark.driver.verifying import Verifying
 from tidemark.driver.watch import Heartbeat, Stop
 from tidemark.driver.writing import Sinks, Writing
@@ -38,7 +38,7 @@ from tidemark.ledger import runs, state
 from tidemark.ledger.migrations import require_current
 from tidemark.ledger.state import AirflowRun, Claim, Participant, RunState
 from tidemark.protocol import gids, recovery, sinks, twopc
-from tidemark.protocol.taskspec import TASK_PHASES, TaskResult
+from tidemark.protocol.taskspec import TaskResult
 
 __all__ = ["Backfill", "Delivery", "QualityPath", "Run", "RunReport", "SinkOutcome"]
 
@@ -317,14 +317,14 @@ class Run(Writing, Verifying):
                     self.p.name,
                     claim.run_id,
                     sink,
-                    {**self._timings(), **self._task_phases(sink)},
+                    phases(self.clock, self.results, sink),
                 )
             except state.IllegalTransition:
                 # A concurrent recovery rolled it forward first: the same outcome.
                 if state.state_of(self.ledger, claim.run_id, sink) != RunState.COMMITTED:
                     raise
             report.sinks[sink].state = RunState.COMMITTED
-        report.phases = self._phases()
+        report.phases = phases(self.clock, self.results)
         faults.point("after_advance")
 
     # -- abort paths -------------------------------------------------------------------------
@@ -358,32 +358,6 @@ class Run(Writing, Verifying):
     # -- where the time went -----------------------------------------------------------------
     def _mark(self, phase: str) -> None:
         self.clock[phase] = time.monotonic()
-
-    def _timings(self) -> dict[str, float]:
-        # By time: a one-pass run's gate ends after its write.
-        have = sorted(self.clock, key=lambda phase: self.clock[phase])
-        return {
-            f"{b}_seconds": round(self.clock[b] - self.clock[a], 3)
-            for a, b in zip(have, have[1:], strict=False)
-        }
-
-    def _task_phases(self, sink: str | None) -> dict[str, float]:
-        """Task-seconds per phase summed over the run's tasks: the task's own (waiting on
-        Spark's read, decode and transform; row checks) and its writes to ``sink`` (every
-        sink's if None). Tasks run side by side, so these add up to more than the wall time."""
-        total = dict.fromkeys(TASK_PHASES, 0.0)
-        for r in self.results:
-            parts = [
-                r.phases,
-                *(m.phases for name, m in r.sinks.items() if sink is None or name == sink),
-            ]
-            for phases in parts:
-                for k, v in phases.items():
-                    total[k] = total.get(k, 0.0) + v
-        return {f"task_{k}_seconds": round(v, 3) for k, v in total.items()}
-
-    def _phases(self) -> dict[str, float]:
-        return {**self._timings(), **self._task_phases(None)}
 
 
 def _why_aborted(exc: BaseException) -> str:
