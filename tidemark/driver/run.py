@@ -228,29 +228,34 @@ class Run(Writing, Verifying):
         decided: list[str] = []
         for sink in live:
             self.stop.check()
-            # From here on SIGTERM no longer aborts: a decided sink finishes its commit.
+            # While a decision runs SIGTERM waits: it may commit, and then finishes first.
             self.stop.decided = True
-            try:
-                state.decide(self.ledger, self.p.name, claim.run_id, sink, self._chosen(sink))
-            except Fenced as exc:
-                self.stop.decided = bool(decided)
-                self._abort(claim.run_id, sink, str(exc), report)
-                continue
-            except psycopg.OperationalError as exc:
-                self._reconnect(claim.run_id)
-                now = state.state_of(self.ledger, claim.run_id, sink)
-                self.log(
-                    f"run {claim.run_id} sink {sink}: lost the ledger during the "
-                    f"decision ({one_line(exc)}); the ledger says {now}"
-                )
-                if now != RunState.COMMITTING:
-                    self._abort(
-                        claim.run_id, sink, f"decision not recorded: {one_line(exc)}", report
-                    )
-                    continue
-            report.sinks[sink].state = RunState.COMMITTING
-            decided.append(sink)
+            if self._decide_sink(claim, sink, report):
+                decided.append(sink)
+            # SIGTERM aborts again as long as no decision was recorded.
+            self.stop.decided = bool(decided)
+        self.stop.check()  # a SIGTERM during a decision that was not recorded
         return decided
+
+    def _decide_sink(self, claim: Claim, sink: str, report: RunReport) -> bool:
+        """Whether the ledger recorded the decision of ``sink`` (else it is aborted)."""
+        try:
+            state.decide(self.ledger, self.p.name, claim.run_id, sink, self._chosen(sink))
+        except Fenced as exc:
+            self._abort(claim.run_id, sink, str(exc), report)
+            return False
+        except psycopg.OperationalError as exc:
+            self._reconnect(claim.run_id)
+            now = state.state_of(self.ledger, claim.run_id, sink)
+            self.log(
+                f"run {claim.run_id} sink {sink}: lost the ledger during the "
+                f"decision ({one_line(exc)}); the ledger says {now}"
+            )
+            if now != RunState.COMMITTING:
+                self._abort(claim.run_id, sink, f"decision not recorded: {one_line(exc)}", report)
+                return False
+        report.sinks[sink].state = RunState.COMMITTING
+        return True
 
     def _reconnect(self, run_id: int) -> None:
         """A new ledger session, holding the owner's lock again (recovery may meanwhile have
