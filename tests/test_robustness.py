@@ -314,3 +314,50 @@ def test_a_sigterm_during_a_decision_that_was_not_recorded_aborts_the_run(env, t
     rerun = JobProcess(env.cli_argv("run", "orders"), env.cli_env())
     assert rerun.wait() == 0, rerun.output()
     assert_exactly_once(env, sinks=sinks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["sigterm_before_decision", "lost_after_decision"])
+def test_a_dead_ledger_session_never_hides_the_runs_own_error(env, tmp_path, fault):
+    """The run's ledger session is terminated, then the run fails: by SIGTERM before the
+    decision, or (after the decision) by the lost session itself. The cleanup on that
+    session (aborting the sinks, noting what was read, finishing the run) fails too; the user
+    still sees the run's own error and exit code, and recovery settles what it left."""
+    env.append_orders(range(60))
+    env.pipeline()
+    job = JobProcess(
+        env.cli_argv("run", "orders"),
+        env.cli_env(),
+        pause_dir=tmp_path / "p",
+        pause_at="after_prepare" if fault == "sigterm_before_decision" else "after_decide",
+    )
+    job.wait_reached()
+    killed = env.ledger(
+        f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE {_RUN_SESSION}"
+    )
+    assert killed == [(True,)]
+    if fault == "sigterm_before_decision":
+        job.signal(signal.SIGTERM)
+    else:
+        job.resume()
+    code = job.wait()
+    out = job.output()
+    assert "database error" not in out and "Traceback" not in out, out
+    if fault == "sigterm_before_decision":
+        assert code == 143, out
+        assert "tidemark: error: SIGTERM before the decision" in out, out
+    else:
+        assert code == 1, out
+        assert "lost a connection while committing" in out, out
+    assert env.recover().ok
+    assert env.prepared() == []
+    (state_,) = env.ledger("SELECT state::text FROM tidemark.run_sinks")
+    if fault == "sigterm_before_decision":
+        assert state_ == ("aborted",)
+        assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(0,)]
+        rerun = JobProcess(env.cli_argv("run", "orders"), env.cli_env())
+        assert rerun.wait() == 0, rerun.output()
+    else:
+        assert state_ == ("committed",)  # rolled forward
+    assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(60,)]
+    assert_exactly_once(env)

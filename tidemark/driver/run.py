@@ -114,6 +114,7 @@ class Run(Writing, Verifying):
                 report.message = UP_TO_DATE
                 return report
             self.stop.install()
+            failure: BaseException | None = None
             try:
                 self._announce(claim, report)
                 faults.point("after_claim")
@@ -140,16 +141,17 @@ class Run(Writing, Verifying):
                     # checkpoints and marks it committed.
                     self._advance(claim, decided, report)
             except BaseException as exc:
+                failure = exc
                 # Before any decision nothing may stay behind: roll back now, free the leases.
                 # After one, only recovery may settle what is in doubt.
                 if not self.stop.decided:
-                    self._abort_all(claim, _why_aborted(exc))
+                    with self._cleanup(failure, claim.run_id):
+                        self._abort_all(claim, _why_aborted(exc))
                 raise
             finally:
                 self.stop.uninstall()
-                if report.records:
-                    state.note_read(self.ledger, claim.run_id, report.records)
-                state.finish_run(self.ledger, claim.run_id)
+                with self._cleanup(failure, claim.run_id):
+                    self._end(claim, report)
             return report
         finally:
             report.seconds = time.monotonic() - started
@@ -340,11 +342,34 @@ class Run(Writing, Verifying):
         self.log(f"run {run_id} sink {sink}: aborted: {error}")
 
     def _abort_all(self, claim: Claim, error: str) -> None:
-        for sink in claim.sinks:
-            state.abort(self.ledger, self.p.name, claim.run_id, sink, error)
-        self._rollback_run(
-            claim, {s.name: s for s in sinks.resolve(self.p, list(claim.sinks))}, keep=set()
-        )
+        try:
+            for sink in claim.sinks:
+                state.abort(self.ledger, self.p.name, claim.run_id, sink, error)
+        finally:  # the ledger gone too: recovery aborts the run, but nothing waits for it
+            self._rollback_run(
+                claim, {s.name: s for s in sinks.resolve(self.p, list(claim.sinks))}, keep=set()
+            )
+
+    def _end(self, claim: Claim, report: RunReport) -> None:
+        """On the ledger: what the run read, on the sinks that did not write it; its end."""
+        if report.records:
+            state.note_read(self.ledger, claim.run_id, report.records)
+        state.finish_run(self.ledger, claim.run_id)
+
+    @contextmanager
+    def _cleanup(self, failure: BaseException | None, run_id: int) -> Iterator[None]:
+        """Cleanup after the run. After its ``failure`` a failing cleanup (the ledger session
+        may be gone as well) is logged, never raised in its place: the user sees the run's
+        own error and exit code. Recovery settles what the cleanup left."""
+        try:
+            yield
+        except (psycopg.Error, TidemarkError) as exc:
+            if failure is None:
+                raise
+            self.log(
+                f"run {run_id}: cleanup after {type(failure).__name__} failed too, left to "
+                f"`tidemark recover`: {one_line(exc)}"
+            )
 
     def _rollback_run(self, claim: Claim, by_name: Sinks, keep: set[str]) -> None:
         """Roll back every prepared transaction of this run that no decision chose."""
