@@ -138,12 +138,13 @@ def test_a_recovery_aborting_while_a_decision_holds_the_lease_never_deadlocks(en
         assert state.state_of(driver, rid, "main") == state.RunState.COMMITTING
 
 
-def _wait_for_lock_wait(env, what: str, timeout: float = 20) -> None:
+def _wait_for_lock_wait(env, what: str, timeout: float = 20, application: str = "%") -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if env.ledger(
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-            "AND datname = current_database()"
+            "AND datname = current_database() AND application_name LIKE %s",
+            (application,),
         )[0][0]:
             return
         time.sleep(0.05)
@@ -285,4 +286,109 @@ def test_a_decision_that_may_have_committed_is_settled_by_the_ledger(env, tmp_pa
         rerun = JobProcess(env.cli_argv("run", "orders"), env.cli_env())
         assert rerun.wait() == 0, rerun.output()
         assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(60,)]
+    assert_exactly_once(env)
+
+
+def _two_sinks(env) -> dict[str, str]:
+    env.pipeline(
+        sinks=[
+            {"name": "main", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"]},
+            {"name": "second", "dsn": env.sink2_dsn, "table": "public.orders", "key": ["id"]},
+        ]
+    )
+    return {"main": env.sink_dsn, "second": env.sink2_dsn}
+
+
+# The run's own ledger session (tidemark.core.db.APP_NAME); the heartbeat's, the tasks' and
+# the commit's connections name themselves otherwise.
+_RUN_SESSION = "application_name = 'tidemark' AND datname = current_database()"
+
+
+@pytest.mark.slow
+def test_a_sigterm_during_a_decision_that_was_not_recorded_aborts_the_run(env, tmp_path):
+    """SIGTERM arrives while the first sink's decision waits on the lease row; then that
+    decision's ledger connection dies, and the ledger says it was not recorded. No sink has
+    decided, so the SIGTERM still aborts the run: the second sink must not decide."""
+    env.append_orders(range(60))
+    sinks = _two_sinks(env)
+    job = JobProcess(
+        env.cli_argv("run", "orders"),
+        env.cli_env(),
+        pause_dir=tmp_path / "p",
+        pause_at="after_prepare",
+    )
+    job.wait_reached()
+    with psycopg.connect(env.ledger_dsn) as holder:
+        holder.execute("SELECT 1 FROM tidemark.leases FOR UPDATE")
+        job.resume()
+        _wait_for_lock_wait(env, "the decision", application="tidemark")
+        # Delivered at once (it wakes the waiting driver), handled before the decision's
+        # error is: the run learns of the SIGTERM while the decision is in flight.
+        job.signal(signal.SIGTERM)
+        killed = env.ledger(
+            f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE {_RUN_SESSION} "
+            "AND wait_event_type = 'Lock'"
+        )
+        assert killed == [(True,)]
+        holder.rollback()
+    code = job.wait()
+    out = job.output()
+    assert code == 143, out
+    assert "Traceback" not in out
+    assert env.ledger("SELECT sink, state::text FROM tidemark.run_sinks ORDER BY 1") == [
+        ("main", "aborted"),
+        ("second", "aborted"),
+    ]
+    for dsn in sinks.values():
+        assert env.q(dsn, "SELECT count(*) FROM orders") == [(0,)]
+    assert env.prepared() == []
+    rerun = JobProcess(env.cli_argv("run", "orders"), env.cli_env())
+    assert rerun.wait() == 0, rerun.output()
+    assert_exactly_once(env, sinks=sinks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["sigterm_before_decision", "lost_after_decision"])
+def test_a_dead_ledger_session_never_hides_the_runs_own_error(env, tmp_path, fault):
+    """The run's ledger session is terminated, then the run fails: by SIGTERM before the
+    decision, or (after the decision) by the lost session itself. The cleanup on that
+    session (aborting the sinks, noting what was read, finishing the run) fails too; the user
+    still sees the run's own error and exit code, and recovery settles what it left."""
+    env.append_orders(range(60))
+    env.pipeline()
+    job = JobProcess(
+        env.cli_argv("run", "orders"),
+        env.cli_env(),
+        pause_dir=tmp_path / "p",
+        pause_at="after_prepare" if fault == "sigterm_before_decision" else "after_decide",
+    )
+    job.wait_reached()
+    killed = env.ledger(
+        f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE {_RUN_SESSION}"
+    )
+    assert killed == [(True,)]
+    if fault == "sigterm_before_decision":
+        job.signal(signal.SIGTERM)
+    else:
+        job.resume()
+    code = job.wait()
+    out = job.output()
+    assert "database error" not in out and "Traceback" not in out, out
+    if fault == "sigterm_before_decision":
+        assert code == 143, out
+        assert "tidemark: error: SIGTERM before the decision" in out, out
+    else:
+        assert code == 1, out
+        assert "lost a connection while committing" in out, out
+    assert env.recover().ok
+    assert env.prepared() == []
+    (state_,) = env.ledger("SELECT state::text FROM tidemark.run_sinks")
+    if fault == "sigterm_before_decision":
+        assert state_ == ("aborted",)
+        assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(0,)]
+        rerun = JobProcess(env.cli_argv("run", "orders"), env.cli_env())
+        assert rerun.wait() == 0, rerun.output()
+    else:
+        assert state_ == ("committed",)  # rolled forward
+    assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(60,)]
     assert_exactly_once(env)

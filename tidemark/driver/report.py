@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidemark.ledger.state import RunState
-from tidemark.protocol.taskspec import CopyFormat, SinkResult
+from tidemark.protocol.taskspec import TASK_PHASES, CopyFormat, SinkResult, TaskResult
 
 UP_TO_DATE = "up to date: nothing to replay"
 # What a sink's tasks count, summed per sink (SinkOutcome, protocol.taskspec.SinkResult).
@@ -108,3 +108,26 @@ class RunReport:
                     f"the source no longer holds their records (source_note)"
                 )
         return "\n".join(lines)
+
+
+def phases(
+    clock: dict[str, float], results: list[TaskResult], sink: str | None = None
+) -> dict[str, float]:
+    """Where the time went: the wall seconds of each of the run's phases (``clock``: phase ->
+    the monotonic time it ended) and the task-seconds per task phase, summed over the run's
+    tasks: the task's own (waiting on Spark's read, decode and transform; row checks) and
+    its writes to ``sink`` (every sink's if None). Tasks run side by side, so these add up to
+    more than the wall time."""
+    # By time: a one-pass run's gate ends after its write.
+    have = sorted(clock, key=lambda phase: clock[phase])
+    out = {
+        f"{b}_seconds": round(clock[b] - clock[a], 3) for a, b in zip(have, have[1:], strict=False)
+    }
+    total = dict.fromkeys(TASK_PHASES, 0.0)
+    for r in results:
+        parts = [r.phases, *(m.phases for name, m in r.sinks.items() if sink in (None, name))]
+        for task_phases in parts:
+            for k, v in task_phases.items():
+                total[k] = total.get(k, 0.0) + v
+    out.update((f"task_{k}_seconds", round(v, 3)) for k, v in total.items())
+    return out

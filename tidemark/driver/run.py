@@ -13,7 +13,6 @@ after the decision the run finishes its commits first.
 from __future__ import annotations
 
 import os
-import re
 import socket
 import sys
 import time
@@ -21,40 +20,39 @@ from collections.abc import Callable, Iterator
 from contextlib import closing, contextmanager
 
 import psycopg
-from pyspark import StorageLevel
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import SparkSession
 
-from tidemark.config import Pipeline, PostgresLogSource
+from tidemark.config import Pipeline
 from tidemark.core import faults
 from tidemark.core.db import connect, one_line
 from tidemark.core.dsn import mask
 from tidemark.core.errors import Fenced, Inconsistency, Terminated, TidemarkError
 from tidemark.core.settings import Settings
-from tidemark.driver import checking, fallback, gate
-from tidemark.driver.checking import Checked, Fails, Job, QualityPath, Stands
+from tidemark.driver.checking import QualityPath
 from tidemark.driver.modes import Backfill, Delivery, Layout, Mode
-from tidemark.driver.report import COUNTS, UP_TO_DATE, RunReport, SinkOutcome
-from tidemark.driver.watch import Heartbeat, Progress, Stop
-from tidemark.engine import records
-from tidemark.ledger import checkpoints, runs, state
+from tidemark.driver.report import UP_TO_DATE, RunReport, SinkOutcome, phases
+from tidemark.driver.verifying import Verifying
+from tidemark.driver.watch import Heartbeat, Stop
+from tidemark.driver.writing import Sinks, Writing
+from tidemark.ledger import runs, state
 from tidemark.ledger.migrations import require_current
 from tidemark.ledger.state import AirflowRun, Claim, Participant, RunState
-from tidemark.protocol import coverage, gids, recovery, sinks, twopc
-from tidemark.protocol.taskspec import TASK_PHASES, ByKey, SinkTarget, TaskResult, TaskSpec
+from tidemark.protocol import gids, recovery, sinks, twopc
+from tidemark.protocol.taskspec import TaskResult
 
 __all__ = ["Backfill", "Delivery", "QualityPath", "Run", "RunReport", "SinkOutcome"]
 
 Log = Callable[[str], None]
-Sinks = dict[str, sinks.ResolvedSink]  # the run's sinks by name
 
 
 def stderr_log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-class Run:
+class Run(Writing, Verifying):
     """One run of the protocol. ``mode`` says what it delivers (default: the next range of
-    each sink); ``quality`` which way its checks may run (docs/quality.md)."""
+    each sink); ``quality`` which way its checks may run (docs/quality.md). The write (step
+    2) is tidemark/driver/writing.py's, its verification tidemark/driver/verifying.py's."""
 
     def __init__(
         self,
@@ -116,6 +114,7 @@ class Run:
                 report.message = UP_TO_DATE
                 return report
             self.stop.install()
+            failure: BaseException | None = None
             try:
                 self._announce(claim, report)
                 faults.point("after_claim")
@@ -142,16 +141,17 @@ class Run:
                     # checkpoints and marks it committed.
                     self._advance(claim, decided, report)
             except BaseException as exc:
+                failure = exc
                 # Before any decision nothing may stay behind: roll back now, free the leases.
                 # After one, only recovery may settle what is in doubt.
                 if not self.stop.decided:
-                    self._abort_all(claim, _why_aborted(exc))
+                    with self._cleanup(failure, claim.run_id):
+                        self._abort_all(claim, _why_aborted(exc))
                 raise
             finally:
                 self.stop.uninstall()
-                if report.records:
-                    state.note_read(self.ledger, claim.run_id, report.records)
-                state.finish_run(self.ledger, claim.run_id)
+                with self._cleanup(failure, claim.run_id):
+                    self._end(claim, report)
             return report
         finally:
             report.seconds = time.monotonic() - started
@@ -214,346 +214,7 @@ class Run:
         for sink in claim.sinks:
             report.sinks[sink] = SinkOutcome(sink, RunState.PLANNED)
 
-    # -- 2. write ----------------------------------------------------------------------------
-    def _write(self, claim: Claim, by_name: Sinks, report: RunReport) -> list[str]:
-        """Writes of the batch until one stands; returns the sinks it wrote. The quality
-        strategy is chosen once, on the first read of the batch, and judges each write; one
-        that does not stand is rolled back (nothing is visible before the decision) and the
-        batch is read and written again as the judgement says, with the next write number in
-        its gids (gids.Gid.write)."""
-        from tidemark.engine.session import session
-
-        spark = self.spark or session(self.s.spark_master, f"tidemark-{self.p.name}")
-        self.stop.check()
-        self.layout = self._layout(spark, claim, by_name)
-        ctx = self._checks_context(claim)
-        df = self._read(spark)
-        quality = checking.choose(
-            self.quality,
-            ctx.pipeline,
-            df,
-            claim.run_id,
-            lambda: self._may_check_while_writing(claim, by_name),
-        )
-        write = 0
-        while True:
-            live, job = self._write_once(spark, df, claim, by_name, report, ctx, quality, write)
-            if job is None:  # no sink left to write
-                return live
-            judged = quality.judge(job, ctx)
-            if isinstance(judged, Stands):
-                return live
-            if isinstance(judged, Fails):
-                for sink in live:
-                    self._abort(claim.run_id, sink, judged.why, report)
-                self._rollback_run(claim, by_name, keep=set())
-                raise TidemarkError(f"run {claim.run_id}: {judged.why}")
-            self.log(
-                f"run {claim.run_id}: data quality: {judged.why}; rolled back the write, "
-                f"checking the batch before writing it again"
-            )
-            self._rollback_run(claim, by_name, keep=set())
-            self.stop.check()
-            quality, df, write = judged.then, self._read(spark), write + 1
-
-    def _write_once(
-        self,
-        spark: SparkSession,
-        df: DataFrame,
-        claim: Claim,
-        by_name: Sinks,
-        report: RunReport,
-        ctx: checking.Context,
-        quality: checking.Strategy,
-        write: int,
-    ) -> tuple[list[str], Job | None]:
-        """One write of the batch ``df``, checked as ``quality`` says; the sinks it writes
-        and what its Spark job did (None: no sink left to write)."""
-        columns = records.output_columns(df)
-        cached = fallen = None
-        if quality.caches or self.mode.falls_back:
-            # Read once: the expectations, the fallback keys and the writes all use this
-            # cached batch.
-            df = cached = df.persist(StorageLevel.MEMORY_AND_DISK)
-        try:
-            checked = quality.check(df, ctx)
-            if checked.verdict is not None and checked.verdict.halted:
-                report.records = df.count()  # a sink writes none of the batch: still, it read it
-                self._halt(claim, checked.verdict, report)
-            live = self._start_writing(claim, by_name, columns, checked, report)
-            if not live:
-                return [], None
-            out = checked.df
-            if self.mode.falls_back:
-                fallen = self._fallback(spark, out, claim, by_name, live, checked.verdict)
-                out = fallen.df if fallen is not None else out
-            spec = self._spec(claim, by_name, live, [c for c, _ in columns], checked, fallen, write)
-            return live, self._run_tasks(spark, out, spec, claim.run_id)
-        finally:
-            if cached is not None:
-                cached.unpersist()
-            if fallen is not None:
-                fallen.release()
-
-    def _layout(self, spark: SparkSession, claim: Claim, by_name: Sinks) -> Layout:
-        layout = self.mode.layout(
-            claim.read_ranges(),
-            [by_name[s].config for s in claim.sinks],
-            dense=isinstance(self.p.source, PostgresLogSource),
-            parallelism=spark.sparkContext.defaultParallelism,
-            split_min=self.p.limits.split_min_records,
-        )
-        if layout.kind in ("spread", "together"):
-            how = (
-                f"records spread by ({', '.join(layout.by or [])})"
-                if layout.kind == "spread"
-                else "a sink orders versions by a column"
-            )
-            self.log(
-                f"run {claim.run_id}: {layout.tasks} write task(s) over "
-                f"{len(layout.read)} read(s), {how}"
-            )
-        return layout
-
-    def _read(self, spark: SparkSession) -> DataFrame:
-        """The batch: the mode's records, decoded and transformed (lazily)."""
-        assert self.layout is not None
-        return records.rows(self.mode.source(spark, self.p, self.layout.read), self.p)
-
-    def _checks_context(self, claim: Claim) -> checking.Context:
-        return checking.Context(
-            pipeline=self.mode.quality(self.p),
-            run_id=claim.run_id,
-            ledger=self.ledger,
-            docs_dir=str(self.s.docs_dir(self.p.name)),
-            sink_ranges={s: c.ranges for s, c in claim.sinks.items()},
-            policy=self.mode.gate_policy,
-            log=self.log,
-            mark=self._mark,
-        )
-
-    def _may_check_while_writing(self, claim: Claim, by_name: Sinks) -> bool:
-        """The pipeline's checks may run in the job that writes the batch (docs/quality.md,
-        "One pass") where nothing it writes is visible before the decision (exactly once),
-        the batch is the run's own (no re-delivery, no fallback versions), no sink has
-        checks of its own, and every sink's table exists (a failed gate creates none)."""
-        return (
-            self.p.delivery == "exactly_once"
-            and self.mode.checks_while_writing
-            and all(by_name[s].config.quality.empty for s in claim.sinks)
-            and all(_table_exists(by_name[s]) for s in claim.sinks)
-        )
-
-    def _halt(self, claim: Claim, verdict: gate.Verdict, report: RunReport) -> None:
-        """A failed gate under ``halt``: its sinks end ``dq_failed``, nothing written."""
-        for sink, why in verdict.halted.items():
-            if report.sinks[sink].state == RunState.ABORTED:
-                continue
-            state.dq_failed(self.ledger, self.p.name, claim.run_id, sink, why)
-            report.sinks[sink].state, report.sinks[sink].error = RunState.DQ_FAILED, why
-            self.log(f"run {claim.run_id} sink {sink}: dq_failed: {why}")
-
-    def _start_writing(
-        self,
-        claim: Claim,
-        by_name: Sinks,
-        columns: list[tuple[str, str]],
-        checked: Checked,
-        report: RunReport,
-    ) -> list[str]:
-        """The sinks this write writes, each with its table and in state ``writing``."""
-        halted = checked.verdict.halted if checked.verdict is not None else {}
-        live: list[str] = []
-        for sink in claim.sinks:
-            now = report.sinks[sink].state
-            if now == RunState.ABORTED or sink in halted:
-                continue
-            try:
-                sinks.ensure_table(
-                    by_name[sink],
-                    columns,
-                    f"sink {sink}",
-                    tombstones=(self.p.tombstones_of(by_name[sink].config) == "delete"),
-                )
-            except TidemarkError as exc:
-                self._abort(claim.run_id, sink, str(exc), report)
-                continue
-            if now != RunState.WRITING:  # else it writes again (a write that did not stand)
-                state.start_writing(self.ledger, self.p.name, claim.run_id, sink)
-            report.sinks[sink].state = RunState.WRITING
-            live.append(sink)
-        return live
-
-    def _fallback(
-        self,
-        spark: SparkSession,
-        df: DataFrame,
-        claim: Claim,
-        by_name: Sinks,
-        live: list[str],
-        verdict: gate.Verdict | None,
-    ) -> fallback.Fallback | None:
-        """A backfill's fallback versions (tidemark/driver/fallback.py); one write task."""
-        assert self.layout is not None
-        v = verdict or gate.Verdict()
-        cps = checkpoints.positions(self.ledger, self.p.name, live)
-        plans = {}
-        for s in live:
-            failed: dict[int, dict[int, str]] = {}
-            for scope in (gate.PIPELINE, s):
-                for p, offs in v.rows.get(scope, {}).items():
-                    failed.setdefault(p, {}).update(offs)
-            plans[s] = fallback.SinkPlan(
-                by_name[s].config, by_name[s].dsn, claim.sinks[s].ranges, cps.get(s, {}), failed
-            )
-        if self.layout.tasks != 1:
-            raise TidemarkError(f"a backfill writes in one task, not {self.layout.tasks}")
-        return fallback.attach(
-            spark, self.p, self.mode, df, plans, lambda m: self.log(f"run {claim.run_id}: {m}")
-        )
-
-    def _spec(
-        self,
-        claim: Claim,
-        by_name: Sinks,
-        live: list[str],
-        columns: list[str],
-        checked: Checked,
-        fallen: fallback.Fallback | None,
-        write: int,
-    ) -> TaskSpec:
-        assert self.layout is not None
-        v = checked.verdict or gate.Verdict()
-        targets = []
-        for s in live:
-            cfg = by_name[s].config
-            targets.append(
-                SinkTarget(
-                    name=s,
-                    dsn=by_name[s].dsn,
-                    table=cfg.table,
-                    key=cfg.key,
-                    version=cfg.version,
-                    ranges={r.partition: (r.start, r.end) for r in claim.sinks[s].ranges},
-                    failed=v.rows.get(s, {}),
-                    quarantine=v.quarantine.get(s),
-                    tombstones=self.p.tombstones_of(cfg),
-                )
-            )
-        return TaskSpec(
-            run_id=claim.run_id,
-            pipeline=self.p.name,
-            prefix=self.s.gid_prefix,
-            prepare=self.p.delivery == "exactly_once",
-            lock_timeout_ms=self.s.lock_timeout_ms,
-            ledger_dsn=self.ledger_dsn,
-            columns=columns,
-            accounting=self.layout.accounting,
-            placement=self.mode.placement(self.by, fallen),
-            failed=v.rows.get(gate.PIPELINE, {}),
-            quarantine=v.quarantine.get(gate.PIPELINE),
-            payloads=self.mode.payloads(self.p),
-            sinks=targets,
-            checks=checked.row_checks,
-            write=write,
-        )
-
-    def _run_tasks(self, spark: SparkSession, df: DataFrame, spec: TaskSpec, run_id: int) -> Job:
-        """The Spark job: one write task per layout task, each returning its TaskResult."""
-        from tidemark.engine.writer import RESULT_SCHEMA, make_task
-
-        assert self.layout is not None
-        layout = self.layout
-        if layout.kind == "spread":
-            df = df.repartition(layout.tasks, *(layout.by or []))
-        elif layout.kind == "together":
-            df = df.coalesce(1)
-        progress = Progress(spark, run_id, layout.tasks, self.log)
-        progress.start()
-        try:
-            rows = df.mapInArrow(make_task(spec), RESULT_SCHEMA).collect()
-        except Terminated:
-            spark.sparkContext.cancelAllJobs()
-            raise
-        except Exception as exc:  # the Spark job failed after its retries
-            return Job([], f"Spark job failed: {_spark_error(exc)}")
-        finally:
-            progress.stop()
-        self.results = [TaskResult.model_validate_json(r["result"]) for r in rows]
-        self._mark("write")
-        return Job(self.results)
-
-    # -- verify ------------------------------------------------------------------------------
-    def _verify(
-        self, claim: Claim, by_name: Sinks, live: list[str], report: RunReport
-    ) -> list[str]:
-        """The sinks whose write can be decided: the tasks accounted for every record
-        (docs/design.md, "Task accounting"; else the run aborts), then per sink no task
-        failed it and each of its chosen gids is still prepared."""
-        if not live:
-            return []
-        self._account(claim, by_name, live, report)
-        return [s for s in live if self._verify_sink(claim, by_name, s, report)]
-
-    def _account(self, claim: Claim, by_name: Sinks, live: list[str], report: RunReport) -> None:
-        assert self.layout is not None
-        layout = self.layout
-        report.records = sum(r.records for r in self.results)
-        accounting = [r.error for r in self.results if r.error]
-        if len(self.results) != layout.tasks:
-            accounting.append(f"{len(self.results)} task results for {layout.tasks} tasks")
-        elif isinstance(layout.accounting, ByKey) and not accounting:
-            # Each task saw a part of every range: only together do they cover them.
-            spread = layout.accounting.spread
-            problem = coverage.problem(spread, [r.seen for r in self.results])
-            if problem:
-                accounting.append(problem)
-        if accounting:
-            how = self.p.transform.python or "select"
-            msg = (
-                f"records not accounted for (transform {how}): {accounting[0]}; a "
-                f"transform must keep every record exactly once (quarantine a bad one)"
-            )
-            for sink in live:
-                self._abort(claim.run_id, sink, msg, report)
-            self._rollback_run(claim, by_name, keep=set())
-            raise TidemarkError(f"run {claim.run_id}: {msg}")
-
-    def _verify_sink(self, claim: Claim, by_name: Sinks, sink: str, report: RunReport) -> bool:
-        out = report.sinks[sink]
-        mine = [r.sinks[sink] for r in self.results]
-        errors = [m.error for m in mine if m.error]
-        for name in COUNTS:
-            setattr(out, name, sum(getattr(m, name) for m in mine))
-        out.take_copy_format(mine)
-        if out.csv_why:  # slower, not wrong: say why once per run
-            self.log(f"run {claim.run_id} sink {sink}: rows go by CSV COPY ({out.csv_why})")
-        if not errors:
-            missing = self._not_prepared(sink, by_name)
-            if missing:
-                errors.append(
-                    f"prepared transaction(s) vanished before the decision: {', '.join(missing)}"
-                )
-        if errors:
-            self._abort(claim.run_id, sink, errors[0], report)
-            return False
-        counts = {"records": sum(m.records for m in mine)}
-        counts.update((name, getattr(out, name)) for name in COUNTS)
-        state.mark_prepared(self.ledger, self.p.name, claim.run_id, sink, counts)
-        out.state = RunState.PREPARED
-        return True
-
-    def _not_prepared(self, sink: str, by_name: Sinks) -> list[str]:
-        if self.p.delivery != "exactly_once":
-            return []
-        missing = []
-        for p in self._chosen(sink):
-            dsn = self.ledger_dsn if p.target == "ledger" else by_name[sink].dsn
-            with connect(dsn, autocommit=True) as conn:
-                if not twopc.is_prepared(conn, p.gid):
-                    missing.append(p.gid)
-        return missing
-
+    # -- 2. write: tidemark/driver/writing.py; verify: tidemark/driver/verifying.py ---------
     def _chosen(self, sink: str) -> list[Participant]:
         return [
             Participant(p.gid, p.target, r.task, p.rows)
@@ -569,29 +230,34 @@ class Run:
         decided: list[str] = []
         for sink in live:
             self.stop.check()
-            # From here on SIGTERM no longer aborts: a decided sink finishes its commit.
+            # While a decision runs SIGTERM waits: it may commit, and then finishes first.
             self.stop.decided = True
-            try:
-                state.decide(self.ledger, self.p.name, claim.run_id, sink, self._chosen(sink))
-            except Fenced as exc:
-                self.stop.decided = bool(decided)
-                self._abort(claim.run_id, sink, str(exc), report)
-                continue
-            except psycopg.OperationalError as exc:
-                self._reconnect(claim.run_id)
-                now = state.state_of(self.ledger, claim.run_id, sink)
-                self.log(
-                    f"run {claim.run_id} sink {sink}: lost the ledger during the "
-                    f"decision ({one_line(exc)}); the ledger says {now}"
-                )
-                if now != RunState.COMMITTING:
-                    self._abort(
-                        claim.run_id, sink, f"decision not recorded: {one_line(exc)}", report
-                    )
-                    continue
-            report.sinks[sink].state = RunState.COMMITTING
-            decided.append(sink)
+            if self._decide_sink(claim, sink, report):
+                decided.append(sink)
+            # SIGTERM aborts again as long as no decision was recorded.
+            self.stop.decided = bool(decided)
+        self.stop.check()  # a SIGTERM during a decision that was not recorded
         return decided
+
+    def _decide_sink(self, claim: Claim, sink: str, report: RunReport) -> bool:
+        """Whether the ledger recorded the decision of ``sink`` (else it is aborted)."""
+        try:
+            state.decide(self.ledger, self.p.name, claim.run_id, sink, self._chosen(sink))
+        except Fenced as exc:
+            self._abort(claim.run_id, sink, str(exc), report)
+            return False
+        except psycopg.OperationalError as exc:
+            self._reconnect(claim.run_id)
+            now = state.state_of(self.ledger, claim.run_id, sink)
+            self.log(
+                f"run {claim.run_id} sink {sink}: lost the ledger during the "
+                f"decision ({one_line(exc)}); the ledger says {now}"
+            )
+            if now != RunState.COMMITTING:
+                self._abort(claim.run_id, sink, f"decision not recorded: {one_line(exc)}", report)
+                return False
+        report.sinks[sink].state = RunState.COMMITTING
+        return True
 
     def _reconnect(self, run_id: int) -> None:
         """A new ledger session, holding the owner's lock again (recovery may meanwhile have
@@ -658,14 +324,14 @@ class Run:
                     self.p.name,
                     claim.run_id,
                     sink,
-                    {**self._timings(), **self._task_phases(sink)},
+                    phases(self.clock, self.results, sink),
                 )
             except state.IllegalTransition:
                 # A concurrent recovery rolled it forward first: the same outcome.
                 if state.state_of(self.ledger, claim.run_id, sink) != RunState.COMMITTED:
                     raise
             report.sinks[sink].state = RunState.COMMITTED
-        report.phases = self._phases()
+        report.phases = phases(self.clock, self.results)
         faults.point("after_advance")
 
     # -- abort paths -------------------------------------------------------------------------
@@ -676,11 +342,34 @@ class Run:
         self.log(f"run {run_id} sink {sink}: aborted: {error}")
 
     def _abort_all(self, claim: Claim, error: str) -> None:
-        for sink in claim.sinks:
-            state.abort(self.ledger, self.p.name, claim.run_id, sink, error)
-        self._rollback_run(
-            claim, {s.name: s for s in sinks.resolve(self.p, list(claim.sinks))}, keep=set()
-        )
+        try:
+            for sink in claim.sinks:
+                state.abort(self.ledger, self.p.name, claim.run_id, sink, error)
+        finally:  # the ledger gone too: recovery aborts the run, but nothing waits for it
+            self._rollback_run(
+                claim, {s.name: s for s in sinks.resolve(self.p, list(claim.sinks))}, keep=set()
+            )
+
+    def _end(self, claim: Claim, report: RunReport) -> None:
+        """On the ledger: what the run read, on the sinks that did not write it; its end."""
+        if report.records:
+            state.note_read(self.ledger, claim.run_id, report.records)
+        state.finish_run(self.ledger, claim.run_id)
+
+    @contextmanager
+    def _cleanup(self, failure: BaseException | None, run_id: int) -> Iterator[None]:
+        """Cleanup after the run. After its ``failure`` a failing cleanup (the ledger session
+        may be gone as well) is logged, never raised in its place: the user sees the run's
+        own error and exit code. Recovery settles what the cleanup left."""
+        try:
+            yield
+        except (psycopg.Error, TidemarkError) as exc:
+            if failure is None:
+                raise
+            self.log(
+                f"run {run_id}: cleanup after {type(failure).__name__} failed too, left to "
+                f"`tidemark recover`: {one_line(exc)}"
+            )
 
     def _rollback_run(self, claim: Claim, by_name: Sinks, keep: set[str]) -> None:
         """Roll back every prepared transaction of this run that no decision chose."""
@@ -700,54 +389,8 @@ class Run:
     def _mark(self, phase: str) -> None:
         self.clock[phase] = time.monotonic()
 
-    def _timings(self) -> dict[str, float]:
-        # By time: a one-pass run's gate ends after its write.
-        have = sorted(self.clock, key=lambda phase: self.clock[phase])
-        return {
-            f"{b}_seconds": round(self.clock[b] - self.clock[a], 3)
-            for a, b in zip(have, have[1:], strict=False)
-        }
-
-    def _task_phases(self, sink: str | None) -> dict[str, float]:
-        """Task-seconds per phase summed over the run's tasks: the task's own (waiting on
-        Spark's read, decode and transform; row checks) and its writes to ``sink`` (every
-        sink's if None). Tasks run side by side, so these add up to more than the wall time."""
-        total = dict.fromkeys(TASK_PHASES, 0.0)
-        for r in self.results:
-            parts = [
-                r.phases,
-                *(m.phases for name, m in r.sinks.items() if sink is None or name == sink),
-            ]
-            for phases in parts:
-                for k, v in phases.items():
-                    total[k] = total.get(k, 0.0) + v
-        return {f"task_{k}_seconds": round(v, 3) for k, v in total.items()}
-
-    def _phases(self) -> dict[str, float]:
-        return {**self._timings(), **self._task_phases(None)}
-
 
 def _why_aborted(exc: BaseException) -> str:
     if isinstance(exc, Terminated):
         return "terminated (SIGTERM) before the decision"
     return f"{type(exc).__name__}: {one_line(exc)}"
-
-
-def _table_exists(sink: sinks.ResolvedSink) -> bool:
-    try:
-        return sinks.table_exists(sink)
-    except (psycopg.Error, TidemarkError):  # checking first, the write says what is wrong
-        return False
-
-
-_EXC_LINE = re.compile(r"^([\w.]+(Error|Exception|Terminated|Held|Fenced)): (.*)$")
-
-
-def _spark_error(exc: BaseException) -> str:
-    """The Python exception a failed task raised, as one line, out of Spark's wrapping."""
-    found = None
-    for line in str(exc).splitlines():
-        m = _EXC_LINE.match(line.strip())
-        if m and not m.group(1).startswith(("org.apache", "java.", "py4j")):
-            found = f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(3)}"
-    return mask(found) if found else one_line(exc)

@@ -47,7 +47,7 @@ STOP_TTL = 10  # lease TTL of a job that gets SIGSTOPped (the settings' minimum)
 JOB_TIMEOUT = 300  # a job that outlives this after its fault is hung (a problem)
 TIE = 0.3  # versioned worlds: a new version repeats the last one's number
 
-# What a run's log says about how it ran (tidemark/driver/run.py's messages): its layout
+# What a run's log says about how it ran (the messages of tidemark/driver/writing.py): its layout
 # (tidemark/driver/modes.py Layout) and its quality path (docs/quality.md, "One pass").
 _RUN_LINE = re.compile(r"\brun (\d+)(?: sink \w+)?: (.*)")
 

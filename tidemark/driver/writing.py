@@ -1,0 +1,349 @@
+"""Step 2 of a run (tidemark/driver/run.py): the write. Spark tasks PREPARE the batch on every
+sink's database and each sink's dead letters on the ledger, as the run's layout spreads the
+records over them; the quality strategy (tidemark/driver/checking.py) judges each write, and
+one that does not stand is rolled back and the batch written again with the next write
+number in its gids.
+
+:class:`Writing` is mixed into :class:`tidemark.driver.run.Run`, whose state it uses.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import psycopg
+from pyspark import StorageLevel
+from pyspark.sql import DataFrame, SparkSession
+
+from tidemark.config import Pipeline, PostgresLogSource
+from tidemark.core.db import one_line
+from tidemark.core.dsn import mask
+from tidemark.core.errors import Terminated, TidemarkError
+from tidemark.core.settings import Settings
+from tidemark.driver import checking, fallback, gate
+from tidemark.driver.checking import Checked, Fails, Job, QualityPath, Stands
+from tidemark.driver.modes import Layout, Mode
+from tidemark.driver.report import RunReport
+from tidemark.driver.watch import Progress, Stop
+from tidemark.engine import records
+from tidemark.ledger import checkpoints, state
+from tidemark.ledger.state import Claim, RunState
+from tidemark.protocol import sinks
+from tidemark.protocol.taskspec import SinkTarget, TaskResult, TaskSpec
+
+Sinks = dict[str, sinks.ResolvedSink]  # the run's sinks by name
+
+
+class Writing:
+    """The write phase of a :class:`~tidemark.driver.run.Run`."""
+
+    # What the write uses of its run (set in Run.__init__ and Run.execute).
+    p: Pipeline
+    s: Settings
+    ledger: psycopg.Connection
+    ledger_dsn: str
+    mode: Mode
+    quality: QualityPath
+    spark: SparkSession | None
+    by: str | None
+    stop: Stop
+    log: checking.Log
+    layout: Layout | None
+    results: list[TaskResult]
+
+    if TYPE_CHECKING:  # the run's own, tidemark/driver/run.py
+
+        def _mark(self, phase: str) -> None: ...
+        def _abort(self, run_id: int, sink: str, error: str, report: RunReport) -> None: ...
+        def _rollback_run(self, claim: Claim, by_name: Sinks, keep: set[str]) -> None: ...
+
+    def _write(self, claim: Claim, by_name: Sinks, report: RunReport) -> list[str]:
+        """Writes of the batch until one stands; returns the sinks it wrote. The quality
+        strategy is chosen once, on the first read of the batch, and judges each write; one
+        that does not stand is rolled back (nothing is visible before the decision) and the
+        batch is read and written again as the judgement says, with the next write number in
+        its gids (gids.Gid.write)."""
+        from tidemark.engine.session import session
+
+        spark = self.spark or session(self.s.spark_master, f"tidemark-{self.p.name}")
+        self.stop.check()
+        self.layout = self._layout(spark, claim, by_name)
+        ctx = self._checks_context(claim)
+        df = self._read(spark)
+        quality = checking.choose(
+            self.quality,
+            ctx.pipeline,
+            df,
+            claim.run_id,
+            lambda: self._may_check_while_writing(claim, by_name),
+        )
+        write = 0
+        while True:
+            live, job = self._write_once(spark, df, claim, by_name, report, ctx, quality, write)
+            if job is None:  # no sink left to write
+                return live
+            judged = quality.judge(job, ctx)
+            if isinstance(judged, Stands):
+                return live
+            if isinstance(judged, Fails):
+                for sink in live:
+                    self._abort(claim.run_id, sink, judged.why, report)
+                self._rollback_run(claim, by_name, keep=set())
+                raise TidemarkError(f"run {claim.run_id}: {judged.why}")
+            self.log(
+                f"run {claim.run_id}: data quality: {judged.why}; rolled back the write, "
+                f"checking the batch before writing it again"
+            )
+            self._rollback_run(claim, by_name, keep=set())
+            self.stop.check()
+            quality, df, write = judged.then, self._read(spark), write + 1
+
+    def _write_once(
+        self,
+        spark: SparkSession,
+        df: DataFrame,
+        claim: Claim,
+        by_name: Sinks,
+        report: RunReport,
+        ctx: checking.Context,
+        quality: checking.Strategy,
+        write: int,
+    ) -> tuple[list[str], Job | None]:
+        """One write of the batch ``df``, checked as ``quality`` says; the sinks it writes
+        and what its Spark job did (None: no sink left to write)."""
+        columns = records.output_columns(df)
+        cached = fallen = None
+        if quality.caches or self.mode.falls_back:
+            # Read once: the expectations, the fallback keys and the writes all use this
+            # cached batch.
+            df = cached = df.persist(StorageLevel.MEMORY_AND_DISK)
+        try:
+            checked = quality.check(df, ctx)
+            if checked.verdict is not None and checked.verdict.halted:
+                report.records = df.count()  # a sink writes none of the batch: still, it read it
+                self._halt(claim, checked.verdict, report)
+            live = self._start_writing(claim, by_name, columns, checked, report)
+            if not live:
+                return [], None
+            out = checked.df
+            if self.mode.falls_back:
+                fallen = self._fallback(spark, out, claim, by_name, live, checked.verdict)
+                out = fallen.df if fallen is not None else out
+            spec = self._spec(claim, by_name, live, [c for c, _ in columns], checked, fallen, write)
+            return live, self._run_tasks(spark, out, spec, claim.run_id)
+        finally:
+            if cached is not None:
+                cached.unpersist()
+            if fallen is not None:
+                fallen.release()
+
+    def _layout(self, spark: SparkSession, claim: Claim, by_name: Sinks) -> Layout:
+        layout = self.mode.layout(
+            claim.read_ranges(),
+            [by_name[s].config for s in claim.sinks],
+            dense=isinstance(self.p.source, PostgresLogSource),
+            parallelism=spark.sparkContext.defaultParallelism,
+            split_min=self.p.limits.split_min_records,
+        )
+        if layout.kind in ("spread", "together"):
+            how = (
+                f"records spread by ({', '.join(layout.by or [])})"
+                if layout.kind == "spread"
+                else "a sink orders versions by a column"
+            )
+            self.log(
+                f"run {claim.run_id}: {layout.tasks} write task(s) over "
+                f"{len(layout.read)} read(s), {how}"
+            )
+        return layout
+
+    def _read(self, spark: SparkSession) -> DataFrame:
+        """The batch: the mode's records, decoded and transformed (lazily)."""
+        assert self.layout is not None
+        return records.rows(self.mode.source(spark, self.p, self.layout.read), self.p)
+
+    def _checks_context(self, claim: Claim) -> checking.Context:
+        return checking.Context(
+            pipeline=self.mode.quality(self.p),
+            run_id=claim.run_id,
+            ledger=self.ledger,
+            docs_dir=str(self.s.docs_dir(self.p.name)),
+            sink_ranges={s: c.ranges for s, c in claim.sinks.items()},
+            policy=self.mode.gate_policy,
+            log=self.log,
+            mark=self._mark,
+        )
+
+    def _may_check_while_writing(self, claim: Claim, by_name: Sinks) -> bool:
+        """The pipeline's checks may run in the job that writes the batch (docs/quality.md,
+        "One pass") where nothing it writes is visible before the decision (exactly once),
+        the batch is the run's own (no re-delivery, no fallback versions), no sink has
+        checks of its own, and every sink's table exists (a failed gate creates none)."""
+        return (
+            self.p.delivery == "exactly_once"
+            and self.mode.checks_while_writing
+            and all(by_name[s].config.quality.empty for s in claim.sinks)
+            and all(_table_exists(by_name[s]) for s in claim.sinks)
+        )
+
+    def _halt(self, claim: Claim, verdict: gate.Verdict, report: RunReport) -> None:
+        """A failed gate under ``halt``: its sinks end ``dq_failed``, nothing written."""
+        for sink, why in verdict.halted.items():
+            if report.sinks[sink].state == RunState.ABORTED:
+                continue
+            state.dq_failed(self.ledger, self.p.name, claim.run_id, sink, why)
+            report.sinks[sink].state, report.sinks[sink].error = RunState.DQ_FAILED, why
+            self.log(f"run {claim.run_id} sink {sink}: dq_failed: {why}")
+
+    def _start_writing(
+        self,
+        claim: Claim,
+        by_name: Sinks,
+        columns: list[tuple[str, str]],
+        checked: Checked,
+        report: RunReport,
+    ) -> list[str]:
+        """The sinks this write writes, each with its table and in state ``writing``."""
+        halted = checked.verdict.halted if checked.verdict is not None else {}
+        live: list[str] = []
+        for sink in claim.sinks:
+            now = report.sinks[sink].state
+            if now == RunState.ABORTED or sink in halted:
+                continue
+            try:
+                sinks.ensure_table(
+                    by_name[sink],
+                    columns,
+                    f"sink {sink}",
+                    tombstones=(self.p.tombstones_of(by_name[sink].config) == "delete"),
+                )
+            except TidemarkError as exc:
+                self._abort(claim.run_id, sink, str(exc), report)
+                continue
+            if now != RunState.WRITING:  # else it writes again (a write that did not stand)
+                state.start_writing(self.ledger, self.p.name, claim.run_id, sink)
+            report.sinks[sink].state = RunState.WRITING
+            live.append(sink)
+        return live
+
+    def _fallback(
+        self,
+        spark: SparkSession,
+        df: DataFrame,
+        claim: Claim,
+        by_name: Sinks,
+        live: list[str],
+        verdict: gate.Verdict | None,
+    ) -> fallback.Fallback | None:
+        """A backfill's fallback versions (tidemark/driver/fallback.py); one write task."""
+        assert self.layout is not None
+        v = verdict or gate.Verdict()
+        cps = checkpoints.positions(self.ledger, self.p.name, live)
+        plans = {}
+        for s in live:
+            failed: dict[int, dict[int, str]] = {}
+            for scope in (gate.PIPELINE, s):
+                for p, offs in v.rows.get(scope, {}).items():
+                    failed.setdefault(p, {}).update(offs)
+            plans[s] = fallback.SinkPlan(
+                by_name[s].config, by_name[s].dsn, claim.sinks[s].ranges, cps.get(s, {}), failed
+            )
+        if self.layout.tasks != 1:
+            raise TidemarkError(f"a backfill writes in one task, not {self.layout.tasks}")
+        return fallback.attach(
+            spark, self.p, self.mode, df, plans, lambda m: self.log(f"run {claim.run_id}: {m}")
+        )
+
+    def _spec(
+        self,
+        claim: Claim,
+        by_name: Sinks,
+        live: list[str],
+        columns: list[str],
+        checked: Checked,
+        fallen: fallback.Fallback | None,
+        write: int,
+    ) -> TaskSpec:
+        assert self.layout is not None
+        v = checked.verdict or gate.Verdict()
+        targets = []
+        for s in live:
+            cfg = by_name[s].config
+            targets.append(
+                SinkTarget(
+                    name=s,
+                    dsn=by_name[s].dsn,
+                    table=cfg.table,
+                    key=cfg.key,
+                    version=cfg.version,
+                    ranges={r.partition: (r.start, r.end) for r in claim.sinks[s].ranges},
+                    failed=v.rows.get(s, {}),
+                    quarantine=v.quarantine.get(s),
+                    tombstones=self.p.tombstones_of(cfg),
+                )
+            )
+        return TaskSpec(
+            run_id=claim.run_id,
+            pipeline=self.p.name,
+            prefix=self.s.gid_prefix,
+            prepare=self.p.delivery == "exactly_once",
+            lock_timeout_ms=self.s.lock_timeout_ms,
+            ledger_dsn=self.ledger_dsn,
+            columns=columns,
+            accounting=self.layout.accounting,
+            placement=self.mode.placement(self.by, fallen),
+            failed=v.rows.get(gate.PIPELINE, {}),
+            quarantine=v.quarantine.get(gate.PIPELINE),
+            payloads=self.mode.payloads(self.p),
+            sinks=targets,
+            checks=checked.row_checks,
+            write=write,
+        )
+
+    def _run_tasks(self, spark: SparkSession, df: DataFrame, spec: TaskSpec, run_id: int) -> Job:
+        """The Spark job: one write task per layout task, each returning its TaskResult."""
+        from tidemark.engine.writer import RESULT_SCHEMA, make_task
+
+        assert self.layout is not None
+        layout = self.layout
+        if layout.kind == "spread":
+            df = df.repartition(layout.tasks, *(layout.by or []))
+        elif layout.kind == "together":
+            df = df.coalesce(1)
+        progress = Progress(spark, run_id, layout.tasks, self.log)
+        progress.start()
+        try:
+            rows = df.mapInArrow(make_task(spec), RESULT_SCHEMA).collect()
+        except Terminated:
+            spark.sparkContext.cancelAllJobs()
+            raise
+        # Blind on purpose: the job fails as Py4J, PySpark or a lost JVM connection says; each
+        # is the job failing after its retries, and the run rolls back.
+        except Exception as exc:  # noqa: BLE001
+            return Job([], f"Spark job failed: {_spark_error(exc)}")
+        finally:
+            progress.stop()
+        self.results = [TaskResult.model_validate_json(r["result"]) for r in rows]
+        self._mark("write")
+        return Job(self.results)
+
+
+def _table_exists(sink: sinks.ResolvedSink) -> bool:
+    try:
+        return sinks.table_exists(sink)
+    except (psycopg.Error, TidemarkError):  # checking first, the write says what is wrong
+        return False
+
+
+_EXC_LINE = re.compile(r"^([\w.]+(Error|Exception|Terminated|Held|Fenced)): (.*)$")
+
+
+def _spark_error(exc: BaseException) -> str:
+    """The Python exception a failed task raised, as one line, out of Spark's wrapping."""
+    found = None
+    for line in str(exc).splitlines():
+        m = _EXC_LINE.match(line.strip())
+        if m and not m.group(1).startswith(("org.apache", "java.", "py4j")):
+            found = f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(3)}"
+    return mask(found) if found else one_line(exc)
