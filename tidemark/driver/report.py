@@ -29,6 +29,7 @@ class SinkOutcome:
     error: str | None = None
     copy_format: CopyFormat | None = None  # None: no rows went in
     csv_why: str = ""  # CSV: the first column binary COPY cannot carry
+    schema_changes: list[str] = field(default_factory=list)  # what the run changed in its table
 
     def take_copy_format(self, results: Iterable[SinkResult]) -> None:
         """The format of the first task that wrote rows: every task chooses the same one (the
@@ -49,6 +50,8 @@ class RunReport:
     seconds: float = 0.0
     message: str = ""
     redrive: dict[str, Any] | None = None  # redriven / failed_again / skipped dead letters
+    layout: str = ""  # how records reached the write tasks (modes.Layout.kind)
+    quality: list[str] = field(default_factory=list)  # each write's quality strategy, in order
     phases: dict[str, float] = field(default_factory=dict)  # where the time went (seconds)
 
     @property
@@ -65,6 +68,8 @@ class RunReport:
             "message": self.message,
             "skipped": self.skipped,
             "redrive": self.redrive,
+            "layout": self.layout,
+            "quality": self.quality,
             "phases": self.phases,
             "sinks": {k: vars(v) for k, v in self.sinks.items()},
         }
@@ -93,6 +98,8 @@ class RunReport:
                 f"  sink {s.sink}: {s.state}, {s.rows:,} rows written, "
                 f"{s.dead:,} quarantined{more}{tail}"
             )
+            if s.schema_changes:
+                lines.append(f"    table: {'; '.join(s.schema_changes)}")
         for sink, why in self.skipped.items():
             lines.append(f"  sink {sink}: skipped ({why})")
         if self.redrive is not None and self.run_id is not None:

@@ -21,7 +21,7 @@ from tidemark.core.db import one_line
 from tidemark.core.dsn import mask
 from tidemark.core.errors import Terminated, TidemarkError
 from tidemark.core.settings import Settings
-from tidemark.driver import checking, fallback, gate
+from tidemark.driver import checking, fallback, gate, preflight
 from tidemark.driver.checking import Checked, Fails, Job, QualityPath, Stands
 from tidemark.driver.modes import Layout, Mode
 from tidemark.driver.report import RunReport
@@ -66,6 +66,8 @@ class Writing:
         its gids (gids.Gid.write)."""
         from tidemark.engine.session import session
 
+        if not self._check_tables(claim, by_name, report):
+            return []
         spark = self.spark or session(self.s.spark_master, f"tidemark-{self.p.name}")
         self.stop.check()
         self.layout = self._layout(spark, claim, by_name)
@@ -113,17 +115,21 @@ class Writing:
         """One write of the batch ``df``, checked as ``quality`` says; the sinks it writes
         and what its Spark job did (None: no sink left to write)."""
         columns = records.output_columns(df)
+        self._ensure_tables(claim, by_name, columns, report)
         cached = fallen = None
         if quality.caches or self.mode.falls_back:
             # Read once: the expectations, the fallback keys and the writes all use this
             # cached batch.
             df = cached = df.persist(StorageLevel.MEMORY_AND_DISK)
         try:
+            assert self.layout is not None
+            report.layout = self.layout.kind
+            report.quality.append(type(quality).__name__)
             checked = quality.check(df, ctx)
             if checked.verdict is not None and checked.verdict.halted:
                 report.records = df.count()  # a sink writes none of the batch: still, it read it
                 self._halt(claim, checked.verdict, report)
-            live = self._start_writing(claim, by_name, columns, checked, report)
+            live = self._start_writing(claim, checked, report)
             if not live:
                 return [], None
             out = checked.df
@@ -196,23 +202,27 @@ class Writing:
             report.sinks[sink].state, report.sinks[sink].error = RunState.DQ_FAILED, why
             self.log(f"run {claim.run_id} sink {sink}: dq_failed: {why}")
 
-    def _start_writing(
-        self,
-        claim: Claim,
-        by_name: Sinks,
-        columns: list[tuple[str, str]],
-        checked: Checked,
-        report: RunReport,
-    ) -> list[str]:
-        """The sinks this write writes, each with its table and in state ``writing``."""
-        halted = checked.verdict.halted if checked.verdict is not None else {}
-        live: list[str] = []
+    def _check_tables(self, claim: Claim, by_name: Sinks, report: RunReport) -> bool:
+        """Before Spark starts: refuse each sink whose table cannot take what the pipeline
+        writes, as far as its file says (tidemark/driver/preflight.py). False when no sink
+        is left to write."""
+        names = [s for s in claim.sinks if report.sinks[s].state != RunState.ABORTED]
+        for sink, problems in preflight.sink_problems(self.p, names).items():
+            if problems:
+                self._abort(claim.run_id, sink, "; ".join(problems), report)
+        return any(report.sinks[s].state != RunState.ABORTED for s in claim.sinks)
+
+    def _ensure_tables(
+        self, claim: Claim, by_name: Sinks, columns: list[tuple[str, str]], report: RunReport
+    ) -> None:
+        """Once the transform's output types are known, before the batch is read: each
+        sink's table created, or checked and evolved as its ``schema`` says (a sink it
+        refuses is aborted); what changed goes in the report."""
         for sink in claim.sinks:
-            now = report.sinks[sink].state
-            if now == RunState.ABORTED or sink in halted:
+            if report.sinks[sink].state == RunState.ABORTED:
                 continue
             try:
-                sinks.ensure_table(
+                changes = sinks.ensure_table(
                     by_name[sink],
                     columns,
                     f"sink {sink}",
@@ -220,6 +230,18 @@ class Writing:
                 )
             except TidemarkError as exc:
                 self._abort(claim.run_id, sink, str(exc), report)
+                continue
+            report.sinks[sink].schema_changes += changes
+            for change in changes:
+                self.log(f"run {claim.run_id} sink {sink}: {change}")
+
+    def _start_writing(self, claim: Claim, checked: Checked, report: RunReport) -> list[str]:
+        """The sinks this write writes, each in state ``writing``."""
+        halted = checked.verdict.halted if checked.verdict is not None else {}
+        live: list[str] = []
+        for sink in claim.sinks:
+            now = report.sinks[sink].state
+            if now == RunState.ABORTED or sink in halted:
                 continue
             if now != RunState.WRITING:  # else it writes again (a write that did not stand)
                 state.start_writing(self.ledger, self.p.name, claim.run_id, sink)

@@ -208,8 +208,9 @@ def plan(
         col = have.get(name)
         if col is None:
             add = typ or "<type>"
-            if evolve and typ is not None and not name.startswith("_tm_"):
-                out.adds.append((name, typ))
+            if evolve and not name.startswith("_tm_"):
+                if typ is not None:  # else added when the run knows its type
+                    out.adds.append((name, typ))
                 continue
             why = "schema: strict" if not name.startswith("_tm_") else "Tidemark's own column"
             out.problems.append(
