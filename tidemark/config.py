@@ -160,6 +160,11 @@ class Quality(_Model):
 
 class PipelineQuality(Quality):
     on_gate_failure: Literal["halt", "quarantine_batch"] = "halt"
+    # The share of a sink's records a run may quarantine (decode, transform, validation,
+    # sink write) before it halts with nothing committed: past it, a deploy or a table is
+    # more likely broken than the data (a key change sending every second version to the
+    # DLQ). 1 turns the ceiling off.
+    max_quarantined: Annotated[float, Field(gt=0, le=1)] = 0.5
 
 
 # What a tombstone (a record with a key and no payload: how a compacted Kafka topic deletes

@@ -52,6 +52,13 @@ class Halted(TidemarkError):
     exit_code = 5
 
 
+class OverCeiling(TidemarkError):
+    """The run would have quarantined more than ``quality.max_quarantined`` of a sink's
+    records: it rolled back. Not retried: the same records would do the same."""
+
+    exit_code = 5
+
+
 class Terminated(TidemarkError):
     """SIGTERM arrived before the decision: the run rolled back."""
 

@@ -1,6 +1,6 @@
 """Between step 2 and 3 of a run (tidemark/driver/run.py): whether its write can be decided.
 The tasks must have accounted for every record (docs/design.md, "Task accounting"; else the
-run aborts), and per sink no task failed it and each of its chosen gids is still prepared,
+run aborts), no sink may quarantine more than its ceiling (else the run halts), and per sink no task failed it and each of its chosen gids is still prepared,
 checked on a new connection to each participant's database.
 
 :class:`Verifying` is mixed into :class:`tidemark.driver.run.Run`, whose state it uses.
@@ -15,14 +15,15 @@ import psycopg
 
 from tidemark.config import Pipeline
 from tidemark.core.db import connect
-from tidemark.core.errors import TidemarkError
-from tidemark.driver.modes import Layout
+from tidemark.core.errors import OverCeiling, TidemarkError
+from tidemark.driver import ceiling
+from tidemark.driver.modes import Layout, Mode
 from tidemark.driver.report import COUNTS, RunReport
 from tidemark.driver.writing import Sinks
 from tidemark.ledger import state
 from tidemark.ledger.state import Claim, Participant, RunState
 from tidemark.protocol import coverage, twopc
-from tidemark.protocol.taskspec import ByKey, TaskResult
+from tidemark.protocol.taskspec import ByKey, SinkResult, TaskResult
 
 
 class Verifying:
@@ -35,6 +36,7 @@ class Verifying:
     layout: Layout | None
     results: list[TaskResult]
     log: Callable[[str], None]
+    mode: Mode
 
     if TYPE_CHECKING:  # the run's own, tidemark/driver/run.py
 
@@ -51,7 +53,27 @@ class Verifying:
         if not live:
             return []
         self._account(claim, by_name, live, report)
+        self._under_ceiling(claim, by_name, live, report)
         return [s for s in live if self._verify_sink(claim, by_name, s, report)]
+
+    def _under_ceiling(
+        self, claim: Claim, by_name: Sinks, live: list[str], report: RunReport
+    ) -> None:
+        """Halt the run, nothing committed, when a sink would quarantine more than
+        ``quality.max_quarantined`` of its records (driver/ceiling.py). A redrive's records
+        are letters already, and at least once has committed them already."""
+        if self.mode.name == "redrive" or self.p.delivery != "exactly_once":
+            return
+        over = [m for s in live if (m := ceiling.breach(self.p, s, self._mine(s)))]
+        if not over:
+            return
+        for sink in live:
+            self._abort(claim.run_id, sink, over[0], report)
+        self._rollback_run(claim, by_name, keep=set())
+        raise OverCeiling(f"run {claim.run_id}: {'; '.join(over)}")
+
+    def _mine(self, sink: str) -> list[SinkResult]:
+        return [r.sinks[sink] for r in self.results if sink in r.sinks]
 
     def _account(self, claim: Claim, by_name: Sinks, live: list[str], report: RunReport) -> None:
         assert self.layout is not None
@@ -79,7 +101,7 @@ class Verifying:
 
     def _verify_sink(self, claim: Claim, by_name: Sinks, sink: str, report: RunReport) -> bool:
         out = report.sinks[sink]
-        mine = [r.sinks[sink] for r in self.results]
+        mine = self._mine(sink)
         errors = [m.error for m in mine if m.error]
         for name in COUNTS:
             setattr(out, name, sum(getattr(m, name) for m in mine))

@@ -78,6 +78,7 @@ class DeadLetters:
         self.pending: list[Pending] = []  # not yet written
         # "<class>: <reason>" -> letters, for the quarantine ceiling's message
         self.reasons: Counter[str] = Counter()
+        self.classes: Counter[str] = Counter()  # letters by error class
         self.pending_bytes = 0
 
     def _open(self) -> psycopg.Connection:
@@ -117,6 +118,7 @@ class DeadLetters:
             why = (error_class or r[ERR_CLASS], reason or r[ERR_REASON])
             self.pending.append((r, *why, detail))
             self.reasons[f"{why[0]}: {clamp(str(why[1]), REASON_SHOWN)}"] += 1
+            self.classes[str(why[0])] += 1
             self.pending_bytes += len(r["_tm_payload"] or b"")
             self.offsets.setdefault(part, []).append(off)
             if (part, off) in self.held:

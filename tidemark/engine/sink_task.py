@@ -136,6 +136,7 @@ class SinkTask:
             rows=o["rows"],
             dead=self.dead.rows,
             reasons=dict(self.dead.reasons.most_common(TOP_REASONS)),
+            classes=dict(self.dead.classes),
             superseded=o["superseded"],
             removed=o["removed"],
             fallback=o["fallback"],

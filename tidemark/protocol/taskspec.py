@@ -194,6 +194,7 @@ class SinkResult(_Model):
     rows: int = 0  # rows written (inserted or replaced)
     dead: int = 0  # records quarantined for this sink
     reasons: dict[str, int] = {}  # the task's most frequent "<class>: <reason>" of ``dead``
+    classes: dict[str, int] = {}  # ``dead`` by error class
     superseded: int = 0  # versions not written: a newer one won
     removed: int = 0  # re-delivery: own rows removed (now quarantined)
     resolved: int = 0  # re-delivery: live letters resolved (now delivered)
