@@ -150,7 +150,7 @@ def test_a_run_says_how_its_rows_went_in(env, spark):
     assert rep.to_dict()["sinks"]["main"]["csv_why"] == ""
     with psycopg.connect(env.sink2_dsn, autocommit=True) as c:
         c.execute("""CREATE TABLE public.orders (id integer PRIMARY KEY, name text,
-            amount numeric(12, 2), version bigint, _tm_partition integer NOT NULL,
+            amount numeric, version bigint, _tm_partition integer NOT NULL,
             _tm_offset bigint NOT NULL, _tm_run_id bigint NOT NULL)""")
     env.pipeline(
         name="typed",

@@ -92,20 +92,28 @@ def _bad(i: int) -> tuple:
 
 def test_a_run_past_the_quarantine_ceiling_halts_with_nothing_committed(env, spark):
     env.append([_bad(i) for i in range(8)])  # 6 of 8 records do not decode: 75%
-    env.pipeline(quality={"max_quarantined": 0.5})
+    env.pipeline(quality={"max_quarantined": 0.5, "max_quarantined_min": 1})
     with pytest.raises(OverCeiling) as e:
         env.run(spark)
     msg = str(e.value)
     assert "sink main: 6 of 8 records (75%) would go to the dead-letter queue" in msg, msg
     assert "over quality.max_quarantined (50%); nothing was committed" in msg
-    assert "6 x decode:" in msg and "\n" not in msg
+    assert "6 x decode:" in msg and "\n" not in msg, msg
     assert env.checkpoints() == {0: 0, 1: 0}
     assert env.ledger("SELECT count(*) FROM tidemark.dlq") == [(0,)]
     assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(0,)]
     assert env.prepared() == []
     assert env.ledger("SELECT state::text FROM tidemark.run_sinks") == [("aborted",)]
     # Raised, the same records go: 2 rows, 6 letters, exactly once.
-    env.pipeline(quality={"max_quarantined": 0.8})
+    env.pipeline(quality={"max_quarantined": 0.8, "max_quarantined_min": 1})
     report = env.run(spark)
     assert report.ok and report.sinks["main"].rows == 2 and report.sinks["main"].dead == 6
+    assert_exactly_once(env)
+
+
+def test_a_few_quarantined_records_never_halt_a_run_whatever_their_share(env, spark):
+    env.append([_bad(i) for i in range(8)])  # 75%, but 6 records: under the default minimum
+    env.pipeline()
+    report = env.run(spark)
+    assert report.ok and report.sinks["main"].dead == 6
     assert_exactly_once(env)

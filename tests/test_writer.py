@@ -275,7 +275,7 @@ def test_binary_copy_and_the_csv_fallback(env: Any) -> None:
         env,
         ddl={
             "copy": f"""CREATE TABLE {TABLE} (id integer PRIMARY KEY, name text,
-                amount numeric(12, 2), version bigint, _tm_partition integer NOT NULL,
+                amount numeric, version bigint, _tm_partition integer NOT NULL,
                 _tm_offset bigint NOT NULL, _tm_run_id bigint NOT NULL)"""
         },
     )

@@ -165,6 +165,9 @@ class PipelineQuality(Quality):
     # more likely broken than the data (a key change sending every second version to the
     # DLQ). 1 turns the ceiling off.
     max_quarantined: Annotated[float, Field(gt=0, le=1)] = 0.5
+    # Fewer quarantined records than this never halt a run: one bad record in a small batch
+    # must not stop a pipeline (its next run would read it again).
+    max_quarantined_min: Annotated[int, Field(ge=1)] = 100
 
 
 # What a tombstone (a record with a key and no payload: how a compacted Kafka topic deletes

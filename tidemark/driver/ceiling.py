@@ -1,6 +1,6 @@
 """The quarantine ceiling (``quality.max_quarantined``): a run that would send more than that
-share of a sink's records to the DLQ halts before its decision, nothing committed, and says
-why. A whole batch the gate quarantines on purpose (``dq_gate``) does not count.
+share of a sink's records to the DLQ (and at least ``max_quarantined_min`` of them) halts
+before its decision, nothing committed, and says why. A whole batch the gate quarantines on purpose (``dq_gate``) does not count.
 
 May import: protocol, config, core.
 """
@@ -24,7 +24,8 @@ def breach(pipeline: Pipeline, sink: str, results: list[SinkResult]) -> str | No
     for r in results:
         reasons.update(r.reasons)
     dead = sum(r.dead - r.classes.get("dq_gate", 0) for r in results)
-    if share >= 1 or records == 0 or dead <= share * records:
+    least = pipeline.quality.max_quarantined_min
+    if share >= 1 or records == 0 or dead <= share * records or dead < least:
         return None
     top = [(why, n) for why, n in reasons.most_common() if not why.startswith("dq_gate:")]
     named = "; ".join(f"{n:,} x {why}" for why, n in top[:SHOWN])

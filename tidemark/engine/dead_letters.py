@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from collections import Counter
 from typing import Any
 
@@ -32,8 +33,15 @@ REASON_MAX = 200
 REASON_SHOWN = 120  # a reason as the run's report counts it
 TOP_REASONS = 5  # reasons a task reports per sink
 DETAIL_MAX = 8_000
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
 Record = dict[str, Any]  # one record as Arrow's to_pylist gives it
 Pending = tuple[Record, str, str, str | None]  # (record, class, reason, detail)
+
+
+def _kind(reason: str) -> str:
+    """A reason without its values ("unexpected value 500.0" -> "unexpected value N"), so
+    records failing the same way count as one reason."""
+    return _NUMBER.sub("N", reason)
 
 
 def pg_text(text: str, limit: int) -> str:
@@ -117,7 +125,7 @@ class DeadLetters:
             part, off = r[PARTITION], r[OFFSET]
             why = (error_class or r[ERR_CLASS], reason or r[ERR_REASON])
             self.pending.append((r, *why, detail))
-            self.reasons[f"{why[0]}: {clamp(str(why[1]), REASON_SHOWN)}"] += 1
+            self.reasons[f"{why[0]}: {clamp(_kind(str(why[1])), REASON_SHOWN)}"] += 1
             self.classes[str(why[0])] += 1
             self.pending_bytes += len(r["_tm_payload"] or b"")
             self.offsets.setdefault(part, []).append(off)

@@ -68,8 +68,9 @@ def accepts(table_type: str, output_type: str) -> bool:
         return (have == "double precision" and out != "bigint") or (
             have == "real" and out == "smallint"
         )
-    if out == "real":
-        return have == "double precision"
+    if out in ("real", "double precision"):
+        # An unconstrained numeric holds every finite float exactly.
+        return have == "numeric" or (out == "real" and have == "double precision")
     if m_out := _NUMERIC.match(out):
         m = _NUMERIC.match(have)
         if m is None:

@@ -83,7 +83,7 @@ def ensure_table(
             keys = sink_schema.unique_keys(conn, cfg.table)
             plan = sink_schema.plan(cfg, have, keys, list(columns))
             if not plan.ok:
-                raise TidemarkError(f"{what}: {'; '.join(plan.problems)}")
+                raise TidemarkError("; ".join(plan.problems))  # each names its sink
             # Before the write: a column added now is NULL in every row already there, and a
             # write that then fails leaves only that (the next run adds nothing again).
             sink_schema.evolve(conn, cfg, plan.adds)
