@@ -352,3 +352,59 @@ def test_validate_checks_the_world_and_names_each_mismatch_with_its_fix(env):
     code, out, err = tm(env.cli_env(), "pipelines", "validate", "--offline")
     assert code == 0, out + err
     assert f"ok      {bad}" in out, out
+
+
+def test_dry_run_previews_a_backfill_and_a_redrive_and_commits_nothing(env, spark):
+    """`--dry-run` says it was a preview and what each sink would get, exits 0, and leaves
+    the sink and the dead letters as they were."""
+    rule = "expect_column_values_to_be_between"
+    docs = [{"id": i, "name": "x", "amount": a, "version": 1} for i, a in enumerate([50, 500])]
+    env.append([(0, str(d["id"]).encode(), json.dumps(d).encode(), None, None) for d in docs])
+    env.pipeline(quality={"rows": [{rule: {"column": "amount", "max_value": 300}}]})
+    assert env.run(spark).ok
+    env.pipeline(quality={"rows": [{rule: {"column": "amount", "max_value": 600}}]})
+    rows = env.q(env.sink_dsn, "SELECT * FROM orders ORDER BY id")
+    letters = env.ledger("SELECT id, status::text, attempts FROM tidemark.dlq")
+
+    code, out, err = tm(
+        env.cli_env(), "backfill", "orders", "--partition", "all", "--dry-run", cwd=env.tmp
+    )
+    assert code == 0, out + err
+    lines = out.splitlines()
+    assert lines[0].startswith("dry run: nothing was committed - run "), out
+    assert lines[1:] == [
+        "  sink main: commit",
+        "    rows written (inserted or replaced): 2",
+        "    rows removed (the range's, replaced by position): 1",
+        "    keys falling back (older versions placed again): 0",
+        "    dead letters created: 0",
+        "    dead letters resolved: 1",
+    ], out
+
+    (letter,) = [i for i, _, _ in letters]
+    code, out, err = tm(
+        env.cli_env(), "dlq", "redrive", "orders", str(letter), "--dry-run", "--json", cwd=env.tmp
+    )
+    assert code == 0, out + err
+    report = json.loads(out)
+    assert report["dry_run"] is True and report["mode"] == "redrive"
+    assert report["sinks"]["main"]["previewed"] is True
+    assert report["sinks"]["main"]["error"] == "dry run: rolled back"
+    assert (report["redrive"]["redriven"], report["redrive"]["failed_again"]) == (1, [])
+
+    assert env.q(env.sink_dsn, "SELECT * FROM orders ORDER BY id") == rows
+    assert env.ledger("SELECT id, status::text, attempts FROM tidemark.dlq") == letters
+
+
+def test_a_dry_run_that_cannot_preview_says_so_in_one_line(env):
+    env.pipeline(delivery="at_least_once")
+    code, out, err = tm(
+        env.cli_env(), "backfill", "orders", "--partition", "0", "--from", "0", "--to", "1",
+        "--dry-run", cwd=env.tmp,
+    )  # fmt: skip
+    assert code == 2, out + err
+    assert err.startswith("backfill of orders: partition 0 [0, 1)\n"), err
+    assert_one_clear_line(
+        err.split("\n", 1)[1], "dry run, nothing committed: orders", "needs delivery: exactly_once"
+    )
+    assert env.ledger("SELECT count(*) FROM tidemark.runs") == [(0,)]

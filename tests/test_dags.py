@@ -115,7 +115,14 @@ def test_backfill_params_validate(airflow_home):
     ok = copy.deepcopy(params)
     ok.update({"partition": 2, "from_offset": 0, "to_offset": 100, "sinks": ["warehouse"]})
     assert ok.validate()["to_offset"] == 100
-    for bad in ({"partition": -1}, {"from_offset": "ten"}, {"sinks": []}, {"sinks": ["nowhere"]}):
+    assert ok.validate()["dry_run"] is False  # a preview only when asked
+    for bad in (
+        {"partition": -1},
+        {"from_offset": "ten"},
+        {"sinks": []},
+        {"sinks": ["nowhere"]},
+        {"dry_run": "yes"},
+    ):
         p = copy.deepcopy(params)
         with pytest.raises(ParamValidationError):
             p.update(bad)
@@ -145,7 +152,14 @@ def test_redrive_dag_params_validate(airflow_home):
     at = args.index("--request")
     assert args[at + 1] == "{{ ti.xcom_pull(task_ids='select') }}"
     assert not any("join" in a for a in args)
+    # The form's dry_run previews the redrive (--dry-run after the pipeline's name).
+    assert ok.validate()["dry_run"] is False
+    replay = dag.get_task("replay")
+    command = replay._command({"params": {**ok, "dry_run": True}})
+    assert command[command.index("flights") + 1] == "--dry-run"
+    assert "--dry-run" not in replay._command({"params": dict(ok)})
     for bad in (
+        {"dry_run": 1},
         {"ids": ["x"]},
         {"ids": [0]},
         {"error_class": "nope"},
@@ -248,6 +262,10 @@ def test_the_backfill_form_takes_a_time_window_or_every_partition(airflow_home):
 
     assert replay._command({"ti": Ti()}) == [
         "--pipelines-dir", "d", "backfill", "flights", "--partition", "all", "--airflow-run", "{}"
+    ]  # fmt: skip
+    assert replay._command({"ti": Ti(), "params": {"dry_run": True}}) == [
+        "--pipelines-dir", "d", "backfill", "flights", "--partition", "all", "--dry-run",
+        "--airflow-run", "{}",
     ]  # fmt: skip
 
 

@@ -144,6 +144,7 @@ class ReplayOperator(SparkSubmitOperator):
         pipeline_file: str,
         args_from: str | None = None,
         by_interval: bool = False,
+        previews: bool = False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -153,6 +154,8 @@ class ReplayOperator(SparkSubmitOperator):
         self.args_from = args_from
         # A run of Airflow's own Backfill re-delivers its data interval (backfill by time).
         self.by_interval = by_interval
+        # The trigger's form has a dry_run param: set, the job previews (--dry-run).
+        self.previews = previews
 
     def execute(self, context):
         # The job's process cannot ask Airflow for connections: it gets the ledger this task
@@ -190,6 +193,8 @@ class ReplayOperator(SparkSubmitOperator):
 
     def _command(self, context) -> list[str]:
         args = list(self.application_args or [])
+        if self.previews and (context.get("params") or {}).get("dry_run"):
+            args.insert(args.index(self.pipeline) + 1, "--dry-run")
         if self.args_from:
             at = args.index(self.pipeline) + 1
             args[at:at] = context["ti"].xcom_pull(task_ids=self.args_from)["args"]
@@ -332,6 +337,16 @@ def _triggered(
     )
 
 
+def _dry_run_param() -> Param:
+    """The triggered re-deliveries' preview (docs/operations.md, "Preview: --dry-run")."""
+    return Param(
+        False,
+        type="boolean",
+        title="Dry run",
+        description="Preview: run up to PREPARE, report, roll back (nothing committed).",
+    )
+
+
 def backfill_dag(p: config.Pipeline, path: Path) -> DAG:
     names = [s.name for s in p.sinks]
     params = {
@@ -381,6 +396,7 @@ def backfill_dag(p: config.Pipeline, path: Path) -> DAG:
             title="Sinks",
             description="Sinks to re-deliver to.",
         ),
+        "dry_run": _dry_run_param(),
     }
     # Runs only when triggered: paused, its first trigger would wait for an unpause.
     with _triggered(
@@ -419,14 +435,15 @@ def _checked_replay(
     **kwargs,
 ):
     """recover -> a check of the trigger's params (no retries: bad input stays bad) ->
-    replay (its command completed by the check's ``args`` with ``args_from``) -> report."""
+    replay (its command completed by the check's ``args`` with ``args_from``, and
+    ``--dry-run`` when the form's dry_run is set) -> report."""
     first = PythonOperator(
         task_id=task_id,
         python_callable=check,
         retries=0,
         op_kwargs={"pipeline_file": str(path), **kwargs},
     )
-    replay = _spark(p, path, args, args_from=args_from)
+    replay = _spark(p, path, args, args_from=args_from, previews=True)
     _recover(p, path) >> first >> replay >> _report(p, path)
 
 
@@ -476,6 +493,7 @@ def redrive_dag(p: config.Pipeline, path: Path) -> DAG:
             title="Requested by",
             description="Recorded when the trigger names no user.",
         ),
+        "dry_run": _dry_run_param(),
     }
     # Runs only when triggered; paused, a redrive asked for in the UI would never start.
     with _triggered(

@@ -275,14 +275,18 @@ def report(pipeline: str, dag_id: str, run_id: str, pipeline_file: str | None = 
             "run_id": None,
             "summary": "nothing to replay (no new records, or every sink busy)",
         }
+    from tidemark.airflow import metrics
+    from tidemark.driver.report import DRY_RUN
+
+    # A dry run's sinks that would commit end aborted with DRY_RUN (only a dry run says it).
+    dry = any(s["error"] == DRY_RUN for s in sinks)
     parts = [
-        f"{s['sink']} {s['state']} {s['counts'].get('rows', 0):,} rows "
-        f"{s['counts'].get('dead', 0):,} dead"
+        f"{s['sink']} {'would commit' if s['error'] == DRY_RUN else s['state']} "
+        f"{s['counts'].get('rows', 0):,} rows {s['counts'].get('dead', 0):,} dead"
         for s in sinks
     ]
-    from tidemark.airflow import metrics
-
-    metrics.safely(metrics.emit_run, pipeline, run, sinks)
+    if not dry:  # a preview delivered nothing: no metrics of a run
+        metrics.safely(metrics.emit_run, pipeline, run, sinks)
     out = {
         "pipeline": pipeline,
         "run_id": run["run_id"],
@@ -291,7 +295,10 @@ def report(pipeline: str, dag_id: str, run_id: str, pipeline_file: str | None = 
             s["sink"]: {"state": s["state"], "counts": s["counts"], "error": s["error"]}
             for s in sinks
         },
-        "summary": f"run {run['run_id']} ({run['mode']}): " + "; ".join(parts),
+        "dry_run": dry,
+        "summary": ("dry run, nothing committed: " if dry else "")
+        + f"run {run['run_id']} ({run['mode']}): "
+        + "; ".join(parts),
     }
     print(out["summary"])
     return out

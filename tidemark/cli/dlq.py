@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from tidemark.cli.main import Ctx, _run, airflow_run_option, cli, pass_ctx
+from tidemark.cli.main import Ctx, _run, airflow_run_option, cli, dry_run_option, pass_ctx
 from tidemark.core.db import connect
 from tidemark.core.errors import BadInput, NotFound
 from tidemark.ledger import dlq as dlq_mod
@@ -387,6 +387,7 @@ def dlq_counts(ctx: Ctx, as_json: bool) -> None:
 )
 @click.option("--by", help="Who asks (recorded on the dead letters; default: user@host).")
 @click.option("--external-id", help="Caller's own id for this run.")
+@dry_run_option
 @airflow_run_option
 @click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
 @pass_ctx
@@ -404,6 +405,7 @@ def dlq_redrive(
     request: int | None,
     by: str | None,
     external_id: str | None,
+    dry_run: bool,
     airflow: AirflowRun | None,
     as_json: bool,
 ) -> None:
@@ -411,7 +413,9 @@ def dlq_redrive(
     through the current pipeline code into the sinks, exactly once. Records that pass are
     written and marked redriven in the same two-phase commit; records that fail again stay
     quarantined with attempts + 1. The selection is kept in the ledger as a redrive request:
-    any number of records (up to 200,000 at a time) goes to the Spark job as its id."""
+    any number of records (up to 200,000 at a time) goes to the Spark job as its id.
+    --dry-run previews it (what would be redriven or fail again), nothing committed; the
+    request stays, for --request."""
     from tidemark.driver import redrive
     from tidemark.ledger import redrives
 
@@ -436,7 +440,7 @@ def dlq_redrive(
         )
         with connect(ctx.ledger_dsn, autocommit=True, what="ledger") as conn:
             n = dlq_mod.matching(conn, f)
-            if n:
+            if n and not dry_run:  # a preview changes nothing: no need to ask
                 _confirmed("Redrive", n, f, yes)
             req = redrives.create(conn, pipeline, by, filters=f)
         if req is None:
@@ -457,4 +461,5 @@ def dlq_redrive(
         by=by,
         external_id=external_id,
         airflow=airflow,
+        dry_run=dry_run,
     )

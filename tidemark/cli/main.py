@@ -67,6 +67,13 @@ airflow_run_option = click.option(
     '"run_id": ..., "task_id": ..., "try_number": ...}.',
 )
 
+dry_run_option = click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Preview: run up to PREPARE, report what each sink would get, then roll everything "
+    "back (nothing committed; exit 0 when the run would commit).",
+)
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--ledger-dsn", envvar="TIDEMARK_LEDGER_DSN", help="PostgreSQL DSN of the ledger.")
@@ -196,14 +203,19 @@ def _run(ctx: Ctx, name: str, as_json: bool, runner=None, **kw) -> None:
     # up-to-date pipeline returns without importing Great Expectations or starting Spark.
     all_p = ctx.pipelines(deep=False)
     pipeline = all_p.get(name) or cfg.find(ctx.folder, name, deep=False)
-    report = (runner or Run)(
-        pipeline,
-        ctx.settings,
-        ledger_dsn=ctx.ledger_dsn,
-        all_pipelines=all_p,
-        where=str(cfg.file_of(ctx.folder, name)),
-        **kw,
-    ).execute()
+    try:
+        report = (runner or Run)(
+            pipeline,
+            ctx.settings,
+            ledger_dsn=ctx.ledger_dsn,
+            all_pipelines=all_p,
+            where=str(cfg.file_of(ctx.folder, name)),
+            **kw,
+        ).execute()
+    except TidemarkError as exc:
+        if kw.get("dry_run"):  # the run's own error, said as the preview's outcome
+            exc.args = (f"dry run, nothing committed: {exc}", *exc.args[1:])
+        raise
     click.echo(json.dumps(report.to_dict()) if as_json else report.summary())
     if not report.ok:
         sys.exit(1)
@@ -264,6 +276,7 @@ TIME_FORMATS = ["%Y-%m-%d", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S", "%Y-%m-%dT
 )
 @click.option("--sink", "sinks", multiple=True, help="Only these sinks (default: all).")
 @click.option("--external-id", help="Caller's own id for this run.")
+@dry_run_option
 @airflow_run_option
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
@@ -277,13 +290,15 @@ def backfill_cmd(
     until: datetime | None,
     sinks: tuple[str, ...],
     external_id: str | None,
+    dry_run: bool,
     airflow: AirflowRun | None,
     as_json: bool,
 ) -> None:
     """Re-deliver committed records of PIPELINE again, exactly once, with the current
     pipeline: [FROM, TO) of one partition; with --partition all, of every partition (by
     default all it has committed); or with --since/--until, the records of a time window
-    (the smallest offset range of each partition holding every one of them)."""
+    (the smallest offset range of each partition holding every one of them). --dry-run
+    previews it: what each sink would get, nothing committed."""
     from tidemark.driver.modes import Backfill
 
     ranges = _backfill_ranges(
@@ -302,6 +317,7 @@ def backfill_cmd(
         sink_names=_names(sinks),
         external_id=external_id,
         airflow=airflow,
+        dry_run=dry_run,
     )
 
 

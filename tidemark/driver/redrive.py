@@ -194,11 +194,12 @@ class Redrive(Run):
             self.log(f"dead letter {i} not redriven: {why}")
         if len(unplaced) > SHOW_UNPLACED:
             self.log(f"... and {len(unplaced) - SHOW_UNPLACED:,} more dead letters not redriven")
+        # What the sinks committed; a dry run's: what they would have.
         done = [
             r
             for t in self.results
             for s, r in t.sinks.items()
-            if report.sinks[s].state == RunState.COMMITTED
+            if report.sinks[s].state == RunState.COMMITTED or report.sinks[s].previewed
         ]
         report.redrive = {
             "request": self.redrive.request,

@@ -11,6 +11,9 @@ from tidemark.ledger.state import RunState
 from tidemark.protocol.taskspec import TASK_PHASES, CopyFormat, SinkResult, TaskResult
 
 UP_TO_DATE = "up to date: nothing to replay"
+# A dry run's sinks end aborted with this error (the ledger's record of the preview), every
+# prepared transaction of the run rolled back (docs/operations.md, "Preview: --dry-run").
+DRY_RUN = "dry run: rolled back"
 # What a sink's tasks count, summed per sink (SinkOutcome, protocol.taskspec.SinkResult).
 COUNTS = ("rows", "dead", "superseded", "removed", "resolved", "fallback", "tombstones")
 
@@ -30,6 +33,18 @@ class SinkOutcome:
     copy_format: CopyFormat | None = None  # None: no rows went in
     csv_why: str = ""  # CSV: the first column binary COPY cannot carry
     schema_changes: list[str] = field(default_factory=list)  # what the run changed in its table
+    classes: dict[str, int] = field(default_factory=dict)  # ``dead`` by error class
+    previewed: bool = False  # a dry run prepared it, then rolled it back: the run would commit
+
+    def take_counts(self, results: list[SinkResult]) -> None:
+        """The sink's counts over its tasks' results."""
+        for name in COUNTS:
+            setattr(self, name, sum(getattr(r, name) for r in results))
+        self.classes = {}
+        for r in results:
+            for cls, n in r.classes.items():
+                self.classes[cls] = self.classes.get(cls, 0) + n
+        self.take_copy_format(results)
 
     def take_copy_format(self, results: Iterable[SinkResult]) -> None:
         """The format of the first task that wrote rows: every task chooses the same one (the
@@ -53,14 +68,19 @@ class RunReport:
     layout: str = ""  # how records reached the write tasks (modes.Layout.kind)
     quality: list[str] = field(default_factory=list)  # each write's quality strategy, in order
     phases: dict[str, float] = field(default_factory=dict)  # where the time went (seconds)
+    dry_run: bool = False  # a preview: prepared, reported, rolled back
 
     @property
     def ok(self) -> bool:
+        """Every sink committed; in a dry run, every sink prepared (the run would commit)."""
+        if self.dry_run:
+            return all(s.previewed for s in self.sinks.values())
         return all(s.state == RunState.COMMITTED for s in self.sinks.values())
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "run_id": self.run_id,
+            "dry_run": self.dry_run,
             "pipeline": self.pipeline,
             "mode": self.mode,
             "records": self.records,
@@ -77,6 +97,8 @@ class RunReport:
     def summary(self) -> str:
         if self.run_id is None:
             return f"{self.pipeline}: {self.message}"
+        if self.dry_run:
+            return preview_summary(self)
         lines = [
             f"run {self.run_id} ({self.pipeline}, {self.mode}): {self.records:,} records "
             f"read in {self.seconds:.1f}s"
@@ -115,6 +137,56 @@ class RunReport:
                     f"the source no longer holds their records (source_note)"
                 )
         return "\n".join(lines)
+
+
+def preview_summary(r: RunReport) -> str:
+    """A dry run's report: what the run would do to each sink, said as a preview."""
+    lines = [
+        f"dry run: nothing was committed - run {r.run_id} ({r.pipeline}, {r.mode}) read "
+        f"{r.records:,} records in {r.seconds:.1f}s, prepared its writes and rolled them "
+        f"all back; the {r.mode} would:"
+    ]
+    for s in r.sinks.values():
+        if not s.previewed:
+            lines.append(f"  sink {s.sink}: fail ({s.state}: {s.error or 'not prepared'})")
+            continue
+        lines.append(f"  sink {s.sink}: commit")
+        lines += [f"    {line}" for line in _would(r.mode, s)]
+        lines += [f"    table: {change}" for change in s.schema_changes]
+    for sink, why in r.skipped.items():
+        lines.append(f"  sink {sink}: skipped ({why})")
+    if r.redrive is not None:
+        d = r.redrive
+        lines.append(
+            f"  dead letters: {d['redriven']:,} would be redriven, "
+            f"{len(d['failed_again']):,} would fail again (stay quarantined, attempts + 1), "
+            f"{len(d['skipped']):,} skipped; none was changed"
+        )
+        lines.append(
+            f"  redrive request {d['request']} stays: `tidemark dlq redrive {r.pipeline} "
+            f"--request {d['request']}` runs it"
+        )
+    return "\n".join(lines)
+
+
+def _would(mode: str, s: SinkOutcome) -> list[str]:
+    """What a previewed sink would get, one count a line: superseded versions and
+    tombstones where there are some, the rest always; dead letters by class."""
+    classes = ", ".join(f"{c} {n:,}" for c, n in sorted(s.classes.items()))
+    dead = "records quarantined again" if mode == "redrive" else "dead letters created"
+    return [
+        f"{what}: {n:,}{more}"
+        for what, n, more, always in (
+            ("rows written (inserted or replaced)", s.rows, "", True),
+            ("rows removed (the range's, replaced by position)", s.removed, "", True),
+            ("keys falling back (older versions placed again)", s.fallback, "", True),
+            ("versions superseded by newer ones", s.superseded, "", False),
+            ("keys deleted by tombstones", s.tombstones, "", False),
+            (dead, s.dead, f" ({classes})" if classes else "", True),
+            ("dead letters resolved", s.resolved, "", True),
+        )
+        if always or n
+    ]
 
 
 def phases(

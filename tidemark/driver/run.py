@@ -4,7 +4,9 @@
 :meth:`Run.execute` takes the protocol's steps in order, each on the connection it names:
 claim (ledger) -> write (Spark tasks PREPARE on the sink databases and the ledger) -> verify
 (every chosen gid still prepared) -> decide (ledger: the commit point, per sink) -> finish
-(COMMIT / ROLLBACK PREPARED on each participant's database) -> advance (ledger).
+(COMMIT / ROLLBACK PREPARED on each participant's database) -> advance (ledger). A dry run
+(a preview) stops after the verification: it reports what the run would do, then aborts its
+sinks and rolls back every prepared transaction of the run instead of deciding.
 
 SIGTERM before a sink's decision rolls everything back, releases the leases and exits 143;
 after the decision the run finishes its commits first.
@@ -26,11 +28,11 @@ from tidemark.config import Pipeline
 from tidemark.core import faults
 from tidemark.core.db import connect, one_line
 from tidemark.core.dsn import mask
-from tidemark.core.errors import Fenced, Inconsistency, Terminated, TidemarkError
+from tidemark.core.errors import BadInput, Fenced, Inconsistency, Terminated, TidemarkError
 from tidemark.core.settings import Settings
 from tidemark.driver.checking import QualityPath
 from tidemark.driver.modes import Backfill, Delivery, Layout, Mode
-from tidemark.driver.report import UP_TO_DATE, RunReport, SinkOutcome, phases
+from tidemark.driver.report import DRY_RUN, UP_TO_DATE, RunReport, SinkOutcome, phases
 from tidemark.driver.verifying import Verifying
 from tidemark.driver.watch import Heartbeat, Stop
 from tidemark.driver.writing import Sinks, Writing
@@ -70,12 +72,18 @@ class Run(Writing, Verifying):
         spark: SparkSession | None = None,
         by: str | None = None,
         where: str | None = None,
+        dry_run: bool = False,
     ) -> None:
         # Checked here: a mode named by a string once ran a delivery instead, unnoticed.
         if mode is not None and not isinstance(mode, Mode):
             raise TypeError(f"Run(mode=...) takes a Mode such as Backfill(...), not {mode!r}")
         if not isinstance(quality, QualityPath):
             raise TypeError(f"Run(quality=...) takes a QualityPath, not {quality!r}")
+        if dry_run and pipeline.delivery != "exactly_once":
+            raise BadInput(
+                f"{pipeline.name} has delivery: at_least_once, whose write tasks commit; a "
+                f"dry run needs delivery: exactly_once, which it can roll back"
+            )
         self.p = pipeline
         self.where = where or f"pipeline {pipeline.name}"  # names the file in config errors
         self.s = settings
@@ -94,6 +102,8 @@ class Run(Writing, Verifying):
         self.clock: dict[str, float] = {}  # phase -> monotonic time it ended
         self.results: list[TaskResult] = []  # the write that stands: one per task
         self.layout: Layout | None = None  # how records reach the write tasks (per run)
+        self.dry_run = dry_run
+        self.omit: dict[str, list[str]] = {}  # a dry run's columns its tables lack
 
     # -- the protocol ----------------------------------------------------------------------
     def execute(self) -> RunReport:
@@ -101,7 +111,7 @@ class Run(Writing, Verifying):
         started = time.monotonic()
         faults.mark_job_process_group()
         self._mark("start")
-        report = RunReport(None, self.p.name, self.mode.name)
+        report = RunReport(None, self.p.name, self.mode.name, dry_run=self.dry_run)
         by_name = {s.name: s for s in sinks.resolve(self.p, self.sink_names)}
         # The run's own ledger session: the claim takes the run's owner lock on it, which
         # tells recovery that this process is alive.
@@ -129,6 +139,9 @@ class Run(Writing, Verifying):
                     prepared = self._verify(claim, by_name, live, report)
                     self.stop.check()
                     faults.point("after_prepare")
+                    if self.dry_run:  # a preview: what it would decide, then nothing
+                        self._roll_back_preview(claim, by_name, prepared, report)
+                        return report
                     # 3. Decide, on the ledger: per sink one transaction, the commit point.
                     decided = self._decide(claim, prepared, report)
                     self._mark("decide")
@@ -222,6 +235,21 @@ class Run(Writing, Verifying):
             for p in r.participants
             if p.sink == sink
         ]
+
+    # -- a dry run ends before the decision --------------------------------------------------
+    def _roll_back_preview(
+        self, claim: Claim, by_name: Sinks, prepared: list[str], report: RunReport
+    ) -> None:
+        """A dry run instead of its decision: each prepared sink aborted (the ledger keeps
+        the run and its counts, error DRY_RUN), every prepared transaction of the run rolled
+        back. Nothing was visible, so nothing changes: rows, letters and checkpoints stay."""
+        for sink in prepared:
+            state.abort(self.ledger, self.p.name, claim.run_id, sink, DRY_RUN)
+            out = report.sinks[sink]
+            out.state, out.error, out.previewed = RunState.ABORTED, DRY_RUN, True
+        self._rollback_run(claim, by_name, keep=set())
+        self.log(f"run {claim.run_id}: dry run: every prepared transaction rolled back")
+        report.phases = phases(self.clock, self.results)
 
     # -- 3. decide ---------------------------------------------------------------------------
     def _decide(self, claim: Claim, live: list[str], report: RunReport) -> list[str]:

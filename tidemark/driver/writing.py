@@ -51,6 +51,8 @@ class Writing:
     log: checking.Log
     layout: Layout | None
     results: list[TaskResult]
+    dry_run: bool
+    omit: dict[str, list[str]]  # a dry run's sink -> output columns its table lacks
 
     if TYPE_CHECKING:  # the run's own, tidemark/driver/run.py
 
@@ -217,23 +219,39 @@ class Writing:
     ) -> None:
         """Once the transform's output types are known, before the batch is read: each
         sink's table created, or checked and evolved as its ``schema`` says (a sink it
-        refuses is aborted); what changed goes in the report."""
+        refuses is aborted); what changed goes in the report. A dry run changes no table:
+        it says what the run would change and writes the columns the table has."""
         for sink in claim.sinks:
             if report.sinks[sink].state == RunState.ABORTED:
                 continue
+            deletes = self.p.tombstones_of(by_name[sink].config) == "delete"
             try:
-                changes = sinks.ensure_table(
-                    by_name[sink],
-                    columns,
-                    f"sink {sink}",
-                    tombstones=(self.p.tombstones_of(by_name[sink].config) == "delete"),
-                )
+                if self.dry_run:
+                    report.sinks[sink].schema_changes = self._plan_table(
+                        by_name[sink], columns, deletes
+                    )
+                    continue
+                changes = sinks.ensure_table(by_name[sink], columns, f"sink {sink}", deletes)
             except TidemarkError as exc:
                 self._abort(claim.run_id, sink, str(exc), report)
                 continue
             report.sinks[sink].schema_changes += changes
             for change in changes:
                 self.log(f"run {claim.run_id} sink {sink}: {change}")
+
+    def _plan_table(
+        self, sink: sinks.ResolvedSink, columns: list[tuple[str, str]], deletes: bool
+    ) -> list[str]:
+        """A dry run's table: the columns the run would add, left out of its write."""
+        plan = sinks.plan_table(sink, columns, f"sink {sink.name}", deletes)
+        keyed = [c for c, _ in plan.adds if c in sink.config.key]
+        if keyed:
+            raise TidemarkError(
+                f"sink {sink.name}: key column(s) {', '.join(keyed)} not in table "
+                f"{sink.config.table}; a dry run cannot write without them"
+            )
+        self.omit[sink.name] = [c for c, _ in plan.adds]
+        return [f"would add column {c} {t}" for c, t in plan.adds]
 
     def _start_writing(self, claim: Claim, checked: Checked, report: RunReport) -> list[str]:
         """The sinks this write writes, each in state ``writing``."""
@@ -303,6 +321,7 @@ class Writing:
                     failed=v.rows.get(s, {}),
                     quarantine=v.quarantine.get(s),
                     tombstones=self.p.tombstones_of(cfg),
+                    omit=self.omit.get(s, []),
                 )
             )
         return TaskSpec(

@@ -74,7 +74,7 @@ class SinkWriter:
         self.conn = transactions.begin(t.dsn, self.spec.lock_timeout_ms, "sink")
         self.stage_table = markers.stage_table("stage", self.gid)
         self.table = sql.SQL(qualified(t.table))
-        cols = [*self.spec.columns, PARTITION, OFFSET, "_tm_run_id"]
+        cols = [*(c for c in self.spec.columns if c not in t.omit), PARTITION, OFFSET, "_tm_run_id"]
         ident = [sql.Identifier(c) for c in cols]
         keys = [sql.Identifier(k) for k in t.key]
         self.ident = sql.SQL(", ").join(ident)

@@ -74,16 +74,10 @@ def ensure_table(
     with connect(sink.dsn, autocommit=True, what=what) as conn:
         prepare_database(conn, what)
         changes: list[str] = []
-        have = sink_schema.table_columns(conn, cfg.table)
-        if have is None:
-            if not cfg.create_table:
-                raise TidemarkError(_no_table(cfg, what))
+        plan = _checked(conn, cfg, columns, what)
+        if plan is None:
             _create(conn, cfg, columns)
         else:
-            keys = sink_schema.unique_keys(conn, cfg.table)
-            plan = sink_schema.plan(cfg, have, keys, list(columns))
-            if not plan.ok:
-                raise TidemarkError("; ".join(plan.problems))  # each names its sink
             # Before the write: a column added now is NULL in every row already there, and a
             # write that then fails leaves only that (the next run adds nothing again).
             sink_schema.evolve(conn, cfg, plan.adds)
@@ -91,6 +85,44 @@ def ensure_table(
         if tombstones:
             _create_tombstones(conn, cfg)
         return changes
+
+
+def plan_table(
+    sink: ResolvedSink, columns: list[tuple[str, str]], what: str, tombstones: bool = False
+) -> sink_schema.Plan:
+    """What :func:`ensure_table` would change in the sink's table, changing nothing in it
+    (a dry run): refused where it refuses, and where the table does not exist (a dry run
+    writes to the table as it is). Tidemark's own tombstone table is made as ensure_table
+    makes it: it is not the sink's, and the write needs it."""
+    cfg = sink.config
+    with connect(sink.dsn, autocommit=True, what=what) as conn:
+        prepare_database(conn, what)
+        plan = _checked(conn, cfg, columns, what)
+        if plan is None:
+            raise TidemarkError(
+                f"{what}: table {cfg.table} does not exist; the run would create it, a dry "
+                f"run writes only to a table that exists"
+            )
+        if tombstones:
+            _create_tombstones(conn, cfg)
+        return plan
+
+
+def _checked(
+    conn: psycopg.Connection, cfg: Sink, columns: list[tuple[str, str]], what: str
+) -> sink_schema.Plan | None:
+    """How the table stands against ``columns`` (refused with every problem), or None when
+    it does not exist and the sink may create it."""
+    have = sink_schema.table_columns(conn, cfg.table)
+    if have is None:
+        if not cfg.create_table:
+            raise TidemarkError(_no_table(cfg, what))
+        return None
+    keys = sink_schema.unique_keys(conn, cfg.table)
+    plan = sink_schema.plan(cfg, have, keys, list(columns))
+    if not plan.ok:
+        raise TidemarkError("; ".join(plan.problems))  # each names its sink
+    return plan
 
 
 def tombstone_name(table: str) -> str:

@@ -83,6 +83,9 @@ class SinkTarget(_Model):
     failed: Failures = {}  # its own row-level expectations' failures
     quarantine: str | None = None  # its batch gate failed under quarantine_batch: why
     tombstones: Literal["quarantine", "delete"] = "quarantine"  # config.Tombstones
+    # Output columns its table lacks and a dry run does not add (tidemark/driver/writing.py):
+    # the task writes the others.
+    omit: list[str] = []
 
 
 # -- how a task accounts for its records (docs/design.md, "Task accounting") ----------------
