@@ -256,7 +256,18 @@ def _utc(value: datetime | None) -> datetime | None:
     return value if value is None or value.tzinfo else value.replace(tzinfo=UTC)
 
 
-TIME_FORMATS = ["%Y-%m-%d", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S", "%Y-%m-%dT%H:%M:%S%z"]
+class _Time(click.ParamType):
+    """An ISO 8601 time: 2026-05-01, 2026-05-01T10:00, 2026-05-01T10:00:00+02:00, ...Z."""
+
+    name = "TIME"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, datetime):
+            return value
+        try:
+            return datetime.fromisoformat(value)
+        except ValueError:
+            self.fail(f"{value!r} is not an ISO 8601 time (e.g. 2026-05-01T10:00Z)", param, ctx)
 
 
 @cli.command("backfill")
@@ -268,12 +279,8 @@ TIME_FORMATS = ["%Y-%m-%d", "%Y-%m-%dT%H:%M:%S", "%Y-%m-%d %H:%M:%S", "%Y-%m-%dT
 )
 @click.option("--from", "start", type=click.IntRange(min=0), help="First offset (inclusive).")
 @click.option("--to", "end", type=click.IntRange(min=0), help="End offset (exclusive).")
-@click.option(
-    "--since", type=click.DateTime(TIME_FORMATS), help="Records from this time on (UTC if naive)."
-)
-@click.option(
-    "--until", type=click.DateTime(TIME_FORMATS), help="Records before this time (UTC if naive)."
-)
+@click.option("--since", type=_Time(), help="Records from this time on (ISO 8601; UTC if naive).")
+@click.option("--until", type=_Time(), help="Records before this time (ISO 8601; UTC if naive).")
 @click.option("--sink", "sinks", multiple=True, help="Only these sinks (default: all).")
 @click.option("--external-id", help="Caller's own id for this run.")
 @dry_run_option

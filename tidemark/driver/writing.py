@@ -155,11 +155,12 @@ class Writing:
             split_min=self.p.limits.split_min_records,
         )
         if layout.kind in ("spread", "together"):
-            how = (
-                f"records spread by ({', '.join(layout.by or [])})"
-                if layout.kind == "spread"
-                else "a sink orders versions by a column"
-            )
+            if layout.kind == "spread":
+                how = f"records spread by ({', '.join(layout.by or [])})"
+            elif self.mode.falls_back:
+                how = "a backfill of several partitions writes in one task"
+            else:
+                how = "a sink orders versions by a column"
             self.log(
                 f"run {claim.run_id}: {layout.tasks} write task(s) over "
                 f"{len(layout.read)} read(s), {how}"
