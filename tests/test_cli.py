@@ -345,7 +345,8 @@ def test_validate_checks_the_world_and_names_each_mismatch_with_its_fix(env):
         "sink old: table public.legacy: unique index or constraint legacy_pkey on (id) is "
         "narrower than the key (id, version) and would refuse rows the key tells apart; fix: "
         "ALTER TABLE public.legacy DROP CONSTRAINT legacy_pkey  (DROP INDEX legacy_pkey if it "
-        "is an index alone), or rebuild the sink under the new key",
+        "is an index alone); then `tidemark backfill <pipeline> --partition all` re-delivers "
+        "what the sink holds under the new key",
     ], out
     assert_one_clear_line(err, "1 of 2 pipeline file(s) invalid")
     # The files alone are fine: --offline connects to nothing.

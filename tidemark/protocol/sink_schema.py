@@ -282,7 +282,8 @@ def _key_problems(
                 f"{where}: unique index or constraint {name} on ({', '.join(cols)}) is "
                 f"narrower than the key ({', '.join(key)}) and would refuse rows the key "
                 f"tells apart; fix: ALTER TABLE {t} DROP CONSTRAINT {name}  (DROP INDEX "
-                f"{name} if it is an index alone), or rebuild the sink under the new key"
+                f"{name} if it is an index alone); then `tidemark backfill <pipeline> "
+                f"--partition all` re-delivers what the sink holds under the new key"
             )
     return problems
 
