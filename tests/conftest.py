@@ -143,10 +143,25 @@ class Env:
             )
         return self.append(recs)
 
+    def source(self, *partitions: int) -> dict:
+        """The pipelines' source: the log in the ledger database, or only these partitions."""
+        doc: dict = {"type": "postgres_log", "dsn": self.ledger_dsn, "table": "src.log"}
+        return {**doc, "partitions": list(partitions)} if partitions else doc
+
+    def orders_sink(self, **extra) -> dict:
+        """Sink main: public.orders of the first sink database, keyed by id (and ``extra``)."""
+        return {
+            "name": "main",
+            "dsn": self.sink_dsn,
+            "table": "public.orders",
+            "key": ["id"],
+            **extra,
+        }
+
     def pipeline(self, name: str = "orders", **overrides) -> Path:
         doc = {
             "name": name,
-            "source": {"type": "postgres_log", "dsn": self.ledger_dsn, "table": "src.log"},
+            "source": self.source(),
             "decode": {
                 "schema": {"id": "int", "name": "string", "amount": "double", "version": "int"}
             },
@@ -154,9 +169,7 @@ class Env:
                 "select": {"id": "id", "name": "name", "amount": "amount", "version": "version"},
                 "required": ["id"],
             },
-            "sinks": [
-                {"name": "main", "dsn": self.sink_dsn, "table": "public.orders", "key": ["id"]}
-            ],
+            "sinks": [self.orders_sink()],
             "limits": {"max_records_per_partition": 100_000},
         }
         for k, v in overrides.items():
@@ -201,17 +214,28 @@ class Env:
         return Settings(ledger_dsn=self.ledger_dsn, pipelines_dir=self.dir, **kw)
 
     def run(self, spark, name: str = "orders", **kw):
-        from tidemark import config
+        """A Run of pipeline ``name`` in this process, executed: its report."""
         from tidemark.driver.run import Run
 
+        return self._execute(Run, spark, name, **kw)
+
+    def redrive(self, spark, name: str = "orders", **kw):
+        """A Redrive of pipeline ``name`` (``ids=``/``request=``, ``by=``), executed."""
+        from tidemark.driver.redrive import Redrive
+
+        return self._execute(Redrive, spark, name, **kw)
+
+    def _execute(self, runner, spark, name: str, **kw):
+        from tidemark import config
+
         all_p, _ = config.load_all(self.dir)
-        return Run(
+        kw.setdefault("log", lambda m: None)
+        return runner(
             all_p[name],
             kw.pop("settings", None) or self.settings(),
             ledger_dsn=self.ledger_dsn,
             all_pipelines=all_p,
             spark=spark,
-            log=lambda m: None,
             **kw,
         ).execute()
 
@@ -250,6 +274,36 @@ class Env:
             # transaction would hold back the cluster-wide xmin that source planning reads.
             with _admin(self.cluster) as c:
                 c.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+
+
+def order_record(partition: int, i: int, name: str, amount: float, version: int = 1) -> tuple:
+    """A source-log record of order ``i``, keyed by its id, with no headers or timestamp."""
+    body = {"id": i, "name": name, "amount": amount, "version": version}
+    return (partition, str(i).encode(), json.dumps(body).encode(), None, None)
+
+
+def first_five(checkpoints: dict) -> dict:
+    """A claim's plan: offsets 0 to 5 of partition 0, for each sink."""
+    from tidemark.ledger.state import Range
+
+    return {s: [Range(0, 0, 5)] for s in checkpoints}
+
+
+def claim_orders(conn, owner: str = "test:1", ttl_seconds: int = 60, plan=first_five):
+    """The ledger's claim of a run of pipeline orders into its sink main, exactly once."""
+    from tidemark.ledger import state
+
+    return state.claim(
+        conn,
+        pipeline="orders",
+        config={},
+        sinks=["main"],
+        mode="run",
+        owner=owner,
+        delivery="exactly_once",
+        ttl_seconds=ttl_seconds,
+        plan=plan,
+    )
 
 
 @pytest.fixture

@@ -84,6 +84,20 @@ class JobProcess:
         return self.proc.stdout.read() if self.proc.stdout else ""
 
 
+def run_orders(env, *args: str, pause_at: str | None = None) -> JobProcess:
+    """`tidemark run orders [args]` as a job process against the test's ``env``; with
+    ``pause_at``, returned once it has reached that point (its FIFOs in ``env.tmp / "p"``)."""
+    job = JobProcess(
+        env.cli_argv("run", "orders", *args),
+        env.cli_env(),
+        pause_dir=env.tmp / "p" if pause_at else None,
+        pause_at=pause_at,
+    )
+    if pause_at:
+        job.wait_reached()
+    return job
+
+
 class _Deadline:
     def __init__(self, seconds: float):
         import time

@@ -75,11 +75,25 @@ class World:
             time.sleep(2)  # polling the REST API: Airflow offers no run-finished event
         raise AssertionError(f"{dag_id} {run_id} still {state} after {timeout}s")
 
+    def run_to_end(self, dag_id: str, conf: dict | None = None) -> tuple[str, str]:
+        """Trigger ``dag_id`` and wait for the run: its id and the state it ended in."""
+        r = self.trigger(dag_id, conf)
+        assert r.status_code == 200, r.text
+        run_id = r.json()["dag_run_id"]
+        return run_id, self.wait_run(dag_id, run_id)
+
+    def wait_latest(self, dag_id: str) -> str:
+        """The state the newest run of ``dag_id`` ended in, once it has."""
+        (latest,) = self.api.get(
+            f"/dags/{dag_id}/dagRuns", params={"order_by": "-run_after", "limit": 1}
+        ).json()["dag_runs"]
+        return self.wait_run(dag_id, latest["dag_run_id"])
+
     def fails_at_once(self, dag_id: str, task_id: str) -> tuple[str, str]:
         """Trigger ``dag_id``, see its run fail with ``task_id`` failed on its first try (no
         retry), and return the run id and the text of the alert that names the run."""
-        run_id = self.trigger(dag_id).json()["dag_run_id"]
-        assert self.wait_run(dag_id, run_id) == "failed"
+        run_id, state = self.run_to_end(dag_id)
+        assert state == "failed"
         ti = self.api.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances/{task_id}").json()
         assert (ti["state"], ti["try_number"]) == ("failed", 1), ti
         return run_id, self.hooks.wait(lambda h: run_id in h["json"]["text"])["json"]["text"]
@@ -298,12 +312,8 @@ def test_dags_parsed_and_broken_yaml_is_one_import_error(world):
 
 
 def test_trigger_replays_exactly_once_and_reports(world):
-    r = world.trigger("tidemark_orders")
-    assert r.status_code == 200, r.text
-    run_id = r.json()["dag_run_id"]
-    assert world.wait_run("tidemark_orders", run_id) == "success", world.tasks(
-        "tidemark_orders", run_id
-    )
+    run_id, state = world.run_to_end("tidemark_orders")
+    assert state == "success", world.tasks("tidemark_orders", run_id)
     env = world.env
     assert env.checkpoints() == {0: N // 2, 1: N // 2}
     assert env.q(env.sink_dsn, "SELECT count(*), count(DISTINCT id) FROM public.orders")[0] == (
@@ -403,9 +413,8 @@ def test_idle_run_skips_spark_and_announces_nothing(world):
         world.wait_run("tidemark_orders", run["dag_run_id"])
     uri = f"postgres://127.0.0.1:{env.cluster.port}/{env.names['sink']}/public/orders"
     before = len(world.asset_events(uri))
-    r = world.trigger("tidemark_orders")
-    run_id = r.json()["dag_run_id"]
-    assert world.wait_run("tidemark_orders", run_id) == "success"
+    run_id, state = world.run_to_end("tidemark_orders")
+    assert state == "success"
     assert world.tasks("tidemark_orders", run_id) == {
         "recover": "success",
         "replay": "skipped",
@@ -433,19 +442,12 @@ def test_backfill_params_validated_and_run(world):
     )
     assert bad.status_code == 400, bad.text
 
-    world.wait_run(
-        "tidemark_orders",
-        world.api.get(
-            "/dags/tidemark_orders/dagRuns", params={"order_by": "-run_after", "limit": 1}
-        ).json()["dag_runs"][0]["dag_run_id"],
-    )  # the backfill needs the range committed
-    backwards = world.trigger(
+    world.wait_latest("tidemark_orders")  # the backfill needs the range committed
+    run_id, state = world.run_to_end(
         "tidemark_orders_backfill",
         {"partition": 0, "from_offset": 20, "to_offset": 10, "sinks": ["main"]},
     )
-    assert backwards.status_code == 200, backwards.text
-    run_id = backwards.json()["dag_run_id"]
-    assert world.wait_run("tidemark_orders_backfill", run_id) == "failed"
+    assert state == "failed"
     assert world.tasks("tidemark_orders_backfill", run_id)["check"] == "failed"
     mail = world.mails.wait(lambda m: run_id in m["Subject"])
     assert "to_offset (10) must be greater than from_offset (20)" in mail.get_body().get_content()
@@ -453,14 +455,11 @@ def test_backfill_params_validated_and_run(world):
     env = world.env
     with psycopg.connect(env.sink_dsn, autocommit=True) as c:
         c.execute("UPDATE public.orders SET name = 'tampered' WHERE id = 4")
-    ok = world.trigger(
+    run_id, state = world.run_to_end(
         "tidemark_orders_backfill",
         {"partition": 0, "from_offset": 0, "to_offset": 10, "sinks": ["main"]},
     )
-    run_id = ok.json()["dag_run_id"]
-    assert world.wait_run("tidemark_orders_backfill", run_id) == "success", world.tasks(
-        "tidemark_orders_backfill", run_id
-    )
+    assert state == "success", world.tasks("tidemark_orders_backfill", run_id)
     assert env.q(env.sink_dsn, "SELECT name FROM public.orders WHERE id = 4") == [("order-4",)]
     assert env.q(env.sink_dsn, "SELECT count(*) FROM public.orders")[0][0] == N
     assert env.checkpoints() == {0: N // 2, 1: N // 2}
@@ -473,12 +472,7 @@ def test_redrive_dag_hands_the_job_a_ledger_request(world):
     redrive DAG's select task records the selection as a redrive request and the Spark job
     gets only its id (XCom and command line), then places each record once."""
     env = world.env
-    world.wait_run(
-        "tidemark_orders",
-        world.api.get(
-            "/dags/tidemark_orders/dagRuns", params={"order_by": "-run_after", "limit": 1}
-        ).json()["dag_runs"][0]["dag_run_id"],
-    )
+    world.wait_latest("tidemark_orders")
     with psycopg.connect(env.sink_dsn, autocommit=True) as c:
         c.execute("DELETE FROM public.orders WHERE id < 10")
     with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
@@ -487,14 +481,10 @@ def test_redrive_dag_hands_the_job_a_ledger_request(world):
                      SELECT 'orders', 'main', 1, "partition", "offset", key, payload, headers,
                             'validation', 'bad deploy'
                      FROM src.log WHERE convert_from(key, 'UTF8')::int < 10""")
-    r = world.trigger(
+    run_id, state = world.run_to_end(
         "tidemark_orders_redrive", {"error_class": "validation", "requested_by": "erin"}
     )
-    assert r.status_code == 200, r.text
-    run_id = r.json()["dag_run_id"]
-    assert world.wait_run("tidemark_orders_redrive", run_id) == "success", world.tasks(
-        "tidemark_orders_redrive", run_id
-    )
+    assert state == "success", world.tasks("tidemark_orders_redrive", run_id)
     request = world.xcom("tidemark_orders_redrive", run_id, "select")
     assert isinstance(request, int)
     assert env.ledger(
@@ -516,9 +506,8 @@ def test_redrive_dag_hands_the_job_a_ledger_request(world):
 
 
 def test_failed_task_alerts_by_mail_and_webhook(world):
-    r = world.trigger("tidemark_gated")
-    run_id = r.json()["dag_run_id"]
-    assert world.wait_run("tidemark_gated", run_id) == "failed"
+    run_id, state = world.run_to_end("tidemark_gated")
+    assert state == "failed"
     assert world.tasks("tidemark_gated", run_id)["replay"] == "failed"
     env = world.env
     assert env.q(env.sink_dsn, "SELECT to_regclass('public.gated')") == [(None,)]
@@ -568,9 +557,8 @@ def test_maintenance_sweeps_and_alerts_on_dlq_growth(world):
                      SELECT 'gated', 'main', coalesce(max(run_id), 0), 0, 999999, 'x', 'decode',
                             'payload is not JSON'
                      FROM tidemark.runs""")
-    r = world.trigger("tidemark_maintenance")
-    run_id = r.json()["dag_run_id"]
-    assert world.wait_run("tidemark_maintenance", run_id) == "failed"
+    run_id, state = world.run_to_end("tidemark_maintenance")
+    assert state == "failed"
     # Recovery could not reach offline's second sink nor resolve noconn's connection: its
     # task fails, and the check still runs, for every pipeline.
     assert world.tasks("tidemark_maintenance", run_id) == {
@@ -618,8 +606,8 @@ def test_lag_alerts_once_per_episode(world):
         ) in first["text"]
     episodes = world.api.get("/variables/tidemark_lag_episodes").json()
     assert sorted(json.loads(episodes["value"])) == ["gated/main/0", "gated/main/1"]
-    r = world.trigger("tidemark_maintenance")
-    assert world.wait_run("tidemark_maintenance", r.json()["dag_run_id"]) == "failed"
+    _, state = world.run_to_end("tidemark_maintenance")
+    assert state == "failed"
     # Every run alerts the DLQ again (the schedule may have added runs): only the first the lag.
     texts = [
         h["json"]["text"]
@@ -659,11 +647,8 @@ def test_connections_made_through_airflow_reach_the_job(world):
     """viaconn reads its source and writes its sink through connections created with
     Airflow's REST API (the fixture): the spark-submit child gets them from the task."""
     env = world.env
-    r = world.trigger("tidemark_viaconn")
-    run_id = r.json()["dag_run_id"]
-    assert world.wait_run("tidemark_viaconn", run_id) == "success", world.log(
-        "tidemark_viaconn", run_id, "replay"
-    )[-3000:]
+    run_id, state = world.run_to_end("tidemark_viaconn")
+    assert state == "success", world.log("tidemark_viaconn", run_id, "replay")[-3000:]
     assert env.q(env.sink_dsn, "SELECT count(*), count(DISTINCT id) FROM public.viaconn") == [
         (N, N)
     ]
@@ -682,9 +667,8 @@ def test_a_sink_that_commits_is_announced_when_another_fails(world):
     """offline commits main and cannot reach down: replay fails (and alerts), and the run
     still announces main's table, so a DAG scheduled on it runs."""
     env = world.env
-    r = world.trigger("tidemark_offline")
-    run_id = r.json()["dag_run_id"]
-    assert world.wait_run("tidemark_offline", run_id) == "failed"
+    run_id, state = world.run_to_end("tidemark_offline")
+    assert state == "failed"
     assert world.tasks("tidemark_offline", run_id) == {
         "recover": "success",
         "replay": "failed",

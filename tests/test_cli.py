@@ -15,16 +15,25 @@ from tests.conftest import free_port
 from tidemark.devstack.localpg import Cluster
 
 
-def tm(env_vars: dict[str, str], *args: str, cwd: Path | None = None):
-    # No terminal and nothing to read: a command that would ask must say --yes instead.
+def tm(
+    env_vars: dict[str, str],
+    *args: str,
+    cwd: Path | None = None,
+    input_: str | None = None,
+    timeout: float = 120,
+) -> tuple[int, str, str]:
+    """`tidemark ARGS` as a process: (exit code, stdout, stderr)."""
+    # No terminal, and nothing to read but ``input_``: a command that would ask must say --yes
+    # instead, or read its answer there.
     res = subprocess.run(
         [sys.executable, "-m", "tidemark", *args],
         env=env_vars,
         cwd=cwd,
-        stdin=subprocess.DEVNULL,
+        input=input_,
+        stdin=subprocess.DEVNULL if input_ is None else None,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
     return res.returncode, res.stdout, res.stderr
 

@@ -10,6 +10,7 @@ import json
 import psycopg
 import pytest
 
+from tests.conftest import order_record
 from tests.invariants import assert_exactly_once
 from tidemark.core.errors import TidemarkError
 from tidemark.driver.run import Backfill
@@ -146,21 +147,8 @@ def test_a_backfill_leaves_the_sink_as_one_delivery_with_the_current_pipeline_wo
     assert_exactly_once(env)
 
     # ... and a redrive accepts the once-discarded letter, now that it passes.
-    from tidemark import config
-    from tidemark.driver.redrive import Redrive
-
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]})
-    all_p, _ = config.load_all(env.dir)
-    rep = Redrive(
-        all_p["orders"],
-        env.settings(),
-        ledger_dsn=env.ledger_dsn,
-        ids=[last],
-        by="fay",
-        all_pipelines=all_p,
-        spark=spark,
-        log=lambda m: None,
-    ).execute()
+    rep = env.redrive(spark, ids=[last], by="fay")
     assert rep.ok and rep.redrive["redriven"] == 1, rep.summary()
     assert 39 in ids(env, env.sink_dsn)
     assert_exactly_once(env)
@@ -183,27 +171,11 @@ def test_a_backfill_that_removes_a_keys_row_places_its_older_versions_again(env,
         (10, 100),
         (11, 4),
     ]  # 7, 8
-    env.append(
-        [
-            (
-                0,
-                str(i).encode(),
-                json.dumps({"id": i, "name": f"o{n}", "amount": a, "version": n}).encode(),
-                None,
-                None,
-            )
-            for n, (i, a) in enumerate(versions)
-        ]
-    )
+    env.append([order_record(0, i, f"o{n}", a, version=n) for n, (i, a) in enumerate(versions)])
     env.pipeline()
     assert env.run(spark).ok
-    assert env.q(env.sink_dsn, "SELECT id, _tm_offset FROM orders ORDER BY id") == [
-        (7, 4),
-        (8, 5),
-        (9, 6),
-        (10, 7),
-        (11, 8),
-    ]
+    newest = [(7, 4), (8, 5), (9, 6), (10, 7), (11, 8)]  # (id, offset of its newest version)
+    assert env.q(env.sink_dsn, "SELECT id, _tm_offset FROM orders ORDER BY id") == newest
 
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 50}}]})
     report = env.run(spark, mode=Backfill([Range(0, 3, 7)]))
@@ -232,13 +204,7 @@ def test_a_backfill_that_removes_a_keys_row_places_its_older_versions_again(env,
     env.pipeline()
     again = env.run(spark, mode=Backfill([Range(0, 3, 7)]))
     assert again.ok and again.sinks["main"].resolved == 3, again.summary()
-    assert env.q(env.sink_dsn, "SELECT id, _tm_offset FROM orders ORDER BY id") == [
-        (7, 4),
-        (8, 5),
-        (9, 6),
-        (10, 7),
-        (11, 8),
-    ]
+    assert env.q(env.sink_dsn, "SELECT id, _tm_offset FROM orders ORDER BY id") == newest
     assert_exactly_once(env)
 
 
@@ -250,19 +216,8 @@ def test_a_backfill_falls_back_to_a_version_in_another_partition_by_the_version_
 
     env.append([(1, b"7", order(7, 1, 1.0), None, None), (1, b"8", order(8, 1, 1.0), None, None)])
     env.append([(0, b"7", order(7, 2, 100.0), None, None), (0, b"8", order(8, 3, 1.0), None, None)])
-    main = {
-        "name": "main",
-        "dsn": env.sink_dsn,
-        "table": "public.orders",
-        "key": ["id"],
-        "version": "version",
-    }
-    source = {
-        "type": "postgres_log",
-        "dsn": env.ledger_dsn,
-        "table": "src.log",
-        "partitions": [0, 1],
-    }
+    main = env.orders_sink(version="version")
+    source = env.source(0, 1)
     env.pipeline(source=source, sinks=[main])
     assert env.run(spark).ok
     env.pipeline(
@@ -300,43 +255,36 @@ def test_a_backfill_whose_batch_gate_fails_changes_nothing_whatever_the_policy(e
     assert_exactly_once(env)
 
 
-def test_versions_of_a_key_from_two_partitions_need_a_declared_order(env, spark):
-    def order(i: int, name: str, version: int) -> bytes:
-        return json.dumps({"id": i, "name": name, "version": version}).encode()
+def _named(i: int, name: str, version: int) -> bytes:
+    """The payload of version ``version`` of order ``i``, named ``name`` (no amount)."""
+    return json.dumps({"id": i, "name": name, "version": version}).encode()
 
+
+def test_versions_of_a_key_from_two_partitions_need_a_declared_order(env, spark):
     env.append(
         [
-            (0, b"7", order(7, "p0", 1), None, None),
-            (0, b"1", order(1, "a", 1), None, None),
-            (0, b"1", order(1, "b", 2), None, None),
+            (0, b"7", _named(7, "p0", 1), None, None),
+            (0, b"1", _named(1, "a", 1), None, None),
+            (0, b"1", _named(1, "b", 2), None, None),
         ]
     )
-    env.append([(1, b"7", order(7, "p1", 2), None, None)])
-
-    def source(*parts: int) -> dict:
-        return {
-            "type": "postgres_log",
-            "dsn": env.ledger_dsn,
-            "table": "src.log",
-            "partitions": list(parts),
-        }
-
-    plain = {"name": "main", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"]}
-    env.pipeline(source=source(0), sinks=[plain])
+    env.append([(1, b"7", _named(7, "p1", 2), None, None)])
+    plain = env.orders_sink()
+    env.pipeline(source=env.source(0), sinks=[plain])
     first = env.run(spark)
     assert first.ok, first.summary()
     assert first.sinks["main"].superseded == 1  # id 1's first version, in the same batch
     assert env.q(env.sink_dsn, "SELECT name FROM orders ORDER BY id") == [("b",), ("p0",)]
 
     # Partition 1 brings another version of id 7: offsets cannot order it against partition 0.
-    env.pipeline(source=source(0, 1), sinks=[plain])
+    env.pipeline(source=env.source(0, 1), sinks=[plain])
     refused = env.run(spark)
     assert refused.sinks["main"].state == "aborted"
     assert "key (id)=(7) has versions from partitions 0 and 1" in refused.sinks["main"].error
     assert "declare a version column" in refused.sinks["main"].error
     assert env.checkpoints() == {0: 3, 1: 0} and env.prepared() == []
 
-    env.pipeline(source=source(0, 1), sinks=[{**plain, "version": "version"}])
+    env.pipeline(source=env.source(0, 1), sinks=[{**plain, "version": "version"}])
     second = env.run(spark)
     assert second.ok, second.summary()
     assert env.q(env.sink_dsn, "SELECT name, version FROM orders WHERE id = 7") == [("p1", 2)]
@@ -351,27 +299,16 @@ def test_versions_of_a_key_from_two_partitions_need_a_declared_order(env, spark)
 
 def _versions_in_two_partitions(env) -> None:
     """Key 7 in both partitions of one run; the newer version (3) in partition 0."""
-
-    def order(i: int, name: str, version: int) -> bytes:
-        return json.dumps({"id": i, "name": name, "version": version}).encode()
-
     env.append(
         [
-            (0, b"1", order(1, "a", 1), None, None),
-            (0, b"7", order(7, "p0", 3), None, None),
-            (1, b"2", order(2, "b", 1), None, None),
-            (1, b"7", order(7, "p1", 2), None, None),
-            (1, b"3", order(3, "c", 1), None, None),
+            (0, b"1", _named(1, "a", 1), None, None),
+            (0, b"7", _named(7, "p0", 3), None, None),
+            (1, b"2", _named(2, "b", 1), None, None),
+            (1, b"7", _named(7, "p1", 2), None, None),
+            (1, b"3", _named(3, "c", 1), None, None),
         ]
     )
-    env.pipeline(
-        source={
-            "type": "postgres_log",
-            "dsn": env.ledger_dsn,
-            "table": "src.log",
-            "partitions": [0, 1],
-        }
-    )
+    env.pipeline(source=env.source(0, 1))
 
 
 def test_one_run_with_versions_of_a_key_in_two_partitions_commits_the_newest(env, spark):
@@ -379,22 +316,8 @@ def test_one_run_with_versions_of_a_key_in_two_partitions_commits_the_newest(env
     # prepared transaction holds until the decision. A short lock timeout makes that a quick
     # failure here instead of a hang.
     _versions_in_two_partitions(env)
-    main = {
-        "name": "main",
-        "dsn": env.sink_dsn,
-        "table": "public.orders",
-        "key": ["id"],
-        "version": "version",
-    }
-    env.pipeline(
-        source={
-            "type": "postgres_log",
-            "dsn": env.ledger_dsn,
-            "table": "src.log",
-            "partitions": [0, 1],
-        },
-        sinks=[main],
-    )
+    main = env.orders_sink(version="version")
+    env.pipeline(source=env.source(0, 1), sinks=[main])
     report = env.run(spark, settings=env.settings(lock_timeout_ms=2000))
     assert report.ok, report.summary()
     assert report.sinks["main"].rows == 4 and report.sinks["main"].superseded == 1
@@ -505,16 +428,7 @@ def test_a_one_partition_run_spreads_over_tasks_by_key_and_places_each_record_on
     """One partition, two cores: the range is read in sub-ranges and its records spread by key
     over two write tasks, each its own participant. Versions of a key sit in every
     sub-range; the newest wins, for each sink, and a lagging sink catches up alone."""
-    recs = [
-        (
-            0,
-            str(i % 700).encode(),
-            json.dumps({"id": i % 700, "name": f"v{i}", "amount": 1.0, "version": 1}).encode(),
-            None,
-            None,
-        )
-        for i in range(3000)
-    ]
+    recs = [order_record(0, i % 700, f"v{i}", 1.0) for i in range(3000)]
     recs[1234] = (0, b"bad", b"not json", None, None)
     env.append(recs)
     spread = {"max_records_per_partition": 2000, "split_min_records": 1000}
@@ -541,28 +455,10 @@ def test_versions_of_a_key_in_two_partitions_spread_by_key_commit_the_newest(env
     """A sink ordering versions by a column: every version of a key goes to one task, so
     several tasks write side by side without waiting on each other's rows."""
     env.append(
-        [
-            (
-                p,
-                str(i).encode(),
-                json.dumps({"id": i, "name": f"p{p}", "amount": 1.0, "version": p + 1}).encode(),
-                None,
-                None,
-            )
-            for i in range(500)
-            for p in (0, 1)
-        ]
+        [order_record(p, i, f"p{p}", 1.0, version=p + 1) for i in range(500) for p in (0, 1)]
     )
     env.pipeline(
-        sinks=[
-            {
-                "name": "main",
-                "dsn": env.sink_dsn,
-                "table": "public.orders",
-                "key": ["id"],
-                "version": "version",
-            }
-        ],
+        sinks=[env.orders_sink(version="version")],
         limits={"max_records_per_partition": 1000, "split_min_records": 10},
     )
     report = env.run(spark, settings=env.settings(lock_timeout_ms=2000))

@@ -4,11 +4,11 @@ exactly once, checkpoints are at the end, and no prepared transaction is left.""
 
 from __future__ import annotations
 
-import json
 import signal
 
 import pytest
 
+from tests.conftest import order_record
 from tests.invariants import assert_exactly_once
 from tests.proc import JobProcess
 from tidemark.core import faults
@@ -115,18 +115,7 @@ def test_crash_in_a_run_written_by_one_task(env, spark, point):
     writes both ranges (tidemark/driver/modes.py, Layout "together"). A crash before and after the
     decision, recovery, a rerun: each key once, at its newest version."""
     env.append_orders(range(300))  # id i in partition i % 2, version 1
-    env.append(
-        [
-            (
-                (i + 1) % 2,
-                str(i).encode(),
-                json.dumps({"id": i, "name": f"v2-{i}", "amount": 1.0, "version": 2}).encode(),
-                None,
-                None,
-            )
-            for i in range(10)
-        ]
-    )
+    env.append([order_record((i + 1) % 2, i, f"v2-{i}", 1.0, version=2) for i in range(10)])
     sinks = {"main": env.sink_dsn, "second": env.sink2_dsn}
     env.pipeline(
         sinks=[
@@ -148,18 +137,7 @@ def test_crash_in_a_run_spread_over_tasks_by_key(env, spark, point):
     """One partition read in sub-ranges, its records spread by key over two write tasks
     (tidemark/driver/modes.py, Layout), each preparing its own transaction per sink. A
     crash before and after the decision, recovery, a rerun: each record placed once."""
-    env.append(
-        [
-            (
-                0,
-                str(i % 400).encode(),
-                json.dumps({"id": i % 400, "name": f"v{i}", "amount": 1.0, "version": 1}).encode(),
-                None,
-                None,
-            )
-            for i in range(2000)
-        ]
-    )
+    env.append([order_record(0, i % 400, f"v{i}", 1.0) for i in range(2000)])
     sinks = {"main": env.sink_dsn, "second": env.sink2_dsn}
     env.pipeline(
         sinks=[

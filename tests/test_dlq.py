@@ -9,8 +9,6 @@ import datetime as dt
 import getpass
 import json
 import socket
-import subprocess
-import sys
 
 import psycopg
 import pytest
@@ -698,27 +696,13 @@ def test_cli_search_and_discard_all_matching_asks_first(env, ledger, reasons):
     assert_one_clear_line(
         err, "2 quarantined dead letters match (pipeline orders, reason contains 'amount')", "--yes"
     )
-    res = subprocess.run(
-        [sys.executable, "-m", "tidemark", *argv],
-        env=env.cli_env(),
-        input="n\n",
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert res.returncode == 1 and "Discard 2 quarantined dead letters" in res.stderr
-    assert "nothing discarded" in res.stderr
+    code, out, err = tm(env.cli_env(), *argv, input_="n\n")
+    assert code == 1 and "Discard 2 quarantined dead letters" in err
+    assert "nothing discarded" in err
     assert env.ledger("SELECT count(*) FROM tidemark.dlq WHERE status = 'discarded'") == [(1,)]
-    res = subprocess.run(
-        [sys.executable, "-m", "tidemark", *argv],
-        env=env.cli_env(),
-        input="y\n",
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert res.returncode == 0, res.stderr
-    assert "discarded 2 dead letter(s)" in res.stdout
+    code, out, err = tm(env.cli_env(), *argv, input_="y\n")
+    assert code == 0, err
+    assert "discarded 2 dead letter(s)" in out
     assert env.ledger(
         "SELECT count(*) FROM tidemark.dlq WHERE status = 'discarded' AND note = 'bad batch'"
     ) == [(2,)]

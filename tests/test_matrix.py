@@ -35,7 +35,7 @@ from tidemark.core.settings import Settings
 from tidemark.driver import checking, gate
 from tidemark.driver.checking import Job, QualityPath, Redo, Strategy
 from tidemark.driver.modes import Backfill, Delivery, Layout, Mode
-from tidemark.driver.redrive import Redrive, RedriveMode
+from tidemark.driver.redrive import RedriveMode
 from tidemark.driver.run import Run, RunReport
 from tidemark.ledger.state import Claim, Range, SinkClaim
 from tidemark.protocol import gids, sinks
@@ -338,17 +338,7 @@ def _write_pipeline(env, combo: Combo, quality: dict, version: bool, **kw) -> No
 
 
 def _run(env, spark, path: QualityPath, mode: Mode | None = None) -> RunReport:
-    all_p, _ = config.load_all(env.dir)
-    return Run(
-        all_p["orders"],
-        env.settings(),
-        ledger_dsn=env.ledger_dsn,
-        all_pipelines=all_p,
-        spark=spark,
-        log=lambda m: None,
-        mode=mode,
-        quality=path,
-    ).execute()
+    return env.run(spark, mode=mode, quality=path)
 
 
 def _source(env) -> list[tuple[int, int, dict]]:
@@ -472,18 +462,7 @@ def _redrive(env, spark, combo: Combo, taken: Taken) -> Outcome:
         transform={"select": {**SELECT, "id": "coalesce(id, 100 + version)"}, "required": ["id"]},
     )
     taken.clear()
-    all_p, _ = config.load_all(env.dir)
-    report = Redrive(
-        all_p["orders"],
-        env.settings(),
-        ledger_dsn=env.ledger_dsn,
-        ids=ids,
-        by="matrix",
-        all_pipelines=all_p,
-        spark=spark,
-        log=lambda m: None,
-        quality=path,
-    ).execute()
+    report = env.redrive(spark, ids=ids, by="matrix", quality=path)
     strict = _strict(quality)
     assert report.redrive is not None
     assert report.redrive["redriven"] == (1 if strict else 2) * len(SINKS), report.summary()

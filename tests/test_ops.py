@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.conftest import claim_orders
 from tidemark.core.errors import TidemarkError
 from tidemark.core.settings import Settings
 
@@ -100,17 +101,7 @@ def test_a_run_of_a_halted_pipeline_exits_5(env):
         state.ensure_pipeline(c, "orders", {})
         c.execute("UPDATE tidemark.pipelines SET halted_reason = 'test' WHERE name = 'orders'")
         with pytest.raises(Halted) as exc:
-            state.claim(
-                c,
-                pipeline="orders",
-                config={},
-                sinks=["main"],
-                mode="run",
-                owner="t",
-                delivery="exactly_once",
-                ttl_seconds=60,
-                plan=None,
-            )
+            claim_orders(c, owner="t", plan=None)
     assert exc.value.exit_code == 5 and "pipeline orders is halted: test" in str(exc.value)
 
 

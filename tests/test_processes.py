@@ -9,22 +9,16 @@ import signal
 import pytest
 
 from tests.invariants import assert_exactly_once
-from tests.proc import JobProcess
+from tests.proc import run_orders
 from tidemark.core.errors import Terminated
 
 pytestmark = pytest.mark.slow
 
 
-def test_sigterm_before_the_decision_rolls_back_and_releases_the_lease(env, tmp_path):
+def test_sigterm_before_the_decision_rolls_back_and_releases_the_lease(env):
     env.append_orders(range(100))
     env.pipeline()
-    job = JobProcess(
-        env.cli_argv("run", "orders"),
-        env.cli_env(),
-        pause_dir=tmp_path / "p",
-        pause_at="after_prepare",
-    )
-    job.wait_reached()
+    job = run_orders(env, pause_at="after_prepare")
     assert env.prepared(), "the tasks prepared before the pause"
     job.signal(signal.SIGTERM)
     code = job.wait()
@@ -40,16 +34,10 @@ def test_sigterm_before_the_decision_rolls_back_and_releases_the_lease(env, tmp_
     assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(0,)]
 
 
-def test_sigterm_after_the_decision_finishes_the_commit_first(env, tmp_path):
+def test_sigterm_after_the_decision_finishes_the_commit_first(env):
     env.append_orders(range(100))
     env.pipeline()
-    job = JobProcess(
-        env.cli_argv("run", "orders"),
-        env.cli_env(),
-        pause_dir=tmp_path / "p",
-        pause_at="after_decide",
-    )
-    job.wait_reached()
+    job = run_orders(env, pause_at="after_decide")
     job.signal(signal.SIGTERM)
     job.resume()
     code = job.wait()
@@ -59,17 +47,11 @@ def test_sigterm_after_the_decision_finishes_the_commit_first(env, tmp_path):
     assert_exactly_once(env)
 
 
-def test_a_second_run_started_while_the_first_holds_the_lease_delivers_nothing(env, tmp_path):
+def test_a_second_run_started_while_the_first_holds_the_lease_delivers_nothing(env):
     env.append_orders(range(100))
     env.pipeline()
-    first = JobProcess(
-        env.cli_argv("run", "orders"),
-        env.cli_env(),
-        pause_dir=tmp_path / "p",
-        pause_at="after_claim",
-    )
-    first.wait_reached()
-    second = JobProcess(env.cli_argv("run", "orders"), env.cli_env())
+    first = run_orders(env, pause_at="after_claim")
+    second = run_orders(env)
     assert second.wait() == 3, second.output()
     assert "lease held by run" in second.output()
     first.resume()
@@ -81,7 +63,7 @@ def test_a_second_run_started_while_the_first_holds_the_lease_delivers_nothing(e
 def test_two_runs_started_at_once_never_deliver_twice(env):
     env.append_orders(range(200))
     env.pipeline()
-    jobs = [JobProcess(env.cli_argv("run", "orders"), env.cli_env()) for _ in range(2)]
+    jobs = [run_orders(env) for _ in range(2)]
     codes = sorted(j.wait() for j in jobs)
     # Either the loser found the lease held (3), or it came second and found nothing to do.
     assert codes in ([0, 0], [0, 3]), [j.output() for j in jobs]
@@ -91,16 +73,10 @@ def test_two_runs_started_at_once_never_deliver_twice(env):
     assert_exactly_once(env)
 
 
-def test_a_paused_run_whose_lease_was_taken_over_is_fenced(env, spark, tmp_path):
+def test_a_paused_run_whose_lease_was_taken_over_is_fenced(env, spark):
     env.append_orders(range(100))
     env.pipeline()
-    old = JobProcess(
-        env.cli_argv("run", "orders", "--json"),
-        env.cli_env(),
-        pause_dir=tmp_path / "p",
-        pause_at="after_prepare",
-    )
-    old.wait_reached()
+    old = run_orders(env, "--json", pause_at="after_prepare")
     os.kill(old.proc.pid, signal.SIGSTOP)  # a stalled driver: alive, holding its session
     try:
         env.ledger(

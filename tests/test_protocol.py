@@ -7,6 +7,7 @@ import json
 import psycopg
 import pytest
 
+from tests.conftest import claim_orders
 from tests.invariants import assert_exactly_once
 from tidemark.core.errors import TidemarkError
 from tidemark.driver.run import Backfill
@@ -307,25 +308,11 @@ def test_state_machine_step_by_step(env):
     """Each transition is one ledger transaction and refuses to run from the wrong state."""
     import psycopg
 
-    from tidemark.ledger.state import Participant, Range
+    from tidemark.ledger.state import Participant
 
     env.pipeline()
     with psycopg.connect(env.ledger_dsn, autocommit=True) as conn:
-
-        def plan(cps):
-            return {s: [Range(0, 0, 5)] for s in cps}
-
-        claim = state.claim(
-            conn,
-            pipeline="orders",
-            config={},
-            sinks=["main"],
-            mode="run",
-            owner="test:1",
-            delivery="exactly_once",
-            ttl_seconds=60,
-            plan=plan,
-        )
+        claim = claim_orders(conn)
         rid = claim.run_id
 
         def st():
@@ -358,32 +345,19 @@ def test_a_run_that_lost_its_lease_can_never_reach_the_decision(env):
     import psycopg
 
     from tidemark.core.errors import Fenced
-    from tidemark.ledger.state import Range
 
-    def plan(cps):
-        return {s: [Range(0, 0, 5)] for s in cps}
-
-    kw = dict(
-        pipeline="orders",
-        config={},
-        sinks=["main"],
-        mode="run",
-        delivery="exactly_once",
-        ttl_seconds=60,
-        plan=plan,
-    )
     with (
         psycopg.connect(env.ledger_dsn, autocommit=True) as a,
         psycopg.connect(env.ledger_dsn, autocommit=True) as b,
     ):
-        old = state.claim(a, owner="a:1", **kw)
+        old = claim_orders(a, owner="a:1")
         state.start_writing(a, "orders", old.run_id, "main")
         state.mark_prepared(a, "orders", old.run_id, "main", {})
         with pytest.raises(state.LeaseHeld):
-            state.claim(b, owner="b:2", **kw)
+            claim_orders(b, owner="b:2")
         # The lease expires (a paused or partitioned owner): another run takes over.
         a.execute("UPDATE tidemark.leases SET expires_at = now() - interval '1 second'")
-        new = state.claim(b, owner="b:2", **kw)
+        new = claim_orders(b, owner="b:2")
         assert new.sinks["main"].epoch == old.sinks["main"].epoch + 1
         with pytest.raises(Fenced):
             state.decide(a, "orders", old.run_id, "main", [])

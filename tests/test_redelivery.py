@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime, timedelta
 
+from tests.conftest import order_record
 from tests.invariants import assert_exactly_once
 from tidemark.driver import windows
 from tidemark.driver.run import Backfill
@@ -29,18 +30,7 @@ def test_a_backfill_whose_check_changes_places_each_records_newest_passing_versi
     """Case 1 of the review: the fallback took offset 1 as placed by its live letter, then
     resolved the letter, and id 8 vanished."""
     records = [(7, 200), (7, 500), (7, 50), (8, 500), (8, 50), (9, 150)]
-    env.append(
-        [
-            (
-                0,
-                str(i).encode(),
-                json.dumps({"id": i, "name": "x", "amount": a, "version": 1}).encode(),
-                None,
-                None,
-            )
-            for i, a in records
-        ]
-    )
+    env.append([order_record(0, i, "x", a) for i, a in records])
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 300}}]})
     assert env.run(spark).ok
     assert rows(env) == [(7, 2, 50.0), (8, 4, 50.0), (9, 5, 150.0)]
@@ -111,19 +101,8 @@ def test_equal_versions_across_partitions_are_broken_by_position_in_and_across_r
     def order(i: int, name: str) -> bytes:
         return json.dumps({"id": i, "name": name, "amount": 1, "version": 3}).encode()
 
-    source = {
-        "type": "postgres_log",
-        "dsn": env.ledger_dsn,
-        "table": "src.log",
-        "partitions": [0, 1],
-    }
-    main = {
-        "name": "main",
-        "dsn": env.sink_dsn,
-        "table": "public.orders",
-        "key": ["id"],
-        "version": "version",
-    }
+    source = env.source(0, 1)
+    main = env.orders_sink(version="version")
     env.append([(0, b"5", order(5, "p0"), None, None), (1, b"5", order(5, "p1"), None, None)])
     env.pipeline(source=source, sinks=[main])
     assert env.run(spark).ok
@@ -151,18 +130,7 @@ def test_equal_versions_across_partitions_are_broken_by_position_in_and_across_r
 def test_a_backfill_whose_every_record_fails_now_removes_their_rows(env, spark):
     """No row to write at all: the task still removes the range's rows, and each key falls
     back to the version before the range that passes now."""
-    env.append(
-        [
-            (
-                0,
-                b"1",
-                json.dumps({"id": 1, "name": "x", "amount": a, "version": 1}).encode(),
-                None,
-                None,
-            )
-            for a in (1, 200, 300)
-        ]
-    )
+    env.append([order_record(0, 1, "x", a) for a in (1, 200, 300)])
     env.pipeline()
     assert env.run(spark).ok
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]})
@@ -176,36 +144,12 @@ def test_a_backfill_whose_every_record_fails_now_removes_their_rows(env, spark):
 def test_a_redrive_of_a_letter_whose_newer_version_is_in_the_sink_resolves_it(env, spark):
     """A redrive places a record that passes now under the same rule: superseded by the
     newer row of its key, its letter is resolved and the row stays."""
-    from tidemark import config
-    from tidemark.driver.redrive import Redrive
-
-    env.append(
-        [
-            (
-                0,
-                b"1",
-                json.dumps({"id": 1, "name": n, "amount": a, "version": 1}).encode(),
-                None,
-                None,
-            )
-            for n, a in (("old", 500), ("new", 100))
-        ]
-    )
+    env.append([order_record(0, 1, n, a) for n, a in (("old", 500), ("new", 100))])
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 300}}]})
     assert env.run(spark).ok
     (letter,) = [i for (i,) in env.ledger("SELECT id FROM tidemark.dlq")]
     env.pipeline()
-    all_p, _ = config.load_all(env.dir)
-    rep = Redrive(
-        all_p["orders"],
-        env.settings(),
-        ledger_dsn=env.ledger_dsn,
-        ids=[letter],
-        by="fay",
-        all_pipelines=all_p,
-        spark=spark,
-        log=lambda m: None,
-    ).execute()
+    rep = env.redrive(spark, ids=[letter], by="fay")
     assert rep.ok and rep.redrive["redriven"] == 1, rep.summary()
     assert rep.sinks["main"].superseded == 1
     assert rows(env, "id, _tm_offset, name") == [(1, 1, "new")]
@@ -242,18 +186,7 @@ def test_older_versions_outside_the_range_follow_their_newer_version_to_its_new_
     version now fails. Its old key loses its row and no record maps to it any more; the older
     version outside the range, which that row placed, now maps to the key the failing version
     maps to, and that key falls back to it (docs/design.md, "Re-delivery", step 4)."""
-    env.append(
-        [
-            (
-                0,
-                b"7",
-                json.dumps({"id": 7, "name": n, "amount": a, "version": 1}).encode(),
-                None,
-                None,
-            )
-            for n, a in (("old", 50), ("new", 500))
-        ]
-    )
+    env.append([order_record(0, 7, n, a) for n, a in (("old", 50), ("new", 500))])
     sink = {"name": "main", "dsn": env.sink_dsn, "table": "public.moved", "key": ["k"]}
     decode = {"schema": {"id": "int", "name": "string", "amount": "double"}}
     select = {"k": "id", "id": "id", "name": "name", "amount": "amount"}

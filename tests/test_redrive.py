@@ -54,21 +54,7 @@ def _ids(letters, pred) -> list[int]:
 
 
 def _redrive(env, spark, ids, by="alice", **kw):
-    from tidemark import config
-    from tidemark.driver.redrive import Redrive
-
-    all_p, _ = config.load_all(env.dir)
-    return Redrive(
-        all_p["orders"],
-        env.settings(),
-        ledger_dsn=env.ledger_dsn,
-        ids=ids,
-        by=by,
-        all_pipelines=all_p,
-        spark=spark,
-        log=lambda m: None,
-        **kw,
-    ).execute()
+    return env.redrive(spark, ids=ids, by=by, **kw)
 
 
 def _count(env, dsn, where="true") -> int:

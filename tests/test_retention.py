@@ -9,8 +9,6 @@ present in one small ledger."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -18,23 +16,11 @@ import psycopg
 import psycopg.sql
 import pytest
 
-from tests.test_cli import assert_one_clear_line
+from tests.test_cli import assert_one_clear_line, tm
 from tidemark.ledger import markers
 from tidemark.protocol.prune import Policy, prune
 
 FINAL, OLD, RECENT = ("committed",), 200, 1
-
-
-def tm(env_vars: dict[str, str], *args: str, input_: str | None = None):
-    res = subprocess.run(
-        [sys.executable, "-m", "tidemark", *args],
-        env=env_vars,
-        input=input_,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    return res.returncode, res.stdout, res.stderr
 
 
 def _run(

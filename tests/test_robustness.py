@@ -13,13 +13,13 @@ import time
 import psycopg
 import pytest
 
+from tests.conftest import claim_orders
 from tests.invariants import assert_exactly_once
-from tests.proc import JobProcess
+from tests.proc import run_orders
 from tidemark.core.dsn import mask
 from tidemark.core.errors import Fenced
 from tidemark.engine.transactions import rollback_earlier_attempts
 from tidemark.ledger import markers, state
-from tidemark.ledger.state import Range
 from tidemark.protocol import twopc
 
 
@@ -85,20 +85,7 @@ def test_recovery_reports_a_gid_with_its_prefix_it_cannot_read_and_leaves_it_pre
 
 
 def _claimed(conn, ttl: int = 60):
-    def plan(cps):
-        return {s: [Range(0, 0, 5)] for s in cps}
-
-    claim = state.claim(
-        conn,
-        pipeline="orders",
-        config={},
-        sinks=["main"],
-        mode="run",
-        owner="test:1",
-        delivery="exactly_once",
-        ttl_seconds=ttl,
-        plan=plan,
-    )
+    claim = claim_orders(conn, ttl_seconds=ttl)
     state.start_writing(conn, "orders", claim.run_id, "main")
     state.mark_prepared(conn, "orders", claim.run_id, "main", {})
     return claim.run_id
@@ -242,19 +229,13 @@ def test_start_latest_skips_the_history_once_and_keeps_what_comes_after(env, spa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["sigterm", "lost_connection"])
-def test_a_decision_that_may_have_committed_is_settled_by_the_ledger(env, tmp_path, fault):
+def test_a_decision_that_may_have_committed_is_settled_by_the_ledger(env, fault):
     """The decision waits on the lease row (held here); meanwhile the job is signalled, or
     its ledger connection is killed. A signal during the decision never rolls it back; a lost
     connection is settled by reading the ledger (here: not recorded, so rolled back)."""
     env.append_orders(range(60))
     env.pipeline()
-    job = JobProcess(
-        env.cli_argv("run", "orders"),
-        env.cli_env(),
-        pause_dir=tmp_path / "p",
-        pause_at="after_prepare",
-    )
-    job.wait_reached()
+    job = run_orders(env, pause_at="after_prepare")
     with psycopg.connect(env.ledger_dsn) as holder:
         holder.execute("SELECT 1 FROM tidemark.leases FOR UPDATE")
         job.resume()
@@ -283,7 +264,7 @@ def test_a_decision_that_may_have_committed_is_settled_by_the_ledger(env, tmp_pa
         ((state, error),) = env.ledger("SELECT state::text, error FROM tidemark.run_sinks")
         assert state == "aborted" and error.startswith("decision not recorded: "), error
         assert env.prepared() == []
-        rerun = JobProcess(env.cli_argv("run", "orders"), env.cli_env())
+        rerun = run_orders(env)
         assert rerun.wait() == 0, rerun.output()
         assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(60,)]
     assert_exactly_once(env)
@@ -305,19 +286,13 @@ _RUN_SESSION = "application_name = 'tidemark' AND datname = current_database()"
 
 
 @pytest.mark.slow
-def test_a_sigterm_during_a_decision_that_was_not_recorded_aborts_the_run(env, tmp_path):
+def test_a_sigterm_during_a_decision_that_was_not_recorded_aborts_the_run(env):
     """SIGTERM arrives while the first sink's decision waits on the lease row; then that
     decision's ledger connection dies, and the ledger says it was not recorded. No sink has
     decided, so the SIGTERM still aborts the run: the second sink must not decide."""
     env.append_orders(range(60))
     sinks = _two_sinks(env)
-    job = JobProcess(
-        env.cli_argv("run", "orders"),
-        env.cli_env(),
-        pause_dir=tmp_path / "p",
-        pause_at="after_prepare",
-    )
-    job.wait_reached()
+    job = run_orders(env, pause_at="after_prepare")
     with psycopg.connect(env.ledger_dsn) as holder:
         holder.execute("SELECT 1 FROM tidemark.leases FOR UPDATE")
         job.resume()
@@ -342,27 +317,23 @@ def test_a_sigterm_during_a_decision_that_was_not_recorded_aborts_the_run(env, t
     for dsn in sinks.values():
         assert env.q(dsn, "SELECT count(*) FROM orders") == [(0,)]
     assert env.prepared() == []
-    rerun = JobProcess(env.cli_argv("run", "orders"), env.cli_env())
+    rerun = run_orders(env)
     assert rerun.wait() == 0, rerun.output()
     assert_exactly_once(env, sinks=sinks)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["sigterm_before_decision", "lost_after_decision"])
-def test_a_dead_ledger_session_never_hides_the_runs_own_error(env, tmp_path, fault):
+def test_a_dead_ledger_session_never_hides_the_runs_own_error(env, fault):
     """The run's ledger session is terminated, then the run fails: by SIGTERM before the
     decision, or (after the decision) by the lost session itself. The cleanup on that
     session (aborting the sinks, noting what was read, finishing the run) fails too; the user
     still sees the run's own error and exit code, and recovery settles what it left."""
     env.append_orders(range(60))
     env.pipeline()
-    job = JobProcess(
-        env.cli_argv("run", "orders"),
-        env.cli_env(),
-        pause_dir=tmp_path / "p",
-        pause_at="after_prepare" if fault == "sigterm_before_decision" else "after_decide",
+    job = run_orders(
+        env, pause_at="after_prepare" if fault == "sigterm_before_decision" else "after_decide"
     )
-    job.wait_reached()
     killed = env.ledger(
         f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE {_RUN_SESSION}"
     )
@@ -386,7 +357,7 @@ def test_a_dead_ledger_session_never_hides_the_runs_own_error(env, tmp_path, fau
     if fault == "sigterm_before_decision":
         assert state_ == ("aborted",)
         assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(0,)]
-        rerun = JobProcess(env.cli_argv("run", "orders"), env.cli_env())
+        rerun = run_orders(env)
         assert rerun.wait() == 0, rerun.output()
     else:
         assert state_ == ("committed",)  # rolled forward

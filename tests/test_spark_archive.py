@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.test_cli import tm
 
 # A fresh process starts Tidemark's session and says whether its JVM maps the archive.
 PROBE = """
@@ -28,53 +29,40 @@ print(spark.range(3).count())
 GC = "serial" if (os.cpu_count() or 1) <= 2 else "default-gc"
 
 
-def _tidemark(env, *args):
+def _probe(env, jsa: Path) -> subprocess.CompletedProcess:
+    """PROBE in a fresh Python: whether its session mapped the class archive ``jsa``."""
     return subprocess.run(
-        [sys.executable, "-m", "tidemark", *args],
+        [sys.executable, "-c", PROBE, str(jsa)],
         env=env,
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=300,
     )
 
 
 @pytest.mark.spark  # a JVM of its own
 def test_the_class_archive_is_built_once_and_mapped_by_a_fresh_session(tmp_path):
     env = {**os.environ, "TIDEMARK_SPARK_CDS_DIR": str(tmp_path)}
-    first = _tidemark(env, "spark", "archive")
-    assert first.returncode == 0, first.stderr
+    code, out, err = tm(env, "spark", "archive", cwd=REPO, timeout=600)
+    assert code == 0, err
     archives = list(tmp_path.iterdir())
     assert len(archives) == 1 and archives[0].suffix == ".jsa"  # no temporary file left
     jsa = archives[0]
-    assert first.stdout.strip().startswith(f"{jsa}: built in")
+    assert out.strip().startswith(f"{jsa}: built in")
     built = jsa.stat().st_mtime_ns
 
-    again = _tidemark(env, "spark", "archive")
-    assert again.returncode == 0 and again.stdout.strip() == f"{jsa}: up to date"
+    code, out, _ = tm(env, "spark", "archive", cwd=REPO, timeout=600)
+    assert code == 0 and out.strip() == f"{jsa}: up to date"
     assert jsa.stat().st_mtime_ns == built
 
-    probe = subprocess.run(
-        [sys.executable, "-c", PROBE, str(jsa)],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    probe = _probe(env, jsa)
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.split() == ["mapped", GC, "3"]  # and no JVM line on stdout
     assert "log level" not in probe.stderr  # Spark's shell greeting (engine/log4j2.properties)
 
     jsa.unlink()  # without it, a session starts as before
-    probe = subprocess.run(
-        [sys.executable, "-c", PROBE, str(jsa)],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    probe = _probe(env, jsa)
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.split() == ["unmapped", GC, "3"]
 

@@ -4,8 +4,7 @@ PostgreSQL and Spark."""
 
 from __future__ import annotations
 
-import json
-
+from tests.conftest import order_record
 from tests.invariants import assert_exactly_once
 from tidemark.driver.run import Backfill
 from tidemark.ledger.state import Range
@@ -22,13 +21,7 @@ KEYED = {
 
 
 def order(i: int, amount: float = 1.0) -> tuple:
-    return (
-        0,
-        str(i).encode(),
-        json.dumps({"id": i, "name": f"o{i}", "amount": amount, "version": 1}).encode(),
-        None,
-        None,
-    )
+    return order_record(0, i, f"o{i}", amount)
 
 
 def tombstone(i: int) -> tuple:
@@ -94,6 +87,18 @@ def test_a_tombstone_whose_key_the_transform_cannot_derive_is_quarantined(env, s
     assert_exactly_once(env)
 
 
+def _delete_and_backfill_the_newest_failing(env, spark) -> None:
+    """The pipeline deletes on tombstones and now fails key 1's newest version (offset 2,
+    amount 500): a backfill of that offset."""
+    env.pipeline(
+        transform=KEYED,
+        tombstones="delete",
+        quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]},
+    )
+    report = env.run(spark, mode=Backfill([Range(0, 2, 3)]))
+    assert report.ok, report.summary()
+
+
 def test_a_fallback_stops_at_a_tombstone(env, spark):
     """Key 1: a version, a tombstone, a newer version. The newest fails now: the key falls
     back, meets the tombstone first, and stays deleted."""
@@ -102,13 +107,7 @@ def test_a_fallback_stops_at_a_tombstone(env, spark):
     first = env.run(spark)
     assert first.ok, first.summary()
     assert ids(env) == [(1, 2), (2, 3)]
-    env.pipeline(
-        transform=KEYED,
-        tombstones="delete",
-        quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]},
-    )
-    report = env.run(spark, mode=Backfill([Range(0, 2, 3)]))
-    assert report.ok, report.summary()
+    _delete_and_backfill_the_newest_failing(env, spark)
     assert ids(env) == [(2, 3)]
     assert [(o, s) for o, _, _, s in letters(env)] == [(2, "quarantined")]
     # Kept as tombstones again: the backfill of the whole log leaves key 1 deleted.
@@ -119,25 +118,12 @@ def test_a_fallback_stops_at_a_tombstone(env, spark):
 
 
 def test_a_tombstone_kept_as_a_letter_deletes_its_key_when_redriven(env, spark):
-    from tidemark import config
-    from tidemark.driver.redrive import Redrive
-
     env.append([order(1), order(2), tombstone(1)])
     env.pipeline(transform=KEYED)
     assert env.run(spark).ok
     (letter,) = [i for (i,) in env.ledger("SELECT id FROM tidemark.dlq")]
     env.pipeline(transform=KEYED, tombstones="delete")
-    all_p, _ = config.load_all(env.dir)
-    rep = Redrive(
-        all_p["orders"],
-        env.settings(),
-        ledger_dsn=env.ledger_dsn,
-        ids=[letter],
-        by="fay",
-        all_pipelines=all_p,
-        spark=spark,
-        log=lambda m: None,
-    ).execute()
+    rep = env.redrive(spark, ids=[letter], by="fay")
     assert rep.ok and rep.redrive["redriven"] == 1, rep.summary()
     assert rep.sinks["main"].tombstones == 1
     assert ids(env) == [(2, 1)]
@@ -153,13 +139,7 @@ def test_a_fallback_to_a_tombstone_a_letter_held_applies_it_and_resolves_the_let
     env.pipeline(transform=KEYED)  # tombstones kept as letters
     assert env.run(spark).ok
     assert ids(env) == [(1, 2)] and [(o, s) for o, _, _, s in letters(env)] == [(1, "quarantined")]
-    env.pipeline(
-        transform=KEYED,
-        tombstones="delete",
-        quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]},
-    )
-    report = env.run(spark, mode=Backfill([Range(0, 2, 3)]))
-    assert report.ok, report.summary()
+    _delete_and_backfill_the_newest_failing(env, spark)
     assert ids(env) == []
     assert [(o, s) for o, _, _, s in letters(env)] == [(1, "redriven"), (2, "quarantined")]
     assert_exactly_once(env, tombstones=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from tidemark.cli.main import Ctx, _run, airflow_run_option, cli, dry_run_option, pass_ctx
+from tidemark.cli.main import Ctx, _run, cli, dry_run_option, pass_ctx, run_options
 from tidemark.core.db import connect
 from tidemark.core.errors import BadInput, NotFound
 from tidemark.ledger import dlq as dlq_mod
@@ -386,10 +386,8 @@ def dlq_counts(ctx: Ctx, as_json: bool) -> None:
     help="Run an existing redrive request (the redrive DAG's select task makes one).",
 )
 @click.option("--by", help="Who asks (recorded on the dead letters; default: user@host).")
-@click.option("--external-id", help="Caller's own id for this run.")
 @dry_run_option
-@airflow_run_option
-@click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
+@run_options
 @pass_ctx
 def dlq_redrive(
     ctx: Ctx,

@@ -75,6 +75,13 @@ dry_run_option = click.option(
 )
 
 
+def run_options(fn):
+    """The options of every command that makes a run: --external-id, --airflow-run, --json."""
+    fn = click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")(fn)
+    fn = airflow_run_option(fn)
+    return click.option("--external-id", help="Caller's own id for this run.")(fn)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--ledger-dsn", envvar="TIDEMARK_LEDGER_DSN", help="PostgreSQL DSN of the ledger.")
 @click.option(
@@ -224,9 +231,7 @@ def _run(ctx: Ctx, name: str, as_json: bool, runner=None, **kw) -> None:
 @cli.command("run")
 @click.argument("pipeline")
 @click.option("--sink", "sinks", multiple=True, help="Only these sinks (default: all).")
-@click.option("--external-id", help="Caller's own id for this run.")
-@airflow_run_option
-@click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")
+@run_options
 @pass_ctx
 def run_cmd(
     ctx: Ctx,
@@ -282,10 +287,8 @@ class _Time(click.ParamType):
 @click.option("--since", type=_Time(), help="Records from this time on (ISO 8601; UTC if naive).")
 @click.option("--until", type=_Time(), help="Records before this time (ISO 8601; UTC if naive).")
 @click.option("--sink", "sinks", multiple=True, help="Only these sinks (default: all).")
-@click.option("--external-id", help="Caller's own id for this run.")
 @dry_run_option
-@airflow_run_option
-@click.option("--json", "as_json", is_flag=True)
+@run_options
 @pass_ctx
 def backfill_cmd(
     ctx: Ctx,

@@ -63,6 +63,16 @@ MAX_SEARCH = 200  # a reason holds at most 200 characters (engine/dead_letters.p
 LOCK_TIMEOUT = "2s"  # a redrive's prepared transaction holds its rows until it settles
 PREVIEW_BYTES = 160
 
+# What happened to a letter since it was quarantined (its record is letters.RECORD).
+_LIFE = (
+    "attempts",
+    "status",
+    "first_seen",
+    "last_seen",
+    "resolved_by",
+    "resolved_at",
+    "note",
+)
 _SUMMARY = (
     "id",
     "pipeline",
@@ -72,24 +82,12 @@ _SUMMARY = (
     "source_offset",
     "error_class",
     "reason",
-    "attempts",
-    "status",
-    "first_seen",
-    "last_seen",
-    "resolved_by",
-    "resolved_at",
-    "note",
+    *_LIFE,
 )
 ENVELOPE = (
     "id",
     *letters.RECORD,
-    "attempts",
-    "status",
-    "first_seen",
-    "last_seen",
-    "resolved_by",
-    "resolved_at",
-    "note",
+    *_LIFE,
     # the record's headers (bytes of their text) and timestamp as the source had
     # them, and why not when unknown (sql/V007__dlq_source_record.sql)
     "source_headers",

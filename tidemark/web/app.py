@@ -901,21 +901,11 @@ async def api_discard(request: Request, caller: CallerDep) -> Response:
                 return dlq.discard_matching(conn, f, body.get("note"), caller.name, expected)
 
         res = await run_in_threadpool(everything)
-        if _wants_html(request):
-            return _html(
-                request,
-                "result.html",
-                title="Discard",
-                back=_back(request, body),
-                done=[
-                    f"Discarded {len(res.changed):,} dead letter(s) matching "
-                    f"{f.without('status').described()}"
-                ],
-                runs=[],
-                skipped=[],
-                errors=[],
-            )
-        return JSONResponse({**res.to_dict(), "by": caller.name})
+        done = [
+            f"Discarded {len(res.changed):,} dead letter(s) matching "
+            f"{f.without('status').described()}"
+        ]
+        return _discarded(request, body, caller, res, done, skipped=[])
     ids = _ids_from(body)
 
     def work() -> dlq.Discarded:
@@ -930,20 +920,33 @@ async def api_discard(request: Request, caller: CallerDep) -> Response:
         return res
 
     res = await run_in_threadpool(work)
+    done = (
+        [f"Discarded {len(res.changed):,} dead letter(s): " + ", ".join(map(str, res.changed))]
+        if res.changed
+        else []
+    )
+    return _discarded(request, body, caller, res, done, skipped=res.to_dict()["skipped"])
+
+
+def _discarded(
+    request: Request,
+    body: dict,
+    caller: Caller,
+    res: dlq.Discarded,
+    done: list[str],
+    skipped: list,
+) -> Response:
+    """The answer to a discard: a result page saying what was ``done`` and ``skipped``, or
+    the JSON of ``res``."""
     if _wants_html(request):
         return _html(
             request,
             "result.html",
             title="Discard",
             back=_back(request, body),
-            done=[
-                f"Discarded {len(res.changed):,} dead letter(s): "
-                + ", ".join(map(str, res.changed))
-            ]
-            if res.changed
-            else [],
+            done=done,
             runs=[],
-            skipped=res.to_dict()["skipped"],
+            skipped=skipped,
             errors=[],
         )
     return JSONResponse({**res.to_dict(), "by": caller.name})

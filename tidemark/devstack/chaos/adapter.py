@@ -13,6 +13,7 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
+from functools import partial
 
 import psycopg
 
@@ -92,27 +93,27 @@ class InProcess:
             )
 
     def _execute(self, runner) -> Outcome:
-        report = runner.execute()
-        return Outcome(0 if report.ok or report.run_id is None else 1, _report(report))
+        """``runner(pipeline, settings, **common)`` (a Run, or one of its kinds) made with the
+        keywords every run takes here, executed: its report as an outcome."""
+
+        def go():
+            all_p = self._pipelines()
+            report = runner(
+                all_p[PIPELINE],
+                self._settings(),
+                ledger_dsn=self.world.ledger_dsn,
+                all_pipelines=all_p,
+                spark=self.spark,
+                log=self.log.append,
+            ).execute()
+            return Outcome(0 if report.ok or report.run_id is None else 1, _report(report))
+
+        return self._call(go)
 
     def run(self, sinks: list[str] | None = None) -> Outcome:
         from tidemark.driver.run import Run
 
-        def go():
-            all_p = self._pipelines()
-            return self._execute(
-                Run(
-                    all_p[PIPELINE],
-                    self._settings(),
-                    ledger_dsn=self.world.ledger_dsn,
-                    all_pipelines=all_p,
-                    sink_names=sinks,
-                    spark=self.spark,
-                    log=self.log.append,
-                )
-            )
-
-        return self._call(go)
+        return self._execute(partial(Run, sink_names=sinks))
 
     def backfill(
         self, partition: int, start: int, end: int, sinks: list[str] | None = None
@@ -120,42 +121,14 @@ class InProcess:
         from tidemark.driver.modes import Backfill
         from tidemark.driver.run import Run
 
-        def go():
-            all_p = self._pipelines()
-            return self._execute(
-                Run(
-                    all_p[PIPELINE],
-                    self._settings(),
-                    ledger_dsn=self.world.ledger_dsn,
-                    all_pipelines=all_p,
-                    mode=Backfill([Range(partition, start, end)]),
-                    sink_names=sinks,
-                    spark=self.spark,
-                    log=self.log.append,
-                )
-            )
-
-        return self._call(go)
+        return self._execute(
+            partial(Run, mode=Backfill([Range(partition, start, end)]), sink_names=sinks)
+        )
 
     def redrive(self, ids: list[int], by: str = "chaos") -> Outcome:
         from tidemark.driver.redrive import Redrive
 
-        def go():
-            all_p = self._pipelines()
-            return self._execute(
-                Redrive(
-                    all_p[PIPELINE],
-                    self._settings(),
-                    ledger_dsn=self.world.ledger_dsn,
-                    ids=ids,
-                    by=by,
-                    all_pipelines=all_p,
-                    spark=self.spark,
-                    log=self.log.append,
-                )
-            )
-
-        return self._call(go)
+        return self._execute(partial(Redrive, ids=ids, by=by))
 
     def discard(self, ids: list[int], note: str = "chaos", by: str = "chaos") -> Outcome:
         from tidemark.ledger import dlq
