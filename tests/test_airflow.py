@@ -126,6 +126,28 @@ class World:
             "dag_runs"
         ]
 
+    def airflow_backfill(self, dag_id: str, to_date: str) -> list[dict]:
+        """Airflow's own Backfill of ``dag_id`` from 2026-01-01T00:00Z to ``to_date``: its runs
+        (at least two), once all have ended."""
+        r = self.api.post(
+            "/backfills",
+            json={
+                "dag_id": dag_id,
+                "from_date": "2026-01-01T00:00:00Z",
+                "to_date": to_date,
+                "max_active_runs": 1,
+                "reprocess_behavior": "completed",
+            },
+        )
+        assert r.status_code in (200, 201), r.text
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            runs = [x for x in self.runs(dag_id) if x["run_type"] == "backfill"]
+            if len(runs) >= 2 and all(x["state"] in ("success", "failed") for x in runs):
+                return runs
+            time.sleep(2)  # polling the REST API: Airflow offers no run-finished event
+        raise AssertionError(f"{dag_id}: backfill runs {self.runs(dag_id)} after 300 s")
+
     def wait_runs(self, dag_id: str, count: int, timeout: float = 240) -> list[dict]:
         """At least ``count`` runs of ``dag_id`` (an asset-scheduled DAG), all finished."""
         deadline = time.monotonic() + timeout
@@ -695,23 +717,7 @@ def test_airflows_own_backfill_re_delivers_each_runs_data_interval_when_opted_in
     with psycopg.connect(env.sink_dsn, autocommit=True) as c:
         c.execute("UPDATE public.windowed SET name = 'tampered'")
 
-    r = world.api.post(
-        "/backfills",
-        json={
-            "dag_id": "tidemark_windowed",
-            "from_date": "2026-01-01T00:00:00Z",
-            "to_date": "2026-01-01T01:00:00Z",
-            "max_active_runs": 1,
-            "reprocess_behavior": "completed",
-        },
-    )
-    assert r.status_code in (200, 201), r.text
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        runs = [x for x in world.runs("tidemark_windowed") if x["run_type"] == "backfill"]
-        if len(runs) >= 2 and all(x["state"] in ("success", "failed") for x in runs):
-            break
-        time.sleep(2)  # polling the REST API: Airflow offers no run-finished event
+    runs = world.airflow_backfill("tidemark_windowed", "2026-01-01T01:00:00Z")
     assert len(runs) == 2 and {x["state"] for x in runs} == {"success"}, runs
     # Hours 0 and 1 re-delivered (ids 1, 2 and 3); id 4, at 03:20, was not.
     assert env.q(env.sink_dsn, names) == [(1, "w1"), (2, "w2"), (3, "w3"), (4, "tampered")]
@@ -743,23 +749,7 @@ def test_airflows_own_backfill_of_the_scheduled_dag_is_refused_saying_why(world)
     use instead, and writes nothing."""
     env = world.env
     world.stack.unpause("tidemark_hourly")  # the scheduler starts no run of a paused DAG
-    r = world.api.post(
-        "/backfills",
-        json={
-            "dag_id": "tidemark_hourly",
-            "from_date": "2026-01-01T00:00:00Z",
-            "to_date": "2026-01-01T01:30:00Z",
-            "max_active_runs": 1,
-            "reprocess_behavior": "completed",
-        },
-    )
-    assert r.status_code in (200, 201), r.text
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        runs = [x for x in world.runs("tidemark_hourly") if x["run_type"] == "backfill"]
-        if len(runs) >= 2 and all(x["state"] in ("success", "failed") for x in runs):
-            break
-        time.sleep(2)  # polling the REST API: Airflow offers no run-finished event
+    runs = world.airflow_backfill("tidemark_hourly", "2026-01-01T01:30:00Z")
     assert len(runs) >= 2 and {x["state"] for x in runs} == {"failed"}, runs
     for x in runs:
         ti = world.api.get(
