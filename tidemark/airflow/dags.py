@@ -355,7 +355,8 @@ def backfill_dag(p: config.Pipeline, path: Path) -> DAG:
             type=["integer", "null"],
             minimum=0,
             title="Partition",
-            description="Source partition to re-deliver; empty: every partition.",
+            description="Source partition to re-deliver, by offsets or by time window; empty: "
+            "every partition.",
         ),
         "from_offset": Param(
             0,
