@@ -117,7 +117,7 @@ class Writing:
         """One write of the batch ``df``, checked as ``quality`` says; the sinks it writes
         and what its Spark job did (None: no sink left to write)."""
         columns = records.output_columns(df)
-        self._ensure_tables(claim, by_name, columns, report)
+        self._refuse_tables(claim, by_name, columns, report)
         cached = fallen = None
         if quality.caches or self.mode.falls_back:
             # Read once: the expectations, the fallback keys and the writes all use this
@@ -131,7 +131,7 @@ class Writing:
             if checked.verdict is not None and checked.verdict.halted:
                 report.records = df.count()  # a sink writes none of the batch: still, it read it
                 self._halt(claim, checked.verdict, report)
-            live = self._start_writing(claim, checked, report)
+            live = self._start_writing(claim, by_name, columns, checked, report)
             if not live:
                 return [], None
             out = checked.df
@@ -215,30 +215,42 @@ class Writing:
                 self._abort(claim.run_id, sink, "; ".join(problems), report)
         return any(report.sinks[s].state != RunState.ABORTED for s in claim.sinks)
 
-    def _ensure_tables(
+    def _refuse_tables(
         self, claim: Claim, by_name: Sinks, columns: list[tuple[str, str]], report: RunReport
     ) -> None:
-        """Once the transform's output types are known, before the batch is read: each
-        sink's table created, or checked and evolved as its ``schema`` says (a sink it
-        refuses is aborted); what changed goes in the report. A dry run changes no table:
-        it says what the run would change and writes the columns the table has."""
+        """Once the transform's output types are known, before the batch is read and
+        checked: abort each sink whose table cannot take them (changing nothing yet)."""
         for sink in claim.sinks:
             if report.sinks[sink].state == RunState.ABORTED:
                 continue
-            deletes = self.p.tombstones_of(by_name[sink].config) == "delete"
-            try:
-                if self.dry_run:
-                    report.sinks[sink].schema_changes = self._plan_table(
-                        by_name[sink], columns, deletes
-                    )
-                    continue
-                changes = sinks.ensure_table(by_name[sink], columns, f"sink {sink}", deletes)
-            except TidemarkError as exc:
-                self._abort(claim.run_id, sink, str(exc), report)
-                continue
-            report.sinks[sink].schema_changes += changes
-            for change in changes:
-                self.log(f"run {claim.run_id} sink {sink}: {change}")
+            problems = sinks.table_problems(by_name[sink], list(columns), f"sink {sink}")
+            if problems:
+                self._abort(claim.run_id, sink, "; ".join(problems), report)
+
+    def _ensure_table(
+        self,
+        claim: Claim,
+        sink: sinks.ResolvedSink,
+        columns: list[tuple[str, str]],
+        report: RunReport,
+    ) -> bool:
+        """A sink about to be written: its table created, or evolved as its ``schema`` says,
+        what changed in the report (False: refused, the sink aborted). A dry run changes no
+        table: it says what the run would change and writes the columns the table has."""
+        deletes = self.p.tombstones_of(sink.config) == "delete"
+        out = report.sinks[sink.name]
+        try:
+            if self.dry_run:
+                out.schema_changes = self._plan_table(sink, columns, deletes)
+                return True
+            changes = sinks.ensure_table(sink, columns, f"sink {sink.name}", deletes)
+        except TidemarkError as exc:
+            self._abort(claim.run_id, sink.name, str(exc), report)
+            return False
+        out.schema_changes += changes
+        for change in changes:
+            self.log(f"run {claim.run_id} sink {sink.name}: {change}")
+        return True
 
     def _plan_table(
         self, sink: sinks.ResolvedSink, columns: list[tuple[str, str]], deletes: bool
@@ -254,13 +266,23 @@ class Writing:
         self.omit[sink.name] = [c for c, _ in plan.adds]
         return [f"would add column {c} {t}" for c, t in plan.adds]
 
-    def _start_writing(self, claim: Claim, checked: Checked, report: RunReport) -> list[str]:
-        """The sinks this write writes, each in state ``writing``."""
+    def _start_writing(
+        self,
+        claim: Claim,
+        by_name: Sinks,
+        columns: list[tuple[str, str]],
+        checked: Checked,
+        report: RunReport,
+    ) -> list[str]:
+        """The sinks this write writes, each with its table (created or evolved only now:
+        a halted run leaves no table behind) and in state ``writing``."""
         halted = checked.verdict.halted if checked.verdict is not None else {}
         live: list[str] = []
         for sink in claim.sinks:
             now = report.sinks[sink].state
             if now == RunState.ABORTED or sink in halted:
+                continue
+            if not self._ensure_table(claim, by_name[sink], columns, report):
                 continue
             if now != RunState.WRITING:  # else it writes again (a write that did not stand)
                 state.start_writing(self.ledger, self.p.name, claim.run_id, sink)
