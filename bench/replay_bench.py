@@ -50,7 +50,7 @@ from tidemark.devstack import demo  # noqa: E402
 from tidemark.driver.run import Run  # noqa: E402
 from tidemark.engine import cds, pgbinary, records  # noqa: E402
 from tidemark.engine.session import session  # noqa: E402
-from tidemark.engine.writer import _for_csv  # noqa: E402
+from tidemark.engine.sink_writer import _for_csv  # noqa: E402
 from tidemark.ledger import migrations  # noqa: E402
 from tidemark.ledger.state import Range  # noqa: E402
 from tidemark.protocol.taskspec import TASK_PHASES  # noqa: E402

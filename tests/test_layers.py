@@ -166,3 +166,13 @@ def test_the_sql_checks_can_fail():
     assert _LEDGER_SQL.search("ELSE tidemark.version_conflict(k, 1, 2)")
     assert not _LEDGER_SQL.search("from tidemark.ledger import dlq")
     assert _STATES.search("WHERE state = 'committing'")
+
+
+def test_the_benchmarks_import_what_the_package_has():
+    """`make bench` runs rarely: a name it imports that a refactoring moved must fail here."""
+    import importlib.util
+
+    for script in sorted((PACKAGE.parent / "bench").glob("*.py")):
+        spec = importlib.util.spec_from_file_location(f"bench_{script.stem}", script)
+        assert spec is not None and spec.loader is not None
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
