@@ -60,9 +60,11 @@ class Verifying:
         self, claim: Claim, by_name: Sinks, live: list[str], report: RunReport
     ) -> None:
         """Halt the run, nothing committed, when a sink would quarantine more than
-        ``quality.max_quarantined`` of its records (driver/ceiling.py). A redrive's records
-        are letters already, and at least once has committed them already."""
-        if self.mode.name == "redrive" or self.p.delivery != "exactly_once":
+        ``quality.max_quarantined`` of its records (driver/ceiling.py). A delivery only: a
+        backfill or redrive is an operator's deliberate re-delivery (previewed with
+        --dry-run), whose letters also count older versions outside its range; at least
+        once has committed its rows already."""
+        if self.mode.name != "run" or self.p.delivery != "exactly_once":
             return
         over = [m for s in live if (m := ceiling.breach(self.p, s, self._mine(s)))]
         if not over:
