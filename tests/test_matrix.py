@@ -1,7 +1,8 @@
-"""Every combination a run can take, run once (issue 35): mode (delivery, backfill, redrive) x
-layout (tidemark/driver/modes.py, Layout.kind) x quality path (the checking strategies of
-tidemark/driver/checking.py, write by write: a one-pass write judged Redo is written again,
-checking first) x the sinks' delivery guarantee (exactly once, at least once).
+"""Every combination a run can take, run once (issue 35): mode (delivery, backfill, redrive,
+rebuild) x layout (tidemark/driver/modes.py, Layout.kind) x quality path (the checking
+strategies of tidemark/driver/checking.py, write by write: a one-pass write judged Redo is
+written again, checking first) x the sinks' delivery guarantee (exactly once, at least once;
+a mode that needs PREPARE, exactly once only).
 
 ``derived_matrix`` reads the combinations from the code: the modes are Mode's subclasses, the
 layouts what each mode's ``layout`` returns over the shapes of read it can be handed, the
@@ -34,7 +35,7 @@ from tidemark.config import Pipeline
 from tidemark.core.settings import Settings
 from tidemark.driver import checking, gate
 from tidemark.driver.checking import Job, QualityPath, Redo, Strategy
-from tidemark.driver.modes import Backfill, Delivery, Layout, Mode
+from tidemark.driver.modes import Backfill, Delivery, Layout, Mode, Rebuild
 from tidemark.driver.redrive import RedriveMode
 from tidemark.driver.run import Run, RunReport
 from tidemark.ledger.state import Claim, Range, SinkClaim
@@ -82,6 +83,12 @@ MATRIX = [
         for delivery in GUARANTEES
         for path in (NONE, FIRST)
     ),
+    # A rebuild swaps its table in the two-phase commit: exactly once only.
+    *(
+        Combo("rebuild", layout, "exactly_once", path)
+        for layout in ("ranges", "together")
+        for path in (NONE, FIRST)
+    ),
 ]
 
 # -- the combinations the code can take -------------------------------------------------------
@@ -125,6 +132,7 @@ def _modes(pipeline: Pipeline) -> list[Mode]:
         Delivery: Delivery,
         Backfill: lambda: Backfill([Range(0, 0, 4)]),
         RedriveMode: lambda: RedriveMode(pipeline, "postgresql:///unused", None),
+        Rebuild: lambda: Rebuild("a"),
     }
     classes = _concrete(Mode)
     assert set(classes) == set(made), f"modes without a case here: {set(classes) - set(made)}"
@@ -199,6 +207,8 @@ def derived_matrix() -> set[Combo]:
     out = set()
     for mode in _modes(_pipeline("exactly_once")):
         for delivery in guarantees:
+            if mode.needs_prepare and delivery != "exactly_once":
+                continue
             for layout in _layouts(mode):
                 for path in _quality_paths(mode, delivery):
                     out.add(Combo(mode.name, layout, delivery, path))
@@ -476,7 +486,34 @@ def _redrive(env, spark, combo: Combo, taken: Taken) -> Outcome:
     return Outcome(report, _expected(env, place, False), 1)  # Layout "records": one task
 
 
-SETUP = {"run": _deliver, "backfill": _backfill, "redrive": _redrive}
+def _rebuild(env, spark, combo: Combo, taken: Taken) -> Outcome:
+    """Delivered without checks from one partition (layout ranges) or two (together); then
+    the pipeline upper-cases names and (FIRST) checks rows, and each sink is rebuilt: every
+    record as the current pipeline makes it, in a new table."""
+    records = RECORDS["ranges"]
+    _append(env, [r for r in records if r[0] == 0] if combo.layout == "ranges" else records)
+    _write_pipeline(env, combo, {}, False)
+    assert _run(env, spark, QualityPath.FIRST).ok
+    quality, path = HOW[combo.quality]
+    _write_pipeline(
+        env, combo, quality, False, transform={"select": {**SELECT, "name": "upper(name)"}}
+    )
+    assert env.run(spark, mode=Rebuild("second"), sink_names=["second"], quality=path).ok
+    taken.clear()
+    report = env.run(spark, mode=Rebuild("main"), sink_names=["main"], quality=path)
+
+    def place(p: int, rec: dict) -> tuple[dict | None, str | None]:
+        return _checked(_strict(quality))(p, {**rec, "name": rec["name"].upper()})
+
+    return Outcome(report, _expected(env, place, False), 1)  # a rebuild writes in one task
+
+
+SETUP = {
+    "run": _deliver,
+    "backfill": _backfill,
+    "redrive": _redrive,
+    "rebuild": _rebuild,
+}
 
 
 @pytest.mark.parametrize("combo", MATRIX, ids=str)

@@ -584,7 +584,7 @@ def chaos_cmd(seed: int | None, steps: int, fault_every: int, keep_dir: bool) ->
 
 
 # Command groups in their own modules register themselves on `cli`.
-from tidemark.cli import dlq, retention  # noqa: E402, F401
+from tidemark.cli import dlq, rebuild, retention  # noqa: E402, F401
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -47,6 +47,8 @@ class Mode(ABC):
     # May run the pipeline's checks in its write job (docs/quality.md, "One pass"): only a
     # first delivery, whose batch is the run's own and whose writes replace nothing.
     checks_while_writing = False
+    rebuilds = False  # writes a new table and swaps it in (Rebuild)
+    needs_prepare = False  # only with delivery: exactly_once (its change must ride the 2PC)
 
     @abstractmethod
     def planner(self, pipeline: Pipeline) -> tuple[Planner, Closing]:
@@ -245,10 +247,7 @@ class Backfill(Mode):
     ) -> Layout:
         # One task for every range: the fallback's versions of a key go to the backfill's one
         # write task (driver/fallback.py), wherever in the ranges the key's row was.
-        spans = [Span(partition=r.partition, start=r.start, end=r.end, dense=dense) for r in read]
-        if len(read) > 1:
-            return Layout("together", 1, read, ByRanges(reads=[spans]))
-        return Layout("ranges", 1, read, ByRanges(reads=[spans]))
+        return one_task(read, dense)
 
     def planner(self, pipeline: Pipeline) -> tuple[Planner, Closing]:
         def plan(checkpoints: dict[str, dict[int, int]]) -> dict[str, list[Range]]:
@@ -264,6 +263,55 @@ class Backfill(Mode):
             return {s: list(self.ranges) for s in checkpoints}
 
         return plan, NothingToClose()
+
+
+def one_task(read: list[Range], dense: bool) -> Layout:
+    """Every range in one write task (``together``; ``ranges`` when there is one)."""
+    spans = [Span(partition=r.partition, start=r.start, end=r.end, dense=dense) for r in read]
+    return Layout("together" if len(read) > 1 else "ranges", 1, read, ByRanges(reads=[spans]))
+
+
+@dataclass
+class Rebuild(Mode):
+    """Re-deliver everything ``sink`` has received, from the first record the source still
+    holds to its checkpoint in each partition, into a new table made from the current
+    pipeline, swapped in for the old one in the same two-phase commit
+    (tidemark/protocol/rebuild.py). ``accept_pruned``: rebuild although the source no
+    longer holds records whose rows the table has (they are left out of the new table)."""
+
+    sink: str
+    accept_pruned: bool = False
+    name = "rebuild"
+    gate_policy = "halt"  # re-delivery never quarantines a whole batch
+    rebuilds = True
+    # At least once commits in the write task: a retried task would swap a second time.
+    needs_prepare = True
+
+    def planner(self, pipeline: Pipeline) -> tuple[Planner, Closing]:
+        src = sources.planner(pipeline)
+
+        def plan(checkpoints: dict[str, dict[int, int]]) -> dict[str, list[Range]]:
+            # Read under the sink's lease: the ranges end exactly where its checkpoints are,
+            # so the new table holds what the old one should, no more and no less.
+            out = []
+            for p, end in sorted(checkpoints.get(self.sink, {}).items()):
+                first = src.earliest(p)
+                if first is not None and end > first:
+                    out.append(Range(p, first, end))
+            return {self.sink: out}
+
+        return plan, src
+
+    def placement(self, by: str | None, fallen: Fallback | None) -> Placement:
+        # A re-delivery into an empty table: nothing is removed, no key falls back; its
+        # letters are resolved or quarantined again as a backfill's are.
+        return Backfilling(by=by)
+
+    def layout(
+        self, read: list[Range], sinks: list[Sink], *, dense: bool, parallelism: int, split_min: int
+    ) -> Layout:
+        # One task: it alone creates the new table and swaps it in, in its own transaction.
+        return one_task(read, dense)
 
 
 class NothingToClose:

@@ -33,9 +33,10 @@ from tidemark.core.settings import Settings
 from tidemark.driver.checking import QualityPath
 from tidemark.driver.modes import Backfill, Delivery, Layout, Mode
 from tidemark.driver.report import DRY_RUN, UP_TO_DATE, RunReport, SinkOutcome, phases
+from tidemark.driver.tables import Rebuilt, Sinks
 from tidemark.driver.verifying import Verifying
 from tidemark.driver.watch import Heartbeat, Stop
-from tidemark.driver.writing import Sinks, Writing
+from tidemark.driver.writing import Writing
 from tidemark.ledger import runs, state
 from tidemark.ledger.migrations import require_current
 from tidemark.ledger.state import AirflowRun, Claim, Participant, RunState
@@ -84,6 +85,11 @@ class Run(Writing, Verifying):
                 f"{pipeline.name} has delivery: at_least_once, whose write tasks commit; a "
                 f"dry run needs delivery: exactly_once, which it can roll back"
             )
+        if mode is not None and mode.needs_prepare and pipeline.delivery != "exactly_once":
+            raise BadInput(
+                f"{pipeline.name} has delivery: at_least_once, whose write tasks commit; a "
+                f"{mode.name} needs delivery: exactly_once, whose decision commits it whole"
+            )
         self.p = pipeline
         self.where = where or f"pipeline {pipeline.name}"  # names the file in config errors
         self.s = settings
@@ -104,6 +110,7 @@ class Run(Writing, Verifying):
         self.layout: Layout | None = None  # how records reach the write tasks (per run)
         self.dry_run = dry_run
         self.omit: dict[str, list[str]] = {}  # a dry run's columns its tables lack
+        self.rebuilt: dict[str, Rebuilt] = {}  # a rebuild's new and retired tables
 
     # -- the protocol ----------------------------------------------------------------------
     def execute(self) -> RunReport:

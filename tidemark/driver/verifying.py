@@ -19,7 +19,7 @@ from tidemark.core.errors import OverCeiling, TidemarkError
 from tidemark.driver import ceiling
 from tidemark.driver.modes import Layout, Mode
 from tidemark.driver.report import COUNTS, RunReport
-from tidemark.driver.writing import Sinks
+from tidemark.driver.tables import Sinks
 from tidemark.ledger import state
 from tidemark.ledger.state import Claim, Participant, RunState
 from tidemark.protocol import coverage, twopc

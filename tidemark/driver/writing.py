@@ -21,21 +21,19 @@ from tidemark.core.db import one_line
 from tidemark.core.dsn import mask
 from tidemark.core.errors import Terminated, TidemarkError
 from tidemark.core.settings import Settings
-from tidemark.driver import checking, fallback, gate, preflight
+from tidemark.driver import checking, fallback, gate
 from tidemark.driver.checking import Checked, Fails, Job, QualityPath, Stands
 from tidemark.driver.modes import Layout, Mode
 from tidemark.driver.report import RunReport
+from tidemark.driver.tables import Sinks, Tables, table_exists
 from tidemark.driver.watch import Progress, Stop
 from tidemark.engine import records
 from tidemark.ledger import checkpoints, state
 from tidemark.ledger.state import Claim, RunState
-from tidemark.protocol import sinks
-from tidemark.protocol.taskspec import SinkTarget, TaskResult, TaskSpec
-
-Sinks = dict[str, sinks.ResolvedSink]  # the run's sinks by name
+from tidemark.protocol.taskspec import Rebuilding, SinkTarget, TaskResult, TaskSpec
 
 
-class Writing:
+class Writing(Tables):
     """The write phase of a :class:`~tidemark.driver.run.Run`."""
 
     # What the write uses of its run (set in Run.__init__ and Run.execute).
@@ -52,12 +50,10 @@ class Writing:
     layout: Layout | None
     results: list[TaskResult]
     dry_run: bool
-    omit: dict[str, list[str]]  # a dry run's sink -> output columns its table lacks
 
     if TYPE_CHECKING:  # the run's own, tidemark/driver/run.py
 
         def _mark(self, phase: str) -> None: ...
-        def _abort(self, run_id: int, sink: str, error: str, report: RunReport) -> None: ...
         def _rollback_run(self, claim: Claim, by_name: Sinks, keep: set[str]) -> None: ...
 
     def _write(self, claim: Claim, by_name: Sinks, report: RunReport) -> list[str]:
@@ -193,7 +189,7 @@ class Writing:
             self.p.delivery == "exactly_once"
             and self.mode.checks_while_writing
             and all(by_name[s].config.quality.empty for s in claim.sinks)
-            and all(_table_exists(by_name[s]) for s in claim.sinks)
+            and all(table_exists(by_name[s]) for s in claim.sinks)
         )
 
     def _halt(self, claim: Claim, verdict: gate.Verdict, report: RunReport) -> None:
@@ -204,67 +200,6 @@ class Writing:
             state.dq_failed(self.ledger, self.p.name, claim.run_id, sink, why)
             report.sinks[sink].state, report.sinks[sink].error = RunState.DQ_FAILED, why
             self.log(f"run {claim.run_id} sink {sink}: dq_failed: {why}")
-
-    def _check_tables(self, claim: Claim, by_name: Sinks, report: RunReport) -> bool:
-        """Before Spark starts: refuse each sink whose table cannot take what the pipeline
-        writes, as far as its file says (tidemark/driver/preflight.py). False when no sink
-        is left to write."""
-        names = [s for s in claim.sinks if report.sinks[s].state != RunState.ABORTED]
-        for sink, problems in preflight.sink_problems(self.p, names).items():
-            if problems:
-                self._abort(claim.run_id, sink, "; ".join(problems), report)
-        return any(report.sinks[s].state != RunState.ABORTED for s in claim.sinks)
-
-    def _refuse_tables(
-        self, claim: Claim, by_name: Sinks, columns: list[tuple[str, str]], report: RunReport
-    ) -> None:
-        """Once the transform's output types are known, before the batch is read and
-        checked: abort each sink whose table cannot take them (changing nothing yet)."""
-        for sink in claim.sinks:
-            if report.sinks[sink].state == RunState.ABORTED:
-                continue
-            problems = sinks.table_problems(by_name[sink], list(columns), f"sink {sink}")
-            if problems:
-                self._abort(claim.run_id, sink, "; ".join(problems), report)
-
-    def _ensure_table(
-        self,
-        claim: Claim,
-        sink: sinks.ResolvedSink,
-        columns: list[tuple[str, str]],
-        report: RunReport,
-    ) -> bool:
-        """A sink about to be written: its table created, or evolved as its ``schema`` says,
-        what changed in the report (False: refused, the sink aborted). A dry run changes no
-        table: it says what the run would change and writes the columns the table has."""
-        deletes = self.p.tombstones_of(sink.config) == "delete"
-        out = report.sinks[sink.name]
-        try:
-            if self.dry_run:
-                out.schema_changes = self._plan_table(sink, columns, deletes)
-                return True
-            changes = sinks.ensure_table(sink, columns, f"sink {sink.name}", deletes)
-        except TidemarkError as exc:
-            self._abort(claim.run_id, sink.name, str(exc), report)
-            return False
-        out.schema_changes += changes
-        for change in changes:
-            self.log(f"run {claim.run_id} sink {sink.name}: {change}")
-        return True
-
-    def _plan_table(
-        self, sink: sinks.ResolvedSink, columns: list[tuple[str, str]], deletes: bool
-    ) -> list[str]:
-        """A dry run's table: the columns the run would add, left out of its write."""
-        plan = sinks.plan_table(sink, columns, f"sink {sink.name}", deletes)
-        keyed = [c for c, _ in plan.adds if c in sink.config.key]
-        if keyed:
-            raise TidemarkError(
-                f"sink {sink.name}: key column(s) {', '.join(keyed)} not in table "
-                f"{sink.config.table}; a dry run cannot write without them"
-            )
-        self.omit[sink.name] = [c for c, _ in plan.adds]
-        return [f"would add column {c} {t}" for c, t in plan.adds]
 
     def _start_writing(
         self,
@@ -333,11 +268,12 @@ class Writing:
         targets = []
         for s in live:
             cfg = by_name[s].config
+            r = self.rebuilt.get(s)
             targets.append(
                 SinkTarget(
                     name=s,
                     dsn=by_name[s].dsn,
-                    table=cfg.table,
+                    table=r.new if r else cfg.table,
                     key=cfg.key,
                     version=cfg.version,
                     ranges={r.partition: (r.start, r.end) for r in claim.sinks[s].ranges},
@@ -345,6 +281,9 @@ class Writing:
                     quarantine=v.quarantine.get(s),
                     tombstones=self.p.tombstones_of(cfg),
                     omit=self.omit.get(s, []),
+                    rebuild=Rebuilding(live=cfg.table, retired=r.retired, columns=r.columns)
+                    if r
+                    else None,
                 )
             )
         return TaskSpec(
@@ -391,13 +330,6 @@ class Writing:
         self.results = [TaskResult.model_validate_json(r["result"]) for r in rows]
         self._mark("write")
         return Job(self.results)
-
-
-def _table_exists(sink: sinks.ResolvedSink) -> bool:
-    try:
-        return sinks.table_exists(sink)
-    except (psycopg.Error, TidemarkError):  # checking first, the write says what is wrong
-        return False
 
 
 _EXC_LINE = re.compile(r"^([\w.]+(Error|Exception|Terminated|Held|Fenced)): (.*)$")

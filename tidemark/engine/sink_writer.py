@@ -26,7 +26,7 @@ from tidemark.core.db import is_data_error, one_line, qualified
 from tidemark.engine import pgbinary, tombstones, transactions
 from tidemark.engine.dead_letters import DeadLetters, Record
 from tidemark.ledger import markers
-from tidemark.protocol import gids, twopc
+from tidemark.protocol import gids, rebuild, twopc
 from tidemark.protocol.taskspec import CopyFormat, Prepared, SinkTarget, TaskSpec
 
 if TYPE_CHECKING:
@@ -72,6 +72,10 @@ class SinkWriter:
             return self.conn
         t = self.target
         self.conn = transactions.begin(t.dsn, self.spec.lock_timeout_ms, "sink")
+        if t.rebuild is not None:  # its new table, in this transaction (see prepare)
+            rebuild.create(self.conn, t.table, t.rebuild.columns, t.key)
+            if t.tombstones == "delete":
+                rebuild.create_tombstones(self.conn, t.table, t.key, t.version)
         self.stage_table = markers.stage_table("stage", self.gid)
         self.table = sql.SQL(qualified(t.table))
         cols = [*(c for c in self.spec.columns if c not in t.omit), PARTITION, OFFSET, "_tm_run_id"]
@@ -308,10 +312,18 @@ class SinkWriter:
 
     def prepare(self) -> Prepared | None:
         self.flush()
+        r = self.target.rebuild
+        if r is not None and not self.failed:
+            try:  # a rebuild swaps its table in even when it received no row
+                self._open()
+            except psycopg.Error as exc:
+                self._fail(exc)
         if self.failed or self.conn is None:
             return None  # failed, or nothing to write: no participant
         try:
             with self.phases("prepare"):
+                if r is not None:
+                    rebuild.swap(self.conn, r.live, self.target.table, r.retired)
                 if self.staged:
                     self.conn.execute(sql.SQL("DROP TABLE {}").format(self.stage_table))
                 if self.tombs is not None:

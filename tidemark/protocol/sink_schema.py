@@ -272,7 +272,8 @@ def _key_problems(
     if not any(sorted(cols) == sorted(key) for _, cols in keys):
         problems.append(
             f"{where} needs a unique index on exactly ({', '.join(key)}) for keyed upserts; "
-            f"fix: CREATE UNIQUE INDEX ON {t} ({', '.join(key)})"
+            f"fix: `tidemark sink rebuild <pipeline> {cfg.name}` (a new table with this "
+            f"key, from the source), or CREATE UNIQUE INDEX ON {t} ({', '.join(key)})"
         )
     # A unique index on fewer columns than the key refuses versions the key tells apart: the
     # rows would go to the DLQ as sink_write instead of being written.
@@ -281,9 +282,11 @@ def _key_problems(
             problems.append(
                 f"{where}: unique index or constraint {name} on ({', '.join(cols)}) is "
                 f"narrower than the key ({', '.join(key)}) and would refuse rows the key "
-                f"tells apart; fix: ALTER TABLE {t} DROP CONSTRAINT {name}  (DROP INDEX "
-                f"{name} if it is an index alone); then `tidemark backfill <pipeline> "
-                f"--partition all` re-delivers what the sink holds under the new key"
+                f"tells apart; fix: `tidemark sink rebuild <pipeline> {cfg.name}` makes the "
+                f"table again from the source with the new key, swapped in atomically (the "
+                f"old one kept); or by hand: ALTER TABLE {t} DROP CONSTRAINT {name} (DROP "
+                f"INDEX {name} if it is an index alone), then `tidemark backfill <pipeline> "
+                f"--partition all`"
             )
     return problems
 

@@ -71,6 +71,16 @@ class RowCheck(_Model):
     kwargs: dict[str, str | list[str]]  # only those naming its columns
 
 
+class Rebuilding(_Model):
+    """A rebuild's sink (tidemark/protocol/rebuild.py): the task creates the target table
+    (SinkTarget.table, a new one) with ``columns`` and the sink's key, writes into it, and
+    before PREPARE renames ``live`` to ``retired`` and the new table to ``live``."""
+
+    live: str
+    retired: str  # the dated name the live table is kept under
+    columns: list[tuple[str, str]]  # the transform's output: name, PostgreSQL type
+
+
 class SinkTarget(_Model):
     """One sink of the run, as a task sees it: where it is and what it must place."""
 
@@ -86,6 +96,7 @@ class SinkTarget(_Model):
     # Output columns its table lacks and a dry run does not add (tidemark/driver/writing.py):
     # the task writes the others.
     omit: list[str] = []
+    rebuild: Rebuilding | None = None  # a rebuild writes a new table and swaps it in
 
 
 # -- how a task accounts for its records (docs/design.md, "Task accounting") ----------------

@@ -1,0 +1,191 @@
+"""The sink tables of a run (tidemark/driver/run.py), before its write: checked against what
+the pipeline writes before Spark starts, refused once the transform's types are known, and
+created or evolved just before the write (docs/design.md, "Tables"). A rebuild checks instead
+what its new table would leave out, and names the table it writes and the one it retires
+(tidemark/protocol/rebuild.py).
+
+:class:`Tables` is mixed into :class:`tidemark.driver.run.Run` through
+:class:`tidemark.driver.writing.Writing`, whose state it uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
+
+import psycopg
+
+from tidemark.config import Pipeline
+from tidemark.core.db import connect
+from tidemark.core.errors import TidemarkError
+from tidemark.driver import checking, preflight
+from tidemark.driver.modes import Mode, Rebuild
+from tidemark.driver.report import RunReport
+from tidemark.ledger.state import Claim, RunState
+from tidemark.protocol import rebuild, sink_schema, sinks
+
+Sinks = dict[str, sinks.ResolvedSink]  # the run's sinks by name
+
+
+@dataclass
+class Rebuilt:
+    """A rebuild's sink: the table it writes, the name the old one is kept under (if there
+    is one: ``existed``) and the new table's columns (the transform's output)."""
+
+    new: str
+    retired: str
+    existed: bool
+    columns: list[tuple[str, str]] = field(default_factory=list)
+
+
+class Tables:
+    """The table steps of a :class:`~tidemark.driver.run.Run`."""
+
+    p: Pipeline
+    mode: Mode
+    log: checking.Log
+    dry_run: bool
+    omit: dict[str, list[str]]  # a dry run's sink -> output columns its table lacks
+    rebuilt: dict[str, Rebuilt]  # a rebuild's sink -> its new table and the retired one
+
+    if TYPE_CHECKING:  # the run's own, tidemark/driver/run.py
+
+        def _abort(self, run_id: int, sink: str, error: str, report: RunReport) -> None: ...
+
+    def _check_tables(self, claim: Claim, by_name: Sinks, report: RunReport) -> bool:
+        """Before Spark starts: refuse each sink whose table cannot take what the pipeline
+        writes, as far as its file says (tidemark/driver/preflight.py). False when no sink
+        is left to write."""
+        names = [s for s in claim.sinks if report.sinks[s].state != RunState.ABORTED]
+        if isinstance(self.mode, Rebuild):
+            for sink in names:
+                self._check_rebuild(claim, by_name[sink], self.mode, report)
+            return any(report.sinks[s].state != RunState.ABORTED for s in claim.sinks)
+        for sink, problems in preflight.sink_problems(self.p, names).items():
+            if problems:
+                self._abort(claim.run_id, sink, "; ".join(problems), report)
+        return any(report.sinks[s].state != RunState.ABORTED for s in claim.sinks)
+
+    def _refuse_tables(
+        self, claim: Claim, by_name: Sinks, columns: list[tuple[str, str]], report: RunReport
+    ) -> None:
+        """Once the transform's output types are known, before the batch is read and
+        checked: abort each sink whose table cannot take them (changing nothing yet)."""
+        for sink in claim.sinks:
+            if report.sinks[sink].state == RunState.ABORTED or sink in self.rebuilt:
+                continue  # a rebuild's new table is made from these types
+            problems = sinks.table_problems(by_name[sink], list(columns), f"sink {sink}")
+            if problems:
+                self._abort(claim.run_id, sink, "; ".join(problems), report)
+
+    def _ensure_table(
+        self,
+        claim: Claim,
+        sink: sinks.ResolvedSink,
+        columns: list[tuple[str, str]],
+        report: RunReport,
+    ) -> bool:
+        """A sink about to be written: its table created, or evolved as its ``schema`` says,
+        what changed in the report (False: refused, the sink aborted). A dry run changes no
+        table: it says what the run would change and writes the columns the table has."""
+        deletes = self.p.tombstones_of(sink.config) == "delete"
+        out = report.sinks[sink.name]
+        if sink.name in self.rebuilt:
+            self.rebuilt[sink.name].columns = columns
+            out.schema_changes += self._rebuilding(sink, self.rebuilt[sink.name])
+            return True
+        try:
+            if self.dry_run:
+                out.schema_changes = self._plan_table(sink, columns, deletes)
+                return True
+            changes = sinks.ensure_table(sink, columns, f"sink {sink.name}", deletes)
+        except TidemarkError as exc:
+            self._abort(claim.run_id, sink.name, str(exc), report)
+            return False
+        out.schema_changes += changes
+        for change in changes:
+            self.log(f"run {claim.run_id} sink {sink.name}: {change}")
+        return True
+
+    def _plan_table(
+        self, sink: sinks.ResolvedSink, columns: list[tuple[str, str]], deletes: bool
+    ) -> list[str]:
+        """A dry run's table: the columns the run would add, left out of its write."""
+        plan = sinks.plan_table(sink, columns, f"sink {sink.name}", deletes)
+        keyed = [c for c, _ in plan.adds if c in sink.config.key]
+        if keyed:
+            raise TidemarkError(
+                f"sink {sink.name}: key column(s) {', '.join(keyed)} not in table "
+                f"{sink.config.table}; a dry run cannot write without them"
+            )
+        self.omit[sink.name] = [c for c, _ in plan.adds]
+        return [f"would add column {c} {t}" for c, t in plan.adds]
+
+    def _check_rebuild(
+        self, claim: Claim, sink: sinks.ResolvedSink, mode: Rebuild, report: RunReport
+    ) -> None:
+        """Before Spark starts: the sink's database takes prepared transactions, and the new
+        table would hold every row the old one does, unless the user accepts leaving out
+        those whose records the source no longer holds (retention pruned them)."""
+        cfg, what = sink.config, f"sink {sink.name}"
+        starts = {r.partition: r.start for r in claim.sinks[sink.name].ranges}
+        try:
+            with connect(sink.dsn, autocommit=True, what=what) as conn:
+                sinks.prepare_database(conn, what)
+                exists = sink_schema.table_columns(conn, cfg.table) is not None
+                left_out = rebuild.kept_below(conn, cfg.table, starts) if exists else {}
+        except (psycopg.Error, TidemarkError) as exc:
+            self._abort(claim.run_id, sink.name, str(exc), report)
+            return
+        if left_out:
+            where = ", ".join(
+                f"partition {p}: {n:,}"
+                + (f" below offset {starts[p]:,}" if p in starts else " (none left)")
+                for p, n in left_out.items()
+            )
+            why = (
+                f"{what}: the source no longer holds the records of {sum(left_out.values()):,} "
+                f"rows of {cfg.table} ({where}; retention pruned them)"
+            )
+            if not mode.accept_pruned:
+                self._abort(
+                    claim.run_id,
+                    sink.name,
+                    f"{why}; a rebuild would leave them out of the new table. Rebuild from "
+                    f"what the source holds with --accept-pruned (the old table keeps them)",
+                    report,
+                )
+                return
+            self.log(f"run {claim.run_id}: {why}; left out of the new table (--accept-pruned)")
+            report.sinks[sink.name].schema_changes.append(
+                f"left out {sum(left_out.values()):,} rows whose records the source no longer "
+                f"holds (the old table keeps them)"
+            )
+        now = datetime.now(UTC)
+        self.rebuilt[sink.name] = Rebuilt(
+            new=rebuild.new_table(cfg.table, claim.run_id),
+            retired=rebuild.retired_table(cfg.table, claim.run_id, now),
+            existed=exists,
+        )
+
+    def _rebuilding(self, sink: sinks.ResolvedSink, r: Rebuilt) -> list[str]:
+        """What a rebuild does to the sink's tables, as the report says it."""
+        would = "would be " if self.dry_run else ""
+        made = (
+            f"{sink.config.table} {would}rebuilt from the pipeline: key "
+            f"({', '.join(sink.config.key)}), {len(r.columns)} columns"
+        )
+        kept = (
+            f"the old table {would}kept as {r.retired} (drop it when you no longer need it)"
+            if r.existed
+            else "there was no old table to keep"
+        )
+        return [made, kept]
+
+
+def table_exists(sink: sinks.ResolvedSink) -> bool:
+    try:
+        return sinks.table_exists(sink)
+    except (psycopg.Error, TidemarkError):  # checking first, the write says what is wrong
+        return False
