@@ -125,6 +125,12 @@ class InProcess:
             partial(Run, mode=Backfill([Range(partition, start, end)]), sink_names=sinks)
         )
 
+    def rebuild(self, sink: str) -> Outcome:
+        from tidemark.driver.modes import Rebuild
+        from tidemark.driver.run import Run
+
+        return self._execute(partial(Run, mode=Rebuild(sink), sink_names=[sink]))
+
     def redrive(self, ids: list[int], by: str = "chaos") -> Outcome:
         from tidemark.driver.redrive import Redrive
 
@@ -234,6 +240,9 @@ class Subprocess:
             ],
             **how,
         )
+
+    def rebuild(self, sink: str, **how) -> Job:
+        return self._start(["sink", "rebuild", PIPELINE, sink], **how)
 
     def redrive(self, ids: list[int], by: str = "chaos", **how) -> Job:
         return self._start(["dlq", "redrive", PIPELINE, *map(str, ids), "--by", by], **how)

@@ -144,7 +144,7 @@ class Checker:
                 (self.t.databases,),
             ).fetchall()
         rows = {s: self._sink_rows(dsn, table) for s, (dsn, table) in self.t.sinks.items()}
-        tombs = {s: self._tombs(dsn) for s, (dsn, _table) in self.t.sinks.items()}
+        tombs = {s: self._tombs(dsn, table) for s, (dsn, table) in self.t.sinks.items()}
 
         ends: dict[int, int] = {}
         for p, o in source:
@@ -410,26 +410,21 @@ class Checker:
             pid = int(text) if re.fullmatch(r"[0-9]+", text) else None
         return pid, version
 
-    def _tombs(self, dsn: str) -> list[tuple[int, int, int]]:
-        """(key, partition, offset) of the sink's tombstones that delete (its database's one
-        tombstone table, if any run ever deleted a key)."""
+    def _tombs(self, dsn: str, table: str) -> list[tuple[int, int, int]]:
+        """(key, partition, offset) of the sink's tombstones that delete (its table's
+        tombstone table, if any run ever deleted a key; a rebuild's retired table keeps its
+        own under another name)."""
+        from tidemark.protocol.sinks import tombstone_name
+
+        name = tombstone_name(table)
         with psycopg.connect(dsn, autocommit=True, application_name=APP) as conn:
-            names = [
-                r[0]
-                for r in conn.execute(
-                    "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-                    "WHERE n.nspname = 'tidemark' AND c.relname LIKE 'tomb\\_%' "
-                    "AND c.relkind = 'r'"
+            if conn.execute("SELECT to_regclass(%s)", (f"tidemark.{name}",)).fetchone() == (None,):
+                return []
+            return conn.execute(
+                sql.SQL("SELECT id, _tm_partition, _tm_offset FROM {}").format(
+                    sql.Identifier("tidemark", name)
                 )
-            ]
-            out = []
-            for name in names:
-                out += conn.execute(
-                    sql.SQL("SELECT id, _tm_partition, _tm_offset FROM {}").format(
-                        sql.Identifier("tidemark", name)
-                    )
-                ).fetchall()
-            return out
+            ).fetchall()
 
     def _sink_rows(self, dsn: str, table: str) -> list[tuple]:
         with psycopg.connect(dsn, autocommit=True, application_name=APP) as conn:

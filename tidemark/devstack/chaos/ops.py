@@ -36,13 +36,14 @@ OPS = {
     "run_sink": 10,
     "backfill": 10,
     "redrive": 8,
+    "rebuild": 3,
     "discard": 5,
     "edit": 14,
 }
 # Worlds with tombstones also append tombstones of existing keys (Features.tombstones).
 TOMBSTONE_OPS = {**OPS, "append_tombstone": 12}
 POISON = ("not_json", "bad_utf8", "wrong_type", "null_id", "empty", "out_of_range")
-JOB_OPS = {"run": 60, "run_sink": 15, "backfill": 15, "redrive": 10}
+JOB_OPS = {"run": 60, "run_sink": 15, "backfill": 15, "redrive": 10, "rebuild": 6}
 STOP_TTL = 10  # lease TTL of a job that gets SIGSTOPped (the settings' minimum)
 JOB_TIMEOUT = 300  # a job that outlives this after its fault is hung (a problem)
 TIE = 0.3  # versioned worlds: a new version repeats the last one's number
@@ -349,6 +350,9 @@ class Chaos:
             return self._inproc(
                 f"backfill p{p} [{a},{b}){_sinks(sinks)}", self.inproc.backfill(p, a, b, sinks)
             )
+        if step.op == "rebuild":
+            sink = rng.choice(w.SINKS)
+            return self._inproc(f"sink rebuild {sink}", self.inproc.rebuild(sink))
         if step.op == "redrive":
             ids = self._letters(rng, 8)
             if not ids:
@@ -489,6 +493,9 @@ class Chaos:
         elif op == "run_sink":
             sink = w.SINKS[int(sink_u * len(w.SINKS))]
             job, what = self.sub.run([sink], **how), f"run --sink {sink}"
+        elif op == "rebuild":
+            sink = w.SINKS[int(sink_u * len(w.SINKS))]
+            job, what = self.sub.rebuild(sink, **how), f"sink rebuild {sink}"
         if job is None:
             job, what = self.sub.run(**how), "run"
         self.jobs.append(job)

@@ -448,6 +448,17 @@ class Oracle:
             for p, _a, b in ranges:
                 m.checkpoint[p] = max(m.checkpoint.get(p, 0), b)
             return Applied(run_id, s, mode, span + (" gate quarantined" if whole else ""))
+        if mode == "rebuild":
+            if not gate_failed:  # a rebuild whose gate fails changes nothing
+                # A new, empty table (and tombstone table) takes every record the sink has
+                # received: nothing to remove, no key to fall back.
+                m.rows.clear()
+                m.tombs.clear()
+                chosen = {
+                    (p, o) for p, a, b in ranges for o in range(a, b) if (p, o) in self.source
+                }
+                m.redeliver(chosen, self.source, pipe)
+            return Applied(run_id, s, mode, span)
         if mode == "backfill":
             if not gate_failed:  # a backfill whose gate fails changes nothing
                 chosen = {
