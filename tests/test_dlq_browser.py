@@ -3,14 +3,15 @@ against a real Airflow 3.3 (the session's, tests/airflow_site.py), with dead let
 Spark run quarantined.
 
 Log in, open Dead letters from Airflow's navigation, filter, open a record (its `<script>`
-payload shown, never run), redrive one that now passes (through the redrive DAG, Spark and
-the two-phase commit), discard one with a note from a page older than the session cookie;
-both checked in the ledger. Screenshots go to test-artifacts/browser/."""
+payload shown, never run), preview a redrive of one that now passes and one that still fails
+(the redrive DAG as a dry run: its page says what each sink would get, and nothing changed),
+then redrive what was previewed from that page (through the redrive DAG, Spark and the
+two-phase commit), discard one with a note from a page older than the session cookie; all
+checked in the ledger. Screenshots go to test-artifacts/browser/."""
 
 from __future__ import annotations
 
 import shutil
-import time
 
 import pytest
 
@@ -79,17 +80,6 @@ def _letter(env, **where) -> tuple:
     )[0]
 
 
-def _until(what: str, pred, timeout: float = 420):
-    """Poll the ledger for an outcome a DAG run produces (no event to wait on)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(2)
-    raise AssertionError(f"{what}: not reached in {timeout}s")
-
-
 def _sign_in(page, stack) -> None:
     """Airflow's own sign-in form, as admin."""
     page.goto(stack.url + "/")
@@ -98,12 +88,28 @@ def _sign_in(page, stack) -> None:
     page.get_by_role("button", name="Sign in").click()
 
 
-def test_review_redrive_and_discard_in_the_browser(site):
+def _world(env) -> tuple:
+    """What a preview must leave as it was: the sink's rows and every dead letter."""
+    return (
+        env.q(env.sink_dsn, "SELECT * FROM public.orders ORDER BY id"),
+        env.ledger("SELECT * FROM tidemark.dlq ORDER BY id"),
+    )
+
+
+def _ended(page, state: str = "success") -> None:
+    """The run's page reloads itself until Airflow says the run has ended."""
+    from playwright.sync_api import expect
+
+    expect(page.locator("#state")).to_have_text(state, timeout=420_000)
+
+
+def test_review_preview_redrive_and_discard_in_the_browser(site):
     from playwright.sync_api import expect, sync_playwright
 
     env, stack = site
     SHOTS.mkdir(parents=True, exist_ok=True)
     passing = _letter(env, pipeline=NAME, source_offset=41, source_partition=1)  # id 83
+    failing = _letter(env, pipeline=NAME, source_offset=44, source_partition=0)  # id 88: 110
     xss = _letter(env, pipeline=NAME, error_class="decode")
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True)
@@ -128,13 +134,36 @@ def test_review_redrive_and_discard_in_the_browser(site):
         assert page.evaluate("typeof window.pwned") == "undefined"
         page.screenshot(path=SHOTS / "03-record.png", full_page=True)
 
-        # Redrive the record that now passes.
+        # Preview a redrive of one record that now passes and one that still fails: the
+        # redrive DAG as a dry run, up to PREPARE, rolled back.
+        before = _world(env)
         page.goto(stack.url + "/tidemark/dlq/?error_class=validation")
         page.check(f"input[name=ids][value='{passing[0]}']")
-        page.get_by_role("button", name="Redrive").click()
-        expect(page.get_by_text(f"tidemark_{NAME}_redrive").first).to_be_visible()
+        page.check(f"input[name=ids][value='{failing[0]}']")
+        expect(page.locator("#selected-count")).to_have_text("2 selected")
+        page.screenshot(path=SHOTS / "04-preview-button.png", full_page=True)
+        page.get_by_role("button", name="Preview").click()
+        expect(page.get_by_text("Triggered a preview (dry run)")).to_be_visible()
         expect(page.get_by_text("paused")).to_have_count(0)  # it runs when triggered
-        page.screenshot(path=SHOTS / "04-redrive-requested.png", full_page=True)
+        page.screenshot(path=SHOTS / "05-preview-requested.png", full_page=True)
+        page.get_by_role("link", name="See what it would do").click()
+        _ended(page)
+        sink = page.locator("tr[data-sink=main] td")
+        expect(sink).to_have_text(["main", "would commit", "2", "1", "1", "0"])
+        expect(page.locator("#nothing-committed")).to_contain_text("nothing was committed")
+        expect(page.locator("#request")).to_contain_text("2 quarantined")
+        page.screenshot(path=SHOTS / "06-preview-outcome.png", full_page=True)
+        assert _world(env) == before
+        assert env.prepared() == []
+
+        # Then redrive what was previewed, from the preview's page: the same request.
+        page.get_by_role("button", name="Redrive these 2").click()
+        expect(page.get_by_text(f"tidemark_{NAME}_redrive").first).to_be_visible()
+        page.get_by_role("link", name="Follow the redrive").click()
+        _ended(page)
+        expect(sink).to_have_text(["main", "committed", "2", "1", "1", "0"])
+        expect(page.locator("#request")).to_contain_text("1 quarantined, 1 redriven")
+        page.screenshot(path=SHOTS / "07-redriven.png", full_page=True)
 
         # Discard the unreadable one with a note, from a page loaded before Airflow refreshed
         # its _token cookie (a new JWT for the same user): the form's CSRF token still holds.
@@ -149,13 +178,12 @@ def test_review_redrive_and_discard_in_the_browser(site):
         page.fill("[name=note]", "not a real order: test payload")
         page.get_by_role("button", name="Discard").click()
         expect(page.get_by_text("discarded").first).to_be_visible()
-        page.screenshot(path=SHOTS / "05-discarded.png", full_page=True)
+        page.screenshot(path=SHOTS / "08-discarded.png", full_page=True)
         browser.close()
 
     assert _letter(env, id=xss[0])[1:4] == ("discarded", "admin", "not a real order: test payload")
-    done = _until("redrive", lambda: _letter(env, id=passing[0])[1] == "redriven")
-    assert done
-    assert _letter(env, id=passing[0])[2] == "admin"
+    assert _letter(env, id=passing[0])[1:3] == ("redriven", "admin")
+    assert _letter(env, id=failing[0])[1::3] == ("quarantined", 2)  # failed again, once
     assert env.q(env.sink_dsn, "SELECT count(*) FROM public.orders WHERE id = 83") == [(1,)]
     others = env.ledger(
         "SELECT count(*) FROM tidemark.dlq WHERE error_class = 'validation' "
@@ -198,7 +226,7 @@ def test_data_docs_render_in_their_sandbox_and_send_nothing_anywhere(site):
             page.get_by_text("maximum value must be less than or equal to 100").first
         ).to_be_visible()
         expect(page.get_by_text("111.25").first).to_be_visible()  # what the gate saw
-        page.screenshot(path=SHOTS / "06-data-docs.png", full_page=True)
+        page.screenshot(path=SHOTS / "09-data-docs.png", full_page=True)
         browser.close()
     here = urlsplit(stack.url).netloc
     sent = [u for u in asked if u not in blocked]

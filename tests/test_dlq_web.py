@@ -17,6 +17,7 @@ import socket
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 import psycopg
@@ -27,6 +28,7 @@ from tests.airflow_site import SCOPED_USER  # sees and edits the pipeline orders
 from tests.conftest import REPO, Env
 from tests.test_dlq import INJECTIONS, add, exported
 from tidemark.devstack.airflow_stack import Stack
+from tidemark.ledger import redrives
 
 pytestmark = [pytest.mark.slow, pytest.mark.airflow, pytest.mark.timeout(900)]
 
@@ -201,7 +203,13 @@ def _routes() -> list[tuple[str, str]]:
     from tidemark.web.app import app
 
     assert all(isinstance(r, APIRoute) for r in app.routes), app.routes
-    fill = {"record_id": "1", "pipeline": "orders", "path": "index.html", "name": "dlq.css"}
+    fill = {
+        "record_id": "1",
+        "pipeline": "orders",
+        "path": "index.html",
+        "name": "dlq.css",
+        "dag_run_id": "manual__2026-03-01T12:00:00+00:00",
+    }
     return [
         (m, "/tidemark" + re.sub(r"\{(\w+)(:\w+)?\}", lambda x: fill[x[1]], r.path))
         for r in app.routes
@@ -951,6 +959,153 @@ def test_redrive_all_matching_is_one_request_made_from_the_filters(site):
             "SELECT selection FROM tidemark.redrive_requests WHERE request_id = %s",
             (run["request"],),
         ) == [({"pipeline": "orders", "error_class": "sink_write"},)]
+
+
+def test_preview_triggers_a_dry_run_that_changes_nothing_and_its_selection_can_then_be_redriven(
+    site,
+):
+    """Preview is the redrive DAG with dry_run set in its conf, for the same request a redrive
+    would make; no letter changes. The page of the run follows it, and the request it made
+    can then be redriven as it is (``request``), as can the same selection anew. (The DAG is
+    paused here: this is the trigger's and the request's test; tests/test_dlq_browser.py runs
+    a preview and the redrive after it through Spark.)"""
+    dag = "tidemark_orders_redrive"
+    site.stack.wait_dag(dag)
+    with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
+        a, b = add(c, cls="transform"), add(c, cls="transform")
+    letters = "SELECT * FROM tidemark.dlq ORDER BY id"
+    before = site.env.ledger(letters)
+    with site.stack.api(site.admin) as api:
+        api.patch(f"/dags/{dag}", json={"is_paused": True}).raise_for_status()
+        with site.client(site.admin) as c:
+            r = c.post("/tidemark/dlq/api/redrive", json={"ids": [b, a], "dry_run": True})
+            assert r.status_code == 200, r.text
+            (run,) = r.json()["runs"]
+            assert (run["ids"], run["letters"], run["dry_run"]) == ([a, b], 2, True)
+            got = api.get(f"/dags/{dag}/dagRuns/{run['dag_run_id']}").json()
+            assert got["conf"] == {
+                "request": run["request"],
+                "requested_by": "admin",
+                "dry_run": True,
+            }
+            assert site.request(run["request"]) == ("orders", "admin", [a, b])
+            assert (
+                run["outcome"] == f"/tidemark/dlq/runs/orders/{quote(run['dag_run_id'], safe='')}"
+            )
+
+            # The run's page: Airflow's state (queued, the DAG paused) and the request's
+            # letters as they are now; it reloads itself until the run ends.
+            out = c.get(run["outcome"].replace("/dlq/runs/", "/dlq/api/runs/")).json()
+            assert (out["state"], out["final"], out["paused"], out["dry_run"]) == (
+                "queued",
+                False,
+                True,
+                True,
+            )
+            assert out["request"] == {
+                "id": run["request"],
+                "letters": 2,
+                "now": {"quarantined": 2},
+            }
+            assert out["sinks"] == [] and out["redrive_ready"] is False
+            page = c.get(run["outcome"])
+            assert page.status_code == 200, page.text
+            assert '<meta http-equiv="refresh" content="3">' in page.text
+            assert "Preview of a redrive" in page.text and "The DAG is paused" in page.text
+            assert 'id="redrive-request"' not in page.text  # only once a preview succeeded
+
+            # The request the preview made is not used up: it redrives as it is...
+            r = c.post("/tidemark/dlq/api/redrive", json={"request": run["request"]})
+            assert r.status_code == 200, r.text
+            (real,) = r.json()["runs"]
+            assert (real["request"], real["letters"], real["dry_run"]) == (run["request"], 2, False)
+            got = api.get(f"/dags/{dag}/dagRuns/{real['dag_run_id']}").json()
+            assert got["conf"] == {"request": run["request"], "requested_by": "admin"}
+            # ... and so does the same selection, as a new request.
+            r = c.post("/tidemark/dlq/api/redrive", json={"ids": [a, b]})
+            (again,) = r.json()["runs"]
+            assert again["request"] != run["request"] and again["dry_run"] is False
+            assert site.request(again["request"]) == ("orders", "admin", [a, b])
+
+            # Every letter of the pipeline's filters at once, previewed the same way.
+            r = c.post(
+                "/tidemark/dlq/api/redrive",
+                json={
+                    "all_matching": True,
+                    "pipeline": "orders",
+                    "error_class": "transform",
+                    "dry_run": "true",
+                },
+            )
+            assert r.status_code == 200, r.text
+            (matching,) = r.json()["runs"]
+            assert a in site.request(matching["request"])[2]
+            got = api.get(f"/dags/{dag}/dagRuns/{matching['dag_run_id']}").json()
+            assert got["conf"]["dry_run"] is True
+
+        with site.client(cookie=site.admin) as c:  # the list page's Preview button
+            r = c.post(
+                "/tidemark/dlq/api/redrive",
+                headers={"Origin": site.stack.url},
+                data={"ids": [str(a)], "dry_run": "1", "csrf_token": site.csrf(site.admin)},
+            )
+            assert r.status_code == 200 and "Triggered a preview (dry run)" in r.text, r.text
+            assert "nothing is committed and no dead letter changes" in r.text
+            run_id = re.search(r"/dags/tidemark_orders_redrive/runs/([^\"]+)\"", r.text)[1]
+            got = api.get(f"/dags/{dag}/dagRuns/{run_id}").json()
+            assert got["conf"]["dry_run"] is True
+            assert site.request(got["conf"]["request"])[2] == [a]
+    assert site.env.ledger(letters) == before  # the UI changes no letter; the DAG would
+
+
+def test_preview_asks_what_a_redrive_asks(site):
+    """Who may not redrive may not preview; a request of a pipeline one may not read is not
+    found; dry_run is true or false, nothing else."""
+    with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
+        mine = add(c)
+        hidden = redrives.create(c, "other", "alice", ids=[add(c, pipeline="other")])
+    assert hidden is not None
+    with site.client(site.viewer) as c:
+        r = c.post("/tidemark/dlq/api/redrive", json={"ids": [mine], "dry_run": True})
+        assert r.status_code == 403, r.text
+        assert "viewer may not change dead letters of orders" in r.json()["detail"]
+        r = c.post("/tidemark/dlq/api/redrive", json={"request": hidden.request_id})
+        assert r.status_code == 403, r.text
+        html = c.get("/tidemark/dlq/", params={"pipeline": "orders"}).text
+        assert 'id="preview"' not in html
+    with site.client(site.scoped) as c:
+        seen = c.post("/tidemark/dlq/api/redrive", json={"request": hidden.request_id})
+        absent = c.post("/tidemark/dlq/api/redrive", json={"request": 99_999_999})
+        assert seen.status_code == absent.status_code == 404, seen.text
+        assert seen.json()["detail"] == f"no redrive request {hidden.request_id}"
+        assert c.get("/tidemark/dlq/runs/other/manual__x").status_code == 404
+        assert c.get("/tidemark/dlq/api/runs/orders/manual__none").status_code == 404
+    with site.client(site.admin) as c:
+        for body, needle in (
+            ({"ids": [mine], "dry_run": "yes"}, "dry_run 'yes': expected true or false"),
+            ({"ids": [mine], "dry_run": 1}, "dry_run 1: expected true or false"),
+            ({"request": hidden.request_id, "ids": [mine]}, "request: runs a redrive request"),
+            ({"request": "x7"}, "request 'x7': not a positive integer"),
+        ):
+            r = c.post("/tidemark/dlq/api/redrive", json=body)
+            assert r.status_code == 400 and needle in r.json()["detail"], (body, r.text)
+        # A discard has no preview: asking for one is refused, never a discard.
+        r = c.post(
+            "/tidemark/dlq/api/discard", json={"ids": [mine], "note": "try", "dry_run": True}
+        )
+        assert r.status_code == 400 and "a discard has no preview" in r.json()["detail"], r.text
+        html = c.get("/tidemark/dlq/", params={"pipeline": "orders"}).text
+        assert 'id="preview"' in html and 'name="dry_run" value="1"' in html
+        page = c.get("/tidemark/dlq/confirm", params={"action": "redrive", "pipeline": "orders"})
+        assert 'id="confirm-preview"' in page.text and 'id="confirm-redrive"' in page.text
+        assert 'id="preview"' in c.get(f"/tidemark/dlq/record/{mine}").text
+        # A request the page did not make here stays when its trigger fails (pipeline other
+        # has no DAG): it is still there to redrive once the DAG is deployed.
+        r = c.post("/tidemark/dlq/api/redrive", json={"request": hidden.request_id})
+        assert r.status_code == 502, r.text
+        assert "DAG tidemark_other_redrive not found" in r.json()["errors"][0]["error"]
+    assert site.request(hidden.request_id)[0] == "other"
+    assert site.letter(mine)[0] == "quarantined"
 
 
 def test_redrive_never_calls_the_host_the_client_names(site):

@@ -7,13 +7,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tidemark.ledger.runs import DRY_RUN as DRY_RUN  # the ledger reads it too
 from tidemark.ledger.state import RunState
 from tidemark.protocol.taskspec import TASK_PHASES, CopyFormat, SinkResult, TaskResult
 
 UP_TO_DATE = "up to date: nothing to replay"
-# A dry run's sinks end aborted with this error (the ledger's record of the preview), every
-# prepared transaction of the run rolled back (docs/operations.md, "Preview: --dry-run").
-DRY_RUN = "dry run: rolled back"
 # What a sink's tasks count, summed per sink (SinkOutcome, protocol.taskspec.SinkResult).
 COUNTS = ("rows", "dead", "superseded", "removed", "resolved", "fallback", "tombstones")
 

@@ -114,6 +114,19 @@ def delete(conn: psycopg.Connection, request_id: int) -> None:
     conn.execute("DELETE FROM tidemark.redrive_requests WHERE request_id = %s", (request_id,))
 
 
+def statuses(conn: psycopg.Connection, request_id: int) -> dict[str, int]:
+    """The request's letters by their status now (``missing``: ids that no longer exist).
+    A preview changes none; a redrive marks the delivered ones ``redriven``."""
+    return dict(
+        conn.execute(
+            """SELECT coalesce(d.status::text, 'missing'), count(*)
+               FROM tidemark.redrive_letters r LEFT JOIN tidemark.dlq d ON d.id = r.letter_id
+               WHERE r.request_id = %s GROUP BY 1 ORDER BY 1""",
+            (request_id,),
+        ).fetchall()
+    )
+
+
 # The request's letters a redrive places now: of this pipeline, for one of ``sinks``,
 # quarantined, and below their sink's checkpoint (a sink that has not got that far will read
 # the record itself). The planner, the driver's read and the task's lock all use this one

@@ -1,5 +1,5 @@
 """Airflow's REST API as the Dead letters pages call it: trigger a pipeline's redrive DAG as
-the caller, and tell whether that DAG is paused.
+the caller, tell whether that DAG is paused, and read one of its runs (state and conf).
 
 At the address Airflow is configured with (:func:`base_url`), never the request's Host
 header: a client could name any host and the API server would send it the caller's token
@@ -18,8 +18,12 @@ import httpx
 from tidemark.core.errors import TidemarkError
 
 
-class TriggerFailed(TidemarkError):
-    """Airflow did not start the run; the message says why, for the caller."""
+class AirflowFailed(TidemarkError):
+    """Airflow could not be reached or refused; the message says why, for the caller."""
+
+
+class TriggerFailed(AirflowFailed):
+    """Airflow did not start the run."""
 
 
 def base_url() -> str:
@@ -77,6 +81,19 @@ class AirflowApi:
             raise TriggerFailed(_refusal(dag, r))
         return str(r.json()["dag_run_id"])
 
+    def dag_run(self, dag: str, run_id: str) -> dict[str, Any] | None:
+        """The run ``run_id`` of ``dag`` as Airflow shows it to the caller (``state``,
+        ``conf``, ...); None if there is none they may see. AirflowFailed otherwise."""
+        try:
+            r = self._http.get(f"{self._dag(dag)}/dagRuns/{quote(run_id, safe='')}")
+        except httpx.HTTPError as exc:
+            raise AirflowFailed(f"cannot reach Airflow's API: {exc}") from None
+        if r.status_code in (403, 404):
+            return None
+        if r.status_code != 200:
+            raise AirflowFailed(_refusal(dag, r, "read a run of"))
+        return dict(r.json())
+
     def paused(self, dag: str) -> bool:
         """A paused DAG's run waits in the queue: say so rather than leave people waiting."""
         try:
@@ -86,7 +103,7 @@ class AirflowApi:
             return False
 
 
-def _refusal(dag: str, r: httpx.Response) -> str:
+def _refusal(dag: str, r: httpx.Response, doing: str = "trigger") -> str:
     try:
         detail = r.json().get("detail")
     except ValueError:
@@ -96,4 +113,4 @@ def _refusal(dag: str, r: httpx.Response) -> str:
     )
     if r.status_code == 404:
         return f"DAG {dag} not found in Airflow (is the pipeline deployed?): {shown}"
-    return f"Airflow refused to trigger {dag} (HTTP {r.status_code}): {shown}"
+    return f"Airflow refused to {doing} {dag} (HTTP {r.status_code}): {shown}"

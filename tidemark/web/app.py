@@ -7,7 +7,10 @@ only this app's own script and stylesheet. Redrive does not run Spark here: it r
 selection as a redrive request in the ledger and triggers the pipeline's
 ``tidemark_<pipeline>_redrive`` DAG with the request's id, through Airflow's REST API at
 Airflow's configured address (never the client's Host header), as the caller
-(airflow_api.py).
+(airflow_api.py). Preview triggers the same DAG with ``dry_run``: the redrive up to PREPARE,
+then rolled back; its request stays, so the previewed letters can then be redriven as they
+were. A redrive DAG run's page follows it: Airflow's state of it and, from the ledger, what
+each sink got (or, previewed, would get).
 """
 
 from __future__ import annotations
@@ -47,10 +50,11 @@ from tidemark.core.errors import BadInput, Busy, NotFound, TidemarkError
 from tidemark.core.settings import get_settings
 from tidemark.core.text import shown
 from tidemark.ledger import dlq, letters, redrives
+from tidemark.ledger import runs as ledger_runs
 from tidemark.quality.docs import site_dir
 from tidemark.render import payloads
 from tidemark.web import auth as web_auth
-from tidemark.web.airflow_api import AirflowApi, TriggerFailed
+from tidemark.web.airflow_api import AirflowApi, AirflowFailed, TriggerFailed
 from tidemark.web.auth import Caller, Forbidden, NotAuthenticated, guard
 
 TEMPLATES = Path(__file__).resolve().parent / "templates" / "dlq"
@@ -432,6 +436,8 @@ class ActionBody(BaseModel):
     back: StrictStr | None = None
     all_matching: StrictBool | StrictStr | None = None
     expected: StrictInt | StrictStr | None = None
+    dry_run: StrictBool | StrictStr | None = None
+    request: StrictInt | StrictStr | None = None
     pipeline: StrictStr | None = None
     sink: StrictStr | None = None
     error_class: StrictStr | None = None
@@ -444,6 +450,8 @@ WANTED = {
     "ids": 'expected dead-letter ids: [4, 7] or "4,7"',
     "all_matching": "expected true or false",
     "expected": "expected a count",
+    "dry_run": "expected true or false",
+    "request": "expected a redrive request id",
 }
 
 
@@ -497,6 +505,18 @@ def _matching(body: dict, action: str) -> tuple[dlq.Filters, str, int | None]:
     if isinstance(expected, bool) or not str(expected).strip().isdigit():
         raise BadInput(f"expected {shown(expected, 40)}: not a count")
     return f, f.pipeline, int(str(expected).strip())
+
+
+def _dry_run(body: dict) -> bool:
+    """Strict, unlike the checkboxes: a misspelt "yes" must not turn a preview into a real
+    redrive."""
+    value = body.get("dry_run")
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    text = value.strip().lower()
+    if text in ("1", "true", "on", "0", "false", "off", ""):
+        return text in ("1", "true", "on")
+    raise BadInput(f"dry_run {shown(value, 40)}: expected true or false")
 
 
 def _ids_from(body: dict) -> list[int]:
@@ -892,6 +912,8 @@ async def api_export_selected(request: Request, caller: CallerDep) -> Response:
 @app.post("/dlq/api/discard")
 async def api_discard(request: Request, caller: CallerDep) -> Response:
     body = await _body(request)
+    if _dry_run(body):  # refused, not ignored: it would discard for real
+        raise BadInput("dry_run: a discard has no preview; list or export the letters to see them")
     if _all_matching(body):
         f, pipeline, expected = _matching(body, "discard")
 
@@ -955,20 +977,30 @@ def _discarded(
 @app.post("/dlq/api/redrive")
 async def api_redrive(request: Request, caller: CallerDep) -> Response:
     """Redrive the selected ``ids``, or (``all_matching``) every quarantined letter of one
-    pipeline that the filters (pipeline, sink, error_class, since, until, reason) match."""
+    pipeline that the filters (pipeline, sink, error_class, since, until, reason) match, or
+    the letters of an existing redrive ``request`` (one a preview made). With ``dry_run``: a
+    preview, the same DAG run up to PREPARE and rolled back."""
     body = await _body(request)
-    if _all_matching(body):
+    dry_run = _dry_run(body)
+    if body.get("request") not in (None, ""):
+        if _all_matching(body) or body.get("ids") not in (None, "", []):
+            raise BadInput("request: runs a redrive request as it is; no ids or filters with it")
+        rid = _record_id_of(body["request"], "request")
+        out = await run_in_threadpool(_redrive_request, request, caller, rid, dry_run)
+    elif _all_matching(body):
         f, pipeline, expected = _matching(body, "redrive")
-        out = await run_in_threadpool(_redrive_matching, request, caller, f, pipeline, expected)
+        out = await run_in_threadpool(
+            _redrive_matching, request, caller, f, pipeline, expected, dry_run
+        )
     else:
-        out = await run_in_threadpool(_redrive, request, caller, _ids_from(body))
+        out = await run_in_threadpool(_redrive, request, caller, _ids_from(body), dry_run)
     status = 502 if out["errors"] and not out["runs"] else 200
     if _wants_html(request):
         return _html(
             request,
             "result.html",
             status,
-            title="Redrive",
+            title="Preview" if dry_run else "Redrive",
             back=_back(request, body),
             done=[],
             **out,
@@ -976,7 +1008,14 @@ async def api_redrive(request: Request, caller: CallerDep) -> Response:
     return JSONResponse(out, status_code=status)
 
 
-def _redrive(request: Request, caller: Caller, ids: list[int]) -> dict:
+def _record_id_of(value: Any, name: str) -> int:
+    rid = _int(str(value), name)
+    if not rid:
+        raise BadInput(f"{name} {shown(value, 40)}: not an id")
+    return rid
+
+
+def _redrive(request: Request, caller: Caller, ids: list[int], dry_run: bool = False) -> dict:
     """The quarantined ``ids``, one redrive request per pipeline."""
     with _ledger() as conn:
         owners = _owned(conn, caller, ids, "PUT")
@@ -990,73 +1029,188 @@ def _redrive(request: Request, caller: Caller, ids: list[int]) -> dict:
     for i, (p, s) in sorted(owners.items()):
         if s == "quarantined":
             groups.setdefault(p, []).append(i)
-    out = _trigger(request, caller, {p: {"ids": chosen} for p, chosen in groups.items()})
+    out = _trigger(request, caller, {p: {"ids": chosen} for p, chosen in groups.items()}, dry_run)
     return {**out, "skipped": skipped}
 
 
 def _redrive_matching(
-    request: Request, caller: Caller, f: dlq.Filters, pipeline: str, expected: int | None = None
+    request: Request,
+    caller: Caller,
+    f: dlq.Filters,
+    pipeline: str,
+    expected: int | None = None,
+    dry_run: bool = False,
 ) -> dict:
     """Every quarantined letter of ``pipeline`` that ``f`` matches now, as one request;
     none if more match now than the caller confirmed (``expected``)."""
     web_auth.require(caller, "PUT", [pipeline])
-    out = _trigger(request, caller, {pipeline: {"filters": f, "expected": expected}})
+    out = _trigger(request, caller, {pipeline: {"filters": f, "expected": expected}}, dry_run)
     return {**out, "skipped": []}
 
 
-def _trigger(request: Request, caller: Caller, selections: dict[str, dict]) -> dict:
-    """Per pipeline: a redrive request in the ledger (``ids`` or ``filters``), then
-    tidemark_<pipeline>_redrive triggered with only its id in the conf, as the caller (their
-    JWT: Airflow authorizes the trigger too). A request whose trigger fails is deleted."""
+def _redrive_request(request: Request, caller: Caller, rid: int, dry_run: bool) -> dict:
+    """The letters of redrive request ``rid`` as it holds them (what a preview of it saw;
+    those resolved or discarded since are skipped by the redrive). A request of a pipeline
+    the caller may not read is not found, like one that does not exist."""
+    with _ledger() as conn:
+        req = redrives.get(conn, rid)
+    if req is None or not _may(caller, "GET", req.pipeline):
+        raise NotFound(f"no redrive request {rid}")
+    web_auth.require(caller, "PUT", [req.pipeline])
+    out = _trigger(request, caller, {req.pipeline: {"request": req}}, dry_run)
+    return {**out, "skipped": []}
+
+
+def _request_for(
+    conn: psycopg.Connection, caller: Caller, pipeline: str, sel: dict
+) -> tuple[redrives.Request | None, str | None]:
+    """The request to run for one pipeline's selection: the one given (``request``) or one
+    made now (``ids`` or ``filters``); or why there is none (then none is kept)."""
+    if sel.get("request") is not None:
+        return sel["request"], None
+    req = redrives.create(
+        conn, pipeline, caller.name, ids=sel.get("ids"), filters=sel.get("filters")
+    )
+    if req is None:
+        return None, "no quarantined dead letters match"
+    expected = sel.get("expected")
+    if expected is not None and req.letters > expected:
+        redrives.delete(conn, req.request_id)
+        return req, (
+            f"{req.letters:,} dead letter(s) match now, not the {expected:,} confirmed; "
+            f"nothing was redriven, look again"
+        )
+    return req, None
+
+
+def _trigger(
+    request: Request, caller: Caller, selections: dict[str, dict], dry_run: bool = False
+) -> dict:
+    """Per pipeline: a redrive request in the ledger (``ids`` or ``filters``; or an existing
+    ``request``), then tidemark_<pipeline>_redrive triggered with only its id in the conf
+    (and ``dry_run``), as the caller (their JWT: Airflow authorizes the trigger too). A
+    request made here whose trigger fails is deleted; an existing one stays."""
     runs, errors = [], []
-    root = _links(request)["airflow"]
+    prefix = _links(request)["prefix"]
     with AirflowApi(caller.token) as airflow, _ledger() as conn:
         for pipeline, sel in selections.items():
             dag = dag_id(pipeline, "redrive")
-            ids = sel.get("ids")
-            req = redrives.create(conn, pipeline, caller.name, ids=ids, filters=sel.get("filters"))
-            if req is None:
-                errors.append(
-                    {
-                        "pipeline": pipeline,
-                        "dag_id": dag,
-                        "ids": [],
-                        "letters": 0,
-                        "error": "no quarantined dead letters match",
-                    }
-                )
-                continue
-            what = {
+            req, error = _request_for(conn, caller, pipeline, sel)
+            what: dict[str, Any] = {
                 "pipeline": pipeline,
                 "dag_id": dag,
-                "request": req.request_id,
-                "letters": req.letters,
-                "ids": ids or [],
+                "ids": sel.get("ids") or [],
             }
-            if sel.get("expected") is not None and req.letters > sel["expected"]:
-                redrives.delete(conn, req.request_id)
-                errors.append(
-                    {
-                        **what,
-                        "error": f"{req.letters:,} dead letter(s) match now, not "
-                        f"the {sel['expected']:,} confirmed; nothing "
-                        f"was redriven, look again",
-                    }
-                )
+            what |= {"request": req.request_id, "letters": req.letters} if req else {"letters": 0}
+            if req is None or error:
+                errors.append({**what, "error": error})
                 continue
-            conf = {"request": req.request_id, "requested_by": caller.name}
+            conf: dict[str, Any] = {"request": req.request_id, "requested_by": caller.name}
+            if dry_run:
+                conf["dry_run"] = True
             try:
                 run_id = airflow.trigger(dag, conf)
             except TriggerFailed as exc:
-                redrives.delete(conn, req.request_id)
+                if sel.get("request") is None:  # made here, for this run only
+                    redrives.delete(conn, req.request_id)
                 errors.append({**what, "error": str(exc)})
                 continue
             runs.append(
                 {
                     **what,
+                    "dry_run": dry_run,
                     "dag_run_id": run_id,
-                    "url": f"{root}/dags/{quote(dag, safe='')}/runs/{quote(run_id, safe='')}",
+                    "url": _dag_run_url(request, dag, run_id),
+                    "outcome": f"{prefix}/dlq/runs/{quote(pipeline)}/{quote(run_id, safe='')}",
                     "paused": airflow.paused(dag),
                 }
             )
     return {"runs": runs, "errors": errors}
+
+
+def _dag_run_url(request: Request, dag: str, run_id: str) -> str:
+    """The DAG run's page in Airflow's UI."""
+    return f"{_links(request)['airflow']}/dags/{quote(dag, safe='')}/runs/{quote(run_id, safe='')}"
+
+
+# -- a redrive DAG run: its state in Airflow, its outcome in the ledger ------------------------
+FINAL = ("success", "failed")  # Airflow's DAG run states that do not change any more
+REFRESH_SECONDS = 3  # how often the page reloads itself while the run is not final
+
+
+def _sink_outcome(row: dict, dry_run: bool) -> dict:
+    """One sink of the ledger's run: what it got, or, previewed, what it would get."""
+    counts = row["counts"] or {}
+    would = dry_run and row["error"] == ledger_runs.DRY_RUN
+    return {
+        "sink": row["sink"],
+        "state": "would commit" if would else row["state"],
+        "ok": would or row["state"] == "committed",
+        "error": None if would else row["error"],
+        **{k: counts.get(k, 0) for k in ("records", "rows", "dead", "superseded", "resolved")},
+    }
+
+
+def _redrive_run(request: Request, caller: Caller, pipeline: str, run_id: str) -> dict:
+    """A run of the pipeline's redrive DAG, to those who may read the pipeline: Airflow's
+    state and conf (asked as the caller), the ledger's run of it per sink, and its request's
+    letters by status now."""
+    missing = NotFound(f"no redrive run {shown(run_id, 80)} of pipeline {shown(pipeline, 40)}")
+    if not re.fullmatch(IDENT, pipeline) or not _may(caller, "GET", pipeline):
+        raise missing
+    dag = dag_id(pipeline, "redrive")
+    with AirflowApi(caller.token) as airflow:
+        try:
+            af, airflow_error = airflow.dag_run(dag, run_id), None
+        except AirflowFailed as exc:
+            af, airflow_error = {}, str(exc)
+        if af is None:
+            raise missing
+        paused = af.get("state") == "queued" and airflow.paused(dag)
+    conf = af.get("conf") or {}
+    with _ledger() as conn:
+        run, sinks = ledger_runs.of_dag_run(conn, pipeline, dag, run_id)
+        rid = conf.get("request")
+        req = redrives.get(conn, rid) if isinstance(rid, int) and rid > 0 else None
+        req = req if req is not None and req.pipeline == pipeline else None
+        now = redrives.statuses(conn, req.request_id) if req else {}
+    dry_run = conf.get("dry_run") is True or any(s["error"] == ledger_runs.DRY_RUN for s in sinks)
+    outcome = [_sink_outcome(s, dry_run) for s in sinks]
+    state = af.get("state")
+    return {
+        "pipeline": pipeline,
+        "dag_id": dag,
+        "dag_run_id": run_id,
+        "url": _dag_run_url(request, dag, run_id),
+        "state": state,
+        "final": state in FINAL,
+        "paused": paused,
+        "airflow_error": airflow_error,
+        "dry_run": dry_run,
+        "run_id": run["run_id"] if run else None,
+        "sinks": outcome,
+        "request": {"id": req.request_id, "letters": req.letters, "now": now} if req else None,
+        # A preview every sink of which would commit: its request may now be redriven.
+        "redrive_ready": bool(
+            dry_run and state == "success" and outcome and all(s["ok"] for s in outcome) and req
+        ),
+    }
+
+
+@app.get("/dlq/runs/{pipeline}/{dag_run_id}")
+def run_page(request: Request, pipeline: str, dag_run_id: str, caller: CallerDep) -> Response:
+    out = _redrive_run(request, caller, pipeline, dag_run_id)
+    return _html(
+        request,
+        "run.html",
+        r=out,
+        can_act=out["redrive_ready"] and _may(caller, "PUT", pipeline),
+        refresh=None if out["final"] or out["airflow_error"] else REFRESH_SECONDS,
+        back=f"{_links(request)['prefix']}/dlq/?{urlencode({'pipeline': pipeline})}",
+    )
+
+
+@app.get("/dlq/api/runs/{pipeline}/{dag_run_id}")
+def api_run(request: Request, pipeline: str, dag_run_id: str, caller: CallerDep) -> Response:
+    """A redrive DAG run's state and outcome (poll it until ``final``)."""
+    return JSONResponse(_redrive_run(request, caller, pipeline, dag_run_id))
