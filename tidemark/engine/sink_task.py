@@ -34,8 +34,11 @@ class SinkTask:
     ) -> None:
         self.spec, self.t, self.placing = spec, target, placing
         self.dead = DeadLetters(spec, target.name, gid(gids.dlq_stage(target.name)), Phases())
+        # A rebuild's new table starts empty: its rows may go straight in, as a first
+        # delivery's do, until a key repeats.
+        direct = placing.direct or target.rebuild is not None
         self.w = SinkWriter(
-            spec, target, gid(gids.sink_stage(target.name)), self.dead, direct=placing.direct
+            spec, target, gid(gids.sink_stage(target.name)), self.dead, direct=direct
         )
         self.skipped: list[int] = []  # redrive: letters no longer quarantined
         self.fallback: list[pa.RecordBatch] = []  # backfill: versions to fall back on
