@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,8 @@ def tm(
     timeout: float = 120,
 ) -> tuple[int, str, str]:
     """`tidemark ARGS` as a process: (exit code, stdout, stderr)."""
+    if "PYTHONPATH" in os.environ:  # the code under test is the one pytest imports (a worktree)
+        env_vars = {"PYTHONPATH": os.environ["PYTHONPATH"], **env_vars}
     # No terminal, and nothing to read but ``input_``: a command that would ask must say --yes
     # instead, or read its answer there.
     res = subprocess.run(
