@@ -388,14 +388,14 @@ def test_validate_checks_the_world_and_names_each_mismatch_with_its_fix(env):
         "sink old: table public.legacy allows NULL in key column(s) version; fix: ALTER TABLE "
         "public.legacy ALTER COLUMN version SET NOT NULL",
         "sink old: table public.legacy needs a unique index on exactly (id, version) for keyed "
-        "upserts; fix: `tidemark sink rebuild <pipeline> old` (a new table with this key, from "
+        "upserts; fix: `tidemark sink rebuild bad old` (a new table with this key, from "
         "the source), or CREATE UNIQUE INDEX ON public.legacy (id, version)",
         "sink old: table public.legacy: unique index or constraint legacy_pkey on (id) is "
         "narrower than the key (id, version) and would refuse rows the key tells apart; fix: "
-        "`tidemark sink rebuild <pipeline> old` makes the table again from the source with the "
+        "`tidemark sink rebuild bad old` makes the table again from the source with the "
         "new key, swapped in atomically (the old one kept); or by hand: ALTER TABLE "
         "public.legacy DROP CONSTRAINT legacy_pkey (DROP INDEX legacy_pkey if it is an index "
-        "alone), then `tidemark backfill <pipeline> --partition all`",
+        "alone), then `tidemark backfill bad --partition all`",
     ], out
     assert_one_clear_line(err, "1 of 2 pipeline file(s) invalid")
     # The files alone are fine: --offline connects to nothing.

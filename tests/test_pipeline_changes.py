@@ -81,7 +81,7 @@ def test_a_key_change_is_refused_before_anything_is_read_not_sent_to_the_dlq(env
     error = report.sinks["main"].error
     assert "orders_pkey on (id) is narrower than the key (id, version)" in error, error
     assert "ALTER TABLE public.orders DROP CONSTRAINT orders_pkey" in error
-    assert "fix: `tidemark sink rebuild <pipeline> main` makes the table again" in error
+    assert "fix: `tidemark sink rebuild orders main` makes the table again" in error
     assert env.ledger("SELECT count(*) FROM tidemark.dlq") == [(0,)]
     assert report.layout == ""
 

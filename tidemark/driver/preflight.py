@@ -42,7 +42,7 @@ def sink_problems(pipeline: Pipeline, names: list[str] | None = None) -> dict[st
             continue
         what = f"sink {sink.name}"
         try:
-            resolved = sinks.ResolvedSink(sink, pipeline.sink_dsn(sink))
+            resolved = sinks.ResolvedSink(sink, pipeline.sink_dsn(sink), pipeline.name)
             out[sink.name] = sinks.table_problems(resolved, want, what)
         except (TidemarkError, ConfigError) as exc:
             out[sink.name] = [str(exc)]

@@ -187,10 +187,12 @@ def plan(
     have: dict[str, Column],
     keys: list[tuple[str, list[str]]],
     want: list[tuple[str, str | None]] | None,
+    pipeline: str = "<pipeline>",
 ) -> Plan:
     """Compare the table (``have``, its unique ``keys``) with ``want``: the output columns and
     their PostgreSQL types (a type None: known only once the transform runs; ``want`` None:
-    a Python transform, whose columns only its run knows)."""
+    a Python transform, whose columns only its run knows). ``pipeline`` names the sink's
+    pipeline in the commands a fix gives."""
     t = cfg.table
     out = Plan(cfg.name, t)
     where = f"sink {cfg.name}: table {t}"
@@ -202,7 +204,7 @@ def plan(
             f"ADD COLUMN {c} {typ}"
             for c, typ in known
         ]
-        return out if known else _with_keys(out, cfg, have, keys, where)
+        return out if known else _with_keys(out, cfg, have, keys, where, pipeline)
     evolve = cfg.schema_ == "evolve"
     wanted = {n for n, _ in want}
     for name, typ in [*want, *META_COLUMNS]:
@@ -246,18 +248,23 @@ def plan(
                 f"does not produce it, so no new row could be written; fix: ALTER TABLE {t} "
                 f"ALTER COLUMN {col.name} DROP NOT NULL"
             )
-    return _with_keys(out, cfg, have, keys, where)
+    return _with_keys(out, cfg, have, keys, where, pipeline)
 
 
 def _with_keys(
-    out: Plan, cfg: Sink, have: dict[str, Column], keys: list[tuple[str, list[str]]], where: str
+    out: Plan,
+    cfg: Sink,
+    have: dict[str, Column],
+    keys: list[tuple[str, list[str]]],
+    where: str,
+    pipeline: str,
 ) -> Plan:
-    out.problems += _key_problems(cfg, have, keys, where)
+    out.problems += _key_problems(cfg, have, keys, where, pipeline)
     return out
 
 
 def _key_problems(
-    cfg: Sink, have: dict[str, Column], keys: list[tuple[str, list[str]]], where: str
+    cfg: Sink, have: dict[str, Column], keys: list[tuple[str, list[str]]], where: str, pipeline: str
 ) -> list[str]:
     t, key = cfg.table, cfg.key
     problems = []
@@ -272,7 +279,7 @@ def _key_problems(
     if not any(sorted(cols) == sorted(key) for _, cols in keys):
         problems.append(
             f"{where} needs a unique index on exactly ({', '.join(key)}) for keyed upserts; "
-            f"fix: `tidemark sink rebuild <pipeline> {cfg.name}` (a new table with this "
+            f"fix: `tidemark sink rebuild {pipeline} {cfg.name}` (a new table with this "
             f"key, from the source), or CREATE UNIQUE INDEX ON {t} ({', '.join(key)})"
         )
     # A unique index on fewer columns than the key refuses versions the key tells apart: the
@@ -282,10 +289,10 @@ def _key_problems(
             problems.append(
                 f"{where}: unique index or constraint {name} on ({', '.join(cols)}) is "
                 f"narrower than the key ({', '.join(key)}) and would refuse rows the key "
-                f"tells apart; fix: `tidemark sink rebuild <pipeline> {cfg.name}` makes the "
+                f"tells apart; fix: `tidemark sink rebuild {pipeline} {cfg.name}` makes the "
                 f"table again from the source with the new key, swapped in atomically (the "
                 f"old one kept); or by hand: ALTER TABLE {t} DROP CONSTRAINT {name} (DROP "
-                f"INDEX {name} if it is an index alone), then `tidemark backfill <pipeline> "
+                f"INDEX {name} if it is an index alone), then `tidemark backfill {pipeline} "
                 f"--partition all`"
             )
     return problems

@@ -20,6 +20,7 @@ from tidemark.protocol.sink_schema import META_COLUMNS
 class ResolvedSink:
     config: Sink
     dsn: str
+    pipeline: str = "<pipeline>"  # named in the commands a table problem's fix gives
 
     @property
     def name(self) -> str:
@@ -28,7 +29,7 @@ class ResolvedSink:
 
 def resolve(pipeline: Pipeline, names: list[str] | None = None) -> list[ResolvedSink]:
     chosen = [pipeline.sink(n) for n in names] if names else pipeline.sinks
-    return [ResolvedSink(s, pipeline.sink_dsn(s)) for s in chosen]
+    return [ResolvedSink(s, pipeline.sink_dsn(s), pipeline.name) for s in chosen]
 
 
 def prepare_database(conn: psycopg.Connection, what: str) -> None:
@@ -57,7 +58,7 @@ def table_problems(
         if have is None:
             return [] if sink.config.create_table else [_no_table(sink.config, what)]
         keys = sink_schema.unique_keys(conn, sink.config.table)
-        return sink_schema.plan(sink.config, have, keys, columns).problems
+        return sink_schema.plan(sink.config, have, keys, columns, sink.pipeline).problems
 
 
 def _no_table(cfg: Sink, what: str) -> str:
@@ -74,7 +75,7 @@ def ensure_table(
     with connect(sink.dsn, autocommit=True, what=what) as conn:
         prepare_database(conn, what)
         changes: list[str] = []
-        plan = _checked(conn, cfg, columns, what)
+        plan = _checked(conn, sink, columns, what)
         if plan is None:
             _create(conn, cfg, columns)
         else:
@@ -97,7 +98,7 @@ def plan_table(
     cfg = sink.config
     with connect(sink.dsn, autocommit=True, what=what) as conn:
         prepare_database(conn, what)
-        plan = _checked(conn, cfg, columns, what)
+        plan = _checked(conn, sink, columns, what)
         if plan is None:
             raise TidemarkError(
                 f"{what}: table {cfg.table} does not exist; the run would create it, a dry "
@@ -109,17 +110,18 @@ def plan_table(
 
 
 def _checked(
-    conn: psycopg.Connection, cfg: Sink, columns: list[tuple[str, str]], what: str
+    conn: psycopg.Connection, sink: ResolvedSink, columns: list[tuple[str, str]], what: str
 ) -> sink_schema.Plan | None:
     """How the table stands against ``columns`` (refused with every problem), or None when
     it does not exist and the sink may create it."""
+    cfg = sink.config
     have = sink_schema.table_columns(conn, cfg.table)
     if have is None:
         if not cfg.create_table:
             raise TidemarkError(_no_table(cfg, what))
         return None
     keys = sink_schema.unique_keys(conn, cfg.table)
-    plan = sink_schema.plan(cfg, have, keys, list(columns))
+    plan = sink_schema.plan(cfg, have, keys, list(columns), sink.pipeline)
     if not plan.ok:
         raise TidemarkError("; ".join(plan.problems))  # each names its sink
     return plan
