@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,8 @@ def tm(
     timeout: float = 120,
 ) -> tuple[int, str, str]:
     """`tidemark ARGS` as a process: (exit code, stdout, stderr)."""
+    if "PYTHONPATH" in os.environ:  # the code under test is the one pytest imports (a worktree)
+        env_vars = {"PYTHONPATH": os.environ["PYTHONPATH"], **env_vars}
     # No terminal, and nothing to read but ``input_``: a command that would ask must say --yes
     # instead, or read its answer there.
     res = subprocess.run(
@@ -166,6 +169,41 @@ def test_bad_pipeline_files_name_the_file_the_field_and_the_problem(tmp_path, na
     assert code == 2, out + err
     assert f"invalid {path}: {expected}" in out, out
     assert_one_clear_line(err, "1 of 1 pipeline file(s) invalid")
+
+
+def test_validate_lists_every_problem_of_a_broken_file(tmp_path):
+    """A misspelt field is two problems, and the first alone hides the cause."""
+    path = tmp_path / "refunds.yaml"
+    path.write_text(_BASE.replace("table: t, key", "tabel: t, key"))
+    code, out, err = tm({"PATH": "/usr/bin:/bin"}, "pipelines", "validate", str(path))
+    assert code == 2, out + err
+    assert out.splitlines() == [
+        f"invalid {path}: sinks[0].table: Field required (and 1 more)",
+        f"invalid {path}: sinks[0].tabel: Extra inputs are not permitted",
+    ], out
+
+
+def test_a_connection_airflow_keeps_names_its_user_and_the_variable_to_set(tmp_path):
+    """Outside Airflow the CLI cannot see the connections made in its UI or REST API: the
+    error says which part of the pipeline names the connection and what to set instead."""
+    path = tmp_path / "payments.yaml"
+    path.write_text(
+        "source: {type: postgres_log, conn_id: shop_log, table: t}\n"
+        "decode: {schema: {a: int}}\n"
+        "sinks: [{name: wh, conn_id: shop_wh, table: t, key: [a]}]\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "AIRFLOW_HOME": str(tmp_path / "airflow")}
+    code, out, err = tm(env, "pipelines", "validate", str(path))
+    assert code == 2, out + err
+    lines = out.splitlines()
+    assert len(lines) == 2, out
+    for line, (where, var) in zip(
+        lines,
+        [("source", "AIRFLOW_CONN_SHOP_LOG"), ("sink wh", "AIRFLOW_CONN_SHOP_WH")],
+        strict=True,
+    ):
+        assert line.startswith(f"invalid {path}: pipeline payments: {where}: Airflow "), out
+        assert "not found (" in line and f"outside Airflow, set {var} to its URI" in line, out
 
 
 def test_a_broken_file_never_hides_the_good_ones(env):

@@ -185,6 +185,10 @@ def pipelines_validate(ctx: Ctx, files: tuple[Path, ...], offline: bool) -> None
         except ConfigError as exc:
             failed += 1
             click.echo(f"invalid {exc}")
+            # The rest of the file's problems: the first alone may not show the cause (a
+            # misspelt field is "table: Field required" first, "tabel: Extra inputs" after).
+            for other in exc.others:
+                click.echo(f"invalid {exc.where}: {other}")
             continue
         problems = [] if offline else preflight.problems(pipeline)
         if problems:

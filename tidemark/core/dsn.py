@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 
-from tidemark.core.errors import BadInput, ConfigError, TidemarkError
+from tidemark.core.errors import ConfigError, TidemarkError
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # URI userinfo: libpq ends it at the first '@' or '/', so a password holds neither (the user
@@ -41,22 +41,30 @@ def expand_env(value: str, where: str = "DSN") -> str:
     return _ENV_REF.sub(sub, value)
 
 
-def airflow_connection_uri(conn_id: str) -> str:
+def airflow_connection_uri(conn_id: str, where: str) -> str:
     """The URI of an Airflow connection, from Airflow itself when installed, else from the
-    AIRFLOW_CONN_<ID> environment variable Airflow would read."""
-    env = os.environ.get(f"AIRFLOW_CONN_{conn_id.upper()}")
+    AIRFLOW_CONN_<ID> environment variable Airflow would read. ``where`` names the part of
+    the pipeline that uses it in the error."""
+    var = f"AIRFLOW_CONN_{conn_id.upper()}"
+    env = os.environ.get(var)
     if env and not env.lstrip().startswith("{"):
         return _normalize_scheme(env)
     try:
         from airflow.sdk import BaseHook
     except Exception:  # noqa: BLE001 - Airflow absent or not configured
-        raise BadInput(
-            f"connection {conn_id!r}: set AIRFLOW_CONN_{conn_id.upper()} or run inside Airflow"
+        raise ConfigError(
+            where, f"connection {conn_id!r}: set {var} or run inside Airflow"
         ) from None
     try:
         conn = BaseHook.get_connection(conn_id)
     except Exception as exc:  # noqa: BLE001 - whatever Airflow raises: one masked line
-        raise BadInput(f"Airflow connection {conn_id!r} not found: {mask(str(exc))}") from None
+        # Outside a task (the CLI) Airflow cannot see the connections kept in its database,
+        # so a connection made in the UI or by the REST API is "not found" here too.
+        raise ConfigError(
+            where,
+            f"Airflow connection {conn_id!r} not found ({mask(str(exc))}); outside Airflow, "
+            f"set {var} to its URI (postgresql://user:password@host:port/database)",
+        ) from None
     return _normalize_scheme(conn.get_uri())
 
 
@@ -86,5 +94,5 @@ def resolve(dsn: str | None, conn_id: str | None, where: str) -> str:
     if dsn:
         return expand_env(dsn, where)
     if conn_id:
-        return airflow_connection_uri(conn_id)
+        return airflow_connection_uri(conn_id, where)
     raise ConfigError(where, "needs a dsn or a conn_id")

@@ -26,7 +26,9 @@ def source_problems(pipeline: Pipeline) -> list[str]:
 
         file_archive.FileArchivePlanner(src).partitions()  # the folder there and readable
         return []
-    except (TidemarkError, ConfigError) as exc:
+    except ConfigError as exc:  # names where itself: "pipeline p: source: ..."
+        return [str(exc)]
+    except TidemarkError as exc:
         return [f"source: {exc}"]
 
 

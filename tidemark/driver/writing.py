@@ -155,6 +155,8 @@ class Writing(Tables):
                 how = f"records spread by ({', '.join(layout.by or [])})"
             elif self.mode.falls_back:
                 how = "a backfill of several partitions writes in one task"
+            elif self.mode.rebuilds:
+                how = "a rebuild writes its new table in one task"
             else:
                 how = "a sink orders versions by a column"
             self.log(
