@@ -427,7 +427,7 @@ def test_dry_run_previews_a_backfill_and_a_redrive_and_commits_nothing(env, spar
         "    rows written (inserted or replaced): 2",
         "    rows removed (the range's, replaced by position): 1",
         "    keys falling back (older versions placed again): 0",
-        "    dead letters created: 0",
+        "    records quarantined (new letters or live again): 0",
         "    dead letters resolved: 1",
     ], out
 

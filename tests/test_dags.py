@@ -246,8 +246,20 @@ def test_the_backfill_form_takes_a_time_window_or_every_partition(airflow_home):
         "--until",
         "2026-05-01T14:00:00+0200",
     ]
-    every = {"partition": None, "from_offset": None, "to_offset": None, "sinks": ["warehouse"]}
-    assert check_backfill(path, every)["args"] == ["--sink", "warehouse", "--partition", "all"]
+    # A form left as it is names nothing: refused, never everything (nor partition 0).
+    untouched = {k: v for k, v in copy.deepcopy(dag.params).validate().items()}
+    with pytest.raises(BadInput, match="say what to re-deliver"):
+        check_backfill(path, untouched)
+    assert check_backfill(path, {**untouched, **window})["args"][2:3] == ["--since"]
+    every = {"partition": None, "from_offset": 0, "to_offset": None, "sinks": ["warehouse"]}
+    assert check_backfill(path, every)["args"] == [
+        "--sink",
+        "warehouse",
+        "--partition",
+        "all",
+        "--from",
+        "0",
+    ]
     with pytest.raises(BadInput, match="give both since and until"):
         check_backfill(path, {**every, "since": "2026-05-01"})
 
@@ -297,3 +309,18 @@ def test_airflows_backfill_of_a_scheduled_run_re_delivers_its_data_interval_when
     ]  # fmt: skip
     Run.run_type = "scheduled"
     assert op._command(ctx) == args
+
+
+@pytest.mark.parametrize("kind", ["backfill", "redrive"])
+def test_a_form_left_as_it_is_can_be_triggered(airflow_home, kind):
+    """Airflow's Trigger form holds back a run until every field whose type lacks null is
+    filled in: an optional field defaults to null and allows it (the redrive form's error
+    class, sink and requested-by once defaulted to "", so nothing could be triggered)."""
+    dag = _bag(REPO / "dags").dags[f"tidemark_flights_{kind}"]
+    for name, param in dag.params.items():
+        types = param.schema.get("type")
+        types = types if isinstance(types, list) else [types]
+        if param.value is None:
+            assert "null" in types, f"{kind} form: {name} defaults to null but refuses it"
+        assert param.value != "", f"{kind} form: {name} defaults to an empty string"
+    assert copy.deepcopy(dag.params).validate()  # the defaults are a valid form

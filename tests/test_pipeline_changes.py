@@ -118,3 +118,28 @@ def test_a_few_quarantined_records_never_halt_a_run_whatever_their_share(env, sp
     report = env.run(spark)
     assert report.ok and report.sinks["main"].dead == 6
     assert_exactly_once(env)
+
+
+def test_airflows_report_task_says_what_a_run_changed_in_its_tables(env, spark, monkeypatch):
+    """The ledger keeps each sink's schema changes with its counts: the report task (what a
+    user reads in Airflow) says them, as the run's own summary does."""
+    from tidemark.airflow import tasks
+    from tidemark.core.settings import get_settings
+    from tidemark.ledger.state import AirflowRun
+
+    env.append_orders(range(4))
+    env.pipeline()
+    assert env.run(spark).ok
+    env.append_orders(range(4, 6))
+    env.pipeline(transform={"select": {**SELECT, "domain": "concat(name, '.example')"}})
+    who = AirflowRun(dag_id="tidemark_orders", run_id="manual__1", task_id="replay")
+    assert env.run(spark, airflow=who).ok
+    monkeypatch.delenv("AIRFLOW_CONN_TIDEMARK_LEDGER", raising=False)
+    monkeypatch.setenv("TIDEMARK_LEDGER_DSN", env.ledger_dsn)
+    get_settings.cache_clear()
+    try:
+        out = tasks.report("orders", "tidemark_orders", "manual__1")
+    finally:
+        get_settings.cache_clear()
+    assert out["sinks"]["main"]["schema_changes"] == ["added column domain text"]
+    assert out["summary"].endswith("main committed 2 rows 0 dead, added column domain text")

@@ -84,7 +84,7 @@ def test_a_backfill_preview_changes_nothing_and_reports_what_the_backfill_then_d
     _assert_previewed(env, preview, before)
     summary = preview.summary()
     assert "rows removed (the range's, replaced by position): 2" in summary, summary
-    assert "dead letters created: 2 (validation 2)" in summary, summary
+    assert "records quarantined (new letters or live again): 2 (validation 2)" in summary, summary
     assert "dead letters resolved: 2" in summary, summary
 
     real = env.run(spark, mode=Backfill([Range(0, 1, 5)]))

@@ -350,8 +350,10 @@ def _dry_run_param() -> Param:
 def backfill_dag(p: config.Pipeline, path: Path) -> DAG:
     names = [s.name for s in p.sinks]
     params = {
+        # Empty by default: a form left as it is names nothing, and is refused; a default
+        # partition once narrowed a time window to partition 0 without a word.
         "partition": Param(
-            0,
+            None,
             type=["integer", "null"],
             minimum=0,
             title="Partition",
@@ -359,14 +361,15 @@ def backfill_dag(p: config.Pipeline, path: Path) -> DAG:
             "every partition.",
         ),
         "from_offset": Param(
-            0,
+            None,
             type=["integer", "null"],
             minimum=0,
             title="From offset",
-            description="First offset, inclusive (empty with every partition: the first kept).",
+            description="First offset, inclusive. With every partition: 0 re-delivers "
+            "everything committed.",
         ),
         "to_offset": Param(
-            1,
+            None,
             type=["integer", "null"],
             minimum=1,
             title="To offset",
@@ -468,17 +471,19 @@ def redrive_dag(p: config.Pipeline, path: Path) -> DAG:
             title="Dead-letter ids",
             description="Quarantined records to redrive.",
         ),
+        # Optional fields take null: Airflow's form holds back Trigger until every field
+        # whose type lacks null is filled in.
         "error_class": Param(
-            "",
-            type="string",
-            enum=["", *ERROR_CLASSES],
+            None,
+            type=["null", "string"],
+            enum=[None, *ERROR_CLASSES],
             title="Error class",
             description="Or: every quarantined record of this class.",
         ),
         "sink": Param(
-            "",
-            type="string",
-            enum=["", *(s.name for s in p.sinks)],
+            None,
+            type=["null", "string"],
+            enum=[None, *(s.name for s in p.sinks)],
             title="Sink",
             description="Or: of this sink.",
         ),
@@ -489,8 +494,8 @@ def redrive_dag(p: config.Pipeline, path: Path) -> DAG:
             description="Redrive every quarantined record of the pipeline.",
         ),
         "requested_by": Param(
-            "",
-            type="string",
+            None,
+            type=["null", "string"],
             title="Requested by",
             description="Recorded when the trigger names no user.",
         ),

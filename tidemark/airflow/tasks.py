@@ -169,7 +169,13 @@ def _offsets(
     end: int | None,
     sinks: list[str],
 ) -> list[str]:
-    if partition is None:  # every partition: from/to optional, each cut at what is committed
+    if partition is None:  # every partition: from/to, each cut at what is committed
+        if start is None and end is None:
+            raise BadInput(
+                f"{where}: say what to re-deliver: a time window (since and until), one "
+                f"partition's offsets (partition, from_offset, to_offset), or every "
+                f"partition's (from_offset 0 for everything committed)"
+            )
         return [
             *(["--from", str(start)] if start is not None else []),
             *(["--to", str(end)] if end is not None else []),
@@ -283,6 +289,7 @@ def report(pipeline: str, dag_id: str, run_id: str, pipeline_file: str | None = 
     parts = [
         f"{s['sink']} {'would commit' if s['error'] == DRY_RUN else s['state']} "
         f"{s['counts'].get('rows', 0):,} rows {s['counts'].get('dead', 0):,} dead"
+        + "".join(f", {c}" for c in s["schema_changes"])
         for s in sinks
     ]
     if not dry:  # a preview delivered nothing: no metrics of a run
@@ -292,7 +299,12 @@ def report(pipeline: str, dag_id: str, run_id: str, pipeline_file: str | None = 
         "run_id": run["run_id"],
         "mode": run["mode"],
         "sinks": {
-            s["sink"]: {"state": s["state"], "counts": s["counts"], "error": s["error"]}
+            s["sink"]: {
+                "state": s["state"],
+                "counts": s["counts"],
+                "error": s["error"],
+                "schema_changes": s["schema_changes"],
+            }
             for s in sinks
         },
         "dry_run": dry,

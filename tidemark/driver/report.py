@@ -171,7 +171,11 @@ def _would(mode: str, s: SinkOutcome) -> list[str]:
     """What a previewed sink would get, one count a line: superseded versions and
     tombstones where there are some, the rest always; dead letters by class."""
     classes = ", ".join(f"{c} {n:,}" for c, n in sorted(s.classes.items()))
-    dead = "records quarantined again" if mode == "redrive" else "dead letters created"
+    dead = (
+        "records quarantined again"
+        if mode == "redrive"
+        else "records quarantined (new letters or live again)"
+    )
     return [
         f"{what}: {n:,}{more}"
         for what, n, more, always in (

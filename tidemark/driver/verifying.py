@@ -119,7 +119,9 @@ class Verifying:
             return False
         counts = {"records": sum(m.records for m in mine)}
         counts.update((name, getattr(out, name)) for name in COUNTS)
-        state.mark_prepared(self.ledger, self.p.name, claim.run_id, sink, counts)
+        state.mark_prepared(
+            self.ledger, self.p.name, claim.run_id, sink, counts, out.schema_changes
+        )
         out.state = RunState.PREPARED
         return True
 

@@ -137,7 +137,7 @@ def of_dag_run(
     if run is None:
         return None, []
     sinks = cur.execute(
-        """SELECT sink, state::text AS state, counts, timings, error,
+        """SELECT sink, state::text AS state, counts, timings, error, schema_changes,
                   (SELECT coalesce(json_agg(json_build_object(
                               'partition', rr.partition, 'from_offset', rr.from_offset,
                               'to_offset', rr.to_offset) ORDER BY rr.partition), '[]')

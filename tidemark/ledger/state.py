@@ -344,12 +344,24 @@ def start_writing(conn: psycopg.Connection, pipeline: str, run_id: int, sink: st
 
 
 def mark_prepared(
-    conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, counts: dict[str, Any]
+    conn: psycopg.Connection,
+    pipeline: str,
+    run_id: int,
+    sink: str,
+    counts: dict[str, Any],
+    schema_changes: list[str] | None = None,
 ) -> None:
+    """writing -> prepared, with the counts and what the run changed in the sink's table."""
     with conn.transaction():
         _check_lease(conn, pipeline, run_id, sink)
         _transition(
-            conn, run_id, sink, RunState.PREPARED, [RunState.WRITING], counts=json.dumps(counts)
+            conn,
+            run_id,
+            sink,
+            RunState.PREPARED,
+            [RunState.WRITING],
+            counts=json.dumps(counts),
+            schema_changes=list(schema_changes or []),
         )
 
 
