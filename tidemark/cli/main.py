@@ -28,6 +28,7 @@ ENV_FILE = Path(".tidemark/env")
 class Ctx:
     def __init__(self, settings: Settings):
         self.settings = settings
+        self.warned: set[str] = set()  # a command may load the folder twice: warn once
 
     @property
     def ledger_dsn(self) -> str:
@@ -39,8 +40,10 @@ class Ctx:
 
     def pipelines(self, deep: bool = True) -> dict[str, cfg.Pipeline]:
         good, bad = cfg.load_all(self.folder, deep)
-        for err in bad:
-            click.echo(f"warning: skipped {err}", err=True)
+        for err in map(str, bad):
+            if err not in self.warned:
+                self.warned.add(err)
+                click.echo(f"warning: skipped {err}", err=True)
         return good
 
 

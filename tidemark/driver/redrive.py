@@ -230,8 +230,9 @@ class Redrive(Run):
     def _announce(self, claim: Claim, report: RunReport) -> None:
         n = sum(self.redrive.by_sink.values())
         self.log(
-            f"run {claim.run_id}: redriving {n:,} dead letter(s) of {self.p.name} "
-            f"(request {self.redrive.request}) into {', '.join(claim.sinks)} for "
-            f"{self.by}"
+            f"run {claim.run_id}: claimed {', '.join(claim.sinks)}; redriving {n:,} dead "
+            f"letter(s) of {self.p.name} (request {self.redrive.request}) for {self.by}"
         )
-        super()._announce(claim, report)
+        # Not the base's "reading N records": the letters' records are read by position,
+        # not the span their positions cover.
+        self._planned(claim, report)

@@ -162,7 +162,8 @@ def preview_summary(r: RunReport) -> str:
         )
         lines.append(
             f"  redrive request {d['request']} stays: `tidemark dlq redrive {r.pipeline} "
-            f"--request {d['request']}` runs it"
+            f"--request {d['request']}` runs it (or the redrive DAG with request "
+            f"{d['request']}, or Redrive on the Dead letters page's preview)"
         )
     return "\n".join(lines)
 

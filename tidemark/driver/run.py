@@ -231,6 +231,9 @@ class Run(Writing, Verifying):
             f"(epochs {', '.join(str(c.epoch) for c in claim.sinks.values())}); "
             f"reading {sum(r.size for r in read):,} records from {len(read)} partition(s)"
         )
+        self._planned(claim, report)
+
+    def _planned(self, claim: Claim, report: RunReport) -> None:
         for sink in claim.sinks:
             report.sinks[sink] = SinkOutcome(sink, RunState.PLANNED)
 
