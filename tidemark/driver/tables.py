@@ -36,6 +36,7 @@ class Rebuilt:
     new: str
     retired: str
     existed: bool
+    left_out: int = 0  # rows whose records the source no longer holds (--accept-pruned)
     columns: list[tuple[str, str]] = field(default_factory=list)
 
 
@@ -93,7 +94,7 @@ class Tables:
         out = report.sinks[sink.name]
         if sink.name in self.rebuilt:
             self.rebuilt[sink.name].columns = columns
-            out.schema_changes += self._rebuilding(sink, self.rebuilt[sink.name])
+            out.schema_changes = self._rebuilding(sink, self.rebuilt[sink.name])
             return True
         try:
             if self.dry_run:
@@ -158,15 +159,12 @@ class Tables:
                 )
                 return
             self.log(f"run {claim.run_id}: {why}; left out of the new table (--accept-pruned)")
-            report.sinks[sink.name].schema_changes.append(
-                f"left out {sum(left_out.values()):,} rows whose records the source no longer "
-                f"holds (the old table keeps them)"
-            )
         now = datetime.now(UTC)
         self.rebuilt[sink.name] = Rebuilt(
             new=rebuild.new_table(cfg.table, claim.run_id),
             retired=rebuild.retired_table(cfg.table, claim.run_id, now),
             existed=exists,
+            left_out=sum(left_out.values()),
         )
 
     def _rebuilding(self, sink: sinks.ResolvedSink, r: Rebuilt) -> list[str]:
@@ -181,7 +179,15 @@ class Tables:
             if r.existed
             else "there was no old table to keep"
         )
-        return [made, kept]
+        pruned = (
+            [
+                f"left out {r.left_out:,} rows whose records the source no longer holds "
+                f"(the old table keeps them)"
+            ]
+            if r.left_out
+            else []
+        )
+        return [*pruned, made, kept]
 
 
 def table_exists(sink: sinks.ResolvedSink) -> bool:
