@@ -19,7 +19,7 @@ import psycopg
 from psycopg import sql
 
 from tidemark.core.db import qualified, scalar
-from tidemark.protocol.sink_schema import META_COLUMNS
+from tidemark.protocol import sinks
 from tidemark.protocol.sinks import tombstone_name, tombstone_table
 
 MAX_NAME = 63  # PostgreSQL's identifier length (NAMEDATALEN - 1)
@@ -50,38 +50,20 @@ def retired_table(table: str, run_id: int, when: datetime) -> str:
 def create(
     conn: psycopg.Connection, table: str, columns: list[tuple[str, str]], key: list[str]
 ) -> None:
-    """The new table: the pipeline's output columns, Tidemark's, the key as primary key."""
-    defs = [sql.SQL("{} {}").format(sql.Identifier(n), sql.SQL(t)) for n, t in columns]
-    defs += [
-        sql.SQL("{} {} NOT NULL").format(sql.Identifier(n), sql.SQL(t)) for n, t in META_COLUMNS
-    ]
-    defs.append(
-        sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(sql.Identifier(k) for k in key))
-    )
+    """The new table, made as a sink table is (protocol/sinks.py)."""
     conn.execute(
-        sql.SQL("CREATE TABLE {} ({})").format(sql.SQL(qualified(table)), sql.SQL(", ").join(defs))
+        sql.SQL("CREATE TABLE {} ({})").format(
+            sql.SQL(qualified(table)), sinks.column_defs(columns, key)
+        )
     )
 
 
 def create_tombstones(
     conn: psycopg.Connection, table: str, key: list[str], version: str | None
 ) -> None:
-    """The new table's tombstone table (a sink that deletes keys; tidemark/engine/tombstones.py),
-    its key and version typed as the new table's."""
-    tomb = tombstone_table(table)
-    cols = [*key, *([version] if version else []), "_tm_partition", "_tm_offset"]
-    conn.execute(
-        sql.SQL("CREATE TABLE {} AS SELECT {} FROM {} WITH NO DATA").format(
-            tomb, sql.SQL(", ").join(sql.Identifier(c) for c in cols), sql.SQL(qualified(table))
-        )
-    )
-    conn.execute(
-        sql.SQL("CREATE UNIQUE INDEX {} ON {} ({})").format(
-            sql.Identifier(f"{tombstone_name(table)}_key"),
-            tomb,
-            sql.SQL(", ").join(sql.Identifier(k) for k in key),
-        )
-    )
+    """The new table's tombstone table (a sink that deletes keys)."""
+    for statement in sinks.tombstones_ddl(table, key, version):
+        conn.execute(statement)
 
 
 def swap(conn: psycopg.Connection, live: str, new: str, retired: str) -> None:

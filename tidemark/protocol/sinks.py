@@ -142,39 +142,46 @@ def tombstone_table(table: str) -> sql.Composed:
     return sql.SQL("tidemark.{}").format(sql.Identifier(tombstone_name(table)))
 
 
-def _create_tombstones(conn: psycopg.Connection, cfg: Sink) -> None:
-    name = tombstone_name(cfg.table)
-    if scalar(conn.execute("SELECT to_regclass(%s)", (f"tidemark.{name}",))):
-        return
-    tomb = tombstone_table(cfg.table)
-    cols = [*cfg.key, *([cfg.version] if cfg.version else []), "_tm_partition", "_tm_offset"]
-    with conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (name,))
-        # The key's and version's types are the table's: CREATE TABLE AS copies them.
-        conn.execute(
-            sql.SQL("CREATE TABLE IF NOT EXISTS {} AS SELECT {} FROM {} WITH NO DATA").format(
-                tomb,
-                sql.SQL(", ").join(sql.Identifier(c) for c in cols),
-                sql.SQL(qualified(cfg.table)),
-            )
-        )
-        conn.execute(
-            sql.SQL("CREATE UNIQUE INDEX IF NOT EXISTS {} ON {} ({})").format(
-                sql.Identifier(f"{name}_key"),
-                tomb,
-                sql.SQL(", ").join(sql.Identifier(k) for k in cfg.key),
-            )
-        )
+def tombstones_ddl(table: str, key: list[str], version: str | None) -> list[sql.Composed]:
+    """The statements that make ``table``'s tombstone table (idempotent): the key's and
+    version's types are the table's, as CREATE TABLE AS copies them."""
+    tomb = tombstone_table(table)
+    cols = [*key, *([version] if version else []), "_tm_partition", "_tm_offset"]
+    return [
+        sql.SQL("CREATE TABLE IF NOT EXISTS {} AS SELECT {} FROM {} WITH NO DATA").format(
+            tomb, sql.SQL(", ").join(sql.Identifier(c) for c in cols), sql.SQL(qualified(table))
+        ),
+        sql.SQL("CREATE UNIQUE INDEX IF NOT EXISTS {} ON {} ({})").format(
+            sql.Identifier(f"{tombstone_name(table)}_key"),
+            tomb,
+            sql.SQL(", ").join(sql.Identifier(k) for k in key),
+        ),
+    ]
 
 
-def _create(conn: psycopg.Connection, cfg: Sink, columns: list[tuple[str, str]]) -> None:
+def column_defs(columns: list[tuple[str, str]], key: list[str]) -> sql.Composed:
+    """A sink table's columns: the pipeline's output, Tidemark's, the key as primary key."""
     defs = [sql.SQL("{} {}").format(sql.Identifier(n), sql.SQL(t)) for n, t in columns]
     defs += [
         sql.SQL("{} {} NOT NULL").format(sql.Identifier(n), sql.SQL(t)) for n, t in META_COLUMNS
     ]
     defs.append(
-        sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(sql.Identifier(k) for k in cfg.key))
+        sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(sql.Identifier(k) for k in key))
     )
+    return sql.SQL(", ").join(defs)
+
+
+def _create_tombstones(conn: psycopg.Connection, cfg: Sink) -> None:
+    name = tombstone_name(cfg.table)
+    if scalar(conn.execute("SELECT to_regclass(%s)", (f"tidemark.{name}",))):
+        return
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (name,))
+        for statement in tombstones_ddl(cfg.table, cfg.key, cfg.version):
+            conn.execute(statement)
+
+
+def _create(conn: psycopg.Connection, cfg: Sink, columns: list[tuple[str, str]]) -> None:
     with conn.transaction():
         if "." in cfg.table:
             conn.execute(
@@ -184,6 +191,6 @@ def _create(conn: psycopg.Connection, cfg: Sink, columns: list[tuple[str, str]])
             )
         conn.execute(
             sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(
-                sql.SQL(qualified(cfg.table)), sql.SQL(", ").join(defs)
+                sql.SQL(qualified(cfg.table)), column_defs(columns, cfg.key)
             )
         )
