@@ -186,12 +186,10 @@ class Delivery(Mode):
             # One read per partition, from the minimum over the sinks and at most `limit`
             # records long; each sink gets the part at or above its own checkpoint (a sink far
             # ahead of a lagging one gets nothing until the laggard catches up).
-            ends: dict[int, int] = {}
-            for p in parts:
-                los = [cps[p] for cps in out.values() if p in cps]
-                if los:
-                    lo = min(los)
-                    ends[p] = max(src.safe_end(p, lo, limit), lo)
+            lows = {
+                p: min(los) for p in parts if (los := [cps[p] for cps in out.values() if p in cps])
+            }
+            ends = {p: max(end, lows[p]) for p, end in src.safe_ends(lows, limit).items()}
             return {
                 s: [Range(p, start, max(start, ends[p])) for p, start in sorted(cps.items())]
                 for s, cps in out.items()

@@ -30,12 +30,30 @@ def gc_options() -> list[str]:
     return ["-XX:+UseSerialGC"] if (os.cpu_count() or 1) <= 2 else []
 
 
+def jit_options() -> list[str]:
+    """When HotSpot's optimizing compiler (C2) takes a method. On at most 2 cores it competed
+    with the tasks for the cores: at its default thresholds it compiled for 4.8 CPU-seconds of
+    a 200,000-record run, mostly start-up code run a few thousand times. Twenty times the
+    thresholds leave that to the quick compiler (C1) and still give C2 every per-record
+    method, which runs millions of times: 9% less driver CPU at 2M records, 12% at 200,000
+    (bench/replay_bench.py, fresh runs). On more cores C2 compiles beside the tasks."""
+    if (os.cpu_count() or 1) > 2:
+        return []
+    return [
+        "-XX:Tier4InvocationThreshold=100000",
+        "-XX:Tier4MinInvocationThreshold=20000",
+        "-XX:Tier4CompileThreshold=150000",
+        "-XX:Tier4BackEdgeThreshold=800000",
+    ]
+
+
 def driver_java_options() -> list[str]:
-    """The driver JVM's options: the class archive if built (tidemark/engine/cds.py) and the
-    collector. Airflow hands the same to spark-submit (tidemark/airflow/dags.py)."""
+    """The driver JVM's options: the class archive if built (tidemark/engine/cds.py), the
+    collector and the compiler's thresholds. Airflow hands the same to spark-submit
+    (tidemark/airflow/dags.py)."""
     from tidemark.engine import cds
 
-    return cds.java_options() + gc_options()
+    return cds.java_options() + gc_options() + jit_options()
 
 
 def log4j_option() -> str:
@@ -74,6 +92,11 @@ def session(
         # than it saved (bench/replay_bench.py, 2 cores).
         .config("spark.sql.inMemoryColumnarStorage.compressed", "false")
         .config("spark.sql.execution.arrow.maxRecordsPerBatch", "20000")
+        # Below INT_MAX, Spark measures the Arrow batch it is filling for a Python task after
+        # every row, walking every column: a fifth of the driver JVM's CPU in a run
+        # (JFR, bench/replay_bench.py). At INT_MAX it skips that; batches stay bounded by
+        # maxRecordsPerBatch.
+        .config("spark.sql.execution.arrow.maxBytesPerBatch", str(2**31 - 1))
         # The decode step's generated code (a JSON parse and a reason per field) is
         # larger than HotSpot compiles (8,000 bytes of bytecode): whole-stage codegen
         # then runs interpreted. Falling back to per-expression code is 35% faster

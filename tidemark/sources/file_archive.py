@@ -293,6 +293,9 @@ class FileArchivePlanner:
             )
         return max(start, min(start + limit, self.end(partition)))
 
+    def safe_ends(self, starts: dict[int, int], limit: int) -> dict[int, int]:
+        return {p: self.safe_end(p, start, limit) for p, start in starts.items()}
+
 
 def _segment_end(a: Archive, seg: Segment) -> int:
     """Highest offset in the segment + 1, reading as little as possible: a parquet footer's
