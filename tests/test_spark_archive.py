@@ -77,9 +77,13 @@ def test_airflow_hands_spark_submit_the_sessions_jvm_options(tmp_path, monkeypat
     from tidemark.engine.session import LOG4J
 
     monkeypatch.setenv("TIDEMARK_SPARK_CDS_DIR", str(tmp_path))
-    serial = ["-XX:+UseSerialGC"] if GC == "serial" else []
+    from tidemark.engine.session import jit_options
+
+    # On 2 cores: the serial collector and C2's raised thresholds (session.jit_options)
+    few_cores = ["-XX:+UseSerialGC", *jit_options()] if GC == "serial" else []
+    assert bool(jit_options()) == (GC == "serial")
     log4j = f"-Dlog4j2.configurationFile=file:{LOG4J}"
-    assert options() == [log4j, *serial]
+    assert options() == [log4j, *few_cores]
     assert _driver_conf()["spark.executor.extraJavaOptions"] == log4j
     cds.archive().write_bytes(b"")  # only its presence matters here
     assert options() == [
@@ -87,7 +91,7 @@ def test_airflow_hands_spark_submit_the_sessions_jvm_options(tmp_path, monkeypat
         f"-XX:SharedArchiveFile={cds.archive()}",
         "-Xlog:disable",
         "-Xlog:all=warning:stderr",
-        *serial,
+        *few_cores,
     ]
 
 
