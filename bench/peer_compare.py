@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import cpu_split
 import psycopg
 
 PEER_JOB = Path(__file__).with_name("peer_job.py")
@@ -40,8 +41,10 @@ def run(
     sink_table: str,
     ranges: list[tuple[int, int, int]],
     env: dict[str, str],
+    databases: dict[str, str],
 ) -> dict:
-    """One run of the peer job in a fresh process: its wall time and its own report."""
+    """One run of the peer job in a fresh process: its wall time, its own report and where
+    its CPU went (cpu_split; ``databases`` says what each database is)."""
     cmd = [
         sys.executable,
         str(PEER_JOB),
@@ -57,12 +60,15 @@ def run(
         *(f"{p}:{a}:{e}" for p, a, e in ranges),
     ]
     t = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cpu = cpu_split.CpuSplit(proc.pid, databases)
+    out, err = proc.communicate()
     wall = time.perf_counter() - t
+    split = cpu.stop()
     if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        tail = "\n".join(err.strip().splitlines()[-15:])
         raise SystemExit(f"peer job into {sink_table} failed (exit {proc.returncode}):\n{tail}")
-    return {"wall": wall, **json.loads(proc.stdout.strip().splitlines()[-1])}
+    return {"wall": wall, "cpu": split, **json.loads(out.strip().splitlines()[-1])}
 
 
 def _fingerprint(partition: str, offset: str) -> dict[str, str]:

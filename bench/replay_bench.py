@@ -44,11 +44,13 @@ from pathlib import Path
 import psutil
 import psycopg
 import yaml
+from psycopg import conninfo
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+import cpu_split  # noqa: E402
 import peer_compare  # noqa: E402
 from dotenv import load_dotenv  # noqa: E402
 
@@ -317,9 +319,24 @@ def raw_copy(
     return sum(n for _, n in chunks), secs
 
 
+def databases(env: dict) -> dict[str, str]:
+    """What each database of the bench's server holds, for cpu_split."""
+    names: dict[str, list[str]] = {}
+    for var, what in (
+        ("TIDEMARK_DEMO_SOURCE_DSN", "source"),
+        ("TIDEMARK_LEDGER_DSN", "ledger"),
+        ("TIDEMARK_DEMO_SINK_DSN", "sink"),
+    ):
+        if env.get(var):
+            db = conninfo.conninfo_to_dict(env[var]).get("dbname", "")
+            names.setdefault(str(db), []).append(what)
+    return {db: " and ".join(whats) for db, whats in names.items()}
+
+
 def fresh_run(folder: Path, name: str, env: dict) -> dict:
     """Run the job as users run it, a fresh process (as Airflow's spark-submit starts it):
-    its wall time, its report, and the driver's peak RSS (Python and JVM, MiB) sampled."""
+    its wall time, its report, the driver's peak RSS (Python and JVM, MiB) and where its
+    CPU went (cpu_split), sampled."""
     t = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tidemark", "--pipelines-dir", str(folder), "run", name, "--json"],
@@ -328,6 +345,7 @@ def fresh_run(folder: Path, name: str, env: dict) -> dict:
         stderr=subprocess.DEVNULL,
         text=True,
     )
+    cpu = cpu_split.CpuSplit(proc.pid, databases(env))
     me = psutil.Process(proc.pid)
     peak_py = peak_jvm = 0
     done = threading.Event()
@@ -349,6 +367,7 @@ def fresh_run(folder: Path, name: str, env: dict) -> dict:
     done.set()
     th.join()
     wall = time.perf_counter() - t
+    split = cpu.stop()
     if proc.returncode != 0:
         raise SystemExit(f"fresh run {name} failed: {out}")
     import json
@@ -360,6 +379,7 @@ def fresh_run(folder: Path, name: str, env: dict) -> dict:
         "jvm": peak_jvm / 2**20,
         "records": report["records"],
         "phases": report["phases"],
+        "cpu": split,
     }
 
 
@@ -383,7 +403,9 @@ def peer_pairs(
             if who == "tidemark":
                 run = fresh_run(folder, name, env)
             else:
-                run = peer_compare.run(source, table, sink, f"bench.{peer}", ranges, env)
+                run = peer_compare.run(
+                    source, table, sink, f"bench.{peer}", ranges, env, databases(env)
+                )
             settle(sink, name if who == "tidemark" else peer)
             if run["records"] != expected:
                 raise SystemExit(f"bench: {who} read {run['records']:,} of {expected:,} records")
@@ -456,6 +478,23 @@ def print_peers(peers: dict[str, dict]) -> None:
             + ", ".join(f"{k} {v:.1f}" for k, v in job["task_seconds"].items())
             + " (wait: a write task waiting for Spark's read, decode and transform)"
         )
+        print_cpu(pair["records"], {"Tidemark": tm["cpu"], "peer job": job["cpu"]})
+
+
+def print_cpu(records: int, runs: dict[str, dict[str, float]]) -> None:
+    """Where each run's CPU went (bench/cpu_split.py): on 2 cores a run is CPU-bound, and
+    this is what one side spends that the other does not."""
+    names = list(runs)
+    rows = sorted(
+        {k for cpu in runs.values() for k in cpu},
+        key=lambda k: -max(cpu.get(k, 0.0) for cpu in runs.values()),
+    )
+    print(f"CPU-seconds at {records:,} records (last round, sampled every 0.2 s):")
+    print("| where | " + " | ".join(names) + " |")
+    print("|---|" + "---:|" * len(names))
+    for k in rows:
+        print(f"| {k} | " + " | ".join(f"{runs[n].get(k, 0.0):.1f}" for n in names) + " |")
+    print("| total | " + " | ".join(f"{sum(runs[n].values()):.1f}" for n in names) + " |")
 
 
 def warm_bench(args, folder: Path, ledger: str, source: str, sink: str) -> dict[str, float]:
