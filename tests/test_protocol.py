@@ -42,6 +42,9 @@ def test_run_delivers_once_then_only_what_is_new(env, spark):
         assert metrics[f"task_{phase}_seconds"] >= 0, phase
         assert report.phases[f"task_{phase}_seconds"] == metrics[f"task_{phase}_seconds"]
     assert metrics["task_read_transform_seconds"] > 0 and metrics["task_copy_seconds"] > 0
+    # The reader's own time, from its Python worker (tidemark/sources/read_clock.py).
+    assert metrics["task_read_seconds"] > 0 and metrics["task_decode_seconds"] > 0
+    assert report.phases["task_read_seconds"] == metrics["task_read_seconds"]
     # A first delivery of new keys COPYs straight into the target: no staging merge.
     assert metrics["task_merge_seconds"] == 0
     # Every sink row carries partition, offset and run id.

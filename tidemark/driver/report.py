@@ -192,20 +192,27 @@ def _would(mode: str, s: SinkOutcome) -> list[str]:
     ]
 
 
+READ_PHASES = ("read", "decode")  # the reader's (tidemark/sources/read_clock.py)
+
+
 def phases(
-    clock: dict[str, float], results: list[TaskResult], sink: str | None = None
+    clock: dict[str, float],
+    results: list[TaskResult],
+    sink: str | None = None,
+    read: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """Where the time went: the wall seconds of each of the run's phases (``clock``: phase ->
     the monotonic time it ended) and the task-seconds per task phase, summed over the run's
-    tasks: the task's own (waiting on Spark's read, decode and transform; row checks) and
-    its writes to ``sink`` (every sink's if None). Tasks run side by side, so these add up to
-    more than the wall time."""
+    tasks: the reader's (``read``: the source's batches, Arrow's JSON parse), the task's own
+    (waiting on Spark's read, decode and transform; row checks) and its writes to ``sink``
+    (every sink's if None). Tasks run side by side, so these add up to more than the wall
+    time; the reader runs beside its write task, so its seconds are part of that wait."""
     # By time: a one-pass run's gate ends after its write.
     have = sorted(clock, key=lambda phase: clock[phase])
     out = {
         f"{b}_seconds": round(clock[b] - clock[a], 3) for a, b in zip(have, have[1:], strict=False)
     }
-    total = dict.fromkeys(TASK_PHASES, 0.0)
+    total = {**dict.fromkeys(READ_PHASES, 0.0), **(read or {}), **dict.fromkeys(TASK_PHASES, 0.0)}
     for r in results:
         parts = [r.phases, *(m.phases for name, m in r.sinks.items() if sink in (None, name))]
         for task_phases in parts:

@@ -107,6 +107,7 @@ class Run(Writing, Verifying):
         self.stop = Stop()
         self.clock: dict[str, float] = {}  # phase -> monotonic time it ended
         self.results: list[TaskResult] = []  # the write that stands: one per task
+        self.read_phases: dict[str, float] = {}  # the reader's own, every read of the run
         self.layout: Layout | None = None  # how records reach the write tasks (per run)
         self.dry_run = dry_run
         self.omit: dict[str, list[str]] = {}  # a dry run's columns its tables lack
@@ -259,7 +260,7 @@ class Run(Writing, Verifying):
             out.state, out.error, out.previewed = RunState.ABORTED, DRY_RUN, True
         self._rollback_run(claim, by_name, keep=set())
         self.log(f"run {claim.run_id}: dry run: every prepared transaction rolled back")
-        report.phases = phases(self.clock, self.results)
+        report.phases = phases(self.clock, self.results, read=self.read_phases)
 
     # -- 3. decide ---------------------------------------------------------------------------
     def _decide(self, claim: Claim, live: list[str], report: RunReport) -> list[str]:
@@ -362,14 +363,14 @@ class Run(Writing, Verifying):
                     self.p.name,
                     claim.run_id,
                     sink,
-                    phases(self.clock, self.results, sink),
+                    phases(self.clock, self.results, sink, self.read_phases),
                 )
             except state.IllegalTransition:
                 # A concurrent recovery rolled it forward first: the same outcome.
                 if state.state_of(self.ledger, claim.run_id, sink) != RunState.COMMITTED:
                     raise
             report.sinks[sink].state = RunState.COMMITTED
-        report.phases = phases(self.clock, self.results)
+        report.phases = phases(self.clock, self.results, read=self.read_phases)
         faults.point("after_advance")
 
     # -- abort paths -------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from tidemark.engine import records
 from tidemark.ledger import checkpoints, state
 from tidemark.ledger.state import Claim, RunState
 from tidemark.protocol.taskspec import Rebuilding, SinkTarget, TaskResult, TaskSpec
+from tidemark.sources import read_clock
 
 
 class Writing(Tables):
@@ -49,6 +50,7 @@ class Writing(Tables):
     log: checking.Log
     layout: Layout | None
     results: list[TaskResult]
+    read_phases: dict[str, float]
     dry_run: bool
 
     if TYPE_CHECKING:  # the run's own, tidemark/driver/run.py
@@ -67,6 +69,15 @@ class Writing(Tables):
         if not self._check_tables(claim, by_name, report):
             return []
         spark = self.spark or session(self.s.spark_master, f"tidemark-{self.p.name}")
+        reads = dict(read_clock.clock(spark.sparkContext).value)
+        try:
+            return self._writes(spark, claim, by_name, report)
+        finally:
+            self.read_phases = read_clock.since(spark.sparkContext, reads)
+
+    def _writes(
+        self, spark: SparkSession, claim: Claim, by_name: Sinks, report: RunReport
+    ) -> list[str]:
         self.stop.check()
         self.layout = self._layout(spark, claim, by_name)
         ctx = self._checks_context(claim)

@@ -18,6 +18,7 @@ import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict
 
 from tidemark.config import FileArchiveSource, Pipeline, PostgresLogSource, Source
+from tidemark.core.clock import Phases
 from tidemark.core.errors import TidemarkError
 from tidemark.ledger.state import Range
 
@@ -94,14 +95,20 @@ class ReadJob(BaseModel):
 
         return f"{SPARK_SCHEMA}, {json_arrow.spark_columns(self.decoded)}"
 
-    def batches(self, r: Range):
+    def batches(self, r: Range, phases: Phases | None = None):
+        """The records of ``r``; ``phases`` gets the reader's time: ``read`` (waiting for the
+        source's next batch) and ``decode`` (Arrow's JSON parse)."""
+        phases = phases or Phases()
+        read = phases.waiting("read", read_range(self.source, r))
         if self.decoded is None:
-            yield from read_range(self.source, r)
+            yield from read
             return
         from tidemark.sources import json_arrow
 
-        for batch in read_range(self.source, r):
-            yield json_arrow.decode(batch, self.decoded, trim=self.trim)
+        for batch in read:
+            with phases("decode"):
+                decoded = json_arrow.decode(batch, self.decoded, trim=self.trim)
+            yield decoded
 
 
 def reader_source(pipeline: Pipeline) -> PostgresLogSource | FileArchiveSource:
@@ -259,14 +266,20 @@ class RangeReader:
     """Executor side of :func:`dataframe`: reads the ranges whose indexes arrive as its input
     (one per Spark partition). A class, so Spark ships it by name and the job as JSON."""
 
-    def __init__(self, job: ReadJob):
+    def __init__(self, job: ReadJob, clock=None):
         self.job = job.model_dump_json()
+        self.clock = clock  # read_clock.clock's accumulator: the reader's phases, summed
 
     def __call__(self, indexes):
         job = ReadJob.model_validate_json(self.job)
-        for batch in indexes:
-            for i in batch.column(0).to_pylist():
-                yield from job.batches(Range(*job.ranges[i]))
+        phases = Phases()
+        try:
+            for batch in indexes:
+                for i in batch.column(0).to_pylist():
+                    yield from job.batches(Range(*job.ranges[i]), phases)
+        finally:
+            if self.clock is not None:
+                self.clock.add(phases.seconds)
 
 
 def dataframe(spark: SparkSession, pipeline: Pipeline, ranges: list[Range]) -> DataFrame:
@@ -284,8 +297,11 @@ def dataframe(spark: SparkSession, pipeline: Pipeline, ranges: list[Range]) -> D
     # Partition i of the range holds the one index i, so Spark partition i reads range i.
     # Spark's Python data source API would plan the same partitions in a Python process of
     # its own, started afresh by every run: about 3 s of a run's fixed cost (bench).
+    from tidemark.sources import read_clock
+
     n = len(job.ranges)
-    return spark.range(0, n, 1, max(n, 1)).mapInArrow(RangeReader(job), job.spark_schema())
+    reader = RangeReader(job, read_clock.clock(spark.sparkContext))
+    return spark.range(0, n, 1, max(n, 1)).mapInArrow(reader, job.spark_schema())
 
 
 __all__ = [
