@@ -248,15 +248,15 @@ def test_payloads_read_again_by_offset_across_segments_and_gaps(archive, monkeyp
     monkeypatch.setattr(sources, "REFETCH_GAP", 4)  # so offsets far apart read as two ranges
     wanted = {0: [14, 6, 7], 1: [120, 101]}
     whole = {
-        (p, g["_tm_offset"]): g["_tm_payload"]
+        (p, g["_tm_offset"]): {c: g[c] for c in sources.LEFT_OUT}
         for p, a, b in ((0, 5, 15), (1, 101, 123))
         for g in rows(read(root, fmt, p, a, b))
     }
-    assert sources.PayloadReader(spec(root, fmt)).payloads(wanted) == {
+    assert sources.PayloadReader(spec(root, fmt)).records(wanted) == {
         (p, o): whole[(p, o)] for p, offs in wanted.items() for o in offs
     }
     with pytest.raises(TidemarkError, match=r"source record 1/103 and 1 more is gone"):
-        sources.PayloadReader(spec(root, fmt)).payloads({1: [102, 103, 104]})
+        sources.PayloadReader(spec(root, fmt)).records({1: [102, 103, 104]})
 
 
 def test_batches_hold_at_most_batch_rows(archive, monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 
 import psycopg
 import pytest
@@ -164,19 +165,21 @@ def test_poison_records_land_in_the_dlq_byte_for_byte_and_the_run_advances(env, 
 
 
 def test_a_decoded_records_bytes_stay_out_of_the_batch_and_its_letter_reads_them_again(env, spark):
-    """The reader leaves out the payload of a record it decoded; whatever quarantines that
-    record later (transform, row expectation, sink write, a whole-batch gate) reads its bytes
-    again from the source, so the letter holds them byte for byte."""
+    """The reader leaves out the payload, key, headers and time of a record it decoded;
+    whatever quarantines that record later (transform, row expectation, sink write, a
+    whole-batch gate) reads them again from the source, so the letter holds the record as
+    the source had it, byte for byte."""
     from tidemark import sources
     from tidemark.ledger.state import Range
 
+    at = datetime(2026, 3, 1, 12, 30, tzinfo=UTC)
     env.append_orders(range(20))
     env.append(
         [
-            (0, b"transform", b'{"id": 100, "name": "drop-me"}', None, None),
-            (0, b"validation", b'{"id": 101, "name": "v", "amount": 5000.0}', None, None),
-            (0, b"sink_write", b'{"id": 102, "name": "a\\u0000b"}', None, None),
-            (1, b"decode", b'{"id": "one hundred and three"}', None, None),
+            (0, b"transform", b'{"id": 100, "name": "drop-me"}', '{"h": "t"}', at),
+            (0, b"validation", b'{"id": 101, "name": "v", "amount": 5000.0}', '{"h": 1}', at),
+            (0, b"sink_write", b'{"id": 102, "name": "a\\u0000b"}', '{"h": [1]}', at),
+            (1, b"decode", b'{"id": "one hundred and three"}', '{"h": "d"}', at),
         ]
     )
     select = {
@@ -197,27 +200,29 @@ def test_a_decoded_records_bytes_stay_out_of_the_batch_and_its_letter_reads_them
     # What the batch carries: partition 0's records Arrow decoded have no bytes there.
     # (Partition 1's bytes stay: Arrow gives up on the chunk of 512 that holds "decode".)
     ranges = [Range(0, 0, 13), Range(1, 0, 11)]
-    kept = (
-        sources.dataframe(spark, pipeline, ranges)
-        .where("_tm_payload IS NOT NULL")
-        .select("_tm_partition")
-        .distinct()
-        .collect()
-    )
-    assert [r[0] for r in kept] == [1]
+    for column in sources.LEFT_OUT:
+        kept = (
+            sources.dataframe(spark, pipeline, ranges)
+            .where(f"{column} IS NOT NULL")
+            .select("_tm_partition")
+            .distinct()
+            .collect()
+        )
+        assert [r[0] for r in kept] == [1], column
 
     report = env.run(spark)
     assert report.ok, report.summary()
     same = (
-        "SELECT convert_from(d.key, 'UTF8'), d.error_class::text, d.payload = s.payload "
-        "FROM tidemark.dlq d JOIN src.log s ON (s.partition, s.offset) = "
+        "SELECT convert_from(d.key, 'UTF8'), d.error_class::text, d.payload = s.payload, "
+        "d.headers = s.headers AND d.source_headers = convert_to(s.headers::text, 'UTF8'), "
+        "d.source_ts = s.ts FROM tidemark.dlq d JOIN src.log s ON (s.partition, s.offset) = "
         "(d.source_partition, d.source_offset) ORDER BY 1"
     )
     assert env.ledger(same) == [
-        ("decode", "decode", True),
-        ("sink_write", "sink_write", True),
-        ("transform", "transform", True),
-        ("validation", "validation", True),
+        ("decode", "decode", True, True, True),
+        ("sink_write", "sink_write", True, True, True),
+        ("transform", "transform", True, True, True),
+        ("validation", "validation", True, True, True),
     ]
 
     # A whole batch quarantined by its gate: every letter reads its bytes again.
@@ -245,15 +250,20 @@ def test_a_decoded_records_bytes_stay_out_of_the_batch_and_its_letter_reads_them
             TidemarkError, match=r"partition 1: range \[5, 1000\) ended at 26: rows missing"
         ),
     ):
-        reader.payloads({1: [5, 999]})
+        reader.records({1: [5, 999]})
     stored = env.q(
         env.ledger_dsn,
-        'SELECT "partition", "offset", payload FROM src.log '
+        'SELECT "partition", "offset", key, payload, headers::text, ts FROM src.log '
         'WHERE ("partition", "offset") IN ((1, 3), (1, 5), (0, 2))',
     )
     with sources.PayloadReader(source) as reader:  # one connection, read twice
-        got = reader.payloads({1: [5, 3]}) | reader.payloads({0: [2]})
-    assert got == {(p, o): b for p, o, b in stored}
+        got = reader.records({1: [5, 3]}) | reader.records({0: [2]})
+    assert got == {(p, o): dict(zip(sources.LEFT_OUT, rest, strict=True)) for p, o, *rest in stored}
+
+    # Whatever may read them keeps them in the batch: a setting that names one of them.
+    for column in sources.LEFT_OUT:
+        env.pipeline(transform={"select": {**select, "meta": f"{column} IS NULL"}})
+        assert sources.payload_source(env.load()) is None, column
 
 
 def test_backfill_is_idempotent_and_never_moves_checkpoints_back(env, spark):

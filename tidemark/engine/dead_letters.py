@@ -82,7 +82,7 @@ class DeadLetters:
         self.held: dict[tuple[int, int], int] = {}  # redrive: (partition, offset) -> letter id
         self.held_offsets: dict[int, pa.Array] = {}  # redrive: partition -> offsets held
         self.failed_again: list[int] = []
-        self.reader: PayloadReader | None = None  # reads left-out payloads (_fill_payloads)
+        self.reader: PayloadReader | None = None  # reads what the reader left out (_fill_left_out)
         self.pending: list[Pending] = []  # not yet written
         # "<class>: <reason>" -> letters, for the quarantine ceiling's message
         self.reasons: Counter[str] = Counter()
@@ -140,7 +140,7 @@ class DeadLetters:
         if not self.pending:
             return
         pending, self.pending, self.pending_bytes = self.pending, [], 0
-        self._fill_payloads(pending)
+        self._fill_left_out(pending)
         self._open()
         with self.stage.copy() as copy:
             for r, error_class, reason, detail in pending:
@@ -167,9 +167,10 @@ class DeadLetters:
                 )
         self.stage.merge()
 
-    def _fill_payloads(self, pending: list[Pending]) -> None:
-        """The payloads the reader left out (TaskSpec.payloads), read again from the source:
-        a letter keeps its record's bytes. Only a record that failed to decode kept its own."""
+    def _fill_left_out(self, pending: list[Pending]) -> None:
+        """What the reader left out of a record it decoded (TaskSpec.payloads: its bytes,
+        key, headers and time), read again from the source: a letter keeps the record as the
+        source had it. A record that failed to decode kept its own."""
         if self.spec.payloads is None:
             return
         left_out = [
@@ -183,9 +184,9 @@ class DeadLetters:
         if wanted:
             if self.reader is None:
                 self.reader = PayloadReader(self.spec.payloads)
-            got = self.reader.payloads(wanted)
+            got = self.reader.records(wanted)
             for r in left_out:
-                r["_tm_payload"] = got[(r[PARTITION], r[OFFSET])]
+                r.update(got[(r[PARTITION], r[OFFSET])])
 
     def resolve_held(self, by: str, note: str) -> None:
         """Redrive: the held letters that passed this time are resolved (one statement)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from datetime import datetime
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -41,6 +41,8 @@ SPARK_SCHEMA = (
     "_tm_headers string, _tm_ts timestamp"
 )
 BATCH_ROWS = 20_000
+# What the reader leaves out of a record it decoded, where payload_source allows.
+LEFT_OUT = ("_tm_key", "_tm_payload", "_tm_headers", "_tm_ts")
 # Wanted offsets closer than this are read again as one range (payloads()).
 REFETCH_GAP = 4096
 
@@ -120,22 +122,24 @@ def reader_source(pipeline: Pipeline) -> PostgresLogSource | FileArchiveSource:
 
 
 def payload_source(pipeline: Pipeline) -> PostgresLogSource | FileArchiveSource | None:
-    """Where a task reads again the payload of a record it quarantines, or None if the batch
-    carries every payload.
+    """Where a task reads again the source fields (LEFT_OUT) of a record it quarantines, or
+    None if the batch carries them all.
 
-    A record the reader decoded has its values in the batch: carrying its bytes too through
-    Spark and on to the writer cost about a tenth of a run, and only a dead letter needs them.
-    So the reader leaves them out, unless the transform may read the payload itself (a Python
-    function, or an expression naming ``_tm_payload``). A record that fails to decode keeps
-    its bytes in the batch.
+    A record the reader decoded has its values in the batch: carrying its bytes, key, headers
+    and time too, through Spark and on to the writer, cost about a tenth of a run (a fifth of
+    the JVM's work), and only a dead letter needs them. So the reader leaves them out, unless
+    something may read them: a Python transform, or a pipeline whose settings name one of
+    them anywhere (an expression, an expectation). A record that fails to decode keeps them
+    in the batch, and so does a tombstone.
     """
     from tidemark.sources import json_arrow
 
     t = pipeline.transform
+    named = pipeline.model_dump_json(exclude={"source", "decode"})
     if (
         json_arrow.fields(pipeline.decode.schema_) is None
         or t.python
-        or any("_tm_payload" in expr for expr in (t.select or {}).values())
+        or any(c in named for c in LEFT_OUT)
     ):
         return None
     return reader_source(pipeline)
@@ -159,11 +163,12 @@ class PayloadReader:
             self.conn = postgres_log.connect_reader(self.source)
         return postgres_log.read_range(self.source, r, self.conn)
 
-    def payloads(self, wanted: dict[int, list[int]]) -> dict[tuple[int, int], bytes | None]:
-        """``{(partition, offset): payload}`` of ``wanted`` (partition -> offsets). Offsets
-        close together are read as one range. A record the source no longer holds fails the
-        task: its letter could not keep its bytes."""
-        out: dict[tuple[int, int], bytes | None] = {}
+    def records(self, wanted: dict[int, list[int]]) -> dict[tuple[int, int], dict[str, Any]]:
+        """``{(partition, offset): {column: value}}`` of ``wanted`` (partition -> offsets),
+        the columns the reader leaves out (LEFT_OUT). Offsets close together are read as one
+        range. A record the source no longer holds fails the task: its letter could not keep
+        its bytes."""
+        out: dict[tuple[int, int], dict[str, Any]] = {}
         for part, offs in wanted.items():
             offs = sorted(set(offs))
             first = 0
@@ -174,12 +179,8 @@ class PayloadReader:
                 try:
                     for batch in self._read(Range(part, offs[first], offs[i - 1] + 1)):
                         hit = batch.filter(pc.is_in(batch.column("_tm_offset"), need))
-                        for off, payload in zip(
-                            hit.column("_tm_offset").to_pylist(),
-                            hit.column("_tm_payload").to_pylist(),
-                            strict=True,
-                        ):
-                            out[(part, off)] = payload
+                        for r in hit.select(["_tm_offset", *LEFT_OUT]).to_pylist():
+                            out[(part, r.pop("_tm_offset"))] = r
                 except TidemarkError as exc:
                     raise TidemarkError(
                         f"cannot read quarantined records' payloads again: {exc}"

@@ -111,8 +111,8 @@ def _lines(payload: pa.Array) -> pa.Buffer:
 
 
 def decode(batch: pa.RecordBatch, decoded: dict[str, str], trim: bool = False) -> pa.RecordBatch:
-    """``batch`` with the decoded fields and ``_tm_json_ok`` appended; ``trim``: the payloads
-    of the records decoded here set to NULL (tidemark.sources.payload_source)."""
+    """``batch`` with the decoded fields and ``_tm_json_ok`` appended; ``trim``: the source
+    fields of the records decoded here set to NULL (tidemark.sources.payload_source)."""
     schema = pa.schema([(name, TYPES[t]) for name, t in decoded.items()])
     payload = batch.column("_tm_payload")
     whole = _parse(payload, schema)
@@ -133,12 +133,12 @@ def decode(batch: pa.RecordBatch, decoded: dict[str, str], trim: bool = False) -
     flags = pa.concat_arrays(ok) if len(ok) > 1 else ok[0]
     cols = batch.columns
     if trim:
-        at = batch.schema.get_field_index("_tm_payload")
-        cols = [
-            *cols[:at],
-            pc.if_else(flags, pa.scalar(None, pa.binary()), payload),
-            *cols[at + 1 :],
-        ]
+        from tidemark.sources import LEFT_OUT
+
+        cols = list(cols)
+        for name in LEFT_OUT:
+            at = batch.schema.get_field_index(name)
+            cols[at] = pc.if_else(flags, pa.scalar(None, cols[at].type), cols[at])
     arrays = [*cols, *(table.column(i).combine_chunks() for i in range(len(schema))), flags]
     names = [*batch.schema.names, *(column(i) for i in range(len(schema))), OK]
     return pa.RecordBatch.from_arrays(arrays, names=names)
