@@ -95,7 +95,7 @@ def session(
         # Below INT_MAX, Spark measures the Arrow batch it is filling for a Python task after
         # every row, walking every column: a fifth of the driver JVM's CPU in a run
         # (JFR, bench/replay_bench.py). At INT_MAX it skips that; batches stay bounded by
-        # maxRecordsPerBatch.
+        # maxRecordsPerBatch, as the reader's own batches are (sources.BATCH_ROWS).
         .config("spark.sql.execution.arrow.maxBytesPerBatch", str(2**31 - 1))
         # The decode step's generated code (a JSON parse and a reason per field) is
         # larger than HotSpot compiles (8,000 bytes of bytecode): whole-stage codegen

@@ -34,11 +34,15 @@ TASK_MODULES = (
 
 if __name__ == "__main__":
     sys.path[:] = installed_first(sys.path)
+    import contextlib
     import importlib
 
     from pyspark.daemon import manager
 
     for module in TASK_MODULES:
-        importlib.import_module(module)
+        # Only a head start: a module that fails here fails again, with its own error, in
+        # the task that imports it.
+        with contextlib.suppress(Exception):
+            importlib.import_module(module)
 
     manager()
