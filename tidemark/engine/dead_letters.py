@@ -168,16 +168,12 @@ class DeadLetters:
         self.stage.merge()
 
     def _fill_left_out(self, pending: list[Pending]) -> None:
-        """What the reader left out of a record it decoded (TaskSpec.payloads: its bytes,
-        key, headers and time), read again from the source: a letter keeps the record as the
-        source had it. A record that failed to decode kept its own."""
+        """What the reader left out (TaskSpec.payloads, sources.LEFT_OUT: a decoded record's
+        bytes and key, every record's headers and time), read again from the source: a
+        letter keeps the record as the source had it."""
         if self.spec.payloads is None:
             return
-        left_out = [
-            r
-            for r, error_class, _, _ in pending
-            if r["_tm_payload"] is None and error_class != "decode"
-        ]
+        left_out = [r for r, _, _, _ in pending]
         wanted: dict[int, list[int]] = {}
         for r in left_out:
             wanted.setdefault(r[PARTITION], []).append(r[OFFSET])

@@ -88,7 +88,7 @@ class ReadJob(BaseModel):
     source: Source
     ranges: list[tuple[int, int, int]]  # (partition, start, end)
     decoded: dict[str, str] | None = None  # JSON fields the reader decodes (json_arrow)
-    trim: bool = False  # leave out the payload of a record it decoded (see payload_source)
+    trim: bool = False  # leave out what letters read again (LEFT_OUT; see payload_source)
 
     def spark_schema(self) -> str:
         if self.decoded is None:
@@ -101,7 +101,7 @@ class ReadJob(BaseModel):
         """The records of ``r``; ``phases`` gets the reader's time: ``read`` (waiting for the
         source's next batch) and ``decode`` (Arrow's JSON parse)."""
         phases = phases or Phases()
-        read = phases.waiting("read", read_range(self.source, r))
+        read = phases.waiting("read", read_range(self.source, r, meta=not self.trim))
         if self.decoded is None:
             yield from read
             return
@@ -252,11 +252,15 @@ def headers_and_ts(
     return out
 
 
-def read_range(source: PostgresLogSource | FileArchiveSource, r: Range) -> Iterator[pa.RecordBatch]:
+def read_range(
+    source: PostgresLogSource | FileArchiveSource, r: Range, *, meta: bool = True
+) -> Iterator[pa.RecordBatch]:
+    """The records of ``r``; without ``meta``, a source that can (postgres_log) leaves their
+    headers and time NULL, for a reader whose letters read them again (payload_source)."""
     if isinstance(source, PostgresLogSource):
         from tidemark.sources import postgres_log
 
-        yield from postgres_log.read_range(source, r)
+        yield from postgres_log.read_range(source, r, meta=meta)
     else:
         from tidemark.sources import file_archive
 
