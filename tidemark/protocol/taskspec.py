@@ -171,8 +171,8 @@ class TaskSpec(_Model):
     failed: Failures = {}  # pipeline-level row expectations' failures
     quarantine: str | None = None  # pipeline batch gate failed under quarantine_batch
     checks: list[RowCheck] = []  # the pipeline's row checks, indexed by CHECK
-    # The reader left out the payloads of the records it decoded: a task reads those it
-    # quarantines again from here (tidemark.sources.payload_source). None: all are carried.
+    # The reader left out what only letters need (tidemark.sources.LEFT_OUT): a task reads
+    # the records it quarantines again from here (sources.payload_source). None: all carried.
     payloads: Source | None = None
     sinks: list[SinkTarget]
     write: int = 0  # which write of the run's batch (gids.Gid.write)

@@ -43,7 +43,7 @@ SPARK_SCHEMA = (
 BATCH_ROWS = 20_000
 # What the reader leaves out of a record it decoded, where payload_source allows.
 LEFT_OUT = ("_tm_key", "_tm_payload", "_tm_headers", "_tm_ts")
-# Wanted offsets closer than this are read again as one range (payloads()).
+# Wanted offsets closer than this are read again as one range (PayloadReader.records).
 REFETCH_GAP = 4096
 
 
@@ -129,8 +129,9 @@ def payload_source(pipeline: Pipeline) -> PostgresLogSource | FileArchiveSource 
     and time too, through Spark and on to the writer, cost about a tenth of a run (a fifth of
     the JVM's work), and only a dead letter needs them. So the reader leaves them out, unless
     something may read them: a Python transform, or a pipeline whose settings name one of
-    them anywhere (an expression, an expectation). A record that fails to decode keeps them
-    in the batch, and so does a tombstone.
+    them anywhere (an expression, an expectation). A record that fails to decode keeps its
+    bytes and key in the batch (Spark decodes it; a tombstone is told by its key), and a
+    postgres_log reader reads no record's headers and time: the letters read them.
     """
     from tidemark.sources import json_arrow
 
