@@ -481,3 +481,16 @@ def test_a_gate_result_says_what_was_observed(result, text):
     from tidemark.quality.outcomes import observed
 
     assert observed(result) == text
+
+
+def test_the_values_of_a_sliced_binary_array_are_its_own_bytes():
+    import pyarrow as pa
+
+    from tidemark.core.arrow import values
+
+    for typ in (pa.binary(), pa.large_binary(), pa.string(), pa.large_string()):
+        arr = pa.array(
+            [b"ab", b"cde", b"", b"fgh"] if "binary" in str(typ) else ["ab", "cde", "", "fgh"], typ
+        )
+        assert values(arr).to_pybytes() == b"abcdefgh", typ
+        assert values(arr.slice(1, 2)).to_pybytes() == b"cde", typ

@@ -21,6 +21,8 @@ import psycopg
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from tidemark.core import arrow
+
 HEADER = b"PGCOPY\n\xff\r\n\x00" + b"\x00\x00\x00\x00" + b"\x00\x00\x00\x00"
 TRAILER = b"\xff\xff"
 _NULL = pa.scalar(b"\xff\xff\xff\xff", pa.large_binary())
@@ -147,8 +149,7 @@ class Encoder:
         n = table.num_rows
         cols = [enc(table.column(i).combine_chunks()) for i, enc in enumerate(self.fields)]
         rows = pc.binary_join_element_wise(pa.scalar(self.count, pa.large_binary()), *cols, _NONE)
-        offsets = np.frombuffer(rows.buffers()[1], np.int64, n + 1, rows.offset * 8)
-        return memoryview(rows.buffers()[2])[offsets[0] : offsets[-1]] if n else memoryview(b"")
+        return memoryview(arrow.values(rows)) if n else memoryview(b"")
 
 
 def column_types(conn: psycopg.Connection, table: str) -> dict[str, str]:

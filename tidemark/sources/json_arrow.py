@@ -18,6 +18,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 
+from tidemark.core import arrow
+
 TYPES = {
     "int": pa.int32(),
     "integer": pa.int32(),
@@ -100,14 +102,9 @@ def _parse(payload: pa.Array, want: pa.Schema) -> pa.Table | None:
 
 def _lines(payload: pa.Array) -> pa.Buffer:
     """The payloads one per line, as one buffer: each with a newline appended by Arrow's
-    kernel, whose values buffer is then the lines back to back (no Python object per row)."""
+    kernel, whose values are then the lines back to back (no Python object per row)."""
     nl = pa.scalar(b"\n", payload.type)
-    joined = pc.binary_join_element_wise(payload, pa.scalar(b"", payload.type), nl)
-    wide = pa.types.is_large_binary(joined.type) or pa.types.is_large_string(joined.type)
-    offsets = np.frombuffer(
-        joined.buffers()[1], np.int64 if wide else np.int32, len(joined) + 1, joined.offset
-    )
-    return joined.buffers()[2].slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+    return arrow.values(pc.binary_join_element_wise(payload, pa.scalar(b"", payload.type), nl))
 
 
 def decode(batch: pa.RecordBatch, decoded: dict[str, str], trim: bool = False) -> pa.RecordBatch:
