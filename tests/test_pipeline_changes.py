@@ -10,7 +10,9 @@ import psycopg
 import pytest
 
 from tests.invariants import assert_exactly_once
-from tidemark.core.errors import OverCeiling
+from tests.test_cli import assert_one_clear_line, tm
+from tidemark.core.errors import Halted, OverCeiling
+from tidemark.ledger import state
 
 SELECT = {"id": "id", "name": "name", "amount": "amount", "version": "version"}
 
@@ -105,11 +107,56 @@ def test_a_run_past_the_quarantine_ceiling_halts_with_nothing_committed(env, spa
     assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(0,)]
     assert env.prepared() == []
     assert env.ledger("SELECT state::text FROM tidemark.run_sinks") == [("aborted",)]
-    # Raised, the same records go: 2 rows, 6 letters, exactly once.
+    # Raised, and the halt resumed, the same records go: 2 rows, 6 letters, exactly once.
     env.pipeline(quality={"max_quarantined": 0.8, "max_quarantined_min": 1})
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
+        assert state.resume(c, "orders")
     report = env.run(spark)
     assert report.ok and report.sinks["main"].rows == 2 and report.sinks["main"].dead == 6
     assert_exactly_once(env)
+
+
+def test_a_ceiling_halt_halts_the_pipeline_until_it_is_resumed(env, spark, monkeypatch):
+    """Issue 45 case 9: exit 5 past the ceiling marked nothing, so the next scheduled run
+    tried again. Now the pipeline is halted with the reason, as after any other halt: runs
+    (and Airflow's) refuse it until `tidemark resume`, and `tidemark status` shows it."""
+    from tidemark.airflow import tasks
+    from tidemark.core.settings import get_settings
+
+    env.append([_bad(i) for i in range(8)])  # 75% do not decode
+    env.pipeline(quality={"max_quarantined": 0.5, "max_quarantined_min": 1})
+    code, out, err = tm(env.cli_env(), "run", "orders", cwd=env.tmp, timeout=300)
+    assert code == 5, out + err
+    assert "over quality.max_quarantined (50%)" in err, err
+    assert "pipeline orders halted" in err and "`tidemark resume orders`" in err, err
+    (why,) = env.ledger("SELECT halted_reason FROM tidemark.pipelines WHERE name = 'orders'")
+    assert why[0] is not None and "over quality.max_quarantined (50%)" in why[0], why
+    code, out, err = tm(env.cli_env(), "status", "orders", cwd=env.tmp)
+    assert code == 0 and "HALTED: " in out and "max_quarantined" in out, out + err
+    # The next run refuses, saying why and what resumes it; it claims nothing.
+    code, out, err = tm(env.cli_env(), "run", "orders", cwd=env.tmp)
+    assert code == 5, out + err
+    assert_one_clear_line(err, "pipeline orders is halted: ", "`tidemark resume orders`")
+    assert env.ledger("SELECT count(*) FROM tidemark.runs") == [(1,)]
+    # Airflow's scheduled DAG does not skip it: its replay fails (exit 5: not retried).
+    monkeypatch.delenv("AIRFLOW_CONN_TIDEMARK_LEDGER", raising=False)
+    monkeypatch.setenv("TIDEMARK_LEDGER_DSN", env.ledger_dsn)
+    get_settings.cache_clear()
+    try:
+        assert tasks.pending(str(env.dir), "orders") is not None
+    finally:
+        get_settings.cache_clear()
+    # Resumed, the run proceeds, and halts again while the records are still over it.
+    code, out, err = tm(env.cli_env(), "resume", "orders", cwd=env.tmp)
+    assert (code, out.strip()) == (0, "orders: resumed"), err
+    with pytest.raises(OverCeiling):
+        env.run(spark)
+    assert env.ledger("SELECT count(*) FROM tidemark.runs") == [(2,)]
+    with pytest.raises(Halted, match="tidemark resume orders"):
+        env.run(spark)
+    assert env.checkpoints() == {0: 0, 1: 0}
+    assert env.ledger("SELECT count(*) FROM tidemark.dlq") == [(0,)]
+    assert env.prepared() == []
 
 
 def test_a_few_quarantined_records_never_halt_a_run_whatever_their_share(env, spark):

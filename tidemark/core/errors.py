@@ -46,15 +46,16 @@ class Inconsistency(TidemarkError):
 
 
 class Halted(TidemarkError):
-    """The pipeline is halted (an earlier Inconsistency): runs are refused until `tidemark
-    resume`. The same exit code, since retrying cannot help either."""
+    """The pipeline is halted (an earlier Inconsistency or OverCeiling): runs are refused
+    until `tidemark resume`. The same exit code, since retrying cannot help either."""
 
     exit_code = 5
 
 
 class OverCeiling(TidemarkError):
     """The run would have quarantined more than ``quality.max_quarantined`` of a sink's
-    records: it rolled back. Not retried: the same records would do the same."""
+    records: it rolled back and halted the pipeline. Not retried: the same records would do
+    the same."""
 
     exit_code = 5
 

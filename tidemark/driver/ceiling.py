@@ -1,6 +1,8 @@
 """The quarantine ceiling (``quality.max_quarantined``): a run that would send more than that
 share of a sink's records to the DLQ (and at least ``max_quarantined_min`` of them) halts
-before its decision, nothing committed, and says why. A whole batch the gate quarantines on purpose (``dq_gate``) does not count.
+before its decision, nothing committed, and says why; the pipeline stays halted until
+`tidemark resume` (driver/verifying.py). A whole batch the gate quarantines on purpose
+(``dq_gate``) does not count.
 
 May import: protocol, config, core.
 """

@@ -1,6 +1,7 @@
 """Between step 2 and 3 of a run (tidemark/driver/run.py): whether its write can be decided.
 The tasks must have accounted for every record (docs/design.md, "Task accounting"; else the
-run aborts), no sink may quarantine more than its ceiling (else the run halts), and per sink no task failed it and each of its chosen gids is still prepared,
+run aborts), no sink may quarantine more than its ceiling (else the run and the pipeline
+halt), and per sink no task failed it and each of its chosen gids is still prepared,
 checked on a new connection to each participant's database.
 
 :class:`Verifying` is mixed into :class:`tidemark.driver.run.Run`, whose state it uses.
@@ -60,10 +61,11 @@ class Verifying:
         self, claim: Claim, by_name: Sinks, live: list[str], report: RunReport
     ) -> None:
         """Halt the run, nothing committed, when a sink would quarantine more than
-        ``quality.max_quarantined`` of its records (driver/ceiling.py). A delivery only: a
-        backfill or redrive is an operator's deliberate re-delivery (previewed with
-        --dry-run), whose letters also count older versions outside its range; at least
-        once has committed its rows already."""
+        ``quality.max_quarantined`` of its records (driver/ceiling.py), and the pipeline with
+        it until `tidemark resume`: the next run would read the same records and do the same.
+        A delivery only: a backfill or redrive is an operator's deliberate re-delivery
+        (previewed with --dry-run), whose letters also count older versions outside its
+        range; at least once has committed its rows already."""
         if self.mode.name != "run" or self.p.delivery != "exactly_once":
             return
         over = [m for s in live if (m := ceiling.breach(self.p, s, self._mine(s)))]
@@ -72,7 +74,11 @@ class Verifying:
         for sink in live:
             self._abort(claim.run_id, sink, over[0], report)
         self._rollback_run(claim, by_name, keep=set())
-        raise OverCeiling(f"run {claim.run_id}: {'; '.join(over)}")
+        reason = f"run {claim.run_id}: {'; '.join(over)}"
+        state.halt(self.ledger, self.p.name, reason)
+        raise OverCeiling(
+            f"{reason}; pipeline {self.p.name} halted: `tidemark resume {self.p.name}` once fixed"
+        )
 
     def _mine(self, sink: str) -> list[SinkResult]:
         return [r.sinks[sink] for r in self.results if sink in r.sinks]

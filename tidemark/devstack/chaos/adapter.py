@@ -22,7 +22,7 @@ from tidemark.devstack.chaos.world import PIPELINE, World
 from tidemark.ledger.state import Range, RunState
 
 # Exit codes of the CLI (README "Exit codes"): 0 done, 1 failed, 2 bad input, 3 lease held,
-# 4 fenced, 5 halted by an inconsistency, 143 SIGTERM; 70 an internal error (a bug).
+# 4 fenced, 5 halted (an inconsistency, the quarantine ceiling), 143 SIGTERM; 70 an internal error (a bug).
 INTERNAL = 70
 
 
