@@ -268,6 +268,34 @@ def test_a_decoded_records_bytes_stay_out_of_the_batch_and_its_letter_reads_them
         assert sources.payload_source(env.load()) is None, column
 
 
+def test_a_transform_naming_the_source_fields_as_spark_resolves_them_gets_their_values(env, spark):
+    """Issue 45 case 8: Spark resolves names case-insensitively, but the reader looked for
+    ``_tm_ts`` (...) case-sensitively, left them out, and the sink got NULLs, exit 0."""
+    from tidemark import sources
+
+    t0 = datetime(2026, 5, 1, 8, 30, tzinfo=UTC)
+    docs = [{"id": i, "name": f"o{i}", "amount": 1.5, "version": 1} for i in range(4)]
+    env.append(
+        [
+            (i % 2, f"k{i}".encode(), json.dumps(d).encode(), json.dumps({"h": i}), t0.replace(
+                minute=i))
+            for i, d in enumerate(docs)
+        ]
+    )  # fmt: skip
+    odd = {"event_time": "_TM_TS", "k": "`_Tm_Key`", "h": "`_tm_HEADERS`"}
+    env.pipeline(transform={"select": {"id": "id", "name": "name", **odd}, "required": ["id"]})
+    assert sources.payload_source(env.load()) is None
+    report = env.run(spark)
+    assert report.ok, report.summary()
+    rows = env.q(env.sink_dsn, "SELECT id, event_time, k, h FROM orders ORDER BY id")
+    assert rows == [(i, t0.replace(minute=i), f"k{i}".encode(), f'{{"h": {i}}}') for i in range(4)]
+    assert_exactly_once(env)
+    # A star takes every column, these too: it keeps them in the batch (a product does not).
+    for expr, kept in [("to_json(struct(*))", True), ("hash(t.*)", True), ("id * 2", False)]:
+        env.pipeline(transform={"select": {"id": "id", "x": expr}})
+        assert (sources.payload_source(env.load()) is None) is kept, expr
+
+
 def test_backfill_is_idempotent_and_never_moves_checkpoints_back(env, spark):
     env.append_orders(range(100))
     env.pipeline()

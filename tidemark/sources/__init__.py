@@ -9,6 +9,7 @@ May import: protocol, ledger, config, quality, core.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
@@ -129,21 +130,31 @@ def payload_source(pipeline: Pipeline) -> PostgresLogSource | FileArchiveSource 
     and time too, through Spark and on to the writer, cost about a tenth of a run (a fifth of
     the JVM's work), and only a dead letter needs them. So the reader leaves them out, unless
     something may read them: a Python transform, or a pipeline whose settings name one of
-    them anywhere (an expression, an expectation). A record that fails to decode keeps its
+    them anywhere (an expression, an expectation) as Spark resolves names, in any case (a
+    settings' text is searched lower-cased: ``_TM_TS``, `` `_Tm_Ts` ``), or take every column
+    with a star (``struct(*)``, ``t.*``). A record that fails to decode keeps its
     bytes and key in the batch (Spark decodes it; a tombstone is told by its key), and a
     postgres_log reader reads no record's headers and time: the letters read them.
     """
     from tidemark.sources import json_arrow
 
     t = pipeline.transform
-    named = pipeline.model_dump_json(exclude={"source", "decode"})
+    # Lower-cased: Spark resolves column names case-insensitively (spark.sql.caseSensitive
+    # is off by default; on, a name in another case would not resolve at all).
+    named = pipeline.model_dump_json(exclude={"source", "decode"}).lower()
     if (
         json_arrow.fields(pipeline.decode.schema_) is None
         or t.python
         or any(c in named for c in LEFT_OUT)
+        or any(_STAR.search(e) for e in (t.select or {}).values())
     ):
         return None
     return reader_source(pipeline)
+
+
+# A star that stands for columns, not a product: first, or after "(", "," or "." (``*``,
+# ``struct(*)``, ``f(a, *)``, ``t.*``). count(*) matches too, which only costs speed.
+_STAR = re.compile(r"(?:^|[(,.])\s*\*")
 
 
 class PayloadReader:
