@@ -5,7 +5,8 @@ from __future__ import annotations
 import base64
 import json
 import os
-from datetime import UTC, datetime, timedelta
+import time
+from datetime import UTC, datetime, timedelta, timezone
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -641,3 +642,57 @@ def test_a_time_window_maps_to_offsets_of_each_partition_from_the_records_times(
     assert planner.window(0, since, until, end=8) == (3, 8)
     assert planner.window(2, since, until, end=5) == (3, 5)
     assert planner.window(1, since, until, end=126) is None
+
+
+def test_a_time_window_is_utc_whatever_the_segments_time_zone_or_the_machines(
+    tmp_path, monkeypatch
+):
+    """Issue 45 case 7: times are UTC instants. Parquet with a naive ts (UTC) or one in
+    another zone, JSON Lines with naive text (UTC), an offset or epoch milliseconds all map a
+    window to the same offsets, whatever TZ the machine (Spark's driver) runs in."""
+    monkeypatch.setenv("TZ", "Europe/Berlin")
+    time.tzset()
+    try:
+        t0 = datetime(2026, 5, 1, tzinfo=UTC)
+        moments = [t0 + timedelta(minutes=m) for m in (0, 10, 20, 12, 40)]
+        root = tmp_path / "arch"
+        forms = {
+            0: ("parquet", pa.timestamp("us"), [t.replace(tzinfo=None) for t in moments]),
+            1: ("parquet", pa.timestamp("us", tz="Europe/Berlin"), moments),
+            2: ("jsonl", None, [t.replace(tzinfo=None).isoformat() for t in moments]),
+            3: ("jsonl", None, [t.astimezone(timezone(timedelta(hours=2))).isoformat()
+                                for t in moments]),
+            4: ("jsonl", None, [int(t.timestamp() * 1000) for t in moments]),
+        }  # fmt: skip
+        for p, (fmt, typ, times) in forms.items():
+            folder = root / f"partition={p}"
+            folder.mkdir(parents=True)
+            cols = {
+                "partition": pa.array([p] * 5, pa.int32()),
+                "offset": pa.array(range(5), pa.int64()),
+                "key": pa.array([b"k"] * 5, pa.binary()),
+                "payload": pa.array([b"{}"] * 5, pa.binary()),
+                "headers": pa.array([None] * 5, pa.string()),
+            }
+            if fmt == "parquet":
+                table = pa.table({**cols, "ts": pa.array(times, typ)})
+                pq.write_table(table, folder / seg_name(0, "parquet"))
+                continue
+            lines = [
+                json.dumps({"partition": p, "offset": o, "key": "aw==", "payload": "e30=",
+                            "headers": None, "ts": t})
+                for o, t in enumerate(times)
+            ]  # fmt: skip
+            (folder / seg_name(0, "jsonl")).write_text("\n".join(lines) + "\n")
+        plan = fa.FileArchivePlanner(FileArchiveSource(type="file_archive", uri=str(root)))
+        since, until = t0 + timedelta(minutes=10), t0 + timedelta(minutes=20)
+        berlin = timezone(timedelta(hours=2))
+        for p in forms:
+            # Minutes 10, 20 and the late 12: offsets [1, 4), however the window is written.
+            assert plan.window(p, since, until, end=5) == (1, 4), p
+            assert plan.window(p, since.astimezone(berlin), until.astimezone(berlin), 5) == (1, 4)
+            got = [t for b in read(root, None, p, 0, 5) for t in b.column("_tm_ts").to_pylist()]
+            assert got == moments, p
+    finally:
+        monkeypatch.undo()
+        time.tzset()

@@ -5,7 +5,10 @@ outside it as it was. The cases a review found broken, on real PostgreSQL and Sp
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
+
+import psycopg
+import pytest
 
 from tests.conftest import order_record
 from tests.invariants import assert_exactly_once
@@ -269,6 +272,64 @@ def test_a_time_window_backfill_redelivers_each_partitions_records_of_the_window
     assert_exactly_once(env)
     # --partition all re-delivers everything committed, from each partition's first record.
     assert windows.by_offsets(p, ends, None, None) == [Range(0, 0, 5), Range(1, 0, 4)]
+
+
+@pytest.mark.parametrize("ts_type", ["timestamp", "timestamptz"])
+def test_a_time_window_is_utc_whatever_the_source_sessions_time_zone(env, spark, ts_type):
+    """Issue 45 case 7: a ``ts timestamp`` column (no zone) was compared with the UTC window
+    in the session's TimeZone, which the source database (or role) sets to Europe/Berlin
+    here: the window mapped to the records two hours off. Times are UTC, always."""
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
+        c.execute(f"ALTER DATABASE \"{env.names['ledger']}\" SET TimeZone = 'Europe/Berlin'")
+        if ts_type == "timestamp":
+            c.execute(
+                "ALTER TABLE src.log ALTER COLUMN ts TYPE timestamp USING ts AT TIME ZONE 'UTC'"
+            )
+    assert env.ledger("SHOW TimeZone") == [("Europe/Berlin",)]
+    t0 = datetime(2026, 5, 1, tzinfo=UTC)  # Berlin is UTC+2 then
+    stored = t0 if ts_type == "timestamptz" else t0.replace(tzinfo=None)  # naive: UTC
+    minutes = {0: [0, 10, 20, 12, 40], 1: [5, 15, 25, 35]}
+    env.append(
+        [
+            (p, str(p * 10 + o).encode(), _order(p * 10 + o), None, stored + timedelta(minutes=m))
+            for p, ms in minutes.items()
+            for o, m in enumerate(ms)
+        ]
+    )
+    env.pipeline()
+    assert env.run(spark).ok
+    before = dict(env.q(env.sink_dsn, "SELECT id, amount FROM orders"))
+    env.pipeline(
+        transform={
+            "select": {"id": "id", "name": "name", "amount": "amount * 2", "version": "version"}
+        }
+    )
+    p = env.load()
+    ends = windows.committed(env.ledger_dsn, p, None)
+    since, until = t0 + timedelta(minutes=10), t0 + timedelta(minutes=20)
+    expected = [Range(0, 1, 4), Range(1, 1, 2)]
+    assert windows.by_time(p, ends, since, until) == expected
+    # The same instants written in another zone, or naive (UTC, as --since/--until read them).
+    berlin = timezone(timedelta(hours=2))
+    assert windows.by_time(p, ends, since.astimezone(berlin), until.astimezone(berlin)) == expected
+    naive = since.replace(tzinfo=None), until.replace(tzinfo=None)
+    assert windows.by_time(p, ends, *naive) == expected
+    from tidemark.cli.main import _Time
+
+    typed = [_Time().convert(t, None, None) for t in ("2026-05-01T00:10", "2026-05-01T02:20+02")]
+    assert typed == [since, until] and all(t.tzinfo == UTC for t in typed)
+    from tidemark import sources
+
+    plan = sources.planner(p)
+    try:  # the lag's clock: the record's time, as an instant
+        assert plan.record_time(0, 1) == t0 + timedelta(minutes=10)
+    finally:
+        plan.close()
+    report = env.run(spark, mode=Backfill(expected))
+    assert report.ok, report.summary()
+    after = dict(env.q(env.sink_dsn, "SELECT id, amount FROM orders"))
+    assert after == {i: a * 2 if i in {1, 2, 3, 11} else a for i, a in before.items()}
+    assert_exactly_once(env)
 
 
 def _order(i: int) -> bytes:

@@ -6,7 +6,7 @@ import json
 import os
 import re
 import sys
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 import click
@@ -263,21 +263,20 @@ class _Partition(click.ParamType):
         self.fail(f"{value!r} is neither a partition number nor 'all'", param, ctx)
 
 
-def _utc(value: datetime | None) -> datetime | None:
-    """A naive time is UTC, as the sources store theirs."""
-    return value if value is None or value.tzinfo else value.replace(tzinfo=UTC)
-
-
 class _Time(click.ParamType):
-    """An ISO 8601 time: 2026-05-01, 2026-05-01T10:00, 2026-05-01T10:00:00+02:00, ...Z."""
+    """An ISO 8601 time: 2026-05-01, 2026-05-01T10:00, 2026-05-01T10:00:00+02:00, ...Z; as a
+    UTC instant (a naive time is UTC, as the sources store theirs, never the machine's or a
+    database session's time zone)."""
 
     name = "TIME"
 
     def convert(self, value, param, ctx):
+        from tidemark.driver.windows import utc
+
         if isinstance(value, datetime):
-            return value
+            return utc(value)
         try:
-            return datetime.fromisoformat(value)
+            return utc(datetime.fromisoformat(value))
         except ValueError:
             self.fail(f"{value!r} is not an ISO 8601 time (e.g. 2026-05-01T10:00Z)", param, ctx)
 
@@ -318,9 +317,7 @@ def backfill_cmd(
     previews it: what each sink would get, nothing committed."""
     from tidemark.driver.modes import Backfill
 
-    ranges = _backfill_ranges(
-        ctx, pipeline, partition, start, end, _utc(since), _utc(until), _names(sinks)
-    )
+    ranges = _backfill_ranges(ctx, pipeline, partition, start, end, since, until, _names(sinks))
     if not ranges:
         click.echo(f"backfill of {pipeline}: nothing committed in what you asked; nothing to do")
         return

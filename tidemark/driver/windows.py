@@ -7,7 +7,7 @@ May import: sources, ledger, config, core.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 
 from tidemark import sources
 from tidemark.config import Pipeline
@@ -51,11 +51,19 @@ def by_offsets(
         plan.close()
 
 
+def utc(value: datetime) -> datetime:
+    """``value`` as a UTC instant: a naive time is UTC (docs/design.md, "Re-delivery")."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
 def by_time(
     pipeline: Pipeline, ends: dict[int, int], since: datetime, until: datetime
 ) -> list[Range]:
     """Per partition, the smallest offset range below the committed end holding every record
-    whose time is in [since, until) (sources.Planner.window)."""
+    whose time is in [since, until) (sources.Planner.window). A naive time is UTC, as the
+    sources store theirs; the planners get UTC instants, never a time a session's TimeZone
+    would read."""
+    since, until = utc(since), utc(until)
     if until <= since:
         raise BadInput(f"--until ({until.isoformat()}) must be after --since ({since.isoformat()})")
     plan = sources.planner(pipeline)

@@ -62,8 +62,9 @@ class Planner(Protocol):
     # tell cheaply): the age of the oldest undelivered record (tidemark/driver/lag.py).
     def record_time(self, partition: int, offset: int) -> datetime | None: ...
     # The smallest [first, last + 1) of offsets below ``end`` holding every record of the
-    # partition whose time is in [since, until) (None: no such record). Records out of time
-    # order inside it are re-delivered too: offsets, not times, are what a range can say.
+    # partition whose time is in [since, until) (None: no such record), both UTC instants
+    # (driver/windows.py). Records out of time order inside it are re-delivered too:
+    # offsets, not times, are what a range can say.
     def window(
         self, partition: int, since: datetime, until: datetime, end: int
     ) -> tuple[int, int] | None: ...

@@ -42,6 +42,30 @@ def _dsn(src: PostgresLogSource) -> str:
     return src.dsn
 
 
+# Every session Tidemark opens on a source reads and compares times in UTC. A ``ts timestamp``
+# column (no zone) meets a UTC instant cast in the session's TimeZone, which the server, the
+# database or the role may set (Europe/Berlin: a window two hours off). A SET, not a startup
+# option: PgBouncer keeps a client's TimeZone across transaction pooling, and a proxy may
+# refuse the ``options`` startup parameter.
+PIN_UTC = "SET TIME ZONE 'UTC'"
+
+
+def _connect(dsn: str, what: str) -> psycopg.Connection:
+    """A source session (autocommit), its TimeZone UTC."""
+    conn = connect(dsn, autocommit=True, what=what)
+    try:
+        conn.execute(PIN_UTC)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _utc(ts: datetime | None) -> datetime | None:
+    """A time read from the table: a ``timestamp`` column's (naive) is UTC."""
+    return ts.replace(tzinfo=UTC) if ts is not None and ts.tzinfo is None else ts
+
+
 def create_log_table(conn: psycopg.Connection, table: str) -> None:
     """The log table and its per-partition head rows (idempotent)."""
     t = _table(table)
@@ -65,7 +89,7 @@ def create_log_table(conn: psycopg.Connection, table: str) -> None:
 
 def problems(src: PostgresLogSource, dsn: str) -> list[str]:
     """What keeps a run from reading the log table: it or its columns missing, one line each."""
-    with connect(dsn, autocommit=True, what="source database") as conn:
+    with _connect(dsn, "source database") as conn:
         if scalar(conn.execute("SELECT to_regclass(%s)", (qualified(src.table),))) is None:
             return [
                 f"source table {src.table} does not exist (docs/pipelines.md, 'Sources', "
@@ -142,7 +166,7 @@ class PostgresLogPlanner:
         self.src = src
         self.cols = _ids(src.columns.model_dump())
         self.table = _table(src.table)
-        self.conn = connect(dsn, autocommit=True, what=f"source {src.table} at")
+        self.conn = _connect(dsn, f"source {src.table} at")
 
     def close(self) -> None:
         self.conn.close()
@@ -186,7 +210,7 @@ class PostgresLogPlanner:
             self._q("SELECT {ts} FROM {t} WHERE {partition} = %s AND {offset} = %s"),
             (partition, offset),
         ).fetchone()
-        return row[0] if row else None
+        return _utc(row[0]) if row else None
 
     def window(
         self, partition: int, since: datetime, until: datetime, end: int
@@ -269,16 +293,14 @@ def headers_and_ts(
         "WHERE {partition} = %s AND {offset} = ANY(%s::bigint[])"
     ).format(t=_table(src.table), **_ids(src.columns.model_dump()))
     out: dict[tuple[int, int], tuple[str | None, datetime | None]] = {}
-    with connect(_dsn(src), autocommit=True, what=f"source {src.table} at") as conn:
+    with _connect(_dsn(src), f"source {src.table} at") as conn:
         for part, offs in wanted.items():
             try:
                 rows = conn.execute(query, (part, list(offs))).fetchall()
             except psycopg.Error as exc:
                 raise TidemarkError(f"source {src.table}: {one_line(exc)}") from None
             for off, headers, ts in rows:
-                if ts is not None and ts.tzinfo is None:
-                    ts = ts.replace(tzinfo=UTC)
-                out[(part, off)] = (headers, ts)
+                out[(part, off)] = (headers, _utc(ts))
     return out
 
 
@@ -307,7 +329,14 @@ def connect_reader(src: PostgresLogSource):
     import adbc_driver_postgresql.dbapi as adbc
 
     dsn = conninfo.make_conninfo(_dsn(src), application_name="tidemark-reader", connect_timeout=10)
-    return adbc.connect(dsn, autocommit=True)
+    conn = adbc.connect(dsn, autocommit=True)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(PIN_UTC)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
 
 
 def read_range(
