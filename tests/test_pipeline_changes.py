@@ -122,6 +122,7 @@ def test_a_ceiling_halt_halts_the_pipeline_until_it_is_resumed(env, spark, monke
     (and Airflow's) refuse it until `tidemark resume`, and `tidemark status` shows it."""
     from tidemark.airflow import tasks
     from tidemark.core.settings import get_settings
+    from tidemark.ledger.state import AirflowRun
 
     env.append([_bad(i) for i in range(8)])  # 75% do not decode
     env.pipeline(quality={"max_quarantined": 0.5, "max_quarantined_min": 1})
@@ -146,12 +147,21 @@ def test_a_ceiling_halt_halts_the_pipeline_until_it_is_resumed(env, spark, monke
         assert tasks.pending(str(env.dir), "orders") is not None
     finally:
         get_settings.cache_clear()
-    # Resumed, the run proceeds, and halts again while the records are still over it.
+    # Resumed, the run proceeds, and halts again while the records are still over it; as
+    # Airflow's replay, whose failure says the pipeline is halted.
     code, out, err = tm(env.cli_env(), "resume", "orders", cwd=env.tmp)
     assert (code, out.strip()) == (0, "orders: resumed"), err
+    who = AirflowRun(dag_id="tidemark_orders", run_id="scheduled__2", task_id="replay")
     with pytest.raises(OverCeiling):
-        env.run(spark)
+        env.run(spark, airflow=who)
     assert env.ledger("SELECT count(*) FROM tidemark.runs") == [(2,)]
+    get_settings.cache_clear()
+    try:
+        why = tasks.failure("orders", "tidemark_orders", "scheduled__2")
+    finally:
+        get_settings.cache_clear()
+    assert why is not None and "over quality.max_quarantined" in why, why
+    assert why.endswith("; pipeline orders halted: `tidemark resume orders` once fixed"), why
     with pytest.raises(Halted, match="tidemark resume orders"):
         env.run(spark)
     assert env.checkpoints() == {0: 0, 1: 0}

@@ -15,7 +15,7 @@ from tidemark.core.db import connect
 from tidemark.core.errors import BadInput, TidemarkError
 from tidemark.core.settings import get_settings
 from tidemark.ledger import checkpoints, dlq, runs
-from tidemark.ledger.state import RunState
+from tidemark.ledger.state import RunState, halted
 
 
 def _ledger() -> str:
@@ -241,6 +241,11 @@ def _ledger_run(pipeline: str, dag_id: str, run_id: str) -> tuple[dict | None, l
         return runs.of_dag_run(c, pipeline, dag_id, run_id)
 
 
+def _halted(pipeline: str) -> bool:
+    with connect(_ledger(), autocommit=True, what="ledger") as c:
+        return halted(c, pipeline) is not None
+
+
 def failure(pipeline: str, dag_id: str, run_id: str, try_number: int | None = None) -> str | None:
     """Why this DAG run's replay failed, in one line, from the ledger (None if it has no run).
     Also sends the metrics of the run this try (``try_number``) started: the report task does
@@ -253,9 +258,13 @@ def failure(pipeline: str, dag_id: str, run_id: str, try_number: int | None = No
     bad = [s for s in sinks if s["state"] not in runs.DECIDED]
     if run is None or not bad:
         return None
-    return f"run {run['run_id']}: " + "; ".join(
+    why = f"run {run['run_id']}: " + "; ".join(
         f"sink {s['sink']} {s['state']}: {s['error']}" for s in bad
     )
+    # A run that halted its pipeline (the quarantine ceiling) says so, as the CLI does.
+    if _halted(pipeline):
+        why += f"; pipeline {pipeline} halted: `tidemark resume {pipeline}` once fixed"
+    return why
 
 
 def announce(

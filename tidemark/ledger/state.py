@@ -512,6 +512,14 @@ def halt(conn: psycopg.Connection, pipeline: str, reason: str) -> None:
         )
 
 
+def halted(conn: psycopg.Connection, pipeline: str) -> str | None:
+    """Why ``pipeline`` is halted (None: it is not)."""
+    row = conn.execute(
+        "SELECT halted_reason FROM tidemark.pipelines WHERE name = %s", (pipeline,)
+    ).fetchone()
+    return row[0] if row else None
+
+
 def resume(conn: psycopg.Connection, pipeline: str) -> bool:
     with conn.transaction():
         return (
