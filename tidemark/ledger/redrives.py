@@ -159,8 +159,10 @@ def placement(
     unplaced = conn.execute(
         """
         SELECT r.letter_id, CASE
-            WHEN d.id IS NULL THEN 'no such dead letter'
-            WHEN d.pipeline <> %(pipeline)s THEN 'belongs to pipeline ' || d.pipeline
+            -- one answer for both: whoever may redrive this pipeline learns nothing of
+            -- another's letters (their pipeline's name, or that they exist)
+            WHEN d.id IS NULL OR d.pipeline <> %(pipeline)s
+                THEN 'no such dead letter in this pipeline'
             WHEN d.status <> 'quarantined' THEN 'is ' || d.status::text
             WHEN d.sink <> ALL(%(sinks)s::text[])
                 THEN 'sink ' || d.sink || ' is no longer in the pipeline'
