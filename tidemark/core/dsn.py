@@ -29,10 +29,24 @@ _KV_PASSWORD = re.compile(
 )
 # Passwords of the DSNs this process resolved (remember()): a message may quote one without
 # the DSN around it (libpq's "invalid percent-encoded token: ..."), or a raw password may hold
-# a space, which no pattern can see the end of. Shorter ones are left to the patterns, as a
-# short word replaced wherever it stands would garble messages.
+# a space, which no pattern can see the end of (so a resolved DSN itself is replaced, whole,
+# by its masked form wherever it stands). Shorter passwords are left to the patterns.
 _SECRETS: set[str] = set()
+_DSNS: dict[str, str] = {}
 _MIN_SECRET = 4
+
+
+# libpq quotes what it could not read ('Secret9@host', "Ab%zzSecret9"): there, and only there,
+# a resolved password is hidden, so a password that is also a word (a user's name, "tidemark")
+# does not garble every message that names it.
+_QUOTED = re.compile(r"(\"[^\"\n]*\"|'[^'\n]*')")
+
+
+def _unquoted_secrets(m: re.Match[str]) -> str:
+    text = m[0]
+    for secret in sorted(_SECRETS, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
 
 
 def password_of(dsn: str) -> str | None:
@@ -52,6 +66,7 @@ def remember(dsn: str) -> str:
     """Keep the DSN's password (as written, decoded and encoded) for mask(); returns ``dsn``."""
     pw = password_of(dsn)
     if pw:
+        _DSNS[dsn] = dsn.replace(pw, "***")
         for form in {pw, unquote(pw), quote(pw, safe=""), quote(unquote(pw), safe="")}:
             if len(form) >= _MIN_SECRET:
                 _SECRETS.add(form)
@@ -61,8 +76,10 @@ def remember(dsn: str) -> str:
 def mask(text: str) -> str:
     """Hide passwords in anything that may hold a DSN (URI, raw or URL-encoded, its query,
     key=value form), a PGPASSWORD assignment, or a password this process resolved."""
-    for secret in sorted(_SECRETS, key=len, reverse=True):
-        text = text.replace(secret, "***")
+    for dsn, masked in _DSNS.items():
+        text = text.replace(dsn, masked)
+    if _SECRETS:
+        text = _QUOTED.sub(_unquoted_secrets, text)
     text = _PASSWORD.sub(lambda m: m[0] if _PORT.match(m["pw"]) else f"{m['pre']}***@", text)
     text = _NO_AT.sub(lambda m: m[0] if _PORT.match(m["rest"]) else f"{m['pre']}***", text)
     text = _QUERY_PASSWORD.sub(lambda m: f"{m['pre']}***", text)
