@@ -1117,6 +1117,8 @@ def _trigger(
                 "ids": sel.get("ids") or [],
             }
             what |= {"request": req.request_id, "letters": req.letters} if req else {"letters": 0}
+            if req is not None and not error and not redrives.queue(conn, req.request_id):
+                error = f"redrive request {req.request_id} no longer exists (pruned)"
             if req is None or error:
                 errors.append({**what, "error": error})
                 continue
