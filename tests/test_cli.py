@@ -458,3 +458,29 @@ def test_a_dry_run_that_cannot_preview_says_so_in_one_line(env):
         err.split("\n", 1)[1], "dry run, nothing committed: orders", "needs delivery: exactly_once"
     )
     assert env.ledger("SELECT count(*) FROM tidemark.runs") == [(0,)]
+
+
+# Passwords a user writes raw (a ${VAR}, an AIRFLOW_CONN_<ID> set by hand): libpq cannot
+# parse the first two as written and quotes what it could not read; the last two parse as a
+# host or port no one meant. None of them may be read in anything the CLI prints or stores.
+@pytest.mark.parametrize("raw", ["Ab%zzSecret9", "Ab Secret9", "Ab/Secret9", "Ab@Secret9"])
+def test_a_raw_password_is_never_shown_nor_stored(env, raw):
+    env.append_orders([1, 2, 3])
+    port = env.sink_dsn.split("@", 1)[1].split("/", 1)[0]
+    env.pipeline(sinks=[env.orders_sink(dsn="${TM_SINK_DSN}")])
+    environ = env.cli_env(TM_SINK_DSN=f"postgresql://tidemark:{raw}@{port}/warehouse")
+    seen = ""
+    for args in (
+        ["pipelines", "validate"],
+        ["run", "orders"],
+        ["status", "orders"],
+        ["status", "orders", "--json"],
+        ["recover"],
+    ):
+        code, out, err = tm(environ, *args)
+        assert "Traceback" not in err, err
+        seen += out + err
+    assert "connection string does not parse" in seen, seen
+    stored = env.ledger("SELECT coalesce(string_agg(error, ' '), '') FROM tidemark.run_sinks")
+    for text in (seen, stored[0][0]):
+        assert "Secret9" not in text and "Secret" not in text, text

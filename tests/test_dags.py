@@ -324,3 +324,81 @@ def test_a_form_left_as_it_is_can_be_triggered(airflow_home, kind):
             assert "null" in types, f"{kind} form: {name} defaults to null but refuses it"
         assert param.value != "", f"{kind} form: {name} defaults to an empty string"
     assert copy.deepcopy(dag.params).validate()  # the defaults are a valid form
+
+
+@pytest.mark.parametrize("master", ["yarn", "local[2]"])
+def test_no_connection_reaches_spark_submits_command_line(
+    airflow_home, tmp_path, monkeypatch, master
+):
+    """On YARN and Kubernetes the provider puts a task's env_vars on spark-submit's command
+    line (``spark.yarn.appMasterEnv.*``, ``spark.kubernetes.driverEnv.*``): the replay task
+    hands the job only the path of a file its user alone can read, which goes when the task
+    ends; the job reads its connections from it and deletes it."""
+    import json
+    import os
+    import stat
+
+    from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+
+    from tidemark.airflow.dags import pipeline_dags
+    from tidemark.core import job_secrets
+
+    ledger = "postgresql://tm:Ledger%2FSecret9@127.0.0.1:1/ledger"
+    sink = "postgresql://tm:Sink%40Secret9@127.0.0.1:1/warehouse"
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": master})
+    )
+    monkeypatch.setenv("AIRFLOW_CONN_TIDEMARK_LEDGER", ledger)
+    monkeypatch.setenv("AIRFLOW_CONN_WAREHOUSE", sink)
+    folder = tmp_path / "pipelines"
+    folder.mkdir()
+    (folder / "orders.yaml").write_text(
+        "name: orders\n"
+        "source: {type: postgres_log, conn_id: warehouse, table: src.log}\n"
+        "decode: {schema: {id: int}}\n"
+        "transform: {select: {id: id}, required: [id]}\n"
+        "sinks: [{name: main, conn_id: warehouse, table: public.orders, key: [id]}]\n"
+    )
+    replay = pipeline_dags(folder)["tidemark_orders"].get_task("replay")
+    seen: dict = {}
+
+    def submit(self, context):
+        hook = self._get_hook()
+        seen["cmd"] = " ".join(hook._build_spark_submit_command(self.application))
+        seen["env"] = dict(self.env_vars)
+        path = self.env_vars[job_secrets.VAR]
+        seen["path"], seen["mode"] = path, stat.S_IMODE(os.stat(path).st_mode)
+        seen["folder_mode"] = stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode)
+        monkeypatch.setenv(job_secrets.VAR, path)
+        job_secrets.load_into_environ()  # what the job does first
+        seen["job"] = {
+            k: os.environ.get(k) for k in ("TIDEMARK_LEDGER_DSN", "AIRFLOW_CONN_WAREHOUSE")
+        }
+        seen["left"] = os.path.exists(path)
+
+    monkeypatch.setattr(SparkSubmitOperator, "execute", submit)
+    replay.execute({"params": {}, "dag_run": None})
+    assert "Secret9" not in seen["cmd"] + json.dumps(seen["env"])
+    assert seen["env"].keys() == {job_secrets.VAR}
+    assert (seen["mode"], seen["folder_mode"]) == (0o600, 0o700)
+    assert seen["job"] == {"TIDEMARK_LEDGER_DSN": ledger, "AIRFLOW_CONN_WAREHOUSE": sink}
+    assert not seen["left"] and not os.path.exists(os.path.dirname(seen["path"]))
+
+
+def test_a_cluster_deploy_mode_is_refused_with_what_to_set(airflow_home, tmp_path, monkeypatch):
+    import json
+
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from tidemark.airflow.dags import pipeline_dags
+
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SPARK_DEFAULT",
+        json.dumps({"conn_type": "spark", "host": "yarn", "extra": {"deploy-mode": "cluster"}}),
+    )
+    folder = tmp_path / "pipelines"
+    folder.mkdir()
+    shutil.copy(REPO / "dags" / "pipelines" / "flights.yaml", folder)
+    replay = pipeline_dags(folder)["tidemark_flights"].get_task("replay")
+    with pytest.raises(AirflowFailException, match="client mode"):
+        replay.execute({"params": {}, "dag_run": None})

@@ -728,3 +728,15 @@ def test_cli_search_and_discard_all_matching_asks_first(env, ledger, reasons):
         env.cli_env(), "dlq", "discard", "--class", "decode", "--note", "x", "--yes"
     )
     assert code == 1 and "no quarantined dead letters match" in out
+
+
+def test_a_redrive_says_nothing_of_another_pipelines_letters(ledger, sample):
+    """A redrive of one pipeline given another's letter id (the redrive DAG's form takes any
+    id) reports it as it reports an id that does not exist: not its pipeline's name."""
+    from tidemark.ledger import redrives
+
+    s = sample
+    req = redrives.create(ledger, "orders", "alice", ids=[s["a"], s["e"], 999_999])
+    _, unplaced = redrives.placement(ledger, req.request_id, "orders", ["main", "archive"])
+    assert unplaced[s["e"]] == unplaced[999_999] == "no such dead letter in this pipeline"
+    assert "gated" not in json.dumps(unplaced)

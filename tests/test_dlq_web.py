@@ -742,17 +742,27 @@ def _raw(site, request: bytes) -> bytes:
 
 
 def test_a_trickled_body_is_cut_off_and_bodies_where_none_belong_are_refused(site):
-    """Before authentication, a chunked body that stops arriving holds the connection for at
-    most the body time limit, then gets a 408; a GET with a body is a 400 (issue 34)."""
+    """A chunked body that stops arriving holds the connection for at most the body time
+    limit, then gets a 408; a caller who is not signed in is answered 401 before a byte of
+    the body is read (a promised megabyte that never comes); a GET with a body is a 400."""
     url = "/tidemark/dlq/api/discard"
     answer = _raw(
         site,
         (
             f"POST {url} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            f"\r\nAuthorization: Bearer {site.admin}"
             f'\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{{"ids\r\n'
         ).encode(),
     )
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    answer = _raw(
+        site,
+        (
+            f"POST {url} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            f"\r\nContent-Length: 1000000\r\n\r\n"
+        ).encode(),
+    )
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
     answer = _raw(
         site, b"GET /tidemark/dlq/api/records HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
     )
@@ -1329,3 +1339,23 @@ def test_the_trailing_slash_redirect_is_relative(site):
                 assert r.status_code == 307, (path, r.status_code, r.text)
                 assert r.headers["location"] == to, (path, creds)
                 assert r.headers["x-content-type-options"] == "nosniff"
+
+
+def test_nul_characters_and_ambiguous_dry_runs_are_bad_input(site):
+    """A NUL character no text column can hold is the caller's to mend (400), not a ledger
+    outage (503); a form that says dry_run twice, differently, or bare, redrives nothing."""
+    with psycopg.connect(site.env.ledger_dsn, autocommit=True) as c:
+        rid = add(c, cls="transform")
+    letters = "SELECT * FROM tidemark.dlq ORDER BY id"
+    requests = "SELECT count(*) FROM tidemark.redrive_requests"
+    before, asked = site.env.ledger(letters), site.env.ledger(requests)
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    with site.client(site.admin) as c:
+        r = c.post("/tidemark/dlq/api/discard", json={"ids": [rid], "note": "a\u0000b"})
+        assert r.status_code == 400 and "NUL" in r.text, r.text
+        r = c.get("/tidemark/dlq/api/runs/orders/%00")
+        assert r.status_code in (400, 404), r.text
+        for body in (f"ids={rid}&dry_run=1&dry_run=0", f"ids={rid}&dry_run"):
+            r = c.post("/tidemark/dlq/api/redrive", content=body, headers=form)
+            assert r.status_code == 400 and "dry_run" in r.text, (body, r.text)
+    assert site.env.ledger(letters) == before and site.env.ledger(requests) == asked

@@ -180,3 +180,27 @@ def test_v007_letters_from_before_it_get_the_source_fields_or_the_reason(pg, mon
     assert fill_source_fields(dsn, pipeline, req.request_id, ["main", "second"]) == 3
     assert fields() == [(exact, ts, True, None)] * 2 + [(None, None, False, letters.SOURCE_GONE)]
     assert fill_source_fields(dsn, pipeline, req.request_id, ["main", "second"]) == 0
+
+
+def test_v014_masks_the_passwords_of_stored_pipeline_configs(pg, monkeypatch):
+    before = max(m[0] for m in migrations.available() if m[0] < 14)
+    dsn, everything = _ledger_at(before, pg, monkeypatch)
+    config = {
+        "source": {"dsn": "postgresql://u:Ab/Secret9@h:5432/src"},
+        "sinks": [
+            {"dsn": "postgresql://u@h/db?sslmode=require&password=Secret9"},
+            {"dsn": "host=h password='Secret9 x' dbname=w"},
+            {"conn_id": "plain", "dsn": "postgresql://h:5432/db"},
+        ],
+    }
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute(
+            "INSERT INTO tidemark.pipelines (name, config) VALUES ('p', %s)", (json.dumps(config),)
+        )
+    monkeypatch.setattr(migrations, "available", lambda: everything)
+    migrations.upgrade(dsn)
+    with psycopg.connect(dsn, autocommit=True) as c:
+        (got,) = c.execute("SELECT config FROM tidemark.pipelines").fetchone()
+    assert "Secret9" not in json.dumps(got)
+    assert got["source"]["dsn"] == "postgresql://u:***@h:5432/src"
+    assert got["sinks"][2] == config["sinks"][2]

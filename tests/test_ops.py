@@ -252,3 +252,17 @@ def test_the_health_gauges_go_to_statsd(statsd):
     assert {k for k in got if ".dead_letters." in k} == {
         f"airflow.tidemark.dead_letters.orders.{c}" for c in ERROR_CLASSES
     }
+
+
+def test_a_pipeline_config_is_stored_without_its_passwords(env):
+    """The ledger keeps each pipeline's config (what ran); an inline DSN's password is not
+    part of what it keeps."""
+    import psycopg
+
+    from tidemark.ledger import state
+
+    config = {"sinks": [{"dsn": "postgresql://u:Ab/Secret9@h/db"}], "note": "password=Secret9"}
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as conn:
+        state.ensure_pipeline(conn, "orders", config)
+    (stored,) = env.ledger("SELECT config::text FROM tidemark.pipelines WHERE name = 'orders'")[0]
+    assert "Secret9" not in stored and "postgresql://u:***@h/db" in stored

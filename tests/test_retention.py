@@ -431,3 +431,25 @@ def test_the_maintenance_task_prunes(env, monkeypatch):
         get_settings.cache_clear()
     assert got["rows"]["dlq"] == 3 and got["rows"].get("runs", 0) == 0
     assert w["old"] in _run_ids(env)
+
+
+def test_prune_keeps_a_request_a_run_was_just_triggered_for(env):
+    """ "Redrive these" on an old preview triggers a DAG run for its request; until that run
+    claims the pipeline no open run protects the request, so the trigger marks it queued
+    and prune keeps it (a day at least, whatever the retention)."""
+    from tidemark.ledger import redrives
+
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
+        c.execute("INSERT INTO tidemark.pipelines (name) VALUES ('orders')")
+        queued, idle = _request(c, "orders", 40, []), _request(c, "orders", 40, [])
+        stale = _request(c, "orders", 40, [])
+        assert redrives.queue(c, queued) and redrives.queue(c, stale)
+        c.execute(
+            "UPDATE tidemark.redrive_requests SET queued_at = now() - interval '35 days' "
+            "WHERE request_id = %s",
+            (stale,),
+        )
+    prune(env.ledger_dsn, Policy(requests_days=0), env.tmp / "docs")
+    assert _ids(env, "redrive_requests", "request_id") == {queued}
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
+        assert not redrives.queue(c, idle)  # gone: the trigger says so instead of queueing

@@ -33,11 +33,34 @@ from tidemark.protocol import gids
         ("sslpassword=key-pass host=h", "sslpassword=*** host=h"),
         # a port and a path are no password: only userinfo before '@' is
         ("see http://127.0.0.1:8080/x@y", "see http://127.0.0.1:8080/x@y"),
+        ("postgresql://h:5432/db", "postgresql://h:5432/db"),
+        # raw passwords: to the token's last '@', or all of the token without one
+        ("postgresql://u:Ab/zz@h/db: boom", "postgresql://u:***@h/db: boom"),
+        ("postgresql://u:Ab@zz@h/db", "postgresql://u:***@h/db"),
+        ("postgresql://u:Ab%zz@h/db", "postgresql://u:***@h/db"),
+        ("cannot read postgresql://u:Ab%zzSecret", "cannot read postgresql://u:***"),
     ],
 )
 def test_dsn_masking(raw, masked):
     assert dsn.mask(raw) == masked
     assert dsn.mask(masked) == masked  # masking twice changes nothing
+
+
+def test_a_resolved_password_is_masked_wherever_it_stands(monkeypatch):
+    # libpq quotes what it could not read, without the DSN around it; a space ends any pattern
+    monkeypatch.setattr(dsn, "_SECRETS", set())
+    monkeypatch.setattr(dsn, "_DSNS", {})
+    monkeypatch.setenv("TM_TEST_DSN", "postgresql://u:Ab Secret9@h/db")
+    dsn.resolve("${TM_TEST_DSN}", None, "sink x")
+    text = 'unexpected spaces found in "Ab Secret9"; postgresql://u:Ab Secret9@h/db: down'
+    assert dsn.mask(text) == 'unexpected spaces found in "***"; postgresql://u:***@h/db: down'
+    dsn.remember("host=h password='p%41ss word'")
+    assert dsn.mask("bad: 'p%41ss word', \"pAss word\"") == "bad: '***', \"***\""
+    # a password that is also a word is hidden where libpq quotes it, not in every message
+    dsn.remember("postgresql://tidemark:tidemark@h/db")
+    assert dsn.mask("run `tidemark recover`; 'tidemark'") == "run `tidemark recover`; '***'"
+    dsn.remember("postgresql://u:pw@h/db")  # too short to replace wherever it stands
+    assert dsn.mask("'pwned'") == "'pwned'"
 
 
 def test_env_references_resolve_lazily(monkeypatch):

@@ -35,6 +35,7 @@ from airflow.sdk import DAG, AssetAlias, Param, TriggerRule
 from tidemark import config
 from tidemark.airflow import POOL, assets
 from tidemark.airflow import tasks as airflow_tasks
+from tidemark.core import job_secrets
 from tidemark.core.errors import BadInput, Halted
 from tidemark.core.text import clamp
 from tidemark.engine.session import driver_java_options, log4j_option
@@ -148,6 +149,7 @@ class ReplayOperator(SparkSubmitOperator):
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.spark_conn_id = kwargs.get("conn_id", "spark_default")
         self.pipeline = pipeline
         self.pipeline_file = pipeline_file
         # The task whose return value's ``args`` complete the command (check_backfill).
@@ -159,16 +161,34 @@ class ReplayOperator(SparkSubmitOperator):
 
     def execute(self, context):
         # The job's process cannot ask Airflow for connections: it gets the ledger this task
-        # resolved (connection tidemark_ledger, password masked in logs by Airflow). Set after
-        # templating, so the DSN is not among the rendered fields shown in the UI.
-        # Likewise every connection the pipeline names (tidemark/airflow/connections.py).
+        # resolved (connection tidemark_ledger, password masked in logs by Airflow) and every
+        # connection the pipeline names (tidemark/airflow/connections.py), in a file only
+        # this user can read: on YARN and Kubernetes the provider puts env_vars on
+        # spark-submit's command line (tidemark/core/job_secrets.py). So only that file's
+        # path is an env var, set after templating: nothing secret among the rendered fields,
+        # the logged command, or what OpenLineage sends of the task.
+        self._refuse_cluster_mode()
         named = airflow_tasks.connections_exist(config.load(Path(self.pipeline_file), deep=False))
         self.application_args = self._command(context)
-        self.env_vars = {
-            **(self.env_vars or {}),
-            **named,
-            "TIDEMARK_LEDGER_DSN": airflow_tasks.ledger_dsn(),
-        }
+        secrets = {**named, "TIDEMARK_LEDGER_DSN": airflow_tasks.ledger_dsn()}
+        with job_secrets.written(secrets) as path:
+            self.env_vars = {**(self.env_vars or {}), job_secrets.VAR: path}
+            return self._submit(context)
+
+    def _refuse_cluster_mode(self) -> None:
+        from airflow.sdk import BaseHook
+        from airflow.sdk.exceptions import AirflowFailException
+
+        conn = BaseHook.get_connection(self.spark_conn_id)
+        if (conn.extra_dejson or {}).get("deploy-mode") == "cluster":
+            raise AirflowFailException(
+                f"Spark connection {self.spark_conn_id!r} has deploy-mode cluster: Tidemark's job "
+                "runs its driver where the task runs (client mode), which is where it reads "
+                "its connections; remove deploy-mode from the connection's extra "
+                "(docs/production.md)"
+            )
+
+    def _submit(self, context):
         try:
             return super().execute(context)
         except Exception as exc:

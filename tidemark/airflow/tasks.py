@@ -217,6 +217,7 @@ def select_redrive(pipeline_file: str, params: dict, by: str) -> int:
             req = redrives.get(c, int(request))
             if req is None or req.pipeline != p.name:
                 raise BadInput(f"{where}: no redrive request {request} for this pipeline")
+            redrives.queue(c, req.request_id)  # kept from prune until the replay claims
         elif ids:
             req = redrives.create(c, p.name, by, ids=ids)
         elif error_class or sink or params.get("all_quarantined"):

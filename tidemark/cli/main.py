@@ -15,6 +15,7 @@ from dotenv import load_dotenv
 from pydantic import ValidationError
 
 from tidemark import config as cfg
+from tidemark.core import job_secrets
 from tidemark.core.db import connect, one_line
 from tidemark.core.dsn import mask
 from tidemark.core.errors import BadInput, ConfigError, TidemarkError
@@ -593,6 +594,7 @@ from tidemark.cli import dlq, rebuild, retention  # noqa: E402, F401
 
 def main(argv: list[str] | None = None) -> None:
     try:
+        job_secrets.load_into_environ()  # a spark-submit'd job's connections (Airflow)
         cli.main(args=argv, prog_name="tidemark", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("tidemark: aborted", err=True)

@@ -6,8 +6,9 @@ from typing import Any
 
 import psycopg
 from psycopg import errors as pgerr
+from psycopg.conninfo import conninfo_to_dict
 
-from tidemark.core.dsn import mask
+from tidemark.core.dsn import mask, remember
 from tidemark.core.errors import TidemarkError
 
 APP_NAME = "tidemark"
@@ -21,6 +22,20 @@ def connect(
     application: str = APP_NAME,
     **kwargs: Any,
 ) -> psycopg.Connection:
+    remember(dsn)
+    try:
+        parts = conninfo_to_dict(dsn)
+        # a raw '@' or '/' in a URI's password parses, as a host or a port no one meant
+        if any(c in str(parts.get("host", "")) for c in "@ ") or not all(
+            p.isdigit() for p in str(parts.get("port", "5432")).split(",") if p
+        ):
+            raise psycopg.ProgrammingError("host or port")
+    except psycopg.Error:
+        # libpq's message quotes the part it could not read, often the password itself
+        raise TidemarkError(
+            f"cannot connect to {what}: its connection string does not parse (in a "
+            "postgresql:// URI, URL-encode a password holding %, /, @, : or a space)"
+        ) from None
     try:
         return psycopg.connect(
             dsn, autocommit=autocommit, application_name=application, connect_timeout=10, **kwargs

@@ -8,25 +8,80 @@ from __future__ import annotations
 
 import os
 import re
+from urllib.parse import quote, unquote
 
 from tidemark.core.errors import ConfigError, TidemarkError
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
-# URI userinfo: libpq ends it at the first '@' or '/', so a password holds neither (the user
-# may be empty: postgresql://:pw@host).
-_PASSWORD = re.compile(r"(?P<pre>://[^:/@\s]*:)(?P<pw>[^@/\s]*)(?P<post>@)")
+# URI userinfo. libpq ends it at the first '@' or '/', so an encoded password holds neither;
+# a raw one may hold both (a ${VAR} holding a password, an AIRFLOW_CONN_<ID> set by hand), so
+# the password runs to the last '@' of the token. Without any '@' after it the rest of the
+# token may be a password too (a DSN cut short, or one libpq could not parse): hide it all.
+_PASSWORD = re.compile(r"(?P<pre>://[^:/@\s]*:)(?P<pw>\S*)(?P<post>@)(?=[^@\s]*(?:\s|$))")
+_NO_AT = re.compile(r"(?P<pre>\b(?:postgres(?:ql)?)://[^:/@\s]*:)(?P<rest>[^@\s]*)(?=\s|$)")
+# host:port/path is no userinfo (http://127.0.0.1:8080/x@y)
+_PORT = re.compile(r"\d*(?:/|$)")
 # A URI's query parameter (postgresql://u@h/db?password=pw&sslmode=require): up to the next '&'.
 _QUERY_PASSWORD = re.compile(r"(?P<pre>[?&](?:ssl)?password=)[^&#\s]*", re.IGNORECASE)
 # key=value form, and PGPASSWORD=... in a shell line; a quoted value may hold spaces and \'.
 _KV_PASSWORD = re.compile(
     r"(?<![?&])(\b(?:PG)?(?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'?|\S+)", re.IGNORECASE
 )
+# Passwords of the DSNs this process resolved (remember()): a message may quote one without
+# the DSN around it (libpq's "invalid percent-encoded token: ..."), or a raw password may hold
+# a space, which no pattern can see the end of (so a resolved DSN itself is replaced, whole,
+# by its masked form wherever it stands). Shorter passwords are left to the patterns.
+_SECRETS: set[str] = set()
+_DSNS: dict[str, str] = {}
+_MIN_SECRET = 4
+
+
+# libpq quotes what it could not read ('Secret9@host', "Ab%zzSecret9"): there, and only there,
+# a resolved password is hidden, so a password that is also a word (a user's name, "tidemark")
+# does not garble every message that names it.
+_QUOTED = re.compile(r"(\"[^\"\n]*\"|'[^'\n]*')")
+
+
+def _unquoted_secrets(m: re.Match[str]) -> str:
+    text = m[0]
+    for secret in sorted(_SECRETS, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+def password_of(dsn: str) -> str | None:
+    """The password a DSN carries, read as leniently as a reader of the text would: a URI's
+    userinfo up to its last '@' (raw or URL-encoded), a query's or key=value ``password``."""
+    m = re.search(r"://[^:/@\s]*:(.*)@", dsn)
+    if m:
+        return m[1]
+    m = re.search(r"[?&]password=([^&#]*)", dsn, re.IGNORECASE) or _KV_PASSWORD.search(dsn)
+    if m:
+        value = m[m.lastindex or 1]
+        return value[1:-1] if value.startswith("'") and value.endswith("'") else value
+    return None
+
+
+def remember(dsn: str) -> str:
+    """Keep the DSN's password (as written, decoded and encoded) for mask(); returns ``dsn``."""
+    pw = password_of(dsn)
+    if pw:
+        _DSNS[dsn] = dsn.replace(pw, "***")
+        for form in {pw, unquote(pw), quote(pw, safe=""), quote(unquote(pw), safe="")}:
+            if len(form) >= _MIN_SECRET:
+                _SECRETS.add(form)
+    return dsn
 
 
 def mask(text: str) -> str:
-    """Hide passwords in anything that may hold a DSN (URI, its query, key=value form) or a
-    PGPASSWORD assignment."""
-    text = _PASSWORD.sub(lambda m: f"{m['pre']}***{m['post']}", text)
+    """Hide passwords in anything that may hold a DSN (URI, raw or URL-encoded, its query,
+    key=value form), a PGPASSWORD assignment, or a password this process resolved."""
+    for dsn, masked in _DSNS.items():
+        text = text.replace(dsn, masked)
+    if _SECRETS:
+        text = _QUOTED.sub(_unquoted_secrets, text)
+    text = _PASSWORD.sub(lambda m: m[0] if _PORT.match(m["pw"]) else f"{m['pre']}***@", text)
+    text = _NO_AT.sub(lambda m: m[0] if _PORT.match(m["rest"]) else f"{m['pre']}***", text)
     text = _QUERY_PASSWORD.sub(lambda m: f"{m['pre']}***", text)
     return _KV_PASSWORD.sub(lambda m: f"{m[1]}***", text)
 
@@ -48,7 +103,7 @@ def airflow_connection_uri(conn_id: str, where: str) -> str:
     var = f"AIRFLOW_CONN_{conn_id.upper()}"
     env = os.environ.get(var)
     if env and not env.lstrip().startswith("{"):
-        return _normalize_scheme(env)
+        return remember(_normalize_scheme(env))
     try:
         from airflow.sdk import BaseHook
     except Exception:  # noqa: BLE001 - Airflow absent or not configured
@@ -65,7 +120,7 @@ def airflow_connection_uri(conn_id: str, where: str) -> str:
             f"Airflow connection {conn_id!r} not found ({mask(str(exc))}); outside Airflow, "
             f"set {var} to its URI (postgresql://user:password@host:port/database)",
         ) from None
-    return _normalize_scheme(conn.get_uri())
+    return remember(_normalize_scheme(conn.get_uri()))
 
 
 def airflow_connection_if_defined(conn_id: str) -> str | None:
@@ -82,7 +137,7 @@ def airflow_connection_if_defined(conn_id: str) -> str | None:
         if type(exc).__name__ == "AirflowNotFoundException":
             return None
         raise TidemarkError(f"Airflow connection {conn_id!r}: {mask(str(exc))}") from None
-    return _normalize_scheme(conn.get_uri())
+    return remember(_normalize_scheme(conn.get_uri()))
 
 
 def _normalize_scheme(uri: str) -> str:
@@ -92,7 +147,7 @@ def _normalize_scheme(uri: str) -> str:
 
 def resolve(dsn: str | None, conn_id: str | None, where: str) -> str:
     if dsn:
-        return expand_env(dsn, where)
+        return remember(expand_env(dsn, where))
     if conn_id:
         return airflow_connection_uri(conn_id, where)
     raise ConfigError(where, "needs a dsn or a conn_id")

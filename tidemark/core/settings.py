@@ -8,6 +8,7 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tidemark.core.dsn import remember
 from tidemark.core.errors import TidemarkError
 
 
@@ -72,7 +73,7 @@ class Settings(BaseSettings):
                 else " (or run `make up`, which writes .tidemark/env)"
             )
             raise TidemarkError(f"no ledger: set TIDEMARK_LEDGER_DSN{hint}")
-        return self.ledger_dsn
+        return remember(self.ledger_dsn)
 
     def airflow_ledger(self, where: str) -> str:
         """The ledger's DSN inside Airflow: the Airflow connection ``ledger_conn_id`` when
@@ -88,7 +89,7 @@ class Settings(BaseSettings):
                 f"{self.ledger_conn_id!r} (or set TIDEMARK_LEDGER_DSN in the "
                 f"environment of {where})"
             )
-        return self.ledger_dsn
+        return remember(self.ledger_dsn)
 
 
 @lru_cache(maxsize=1)

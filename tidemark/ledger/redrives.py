@@ -109,6 +109,18 @@ def get(conn: psycopg.Connection, request_id: int) -> Request | None:
     return Request(*row) if row else None
 
 
+def queue(conn: psycopg.Connection, request_id: int) -> bool:
+    """A run is about to redrive the request: keep it from ``prune`` until that run has had
+    time to claim (ledger/retention.py). False when the request is gone."""
+    return (
+        conn.execute(
+            "UPDATE tidemark.redrive_requests SET queued_at = now() WHERE request_id = %s",
+            (request_id,),
+        ).rowcount
+        == 1
+    )
+
+
 def delete(conn: psycopg.Connection, request_id: int) -> None:
     """A request nobody will run (its trigger failed)."""
     conn.execute("DELETE FROM tidemark.redrive_requests WHERE request_id = %s", (request_id,))
@@ -159,8 +171,10 @@ def placement(
     unplaced = conn.execute(
         """
         SELECT r.letter_id, CASE
-            WHEN d.id IS NULL THEN 'no such dead letter'
-            WHEN d.pipeline <> %(pipeline)s THEN 'belongs to pipeline ' || d.pipeline
+            -- one answer for both: whoever may redrive this pipeline learns nothing of
+            -- another's letters (their pipeline's name, or that they exist)
+            WHEN d.id IS NULL OR d.pipeline <> %(pipeline)s
+                THEN 'no such dead letter in this pipeline'
             WHEN d.status <> 'quarantined' THEN 'is ' || d.status::text
             WHEN d.sink <> ALL(%(sinks)s::text[])
                 THEN 'sink ' || d.sink || ' is no longer in the pipeline'

@@ -169,13 +169,18 @@ def requests(
     days: int | None,
     lock: bool = False,
 ) -> list[tuple[int, int]]:
-    """(id, letters) of redrive requests made more than ``days`` ago (none of a pipeline
-    whose redrive is open); with ``days`` None, every request of ``pipeline``."""
+    """(id, letters) of redrive requests made more than ``days`` ago and not queued for a
+    run since (none of a pipeline whose redrive is open); with ``days`` None, every request
+    of ``pipeline``."""
     where = (
         "q.pipeline = %(pipeline)s"
         if days is None
         else f"""{_PIPELINE.format(col="q.pipeline")}
                  AND q.requested_at < now() - make_interval(days => %(days)s)
+                 -- a run triggered for it may wait in its pool: kept as long as a request
+                 -- is kept after it was made, and a day at least
+                 AND coalesce(q.queued_at < now() - make_interval(days => greatest(%(days)s, 1)),
+                              true)
                  AND NOT EXISTS (SELECT 1 FROM tidemark.runs r JOIN tidemark.run_sinks s
                                  USING (run_id) WHERE r.pipeline = q.pipeline
                                  AND r.mode = 'redrive' AND s.state::text = ANY(%(open)s))"""

@@ -21,6 +21,7 @@ import psycopg
 from pydantic import BaseModel, ConfigDict
 
 from tidemark.core.db import scalar
+from tidemark.core.dsn import mask
 from tidemark.core.errors import Fenced, Halted, LeaseHeld, TidemarkError
 from tidemark.core.text import clamp
 from tidemark.ledger.checkpoints import positions
@@ -115,7 +116,20 @@ def hold_owner_lock(conn: psycopg.Connection, run_id: int) -> None:
     conn.execute("SELECT pg_advisory_lock(%s, %s)", (OWNER_LOCK_CLASS, run_id))
 
 
+def _masked(value: Any) -> Any:
+    """``value`` with every string masked (core.dsn.mask): a pipeline's inline DSN carries
+    its password, and the ledger is read by more people than the pipeline's secrets are."""
+    if isinstance(value, str):
+        return mask(value)
+    if isinstance(value, dict):
+        return {k: _masked(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_masked(v) for v in value]
+    return value
+
+
 def ensure_pipeline(conn: psycopg.Connection, name: str, config: dict[str, Any]) -> None:
+    config = _masked(config)
     conn.execute(
         """INSERT INTO tidemark.pipelines (name, config) VALUES (%s, %s)
                     ON CONFLICT (name) DO UPDATE SET config = EXCLUDED.config, updated_at = now()

@@ -196,18 +196,27 @@ class BodyLimit:
         if length.isdigit() and int(length) > self.limit:
             await self._refuse(scope, receive, send)
             return
-        chunks, size = [], 0
+        if scope["method"] not in BODYLESS:
+            # Who asks, from the headers alone, before a byte of the body is read: a caller
+            # who is not signed in gets no buffer at all (400 connections of 2 MiB each
+            # would otherwise sit in memory before any of them was refused).
+            request = Request(scope)
+            try:
+                await web_auth.authenticate(request)
+            except NotAuthenticated as exc:
+                await (await _not_authenticated(request, exc))(scope, receive, send)
+                return
+        data = bytearray()  # one copy of the body, grown in place
         try:
             async with asyncio.timeout(self.seconds):
                 while True:
                     message = await receive()
                     if message["type"] != "http.request":  # the client left: nobody to answer
                         return
-                    size += len(message.get("body", b""))
-                    if size > self.limit:
+                    data += message.get("body", b"")
+                    if len(data) > self.limit:
                         await self._refuse(scope, receive, send)
                         return
-                    chunks.append(message.get("body", b""))
                     if not message.get("more_body", False):
                         break
         except TimeoutError:
@@ -215,11 +224,8 @@ class BodyLimit:
                 Request(scope), 408, f"request body not received within {self.seconds:g} s"
             )(scope, receive, send)
             return
-        body: Message | None = {
-            "type": "http.request",
-            "body": b"".join(chunks),
-            "more_body": False,
-        }
+        body: Message | None = {"type": "http.request", "body": bytes(data), "more_body": False}
+        del data
 
         async def replay() -> Message:
             nonlocal body
@@ -362,6 +368,10 @@ async def _tidemark_error(request: Request, exc: TidemarkError) -> Response:
 
 @app.exception_handler(psycopg.Error)
 async def _db_error(request: Request, exc: psycopg.Error) -> Response:
+    if isinstance(exc, psycopg.DataError):
+        # The value is at fault, not the ledger: a NUL character (which no text column
+        # holds), a date out of range. The caller can mend it.
+        return _error(request, 400, f"a value the ledger cannot hold: {one_line(exc)}")
     # The error names the server, its port and the user: the log has them, masked.
     log.warning(
         "tidemark dead letters: %s %s: ledger error: %s",
@@ -471,6 +481,10 @@ async def _body(request: Request) -> dict[str, Any]:
     raw = await request.body()
     if ctype == FORM:
         form = parse_qs(raw.decode("utf-8", "replace"), keep_blank_values=True)
+        for k, v in form.items():
+            # one field, two values (dry_run=1&dry_run=0): which one was meant is a guess
+            if k != "ids" and len(set(v)) > 1:
+                raise BadInput(f"{k}: given {len(v)} times with different values")
         return _checked({k: (v if k == "ids" else v[-1]) for k, v in form.items()})
     if not raw.strip():
         return {}
@@ -514,7 +528,8 @@ def _dry_run(body: dict) -> bool:
     if value is None or isinstance(value, bool):
         return bool(value)
     text = value.strip().lower()
-    if text in ("1", "true", "on", "0", "false", "off", ""):
+    # a bare "dry_run" (empty) is no "false": the one mistake that commits for real
+    if text in ("1", "true", "on", "0", "false", "off"):
         return text in ("1", "true", "on")
     raise BadInput(f"dry_run {shown(value, 40)}: expected true or false")
 
@@ -1102,6 +1117,8 @@ def _trigger(
                 "ids": sel.get("ids") or [],
             }
             what |= {"request": req.request_id, "letters": req.letters} if req else {"letters": 0}
+            if req is not None and not error and not redrives.queue(conn, req.request_id):
+                error = f"redrive request {req.request_id} no longer exists (pruned)"
             if req is None or error:
                 errors.append({**what, "error": error})
                 continue
