@@ -1,0 +1,99 @@
+"""A discard stands (issue 45, case 6; docs/design.md, "DLQ envelope"): a letter an operator
+discarded stays discarded while its record fails again, through a backfill, a rebuild and a
+redrive of other letters; no DLQ alert counts it. A record that now passes gets its row and
+its letter is resolved. Retention may drop a discarded letter's payload, never the row that
+places its record (invariant 1). The letter page shows an earlier resolution as history.
+Real PostgreSQL and Spark."""
+
+from __future__ import annotations
+
+import psycopg
+
+from tests.invariants import assert_exactly_once
+from tidemark.driver.modes import Rebuild
+from tidemark.driver.run import Backfill
+from tidemark.ledger import dlq
+from tidemark.ledger.state import Range
+
+ROWS = "expect_column_values_to_be_between"
+NOTE = "garbage from the load test"
+
+
+def _world(env, spark) -> int:
+    """Orders 0 .. 29 on one partition (amount = id * 1.25); amounts over 25 fail a row
+    check, so 21 .. 29 are quarantined. The letter of offset 29 is discarded: its id."""
+    env.append_orders(range(30), partitions=1)
+    _check(env, 25)
+    assert env.run(spark).ok
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
+        (last,) = c.execute("SELECT id FROM tidemark.dlq WHERE source_offset = 29").fetchone()
+        assert dlq.discard(c, [last], NOTE, "dora").changed == [last]
+        assert dlq.quarantined(c, "orders") == 8
+    return last
+
+
+def _check(env, max_amount: float) -> None:
+    env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": max_amount}}]})
+
+
+def _letter(env, lid: int) -> tuple:
+    return env.ledger(
+        "SELECT status::text, resolved_by, note, attempts FROM tidemark.dlq WHERE id = %s", (lid,)
+    )[0]
+
+
+def _live(env) -> tuple[int, dict]:
+    """What the DLQ alerts read: the pipeline's quarantined letters (alerts.dlq_max) and
+    the live letters per class (the maintenance check's gauges)."""
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
+        return dlq.quarantined(c, "orders"), dlq.counts_by_pipeline(c).get("orders", {})
+
+
+def _ids(env) -> list[int]:
+    return [i for (i,) in env.q(env.sink_dsn, "SELECT id FROM orders ORDER BY id")]
+
+
+def test_a_discard_stands_through_a_backfill_while_its_record_fails(env, spark):
+    last = _world(env, spark)
+    report = env.run(spark, mode=Backfill([Range(0, 0, 30)]), by="erin")
+    assert report.ok, report.summary()
+    status, by, note, attempts = _letter(env, last)
+    assert (status, by, note) == ("discarded", "dora", NOTE)
+    assert attempts == 2  # seen failing again: its history grows, its decision stands
+    quarantined, by_class = _live(env)
+    assert quarantined == 8 and by_class["validation"] == 8  # not re-alerted
+    assert_exactly_once(env)
+
+
+def test_a_discard_stands_through_a_redrive_of_other_letters_and_a_rebuild(env, spark):
+    last = _world(env, spark)
+    others = [i for (i,) in env.ledger("SELECT id FROM tidemark.dlq WHERE status = 'quarantined'")]
+    _check(env, 27.5)  # 21 and 22 pass now, 23 .. 29 still fail
+    rep = env.redrive(spark, ids=others, by="fay")
+    assert rep.ok and rep.redrive["redriven"] == 2, rep.summary()
+    assert _letter(env, last)[:3] == ("discarded", "dora", NOTE)
+    # A redrive takes quarantined letters only: a discarded one asked for is skipped.
+    rep = env.redrive(spark, ids=[last], by="fay")
+    assert rep.redrive["skipped"] == [last], rep.summary()
+    assert _letter(env, last) == ("discarded", "dora", NOTE, 1)
+
+    report = env.run(spark, mode=Rebuild("main"), sink_names=["main"])
+    assert report.ok, report.summary()
+    assert _letter(env, last) == ("discarded", "dora", NOTE, 2)
+    assert _live(env)[0] == 6
+    assert _ids(env) == list(range(23))
+    assert_exactly_once(env)
+
+
+def test_a_discarded_record_that_passes_now_is_placed_and_its_letter_resolved(env, spark):
+    last = _world(env, spark)
+    assert env.run(spark, mode=Backfill([Range(0, 0, 30)])).ok  # fails again: stands
+    assert _letter(env, last)[0] == "discarded"
+    _check(env, 100)
+    report = env.run(spark, mode=Backfill([Range(0, 0, 30)]), by="erin")
+    assert report.ok, report.summary()
+    assert _ids(env) == list(range(30))
+    status, by, note, _ = _letter(env, last)
+    assert (status, by) == ("redriven", "erin") and "backfill" in note
+    assert _live(env)[0] == 0
+    assert_exactly_once(env)
