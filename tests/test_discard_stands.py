@@ -7,13 +7,17 @@ Real PostgreSQL and Spark."""
 
 from __future__ import annotations
 
+import json
+
 import psycopg
 
 from tests.invariants import assert_exactly_once
+from tests.test_cli import tm
 from tidemark.driver.modes import Rebuild
 from tidemark.driver.run import Backfill
 from tidemark.ledger import dlq
 from tidemark.ledger.state import Range
+from tidemark.protocol.prune import Policy, prune
 
 ROWS = "expect_column_values_to_be_between"
 NOTE = "garbage from the load test"
@@ -96,4 +100,60 @@ def test_a_discarded_record_that_passes_now_is_placed_and_its_letter_resolved(en
     status, by, note, _ = _letter(env, last)
     assert (status, by) == ("redriven", "erin") and "backfill" in note
     assert _live(env)[0] == 0
+    assert_exactly_once(env)
+
+
+def test_prune_keeps_a_discarded_letters_place_and_may_drop_its_payload(env, spark):
+    last = _world(env, spark)
+    _check(env, 27.5)
+    assert env.run(spark, mode=Backfill([Range(0, 0, 30)])).ok  # 21, 22 redriven
+    redriven = [i for (i,) in env.ledger("SELECT id FROM tidemark.dlq WHERE status = 'redriven'")]
+    assert len(redriven) == 2
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
+        c.execute(
+            "UPDATE tidemark.dlq SET resolved_at = now() - interval '40 days' "
+            "WHERE status <> 'quarantined'"
+        )
+    code, out, err = tm(env.cli_env(), "prune", "--dry-run")
+    assert code == 0, err
+    counts = {ln[:26].strip(): ln[26:].split()[0] for ln in out.splitlines()[2:] if ln[26:]}
+    assert counts["dead letters"] == "2", out
+    assert counts["discarded payloads"] == "1", out
+    assert "their rows stay" in out
+
+    s = prune(env.ledger_dsn, Policy(), env.tmp / "docs")
+    assert s.rows["dlq"] == 2 and s.rows["dlq_payloads"] == 1, s.rows
+    assert env.ledger("SELECT id FROM tidemark.dlq WHERE id = ANY(%s)", (redriven,)) == []
+    kept = env.ledger(
+        "SELECT status::text, resolved_by, note, sink, source_partition, source_offset, key, "
+        "payload, headers, source_headers, detail, pruned_at IS NOT NULL "
+        "FROM tidemark.dlq WHERE id = %s",
+        (last,),
+    )
+    assert kept == [("discarded", "dora", NOTE, "main", 0, 29, b"29", None, None, None, None, True)]
+    assert_exactly_once(env)
+    # Nothing left to drop; in JSON, the same words.
+    code, out, err = tm(env.cli_env(), "prune", "--json")
+    assert code == 0, err
+    assert json.loads(out)["rows"].get("dlq_payloads", 0) == 0
+
+    # Still failing, still discarded, its payload still dropped.
+    assert env.run(spark, mode=Backfill([Range(0, 0, 30)])).ok
+    assert _letter(env, last)[:3] == ("discarded", "dora", NOTE)
+    assert env.ledger("SELECT payload FROM tidemark.dlq WHERE id = %s", (last,)) == [(None,)]
+    assert_exactly_once(env)
+    # Passing, it is placed; failing again later, it is live again with its bytes back
+    # from its record, for a redrive to replay.
+    _check(env, 100)
+    assert env.run(spark, mode=Backfill([Range(0, 0, 30)])).ok
+    assert _letter(env, last)[0] == "redriven" and 29 in _ids(env)
+    _check(env, 25)
+    assert env.run(spark, mode=Backfill([Range(0, 0, 30)])).ok
+    back = env.ledger(
+        "SELECT status::text, payload, headers, source_headers IS NOT NULL, pruned_at "
+        "FROM tidemark.dlq WHERE id = %s",
+        (last,),
+    )
+    body = env.ledger('SELECT payload, headers FROM src.log WHERE "offset" = 29')[0]
+    assert back == [("quarantined", body[0], body[1], True, None)]
     assert_exactly_once(env)
