@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import psycopg
+from starlette.requests import Request
 
 from tests.invariants import assert_exactly_once
 from tests.test_cli import tm
@@ -157,3 +158,69 @@ def test_prune_keeps_a_discarded_letters_place_and_may_drop_its_payload(env, spa
     body = env.ledger('SELECT payload, headers FROM src.log WHERE "offset" = 29')[0]
     assert back == [("quarantined", body[0], body[1], True, None)]
     assert_exactly_once(env)
+
+
+def _page(env, lid: int) -> str:
+    """The letter's page as the web app renders it (without Airflow in front)."""
+    from tidemark.web import app
+
+    request = Request(
+        {
+            "type": "http",
+            "method": "GET",
+            "path": f"/dlq/record/{lid}",
+            "root_path": "/tidemark",
+            "query_string": b"",
+            "headers": [],
+            "server": ("localhost", 8080),
+            "scheme": "http",
+        }
+    )
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
+        rec = dlq.get(c, lid, payload_limit=app.SHOW_BYTES)
+    assert rec is not None
+    page = app._html(
+        request,
+        "record.html",
+        r=app._record(request, rec, "auto"),
+        fmt="auto",
+        formats=["auto", "text", "hex"],
+        show_bytes=app.SHOW_BYTES,
+        can_act=True,
+        headers_text=app._headers_text(rec),
+    )
+    return bytes(page.body).decode()
+
+
+def test_the_letter_page_shows_an_earlier_resolution_as_history(env):
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
+        # A letter resolved once and live again since (its record failed again), as the
+        # ledger keeps it: who resolved it before, when and the note stay.
+        (again,) = c.execute(
+            """INSERT INTO tidemark.dlq (pipeline, sink, run_id, source_partition,
+               source_offset, key, payload, error_class, reason, attempts, status, resolved_by,
+               resolved_at, note) VALUES ('orders', 'main', 1, 0, 7, 'k', '{}', 'validation',
+               'amount too big', 2, 'quarantined', 'admin', now() - interval '1 day',
+               'duplicate of order 6') RETURNING id"""
+        ).fetchone()
+    page = _page(env, again)
+    assert 'id="status">quarantined<' in page
+    assert 'id="resolved-by"' not in page  # no resolution beside a live badge
+    assert 'id="earlier"' in page and "admin" in page and "duplicate of order 6" in page
+    assert "failed again since" in page
+    assert 'id="discard-form"' in page  # live: it still needs a decision
+
+
+def test_the_page_of_a_discarded_letter_whose_payload_retention_dropped(env):
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
+        (done,) = c.execute(
+            """INSERT INTO tidemark.dlq (pipeline, sink, run_id, source_partition,
+               source_offset, key, payload, error_class, reason, status, resolved_by,
+               resolved_at, note, pruned_at) VALUES ('orders', 'main', 1, 0, 8, 'k', NULL,
+               'validation', 'amount too big', 'discarded', 'admin', now(), 'test data',
+               now()) RETURNING id"""
+        ).fetchone()
+    page = _page(env, done)
+    assert 'id="status">discarded<' in page and 'id="resolved-by">admin<' in page
+    assert 'id="discard-form"' not in page
+    assert 'id="payload-pruned"' in page and "retention" in page
