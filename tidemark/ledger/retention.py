@@ -133,8 +133,9 @@ def runs(
     lock: bool = False,
 ) -> list[int]:
     """Ids of finished runs that finished more than ``days`` ago and nothing protects (the
-    module's docstring; a letter resolved more than ``letters_days`` ago, which the same prune
-    deletes, does not); with ``days`` None, every run of ``pipeline`` (retiring it: its caller
+    module's docstring; a letter resolved more than ``letters_days`` ago does not: the same
+    prune deletes it or, discarded, drops its payload, and its page then says the run is not
+    in the ledger); with ``days`` None, every run of ``pipeline`` (retiring it: its caller
     has made sure none is open)."""
     if days is None:
         where = "r.pipeline = %(pipeline)s"
