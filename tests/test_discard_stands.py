@@ -209,6 +209,10 @@ def test_the_letter_page_shows_an_earlier_resolution_as_history(env):
     assert 'id="earlier"' in page and "admin" in page and "duplicate of order 6" in page
     assert "failed again since" in page
     assert 'id="discard-form"' in page  # live: it still needs a decision
+    code, out, err = tm(env.cli_env(), "dlq", "show", str(again))
+    assert code == 0, err
+    assert "earlier    by admin" in out and "failed again since" in out
+    assert "resolved   by" not in out
 
 
 def test_the_page_of_a_discarded_letter_whose_payload_retention_dropped(env):
@@ -224,3 +228,6 @@ def test_the_page_of_a_discarded_letter_whose_payload_retention_dropped(env):
     assert 'id="status">discarded<' in page and 'id="resolved-by">admin<' in page
     assert 'id="discard-form"' not in page
     assert 'id="payload-pruned"' in page and "retention" in page
+    code, out, err = tm(env.cli_env(), "dlq", "show", str(done))
+    assert code == 0, err
+    assert "resolved   by admin" in out and "retention dropped the payload" in out
