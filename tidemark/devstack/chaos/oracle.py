@@ -208,7 +208,9 @@ class SinkModel:
         self._place(best)
 
     def _quarantine(self, rec: Record) -> None:
-        self.live[(rec.p, rec.o)] = "quarantined"
+        # A discard stands while its record fails (docs/design.md, "DLQ envelope").
+        if self.live.get((rec.p, rec.o)) != "discarded":
+            self.live[(rec.p, rec.o)] = "quarantined"
         if rec.tombstone:
             self.counts["quarantined"] += 1
 
@@ -240,7 +242,7 @@ class SinkModel:
                 continue
             row = pipe.row(rec)
             if row is None:
-                self.live[pos] = "quarantined"
+                self.live.setdefault(pos, "quarantined")  # a discard stands
                 continue
             # It passes: its own row or a newer version's places it (rule 5).
             self.live.pop(pos, None)
@@ -280,8 +282,8 @@ class SinkModel:
                     break
                 row = None if rec.tombstone else pipe.row(rec)
                 if row is None:
-                    # Quarantined in turn; a live letter (a discarded one too: the design
-                    # does not say a fallback takes back an operator's discard) places it.
+                    # Quarantined in turn; a live letter (a discarded one too: a discard
+                    # stands while its record fails) places it.
                     if (rec.p, rec.o) not in self.live and rec.tombstone:
                         self.counts["quarantined in a fallback"] += 1
                     self.live.setdefault((rec.p, rec.o), "quarantined")
