@@ -294,6 +294,12 @@ class _Time(click.ParamType):
 @click.option("--since", type=_Time(), help="Records from this time on (ISO 8601; UTC if naive).")
 @click.option("--until", type=_Time(), help="Records before this time (ISO 8601; UTC if naive).")
 @click.option("--sink", "sinks", multiple=True, help="Only these sinks (default: all).")
+@click.option(
+    "--accept-pruned",
+    is_flag=True,
+    help="Backfill although the source no longer holds records the sinks hold in the range "
+    "(their rows, deletes and dead letters stay as they are).",
+)
 @dry_run_option
 @run_options
 @pass_ctx
@@ -306,6 +312,7 @@ def backfill_cmd(
     since: datetime | None,
     until: datetime | None,
     sinks: tuple[str, ...],
+    accept_pruned: bool,
     external_id: str | None,
     dry_run: bool,
     airflow: AirflowRun | None,
@@ -324,7 +331,7 @@ def backfill_cmd(
     if not ranges:
         click.echo(f"backfill of {pipeline}: nothing committed in what you asked; nothing to do")
         return
-    mode = Backfill(ranges)
+    mode = Backfill(ranges, accept_pruned=accept_pruned)
     click.echo(f"backfill of {pipeline}: {mode.describe()}", err=True)
     _run(
         ctx,

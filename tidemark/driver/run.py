@@ -112,6 +112,7 @@ class Run(Writing, Verifying):
         self.dry_run = dry_run
         self.omit: dict[str, list[str]] = {}  # a dry run's columns its tables lack
         self.rebuilt: dict[str, Rebuilt] = {}  # a rebuild's new and retired tables
+        self.held: dict[str, dict[int, list[tuple[int, int]]]] = {}  # --accept-pruned
 
     # -- the protocol ----------------------------------------------------------------------
     def execute(self) -> RunReport:

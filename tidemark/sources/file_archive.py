@@ -266,6 +266,26 @@ class FileArchivePlanner:
                 hi = pc.max(picked).as_py()
         return None if lo is None or hi is None else (lo, hi + 1)
 
+    def held(self, partition: int, start: int, end: int) -> list[tuple[int, int]]:
+        """Each segment meeting [start, end) holds [base, its highest offset + 1): reads the
+        footer or tail of those segments only. What lies between one segment's end and the
+        next one's base is a gap: a segment deleted since, or offsets no segment ever held
+        (where a late segment may yet appear, docs/design.md, invariant 2)."""
+        segs = self._segs(partition)
+        out: list[tuple[int, int]] = []
+        for i, seg in enumerate(segs):
+            nxt = segs[i + 1].base if i + 1 < len(segs) else None
+            if seg.base >= end or (nxt is not None and nxt <= start):
+                continue
+            lo, hi = max(seg.base, start), min(_segment_end(self.archive, seg), end)
+            if lo >= hi:
+                continue
+            if out and out[-1][1] == lo:
+                out[-1] = (out[-1][0], hi)
+            else:
+                out.append((lo, hi))
+        return out
+
     def record_time(self, partition: int, offset: int) -> None:
         return None  # it would mean reading a segment: the lag alert uses the record count
 

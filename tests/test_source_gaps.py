@@ -1,0 +1,152 @@
+"""What the source no longer holds (issue 45, case 4; docs/design.md, "Re-delivery").
+
+Case 4: a re-delivery (rebuild, backfill, a backfill's fallback reads) over positions the
+source no longer holds (retention dropped a segment or a row, a tombstone among them)
+refuses without --accept-pruned; with it, what the source no longer holds stays as it is,
+and a dropped tombstone still deletes its key.
+Real PostgreSQL, Spark, file archives and the postgres_log source."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import UTC, datetime
+
+import psycopg
+
+from tidemark.devstack.archive_writer import write_segment
+from tidemark.driver.modes import Backfill, Rebuild
+from tidemark.driver.run import Run
+from tidemark.ledger.state import Range
+from tidemark.protocol.sinks import tombstone_name
+
+KEYED = {
+    "select": {
+        "id": "cast(cast(_tm_key as string) as int)",
+        "name": "name",
+        "amount": "amount",
+        "version": "version",
+    }
+}
+
+
+def _rec(o: int, i: int | None, *, tomb: bool = False, p: int = 0) -> dict:
+    """Archive record at offset ``o`` of order ``i`` (a tombstone of key ``i``)."""
+    body = {"id": i, "name": f"o{i}", "amount": 1.0, "version": 1}
+    return {
+        "partition": p,
+        "offset": o,
+        "key": str(i).encode(),
+        "payload": None if tomb else json.dumps(body).encode(),
+        "headers": None,
+        "ts": datetime(2026, 1, 1, tzinfo=UTC),
+    }
+
+
+def _archive_world(env, spark, tmp_path):
+    """Three segments of partition 0: orders 0-4 at offsets 0-4; orders 5-8 at 5-8 and a
+    tombstone of order 1 at 9; orders 10-12 at 10-12. Delivered, then retention (or an
+    operator) deletes the middle segment."""
+    archive = tmp_path / "archive"
+    write_segment(str(archive), 0, [_rec(o, o) for o in range(5)], "parquet")
+    middle = write_segment(
+        str(archive), 0, [*(_rec(o, o) for o in range(5, 9)), _rec(9, 1, tomb=True)], "jsonl"
+    )
+    write_segment(str(archive), 0, [_rec(o, o) for o in range(10, 13)], "parquet")
+    env.pipeline(
+        source={"type": "file_archive", "uri": str(archive)}, transform=KEYED, tombstones="delete"
+    )
+    assert env.run(spark).ok
+    kept = [0, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12]
+    assert _ids(env) == kept
+    os.remove(middle)
+    return kept
+
+
+def _tombs(env) -> list[tuple]:
+    table = tombstone_name("public.orders")
+    return env.q(env.sink_dsn, f"SELECT id, _tm_offset FROM tidemark.{table} ORDER BY id")
+
+
+def _ids(env) -> list[int]:
+    return [i for (i,) in env.q(env.sink_dsn, "SELECT id FROM orders ORDER BY id")]
+
+
+def _rebuild(env, spark, accept: bool = False):
+    return env._execute(
+        Run, spark, "orders", mode=Rebuild("main", accept_pruned=accept), sink_names=["main"]
+    )
+
+
+def test_a_rebuild_over_a_deleted_middle_segment_refuses_and_keeps_its_tombstone(
+    env, spark, tmp_path
+):
+    kept = _archive_world(env, spark, tmp_path)
+    report = _rebuild(env, spark)
+    assert not report.ok, "the rebuild left out 4 rows and brought order 1 back"
+    error = report.sinks["main"].error
+    assert error == (
+        "sink main: the source no longer holds the records of 4 rows and 1 tombstone of "
+        "public.orders (partition 0: 4 rows and 1 tombstone at offsets 5 to 9; retention "
+        "pruned them); a rebuild would leave them out of the new table. Rebuild from what the "
+        "source holds with --accept-pruned (the old table keeps them; deleted keys stay "
+        "deleted)"
+    ), error
+    assert _ids(env) == kept
+
+    report = _rebuild(env, spark, accept=True)
+    assert report.ok, report.summary()
+    # Rows 5-8 are left out (the old table keeps them); order 1 stays deleted: its tombstone
+    # is carried into the new table's tombstone table.
+    assert _ids(env) == [0, 2, 3, 4, 10, 11, 12]
+    assert _tombs(env) == [(1, 9)]
+
+
+def test_a_backfill_over_a_deleted_middle_segment_refuses_and_keeps_what_is_gone(
+    env, spark, tmp_path
+):
+    kept = _archive_world(env, spark, tmp_path)
+    report = env.run(spark, mode=Backfill([Range(0, 0, 13)]))
+    assert not report.ok, "the backfill removed rows 5-8 and brought order 1 back"
+    error = report.sinks["main"].error
+    assert error == (
+        "sink main: the source no longer holds the records of 4 rows and 1 tombstone of "
+        "public.orders (partition 0: 4 rows and 1 tombstone at offsets 5 to 9; retention "
+        "pruned them); a backfill would remove them. Backfill what the source holds with "
+        "--accept-pruned (what it no longer holds stays as it is)"
+    ), error
+    assert _ids(env) == kept
+
+    report = env.run(spark, mode=Backfill([Range(0, 0, 13)], accept_pruned=True))
+    assert report.ok, report.summary()
+    assert _ids(env) == kept  # rows 5-8 stay, order 1 stays deleted
+    assert _tombs(env) == [(1, 9)]
+
+
+def test_a_rebuild_refuses_when_the_source_dropped_a_postgres_log_tombstone(env, spark):
+    """Order 2 in partition 0; its tombstone (version 9) in partition 1, whose rows
+    retention deletes. The rebuild read partition 0 alone and brought order 2 back."""
+    transform = {"select": {**KEYED["select"], "version": "coalesce(version, 9)"}}
+    env.append([(0, b"1", json.dumps({"name": "a", "amount": 1.0, "version": 1}).encode(),
+                 None, None),
+                (0, b"2", json.dumps({"name": "b", "amount": 1.0, "version": 1}).encode(),
+                 None, None),
+                (1, b"2", None, None, None)])  # fmt: skip
+    env.pipeline(
+        transform=transform, tombstones="delete", sinks=[env.orders_sink(version="version")]
+    )
+    assert env.run(spark).ok
+    assert _ids(env) == [1]
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
+        c.execute('DELETE FROM src.log WHERE "partition" = 1')
+    report = _rebuild(env, spark)
+    assert not report.ok, "the rebuild brought order 2 back"
+    assert "1 tombstone of public.orders (partition 1: 1 tombstone at offset 0;" in (
+        report.sinks["main"].error or ""
+    ), report.sinks["main"].error
+    assert _ids(env) == [1]
+    assert _rebuild(env, spark, accept=True).ok
+    assert _ids(env) == [1]
+    # And a backfill of order 2's version keeps it deleted.
+    assert env.run(spark, mode=Backfill([Range(0, 0, 2)])).ok
+    assert _ids(env) == [1]
