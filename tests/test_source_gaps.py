@@ -1,9 +1,13 @@
-"""What the source no longer holds (issue 45, case 4; docs/design.md, "Re-delivery").
+"""What the source no longer holds, and what it holds only now (issue 45, cases 4 and 5;
+docs/design.md, invariant 2 and "Re-delivery").
 
 Case 4: a re-delivery (rebuild, backfill, a backfill's fallback reads) over positions the
 source no longer holds (retention dropped a segment or a row, a tombstone among them)
 refuses without --accept-pruned; with it, what the source no longer holds stays as it is,
 and a dropped tombstone still deletes its key.
+
+Case 5: a record that appears below a checkpoint, inside a gap the sink stepped over (a late
+segment), is reported with the backfill that places it; that backfill places it.
 Real PostgreSQL, Spark, file archives and the postgres_log source."""
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from datetime import UTC, datetime
 
 import psycopg
 
+from tests.test_cli import tm
 from tidemark.devstack.archive_writer import write_segment
 from tidemark.driver.modes import Backfill, Rebuild
 from tidemark.driver.run import Run
@@ -150,3 +155,43 @@ def test_a_rebuild_refuses_when_the_source_dropped_a_postgres_log_tombstone(env,
     # And a backfill of order 2's version keeps it deleted.
     assert env.run(spark, mode=Backfill([Range(0, 0, 2)])).ok
     assert _ids(env) == [1]
+
+
+def test_a_late_segment_in_a_gap_the_sink_stepped_over_is_reported_and_placed(env, spark, tmp_path):
+    archive = tmp_path / "archive"
+    write_segment(str(archive), 0, [_rec(o, o) for o in range(5)], "parquet")
+    write_segment(str(archive), 0, [_rec(o, o) for o in range(10, 15)], "jsonl")
+    env.pipeline(source={"type": "file_archive", "uri": str(archive)}, transform=KEYED)
+    assert env.run(spark).ok
+    assert env.checkpoints() == {0: 15}
+    # A replayed upload: offsets 5 and 6 arrive in the gap the sink stepped over.
+    write_segment(str(archive), 0, [_rec(o, o) for o in (5, 6)], "parquet")
+    assert env.run(spark).run_id is None  # nothing new above the checkpoint
+    fix = "tidemark backfill orders --partition 0 --from 5 --to 10 --sink main"
+    code, out, err = tm(env.cli_env(), "status", "orders")
+    assert code == 0, err
+    assert (
+        "LATE: sink main partition 0: 2 record(s) at offsets [5, 10) appeared below the "
+        f"checkpoint, in a gap the sink stepped over; place them: {fix}"
+    ) in out, out
+    code, out, err = tm(env.cli_env(), "recover")
+    assert code == 1 and f"place them: {fix}" in out, (code, out, err)
+    # The maintenance DAG's check alerts through the pipeline's channels.
+    from tidemark.airflow.health import check_health
+
+    problems = check_health({"orders": env.load()}, env.ledger_dsn).problems
+    assert [pr.what for pr in problems if pr.pipeline == "orders"] == [
+        "sink main partition 0: 2 record(s) at offsets [5, 10) appeared below the checkpoint, "
+        f"in a gap the sink stepped over; place them: {fix}"
+    ], problems
+
+    assert env.run(spark, mode=Backfill([Range(0, 5, 10)])).ok
+    assert _ids(env) == [*range(7), *range(10, 15)]
+    code, out, err = tm(env.cli_env(), "status", "orders")
+    assert code == 0 and "LATE" not in out, out
+    code, out, err = tm(env.cli_env(), "recover")
+    assert code == 0, (out, err)
+    # What the backfill stepped over itself ([7, 10)) is watched in turn.
+    write_segment(str(archive), 0, [_rec(8, 8)], "jsonl")
+    code, out, err = tm(env.cli_env(), "status", "orders")
+    assert "LATE: sink main partition 0: 1 record(s) at offsets [7, 10) appeared" in out, out

@@ -51,6 +51,7 @@ class Mode(ABC):
     # Re-deliver what the source holds where it no longer holds some of what the sink does
     # (--accept-pruned; docs/design.md, "Re-delivery"): else such a re-delivery is refused.
     accept_pruned = False
+    reads_ranges = True  # reads whole ranges: records the gaps it steps over (ledger/gaps.py)
     needs_prepare = False  # only with delivery: exactly_once (its change must ride the 2PC)
 
     @abstractmethod

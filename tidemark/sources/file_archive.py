@@ -14,7 +14,10 @@ The contract writers follow:
   ``.<name>.tmp``) and rename (tidemark/devstack/archive_writer.py does). Segment *i* holds
   offsets ``[base_i, base_{i+1})``; the last one ends at its highest offset + 1. New segments
   must start above that end, and old ones may only be deleted once every checkpoint is past
-  them. One base offset, one segment (not a ``.parquet`` and a ``.jsonl`` both).
+  them. A segment that breaks this (one that appears inside a gap a run already stepped over)
+  is reported by ``tidemark status``/``recover`` with the backfill that places it
+  (tidemark/driver/late.py); a deleted one makes re-deliveries over it refuse without
+  ``--accept-pruned`` (tidemark/protocol/pruned.py). One base offset, one segment (not a ``.parquet`` and a ``.jsonl`` both).
 * Other files in a partition folder: hidden names (a leading ``.`` or ``_``: temporary files,
   ``.crc`` checksums, ``_SUCCESS``), names ending in ``.tmp``, ``.crc`` or ``._COPYING_``, and
   names that look like no segment (``README``) are ignored. A name that looks like one (it
