@@ -17,8 +17,10 @@ import os
 from datetime import UTC, datetime
 
 import psycopg
+import pytest
 
 from tests.test_cli import tm
+from tidemark.core.errors import TidemarkError
 from tidemark.devstack.archive_writer import write_segment
 from tidemark.driver.modes import Backfill, Rebuild
 from tidemark.driver.run import Run
@@ -35,9 +37,9 @@ KEYED = {
 }
 
 
-def _rec(o: int, i: int | None, *, tomb: bool = False, p: int = 0) -> dict:
+def _rec(o: int, i: int | None, *, tomb: bool = False, p: int = 0, amount: float = 1.0) -> dict:
     """Archive record at offset ``o`` of order ``i`` (a tombstone of key ``i``)."""
-    body = {"id": i, "name": f"o{i}", "amount": 1.0, "version": 1}
+    body = {"id": i, "name": f"o{i}", "amount": amount, "version": 1}
     return {
         "partition": p,
         "offset": o,
@@ -126,6 +128,41 @@ def test_a_backfill_over_a_deleted_middle_segment_refuses_and_keeps_what_is_gone
     assert report.ok, report.summary()
     assert _ids(env) == kept  # rows 5-8 stay, order 1 stays deleted
     assert _tombs(env) == [(1, 9)]
+
+
+def test_a_backfills_fallback_over_a_deleted_segment_refuses(env, spark, tmp_path):
+    """Order 0's newest version (offset 10) fails a new check, so the backfill of [10, 13)
+    falls back to an older version of key 0, over offsets where a segment was deleted: the
+    version it would fall back to may not be the newest the sink had."""
+    archive = tmp_path / "archive"
+    write_segment(str(archive), 0, [_rec(o, o) for o in range(5)], "parquet")
+    middle = write_segment(str(archive), 0, [_rec(o, o) for o in range(5, 10)], "jsonl")
+    write_segment(
+        str(archive), 0, [_rec(10, 0, amount=100.0), _rec(11, 11), _rec(12, 12)], "parquet"
+    )
+    source = {"type": "file_archive", "uri": str(archive)}
+    env.pipeline(source=source, transform=KEYED)
+    assert env.run(spark).ok
+    os.remove(middle)
+    rows = "expect_column_values_to_be_between"
+    env.pipeline(
+        source=source,
+        transform=KEYED,
+        quality={"rows": [{rows: {"column": "amount", "max_value": 3}}]},
+    )
+    with pytest.raises(TidemarkError) as err:
+        env.run(spark, mode=Backfill([Range(0, 10, 13)]))
+    assert str(err.value) == (
+        "sink main: keys fall back to older versions, but the source no longer holds the "
+        "records of 5 rows of public.orders (partition 0: 5 rows at offsets 5 to 9; "
+        "retention pruned them) where those versions lie. Backfill with --accept-pruned to "
+        "fall back to what the source holds"
+    ), err.value
+    assert env.q(env.sink_dsn, "SELECT id, _tm_offset FROM orders WHERE id = 0") == [(0, 10)]
+    report = env.run(spark, mode=Backfill([Range(0, 10, 13)], accept_pruned=True))
+    assert report.ok, report.summary()
+    assert env.q(env.sink_dsn, "SELECT id, _tm_offset FROM orders WHERE id = 0") == [(0, 0)]
+    assert _ids(env) == [*range(10), 11, 12]
 
 
 def test_a_rebuild_refuses_when_the_source_dropped_a_postgres_log_tombstone(env, spark):
