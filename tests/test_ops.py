@@ -266,3 +266,27 @@ def test_a_pipeline_config_is_stored_without_its_passwords(env):
         state.ensure_pipeline(conn, "orders", config)
     (stored,) = env.ledger("SELECT config::text FROM tidemark.pipelines WHERE name = 'orders'")[0]
     assert "Secret9" not in stored and "postgresql://u:***@h/db" in stored
+
+
+@pytest.mark.parametrize("raw", ["Ab%zzSecret9", "Ab Secret9", "Ab/Secret9", "Ab@Secret9"])
+def test_the_recover_tasks_log_shows_no_raw_password(env, monkeypatch, capsys, raw):
+    """The recover task's log (printed lines and the error the task fails with), which
+    Airflow's Viewer role reads through the REST API: a sink DSN whose password is not
+    URL-encoded shows none of it."""
+    from tidemark.airflow import tasks
+    from tidemark.core.errors import TidemarkError
+    from tidemark.core.settings import get_settings
+
+    port = env.sink_dsn.split("@", 1)[1].split("/", 1)[0]
+    env.pipeline(sinks=[env.orders_sink(dsn="${TM_SINK_DSN}")])
+    monkeypatch.setenv("TM_SINK_DSN", f"postgresql://tidemark:{raw}@{port}/warehouse")
+    monkeypatch.delenv("AIRFLOW_CONN_TIDEMARK_LEDGER", raising=False)
+    monkeypatch.setenv("TIDEMARK_LEDGER_DSN", env.ledger_dsn)
+    get_settings.cache_clear()
+    try:
+        with pytest.raises(TidemarkError) as failed:
+            tasks.recover(str(env.dir))
+    finally:
+        get_settings.cache_clear()
+    logged = capsys.readouterr().out + str(failed.value)
+    assert "does not parse" in logged and "Secret" not in logged, logged
