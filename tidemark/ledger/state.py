@@ -160,10 +160,9 @@ def claim(
             )
         )
         if halted and not halted_ok:
-            raise Halted(
-                f"pipeline {pipeline} is halted: {halted} (inspect, then "
-                f"`tidemark resume {pipeline}`)"
-            )
+            # A reason that names its own way back (`tidemark settle RUN`) is not told resume.
+            fix = "" if "`tidemark " in halted else f" (inspect, then `tidemark resume {pipeline}`)"
+            raise Halted(f"pipeline {pipeline} is halted: {halted}{fix}")
         conn.execute(
             """INSERT INTO tidemark.leases (pipeline, sink)
                         SELECT %s, unnest(%s::text[]) ON CONFLICT DO NOTHING""",
@@ -582,6 +581,15 @@ def _halt(conn: psycopg.Connection, pipeline: str, reason: str) -> None:
         """UPDATE tidemark.pipelines SET halted_reason = %s, halted_at = now()
                     WHERE name = %s""",
         (clamp(reason, ERROR_MAX), pipeline),
+    )
+
+
+def halted(conn: psycopg.Connection) -> dict[str, str]:
+    """pipeline -> why, of every halted pipeline."""
+    return dict(
+        conn.execute(
+            "SELECT name, halted_reason FROM tidemark.pipelines WHERE halted_reason IS NOT NULL"
+        ).fetchall()
     )
 
 
