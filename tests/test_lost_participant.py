@@ -125,6 +125,11 @@ def test_a_gid_rolled_back_before_the_finish_rolls_that_sink_back_whole(env, spa
     code, out, err = tm(env.cli_env(), "settle", str(run_id))
     assert code == 0 and "orders: was not halted" in out, (out, err)
     assert _states(env, run_id) == {"main": "committed", "second": "aborted"}
+    # A run the ledger does not have: one clear line, nothing done.
+    code, out, err = tm(env.cli_env(), "settle", "999")
+    assert code == 2 and err.strip().splitlines() == [
+        "tidemark: error: run 999: no such run in the ledger (`tidemark status PIPELINE`)"
+    ], err
 
 
 def test_a_gid_rolled_back_part_way_is_settled_by_a_backfill_of_its_ranges(env, spark, monkeypatch):
@@ -306,3 +311,46 @@ def test_recovery_finishes_a_decision_whose_gid_was_rolled_back(env, spark, monk
     assert_exactly_once(env, sinks=sinks)
     for sink in sinks:
         assert env.checkpoints(sink=sink) == {0: 151, 1: 151}
+
+
+def test_a_sink_gid_lost_after_another_of_the_sink_committed(env, spark, monkeypatch):
+    """One partition written by two tasks (split by key), so sink main has two chosen gids of
+    its own: the first commits, then someone rolls back the second. The ledger's participant,
+    last, is rolled back rather than committed; `settle` re-delivers the range."""
+    from tests.conftest import order_record
+
+    env.append([order_record(0, i % 400, f"v{i}", 1.0) for i in range(2000)])
+    env.append([(0, b"poison", b"{not json", None, None)])
+    env.pipeline(
+        limits={"max_records_per_partition": 5000, "split_min_records": 1000},
+    )
+    rolled = _roll_back_at(monkeypatch, env, "mid_finish", "p.target = 'sink:main'")
+    with pytest.raises(Inconsistency):
+        env.run(spark)
+    monkeypatch.undo()
+    run_id = _last_run(env)
+    assert rolled
+    assert _states(env, run_id) == {"main": "lost"}
+    outcomes = sorted(
+        env.ledger(
+            "SELECT target, outcome, count(*) FROM tidemark.participants GROUP BY 1, 2 ORDER BY 1"
+        )
+    )
+    # Nothing of the ledger's committed after the sink's loss: no letter stands for rows.
+    assert {o[1] for o in outcomes if o[0] == "ledger"} == {"rolled_back"}, outcomes
+    assert ("sink:main", "committed", 1) in outcomes and ("sink:main", "lost", 1) in outcomes
+    assert env.ledger("SELECT count(*) FROM tidemark.dlq") == [(0,)]
+    assert env.prepared() == []
+    assert env.checkpoints() == {0: 2001}
+
+    from tidemark import config
+    from tidemark.driver.settle import settle
+
+    all_p, _ = config.load_all(env.dir)
+    done = settle(all_p, env.settings(), env.ledger_dsn, run_id, spark=spark, log=lambda m: None)
+    assert done.resumed and list(done.backfills) == ["main"]
+    assert env.q(
+        env.sink_dsn, "SELECT count(*), min(name), max(name) FILTER (WHERE id = 399) FROM orders"
+    ) == [(400, "v1600", "v1999")]
+    assert env.ledger("SELECT count(*) FROM tidemark.dlq WHERE status = 'quarantined'") == [(1,)]
+    assert_exactly_once(env)
