@@ -159,7 +159,16 @@ def _redeliver(
             f"settle {run_id}` again"
         )
     with connect(ledger_dsn, autocommit=True, what="ledger") as conn:
-        state.settled(
-            conn, run_id, sink, f"lost a participant; re-delivered by backfill run {report.run_id}"
-        )
+        try:
+            state.settled(
+                conn,
+                run_id,
+                sink,
+                f"lost a participant; re-delivered by backfill run {report.run_id}",
+            )
+        except state.IllegalTransition:
+            # Another settle of the same run got there first (its backfill and this one both
+            # re-delivered the ranges: the rule makes the second harmless).
+            if state.state_of(conn, run_id, sink) != RunState.COMMITTED:
+                raise
     return report.run_id
