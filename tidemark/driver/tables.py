@@ -22,6 +22,7 @@ from tidemark.core.errors import TidemarkError
 from tidemark.driver import checking, preflight
 from tidemark.driver.modes import Mode, Rebuild
 from tidemark.driver.report import RunReport
+from tidemark.ledger import checkpoints
 from tidemark.ledger.state import Claim, RunState
 from tidemark.protocol import rebuild, sink_schema, sinks
 
@@ -49,6 +50,7 @@ class Tables:
     dry_run: bool
     omit: dict[str, list[str]]  # a dry run's sink -> output columns its table lacks
     rebuilt: dict[str, Rebuilt]  # a rebuild's sink -> its new table and the retired one
+    ledger: psycopg.Connection
 
     if TYPE_CHECKING:  # the run's own, tidemark/driver/run.py
 
@@ -131,14 +133,26 @@ class Tables:
         those whose records the source no longer holds (retention pruned them)."""
         cfg, what = sink.config, f"sink {sink.name}"
         starts = {r.partition: r.start for r in claim.sinks[sink.name].ranges}
+        began = checkpoints.starts(self.ledger, self.p.name, [sink.name]).get(sink.name, {})
+        # Rows below where the sink began were never delivered to it (an older backfill put
+        # them there): left out, as a rebuild must, with no --accept-pruned to ask for.
         try:
             with connect(sink.dsn, autocommit=True, what=what) as conn:
                 sinks.prepare_database(conn, what)
                 exists = sink_schema.table_columns(conn, cfg.table) is not None
                 left_out = rebuild.kept_below(conn, cfg.table, starts) if exists else {}
+                never = rebuild.placed_below(conn, cfg.table, began) if exists else {}
         except (psycopg.Error, TidemarkError) as exc:
             self._abort(claim.run_id, sink.name, str(exc), report)
             return
+        left_out = {p: n - never.get(p, 0) for p, n in left_out.items() if n > never.get(p, 0)}
+        if never:
+            self.log(
+                f"run {claim.run_id}: {what}: {sum(never.values()):,} rows of {cfg.table} lie "
+                f"below where the sink began ("
+                + ", ".join(f"partition {p}: offset {began[p]:,}" for p in never)
+                + "): never delivered to it, left out of the new table"
+            )
         if left_out:
             where = ", ".join(
                 f"partition {p}: {n:,}"

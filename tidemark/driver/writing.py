@@ -251,6 +251,7 @@ class Writing(Tables):
         assert self.layout is not None
         v = verdict or gate.Verdict()
         cps = checkpoints.positions(self.ledger, self.p.name, live)
+        began = checkpoints.starts(self.ledger, self.p.name, live)
         plans = {}
         for s in live:
             failed: dict[int, dict[int, str]] = {}
@@ -258,7 +259,12 @@ class Writing(Tables):
                 for p, offs in v.rows.get(scope, {}).items():
                     failed.setdefault(p, {}).update(offs)
             plans[s] = fallback.SinkPlan(
-                by_name[s].config, by_name[s].dsn, claim.sinks[s].ranges, cps.get(s, {}), failed
+                by_name[s].config,
+                by_name[s].dsn,
+                claim.sinks[s].ranges,
+                cps.get(s, {}),
+                failed,
+                began=began.get(s, {}),
             )
         if self.layout.tasks != 1:
             raise TidemarkError(f"a backfill writes in one task, not {self.layout.tasks}")
