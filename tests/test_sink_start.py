@@ -143,3 +143,31 @@ def test_a_rebuild_leaves_out_rows_placed_below_where_the_sink_began(env, spark)
     report = env._execute(Run, spark, "orders", mode=Rebuild("main"), sink_names=["main"])
     assert report.ok, report.summary()
     assert _held(env) == want
+
+
+def test_each_sink_gets_the_part_of_a_backfill_at_or_above_where_it_began():
+    """Pure planning: the CLI cuts what was asked at the lowest start of the chosen sinks
+    (and says what each sink gets), the claim's planner cuts each sink's own range; a
+    partition whose start is not known (NULL) is not cut."""
+    from types import SimpleNamespace
+
+    from tidemark.driver.windows import below_start
+
+    pipeline = SimpleNamespace(name="orders")
+    asked = [Range(0, 0, 10), Range(1, 0, 4), Range(2, 0, 5)]
+    began = {"a": {0: 3, 1: 6}, "b": {0: 5, 1: 4}}
+    ranges, notes = below_start(pipeline, asked, began, ["a", "b"])
+    assert ranges == [Range(0, 3, 10), Range(2, 0, 5)]
+    assert notes == [
+        "backfill of orders partition 0 [0, 10): sink a began at offset 3: it gets [3, 10); "
+        "sink b began at offset 5: it gets [5, 10) (nothing below where a sink began was "
+        "delivered to it)",
+        "backfill of orders partition 1 [0, 4): sink a began at offset 6: it gets none of it; "
+        "sink b began at offset 4: it gets none of it (nothing below where a sink began was "
+        "delivered to it)",
+    ]
+    plan, _ = Backfill([Range(0, 0, 10), Range(2, 0, 5)]).planner(pipeline)
+    assert plan({"a": {0: 10, 2: 5}, "b": {0: 10, 2: 5}}, {"a": {0: 3}, "b": {0: 5, 2: 5}}) == {
+        "a": [Range(0, 3, 10), Range(2, 0, 5)],
+        "b": [Range(0, 5, 10)],
+    }

@@ -51,19 +51,24 @@ def below_start(
     pipeline: Pipeline, ranges: list[Range], starts: dict[str, dict[int, int]], sinks: list[str]
 ) -> tuple[list[Range], list[str]]:
     """``ranges`` cut at the lowest start of the chosen ``sinks`` (nothing below it was
-    delivered to any of them; a range wholly below it is left out), and a line per range cut
-    or left out, naming where each sink began."""
+    delivered to any of them; a range wholly below it is left out), and a line per range
+    that reaches below where a sink began, saying what that sink gets of it (the claim's
+    planner cuts each sink's own range the same way)."""
     out, notes = [], []
     for r in ranges:
-        floors = [starts.get(s, {}).get(r.partition) for s in sinks]
-        known = [f for f in floors if f is not None]
+        floors = {s: starts.get(s, {}).get(r.partition) for s in sinks}
+        known = [f for f in floors.values() if f is not None]
         cut = r.above(min(known) if len(known) == len(floors) else None)
-        if cut != r:
-            where = ", ".join(f"sink {s} began at offset {starts[s][r.partition]}" for s in sinks)
-            what = f"re-delivers [{cut.start}, {cut.end})" if cut.size else "nothing to re-deliver"
+        late = {s: f for s, f in floors.items() if f is not None and f > r.start}
+        if late:
+            each = "; ".join(
+                f"sink {s} began at offset {f}: "
+                + (f"it gets [{f}, {r.end})" if f < r.end else "it gets none of it")
+                for s, f in late.items()
+            )
             notes.append(
                 f"backfill of {pipeline.name} partition {r.partition} [{r.start}, {r.end}): "
-                f"{what}: {where} (nothing below that was delivered to it)"
+                f"{each} (nothing below where a sink began was delivered to it)"
             )
         if cut.size:
             out.append(cut)
