@@ -98,6 +98,11 @@ def test_sink_asset_uri_is_the_postgres_providers():
         got = table_uri(dsn, table)
         assert got == uri
         assert sanitize_uri(urlsplit(got)).geturl() == got  # already the provider's canonical form
+    # a raw '@' would make part of the password the asset's host, in every lineage event
+    for raw in ("Ab@Secret9", "Ab%zzSecret9", "Ab/Secret9"):
+        with pytest.raises(ValueError, match="does not parse") as bad:
+            table_uri(f"postgresql://u:{raw}@db.example/wh", "t")
+        assert "Secret9" not in str(bad.value)
 
 
 def test_backfill_params_validate(airflow_home):

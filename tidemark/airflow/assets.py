@@ -11,10 +11,9 @@ connection.
 
 from __future__ import annotations
 
-from psycopg.conninfo import conninfo_to_dict
-
 from tidemark import config
-from tidemark.core.dsn import mask
+from tidemark.core.db import conninfo
+from tidemark.core.errors import TidemarkError
 
 
 def alias_name(pipeline: str) -> str:
@@ -25,9 +24,9 @@ def alias_name(pipeline: str) -> str:
 def table_uri(dsn: str, table: str) -> str:
     """``postgres://host:port/database/schema/table`` of ``table`` in ``dsn``'s database."""
     try:
-        parts = conninfo_to_dict(dsn)
-    except Exception as exc:  # noqa: BLE001 - psycopg says what is wrong with the DSN
-        raise ValueError(f"not a PostgreSQL DSN ({mask(dsn)}): {exc}") from None
+        parts = conninfo(dsn, "the table's database")
+    except TidemarkError as exc:  # says what is wrong, and nothing of the DSN
+        raise ValueError(f"not a PostgreSQL DSN: {exc}") from None
     host = str(parts.get("host") or parts.get("hostaddr") or "").split(",")[0]
     if not host or host.startswith("/"):  # a Unix socket: the server is this machine
         host = "localhost"

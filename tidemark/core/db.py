@@ -22,26 +22,34 @@ def connect(
     application: str = APP_NAME,
     **kwargs: Any,
 ) -> psycopg.Connection:
-    remember(dsn)
-    try:
-        parts = conninfo_to_dict(dsn)
-        # a raw '@' or '/' in a URI's password parses, as a host or a port no one meant
-        if any(c in str(parts.get("host", "")) for c in "@ ") or not all(
-            p.isdigit() for p in str(parts.get("port", "5432")).split(",") if p
-        ):
-            raise psycopg.ProgrammingError("host or port")
-    except psycopg.Error:
-        # libpq's message quotes the part it could not read, often the password itself
-        raise TidemarkError(
-            f"cannot connect to {what}: its connection string does not parse (in a "
-            "postgresql:// URI, URL-encode a password holding %, /, @, : or a space)"
-        ) from None
+    conninfo(dsn, what)
     try:
         return psycopg.connect(
             dsn, autocommit=autocommit, application_name=application, connect_timeout=10, **kwargs
         )
     except psycopg.Error as exc:
         raise TidemarkError(f"cannot connect to {what} {mask(dsn)}: {one_line(exc)}") from None
+
+
+def conninfo(dsn: str, what: str = "database") -> dict[str, Any]:
+    """The DSN's parts, as libpq reads them; a DSN that does not parse (or parses as a host or
+    port no one meant: a raw '@' or '/' in a URI's password) is one line that shows no part
+    of it, as libpq's own message quotes what it could not read, often the password."""
+    remember(dsn)
+    try:
+        parts = conninfo_to_dict(dsn)
+    except psycopg.Error:
+        parts = None
+    if (
+        parts is None
+        or any(c in str(parts.get("host", "")) for c in "@ ")
+        or not all(p.isdigit() for p in str(parts.get("port", "5432")).split(",") if p)
+    ):
+        raise TidemarkError(
+            f"cannot connect to {what}: its connection string does not parse (in a "
+            "postgresql:// URI, URL-encode a password holding %, /, @, : or a space)"
+        )
+    return parts
 
 
 def one_line(exc: BaseException) -> str:
