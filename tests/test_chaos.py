@@ -303,6 +303,18 @@ def test_the_oracle_applies_the_redelivery_rule():
     )
     assert _model(m) == ({7 + w.KEY_SHIFT: (0, 0), 8: (0, 4), 9: (0, 5)}, {(0, 1), (0, 2)})
 
+    # A discard stands while its record fails (re-delivered or delivered again), and goes
+    # when it passes: its row places it.
+    m = SinkModel()
+    m.deliver(list(src.values()), first, whole_batch=False)
+    m.checkpoint[0] = 6
+    m.live[(0, 1)] = "discarded"
+    m.redeliver(set(src), src, first)
+    m.deliver([src[(0, 1)]], first, whole_batch=False)
+    assert m.live == {(0, 1): "discarded", (0, 3): "quarantined"}
+    m.redeliver(set(src), src, Pipeline(w.Knobs(rows_max=1000), feats, "a"))
+    assert m.live == {}
+
 
 def test_the_oracle_models_tombstones():
     """Tombstones (a key, no payload) in the model: a version of their key that places no row

@@ -95,7 +95,8 @@ def test_a_decode_verdict_binds_only_the_sinks_whose_range_holds_the_record(env,
 
 def test_a_backfill_leaves_the_sink_as_one_delivery_with_the_current_pipeline_would(env, spark):
     """Re-delivery: what now fails leaves the sink for the DLQ, what now passes leaves the DLQ
-    for the sink, in one two-phase commit; re-quarantined letters are live again."""
+    for the sink, in one two-phase commit; re-quarantined letters are live again, except a
+    discarded one, whose discard stands while its record fails."""
     env.append_orders(range(40), partitions=1)  # amount = id * 1.25
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 25}}]})
     assert env.run(spark).ok
@@ -118,14 +119,14 @@ def test_a_backfill_leaves_the_sink_as_one_delivery_with_the_current_pipeline_wo
         1,
         2,
         3,
-        *range(33, 40),
+        *range(33, 39),
     ]
     assert {by_offset[o][4] for o in range(21, 33)} == {"redriven"}
-    # The discarded letter failed again: live again, its history kept.
+    # The discarded letter failed again: its discard stands, its history grows.
     status, attempts, who, note = env.ledger(
         "SELECT status::text, attempts, resolved_by, note FROM tidemark.dlq WHERE id = %s", (last,)
     )[0]
-    assert (status, attempts, who, note) == ("quarantined", 2, "dora", "not worth it")
+    assert (status, attempts, who, note) == ("discarded", 2, "dora", "not worth it")
     resolved = env.ledger(
         "SELECT DISTINCT resolved_by, note FROM tidemark.dlq WHERE status = 'redriven'"
     )
@@ -142,15 +143,20 @@ def test_a_backfill_leaves_the_sink_as_one_delivery_with_the_current_pipeline_wo
     status = {r[2]: r[4] for r in letters(env)}
     assert status == {
         **dict.fromkeys(range(4), "redriven"),
-        **dict.fromkeys(range(21, 40), "quarantined"),
+        **dict.fromkeys(range(21, 39), "quarantined"),
+        39: "discarded",
     }
     assert_exactly_once(env)
 
-    # ... and a redrive accepts the once-discarded letter, now that it passes.
+    # A redrive takes quarantined letters only: the discarded one is skipped ...
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]})
     rep = env.redrive(spark, ids=[last], by="fay")
-    assert rep.ok and rep.redrive["redriven"] == 1, rep.summary()
+    assert rep.redrive["skipped"] == [last], rep.summary()
+    # ... and a backfill of its range places it, now that it passes: its letter resolved.
+    rep = env.run(spark, mode=Backfill([Range(0, 39, 40)]), by="fay")
+    assert rep.ok and rep.sinks["main"].resolved == 1, rep.summary()
     assert 39 in ids(env, env.sink_dsn)
+    assert letters(env, "id = %s", (last,))[0][4] == "redriven"
     assert_exactly_once(env)
 
 

@@ -161,7 +161,19 @@ def test_prune_deletes_what_outlived_retention_and_keeps_what_is_live(env):
         assert not env.ledger(
             f"SELECT 1 FROM tidemark.{t} WHERE run_id = ANY(%s)", (list(gone),)
         ), t
-    assert _ids(env, "dlq", "id") == {w["recently_discarded"], w["quarantined"]}
+    # A discarded letter is its record's one place: its row stays, its payload goes.
+    assert _ids(env, "dlq", "id") == {
+        w["recently_discarded"],
+        w["quarantined"],
+        w["discarded"],
+        w["other_letter"],
+    }
+    assert env.ledger(
+        "SELECT id, payload IS NULL, pruned_at IS NOT NULL FROM tidemark.dlq ORDER BY id"
+    ) == sorted(
+        (w[k], k in ("discarded", "other_letter"), k in ("discarded", "other_letter"))
+        for k in ("discarded", "recently_discarded", "quarantined", "other_letter")
+    )
     assert _ids(env, "redrive_requests", "request_id") == {w["recent_request"]}
     assert env.ledger("SELECT request_id FROM tidemark.redrive_letters") == [(w["recent_request"],)]
     # The Data Docs of the deleted run: page and stored result; the recent run's stay, and a
@@ -174,7 +186,8 @@ def test_prune_deletes_what_outlived_retention_and_keeps_what_is_live(env):
     assert s.docs_files == 2 and s.docs_bytes == 2000
     assert s.outside == [str(w["outside"])]
     assert s.rows == {
-        "dlq": 3,
+        "dlq": 1,
+        "dlq_payloads": 2,
         "participants": 6,
         "run_ranges": 6,
         "run_metrics": 6,
@@ -184,7 +197,8 @@ def test_prune_deletes_what_outlived_retention_and_keeps_what_is_live(env):
         "redrive_letters": 4,
         "redrive_requests": 2,
     }
-    assert "resolved dead letters: deleted 3" in lines and "finished runs: deleted 5" in lines
+    assert "redriven dead letters: deleted 1" in lines and "finished runs: deleted 5" in lines
+    assert "discarded dead letters' payloads: deleted 2" in lines
     # Nothing left to delete: a second prune deletes nothing.
     again = prune(env.ledger_dsn, Policy(), docs)
     assert not any(again.rows.values()) and again.docs_files == 0
@@ -200,7 +214,9 @@ def test_prune_keeps_what_the_settings_say(env):
     assert not any(s.rows.values()) and _run_ids(env) == before
     prune(env.ledger_dsn, Policy(0, 0, 0), docs)
     assert w["recent"] not in _run_ids(env) and w["live_letter_run"] in _run_ids(env)
-    assert _ids(env, "dlq", "id") == {w["quarantined"]}
+    assert _ids(env, "dlq", "id") == {
+        w[k] for k in ("quarantined", "discarded", "recently_discarded", "other_letter")
+    }
 
 
 def test_prune_dry_run_and_pipeline_option_on_the_command_line(env):
@@ -215,7 +231,8 @@ def test_prune_dry_run_and_pipeline_option_on_the_command_line(env):
     assert code == 0, err
     assert "dry run, nothing deleted" in out and "would delete:" in out
     counts = {ln[:26].strip(): ln[26:].split()[0] for ln in out.splitlines()[2:]}
-    assert counts["dead letters"] == "3" and counts["runs"] == "5"
+    assert counts["dead letters"] == "1" and counts["runs"] == "5"
+    assert counts["discarded payloads"] == "2" and "their rows stay" in out
     assert counts["redrive requests"] == "2" and counts["Data Docs files"] == "2"
     assert "(2.0 KB)" in out
     assert {t: env.ledger(f"SELECT count(*) FROM tidemark.{t}")[0][0] for t in before} == before
@@ -224,7 +241,8 @@ def test_prune_dry_run_and_pipeline_option_on_the_command_line(env):
     code, out, err = tm(environ, "prune", "--pipeline", "other", "--json")
     assert code == 0, err
     got = json.loads(out)
-    assert got["rows"]["runs"] == 1 and got["rows"]["dlq"] == 1 and not got["dry_run"]
+    assert got["rows"]["runs"] == 1 and got["rows"]["dlq_payloads"] == 1 and not got["dry_run"]
+    assert "dlq" not in got["rows"] and "their rows stay" in got["notes"][0]
     assert w["other_old"] not in _run_ids(env) and w["old"] in _run_ids(env)
     assert "finished runs: deleted 1" in err
 
@@ -243,8 +261,8 @@ def test_prune_deletes_in_small_batches_and_skips_locked_rows(env):
         env.cli_env(TIDEMARK_RETENTION_BATCH_SIZE=2, TIDEMARK_DATA_DOCS_DIR=docs), "prune"
     )
     assert code == 0, err
-    progress = [ln for ln in err.splitlines() if ln.startswith("resolved dead letters")]
-    assert progress == [f"resolved dead letters: deleted {n}" for n in (2, 4, 6, 7)]
+    progress = [ln for ln in err.splitlines() if ln.startswith("discarded dead letters")]
+    assert progress == [f"discarded dead letters' payloads: deleted {n}" for n in (2, 4, 6, 7)]
     runs_progress = [ln for ln in err.splitlines() if ln.startswith("finished runs")]
     assert runs_progress == [f"finished runs: deleted {n}" for n in (2, 4, 5)]
     assert _run_ids(env) == {runs[-1]}
@@ -265,11 +283,13 @@ def test_prune_deletes_in_small_batches_and_skips_locked_rows(env):
         threading.Thread(target=go, daemon=True).start()
         assert done.wait(30), "prune waited for a locked row"
         assert result["s"].rows["dlq"] == 2
-        assert _ids(env, "dlq", "id") == {more[1]}
+        assert _ids(env, "dlq", "id") == {more[1], *letters}
     finally:
         holder.rollback()
         holder.close()
-    assert not set(letters) & _ids(env, "dlq", "id")
+    assert env.ledger(
+        "SELECT count(*) FROM tidemark.dlq WHERE id = ANY(%s) AND payload IS NULL", (letters,)
+    ) == [(7,)]
 
 
 def test_two_prunes_never_run_at_once(env):
@@ -429,7 +449,8 @@ def test_the_maintenance_task_prunes(env, monkeypatch):
         got = tasks.prune()
     finally:
         get_settings.cache_clear()
-    assert got["rows"]["dlq"] == 3 and got["rows"].get("runs", 0) == 0
+    assert got["rows"]["dlq"] == 1 and got["rows"].get("runs", 0) == 0
+    assert got["rows"]["dlq_payloads"] == 2
     assert w["old"] in _run_ids(env)
 
 

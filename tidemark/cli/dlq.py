@@ -203,9 +203,17 @@ def dlq_show(ctx: Ctx, record_id: int, fmt: str, as_json: bool) -> None:
         f"last seen {_when(rec['last_seen'])}",
     ]
     if rec["resolved_by"] or rec["note"]:
+        # Live again, an earlier resolution is history, not this letter's.
+        again = rec["status"] == "quarantined"
         lines.append(
-            f"  resolved   by {rec['resolved_by'] or '-'} at "
+            f"  {'earlier  ' if again else 'resolved '}  by {rec['resolved_by'] or '-'} at "
             f"{_when(rec['resolved_at'])}: {rec['note'] or ''}"
+            + ("   (its record failed again since: live again)" if again else "")
+        )
+    if rec["pruned_at"]:
+        lines.append(
+            f"  pruned     {_when(rec['pruned_at'])}: retention dropped the payload, headers "
+            f"and detail; the letter stays where its record was discarded"
         )
     for q in rec["quality"]:
         if q["docs_path"] and rec["error_class"] in ("validation", "dq_gate"):

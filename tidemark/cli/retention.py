@@ -36,8 +36,9 @@ def _progress(line: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @pass_ctx
 def prune_cmd(ctx: Ctx, dry_run: bool, pipeline: str | None, as_json: bool) -> None:
-    """Delete resolved dead letters, finished runs (with their metrics, data-quality results
-    and Data Docs pages) and redrive requests older than the retention settings."""
+    """Delete redriven dead letters, finished runs (with their metrics, data-quality results
+    and Data Docs pages) and redrive requests older than the retention settings. A discarded
+    dead letter loses its payload, headers and detail; its row stays (its record's place)."""
     from tidemark.protocol.prune import Policy, prune
 
     policy = Policy.of(ctx.settings)
@@ -53,7 +54,8 @@ def prune_cmd(ctx: Ctx, dry_run: bool, pipeline: str | None, as_json: bool) -> N
         click.echo(json.dumps(summary.to_dict()))
         return
     click.echo(
-        f"retention: resolved dead letters {policy.letters_days} days, finished runs "
+        f"retention: resolved dead letters {policy.letters_days} days (a discarded one's "
+        f"payload; its row stays), finished runs "
         f"{policy.runs_days} days, redrive requests {policy.requests_days} days"
         + (f"; pipeline {pipeline} only" if pipeline else "")
         + ("; dry run, nothing deleted" if dry_run else "")

@@ -93,6 +93,9 @@ ENVELOPE = (
     "source_headers",
     "source_ts",
     "source_note",
+    # when retention dropped a discarded letter's payload, headers and detail (its row stays:
+    # sql/V011__discard_stands.sql)
+    "pruned_at",
 )
 _DLQ = sql.Identifier("tidemark", "dlq")
 

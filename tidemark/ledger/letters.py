@@ -1,9 +1,10 @@
 """Dead letters as Spark tasks write them: inside a task's ledger transaction (prepared with
 the task's sink writes), one letter per (pipeline, sink, record).
 
-Quarantined again, a letter is live again (a redriven or discarded one goes back to
-quarantined) and keeps its history (attempts, who resolved it before). A re-delivery that
-now succeeds resolves the letters of what it delivered.
+Quarantined again, a letter is live again (a redriven one goes back to quarantined) and keeps
+its history (attempts, who resolved it before); a discarded one stays discarded while its record
+fails (the operator's decision stands). A re-delivery that now succeeds resolves the letters
+of what it delivered, discarded ones too.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ RECORD = (
 )
 COLUMNS = (*RECORD, "source_headers", "source_ts", "source_kept")
 _COLS = sql.SQL(", ").join(sql.Identifier(c) for c in COLUMNS)
+# A letter of dlq alias d whose bytes retention dropped, going live again.
+_BACK = sql.SQL("(d.pruned_at IS NOT NULL AND d.status <> 'discarded')")
 
 
 def header_bytes(headers: str | None) -> bytes | None:
@@ -72,19 +75,31 @@ class Stage:
         # A source record never changes: a letter that knows its record's headers and
         # timestamp (or knows the source lost them) keeps that. A redrive of a lost one hands
         # back the stored headers, which must not pass for the source's.
+        # A discard stands while its record fails (docs/design.md, "DLQ envelope"): the
+        # letter stays discarded with who, when and why; only its history grows. Any other
+        # letter quarantined again is live again. Retention may have dropped a discarded
+        # letter's bytes (pruned_at): they stay dropped while it stays discarded, and a
+        # letter live again gets them back from its record, for a redrive to replay.
         self.conn.execute(
             sql.SQL("""
             INSERT INTO tidemark.dlq AS d ({cols}) SELECT {cols} FROM {stage}
             ON CONFLICT ON CONSTRAINT dlq_one_per_sink DO UPDATE
             SET attempts = d.attempts + 1, last_seen = now(), run_id = EXCLUDED.run_id,
                 error_class = EXCLUDED.error_class, reason = EXCLUDED.reason,
-                detail = EXCLUDED.detail, status = 'quarantined',
-                source_headers = CASE WHEN d.source_kept IS NULL THEN EXCLUDED.source_headers
-                                      ELSE d.source_headers END,
-                source_ts = CASE WHEN d.source_kept IS NULL THEN EXCLUDED.source_ts
+                status = CASE WHEN d.status = 'discarded' THEN d.status
+                              ELSE 'quarantined' END,
+                detail = CASE WHEN d.pruned_at IS NOT NULL AND d.status = 'discarded'
+                              THEN NULL ELSE EXCLUDED.detail END,
+                payload = CASE WHEN {back} THEN EXCLUDED.payload ELSE d.payload END,
+                headers = CASE WHEN {back} THEN EXCLUDED.headers ELSE d.headers END,
+                pruned_at = CASE WHEN {back} THEN NULL ELSE d.pruned_at END,
+                source_headers = CASE WHEN d.source_kept IS NULL OR {back}
+                                      THEN EXCLUDED.source_headers ELSE d.source_headers END,
+                source_ts = CASE WHEN d.source_kept IS NULL OR {back} THEN EXCLUDED.source_ts
                                  ELSE d.source_ts END,
-                source_kept = coalesce(d.source_kept, EXCLUDED.source_kept)""").format(
-                cols=_COLS, stage=self.table
+                source_kept = CASE WHEN {back} THEN EXCLUDED.source_kept
+                                   ELSE coalesce(d.source_kept, EXCLUDED.source_kept) END""").format(
+                cols=_COLS, stage=self.table, back=_BACK
             )
         )
         self.conn.execute(sql.SQL("TRUNCATE {}").format(self.table))

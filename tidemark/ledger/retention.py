@@ -7,7 +7,8 @@ deletes nothing still walks forward. With ``lock`` they lock their rows (SKIP LO
 prunes at once never wait on each other), to be deleted in the same transaction.
 
 What is never selected by age (the protocol's needs, docs/design.md):
-* a dead letter that is not resolved (quarantined is live);
+* a dead letter that is not resolved (quarantined is live), and the row of a discarded one:
+  it is its record's one place (invariant 1). Only its payload, headers and detail go;
 * a run with a sink not in a final state (recovery settles it), the newest run (the
   recovery sweep's horizon is the highest run id: below it, an orphan prepared transaction
   is rolled back; above it, left alone as a run still starting), the newest run of each
@@ -25,6 +26,9 @@ from tidemark.core.db import scalar
 from tidemark.ledger.runs import OPEN
 
 RESOLVED = ("redriven", "discarded")
+# What retention drops of a discarded letter; the rest (the record's position and key, the
+# verdict, who discarded it, when and why) stays.
+PRUNED = ("payload", "headers", "source_headers", "detail")
 _OPEN = [str(s) for s in OPEN]
 _PIPELINE = "(%(pipeline)s::text IS NULL OR {col} = %(pipeline)s)"
 # A letter of dlq alias d resolved more than %({days})s days ago (one that was resolved
@@ -51,12 +55,13 @@ def letters(
     days: int | None,
     lock: bool = False,
 ) -> list[int]:
-    """Ids of resolved letters resolved more than ``days`` ago; with ``days`` None, every
-    letter of ``pipeline`` whatever its status (retiring it)."""
+    """Ids of redriven letters resolved more than ``days`` ago (their records have rows);
+    with ``days`` None, every letter of ``pipeline`` whatever its status (retiring it)."""
     where = (
         "d.pipeline = %(pipeline)s"
         if days is None
-        else f"{_EXPIRED_LETTER.format(days='days')} AND {_PIPELINE.format(col='d.pipeline')}"
+        else f"""d.status = 'redriven' AND {_EXPIRED_LETTER.format(days="days")}
+                 AND {_PIPELINE.format(col="d.pipeline")}"""
     )
     return _ids(
         conn,
@@ -77,6 +82,45 @@ def delete_letters(conn: psycopg.Connection, ids: list[int]) -> int:
     return conn.execute("DELETE FROM tidemark.dlq WHERE id = ANY(%s)", (ids,)).rowcount
 
 
+def discarded(
+    conn: psycopg.Connection,
+    *,
+    pipeline: str | None,
+    after: int,
+    limit: int,
+    days: int,
+    lock: bool = False,
+) -> list[int]:
+    """Ids of discarded letters discarded more than ``days`` ago that still carry their
+    record's bytes (payload, headers, detail)."""
+    return _ids(
+        conn,
+        f"""SELECT d.id FROM tidemark.dlq d WHERE d.status = 'discarded'
+            AND {_EXPIRED_LETTER.format(days="days")} AND d.pruned_at IS NULL
+            AND {_PIPELINE.format(col="d.pipeline")} AND d.id > %(after)s
+            ORDER BY d.id LIMIT %(limit)s""",
+        {
+            "pipeline": pipeline,
+            "resolved": list(RESOLVED),
+            "days": days,
+            "after": after,
+            "limit": limit,
+        },
+        "d" if lock else None,
+    )
+
+
+def drop_payloads(conn: psycopg.Connection, ids: list[int]) -> int:
+    """Drop what the discarded letters ``ids`` carry of their records (PRUNED); their rows
+    stay, marked ``pruned_at``."""
+    sets = ", ".join(f"{c} = NULL" for c in PRUNED)
+    return conn.execute(
+        f"UPDATE tidemark.dlq SET {sets}, pruned_at = now() WHERE id = ANY(%s) "
+        "AND status = 'discarded'",
+        (ids,),
+    ).rowcount
+
+
 # -- runs -----------------------------------------------------------------------------------
 def runs(
     conn: psycopg.Connection,
@@ -89,8 +133,9 @@ def runs(
     lock: bool = False,
 ) -> list[int]:
     """Ids of finished runs that finished more than ``days`` ago and nothing protects (the
-    module's docstring; a letter resolved more than ``letters_days`` ago, which the same prune
-    deletes, does not); with ``days`` None, every run of ``pipeline`` (retiring it: its caller
+    module's docstring; a letter resolved more than ``letters_days`` ago does not: the same
+    prune deletes it or, discarded, drops its payload, and its page then says the run is not
+    in the ledger); with ``days`` None, every run of ``pipeline`` (retiring it: its caller
     has made sure none is open)."""
     if days is None:
         where = "r.pipeline = %(pipeline)s"

@@ -1,4 +1,5 @@
-"""Retention (docs/operations.md, "Retention"): delete resolved dead letters, finished runs
+"""Retention (docs/operations.md, "Retention"): delete redriven dead letters (and drop the
+payloads of discarded ones, whose rows stay: each is its record's one place), finished runs
 with their children and Data Docs pages, and redrive requests once older than their keeping
 time, in bounded batches, each its own short ledger transaction.
 
@@ -25,6 +26,10 @@ from tidemark.quality import docs
 LOCK_KEY = 0x74647072  # 'tdpr': one prune or retire at a time
 
 Progress = Callable[[str], None]
+KEPT_DISCARDED = (
+    "discarded letters: only their payloads, headers and detail go; their rows stay (who "
+    "discarded each record, when and why: its one place)"
+)
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ LABELS = {
     "checkpoints": "checkpoints",
     "leases": "leases",
     "dlq": "dead letters",
+    "dlq_payloads": "discarded payloads",
     "runs": "runs",
     "run_sinks": "run sinks",
     "run_ranges": "run ranges",
@@ -172,7 +178,7 @@ def prune(
         # Letters first: a run a deleted letter pointed at may go in the same prune.
         walk(
             conn,
-            "resolved dead letters",
+            "redriven dead letters",
             lambda c, **kw: retention.letters(c, pipeline=pipeline, days=policy.letters_days, **kw),
             lambda ids: {"dlq": retention.delete_letters(conn, ids)},
             lambda ids: {"dlq": len(ids)},
@@ -180,6 +186,22 @@ def prune(
             b,
             progress,
         )
+        # A discarded letter is its record's one place (docs/design.md, invariant 1): its
+        # row stays; what it carried of the record goes.
+        walk(
+            conn,
+            "discarded dead letters' payloads",
+            lambda c, **kw: retention.discarded(
+                c, pipeline=pipeline, days=policy.letters_days, **kw
+            ),
+            lambda ids: {"dlq_payloads": retention.drop_payloads(conn, ids)},
+            lambda ids: {"dlq_payloads": len(ids)},
+            summary,
+            b,
+            progress,
+        )
+        if summary.rows.get("dlq_payloads"):
+            summary.notes.append(KEPT_DISCARDED)
         pages: list[tuple[str, str]] = []
 
         def remove_pages() -> None:

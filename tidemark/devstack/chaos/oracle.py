@@ -298,8 +298,8 @@ class SinkModel:
                     break
                 row = None if rec.tombstone else pipe.row(rec)
                 if row is None:
-                    # Quarantined in turn; a live letter (a discarded one too: the design
-                    # does not say a fallback takes back an operator's discard) places it.
+                    # Quarantined in turn; a live letter (a discarded one too: a discard
+                    # stands while its record fails) places it.
                     if (rec.p, rec.o) not in self.live and rec.tombstone:
                         self.counts["quarantined in a fallback"] += 1
                     self.live.setdefault((rec.p, rec.o), "quarantined")
