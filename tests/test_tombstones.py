@@ -147,17 +147,20 @@ def test_a_fallback_to_a_tombstone_a_letter_held_applies_it_and_resolves_the_let
 
 def test_a_tombstone_kept_after_a_key_change_gives_its_older_version_back(env, spark):
     """Chaos seed 27, step 56: a tombstone deleted key 1, superseding offset 0. The pipeline
-    then keeps tombstones as letters and maps keys anew; a backfill of the tombstone removes
-    it and quarantines it. Offset 0 now maps to key 101, the key the tombstone maps to, and
-    that key falls back to it: placed, not lost."""
+    then keeps tombstones as letters and maps keys anew: a backfill of the tombstone alone is
+    refused (a key change: offset 0's key now, the old transform alone knew). One from the
+    first record quarantines the tombstone and places offset 0 as key 101: not lost."""
     env.append([order(1), tombstone(1)])
     env.pipeline(transform=KEYED, tombstones="delete")
     assert env.run(spark).ok
     assert ids(env) == [] and letters(env) == []
     moved = {"select": {**KEYED["select"], "id": "cast(cast(_tm_key as string) as int) + 100"}}
     env.pipeline(transform=moved, tombstones="quarantine")
-    back = env.run(spark, mode=Backfill([Range(0, 1, 2)]))
-    assert back.ok and back.sinks["main"].fallback == 1, back.summary()
+    refused = env.run(spark, mode=Backfill([Range(0, 1, 2)]))
+    error = refused.sinks["main"].error or ""
+    assert not refused.ok and "partition 0 offset 1: (1) -> (101)" in error, error
+    back = env.run(spark, mode=Backfill([Range(0, 0, 2)]))
+    assert back.ok, back.summary()
     assert ids(env) == [(101, 0)]
     assert [(o, s) for o, _c, _r, s in letters(env)] == [(1, "quarantined")]
     assert_exactly_once(env)

@@ -19,6 +19,10 @@ newest remaining version that passes now. So, before the write, per sink:
    the keys of 2 in its spec (``SinkTarget.moved``). After the range is placed, the task
    walks the versions of each of those keys that has no row, newest first. Same
    transactions, same decision.
+
+Before all that, :func:`refusals`: a row of the range whose record the current pipeline maps
+to another key (a key change) stood for older versions whose old keys nothing records; unless
+the range holds every one of them, the sink is refused (the design's rule of step 4).
 """
 
 from __future__ import annotations
@@ -33,13 +37,14 @@ from psycopg import sql
 from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import StructType
+from pyspark.sql.types import StructField, StructType
 
 from tidemark import sources
 from tidemark.config import Pipeline, Sink
 from tidemark.core.db import qualified
 from tidemark.driver import gate
 from tidemark.engine import records, tombstones
+from tidemark.engine.redelivery import show
 from tidemark.ledger.state import Range
 from tidemark.protocol.sinks import tombstone_table
 from tidemark.protocol.taskspec import FALLBACK, Failures
@@ -64,6 +69,8 @@ class SinkPlan:
     checkpoints: dict[int, int]
     failed: Failures = field(default_factory=dict)
     moved: list[tuple[Any, ...]] = field(default_factory=list)  # keys of _moved_keys, for the task
+    # (partition, offset, *key) of its rows and tombstones in the range (_held), asked once
+    held: set[tuple[Any, ...]] | None = None
 
 
 @dataclass
@@ -99,20 +106,129 @@ def _ask(
     return found
 
 
+def _held(s: SinkPlan) -> set[tuple[Any, ...]]:
+    """(partition, offset, *key) of the sink's rows, and tombstones, whose position lies in
+    the range (step 1 removes them)."""
+    if s.held is None:
+        s.held = _ask(
+            s,
+            sql.SQL(", ").join(sql.Identifier(c) for c in [PART, OFF, *s.config.key]),
+            "_tm_offset >= %s AND _tm_offset < %s",
+            [(r.partition, r.start, r.end) for r in s.ranges],
+        )
+    return s.held
+
+
 def _removed_keys(spark: SparkSession, df: DataFrame, s: SinkPlan) -> DataFrame | None:
-    """The keys of the sink's rows, and tombstones, whose position lies in the range (step 1
-    removes them)."""
-    keys = s.config.key
-    found = _ask(
-        s,
-        sql.SQL(", ").join(sql.Identifier(k) for k in keys),
-        "_tm_offset >= %s AND _tm_offset < %s",
-        [(r.partition, r.start, r.end) for r in s.ranges],
-    )
+    """The keys of the sink's rows, and tombstones, whose position lies in the range."""
+    found = {h[2:] for h in _held(s)}
     if not found:
         return None
-    schema = StructType([df.schema[k] for k in keys])
+    schema = StructType([df.schema[k] for k in s.config.key])
     return spark.createDataFrame(list(found), schema)
+
+
+@dataclass
+class KeyChange:
+    partition: int
+    offset: int
+    old: tuple[Any, ...]  # the key its row has (an earlier pipeline's)
+    new: tuple[Any, ...]  # the key the current pipeline maps its record to
+
+
+EXAMPLES = 3
+
+
+def refusals(
+    spark: SparkSession, pipeline: Pipeline, df: DataFrame, plans: dict[str, SinkPlan]
+) -> dict[str, str]:
+    """Per sink the backfill must not write, why (docs/design.md, "Re-delivery", step 4): a
+    row of the range whose record the current pipeline maps to another key stood for the
+    older versions of its old key, and which records those are, the old transform alone
+    knew. Where the range holds every version older than such a row, the current pipeline
+    places each of them itself; elsewhere some may map now to a key nothing places (a split),
+    so the sink is refused before anything is written. A record that fails now before it has
+    a key shows no key change."""
+    out: dict[str, str] = {}
+    for name, s in plans.items():
+        n, changes, parts = _key_changes(spark, df, s)
+        if not n or _covers(pipeline, s, parts):
+            continue
+        shown = "; ".join(
+            f"partition {c.partition} offset {c.offset}: {show(c.old)} -> {show(c.new)}"
+            for c in changes
+        )
+        out[name] = (
+            f"a key change: {n:,} record(s) of the range map now to another key "
+            f"({', '.join(s.config.key)}) than their rows have ({shown}"
+            f"{'; ...' if n > len(changes) else ''}); the older versions those rows stood for "
+            f"may lie outside the range, and which key each maps to now only re-delivering "
+            f"them tells (after a split, some would be placed by nothing). Nothing was "
+            f"written. Re-deliver everything the sink received: tidemark sink rebuild "
+            f"{pipeline.name} {name}, or tidemark backfill {pipeline.name} --partition all "
+            f"--sink {name}"
+        )
+    return out
+
+
+def _key_changes(
+    spark: SparkSession, df: DataFrame, s: SinkPlan
+) -> tuple[int, list[KeyChange], set[int]]:
+    """How many rows (and tombstones) of the range hold a key other than the one the current
+    pipeline maps their record to, the first few by position, and their partitions."""
+    held = _held(s)
+    if not held:
+        return 0, [], set()
+    keys = s.config.key
+    old = [f"_tm_old_{i}" for i in range(len(keys))]
+    schema = StructType(
+        [df.schema[PART], df.schema[OFF]]
+        + [StructField(o, df.schema[k].dataType) for o, k in zip(old, keys, strict=True)]
+    )
+    rows = spark.createDataFrame(list(held), schema)
+    now = gate.in_ranges(df, s.ranges).select(PART, OFF, *keys)
+    for k in keys:
+        now = now.where(F.col(k).isNotNull())
+    same = functools.reduce(
+        Column.__and__, [F.col(k).eqNullSafe(F.col(o)) for k, o in zip(keys, old, strict=True)]
+    )
+    changed = now.join(rows, [PART, OFF]).where(~same).persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        n = changed.count()
+        if not n:
+            return 0, [], set()
+        first = changed.orderBy(PART, OFF).limit(EXAMPLES).collect()
+        parts = {r[PART] for r in changed.select(PART).distinct().collect()}
+    finally:
+        changed.unpersist()
+    return (
+        n,
+        [
+            KeyChange(r[PART], r[OFF], tuple(r[o] for o in old), tuple(r[k] for k in keys))
+            for r in first
+        ],
+        parts,
+    )
+
+
+def _covers(pipeline: Pipeline, s: SinkPlan, changed: set[int]) -> bool:
+    """Whether the range holds every version older than a row of ``changed`` partitions:
+    its partition from the first record the source holds; where the sink orders versions by
+    a column, every partition, from the first record to the checkpoint."""
+    parts = sorted(s.checkpoints) if s.config.version else sorted(changed)
+    ranges = {r.partition: r for r in s.ranges}
+    planner = sources.planner(pipeline)
+    try:
+        for p in parts:
+            first, end = planner.earliest(p), s.checkpoints.get(p, 0)
+            if first is None or first >= end:
+                continue  # the source holds nothing the sink received there
+            r = ranges.get(p)
+            if r is None or r.start > first or (s.config.version and r.end < end):
+                return False
+    finally:
+        planner.close()
+    return True
 
 
 def _passing(df: DataFrame, s: SinkPlan) -> DataFrame:

@@ -143,7 +143,16 @@ class Writing(Tables):
                 return [], None
             out = checked.df
             if self.mode.falls_back:
-                fallen = self._fallback(spark, out, claim, by_name, live, checked.verdict)
+                plans = self._plans(claim, by_name, live, checked.verdict)
+                # Before any transaction is prepared: a sink the backfill would leave with
+                # versions placed by nothing (a key split) is refused (fallback.refusals).
+                for sink, why in fallback.refusals(spark, self.p, out, plans).items():
+                    self._abort(claim.run_id, sink, why, report)
+                    live.remove(sink)
+                    del plans[sink]
+                if not live:
+                    return [], None
+                fallen = self._fallback(spark, out, claim, plans)
                 out = fallen.df if fallen is not None else out
             spec = self._spec(claim, by_name, live, [c for c, _ in columns], checked, fallen, write)
             return live, self._run_tasks(spark, out, spec, claim.run_id)
@@ -238,17 +247,10 @@ class Writing(Tables):
             live.append(sink)
         return live
 
-    def _fallback(
-        self,
-        spark: SparkSession,
-        df: DataFrame,
-        claim: Claim,
-        by_name: Sinks,
-        live: list[str],
-        verdict: gate.Verdict | None,
-    ) -> fallback.Fallback | None:
-        """A backfill's fallback versions (tidemark/driver/fallback.py); one write task."""
-        assert self.layout is not None
+    def _plans(
+        self, claim: Claim, by_name: Sinks, live: list[str], verdict: gate.Verdict | None
+    ) -> dict[str, fallback.SinkPlan]:
+        """Each sink of a backfill as the fallback sees it (tidemark/driver/fallback.py)."""
         v = verdict or gate.Verdict()
         cps = checkpoints.positions(self.ledger, self.p.name, live)
         plans = {}
@@ -260,6 +262,13 @@ class Writing(Tables):
             plans[s] = fallback.SinkPlan(
                 by_name[s].config, by_name[s].dsn, claim.sinks[s].ranges, cps.get(s, {}), failed
             )
+        return plans
+
+    def _fallback(
+        self, spark: SparkSession, df: DataFrame, claim: Claim, plans: dict[str, fallback.SinkPlan]
+    ) -> fallback.Fallback | None:
+        """A backfill's fallback versions (tidemark/driver/fallback.py); one write task."""
+        assert self.layout is not None
         if self.layout.tasks != 1:
             raise TidemarkError(f"a backfill writes in one task, not {self.layout.tasks}")
         return fallback.attach(
