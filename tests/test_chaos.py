@@ -17,11 +17,12 @@ import psycopg
 import pytest
 
 from tidemark.devstack.chaos import world as w
-from tidemark.devstack.chaos.adapter import InProcess
+from tidemark.devstack.chaos.adapter import InProcess, Subprocess
 from tidemark.devstack.chaos.checker import Checker, Problem
 from tidemark.devstack.chaos.faults import KINDS, signal_session
+from tidemark.devstack.chaos.ops import Chaos, Result, Step, step_rng
 from tidemark.devstack.chaos.oracle import Oracle, Pipeline, Record, SinkModel
-from tidemark.devstack.chaos.runner import target
+from tidemark.devstack.chaos.runner import content, settle_and_check, target
 from tidemark.devstack.chaos.world import World
 
 
@@ -481,3 +482,176 @@ def test_a_short_seeded_run_with_every_kind_of_fault_passes(tmp_path):
     assert faults, out
     for kind in KINDS:  # steps 3, 6, 9, 12 are faults, one of each kind
         assert f"{kind} 1" in faults.group(1), out
+
+
+# -- a pipeline's life (issue 45, point 8): each new operation, once, judged by the oracle ---
+
+
+def _life(world: World, spark, steps: list, seed: int = 11) -> tuple[Chaos, list[Result]]:
+    """Perform ``steps`` (an operation's name, or a function of the Chaos doing one) as a
+    chaos run does: recovery, the checker and the oracle after each; any problem fails."""
+    inproc, sub = InProcess(world, spark), Subprocess(world)
+    chaos = Chaos(world, inproc, sub)
+    checker, oracle = Checker(target(world)), Oracle(target(world), world.features)
+    chaos.oracle = oracle
+    done = []
+    for n, op in enumerate(steps, 1):
+        if callable(op):
+            res = op(chaos, step_rng(seed, n))
+            chaos.ops[getattr(op, "__name__", "custom")] += 1
+        else:
+            res = chaos.perform(Step(n, op, None, step_rng(seed, n)))
+        problems, _ = settle_and_check(inproc, checker, res.problems)
+        problems += content(oracle, chaos, world)
+        if not res.faulted:
+            problems += oracle.aborted
+        assert problems == [], f"step {n} {res.desc}: {res.outcome}\n" + "\n".join(
+            map(str, problems)
+        )
+        done.append(res)
+        chaos.redrive_ids, chaos.discard_ids = [], []
+        chaos.accept_pruned, chaos.trimmed, chaos.reread = False, [], False
+    return chaos, done
+
+
+def _knobs(**kw):
+    def edit(chaos: Chaos, rng) -> Result:
+        chaos.world.write_pipeline(replace(chaos.world.knobs, **kw))
+        return Result(f"edit {kw}", chaos.world.knobs.short())
+
+    return edit
+
+
+def _backfill(p: int, a: int, b: int | None = None, sinks=None, accept: bool = False):
+    def backfill(chaos: Chaos, rng) -> Result:
+        end = b if b is not None else min(chaos.checkpoints()[(s, p)] for s in sinks or w.SINKS)
+        chaos.accept_pruned = accept
+        out = chaos.inproc.backfill(p, a, end, sinks, accept_pruned=accept)
+        return chaos._inproc(f"backfill p{p} [{a},{end}) accept={accept}", out)
+
+    return backfill
+
+
+def _trim_most(chaos: Chaos, rng) -> Result:
+    """Retention deletes every segment of partition 0 wholly below 3 offsets under the
+    lowest checkpoint."""
+    cp = min(chaos.checkpoints()[(s, 0)] for s in w.SINKS)
+    chaos.trimmed = chaos.world.source.trim(0, cp - 3)
+    return Result("trim", f"{len(chaos.trimmed)} record(s) deleted from the source")
+
+
+def test_time_windows_map_to_offsets_whatever_the_session_time_zone(tmp_path, spark):
+    """(g) The ledger database (the source's) reads times in Asia/Kathmandu: windows typed
+    naive, with Z or another zone's offset re-deliver what the source's own times say, and so
+    does --partition all."""
+    world = World.create(2, 1000, tmp_path / "w", w.Features(tz="db:Asia/Kathmandu"))
+    try:
+        with psycopg.connect(world.ledger_dsn, autocommit=True) as c:
+            assert c.execute("SHOW TimeZone").fetchone() == ("Asia/Kathmandu",)
+        chaos, done = _life(
+            world,
+            spark,
+            ["append", "run", "append", "append", "run"] + ["backfill_time"] * 4 + ["backfill_all"],
+        )
+        windows = [r for r in done if r.desc.startswith("backfill --since")]
+        assert len(windows) == 4 and any("run " in r.outcome for r in windows), done
+    finally:
+        world.destroy()
+
+
+def test_key_splits_and_merges_are_refused_in_part_and_placed_whole(tmp_path, spark):
+    """(d) After a transform edit that splits keys, a backfill of part of a partition is
+    refused for its sinks before anything is written (naming `tidemark sink rebuild`); a
+    rebuild and a whole backfill place every version; then a merge, the same."""
+    world = World.create(2, 1000, tmp_path / "w", w.Features(split=True, versioned=True))
+    try:
+        chaos, done = _life(
+            world,
+            spark,
+            [
+                "append",
+                "append_chain",
+                "append_chain",
+                "run",
+                _knobs(variant="split"),
+                _backfill(0, 5),
+                "rebuild",
+                _knobs(variant="merge"),
+                _backfill(1, 3),
+                lambda c, r: c._inproc("all", c.inproc.backfill_as_cli("all")),
+            ],
+        )
+        assert chaos.oracle.refusals["key change"] >= 3, chaos.oracle.refusals
+        assert "aborted" in done[5].outcome and "commit" in done[6].outcome, done
+    finally:
+        world.destroy()
+
+
+def test_trimmed_sources_late_segments_and_pruned_discards(tmp_path, spark):
+    """(b) Retention trims old segments (tombstones among them): a re-delivery over what the
+    sinks hold there is refused without --accept-pruned, and with it keeps those positions as
+    they are (a trimmed tombstone stays a delete). (c) A segment appears in a gap below the
+    checkpoints: recovery reports it with its backfill, which places it. (f) Discards stand
+    through backfills and a prune drops their payloads, never them."""
+    feats = w.Features(archive=True, tombstones=True, trim=True, late=True, prune=True)
+    world = World.create(1, 1000, tmp_path / "w", feats)
+    world.source.GAP = 1.0  # every new segment after a gap: one below the checkpoint, surely
+    try:
+        chaos, done = _life(
+            world,
+            spark,
+            [
+                "append",
+                "append_tombstone",
+                "append",
+                "append_poison",
+                "run",
+                "late_segment",
+                _trim_most,
+                _backfill(0, 0, accept=False),
+                _backfill(0, 0, accept=True),
+                lambda c, r: c._inproc("rebuild a", c.inproc.rebuild("a", accept_pruned=True)),
+                "discard",
+                "backfill_discarded",
+                "prune",
+                "backfill_discarded",
+            ],
+        )
+        assert "reported for a, b" in done[5].outcome, done[5]
+        assert "deleted from the source" in done[6].outcome, done[6]
+        assert chaos.oracle.refusals["pruned positions"] >= 1, chaos.oracle.refusals
+        with psycopg.connect(world.ledger_dsn, autocommit=True) as c:
+            pruned = c.execute(
+                "SELECT count(*) FROM tidemark.dlq WHERE status = 'discarded' "
+                "AND pruned_at IS NOT NULL AND payload IS NULL"
+            ).fetchone()
+        assert pruned and pruned[0] >= 1
+    finally:
+        world.destroy()
+
+
+@pytest.mark.spark  # jobs in processes of their own, stopped at a protocol point
+def test_an_operators_commit_and_rollback_of_prepared_gids(tmp_path, spark):
+    """(e) A run stopped after its decision: an operator commits a chosen gid (the finish sees
+    its marker), rolls back one not chosen before the decision (the run aborts, nothing
+    visible), and rolls back a chosen one (recovery names `tidemark settle RUN`, which
+    re-delivers what committed in part and resumes). Every record placed exactly once."""
+    world = World.create(2, 1000, tmp_path / "w", w.Features(gids=True))
+    try:
+        chaos, done = _life(
+            world,
+            spark,
+            [
+                "append",
+                "run",
+                lambda c, r: c.gids(r, "commit_chosen", "after_decide", go_on=True),
+                lambda c, r: c.gids(r, "rollback_unchosen", "after_prepare", go_on=True),
+                lambda c, r: c.gids(r, "rollback_chosen", "mid_finish", go_on=True),
+                "run",
+            ],
+        )
+        assert "COMMIT PREPARED" in done[2].outcome, done[2]
+        assert "ROLLBACK PREPARED" in done[3].outcome, done[3]
+        assert "settle: job exit 0" in done[4].outcome, done[4]
+    finally:
+        world.destroy()

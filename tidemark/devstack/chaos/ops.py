@@ -651,15 +651,23 @@ class Chaos:
         return res
 
     # -- an operator's hands on a stopped run's prepared transactions ---------------------------
-    def gids(self, rng: random.Random) -> Result:
+    def gids(
+        self,
+        rng: random.Random,
+        act: str | None = None,
+        point: str | None = None,
+        go_on: bool | None = None,
+    ) -> Result:
         """A run (or one sink's run) stopped at a protocol point between its prepare and its
         finish; the operator commits or rolls back some of its prepared transactions by hand
         (``GID_ACTS``); then the job goes on or is killed, and recovery settles it. The oracle
         then holds the sinks to what the run decided: each record placed exactly once."""
-        acts = [a for a in GID_ACTS if a in self.gid_acts_on]
-        act = rng.choice(acts)
-        point = rng.choice(GID_ACTS[act])
-        sink_u, how_many_u, go_on = rng.random(), rng.random(), rng.random() < 0.5
+        drawn = rng.choice(self.gid_acts_on)
+        act = act or drawn
+        drawn_point = rng.choice(GID_ACTS[act])
+        point = point or drawn_point
+        sink_u, how_many_u, go_u = rng.random(), rng.random(), rng.random()
+        go_on = go_u < 0.5 if go_on is None else go_on
         appended = self.append(rng, rng.randint(5, 20))
         sinks = None if sink_u < 0.6 else [w.SINKS[int((sink_u - 0.6) / 0.4 * len(w.SINKS))]]
         job = self.sub.run(sinks, pause_at=point)
