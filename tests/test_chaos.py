@@ -532,6 +532,15 @@ def _backfill(p: int, a: int, b: int | None = None, sinks=None, accept: bool = F
     return backfill
 
 
+def _rebuild(sink: str, accept: bool):
+    def rebuild(chaos: Chaos, rng) -> Result:
+        chaos.accept_pruned = accept
+        out = chaos.inproc.rebuild(sink, accept_pruned=accept)
+        return chaos._inproc(f"sink rebuild {sink} accept={accept}", out)
+
+    return rebuild
+
+
 def _trim_most(chaos: Chaos, rng) -> Result:
     """Retention deletes every segment of partition 0 wholly below 3 offsets under the
     lowest checkpoint."""
@@ -587,15 +596,13 @@ def test_key_splits_and_merges_are_refused_in_part_and_placed_whole(tmp_path, sp
         world.destroy()
 
 
-def test_trimmed_sources_late_segments_and_pruned_discards(tmp_path, spark):
-    """(b) Retention trims old segments (tombstones among them): a re-delivery over what the
+def test_trimmed_sources_and_pruned_discards(tmp_path, spark):
+    """(b) Retention deletes old records (tombstones among them): a re-delivery over what the
     sinks hold there is refused without --accept-pruned, and with it keeps those positions as
-    they are (a trimmed tombstone stays a delete). (c) A segment appears in a gap below the
-    checkpoints: recovery reports it with its backfill, which places it. (f) Discards stand
-    through backfills and a prune drops their payloads, never them."""
-    feats = w.Features(archive=True, tombstones=True, trim=True, late=True, prune=True)
+    they are (a trimmed tombstone stays a delete). (f) Discards stand through backfills and a
+    prune drops their payloads, never them."""
+    feats = w.Features(tombstones=True, trim=True, prune=True)
     world = World.create(1, 1000, tmp_path / "w", feats)
-    world.source.GAP = 1.0  # every new segment after a gap: one below the checkpoint, surely
     try:
         chaos, done = _life(
             world,
@@ -606,20 +613,22 @@ def test_trimmed_sources_late_segments_and_pruned_discards(tmp_path, spark):
                 "append",
                 "append_poison",
                 "run",
-                "late_segment",
-                _trim_most,
-                _backfill(0, 0, accept=False),
-                _backfill(0, 0, accept=True),
-                lambda c, r: c._inproc("rebuild a", c.inproc.rebuild("a", accept_pruned=True)),
                 "discard",
                 "backfill_discarded",
                 "prune",
                 "backfill_discarded",
+                _trim_most,
+                _backfill(0, 0, accept=False),
+                _rebuild("a", accept=False),
+                _rebuild("a", accept=True),
             ],
         )
-        assert "reported for a, b" in done[5].outcome, done[5]
-        assert "deleted from the source" in done[6].outcome, done[6]
-        assert chaos.oracle.refusals["pruned positions"] >= 1, chaos.oracle.refusals
+        assert "discarded [" in done[5].outcome, done[5]
+        assert "committed" in done[6].outcome and "committed" in done[8].outcome, done[6:9]
+        assert "deleted from the source" in done[9].outcome, done[9]
+        assert "aborted" in done[10].outcome and "aborted" in done[11].outcome, done[10:12]
+        assert "a=committed" in done[12].outcome, done[12]
+        assert chaos.oracle.refusals["pruned positions"] == 3, chaos.oracle.refusals
         with psycopg.connect(world.ledger_dsn, autocommit=True) as c:
             pruned = c.execute(
                 "SELECT count(*) FROM tidemark.dlq WHERE status = 'discarded' "
@@ -630,12 +639,26 @@ def test_trimmed_sources_late_segments_and_pruned_discards(tmp_path, spark):
         world.destroy()
 
 
+def test_a_late_segment_is_reported_and_placed_by_its_backfill(tmp_path, spark):
+    """(c) A segment appears in a gap below the checkpoints of a file archive: recovery and
+    status report it with the backfill that places it; that backfill places it, and nothing
+    is reported after."""
+    world = World.create(1, 1000, tmp_path / "w", w.Features(archive=True, late=True))
+    world.source.GAP = 1.0  # every new segment after a gap: one below the checkpoint, surely
+    try:
+        _chaos, done = _life(world, spark, ["append", "append", "append", "run", "late_segment"])
+        assert "reported for a, b" in done[4].outcome, done[4]
+    finally:
+        world.destroy()
+
+
 @pytest.mark.spark  # jobs in processes of their own, stopped at a protocol point
 def test_an_operators_commit_and_rollback_of_prepared_gids(tmp_path, spark):
     """(e) A run stopped after its decision: an operator commits a chosen gid (the finish sees
-    its marker), rolls back one not chosen before the decision (the run aborts, nothing
-    visible), and rolls back a chosen one (recovery names `tidemark settle RUN`, which
-    re-delivers what committed in part and resumes). Every record placed exactly once."""
+    its marker), rolls back gids after their prepare was verified but before the decision
+    (which then chooses them: lost like chosen ones), and rolls back a chosen one part way
+    through the finish: recovery names `tidemark settle RUN`, which re-delivers what
+    committed in part and resumes. Every record placed exactly once."""
     world = World.create(2, 1000, tmp_path / "w", w.Features(gids=True))
     try:
         chaos, done = _life(
@@ -652,6 +675,7 @@ def test_an_operators_commit_and_rollback_of_prepared_gids(tmp_path, spark):
         )
         assert "COMMIT PREPARED" in done[2].outcome, done[2]
         assert "ROLLBACK PREPARED" in done[3].outcome, done[3]
+        assert "settle: job exit 0" in done[3].outcome, done[3]
         assert "settle: job exit 0" in done[4].outcome, done[4]
     finally:
         world.destroy()

@@ -688,7 +688,9 @@ class Chaos:
                 else:
                     job.kill()
                     notes.append("job killed: " + self._finish(job, res))
-                if act == "rollback_chosen":
+                # A gid rolled back after the run verified its prepares (at after_prepare, the
+                # decision still to come, it will choose it) is lost like a chosen one.
+                if act.startswith("rollback") and "rollback_chosen" in self.gid_acts_on:
                     notes.append(self._settle(res))
         finally:
             if job.alive():
@@ -749,7 +751,7 @@ class Chaos:
                 "SELECT database, gid FROM pg_prepared_xacts WHERE gid LIKE %s ORDER BY 2",
                 (f"{prefix}:{run_id}:%",),
             ).fetchall()
-        pool = [(db, g) for db, g in prepared if (g in chosen) == (act == "commit_chosen")]
+        pool = [(db, g) for db, g in prepared if (g in chosen) == act.endswith("_chosen")]
         if not pool:
             return f"run {run_id}: no {act.split('_')[1]} gid prepared ({len(prepared)} prepared)"
         pick = pool[: max(1, round(u * len(pool)))]
