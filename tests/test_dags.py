@@ -262,6 +262,9 @@ def test_the_backfill_form_takes_a_time_window_or_every_partition(airflow_home):
     ]
     with pytest.raises(BadInput, match="give both since and until"):
         check_backfill(path, {**every, "since": "2026-05-01"})
+    # The form may accept what the source no longer holds (docs/operations.md).
+    assert untouched["accept_pruned"] is False
+    assert check_backfill(path, {**every, "accept_pruned": True})["args"][-1] == "--accept-pruned"
 
     # The command replay runs: the check's arguments after the pipeline's name.
     replay = dag.get_task("replay")

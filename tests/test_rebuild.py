@@ -137,9 +137,9 @@ def test_a_rebuild_refuses_to_leave_out_rows_the_source_no_longer_holds(env, spa
     error = report.sinks["main"].error
     assert error == (
         "sink main: the source no longer holds the records of 2 rows of public.orders "
-        "(partition 0: 2 below offset 2; retention pruned them); a rebuild would leave them "
-        "out of the new table. Rebuild from what the source holds with --accept-pruned (the "
-        "old table keeps them)"
+        "(partition 0: 2 rows at offsets 0 to 1; retention pruned them); a rebuild would "
+        "leave them out of the new table. Rebuild from what the source holds with "
+        "--accept-pruned (the old table keeps them; deleted keys stay deleted)"
     ), error
     assert report.records == 0 and _tables(env) == ["public.orders", "tidemark.commits"]
 

@@ -420,6 +420,13 @@ def backfill_dag(p: config.Pipeline, path: Path) -> DAG:
             title="Sinks",
             description="Sinks to re-deliver to.",
         ),
+        "accept_pruned": Param(
+            False,
+            type="boolean",
+            title="Accept pruned",
+            description="Backfill although the source no longer holds records the sinks hold "
+            "in the range (they stay as they are; docs/operations.md).",
+        ),
         "dry_run": _dry_run_param(),
     }
     # Runs only when triggered: paused, its first trigger would wait for an unpause.

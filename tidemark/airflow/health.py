@@ -1,6 +1,7 @@
 """The maintenance DAG's health checks (tasks.maintenance alerts on them): prepared
-transactions left too long, leases held too long, dead letters past their bound, and lag, with
-the lag alerts' episodes so that a breach alerts once while it lasts."""
+transactions left too long, leases held too long, dead letters past their bound, records that
+appeared below a checkpoint in a gap a sink stepped over (tidemark/driver/late.py), and lag,
+with the lag alerts' episodes so that a breach alerts once while it lasts."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tidemark import config
 from tidemark.core.db import connect, one_line
 from tidemark.core.errors import TidemarkError
 from tidemark.core.settings import get_settings
-from tidemark.driver import lag
+from tidemark.driver import lag, late
 from tidemark.driver.lag import Lag
 from tidemark.ledger import dlq, runs
 from tidemark.protocol import gids
@@ -62,6 +63,9 @@ def check_health(pipelines: dict[str, config.Pipeline], ledger: str) -> Health:
     with connect(ledger, autocommit=True, what="ledger") as c:
         run_pipeline = runs.recent_pipelines(c)
         health.dead_letters = dlq.counts_by_pipeline(c, list(pipelines))
+        found, unknown = late.find(c, pipelines)
+        health.problems += [Problem(x.gap.pipeline, x.line()) for x in found]
+        health.problems += [Problem("-", e) for e in unknown]
         for name, p in pipelines.items():
             age = p.alerts.prepared_max_age_minutes
             for sink, run_id, minutes in runs.long_leases(c, name, age):

@@ -138,6 +138,8 @@ def check_backfill(pipeline_file: str, params: dict) -> dict:
         args += _window(where, since, until)
     else:
         args += _offsets(where, p.name, partition, start, end, sinks)
+    if params.get("accept_pruned"):
+        args.append("--accept-pruned")
     return {"pipeline": p.name, "sinks": sinks, "args": args}
 
 

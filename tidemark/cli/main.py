@@ -294,6 +294,12 @@ class _Time(click.ParamType):
 @click.option("--since", type=_Time(), help="Records from this time on (ISO 8601; UTC if naive).")
 @click.option("--until", type=_Time(), help="Records before this time (ISO 8601; UTC if naive).")
 @click.option("--sink", "sinks", multiple=True, help="Only these sinks (default: all).")
+@click.option(
+    "--accept-pruned",
+    is_flag=True,
+    help="Backfill although the source no longer holds records the sinks hold in the range "
+    "(their rows, deletes and dead letters stay as they are).",
+)
 @dry_run_option
 @run_options
 @pass_ctx
@@ -306,6 +312,7 @@ def backfill_cmd(
     since: datetime | None,
     until: datetime | None,
     sinks: tuple[str, ...],
+    accept_pruned: bool,
     external_id: str | None,
     dry_run: bool,
     airflow: AirflowRun | None,
@@ -322,7 +329,7 @@ def backfill_cmd(
     if not ranges:
         click.echo(f"backfill of {pipeline}: nothing committed in what you asked; nothing to do")
         return
-    mode = Backfill(ranges)
+    mode = Backfill(ranges, accept_pruned=accept_pruned)
     click.echo(f"backfill of {pipeline}: {mode.describe()}", err=True)
     _run(
         ctx,
@@ -379,24 +386,37 @@ def _backfill_ranges(
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
 def recover_cmd(ctx: Ctx, as_json: bool) -> None:
-    """Settle in-doubt runs and roll back orphan prepared transactions."""
+    """Settle in-doubt runs and roll back orphan prepared transactions; then look for records
+    that appeared below a checkpoint, in a gap a sink stepped over (exit 1 if any, with the
+    backfill that places them)."""
+    from tidemark.driver import late as late_records
     from tidemark.protocol.recovery import recover
 
+    pipelines = ctx.pipelines()
     rep = recover(
         ctx.ledger_dsn,
-        ctx.pipelines(),
+        pipelines,
         ctx.settings.gid_prefix,
         ctx.settings.prepared_alert_seconds,
     )
+    with connect(ctx.ledger_dsn, autocommit=True, what="ledger") as conn:
+        late, unknown = late_records.find(conn, pipelines)
     if as_json:
-        click.echo(json.dumps({k: v for k, v in vars(rep).items()}, default=str))
+        out = {k: v for k, v in vars(rep).items()}
+        out["late"] = [{**vars(x.gap), "records": x.records, "command": x.command} for x in late]
+        out["late_errors"] = unknown
+        click.echo(json.dumps(out, default=str))
     else:
         click.echo(rep.summary())
         for e in rep.errors:
             click.echo(f"  error: {e}")
         for db_, gid, age in rep.old_prepared:
             click.echo(f"  ALERT: {gid} prepared {age:.0f}s ago on {db_}")
-    if not rep.ok:
+        for x in late:
+            click.echo(f"  ALERT: pipeline {x.gap.pipeline} {x.line()}")
+        for e in unknown:
+            click.echo(f"  error: {e}")
+    if not rep.ok or late or unknown:
         sys.exit(1)
 
 
@@ -406,12 +426,25 @@ def recover_cmd(ctx: Ctx, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
 def status_cmd(ctx: Ctx, pipeline: str, runs: int, as_json: bool) -> None:
-    """Checkpoints, recent runs and dead-letter counts of PIPELINE."""
+    """Checkpoints, recent runs and dead-letter counts of PIPELINE, and records that appeared
+    below a checkpoint in a gap a sink stepped over (LATE, with the backfill that places
+    them)."""
+    from tidemark.driver import late as late_records
     from tidemark.ledger.status import pipeline_status, render
 
     with connect(ctx.ledger_dsn, autocommit=True, what="ledger") as conn:
         st = pipeline_status(conn, pipeline, runs)
-    click.echo(json.dumps(st, default=str) if as_json else render(st))
+        late, unknown = late_records.find(conn, ctx.pipelines(deep=False), pipeline)
+    if as_json:
+        st["late"] = [{**vars(x.gap), "records": x.records, "command": x.command} for x in late]
+        st["late_errors"] = unknown
+        click.echo(json.dumps(st, default=str))
+        return
+    click.echo(render(st))
+    for x in late:
+        click.echo(f"  LATE: {x.line()}")
+    for e in unknown:
+        click.echo(f"  {e}")
 
 
 @cli.group()

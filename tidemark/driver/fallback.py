@@ -42,10 +42,12 @@ from pyspark.sql.types import StructField, StructType
 from tidemark import sources
 from tidemark.config import Pipeline, Sink
 from tidemark.core.db import qualified
+from tidemark.core.errors import TidemarkError
 from tidemark.driver import gate
 from tidemark.engine import records, tombstones
 from tidemark.engine.redelivery import show
 from tidemark.ledger.state import Range
+from tidemark.protocol import pruned
 from tidemark.protocol.sinks import tombstone_table
 from tidemark.protocol.taskspec import FALLBACK, Failures
 
@@ -53,7 +55,10 @@ PART, OFF = "_tm_partition", "_tm_offset"
 
 
 class Reads(Protocol):
-    """What the fallback asks of the run's mode (driver/modes.py): its source's records."""
+    """What the fallback asks of the run's mode (driver/modes.py): its source's records,
+    and whether it may read over positions the source no longer holds."""
+
+    accept_pruned: bool
 
     def source(self, spark: SparkSession, pipeline: Pipeline, read: list[Range]) -> DataFrame: ...
 
@@ -292,7 +297,7 @@ def attach(
     lost = _lost_keys(spark, df, plans, cached, log)
     if not lost:
         return None
-    reads, scope = _scopes(pipeline, lost, plans)
+    reads, scope = _scopes(pipeline, lost, plans, mode.accept_pruned)
     for name in lost:
         log(
             f"sink {name}: reading the older versions of those keys from "
@@ -353,10 +358,15 @@ def _lost_keys(
 
 
 def _scopes(
-    pipeline: Pipeline, lost: dict[str, DataFrame], plans: dict[str, SinkPlan]
+    pipeline: Pipeline,
+    lost: dict[str, DataFrame],
+    plans: dict[str, SinkPlan],
+    accept_pruned: bool = False,
 ) -> tuple[dict[int, Range], dict[str, list[Range]]]:
     """Where the older versions lie (step 4 above): one read per partition for every sink,
-    and each sink's own ranges of it, below its checkpoints."""
+    and each sink's own ranges of it, below its checkpoints. A scope where the sink holds
+    rows or tombstones the source no longer holds (a deleted segment) is refused without
+    --accept-pruned: the version a key falls back to may not be its newest."""
     planner = sources.planner(pipeline)
     try:
         reads: dict[int, Range] = {}
@@ -377,6 +387,24 @@ def _scopes(
                 have = reads.get(p)
                 reads[p] = Range(p, first, max(s.checkpoints[p], have.end if have else 0))
             scope[name] = mine
+            if not accept_pruned and mine:
+                _refuse_pruned(s, planner, mine)
     finally:
         planner.close()
     return reads, scope
+
+
+def _refuse_pruned(s: SinkPlan, planner: sources.Planner, scope: list[Range]) -> None:
+    held = {r.partition: planner.held(r.partition, r.start, r.end) for r in scope}
+    with psycopg.connect(
+        s.dsn, autocommit=True, connect_timeout=10, application_name="tidemark-backfill"
+    ) as conn:
+        found = pruned.in_sink(
+            conn, s.config.table, {r.partition: (r.start, r.end) for r in scope}, held
+        )
+    if found:
+        raise TidemarkError(
+            f"sink {s.config.name}: keys fall back to older versions, but "
+            f"{found.describe(s.config.table)}; retention pruned them) where those versions "
+            f"lie. Backfill with --accept-pruned to fall back to what the source holds"
+        )

@@ -48,6 +48,10 @@ class Mode(ABC):
     # first delivery, whose batch is the run's own and whose writes replace nothing.
     checks_while_writing = False
     rebuilds = False  # writes a new table and swaps it in (Rebuild)
+    # Re-deliver what the source holds where it no longer holds some of what the sink does
+    # (--accept-pruned; docs/design.md, "Re-delivery"): else such a re-delivery is refused.
+    accept_pruned = False
+    reads_ranges = True  # reads whole ranges: records the gaps it steps over (ledger/gaps.py)
     needs_prepare = False  # only with delivery: exactly_once (its change must ride the 2PC)
 
     @abstractmethod
@@ -212,9 +216,12 @@ class Delivery(Mode):
 @dataclass
 class Backfill(Mode):
     """Re-deliver committed ranges, at most one per partition, to sinks that already have
-    them (tidemark/driver/windows.py turns what the user says into them)."""
+    them (tidemark/driver/windows.py turns what the user says into them). ``accept_pruned``:
+    backfill although the source no longer holds records the sinks hold in the ranges (their
+    rows, tombstones and letters stay as they are)."""
 
     ranges: list[Range]
+    accept_pruned: bool = False
     name = "backfill"
     gate_policy = "halt"  # re-delivery never quarantines a whole batch
     falls_back = True

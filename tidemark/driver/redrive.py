@@ -40,6 +40,7 @@ SHOW_UNPLACED = 20  # letters left out, logged one by one; the rest as a count
 
 
 class RedriveMode(Mode):
+    reads_ranges = False  # hand-picked records: it steps over nothing
     name = "redrive"
 
     def __init__(self, pipeline: Pipeline, ledger_dsn: str, request: int | None):

@@ -24,12 +24,14 @@ from contextlib import closing, contextmanager
 import psycopg
 from pyspark.sql import SparkSession
 
+from tidemark import sources as src
 from tidemark.config import Pipeline
 from tidemark.core import faults
 from tidemark.core.db import connect, one_line
 from tidemark.core.dsn import mask
 from tidemark.core.errors import BadInput, Fenced, Inconsistency, Terminated, TidemarkError
 from tidemark.core.settings import Settings
+from tidemark.driver import late
 from tidemark.driver.checking import QualityPath
 from tidemark.driver.modes import Backfill, Delivery, Layout, Mode
 from tidemark.driver.report import DRY_RUN, UP_TO_DATE, RunReport, SinkOutcome, phases
@@ -37,9 +39,9 @@ from tidemark.driver.tables import Rebuilt, Sinks
 from tidemark.driver.verifying import Verifying
 from tidemark.driver.watch import Heartbeat, Stop
 from tidemark.driver.writing import Writing
-from tidemark.ledger import runs, state
+from tidemark.ledger import gaps, runs, state
 from tidemark.ledger.migrations import require_current
-from tidemark.ledger.state import AirflowRun, Claim, Participant, RunState
+from tidemark.ledger.state import AirflowRun, Claim, Participant, Range, RunState
 from tidemark.protocol import gids, recovery, sinks, twopc
 from tidemark.protocol.taskspec import TaskResult
 
@@ -112,6 +114,7 @@ class Run(Writing, Verifying):
         self.dry_run = dry_run
         self.omit: dict[str, list[str]] = {}  # a dry run's columns its tables lack
         self.rebuilt: dict[str, Rebuilt] = {}  # a rebuild's new and retired tables
+        self.held: dict[str, dict[int, list[tuple[int, int]]]] = {}  # --accept-pruned
 
     # -- the protocol ----------------------------------------------------------------------
     def execute(self) -> RunReport:
@@ -135,6 +138,7 @@ class Run(Writing, Verifying):
             failure: BaseException | None = None
             try:
                 self._announce(claim, report)
+                self._record_gaps(claim)
                 faults.point("after_claim")
                 with Heartbeat(
                     self.ledger_dsn, self.p.name, claim.run_id, self.s.lease_ttl_seconds
@@ -233,6 +237,31 @@ class Run(Writing, Verifying):
             f"reading {sum(r.size for r in read):,} records from {len(read)} partition(s)"
         )
         self._planned(claim, report)
+
+    def _record_gaps(self, claim: Claim) -> None:
+        """Before the read: the offsets of each sink's ranges the source holds no record at
+        (docs/design.md, invariant 2). A record that appears there later lies below the
+        checkpoint; they are what `tidemark status` and `recover` look in (ledger/gaps.py).
+        Taken before the read, so a segment that appears while the run reads it is reported
+        too (a backfill of it places nothing twice), never one missed."""
+        if self.dry_run or not self.mode.reads_ranges:
+            return
+        plan = src.planner(self.p)
+        try:
+            held: dict[Range, list[tuple[int, int]]] = {}
+            found: dict[str, dict[int, list[tuple[int, int]]]] = {}
+            for sink, sc in claim.sinks.items():
+                for r in sc.ranges:
+                    if r.size == 0:
+                        continue
+                    if r not in held:
+                        held[r] = plan.held(r.partition, r.start, r.end)
+                    holes = late.outside(r, held[r])
+                    if holes:
+                        found.setdefault(sink, {})[r.partition] = holes
+        finally:
+            plan.close()
+        gaps.record(self.ledger, self.p.name, claim.run_id, found)
 
     def _planned(self, claim: Claim, report: RunReport) -> None:
         for sink in claim.sinks:

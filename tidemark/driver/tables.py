@@ -16,14 +16,16 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
+from tidemark import sources
 from tidemark.config import Pipeline
 from tidemark.core.db import connect
 from tidemark.core.errors import TidemarkError
 from tidemark.driver import checking, preflight
-from tidemark.driver.modes import Mode, Rebuild
+from tidemark.driver.modes import Backfill, Mode, Rebuild
 from tidemark.driver.report import RunReport
+from tidemark.ledger import checkpoints
 from tidemark.ledger.state import Claim, RunState
-from tidemark.protocol import rebuild, sink_schema, sinks
+from tidemark.protocol import pruned, rebuild, sink_schema, sinks
 
 Sinks = dict[str, sinks.ResolvedSink]  # the run's sinks by name
 
@@ -37,6 +39,7 @@ class Rebuilt:
     retired: str
     existed: bool
     left_out: int = 0  # rows whose records the source no longer holds (--accept-pruned)
+    carried: int = 0  # tombstones the source no longer holds, kept (--accept-pruned)
     columns: list[tuple[str, str]] = field(default_factory=list)
 
 
@@ -49,6 +52,10 @@ class Tables:
     dry_run: bool
     omit: dict[str, list[str]]  # a dry run's sink -> output columns its table lacks
     rebuilt: dict[str, Rebuilt]  # a rebuild's sink -> its new table and the retired one
+    # A re-delivery with --accept-pruned: sink -> the spans of its ranges the source holds
+    # (SinkTarget.held); what lies outside them stays as it is.
+    held: dict[str, pruned.Spans]
+    ledger: psycopg.Connection
 
     if TYPE_CHECKING:  # the run's own, tidemark/driver/run.py
 
@@ -66,7 +73,63 @@ class Tables:
         for sink, problems in preflight.sink_problems(self.p, names).items():
             if problems:
                 self._abort(claim.run_id, sink, "; ".join(problems), report)
+        if isinstance(self.mode, Backfill):
+            for sink in claim.sinks:
+                if report.sinks[sink].state != RunState.ABORTED:
+                    self._check_backfill(claim, by_name[sink], self.mode, report)
         return any(report.sinks[s].state != RunState.ABORTED for s in claim.sinks)
+
+    def _held(self, claim: Claim, sink: str) -> pruned.Spans:
+        """The spans of ``sink``'s ranges the source holds now (Planner.held)."""
+        plan = sources.planner(self.p)
+        try:
+            return {
+                r.partition: plan.held(r.partition, r.start, r.end)
+                for r in claim.sinks[sink].ranges
+            }
+        finally:
+            plan.close()
+
+    def _pruned(
+        self,
+        claim: Claim,
+        sink: sinks.ResolvedSink,
+        ranges: dict[int, tuple[int, int]],
+        held: pruned.Spans,
+    ) -> pruned.Found:
+        """What the sink and its dead letters hold in ``ranges`` outside ``held``."""
+        with connect(sink.dsn, autocommit=True, what=f"sink {sink.name}") as conn:
+            found = pruned.in_sink(conn, sink.config.table, ranges, held)
+        return pruned.in_ledger(self.ledger, found, self.p.name, sink.name, ranges, held)
+
+    def _check_backfill(
+        self, claim: Claim, sink: sinks.ResolvedSink, mode: Backfill, report: RunReport
+    ) -> None:
+        """Before Spark starts: a backfill would remove what the sink holds at positions
+        whose records the source no longer holds, and could not place them again (a
+        tombstone among them: its key would come back). Refused, unless the user accepts
+        backfilling what the source holds, leaving the rest as it is."""
+        ranges = {r.partition: (r.start, r.end) for r in claim.sinks[sink.name].ranges}
+        try:
+            held = self._held(claim, sink.name)
+            found = self._pruned(claim, sink, ranges, held)
+        except (psycopg.Error, TidemarkError) as exc:
+            self._abort(claim.run_id, sink.name, str(exc), report)
+            return
+        if not found:
+            return
+        why = f"sink {sink.name}: {found.describe(sink.config.table)}; retention pruned them)"
+        if not mode.accept_pruned:
+            self._abort(
+                claim.run_id,
+                sink.name,
+                f"{why}; a backfill would remove them. Backfill what the source holds with "
+                f"--accept-pruned (what it no longer holds stays as it is)",
+                report,
+            )
+            return
+        self.held[sink.name] = held
+        self.log(f"run {claim.run_id}: {why}; they stay as they are (--accept-pruned)")
 
     def _refuse_tables(
         self, claim: Claim, by_name: Sinks, columns: list[tuple[str, str]], report: RunReport
@@ -130,41 +193,41 @@ class Tables:
         table would hold every row the old one does, unless the user accepts leaving out
         those whose records the source no longer holds (retention pruned them)."""
         cfg, what = sink.config, f"sink {sink.name}"
-        starts = {r.partition: r.start for r in claim.sinks[sink.name].ranges}
+        # Everything the sink holds, in every partition it has a checkpoint in: a rebuild
+        # re-delivers all of it (a partition the source holds nothing of has no range).
+        cps = checkpoints.positions(self.ledger, self.p.name, [sink.name]).get(sink.name, {})
+        parts = {*cps, *(r.partition for r in claim.sinks[sink.name].ranges)}
+        every = {p: (0, pruned.EVERYTHING) for p in sorted(parts)}
         try:
             with connect(sink.dsn, autocommit=True, what=what) as conn:
                 sinks.prepare_database(conn, what)
                 exists = sink_schema.table_columns(conn, cfg.table) is not None
-                left_out = rebuild.kept_below(conn, cfg.table, starts) if exists else {}
+            held = self._held(claim, sink.name)
+            found = self._pruned(claim, sink, every, held) if exists else pruned.Found()
         except (psycopg.Error, TidemarkError) as exc:
             self._abort(claim.run_id, sink.name, str(exc), report)
             return
-        if left_out:
-            where = ", ".join(
-                f"partition {p}: {n:,}"
-                + (f" below offset {starts[p]:,}" if p in starts else " (none left)")
-                for p, n in left_out.items()
-            )
-            why = (
-                f"{what}: the source no longer holds the records of {sum(left_out.values()):,} "
-                f"rows of {cfg.table} ({where}; retention pruned them)"
-            )
+        if found:
+            why = f"{what}: {found.describe(cfg.table)}; retention pruned them)"
             if not mode.accept_pruned:
                 self._abort(
                     claim.run_id,
                     sink.name,
                     f"{why}; a rebuild would leave them out of the new table. Rebuild from "
-                    f"what the source holds with --accept-pruned (the old table keeps them)",
+                    f"what the source holds with --accept-pruned (the old table keeps them; "
+                    f"deleted keys stay deleted)",
                     report,
                 )
                 return
+            self.held[sink.name] = held
             self.log(f"run {claim.run_id}: {why}; left out of the new table (--accept-pruned)")
         now = datetime.now(UTC)
         self.rebuilt[sink.name] = Rebuilt(
             new=rebuild.new_table(cfg.table, claim.run_id),
             retired=rebuild.retired_table(cfg.table, claim.run_id, now),
             existed=exists,
-            left_out=sum(left_out.values()),
+            left_out=found.total_rows,
+            carried=found.total_tombstones,
         )
 
     def _rebuilding(self, sink: sinks.ResolvedSink, r: Rebuilt) -> list[str]:
@@ -179,7 +242,7 @@ class Tables:
             if r.existed
             else "there was no old table to keep"
         )
-        pruned = (
+        notes = (
             [
                 f"left out {r.left_out:,} rows whose records the source no longer holds "
                 f"(the old table keeps them)"
@@ -187,7 +250,12 @@ class Tables:
             if r.left_out
             else []
         )
-        return [*pruned, made, kept]
+        if r.carried:
+            notes.append(
+                f"kept {r.carried:,} deleted key(s) deleted whose tombstones the source no "
+                f"longer holds"
+            )
+        return [*notes, made, kept]
 
 
 def table_exists(sink: sinks.ResolvedSink) -> bool:

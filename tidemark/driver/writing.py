@@ -306,6 +306,7 @@ class Writing(Tables):
                     rebuild=Rebuilding(live=cfg.table, retired=r.retired, columns=r.columns)
                     if r
                     else None,
+                    held=self.held.get(s),
                 )
             )
         return TaskSpec(

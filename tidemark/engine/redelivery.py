@@ -47,10 +47,25 @@ Position = tuple[int, sql.Composable, list[Any]]
 
 
 def range_positions(target: SinkTarget) -> list[Position]:
-    return [
-        (p, sql.SQL("_tm_offset >= %s AND _tm_offset < %s"), [a, b])
-        for p, (a, b) in target.ranges.items()
-    ]
+    """The positions of the ranges; with --accept-pruned (``held``) only those whose records
+    the source still holds: a row or tombstone at another stays as it is (docs/design.md,
+    "Re-delivery": it cannot be re-delivered, and a tombstone removed would let an older
+    version of its key come back)."""
+    if target.held is None:
+        return [
+            (p, sql.SQL("_tm_offset >= %s AND _tm_offset < %s"), [a, b])
+            for p, (a, b) in target.ranges.items()
+        ]
+    inside = sql.SQL(
+        "_tm_offset >= %s AND _tm_offset < %s AND EXISTS (SELECT 1 FROM "
+        "unnest(%s::bigint[], %s::bigint[]) AS h(lo, hi) WHERE _tm_offset >= h.lo "
+        "AND _tm_offset < h.hi)"
+    )
+    out: list[Position] = []
+    for p, (a, b) in target.ranges.items():
+        spans = target.held.get(p, [])
+        out.append((p, inside, [a, b, [lo for lo, _ in spans], [hi for _, hi in spans]]))
+    return out
 
 
 def held_positions(dead: DeadLetters) -> list[Position]:

@@ -26,7 +26,7 @@ from tidemark.core.db import is_data_error, one_line, qualified
 from tidemark.engine import pgbinary, tombstones, transactions
 from tidemark.engine.dead_letters import DeadLetters, Record
 from tidemark.ledger import markers
-from tidemark.protocol import gids, rebuild, twopc
+from tidemark.protocol import gids, pruned, rebuild, twopc
 from tidemark.protocol.taskspec import CopyFormat, Prepared, SinkTarget, TaskSpec
 
 if TYPE_CHECKING:
@@ -76,6 +76,9 @@ class SinkWriter:
             rebuild.create(self.conn, t.table, t.rebuild.columns, t.key)
             if t.tombstones == "delete":
                 rebuild.create_tombstones(self.conn, t.table, t.key, t.version)
+                if t.held is not None:  # --accept-pruned: deletes the source no longer holds
+                    cols = [*t.key, *([t.version] if t.version else []), PARTITION, OFFSET]
+                    pruned.carry_tombstones(self.conn, t.rebuild.live, t.table, cols, t.held)
         self.stage_table = markers.stage_table("stage", self.gid)
         self.table = sql.SQL(qualified(t.table))
         cols = [*(c for c in self.spec.columns if c not in t.omit), PARTITION, OFFSET, "_tm_run_id"]

@@ -240,3 +240,56 @@ def fill_source(
             (SOURCE_GONE, [p for p, _ in gone], [o for _, o in gone], pipeline),
         ).rowcount
     return n
+
+
+# -- positions inside ranges and outside held spans (tidemark/protocol/pruned.py) ----------
+
+
+def outside(alias: str, part: str, off: str) -> sql.Composed:
+    """SQL: position (``alias.part``, ``alias.off``) lies in a range (CTE ``r``) and in no
+    held span (CTE ``h``)."""
+    a, p, o = sql.SQL(alias), sql.Identifier(part), sql.Identifier(off)
+    return sql.SQL(
+        "EXISTS (SELECT 1 FROM r WHERE r.p = {a}.{p} AND {a}.{o} >= r.a AND {a}.{o} < r.b) "
+        "AND NOT EXISTS (SELECT 1 FROM h WHERE h.p = {a}.{p} AND {a}.{o} >= h.lo "
+        "AND {a}.{o} < h.hi)"
+    ).format(a=a, p=p, o=o)
+
+
+CTES = (
+    "WITH r(p, a, b) AS (SELECT * FROM unnest(%s::int[], %s::bigint[], %s::bigint[])), "
+    "h(p, lo, hi) AS (SELECT * FROM unnest(%s::int[], %s::bigint[], %s::bigint[])) "
+)
+
+
+def span_args(
+    ranges: dict[int, tuple[int, int]], held: dict[int, list[tuple[int, int]]]
+) -> list[list[int]]:
+    spans = [(p, lo, hi) for p, ss in held.items() for lo, hi in ss]
+    return [
+        list(ranges),
+        [a for a, _ in ranges.values()],
+        [b for _, b in ranges.values()],
+        [p for p, _, _ in spans],
+        [lo for _, lo, _ in spans],
+        [hi for _, _, hi in spans],
+    ]
+
+
+def outside_held(
+    conn: psycopg.Connection,
+    pipeline: str,
+    sink: str,
+    ranges: dict[int, tuple[int, int]],
+    held: dict[int, list[tuple[int, int]]],
+) -> list[tuple[int, int, int, int]]:
+    """Per partition (partition, letters, lowest, highest offset): the live letters of
+    ``sink`` in ``ranges`` (partition -> [a, b)) at positions outside ``held`` (partition ->
+    [lo, hi) spans the source holds): a re-delivery cannot read their records again."""
+    query = sql.SQL(CTES).format() + sql.SQL(
+        "SELECT x.source_partition, count(DISTINCT x.source_offset), min(x.source_offset), "
+        "max(x.source_offset) FROM tidemark.dlq x WHERE x.pipeline = %s AND x.sink = %s "
+        "AND x.status IN ('quarantined', 'discarded') AND {cond} GROUP BY 1"
+    ).format(cond=outside("x", "source_partition", "source_offset"))
+    rows = conn.execute(query, [*span_args(ranges, held), pipeline, sink]).fetchall()
+    return [(p, n, lo, hi) for p, n, lo, hi in rows]

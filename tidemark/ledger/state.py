@@ -24,6 +24,7 @@ from tidemark.core.db import scalar
 from tidemark.core.dsn import mask
 from tidemark.core.errors import Fenced, Halted, LeaseHeld, TidemarkError
 from tidemark.core.text import clamp
+from tidemark.ledger import gaps
 from tidemark.ledger.checkpoints import positions
 
 ERROR_MAX = 2000  # characters of an error kept in the ledger
@@ -418,7 +419,8 @@ def advance(
     timings: dict[str, Any] | None = None,
 ) -> None:
     """committing -> committed: checkpoints to the ranges' ends (never backwards), lease freed,
-    counts and timings stored as run metrics."""
+    counts and timings stored as run metrics, the gaps it stepped over recorded (and those a
+    re-delivery read again resolved: ledger/gaps.py)."""
     with conn.transaction():
         _lock_lease(conn, pipeline, sink)
         _transition(
@@ -448,6 +450,7 @@ def advance(
                    updated_at = now(), updated_by = EXCLUDED.updated_by""",
             {"p": pipeline, "r": run_id, "s": sink},
         )
+        gaps.settle(conn, pipeline, run_id, sink)
         _release(conn, pipeline, run_id, sink)
 
 

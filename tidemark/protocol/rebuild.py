@@ -128,18 +128,3 @@ def _primary_key(conn: psycopg.Connection, table: str) -> str | None:
         )
     )
     return name
-
-
-def kept_below(conn: psycopg.Connection, table: str, starts: dict[int, int]) -> dict[int, int]:
-    """Rows of ``table`` a rebuild from ``starts`` (partition -> first offset it re-delivers)
-    would leave out, per partition: those below the start, or of a partition it reads none
-    of (the source no longer holds their records)."""
-    rows = conn.execute(
-        sql.SQL(
-            "SELECT t._tm_partition, count(*) FROM {} t "
-            "LEFT JOIN unnest(%s::int[], %s::bigint[]) AS s(p, start) ON s.p = t._tm_partition "
-            "WHERE s.start IS NULL OR t._tm_offset < s.start GROUP BY 1 ORDER BY 1"
-        ).format(sql.SQL(qualified(table))),
-        (list(starts), list(starts.values())),
-    ).fetchall()
-    return {p: n for p, n in rows}

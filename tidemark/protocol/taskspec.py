@@ -97,6 +97,10 @@ class SinkTarget(_Model):
     # the task writes the others.
     omit: list[str] = []
     rebuild: Rebuilding | None = None  # a rebuild writes a new table and swaps it in
+    # --accept-pruned: partition -> the [lo, hi) spans of its range the source holds. A
+    # backfill removes only rows and tombstones inside them; a rebuild carries the live
+    # table's tombstones outside them into its new table (deleted keys stay deleted).
+    held: dict[int, list[tuple[int, int]]] | None = None
 
 
 # -- how a task accounts for its records (docs/design.md, "Task accounting") ----------------

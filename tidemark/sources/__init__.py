@@ -68,6 +68,11 @@ class Planner(Protocol):
     def window(
         self, partition: int, since: datetime, until: datetime, end: int
     ) -> tuple[int, int] | None: ...
+    # Where in [start, end) the source holds records now: sorted, disjoint [lo, hi) spans,
+    # outside which no record can be read (retention, a deleted segment, a gap between
+    # segments). Inside a span an offset may still hold no record (a compaction gap inside a
+    # segment): a record can never appear there later without the reader failing loudly.
+    def held(self, partition: int, start: int, end: int) -> list[tuple[int, int]]: ...
     def close(self) -> None: ...
 
 

@@ -14,7 +14,10 @@ The contract writers follow:
   ``.<name>.tmp``) and rename (tidemark/devstack/archive_writer.py does). Segment *i* holds
   offsets ``[base_i, base_{i+1})``; the last one ends at its highest offset + 1. New segments
   must start above that end, and old ones may only be deleted once every checkpoint is past
-  them. One base offset, one segment (not a ``.parquet`` and a ``.jsonl`` both).
+  them. A segment that breaks this (one that appears inside a gap a run already stepped over)
+  is reported by ``tidemark status``/``recover`` with the backfill that places it
+  (tidemark/driver/late.py); a deleted one makes re-deliveries over it refuse without
+  ``--accept-pruned`` (tidemark/protocol/pruned.py). One base offset, one segment (not a ``.parquet`` and a ``.jsonl`` both).
 * Other files in a partition folder: hidden names (a leading ``.`` or ``_``: temporary files,
   ``.crc`` checksums, ``_SUCCESS``), names ending in ``.tmp``, ``.crc`` or ``._COPYING_``, and
   names that look like no segment (``README``) are ignored. A name that looks like one (it
@@ -265,6 +268,26 @@ class FileArchivePlanner:
                 lo = pc.min(picked).as_py() if lo is None else lo
                 hi = pc.max(picked).as_py()
         return None if lo is None or hi is None else (lo, hi + 1)
+
+    def held(self, partition: int, start: int, end: int) -> list[tuple[int, int]]:
+        """Each segment meeting [start, end) holds [base, its highest offset + 1): reads the
+        footer or tail of those segments only. What lies between one segment's end and the
+        next one's base is a gap: a segment deleted since, or offsets no segment ever held
+        (where a late segment may yet appear, docs/design.md, invariant 2)."""
+        segs = self._segs(partition)
+        out: list[tuple[int, int]] = []
+        for i, seg in enumerate(segs):
+            nxt = segs[i + 1].base if i + 1 < len(segs) else None
+            if seg.base >= end or (nxt is not None and nxt <= start):
+                continue
+            lo, hi = max(seg.base, start), min(_segment_end(self.archive, seg), end)
+            if lo >= hi:
+                continue
+            if out and out[-1][1] == lo:
+                out[-1] = (out[-1][0], hi)
+            else:
+                out.append((lo, hi))
+        return out
 
     def record_time(self, partition: int, offset: int) -> None:
         return None  # it would mean reading a segment: the lag alert uses the record count

@@ -224,6 +224,13 @@ class PostgresLogPlanner:
         ).fetchone()
         return None if row is None or row[0] is None else (row[0], row[1] + 1)
 
+    def held(self, partition: int, start: int, end: int) -> list[tuple[int, int]]:
+        """From the first settled offset on: offsets are dense (a row deleted above it stops
+        every read of its range, loudly), so only retention's cut below it drops records."""
+        first = self.earliest(partition)
+        lo = start if first is None else max(start, first)
+        return [] if first is None or lo >= end else [(lo, end)]
+
     def latest(self, partition: int) -> int | None:
         first = self.earliest(partition)
         if first is None:
