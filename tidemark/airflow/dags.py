@@ -571,12 +571,14 @@ def maintenance_dag(pipelines_dir: str | Path) -> DAG:
     folder = Path(pipelines_dir)
     with DAG(
         dag_id=config.MAINTENANCE_DAG,
-        description="Recovery sweep; alerts on old prepared transactions, leases, DLQ "
+        description="Recovery sweep; alerts on halts, old prepared transactions, leases, DLQ "
         "growth; retention",
         doc_md=(
             "### Tidemark maintenance\n\nEvery few minutes: settles in-doubt runs and rolls "
             "back orphan prepared transactions (`tidemark recover`), then alerts through "
-            "each pipeline's `alerts` channels when a prepared transaction or a lease is "
+            "each pipeline's `alerts` channels when a pipeline is halted (the alert says why "
+            "and how back: a chosen transaction someone else rolled back names `tidemark "
+            "settle RUN`), when a prepared transaction or a lease is "
             "older than `alerts.prepared_max_age_minutes` or the DLQ holds more than "
             "`alerts.dlq_max` quarantined records. The check task fails while a problem "
             "lasts. Beside the check, the prune task deletes what has outlived the "

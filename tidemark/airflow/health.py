@@ -1,4 +1,5 @@
-"""The maintenance DAG's health checks (tasks.maintenance alerts on them): prepared
+"""The maintenance DAG's health checks (tasks.maintenance alerts on them): halted pipelines
+(with the halt's reason, which names the way back, e.g. `tidemark settle RUN`), prepared
 transactions left too long, leases held too long, dead letters past their bound, records that
 appeared below a checkpoint in a gap a sink stepped over (tidemark/driver/late.py), and lag,
 with the lag alerts' episodes so that a breach alerts once while it lasts."""
@@ -16,7 +17,7 @@ from tidemark.core.errors import TidemarkError
 from tidemark.core.settings import get_settings
 from tidemark.driver import lag, late
 from tidemark.driver.lag import Lag
-from tidemark.ledger import dlq, runs
+from tidemark.ledger import dlq, runs, state
 from tidemark.protocol import gids
 
 
@@ -62,6 +63,10 @@ def check_health(pipelines: dict[str, config.Pipeline], ledger: str) -> Health:
             users.setdefault(dsn, []).append(p.name)
     with connect(ledger, autocommit=True, what="ledger") as c:
         run_pipeline = runs.recent_pipelines(c)
+        # Alerted while it lasts: a halt is lifted by an operator only.
+        for name, why in sorted(state.halted_pipelines(c).items()):
+            if name in pipelines:
+                health.problems.append(Problem(name, f"halted: {why}"))
         health.dead_letters = dlq.counts_by_pipeline(c, list(pipelines))
         found, unknown = late.find(c, pipelines)
         health.problems += [Problem(x.gap.pipeline, x.line()) for x in found]

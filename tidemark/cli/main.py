@@ -503,6 +503,26 @@ def resume_cmd(ctx: Ctx, pipeline: str) -> None:
     click.echo(f"{pipeline}: resumed" if changed else f"{pipeline}: was not halted")
 
 
+@cli.command("settle")
+@click.argument("run_id", type=click.IntRange(min=1))
+@pass_ctx
+def settle_cmd(ctx: Ctx, run_id: int) -> None:
+    """Settle RUN_ID, halted because someone else rolled back one of its chosen transactions:
+    recover, re-deliver (backfill) exactly the ranges of each sink of it that had committed
+    in part, then resume its pipeline. A sink rolled back whole needs nothing: the next run
+    delivers it."""
+    from tidemark.driver.settle import settle
+
+    settle(
+        ctx.pipelines(),
+        ctx.settings,
+        ctx.ledger_dsn,
+        run_id,
+        log=lambda m: click.echo(m, err=True),
+        say=click.echo,
+    )
+
+
 # -- demo -------------------------------------------------------------------------------------
 @cli.group()
 def demo() -> None:

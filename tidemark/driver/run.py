@@ -76,6 +76,7 @@ class Run(Writing, Verifying):
         by: str | None = None,
         where: str | None = None,
         dry_run: bool = False,
+        halted_ok: bool = False,
     ) -> None:
         # Checked here: a mode named by a string once ran a delivery instead, unnoticed.
         if mode is not None and not isinstance(mode, Mode):
@@ -112,6 +113,7 @@ class Run(Writing, Verifying):
         self.read_phases: dict[str, float] = {}  # the reader's own, every read of the run
         self.layout: Layout | None = None  # how records reach the write tasks (per run)
         self.dry_run = dry_run
+        self.halted_ok = halted_ok  # `tidemark settle`'s re-delivery of a lost run's ranges
         self.omit: dict[str, list[str]] = {}  # a dry run's columns its tables lack
         self.rebuilt: dict[str, Rebuilt] = {}  # a rebuild's new and retired tables
         self.held: dict[str, dict[int, list[tuple[int, int]]]] = {}  # --accept-pruned
@@ -161,10 +163,12 @@ class Run(Writing, Verifying):
                 with self._left_to_recovery(claim.run_id), closing(self._databases()) as dbs:
                     # 4. Finish, on each participant's database: COMMIT PREPARED the chosen
                     # gids, ROLLBACK PREPARED the rest.
-                    self._finish(dbs, claim, by_name, decided)
+                    lost = self._finish(dbs, claim, by_name, decided, report)
                     # 5. Advance, on the ledger: per sink one transaction moves its
                     # checkpoints and marks it committed.
-                    self._advance(claim, decided, report)
+                    self._advance(claim, [s for s in decided if s not in lost], report)
+                    if lost:
+                        raise Inconsistency("; ".join(lost.values()) + "; pipeline halted")
             except BaseException as exc:
                 failure = exc
                 # Before any decision nothing may stay behind: roll back now, free the leases.
@@ -218,6 +222,7 @@ class Run(Writing, Verifying):
                 plan=plan,
                 external_id=self.external_id,
                 airflow=self.airflow,
+                halted_ok=self.halted_ok,
             )
         finally:
             closing_.close()
@@ -353,19 +358,28 @@ class Run(Writing, Verifying):
             ) from None
 
     def _finish(
-        self, dbs: recovery.Databases, claim: Claim, by_name: Sinks, decided: list[str]
-    ) -> None:
-        """COMMIT PREPARED every decided sink's chosen gids as recovery does (a chosen gid
-        gone without its marker halts the pipeline), then ROLLBACK PREPARED the run's rest."""
+        self,
+        dbs: recovery.Databases,
+        claim: Claim,
+        by_name: Sinks,
+        decided: list[str],
+        report: RunReport,
+    ) -> dict[str, str]:
+        """Finish every decided sink as recovery does (recovery.finish: every chosen gid
+        checked before any commits, the ledger's last), then ROLLBACK PREPARED the run's
+        rest. Returns {sink: why} of the sinks with a chosen gid someone else rolled back:
+        settled already (aborted or lost) and the pipeline halted; the others still
+        advance."""
         ledger = self.ledger
         keep: set[str] = set()
         for sink in decided:
             keep.update(p.gid for p in self._chosen(sink))
             for _gid, target in runs.chosen(ledger, claim.run_id, sink):
                 dbs.conn(dbs.dsn_for(self.p.name, target))  # open before committing
+        lost: dict[str, str] = {}
         for sink in decided:
             faults.point("before_commit_prepared")
-            lost = recovery.commit_chosen(
+            done = recovery.finish(
                 ledger,
                 dbs,
                 self.p.name,
@@ -373,16 +387,14 @@ class Run(Writing, Verifying):
                 sink,
                 after_each=lambda: faults.point("mid_finish"),
             )
-            if lost:
-                reason = (
-                    f"run {claim.run_id} sink {sink}: chosen transaction(s) "
-                    f"{', '.join(lost)} vanished without their marker rows"
-                )
-                state.halt(ledger, self.p.name, reason)
-                raise Inconsistency(reason + "; pipeline halted")
+            if done.lost:
+                lost[sink] = done.reason
+                report.sinks[sink].state, report.sinks[sink].error = done.state, done.reason
+                self.log(done.reason)
         self._rollback_run(claim, by_name, keep)
         faults.point("after_finish")
         self._mark("commit")
+        return lost
 
     def _advance(self, claim: Claim, decided: list[str], report: RunReport) -> None:
         for sink in decided:

@@ -22,10 +22,12 @@ DRY_RUN = "dry run: rolled back"
 
 class Outcome(StrEnum):
     """What became of a chosen participant (``tidemark.participants.outcome``): committed
-    (now or earlier), or lost (gone without its marker row: someone else rolled it back)."""
+    (now or earlier), lost (gone without its marker row: someone else rolled it back), or
+    rolled back by the finish itself because another of its decision was lost."""
 
     COMMITTED = "committed"
     LOST = "lost"
+    ROLLED_BACK = "rolled_back"
 
 
 def newest(conn: psycopg.Connection) -> int:
@@ -43,11 +45,39 @@ def committing(conn: psycopg.Connection) -> list[tuple[int, str, str]]:
 
 
 def chosen(conn: psycopg.Connection, run_id: int, sink: str) -> list[tuple[str, str]]:
-    """(gid, target) of a decision that are not known to be committed yet."""
+    """(gid, target) of a decision that are not known to be committed yet, in the order they
+    commit: the sink's participants first, the ledger's last (docs/design.md, step 4)."""
     return conn.execute(
         "SELECT gid, target FROM tidemark.participants WHERE run_id = %s AND sink = %s "
-        "AND outcome IS DISTINCT FROM %s ORDER BY target, gid",
+        "AND outcome IS DISTINCT FROM %s ORDER BY target = 'ledger', target, gid",
         (run_id, sink, Outcome.COMMITTED),
+    ).fetchall()
+
+
+def outcomes(conn: psycopg.Connection, run_id: int, sink: str) -> dict[str, str | None]:
+    """gid -> outcome of every participant a decision chose."""
+    return dict(
+        conn.execute(
+            "SELECT gid, outcome FROM tidemark.participants WHERE run_id = %s AND sink = %s",
+            (run_id, sink),
+        ).fetchall()
+    )
+
+
+def sinks_of(conn: psycopg.Connection, run_id: int) -> list[tuple[str, str, str | None]]:
+    """(sink, state, error) of a run's sinks."""
+    return conn.execute(
+        "SELECT sink, state::text, error FROM tidemark.run_sinks WHERE run_id = %s ORDER BY 1",
+        (run_id,),
+    ).fetchall()
+
+
+def ranges(conn: psycopg.Connection, run_id: int, sink: str) -> list[tuple[int, int, int]]:
+    """(partition, from, to) of a run's sink, one per partition (the span of its ranges)."""
+    return conn.execute(
+        "SELECT partition, min(from_offset), max(to_offset) FROM tidemark.run_ranges "
+        "WHERE run_id = %s AND sink = %s GROUP BY 1 ORDER BY 1",
+        (run_id, sink),
     ).fetchall()
 
 

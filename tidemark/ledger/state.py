@@ -3,6 +3,8 @@
     planned -> writing -> prepared -> committing -> committed
     planned/writing/prepared -> aborted
     planned/writing -> dq_failed
+    committing -> aborted      a chosen participant lost before any committed (abandon)
+    committing -> lost         one lost after others committed (lose) -> committed (settled)
 
 One function per transition; each is exactly one ledger transaction and checks the state it
 leaves, so a transition that no longer applies (recovery got there first, the lease moved)
@@ -39,6 +41,9 @@ class RunState(enum.StrEnum):
     COMMITTED = "committed"
     ABORTED = "aborted"
     DQ_FAILED = "dq_failed"
+    # Decided, some participants committed, another rolled back by someone else: its ranges
+    # must be re-delivered (`tidemark settle RUN`), which makes it committed.
+    LOST = "lost"
 
 
 ABORTABLE = (RunState.PLANNED, RunState.WRITING, RunState.PREPARED)
@@ -152,12 +157,14 @@ def claim(
     plan: Planner,
     external_id: str | None = None,
     airflow: AirflowRun | None = None,
+    halted_ok: bool = False,
 ) -> Claim | None:
     """Take the leases of the free sinks, bump their epochs and insert the run as planned.
 
     The owner's session advisory lock is taken on ``conn`` and must be held for the run's
     life. Returns None when no claimed sink has anything to do (nothing is written then).
-    Raises LeaseHeld when every sink is held by another live run.
+    Raises LeaseHeld when every sink is held by another live run, Halted when the pipeline
+    is halted (unless ``halted_ok``: the re-delivery `tidemark settle` makes of a lost run).
     """
     sinks = list(sinks)
     with conn.transaction():
@@ -167,11 +174,10 @@ def claim(
                 "SELECT halted_reason FROM tidemark.pipelines WHERE name = %s", (pipeline,)
             )
         )
-        if halted:
-            raise Halted(
-                f"pipeline {pipeline} is halted: {halted} (inspect, then "
-                f"`tidemark resume {pipeline}`)"
-            )
+        if halted and not halted_ok:
+            # A reason that names its own way back (`tidemark settle RUN`) is not told resume.
+            fix = "" if "`tidemark " in halted else f" (inspect, then `tidemark resume {pipeline}`)"
+            raise Halted(f"pipeline {pipeline} is halted: {halted}{fix}")
         conn.execute(
             """INSERT INTO tidemark.leases (pipeline, sink)
                         SELECT %s, unnest(%s::text[]) ON CONFLICT DO NOTHING""",
@@ -439,19 +445,81 @@ def advance(
                ON CONFLICT DO NOTHING""",
             (run_id, sink),
         )
-        conn.execute(
-            """INSERT INTO tidemark.checkpoints AS c (pipeline, sink, partition, next_offset,
-                      updated_by)
-               SELECT %(p)s, rr.sink, rr.partition, rr.to_offset, rr.run_id
-               FROM tidemark.run_ranges rr JOIN tidemark.runs r USING (run_id)
-               WHERE rr.run_id = %(r)s AND rr.sink = %(s)s AND r.mode = 'run'
-               ON CONFLICT (pipeline, sink, partition) DO UPDATE
-               SET next_offset = greatest(c.next_offset, EXCLUDED.next_offset),
-                   updated_at = now(), updated_by = EXCLUDED.updated_by""",
-            {"p": pipeline, "r": run_id, "s": sink},
+        _move_checkpoints(conn, pipeline, run_id, sink)
+        _release(conn, pipeline, run_id, sink)
+
+
+def _move_checkpoints(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str) -> None:
+    """A delivery's checkpoints to its ranges' ends, never backwards (re-deliveries: none)."""
+    conn.execute(
+        """INSERT INTO tidemark.checkpoints AS c (pipeline, sink, partition, next_offset,
+                  updated_by)
+           SELECT %(p)s, rr.sink, rr.partition, rr.to_offset, rr.run_id
+           FROM tidemark.run_ranges rr JOIN tidemark.runs r USING (run_id)
+           WHERE rr.run_id = %(r)s AND rr.sink = %(s)s AND r.mode = 'run'
+           ON CONFLICT (pipeline, sink, partition) DO UPDATE
+           SET next_offset = greatest(c.next_offset, EXCLUDED.next_offset),
+               updated_at = now(), updated_by = EXCLUDED.updated_by""",
+        {"p": pipeline, "r": run_id, "s": sink},
+    )
+
+
+def abandon(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, reason: str) -> None:
+    """committing -> aborted: a chosen participant was lost (rolled back by someone else)
+    before any of the decision's committed, and the rest are rolled back: nothing of it is
+    visible, its checkpoints stay. The pipeline is halted with ``reason`` in the same
+    transaction, so no run starts before an operator has seen it (`tidemark settle`)."""
+    with conn.transaction():
+        _lock_lease(conn, pipeline, sink)
+        _transition(
+            conn,
+            run_id,
+            sink,
+            RunState.ABORTED,
+            [RunState.COMMITTING],
+            error=clamp(reason, ERROR_MAX),
         )
         gaps.settle(conn, pipeline, run_id, sink)
         _release(conn, pipeline, run_id, sink)
+        _halt(conn, pipeline, reason)
+
+
+def lose(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, reason: str) -> None:
+    """committing -> lost: a chosen participant was lost after others of the decision had
+    committed (a race with whoever rolled it back). What committed cannot be undone, so the
+    run's ranges count as delivered (a delivery's checkpoints move, as in :func:`advance`)
+    and must be re-delivered: `tidemark settle RUN` backfills exactly them, then
+    :func:`settled`. The pipeline is halted with ``reason`` in the same transaction."""
+    with conn.transaction():
+        _lock_lease(conn, pipeline, sink)
+        _transition(
+            conn, run_id, sink, RunState.LOST, [RunState.COMMITTING], error=clamp(reason, ERROR_MAX)
+        )
+        _move_checkpoints(conn, pipeline, run_id, sink)
+        _release(conn, pipeline, run_id, sink)
+        _halt(conn, pipeline, reason)
+
+
+def settled(conn: psycopg.Connection, run_id: int, sink: str, note: str) -> None:
+    """lost -> committed: the run's ranges were re-delivered (``note`` says by which run)."""
+    with conn.transaction():
+        _transition(
+            conn,
+            run_id,
+            sink,
+            RunState.COMMITTED,
+            [RunState.LOST],
+            error=clamp(note, ERROR_MAX),
+        )
+
+
+def lost_sinks(conn: psycopg.Connection, pipeline: str) -> list[tuple[int, str]]:
+    """(run_id, sink) of the pipeline's sinks in ``lost``: ranges still to re-deliver."""
+    return conn.execute(
+        """SELECT rs.run_id, rs.sink FROM tidemark.run_sinks rs JOIN tidemark.runs r
+           USING (run_id) WHERE r.pipeline = %s AND rs.state = %s ORDER BY 1, 2""",
+        (pipeline, RunState.LOST),
+    ).fetchall()
 
 
 def abort(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, error: str) -> bool:
@@ -522,11 +590,24 @@ def finish_run(conn: psycopg.Connection, run_id: int) -> None:
 
 def halt(conn: psycopg.Connection, pipeline: str, reason: str) -> None:
     with conn.transaction():
+        _halt(conn, pipeline, reason)
+
+
+def _halt(conn: psycopg.Connection, pipeline: str, reason: str) -> None:
+    conn.execute(
+        """UPDATE tidemark.pipelines SET halted_reason = %s, halted_at = now()
+                    WHERE name = %s""",
+        (clamp(reason, ERROR_MAX), pipeline),
+    )
+
+
+def halted(conn: psycopg.Connection) -> dict[str, str]:
+    """pipeline -> why, of every halted pipeline."""
+    return dict(
         conn.execute(
-            """UPDATE tidemark.pipelines SET halted_reason = %s, halted_at = now()
-                        WHERE name = %s""",
-            (clamp(reason, ERROR_MAX), pipeline),
-        )
+            "SELECT name, halted_reason FROM tidemark.pipelines WHERE halted_reason IS NOT NULL"
+        ).fetchall()
+    )
 
 
 def halted(conn: psycopg.Connection, pipeline: str) -> str | None:
@@ -538,7 +619,17 @@ def halted(conn: psycopg.Connection, pipeline: str) -> str | None:
 
 
 def resume(conn: psycopg.Connection, pipeline: str) -> bool:
+    """Clear the halt. Refused while a sink of the pipeline is ``lost``: resuming would let
+    runs go on past ranges that are not whole, which only `tidemark settle` re-delivers."""
     with conn.transaction():
+        lost = lost_sinks(conn, pipeline)
+        if lost:
+            run_id, sink = lost[0]
+            raise TidemarkError(
+                f"pipeline {pipeline}: run {run_id} sink {sink} lost a participant after "
+                f"others had committed, so its ranges are not whole; `tidemark settle "
+                f"{run_id}` re-delivers them and resumes the pipeline"
+            )
         return (
             conn.execute(
                 """UPDATE tidemark.pipelines SET halted_reason = NULL,

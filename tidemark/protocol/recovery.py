@@ -3,8 +3,11 @@
 Runs at the start of every run, on demand (`tidemark recover`) and on a schedule. Holds a
 ledger advisory lock, so two recoveries never interleave; every step is idempotent.
 
-1. ``committing`` (run, sink): commit its chosen gids that are still prepared, then advance.
-   A chosen gid that is gone without its marker row is an inconsistency: halt the pipeline.
+1. ``committing`` (run, sink): finish its decision as the driver does (:func:`finish`):
+   every chosen gid checked first, then committed, the sink's before the ledger's; then
+   advance. A chosen gid gone without its marker row (someone else rolled it back) is an
+   inconsistency: the decision is settled (aborted, or lost), the pipeline halted, and
+   `tidemark settle RUN` named.
 2. ``planned``/``writing``/``prepared`` whose owner is gone (its session advisory lock is
    released the moment its process dies) or whose lease expired or moved: roll back its
    sink's prepared transactions and mark it ``aborted``.
@@ -140,20 +143,16 @@ def recover(
 def _roll_forward(ledger: psycopg.Connection, dbs: Databases, report: Report) -> None:
     for run_id, sink, pipeline in runs.committing(ledger):
         try:
-            lost = commit_chosen(ledger, dbs, pipeline, run_id, sink)
+            done = finish(ledger, dbs, pipeline, run_id, sink)
         except (psycopg.Error, TidemarkError) as exc:
             report.error(
                 f"run {run_id} sink {sink}: cannot roll forward: {one_line(exc)}", [pipeline]
             )
             continue
-        if lost:
-            report.lost.extend(lost)
-            state.halt(
-                ledger,
-                pipeline,
-                f"run {run_id} sink {sink}: chosen transaction(s) "
-                f"{', '.join(lost)} vanished without their marker rows",
-            )
+        if done.lost:
+            report.lost.extend(done.lost)
+            # Named per pipeline too: its DAG's recover task and the maintenance alert say it.
+            report.error(f"pipeline {pipeline}: {done.reason}", [pipeline])
             continue
         try:
             state.advance(ledger, pipeline, run_id, sink)
@@ -165,24 +164,99 @@ def _roll_forward(ledger: psycopg.Connection, dbs: Databases, report: Report) ->
         report.rolled_forward.append((run_id, sink))
 
 
-def commit_chosen(
+@dataclass
+class Finished:
+    """How a decision of one (run, sink) ended: ``state`` committing (every chosen gid
+    committed: advance next), aborted (one lost before any committed: all rolled back) or
+    lost (one lost after others committed: its ranges must be re-delivered). ``lost``: the
+    gids someone else rolled back; ``reason``: the halt's, naming them and the command."""
+
+    state: RunState
+    lost: list[str] = field(default_factory=list)
+    reason: str = ""
+
+
+def finish(
     ledger: psycopg.Connection,
     dbs: Databases,
     pipeline: str,
     run_id: int,
     sink: str,
     after_each: Callable[[], None] | None = None,
-) -> list[str]:
-    """Commit the decision's gids; returns those that were lost (gone, no marker)."""
-    lost = []
-    for gid, target in runs.chosen(ledger, run_id, sink):
-        outcome = twopc.commit(dbs.conn(dbs.dsn_for(pipeline, target)), gid)
-        if after_each:
-            after_each()
-        runs.record_outcome(ledger, run_id, sink, gid, outcome)
-        if outcome == runs.Outcome.LOST:
+) -> Finished:
+    """Step 4 of the commit protocol for one decided (run, sink), by its driver or by
+    recovery (docs/design.md): every chosen gid not known committed is checked first
+    (prepared, or gone with its marker: committed); only if none is lost are they committed,
+    the sink's participants before the ledger's, so that dead letters and a re-delivery's
+    status changes never commit without the rows they stand for. A gid lost on the way (a
+    race with whoever rolls it back) stops the commits there. Idempotent, and safe beside
+    another settler of the same decision: each decides from what the databases say."""
+    todo = runs.chosen(ledger, run_id, sink)
+    conns = {gid: dbs.conn(dbs.dsn_for(pipeline, target)) for gid, target in todo}
+    lost: list[str] = []
+    for gid, _ in todo:
+        if twopc.is_prepared(conns[gid], gid):
+            continue
+        if markers.has(conns[gid], gid):
+            runs.record_outcome(ledger, run_id, sink, gid, runs.Outcome.COMMITTED)
+        else:
             lost.append(gid)
-    return lost
+    if not lost:
+        for gid, _ in todo:
+            outcome = twopc.commit(conns[gid], gid)
+            if after_each:
+                after_each()
+            runs.record_outcome(ledger, run_id, sink, gid, outcome)
+            if outcome == runs.Outcome.LOST:
+                lost.append(gid)
+                break
+        else:
+            return Finished(RunState.COMMITTING)
+    return _settle_lost(ledger, conns, pipeline, run_id, sink, lost)
+
+
+def _settle_lost(
+    ledger: psycopg.Connection,
+    conns: dict[str, psycopg.Connection],
+    pipeline: str,
+    run_id: int,
+    sink: str,
+    lost: list[str],
+) -> Finished:
+    """A chosen gid of (run, sink) is lost: roll back the rest that is still prepared, then
+    mark the sink aborted (nothing of the decision committed) or lost (some of it did), and
+    halt the pipeline. What committed is read from the markers, not assumed: another settler
+    may have committed a gid meanwhile."""
+    for gid in conns:
+        if gid in lost:
+            continue
+        if twopc.rollback(conns[gid], gid):
+            runs.record_outcome(ledger, run_id, sink, gid, runs.Outcome.ROLLED_BACK)
+        elif markers.has(conns[gid], gid):
+            runs.record_outcome(ledger, run_id, sink, gid, runs.Outcome.COMMITTED)
+        elif runs.outcomes(ledger, run_id, sink).get(gid) != runs.Outcome.ROLLED_BACK:
+            lost.append(gid)  # rolled back by someone else as well
+    for gid in lost:
+        runs.record_outcome(ledger, run_id, sink, gid, runs.Outcome.LOST)
+    some_committed = runs.Outcome.COMMITTED in runs.outcomes(ledger, run_id, sink).values()
+    what = (
+        "others had committed, so its ranges count as delivered and are not whole"
+        if some_committed
+        else "none of its transactions had committed: rolled back whole, checkpoints stay"
+    )
+    reason = (
+        f"run {run_id} sink {sink}: chosen transaction(s) {', '.join(lost)} rolled back by "
+        f"someone else (gone without their marker rows); {what}; run `tidemark settle "
+        f"{run_id}`"
+    )
+    to = RunState.LOST if some_committed else RunState.ABORTED
+    try:
+        (state.lose if some_committed else state.abandon)(ledger, pipeline, run_id, sink, reason)
+    except state.IllegalTransition:
+        now = state.state_of(ledger, run_id, sink)
+        if now != to:  # another settler got there first: it must have seen the same
+            raise
+    return Finished(to, lost, reason)
 
 
 def _abort_dead(ledger: psycopg.Connection, report: Report) -> None:
