@@ -282,7 +282,7 @@ def order_record(partition: int, i: int, name: str, amount: float, version: int 
     return (partition, str(i).encode(), json.dumps(body).encode(), None, None)
 
 
-def first_five(checkpoints: dict) -> dict:
+def first_five(checkpoints: dict, began: dict | None = None) -> dict:
     """A claim's plan: offsets 0 to 5 of partition 0, for each sink."""
     from tidemark.ledger.state import Range
 

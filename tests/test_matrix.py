@@ -148,7 +148,7 @@ def _reads(mode: Mode, pipeline: Pipeline) -> list[list[Range]]:
         reads = []
         for ranges in (mode.ranges, [Range(0, 0, 4), Range(1, 0, 4)]):
             plan, _ = Backfill(ranges).planner(pipeline)
-            planned = plan({"a": {0: 10, 1: 10}, "b": {0: 10, 1: 10}})
+            planned = plan({"a": {0: 10, 1: 10}, "b": {0: 10, 1: 10}}, {})
             claim = Claim(0, pipeline.name, mode.name)
             claim.sinks = {s: SinkClaim(s, 1, r) for s, r in planned.items()}
             reads.append(claim.read_ranges())

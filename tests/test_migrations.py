@@ -204,3 +204,57 @@ def test_v014_masks_the_passwords_of_stored_pipeline_configs(pg, monkeypatch):
     assert "Secret9" not in json.dumps(got)
     assert got["source"]["dsn"] == "postgresql://u:***@h:5432/src"
     assert got["sinks"][2] == config["sinks"][2]
+
+
+def test_v009_fills_where_a_sink_began_only_where_the_ledger_proves_it(pg, monkeypatch):
+    """Checkpoints from before V009 get where their sink began only where the ledger proves
+    it: one never advanced began where it is; one seeded by the claim that created the
+    pipeline's row began where that claim's run started it. Any other (a later run, perhaps
+    after retention deleted the first) is NULL: the source's first record, as before, never
+    a start too high for a rebuild. Status says both."""
+    from tidemark.ledger.status import pipeline_status, render
+
+    dsn, everything = _ledger_at(8, pg, monkeypatch)
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute(
+            "INSERT INTO tidemark.pipelines (name, created_at) "
+            "VALUES ('orders', '2026-01-01T00:00Z')"
+        )
+        first, later = (
+            c.execute(
+                "INSERT INTO tidemark.runs (pipeline, mode, owner, created_at) "
+                "VALUES ('orders', 'run', 'h:1', %s) RETURNING run_id",
+                (at,),
+            ).fetchone()[0]
+            for at in ("2026-01-01T00:00Z", "2026-01-02T00:00Z")
+        )
+        for run, sink, part, lo, hi in (
+            (first, "main", 0, 3, 5),
+            (later, "main", 0, 5, 9),
+            (later, "main", 2, 7, 8),
+            (later, "second", 0, 3, 9),
+        ):
+            c.execute(
+                "INSERT INTO tidemark.run_sinks (run_id, sink, state, lease_epoch) "
+                "VALUES (%s, %s, 'committed', 1) ON CONFLICT DO NOTHING",
+                (run, sink),
+            )
+            c.execute(
+                "INSERT INTO tidemark.run_ranges VALUES (%s, %s, %s, %s, %s)",
+                (run, sink, part, lo, hi),
+            )
+        c.execute(
+            "INSERT INTO tidemark.checkpoints (pipeline, sink, partition, next_offset, "
+            "updated_by) VALUES ('orders', 'main', 0, 9, %(l)s), ('orders', 'main', 1, 4, "
+            "NULL), ('orders', 'main', 2, 8, %(l)s), ('orders', 'second', 0, 9, %(l)s)",
+            {"l": later},
+        )
+    monkeypatch.setattr(migrations, "available", lambda: everything)
+    assert migrations.upgrade(dsn)[0] == everything[-1][0]
+    with psycopg.connect(dsn, autocommit=True) as c:
+        st = pipeline_status(c, "orders")
+    began = {(r["sink"], r["partition"]): r["start_offset"] for r in st["checkpoints"]}
+    assert began == {("main", 0): 3, ("main", 1): 4, ("main", 2): None, ("second", 0): None}
+    text = render(st)
+    assert "partition 0               9  began at 3" in text, text
+    assert "partition 2               8  began at the source's first record" in text, text

@@ -369,17 +369,31 @@ def _backfill_ranges(
             raise click.UsageError("--partition N needs --from and --to (or use --partition all)")
         if end <= start:
             raise click.BadParameter(f"--to ({end}) must be greater than --from ({start})")
-        return [Range(partition, start, end)]
     if partition is None and not timed:
         raise click.UsageError("say what to backfill: --partition, or --since and --until")
     pipeline = ctx.pipelines(deep=False).get(name) or cfg.find(ctx.folder, name, deep=False)
-    ends = windows.committed(ctx.ledger_dsn, pipeline, sinks)
-    if isinstance(partition, int):
-        ends = {p: e for p, e in ends.items() if p == partition}
-    if timed:
-        assert since is not None and until is not None
-        return windows.by_time(pipeline, ends, since, until)
-    return windows.by_offsets(pipeline, ends, start, end)
+    if isinstance(partition, int) and not timed:
+        assert start is not None and end is not None
+        asked = [Range(partition, start, end)]
+    else:
+        ends = windows.committed(ctx.ledger_dsn, pipeline, sinks)
+        if isinstance(partition, int):
+            ends = {p: e for p, e in ends.items() if p == partition}
+        if timed:
+            assert since is not None and until is not None
+            asked = windows.by_time(pipeline, ends, since, until)
+        else:
+            asked = windows.by_offsets(pipeline, ends, start, end)
+    # No re-delivery reaches below where a sink began: --from below it is cut there (the
+    # records below were never delivered), said on stderr; offsets wholly below are refused.
+    names = sinks or [s.name for s in pipeline.sinks]
+    began = windows.began(ctx.ledger_dsn, pipeline, names)
+    ranges, notes = windows.below_start(pipeline, asked, began, names)
+    if isinstance(partition, int) and not timed and not ranges:
+        raise BadInput(f"{notes[0]}; nothing to backfill - give offsets at or above that")
+    for note in notes:
+        click.echo(note, err=True)
+    return ranges
 
 
 @cli.command("recover")
@@ -426,13 +440,15 @@ def recover_cmd(ctx: Ctx, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @pass_ctx
 def status_cmd(ctx: Ctx, pipeline: str, runs: int, as_json: bool) -> None:
-    """Checkpoints, recent runs and dead-letter counts of PIPELINE, and records that appeared
-    below a checkpoint in a gap a sink stepped over (LATE, with the backfill that places
-    them)."""
+    """Checkpoints (and where each sink began, per partition), recent runs and dead-letter
+    counts of PIPELINE, and records that appeared below a checkpoint in a gap a sink stepped
+    over (LATE, with the backfill that places them)."""
     from tidemark.driver import late as late_records
+    from tidemark.ledger.migrations import require_current
     from tidemark.ledger.status import pipeline_status, render
 
     with connect(ctx.ledger_dsn, autocommit=True, what="ledger") as conn:
+        require_current(conn)
         st = pipeline_status(conn, pipeline, runs)
         late, unknown = late_records.find(conn, ctx.pipelines(deep=False), pipeline)
     if as_json:

@@ -12,9 +12,9 @@ newest remaining version that passes now. So, before the write, per sink:
    which that row placed, are versions of that key now (``_moved_keys``);
 3. less the keys of the range's records that pass now: the keys that will lose their row
    (usually none, and the backfill goes on as before);
-4. read every version of those keys below the sink's checkpoint, outside the range (the same
-   partition; every partition for a sink that orders versions by a column), with the current
-   pipeline, and judge them by the current row-level expectations;
+4. read every version of those keys below the sink's checkpoint and at or above where it
+   began, outside the range (the same partition; every partition for a sink that orders
+   versions by a column), with the current pipeline, and judge them by the current row-level expectations;
 5. hand them to the backfill's one write task, tagged with their sink (``FALLBACK``), and
    the keys of 2 in its spec (``SinkTarget.moved``). After the range is placed, the task
    walks the versions of each of those keys that has no row, newest first. Same
@@ -73,6 +73,8 @@ class SinkPlan:
     ranges: list[Range]
     checkpoints: dict[int, int]
     failed: Failures = field(default_factory=dict)
+    # partition -> where the sink began (known starts only): older versions lie at or above
+    began: dict[int, int] = field(default_factory=dict)
     moved: list[tuple[Any, ...]] = field(default_factory=list)  # keys of _moved_keys, for the task
     # (partition, offset, *key) of its rows and tombstones in the range (_held), asked once
     held: set[tuple[Any, ...]] | None = None
@@ -382,6 +384,11 @@ def _scopes(
             for p in parts:
                 first = planner.earliest(p)
                 if first is None or first >= s.checkpoints.get(p, 0):
+                    continue
+                # Never below where the sink began: a version there was never delivered to
+                # it, so it is no version the key can fall back to.
+                first = max(first, s.began.get(p, first))
+                if first >= s.checkpoints[p]:
                     continue
                 mine.append(Range(p, first, s.checkpoints[p]))
                 have = reads.get(p)

@@ -173,7 +173,9 @@ class Delivery(Mode):
                 return src.latest(partition)
             return src.earliest(partition)
 
-        def plan(checkpoints: dict[str, dict[int, int]]) -> dict[str, list[Range]]:
+        def plan(
+            checkpoints: dict[str, dict[int, int]], began: dict[str, dict[int, int]]
+        ) -> dict[str, list[Range]]:
             parts = src.partitions()
             starts: dict[int, int | None] = {}
             for cps in checkpoints.values():
@@ -255,7 +257,9 @@ class Backfill(Mode):
         return one_task(read, dense)
 
     def planner(self, pipeline: Pipeline) -> tuple[Planner, Closing]:
-        def plan(checkpoints: dict[str, dict[int, int]]) -> dict[str, list[Range]]:
+        def plan(
+            checkpoints: dict[str, dict[int, int]], began: dict[str, dict[int, int]]
+        ) -> dict[str, list[Range]]:
             for sink, cps in checkpoints.items():
                 for r in self.ranges:
                     if r.partition not in cps or r.end > cps[r.partition]:
@@ -265,7 +269,16 @@ class Backfill(Mode):
                             f"[{r.start}, {r.end}) goes past the checkpoint ({have}); only "
                             f"committed ranges can be backfilled - run the pipeline instead"
                         )
-            return {s: list(self.ranges) for s in checkpoints}
+            # Each sink gets only the part at or above where it began: below, it never
+            # received a record (docs/design.md, "Re-delivery"); a sink with none is left out.
+            return {
+                s: [
+                    c
+                    for r in self.ranges
+                    if (c := r.above(began.get(s, {}).get(r.partition))).size > 0
+                ]
+                for s in checkpoints
+            }
 
         return plan, NothingToClose()
 
@@ -278,8 +291,8 @@ def one_task(read: list[Range], dense: bool) -> Layout:
 
 @dataclass
 class Rebuild(Mode):
-    """Re-deliver everything ``sink`` has received, from the first record the source still
-    holds to its checkpoint in each partition, into a new table made from the current
+    """Re-deliver everything ``sink`` has received, from where it began (or the first record
+    the source still holds, if later) to its checkpoint in each partition, into a new table made from the current
     pipeline, swapped in for the old one in the same two-phase commit
     (tidemark/protocol/rebuild.py). ``accept_pruned``: rebuild although the source no
     longer holds records whose rows the table has (they are left out of the new table)."""
@@ -295,14 +308,19 @@ class Rebuild(Mode):
     def planner(self, pipeline: Pipeline) -> tuple[Planner, Closing]:
         src = sources.planner(pipeline)
 
-        def plan(checkpoints: dict[str, dict[int, int]]) -> dict[str, list[Range]]:
+        def plan(
+            checkpoints: dict[str, dict[int, int]], began: dict[str, dict[int, int]]
+        ) -> dict[str, list[Range]]:
             # Read under the sink's lease: the ranges end exactly where its checkpoints are,
-            # so the new table holds what the old one should, no more and no less.
+            # and start where it began (or at the first record the source still holds), so
+            # the new table holds what the old one should, no more and no less.
             out = []
             for p, end in sorted(checkpoints.get(self.sink, {}).items()):
                 first = src.earliest(p)
-                if first is not None and end > first:
-                    out.append(Range(p, first, end))
+                if first is not None:
+                    r = Range(p, first, max(first, end)).above(began.get(self.sink, {}).get(p))
+                    if r.size > 0:
+                        out.append(r)
             return {self.sink: out}
 
         return plan, src

@@ -60,7 +60,10 @@ class RedriveMode(Mode):
     def planner(self, pipeline: Pipeline) -> tuple[Planner, NothingToClose]:
         names = [s.name for s in pipeline.sinks]
 
-        def plan(free: dict[str, dict[int, int]]) -> dict[str, list[Range]]:
+        def plan(
+            free: dict[str, dict[int, int]], began: dict[str, dict[int, int]]
+        ) -> dict[str, list[Range]]:
+            # A letter lies where its sink received its record: at or above where it began.
             with connect(self.ledger_dsn, autocommit=True, what="ledger") as conn:
                 ranges, self.unplaced = redrives.placement(
                     conn, self.request_id, pipeline.name, names

@@ -193,20 +193,31 @@ class Tables:
         table would hold every row the old one does, unless the user accepts leaving out
         those whose records the source no longer holds (retention pruned them)."""
         cfg, what = sink.config, f"sink {sink.name}"
-        # Everything the sink holds, in every partition it has a checkpoint in: a rebuild
-        # re-delivers all of it (a partition the source holds nothing of has no range).
+        # Everything the sink holds from where it began, in every partition it has a
+        # checkpoint in: a rebuild re-delivers all of it (a partition the source holds
+        # nothing of has no range). Rows below where it began were never delivered to it
+        # (an older backfill put them there): left out, with no --accept-pruned to ask for.
         cps = checkpoints.positions(self.ledger, self.p.name, [sink.name]).get(sink.name, {})
+        began = checkpoints.starts(self.ledger, self.p.name, [sink.name]).get(sink.name, {})
         parts = {*cps, *(r.partition for r in claim.sinks[sink.name].ranges)}
-        every = {p: (0, pruned.EVERYTHING) for p in sorted(parts)}
+        every = {p: (began.get(p) or 0, pruned.EVERYTHING) for p in sorted(parts)}
         try:
             with connect(sink.dsn, autocommit=True, what=what) as conn:
                 sinks.prepare_database(conn, what)
                 exists = sink_schema.table_columns(conn, cfg.table) is not None
+                never = rebuild.placed_below(conn, cfg.table, began) if exists else {}
             held = self._held(claim, sink.name)
             found = self._pruned(claim, sink, every, held) if exists else pruned.Found()
         except (psycopg.Error, TidemarkError) as exc:
             self._abort(claim.run_id, sink.name, str(exc), report)
             return
+        if never:
+            self.log(
+                f"run {claim.run_id}: {what}: {sum(never.values()):,} rows of {cfg.table} lie "
+                f"below where the sink began ("
+                + ", ".join(f"partition {p}: offset {began[p]:,}" for p in never)
+                + "): never delivered to it, left out of the new table"
+            )
         if found:
             why = f"{what}: {found.describe(cfg.table)}; retention pruned them)"
             if not mode.accept_pruned:

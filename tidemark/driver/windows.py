@@ -1,6 +1,8 @@
 """What a backfill re-delivers, as the user says it: one partition's offsets, every
 partition's (``--partition all``), or a time window mapped to each partition's offsets from the
-source's record times. Only what every chosen sink has committed can be re-delivered.
+source's record times. Only what every chosen sink has committed can be re-delivered, and
+nothing below where a sink began (each sink gets the part at or above its start: the claim's
+planner, driver/modes.py, cuts it per sink; :func:`below_start` says so beforehand).
 
 May import: sources, ledger, config, core.
 """
@@ -14,6 +16,7 @@ from tidemark.config import Pipeline
 from tidemark.core.db import connect
 from tidemark.core.errors import BadInput
 from tidemark.ledger import checkpoints
+from tidemark.ledger.migrations import require_current
 from tidemark.ledger.state import Range
 
 
@@ -22,6 +25,7 @@ def committed(ledger_dsn: str, pipeline: Pipeline, sinks: list[str] | None) -> d
     them has never received is left out: there is nothing to re-deliver to it)."""
     names = sinks or [s.name for s in pipeline.sinks]
     with connect(ledger_dsn, autocommit=True, what="ledger") as conn:
+        require_current(conn)
         cps = checkpoints.positions(conn, pipeline.name, names)
     if any(n not in cps for n in names):
         missing = [n for n in names if n not in cps]
@@ -31,6 +35,44 @@ def committed(ledger_dsn: str, pipeline: Pipeline, sinks: list[str] | None) -> d
         )
     parts = set.intersection(*(set(cps[n]) for n in names))
     return {p: min(cps[n][p] for n in names) for p in sorted(parts)}
+
+
+def began(
+    ledger_dsn: str, pipeline: Pipeline, sinks: list[str] | None
+) -> dict[str, dict[int, int]]:
+    """{sink: {partition: offset}}: where each chosen sink began, where the ledger knows it."""
+    names = sinks or [s.name for s in pipeline.sinks]
+    with connect(ledger_dsn, autocommit=True, what="ledger") as conn:
+        require_current(conn)
+        return checkpoints.starts(conn, pipeline.name, names)
+
+
+def below_start(
+    pipeline: Pipeline, ranges: list[Range], starts: dict[str, dict[int, int]], sinks: list[str]
+) -> tuple[list[Range], list[str]]:
+    """``ranges`` cut at the lowest start of the chosen ``sinks`` (nothing below it was
+    delivered to any of them; a range wholly below it is left out), and a line per range
+    that reaches below where a sink began, saying what that sink gets of it (the claim's
+    planner cuts each sink's own range the same way)."""
+    out, notes = [], []
+    for r in ranges:
+        floors = {s: starts.get(s, {}).get(r.partition) for s in sinks}
+        known = [f for f in floors.values() if f is not None]
+        cut = r.above(min(known) if len(known) == len(floors) else None)
+        late = {s: f for s, f in floors.items() if f is not None and f > r.start}
+        if late:
+            each = "; ".join(
+                f"sink {s} began at offset {f}: "
+                + (f"it gets [{f}, {r.end})" if f < r.end else "it gets none of it")
+                for s, f in late.items()
+            )
+            notes.append(
+                f"backfill of {pipeline.name} partition {r.partition} [{r.start}, {r.end}): "
+                f"{each} (nothing below where a sink began was delivered to it)"
+            )
+        if cut.size:
+            out.append(cut)
+    return out, notes
 
 
 def by_offsets(

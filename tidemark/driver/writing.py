@@ -253,6 +253,7 @@ class Writing(Tables):
         """Each sink of a backfill as the fallback sees it (tidemark/driver/fallback.py)."""
         v = verdict or gate.Verdict()
         cps = checkpoints.positions(self.ledger, self.p.name, live)
+        began = checkpoints.starts(self.ledger, self.p.name, live)
         plans = {}
         for s in live:
             failed: dict[int, dict[int, str]] = {}
@@ -260,7 +261,12 @@ class Writing(Tables):
                 for p, offs in v.rows.get(scope, {}).items():
                     failed.setdefault(p, {}).update(offs)
             plans[s] = fallback.SinkPlan(
-                by_name[s].config, by_name[s].dsn, claim.sinks[s].ranges, cps.get(s, {}), failed
+                by_name[s].config,
+                by_name[s].dsn,
+                claim.sinks[s].ranges,
+                cps.get(s, {}),
+                failed,
+                began=began.get(s, {}),
             )
         return plans
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
 from pydantic import BaseModel, ConfigDict
@@ -27,7 +27,7 @@ from tidemark.core.dsn import mask
 from tidemark.core.errors import Fenced, Halted, LeaseHeld, TidemarkError
 from tidemark.core.text import clamp
 from tidemark.ledger import gaps
-from tidemark.ledger.checkpoints import positions
+from tidemark.ledger.checkpoints import positions, starts
 
 ERROR_MAX = 2000  # characters of an error kept in the ledger
 OWNER_LOCK_CLASS = 0x746D  # 'tm': session advisory lock (class, run_id) proves the owner lives
@@ -73,6 +73,12 @@ class Range:
     def size(self) -> int:
         return self.end - self.start
 
+    def above(self, floor: int | None) -> Range:
+        """The part at or above offset ``floor`` (empty when none is; None: all of it). A
+        re-delivery takes only the part at or above where a sink began."""
+        start = self.start if floor is None else max(self.start, floor)
+        return Range(self.partition, start, max(start, self.end))
+
 
 @dataclass
 class SinkClaim:
@@ -105,9 +111,15 @@ class Claim:
         return [by_part[p] for p in sorted(by_part)]
 
 
-# A planner gets {sink: {partition: checkpoint}} of the sinks it may claim, read inside the
-# claim transaction, and returns {sink: [Range]}; an empty list means nothing to do.
-Planner = Callable[[dict[str, dict[int, int]]], dict[str, list[Range]]]
+class Planner(Protocol):
+    """Plans a claim: gets ``checkpoints`` {sink: {partition: next offset}} of the sinks it
+    may claim and ``began`` {sink: {partition: start offset}}, where each began (known
+    starts only: a partition left out began at the source's first record), both read inside
+    the claim transaction; returns {sink: [Range]}, an empty list meaning nothing to do."""
+
+    def __call__(
+        self, checkpoints: dict[str, dict[int, int]], began: dict[str, dict[int, int]], /
+    ) -> dict[str, list[Range]]: ...
 
 
 def owner_alive_sql(run_col: str) -> str:
@@ -210,16 +222,18 @@ def claim(
         checkpoints: dict[str, dict[int, int]] = {s: {} for s in free} | positions(
             conn, pipeline, free
         )
-        planned = plan(checkpoints)
+        planned = plan(checkpoints, starts(conn, pipeline, free))
         # Seed the checkpoints of new partitions, even with nothing to read yet: where a sink
-        # starts is decided once (`start: latest` must not move on with every run), and
-        # status shows them before a commit.
+        # starts is decided once (`start: latest` must not move on with every run), recorded
+        # as where it began (no re-delivery reaches below it), and status shows them before
+        # a commit.
         for sink, rs in plan_seeds(checkpoints, planned).items():
             for r in rs:
                 conn.execute(
                     """INSERT INTO tidemark.checkpoints (pipeline, sink, partition,
-                                next_offset) VALUES (%s, %s, %s, %s) ON CONFLICT DO NOTHING""",
-                    (pipeline, sink, r.partition, r.start),
+                                next_offset, start_offset) VALUES (%s, %s, %s, %s, %s)
+                       ON CONFLICT DO NOTHING""",
+                    (pipeline, sink, r.partition, r.start, r.start),
                 )
         work = {s: [r for r in rs if r.size > 0] for s, rs in planned.items()}
         work = {s: rs for s, rs in work.items() if rs}
@@ -284,7 +298,7 @@ def pending(conn: psycopg.Connection, pipeline: str, sinks: Iterable[str], plan:
     checkpoints: dict[str, dict[int, int]] = {s: {} for s in sinks} | positions(
         conn, pipeline, sinks
     )
-    planned = plan(checkpoints)
+    planned = plan(checkpoints, starts(conn, pipeline, sinks))
     return any(r.size > 0 for rs in planned.values() for r in rs) or any(
         plan_seeds(checkpoints, planned).values()
     )
@@ -453,8 +467,8 @@ def _move_checkpoints(conn: psycopg.Connection, pipeline: str, run_id: int, sink
     """A delivery's checkpoints to its ranges' ends, never backwards (re-deliveries: none)."""
     conn.execute(
         """INSERT INTO tidemark.checkpoints AS c (pipeline, sink, partition, next_offset,
-                  updated_by)
-           SELECT %(p)s, rr.sink, rr.partition, rr.to_offset, rr.run_id
+                  updated_by, start_offset)
+           SELECT %(p)s, rr.sink, rr.partition, rr.to_offset, rr.run_id, rr.from_offset
            FROM tidemark.run_ranges rr JOIN tidemark.runs r USING (run_id)
            WHERE rr.run_id = %(r)s AND rr.sink = %(s)s AND r.mode = 'run'
            ON CONFLICT (pipeline, sink, partition) DO UPDATE
@@ -601,7 +615,7 @@ def _halt(conn: psycopg.Connection, pipeline: str, reason: str) -> None:
     )
 
 
-def halted(conn: psycopg.Connection) -> dict[str, str]:
+def halted_pipelines(conn: psycopg.Connection) -> dict[str, str]:
     """pipeline -> why, of every halted pipeline."""
     return dict(
         conn.execute(

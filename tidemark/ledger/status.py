@@ -64,9 +64,16 @@ def render(st: dict[str, Any]) -> str:
         return out[0] + ": never run"
     if st["halted"]:
         out.append(f"  HALTED: {st['halted']}")
-    out.append("  checkpoints (next offset to deliver):")
+    out.append("  checkpoints (next offset to deliver; where the sink began):")
     for c in st["checkpoints"]:
-        out.append(f"    {c['sink']:<16} partition {c['partition']:<4} {c['next_offset']:>12,}")
+        began = (
+            "began at the source's first record"
+            if c["start_offset"] is None
+            else f"began at {c['start_offset']:,}"
+        )
+        out.append(
+            f"    {c['sink']:<16} partition {c['partition']:<4} {c['next_offset']:>12,}  {began}"
+        )
     out.append("  recent runs:")
     for r in st["runs"]:
         counts = r["counts"] or {}

@@ -128,3 +128,18 @@ def _primary_key(conn: psycopg.Connection, table: str) -> str | None:
         )
     )
     return name
+
+
+def placed_below(conn: psycopg.Connection, table: str, floors: dict[int, int]) -> dict[int, int]:
+    """Rows of ``table`` below ``floors`` (partition -> offset), per partition; partitions
+    not in ``floors`` count none. Below where a sink began, a row was placed by a
+    re-delivery from before the ledger kept where sinks began: never delivered to it."""
+    rows = conn.execute(
+        sql.SQL(
+            "SELECT t._tm_partition, count(*) FROM {} t "
+            "JOIN unnest(%s::int[], %s::bigint[]) AS s(p, floor) ON s.p = t._tm_partition "
+            "WHERE t._tm_offset < s.floor GROUP BY 1 ORDER BY 1"
+        ).format(sql.SQL(qualified(table))),
+        (list(floors), list(floors.values())),
+    ).fetchall()
+    return {p: n for p, n in rows}
