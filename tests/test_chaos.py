@@ -549,6 +549,34 @@ def _trim_most(chaos: Chaos, rng) -> Result:
     return Result("trim", f"{len(chaos.trimmed)} record(s) deleted from the source")
 
 
+def test_sinks_that_start_at_latest_get_nothing_from_below_where_they_began(tmp_path, spark):
+    """(a) `start: latest`: sink a begins where the source ended at its first run, sink b
+    later still. Backfills from offset 0 (cut, or refused when wholly below), of every
+    partition and of a time window, a rebuild, and an in-process backfill from 0 re-deliver
+    nothing below where each sink began; the ledger's start is the oracle's."""
+    world = World.create(2, 1000, tmp_path / "w", w.Features(start="latest"))
+
+    def run(*sinks: str):
+        return lambda c, r: c._inproc(f"run {sinks}", c.inproc.run(list(sinks) or None))
+
+    try:
+        chaos, done = _life(
+            world,
+            spark,
+            ["append", run("a"), "append", run(), "append", run()]
+            + ["backfill_low"] * 3
+            + ["backfill_all", "backfill_time", _rebuild("b", accept=False)]
+            + [_backfill(0, 0), _backfill(1, 0, sinks=["a"])],
+        )
+        began = chaos.oracle.began
+        assert 0 < began[("a", 0)] < began[("b", 0)], began
+        assert "nothing to replay" in done[1].outcome, done[1]
+        lows = [r.outcome for r in done[6:9]]
+        assert all(o.startswith(("exit 0", "exit 2")) for o in lows), lows
+    finally:
+        world.destroy()
+
+
 def test_time_windows_map_to_offsets_whatever_the_session_time_zone(tmp_path, spark):
     """(g) The ledger database (the source's) reads times in Asia/Kathmandu: windows typed
     naive, with Z or another zone's offset re-deliver what the source's own times say, and so
