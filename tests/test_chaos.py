@@ -1,6 +1,9 @@
 """`tidemark chaos`: its checker finds planted violations, its content oracle applies the
-re-delivery rule and reports sink rows and letters changed by hand, and a short seeded run with
-every kind of fault passes. Real PostgreSQL, Spark and Great Expectations; no mocks."""
+re-delivery rule and reports sink rows and letters changed by hand, a short seeded run with
+every kind of fault passes, and each operation of a pipeline's life (issue 45, point 8: sink
+starts, time zones, operator gids, trimmed sources, late segments, key splits and merges,
+discard and prune) runs once under the oracle. Real PostgreSQL, Spark and Great
+Expectations; no mocks."""
 
 from __future__ import annotations
 
@@ -18,10 +21,10 @@ import pytest
 
 from tidemark.devstack.chaos import world as w
 from tidemark.devstack.chaos.adapter import InProcess, Subprocess
-from tidemark.devstack.chaos.checker import Checker, Problem
+from tidemark.devstack.chaos.checker import Checker, Problem, Target
 from tidemark.devstack.chaos.faults import KINDS, signal_session
 from tidemark.devstack.chaos.ops import Chaos, Result, Step, step_rng
-from tidemark.devstack.chaos.oracle import Oracle, Pipeline, Record, SinkModel
+from tidemark.devstack.chaos.oracle import Oracle, Pipeline, Record, SinkModel, decode
 from tidemark.devstack.chaos.runner import content, settle_and_check, target
 from tidemark.devstack.chaos.world import World
 
@@ -358,6 +361,49 @@ def test_the_oracle_models_tombstones():
     assert _model(m) == ({7: (0, 2)}, {(0, 1), (0, 3)})
     m.redeliver({(0, 2)}, src, Pipeline(w.Knobs(rows_max=10), feats, "a"))
     assert _model(m) == ({7: (0, 0)}, {(0, 1), (0, 2), (0, 3)})
+
+
+def test_the_oracle_models_key_splits_merges_where_sinks_began_and_trimmed_records():
+    """The model alone: the split and merge variants map keys as their SQL does; a fallback
+    never places a version below where the sink began nor one the source no longer holds;
+    a backfill after a key change is whole only from where the sink began."""
+
+    def order(o: int, i: int, amount: float | None) -> Record:
+        body = {"id": i, "name": f"n{i}", "amount": amount, "version": 1}
+        return Record(0, o, json.dumps(body).encode(), None, None)
+
+    split = Pipeline(w.Knobs(variant="split"), w.Features(), "a")
+    assert split.key_of(decode(order(0, 7, 250).payload), order(0, 7, 250)) == 7 + w.SPLIT_SHIFT
+    assert split.key_of(decode(order(0, 7, 150).payload), order(0, 7, 150)) == 7
+    assert split.key_of(decode(order(0, 7, None).payload), order(0, 7, None)) == 7  # NULL
+    merge = Pipeline(w.Knobs(variant="merge"), w.Features(), "a")
+    assert [merge.key_of({"id": i, "amount": 1.0}, order(0, i, 1)) for i in (1, 7, 13, 19)] == [
+        1,
+        1,
+        13,
+        13,
+    ]
+
+    src = {(0, o): order(o, 7, 50) for o in range(3)}
+    for began, trimmed in (({0: 2}, set()), ({}, {(0, 0), (0, 1)})):
+        m = SinkModel(began=began, trimmed=trimmed)
+        m.deliver([src[(0, 2)]], Pipeline(w.Knobs(), w.Features(), "a"), False)
+        m.checkpoint[0] = 3
+        m.redeliver({(0, 2)}, src, Pipeline(w.Knobs(rows_max=10), w.Features(), "a"))
+        assert _model(m) == ({}, {(0, 2)}), (began, trimmed)
+
+    oracle = Oracle(
+        Target("", "chaos", None, {"a": ("", "")}, [], key_shift=w.KEY_SHIFT),  # type: ignore[arg-type]
+        w.Features(),
+    )
+    oracle.source = dict(src)
+    oracle.began[("a", 0)] = oracle.sinks["a"].began[0] = 1
+    oracle.sinks["a"].checkpoint[0] = 3
+    oracle.sinks["a"].deliver([src[(0, 2)]], Pipeline(w.Knobs(), w.Features(), "a"), False)
+    assert oracle.key_changes("a", [(0, 2, 3)], w.Knobs(variant="rekey")) == [(0, 2)]
+    assert oracle.whole("a", [(0, 1, 3)], [(0, 2)]) and not oracle.whole("a", [(0, 2, 3)], [(0, 2)])
+    assert oracle.cut_below_start({0: (0, 3)}, ["a"]) == {0: (1, 3)}
+    assert oracle.cut_below_start({0: (0, 1)}, ["a"]) == {}
 
 
 def test_the_oracle_finds_hand_made_differences(spark, tmp_path):
