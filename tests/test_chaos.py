@@ -1,6 +1,9 @@
 """`tidemark chaos`: its checker finds planted violations, its content oracle applies the
-re-delivery rule and reports sink rows and letters changed by hand, and a short seeded run with
-every kind of fault passes. Real PostgreSQL, Spark and Great Expectations; no mocks."""
+re-delivery rule and reports sink rows and letters changed by hand, a short seeded run with
+every kind of fault passes, and each operation of a pipeline's life (issue 45, point 8: sink
+starts, time zones, operator gids, trimmed sources, late segments, key splits and merges,
+discard and prune) runs once under the oracle. Real PostgreSQL, Spark and Great
+Expectations; no mocks."""
 
 from __future__ import annotations
 
@@ -17,11 +20,12 @@ import psycopg
 import pytest
 
 from tidemark.devstack.chaos import world as w
-from tidemark.devstack.chaos.adapter import InProcess
-from tidemark.devstack.chaos.checker import Checker, Problem
+from tidemark.devstack.chaos.adapter import InProcess, Subprocess
+from tidemark.devstack.chaos.checker import Checker, Problem, Target
 from tidemark.devstack.chaos.faults import KINDS, signal_session
-from tidemark.devstack.chaos.oracle import Oracle, Pipeline, Record, SinkModel
-from tidemark.devstack.chaos.runner import target
+from tidemark.devstack.chaos.ops import Chaos, Result, Step, step_rng
+from tidemark.devstack.chaos.oracle import Oracle, Pipeline, Record, SinkModel, decode
+from tidemark.devstack.chaos.runner import content, settle_and_check, target
 from tidemark.devstack.chaos.world import World
 
 
@@ -359,6 +363,49 @@ def test_the_oracle_models_tombstones():
     assert _model(m) == ({7: (0, 0)}, {(0, 1), (0, 2), (0, 3)})
 
 
+def test_the_oracle_models_key_splits_merges_where_sinks_began_and_trimmed_records():
+    """The model alone: the split and merge variants map keys as their SQL does; a fallback
+    never places a version below where the sink began nor one the source no longer holds;
+    a backfill after a key change is whole only from where the sink began."""
+
+    def order(o: int, i: int, amount: float | None) -> Record:
+        body = {"id": i, "name": f"n{i}", "amount": amount, "version": 1}
+        return Record(0, o, json.dumps(body).encode(), None, None)
+
+    split = Pipeline(w.Knobs(variant="split"), w.Features(), "a")
+    assert split.key_of(decode(order(0, 7, 250).payload), order(0, 7, 250)) == 7 + w.SPLIT_SHIFT
+    assert split.key_of(decode(order(0, 7, 150).payload), order(0, 7, 150)) == 7
+    assert split.key_of(decode(order(0, 7, None).payload), order(0, 7, None)) == 7  # NULL
+    merge = Pipeline(w.Knobs(variant="merge"), w.Features(), "a")
+    assert [merge.key_of({"id": i, "amount": 1.0}, order(0, i, 1)) for i in (1, 7, 13, 19)] == [
+        1,
+        1,
+        13,
+        13,
+    ]
+
+    src = {(0, o): order(o, 7, 50) for o in range(3)}
+    for began, trimmed in (({0: 2}, set()), ({}, {(0, 0), (0, 1)})):
+        m = SinkModel(began=began, trimmed=trimmed)
+        m.deliver([src[(0, 2)]], Pipeline(w.Knobs(), w.Features(), "a"), False)
+        m.checkpoint[0] = 3
+        m.redeliver({(0, 2)}, src, Pipeline(w.Knobs(rows_max=10), w.Features(), "a"))
+        assert _model(m) == ({}, {(0, 2)}), (began, trimmed)
+
+    oracle = Oracle(
+        Target("", "chaos", None, {"a": ("", "")}, [], key_shift=w.KEY_SHIFT),  # type: ignore[arg-type]
+        w.Features(),
+    )
+    oracle.source = dict(src)
+    oracle.began[("a", 0)] = oracle.sinks["a"].began[0] = 1
+    oracle.sinks["a"].checkpoint[0] = 3
+    oracle.sinks["a"].deliver([src[(0, 2)]], Pipeline(w.Knobs(), w.Features(), "a"), False)
+    assert oracle.key_changes("a", [(0, 2, 3)], w.Knobs(variant="rekey")) == [(0, 2)]
+    assert oracle.whole("a", [(0, 1, 3)], [(0, 2)]) and not oracle.whole("a", [(0, 2, 3)], [(0, 2)])
+    assert oracle.cut_below_start({0: (0, 3)}, ["a"]) == {0: (1, 3)}
+    assert oracle.cut_below_start({0: (0, 1)}, ["a"]) == {}
+
+
 def test_the_oracle_finds_hand_made_differences(spark, tmp_path):
     """Sinks and letters corrupted by hand: every difference is reported, whatever the data
     path (a correct one delivers exactly the model)."""
@@ -481,3 +528,228 @@ def test_a_short_seeded_run_with_every_kind_of_fault_passes(tmp_path):
     assert faults, out
     for kind in KINDS:  # steps 3, 6, 9, 12 are faults, one of each kind
         assert f"{kind} 1" in faults.group(1), out
+
+
+# -- a pipeline's life (issue 45, point 8): each new operation, once, judged by the oracle ---
+
+
+def _life(world: World, spark, steps: list, seed: int = 11) -> tuple[Chaos, list[Result]]:
+    """Perform ``steps`` (an operation's name, or a function of the Chaos doing one) as a
+    chaos run does: recovery, the checker and the oracle after each; any problem fails."""
+    inproc, sub = InProcess(world, spark), Subprocess(world)
+    chaos = Chaos(world, inproc, sub)
+    checker, oracle = Checker(target(world)), Oracle(target(world), world.features)
+    chaos.oracle = oracle
+    done = []
+    for n, op in enumerate(steps, 1):
+        if callable(op):
+            res = op(chaos, step_rng(seed, n))
+            chaos.ops[getattr(op, "__name__", "custom")] += 1
+        else:
+            res = chaos.perform(Step(n, op, None, step_rng(seed, n)))
+        problems, _ = settle_and_check(inproc, checker, res.problems)
+        problems += content(oracle, chaos, world)
+        if not res.faulted:
+            problems += oracle.aborted
+        assert problems == [], f"step {n} {res.desc}: {res.outcome}\n" + "\n".join(
+            map(str, problems)
+        )
+        done.append(res)
+        chaos.redrive_ids, chaos.discard_ids = [], []
+        chaos.accept_pruned, chaos.trimmed, chaos.reread = False, [], False
+    return chaos, done
+
+
+def _knobs(**kw):
+    def edit(chaos: Chaos, rng) -> Result:
+        chaos.world.write_pipeline(replace(chaos.world.knobs, **kw))
+        return Result(f"edit {kw}", chaos.world.knobs.short())
+
+    return edit
+
+
+def _backfill(p: int, a: int, b: int | None = None, sinks=None, accept: bool = False):
+    def backfill(chaos: Chaos, rng) -> Result:
+        end = b if b is not None else min(chaos.checkpoints()[(s, p)] for s in sinks or w.SINKS)
+        chaos.accept_pruned = accept
+        out = chaos.inproc.backfill(p, a, end, sinks, accept_pruned=accept)
+        return chaos._inproc(f"backfill p{p} [{a},{end}) accept={accept}", out)
+
+    return backfill
+
+
+def _rebuild(sink: str, accept: bool):
+    def rebuild(chaos: Chaos, rng) -> Result:
+        chaos.accept_pruned = accept
+        out = chaos.inproc.rebuild(sink, accept_pruned=accept)
+        return chaos._inproc(f"sink rebuild {sink} accept={accept}", out)
+
+    return rebuild
+
+
+def _trim_most(chaos: Chaos, rng) -> Result:
+    """Retention deletes every segment of partition 0 wholly below 3 offsets under the
+    lowest checkpoint."""
+    cp = min(chaos.checkpoints()[(s, 0)] for s in w.SINKS)
+    chaos.trimmed = chaos.world.source.trim(0, cp - 3)
+    return Result("trim", f"{len(chaos.trimmed)} record(s) deleted from the source")
+
+
+def test_sinks_that_start_at_latest_get_nothing_from_below_where_they_began(tmp_path, spark):
+    """(a) `start: latest`: sink a begins where the source ended at its first run, sink b
+    later still. Backfills from offset 0 (cut, or refused when wholly below), of every
+    partition and of a time window, a rebuild, and an in-process backfill from 0 re-deliver
+    nothing below where each sink began; the ledger's start is the oracle's."""
+    world = World.create(2, 1000, tmp_path / "w", w.Features(start="latest"))
+
+    def run(*sinks: str):
+        return lambda c, r: c._inproc(f"run {sinks}", c.inproc.run(list(sinks) or None))
+
+    try:
+        chaos, done = _life(
+            world,
+            spark,
+            ["append", run("a"), "append", run(), "append", run()]
+            + ["backfill_low"] * 3
+            + ["backfill_all", "backfill_time", _rebuild("b", accept=False)]
+            + [_backfill(0, 0), _backfill(1, 0, sinks=["a"])],
+        )
+        began = chaos.oracle.began
+        assert 0 < began[("a", 0)] < began[("b", 0)], began
+        assert "nothing to replay" in done[1].outcome, done[1]
+        lows = [r.outcome for r in done[6:9]]
+        assert all(o.startswith(("exit 0", "exit 2")) for o in lows), lows
+    finally:
+        world.destroy()
+
+
+def test_time_windows_map_to_offsets_whatever_the_session_time_zone(tmp_path, spark):
+    """(g) The ledger database (the source's) reads times in Asia/Kathmandu: windows typed
+    naive, with Z or another zone's offset re-deliver what the source's own times say, and so
+    does --partition all."""
+    world = World.create(2, 1000, tmp_path / "w", w.Features(tz="db:Asia/Kathmandu"))
+    try:
+        with psycopg.connect(world.ledger_dsn, autocommit=True) as c:
+            assert c.execute("SHOW TimeZone").fetchone() == ("Asia/Kathmandu",)
+        chaos, done = _life(
+            world,
+            spark,
+            ["append", "run", "append", "append", "run"] + ["backfill_time"] * 4 + ["backfill_all"],
+        )
+        windows = [r for r in done if r.desc.startswith("backfill --since")]
+        assert len(windows) == 4 and any("run " in r.outcome for r in windows), done
+    finally:
+        world.destroy()
+
+
+def test_key_splits_and_merges_are_refused_in_part_and_placed_whole(tmp_path, spark):
+    """(d) After a transform edit that splits keys, a backfill of part of a partition is
+    refused for its sinks before anything is written (naming `tidemark sink rebuild`); a
+    rebuild and a whole backfill place every version; then a merge, the same."""
+    world = World.create(2, 1000, tmp_path / "w", w.Features(split=True, versioned=True))
+    try:
+        chaos, done = _life(
+            world,
+            spark,
+            [
+                "append",
+                "append_chain",
+                "append_chain",
+                "run",
+                _knobs(variant="split"),
+                _backfill(0, 5),
+                "rebuild",
+                _knobs(variant="merge"),
+                _backfill(1, 3),
+                lambda c, r: c._inproc("all", c.inproc.backfill_as_cli("all")),
+            ],
+        )
+        assert chaos.oracle.refusals["key change"] >= 3, chaos.oracle.refusals
+        assert "aborted" in done[5].outcome and "commit" in done[6].outcome, done
+    finally:
+        world.destroy()
+
+
+def test_trimmed_sources_and_pruned_discards(tmp_path, spark):
+    """(b) Retention deletes old records (tombstones among them): a re-delivery over what the
+    sinks hold there is refused without --accept-pruned, and with it keeps those positions as
+    they are (a trimmed tombstone stays a delete). (f) Discards stand through backfills and a
+    prune drops their payloads, never them."""
+    feats = w.Features(tombstones=True, trim=True, prune=True)
+    world = World.create(1, 1000, tmp_path / "w", feats)
+    try:
+        chaos, done = _life(
+            world,
+            spark,
+            [
+                "append",
+                "append_tombstone",
+                "append",
+                "append_poison",
+                "run",
+                "discard",
+                "backfill_discarded",
+                "prune",
+                "backfill_discarded",
+                _trim_most,
+                _backfill(0, 0, accept=False),
+                _rebuild("a", accept=False),
+                _rebuild("a", accept=True),
+            ],
+        )
+        assert "discarded [" in done[5].outcome, done[5]
+        assert "committed" in done[6].outcome and "committed" in done[8].outcome, done[6:9]
+        assert "deleted from the source" in done[9].outcome, done[9]
+        assert "aborted" in done[10].outcome and "aborted" in done[11].outcome, done[10:12]
+        assert "a=committed" in done[12].outcome, done[12]
+        assert chaos.oracle.refusals["pruned positions"] == 3, chaos.oracle.refusals
+        with psycopg.connect(world.ledger_dsn, autocommit=True) as c:
+            pruned = c.execute(
+                "SELECT count(*) FROM tidemark.dlq WHERE status = 'discarded' "
+                "AND pruned_at IS NOT NULL AND payload IS NULL"
+            ).fetchone()
+        assert pruned and pruned[0] >= 1
+    finally:
+        world.destroy()
+
+
+def test_a_late_segment_is_reported_and_placed_by_its_backfill(tmp_path, spark):
+    """(c) A segment appears in a gap below the checkpoints of a file archive: recovery and
+    status report it with the backfill that places it; that backfill places it, and nothing
+    is reported after."""
+    world = World.create(1, 1000, tmp_path / "w", w.Features(archive=True, late=True))
+    world.source.GAP = 1.0  # every new segment after a gap: one below the checkpoint, surely
+    try:
+        _chaos, done = _life(world, spark, ["append", "append", "append", "run", "late_segment"])
+        assert "reported for a, b" in done[4].outcome, done[4]
+    finally:
+        world.destroy()
+
+
+@pytest.mark.spark  # jobs in processes of their own, stopped at a protocol point
+def test_an_operators_commit_and_rollback_of_prepared_gids(tmp_path, spark):
+    """(e) A run stopped after its decision: an operator commits a chosen gid (the finish sees
+    its marker), rolls back gids after their prepare was verified but before the decision
+    (which then chooses them: lost like chosen ones), and rolls back a chosen one part way
+    through the finish: recovery names `tidemark settle RUN`, which re-delivers what
+    committed in part and resumes. Every record placed exactly once."""
+    world = World.create(2, 1000, tmp_path / "w", w.Features(gids=True))
+    try:
+        chaos, done = _life(
+            world,
+            spark,
+            [
+                "append",
+                "run",
+                lambda c, r: c.gids(r, "commit_chosen", "after_decide", go_on=True),
+                lambda c, r: c.gids(r, "rollback_unchosen", "after_prepare", go_on=True),
+                lambda c, r: c.gids(r, "rollback_chosen", "mid_finish", go_on=True),
+                "run",
+            ],
+        )
+        assert "COMMIT PREPARED" in done[2].outcome, done[2]
+        assert "ROLLBACK PREPARED" in done[3].outcome, done[3]
+        assert "settle: job exit 0" in done[3].outcome, done[3]
+        assert "settle: job exit 0" in done[4].outcome, done[4]
+    finally:
+        world.destroy()

@@ -181,3 +181,26 @@ def test_the_cli_refuses_a_split_backfill_and_its_preview_with_exit_1(env, spark
         assert REFUSED in out and "tidemark sink rebuild orders main" in out, out
         assert "Traceback" not in err, err
         assert _world(env) == before
+
+
+def test_a_whole_backfill_of_a_latest_sink_after_a_key_change_places_every_version(env, spark):
+    """`start: latest` and a key change (issue 45 cases 1 and 2 together, found by `tidemark
+    chaos --feature start --feature split`): the sink began at offset 2, so everything it
+    received is [2, end), and `--partition all` (what the refusal names) backfills exactly
+    that. It was refused as partial, for the versions below offset 2 the sink never had."""
+    sinks = [{"name": "main", "dsn": env.sink_dsn, "table": "public.t", "key": ["k"]}]
+    env.append([_record(0, "A", "w"), _record(0, "B", "w")])  # history, never delivered
+    env.pipeline(start="latest", decode=DECODE, transform={"select": OLD}, sinks=sinks)
+    assert env.run(spark).ok  # the sink begins at 2
+    recs = [_record(0, "A", "x"), _record(0, "A", "y"), _record(0, "C", "z")]
+    env.append(recs)
+    assert env.run(spark).ok
+    assert _placed(env) == {"A": (0, 3), "C": (0, 4)}
+    env.pipeline(start="latest", decode=DECODE, transform={"select": SPLIT}, sinks=sinks)
+
+    code, out, err = tm(
+        env.cli_env(), "backfill", "orders", "--partition", "all", "--sink", "main", cwd=env.tmp
+    )
+    assert code == 0, out + err
+    assert _placed(env) == {"A-x": (0, 2), "A-y": (0, 3), "C-z": (0, 4)}
+    assert env.ledger("SELECT count(*) FROM tidemark.dlq") == [(0,)] and env.prepared() == []

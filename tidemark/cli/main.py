@@ -649,12 +649,21 @@ def airflow_down(ctx: Ctx, port: int) -> None:
     help="Every Nth step is a fault; the first four cover every fault kind.",
 )
 @click.option("--keep-dir", is_flag=True, help="Keep the scratch cluster, logs and pipeline.")
-def chaos_cmd(seed: int | None, steps: int, fault_every: int, keep_dir: bool) -> None:
+@click.option(
+    "--feature",
+    "features",
+    multiple=True,
+    type=click.Choice(["start", "tz", "gids", "trim", "late", "split", "prune"]),
+    help="Turn a world feature on whatever the seed draws (repeatable).",
+)
+def chaos_cmd(
+    seed: int | None, steps: int, fault_every: int, keep_dir: bool, features: tuple[str, ...]
+) -> None:
     """Drive a scratch pipeline through a seeded random sequence of operations and faults,
     checking docs/design.md's invariants after every step (exit 1 on the first problem)."""
     from tidemark.devstack.chaos.runner import main as chaos_main
 
-    chaos_main(seed, steps, keep_dir, fault_every)
+    chaos_main(seed, steps, keep_dir, fault_every, features)
 
 
 # Command groups in their own modules register themselves on `cli`.

@@ -220,14 +220,17 @@ def _key_changes(
 
 def _covers(pipeline: Pipeline, s: SinkPlan, changed: set[int]) -> bool:
     """Whether the range holds every version older than a row of ``changed`` partitions:
-    its partition from the first record the source holds; where the sink orders versions by
-    a column, every partition, from the first record to the checkpoint."""
+    its partition from the first record the source holds (or where the sink began, if
+    later: nothing below was delivered to it); where the sink orders versions by a column,
+    every partition, from there to the checkpoint."""
     parts = sorted(s.checkpoints) if s.config.version else sorted(changed)
     ranges = {r.partition: r for r in s.ranges}
     planner = sources.planner(pipeline)
     try:
         for p in parts:
             first, end = planner.earliest(p), s.checkpoints.get(p, 0)
+            if first is not None:  # no version below where the sink began (the planner cut)
+                first = max(first, s.began.get(p, first))
             if first is None or first >= end:
                 continue  # the source holds nothing the sink received there
             r = ranges.get(p)

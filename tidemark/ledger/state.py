@@ -464,7 +464,9 @@ def advance(
 
 
 def _move_checkpoints(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str) -> None:
-    """A delivery's checkpoints to its ranges' ends, never backwards (re-deliveries: none)."""
+    """A delivery's checkpoints to its ranges' ends, never backwards (re-deliveries: none);
+    then the gaps the run stepped over count, and a re-delivery's ranges resolve the open
+    gaps they cover (ledger/gaps.py; docs/design.md, invariant 2)."""
     conn.execute(
         """INSERT INTO tidemark.checkpoints AS c (pipeline, sink, partition, next_offset,
                   updated_by, start_offset)
@@ -476,6 +478,7 @@ def _move_checkpoints(conn: psycopg.Connection, pipeline: str, run_id: int, sink
                updated_at = now(), updated_by = EXCLUDED.updated_by""",
         {"p": pipeline, "r": run_id, "s": sink},
     )
+    gaps.settle(conn, pipeline, run_id, sink)
 
 
 def abandon(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, reason: str) -> None:
@@ -493,7 +496,6 @@ def abandon(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, rea
             [RunState.COMMITTING],
             error=clamp(reason, ERROR_MAX),
         )
-        gaps.settle(conn, pipeline, run_id, sink)
         _release(conn, pipeline, run_id, sink)
         _halt(conn, pipeline, reason)
 

@@ -9,10 +9,13 @@ it here, nowhere else.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import re
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import psycopg
@@ -31,6 +34,10 @@ class Outcome:
     code: int | None  # None: killed by a signal
     text: str
     signal: int | None = None
+    # A backfill as the CLI says it (backfill_as_cli): the ranges it chose, what it said.
+    ranges: list[Range] = field(default_factory=list)
+    said: list[str] = field(default_factory=list)
+    late: list[tuple[str, int, int, int, str]] = field(default_factory=list)  # InProcess.late
 
     @property
     def ok(self) -> bool:
@@ -77,11 +84,15 @@ class InProcess:
         return good
 
     def _call(self, fn) -> Outcome:
+        import click
+
         from tidemark.core.errors import TidemarkError
 
         self.log = []
         try:
             return fn()
+        except click.ClickException as exc:  # the CLI's usage errors (exit 2)
+            return Outcome(exc.exit_code, _one_line(f"usage: {exc.format_message()}"))
         except TidemarkError as exc:
             return Outcome(exc.exit_code, _one_line(f"{type(exc).__name__}: {exc}"))
         except psycopg.Error as exc:
@@ -116,20 +127,91 @@ class InProcess:
         return self._execute(partial(Run, sink_names=sinks))
 
     def backfill(
-        self, partition: int, start: int, end: int, sinks: list[str] | None = None
+        self,
+        partition: int,
+        start: int,
+        end: int,
+        sinks: list[str] | None = None,
+        accept_pruned: bool = False,
     ) -> Outcome:
         from tidemark.driver.modes import Backfill
         from tidemark.driver.run import Run
 
+        extra = {"accept_pruned": True} if accept_pruned else {}
         return self._execute(
-            partial(Run, mode=Backfill([Range(partition, start, end)]), sink_names=sinks)
+            partial(Run, mode=Backfill([Range(partition, start, end)], **extra), sink_names=sinks)
         )
 
-    def rebuild(self, sink: str) -> Outcome:
+    def backfill_as_cli(
+        self,
+        partition: int | str | None,
+        start: int | None = None,
+        end: int | None = None,
+        since: str | None = None,
+        until: str | None = None,
+        sinks: list[str] | None = None,
+    ) -> Outcome:
+        """`tidemark backfill` as its command line says it (``--partition all``, ``--since`` /
+        ``--until`` as ISO 8601 text): the CLI's own mapping to ranges, then the run. The
+        outcome carries the ranges chosen and what the command said on stderr."""
+        from tidemark.cli import main as cli
+        from tidemark.driver.modes import Backfill
+        from tidemark.driver.run import Run
+
+        def go():
+            t = cli._Time()
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err):
+                ranges = cli._backfill_ranges(
+                    cli.Ctx(self._settings()),
+                    PIPELINE,
+                    partition,
+                    start,
+                    end,
+                    None if since is None else t.convert(since, None, None),
+                    None if until is None else t.convert(until, None, None),
+                    sinks,
+                )
+            said = [line for line in err.getvalue().splitlines() if line.strip()]
+            if not ranges:
+                return Outcome(0, "nothing committed in what was asked", said=said)
+            out = self._execute(partial(Run, mode=Backfill(ranges), sink_names=sinks))
+            out.ranges, out.said = list(ranges), said
+            return out
+
+        return self._call(go)
+
+    def rebuild(self, sink: str, accept_pruned: bool = False) -> Outcome:
         from tidemark.driver.modes import Rebuild
         from tidemark.driver.run import Run
 
-        return self._execute(partial(Run, mode=Rebuild(sink), sink_names=[sink]))
+        extra = {"accept_pruned": True} if accept_pruned else {}
+        return self._execute(partial(Run, mode=Rebuild(sink, **extra), sink_names=[sink]))
+
+    def late(self) -> Outcome:
+        """What `tidemark recover` and `status` report as records that appeared below a
+        checkpoint (tidemark/driver/late.py): ``late`` holds (sink, partition, from, to,
+        command) per report."""
+
+        def go():
+            from tidemark.core.db import connect
+            from tidemark.driver import late as late_records
+
+            with connect(self.world.ledger_dsn, autocommit=True, what="ledger") as conn:
+                found, unknown = late_records.find(conn, self._pipelines())
+            out = Outcome(1 if unknown else 0, "; ".join(unknown) or f"{len(found)} report(s)")
+            for x in found:
+                m = re.search(r"--partition (\d+) --from (\d+) --to (\d+)", x.command)
+                sink = re.search(r"--sink (\S+)", x.command)
+                if m is None:
+                    out.code, out.text = 1, f"a late report without its backfill: {x.line()}"
+                    continue
+                out.late.append(
+                    (sink[1] if sink else "", int(m[1]), int(m[2]), int(m[3]), x.command)
+                )
+            return out
+
+        return self._call(go)
 
     def redrive(self, ids: list[int], by: str = "chaos") -> Outcome:
         from tidemark.driver.redrive import Redrive
@@ -148,6 +230,17 @@ class InProcess:
             if res.skipped:
                 text += f", skipped {sorted(res.skipped)}"
             return Outcome(0 if res.changed else 1, text)
+
+        return self._call(go)
+
+    def prune(self, runs: bool = False) -> Outcome:
+        """`tidemark prune --pipeline chaos` with no keeping time for letters (and runs)."""
+        from tidemark.protocol.prune import Policy, prune
+
+        def go():
+            policy = Policy(letters_days=0, runs_days=0 if runs else 36500, requests_days=0)
+            summary = prune(self.world.ledger_dsn, policy, self.world.docs_dir, pipeline=PIPELINE)
+            return Outcome(0, _one_line("; ".join(summary.lines()), 300))
 
         return self._call(go)
 
@@ -249,6 +342,9 @@ class Subprocess:
 
     def discard(self, ids: list[int], note: str = "chaos", by: str = "chaos", **how) -> Job:
         return self._start(["dlq", "discard", *map(str, ids), "--note", note, "--by", by], **how)
+
+    def settle(self, run_id: int, **how) -> Job:
+        return self._start(["settle", str(run_id)], **how)
 
     def recover(self, **how) -> Job:
         return self._start(["recover"], **how)

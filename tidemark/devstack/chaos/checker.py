@@ -63,7 +63,13 @@ class Target:
     key_from_key: bool = False  # the sink key is the source key's number (tombstones)
 
     def keys(self, pid: int) -> tuple[int, ...]:
-        return (pid,) if self.key_shift is None else (pid, pid + self.key_shift)
+        """The keys a record with id ``pid`` may have: its id, or as a transform variant maps
+        it (world.VARIANTS: shifted, split off, merged with another id)."""
+        if self.key_shift is None:
+            return (pid,)
+        from tidemark.devstack.chaos.world import MERGE, SPLIT_SHIFT
+
+        return (pid, pid + self.key_shift, pid + SPLIT_SHIFT, pid - pid % (2 * MERGE) + pid % MERGE)
 
 
 class Source(Protocol):
@@ -101,6 +107,33 @@ def _payload_fields(payload: bytes | None) -> tuple[int | None, int | None]:
     return integer(doc.get("id")), integer(doc.get("version"))
 
 
+def has_column(led: psycopg.Connection, table: str, column: str) -> bool:
+    """Whether ``tidemark.<table>`` has ``column`` (a ledger of this release or an older)."""
+    return (
+        led.execute(
+            "SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(%s) "
+            "AND attname = %s AND NOT attisdropped",
+            (f"tidemark.{table}", column),
+        ).fetchone()
+        is not None
+    )
+
+
+def starts(led: psycopg.Connection, pipeline: str) -> dict[tuple[str, int], int]:
+    """(sink, partition) -> where the sink began (``checkpoints.start_offset``, ledger V009),
+    where the ledger knows it; nothing on a ledger without the column."""
+    if not has_column(led, "checkpoints", "start_offset"):
+        return {}
+    return {
+        (s, p): n
+        for s, p, n in led.execute(
+            "SELECT sink, partition, start_offset FROM tidemark.checkpoints "
+            "WHERE pipeline = %s AND start_offset IS NOT NULL",
+            (pipeline,),
+        )
+    }
+
+
 def _b(v) -> bytes | None:
     return None if v is None else bytes(v)
 
@@ -109,11 +142,17 @@ class Checker:
     def __init__(self, target: Target):
         self.t = target
         self.previous: dict[tuple[str, int], int] | None = None
+        self.known: dict[tuple[int, int], tuple[bytes | None, bytes | None]] = {}
 
     def check(self) -> tuple[list[Problem], Snapshot]:
         problems: list[Problem] = []
         snap = Snapshot()
-        source = {(r.p, r.o): (_b(r.key), _b(r.payload)) for r in self.t.source.records()}
+        held = {(r.p, r.o): (_b(r.key), _b(r.payload)) for r in self.t.source.records()}
+        # Records retention trimmed from the source stay known (a sink may still hold them,
+        # and must: nothing re-delivers them); they need no place of their own any more.
+        self.known.update(held)
+        source = self.known
+        trimmed = {pos for pos in source if pos not in held}
         with psycopg.connect(self.t.ledger_dsn, autocommit=True, application_name=APP) as led:
             checkpoints = {
                 (s, p): n
@@ -123,9 +162,12 @@ class Checker:
                     (self.t.pipeline,),
                 )
             }
+            began = starts(led, self.t.pipeline)
+            # Retention drops a discarded letter's payload (never its row; ledger V011).
+            pruned = "pruned_at IS NOT NULL" if has_column(led, "dlq", "pruned_at") else "false"
             letters = led.execute(
-                """SELECT id, sink, source_partition, source_offset, key, payload,
-                          status::text, error_class::text
+                f"""SELECT id, sink, source_partition, source_offset, key, payload,
+                          status::text, error_class::text, {pruned}
                    FROM tidemark.dlq WHERE pipeline = %s ORDER BY id""",
                 (self.t.pipeline,),
             ).fetchall()
@@ -154,7 +196,7 @@ class Checker:
         # -- dead letters: their sink, their bytes -----------------------------------------
         live: dict[tuple[str, int, int], list[int]] = {}
         unnamed: dict[tuple[int, int], list[int]] = {}  # live letters that name no sink
-        for lid, sink, p, o, key, payload, status, cls in letters:
+        for lid, sink, p, o, key, payload, status, cls, dropped in letters:
             where = (p, o)
             if where not in source:
                 problems.append(
@@ -168,7 +210,19 @@ class Checker:
                 )
             else:
                 skey, spayload = source[where]
-                if _b(payload) != spayload:
+                if dropped and (payload is not None or status != "discarded"):
+                    problems.append(
+                        Problem(
+                            sink or "-",
+                            p,
+                            o,
+                            f"dead letter {lid} ({cls}, {status}) pruned, yet "
+                            + ("it holds a payload" if payload is not None else "not discarded"),
+                        )
+                    )
+                elif dropped:
+                    pass  # a discarded letter past retention: its row stays, its bytes went
+                elif _b(payload) != spayload:
                     problems.append(
                         Problem(
                             sink or "-",
@@ -247,6 +301,15 @@ class Checker:
                     problems.append(
                         Problem(s, p, o, f"sink row id {rid} at or above the checkpoint {cp}")
                     )
+                if o < began.get((s, p), 0):
+                    problems.append(
+                        Problem(
+                            s,
+                            p,
+                            o,
+                            f"sink row id {rid} below where the sink began ({began[(s, p)]})",
+                        )
+                    )
             tomb_pos: dict[tuple[int, int], int] = {}
             tomb_id: dict[int, tuple[int, int, None]] = {}
             for tid, p, o in tombs[s]:
@@ -303,6 +366,18 @@ class Checker:
                             )
                         )
                     continue
+                if o < began.get((s, p), 0):
+                    if own or mine:
+                        problems.append(
+                            Problem(
+                                s,
+                                p,
+                                o,
+                                f"placed ({'its row' if own else f'letter(s) {_ids(mine)}'}) "
+                                f"below where the sink began ({began[(s, p)]})",
+                            )
+                        )
+                    continue
                 if len(mine) > 1:
                     problems.append(
                         Problem(
@@ -313,7 +388,7 @@ class Checker:
                     problems.append(
                         Problem(s, p, o, f"in the sink and in live dead letter(s) {_ids(mine)}")
                     )
-                if own or mine:
+                if own or mine or (p, o) in trimmed:
                     continue
                 pid, pversion = parsed[(p, o)]
                 newer = None

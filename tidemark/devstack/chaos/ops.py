@@ -17,15 +17,19 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import psycopg
+from psycopg import sql
 
 from tidemark.core.faults import POINTS
 from tidemark.core.text import clamp
 from tidemark.devstack.chaos import world as w
 from tidemark.devstack.chaos.adapter import InProcess, Outcome, Subprocess
 from tidemark.devstack.chaos.faults import KINDS, Job, terminate_backends
+from tidemark.devstack.chaos.source import FileArchive
 from tidemark.ledger import checkpoints, dlq
 
 OPS = {
@@ -42,6 +46,35 @@ OPS = {
 }
 # Worlds with tombstones also append tombstones of existing keys (Features.tombstones).
 TOMBSTONE_OPS = {**OPS, "append_tombstone": 12}
+# The operations each optional feature (world.OPTIONAL) adds to the draw.
+FEATURE_OPS: dict[str, dict[str, int]] = {
+    # Time-window backfills (--since/--until, as text in several zones) in a world whose
+    # source sessions default to another TimeZone; --partition all.
+    "tz": {"backfill_time": 10, "backfill_all": 4},
+    # A job stopped between its decision and its finish (or before its decision), and an
+    # operator committing or rolling back its gids by hand.
+    "gids": {"gids": 8},
+    # Sinks that begin where the source ended (start: latest): backfills from below where a
+    # sink began (cut there, or refused when wholly below), of every partition, of a window.
+    "start": {"backfill_low": 8, "backfill_all": 4, "backfill_time": 4},
+    # Discards, then `tidemark prune` with no keeping time; backfills over discarded records.
+    "prune": {"discard": 8, "prune": 6, "backfill_discarded": 8},
+    # Retention of the source: old records and segments deleted (tombstones too); backfills
+    # and rebuilds then ask --accept-pruned half the time.
+    "trim": {"trim": 6, "backfill": 14, "rebuild": 5},
+    # file_archive: a segment that appears in a gap below a checkpoint.
+    "late": {"late_segment": 8},
+}
+# What an operator does to a stopped run's prepared transactions (gids): the point it is
+# stopped at, and the act. "rollback_chosen" needs `tidemark settle` (issue 45, case 3).
+GID_ACTS = {
+    "commit_chosen": ("after_decide", "before_commit_prepared", "mid_finish"),
+    "rollback_unchosen": ("after_prepare", "after_decide"),
+    "commit_unchosen": ("after_decide",),
+    "rollback_chosen": ("after_decide", "before_commit_prepared", "mid_finish"),
+}
+# A time as an operator may type it: naive (UTC), Z, or another zone's offset.
+TIME_ZONES = (None, "UTC", "Asia/Kathmandu", "America/St_Johns")
 POISON = ("not_json", "bad_utf8", "wrong_type", "null_id", "empty", "out_of_range")
 JOB_OPS = {"run": 60, "run_sink": 15, "backfill": 15, "redrive": 10, "rebuild": 6}
 STOP_TTL = 10  # lease TTL of a job that gets SIGSTOPped (the settings' minimum)
@@ -90,6 +123,9 @@ class Result:
     desc: str
     outcome: str
     problems: list[str] = field(default_factory=list)  # operation-level findings
+    # A job was interfered with (an operator's hands on its gids): an aborted run is no
+    # problem in itself, as after a fault.
+    faulted: bool = False
 
 
 class Chaos:
@@ -109,11 +145,22 @@ class Chaos:
         self.jobs: list[Job] = []
         self.versioned = world.features.versioned
         self.tombstones = world.features.tombstones
-        self.op_weights = TOMBSTONE_OPS if self.tombstones else OPS
+        weights = dict(TOMBSTONE_OPS if self.tombstones else OPS)
+        for name in w.OPTIONAL:
+            if getattr(world.features, name) not in (False, None, "earliest"):
+                weights.update(FEATURE_OPS.get(name, {}))
+        self.op_weights = weights
+        self.oracle: Any = None  # the runner's Oracle (where each sink began)
+        self.gid_acts: Counter[str] = Counter()
         self.last_part: dict[int, int] = {}
         # What this step asked of dead letters (the oracle's input): ids redriven, discarded.
         self.redrive_ids: list[int] = []
         self.discard_ids: list[int] = []
+        # This step: a re-delivery asked with --accept-pruned; positions trimmed from the
+        # source; records that appeared below its end (a late segment: read it all again).
+        self.accept_pruned = False
+        self.trimmed: list[tuple[int, int]] = []
+        self.reread = False
         # run id -> (layout, quality path) as its log tells them.
         self.paths: dict[int, dict[str, str]] = {}
 
@@ -327,6 +374,7 @@ class Chaos:
         rng = step.rng
         self.ops[step.op if not step.fault else f"fault:{step.fault}"] += 1
         self.redrive_ids, self.discard_ids = [], []
+        self.accept_pruned, self.trimmed, self.reread = False, [], False
         if step.op == "append" and step.n == 1:  # a first batch, with some poison
             return Result("append", self.append(rng, rng.randint(60, 120), rng.randint(3, 8)))
         if step.op == "append":
@@ -347,12 +395,22 @@ class Chaos:
             if args is None:
                 return Result("backfill", "skipped: nothing committed there yet")
             p, a, b, sinks = args
+            accept = self._accept(rng)
             return self._inproc(
-                f"backfill p{p} [{a},{b}){_sinks(sinks)}", self.inproc.backfill(p, a, b, sinks)
+                f"backfill p{p} [{a},{b}){_sinks(sinks)}{' --accept-pruned' if accept else ''}",
+                self.inproc.backfill(p, a, b, sinks, accept_pruned=accept),
             )
         if step.op == "rebuild":
             sink = rng.choice(w.SINKS)
-            return self._inproc(f"sink rebuild {sink}", self.inproc.rebuild(sink))
+            accept = self._accept(rng)
+            return self._inproc(
+                f"sink rebuild {sink}{' --accept-pruned' if accept else ''}",
+                self.inproc.rebuild(sink, accept_pruned=accept),
+            )
+        if step.op == "trim":
+            return self.trim(rng)
+        if step.op == "late_segment":
+            return self.late_segment(rng)
         if step.op == "redrive":
             ids = self._letters(rng, 8)
             if not ids:
@@ -367,11 +425,342 @@ class Chaos:
             if out.ok:  # all or nothing (tidemark/ledger/dlq.py discard)
                 self.discard_ids = ids
             return self._inproc(f"discard {_short(ids)}", out)
+        if step.op == "backfill_time":
+            return self.backfill_time(rng)
+        if step.op == "backfill_all":
+            sinks = rng.choice([None, None, ["a"], ["b"]])
+            out = self.inproc.backfill_as_cli("all", sinks=sinks)
+            return self._inproc(f"backfill --partition all{_sinks(sinks)}", out)
+        if step.op == "prune":
+            runs = rng.random() < 0.3
+            return self._inproc(
+                f"prune (letters{' and runs' if runs else ''}, 0 days)", self.inproc.prune(runs)
+            )
+        if step.op == "backfill_discarded":
+            return self.backfill_discarded(rng)
+        if step.op == "backfill_low":
+            return self.backfill_low(rng)
+        if step.op == "gids":
+            return self.gids(rng)
         if step.op == "edit":
             return Result("edit", self.edit(rng))
         if step.op == "fault" and step.fault is not None:  # a fault step names its kind
             return self.fault(step.fault, rng)
         raise AssertionError(step.op)
+
+    # -- time windows --------------------------------------------------------------------------
+    def backfill_time(self, rng: random.Random) -> Result:
+        """A backfill of a time window, typed as an operator would (a naive time is UTC, or a
+        zone's offset), checked against the window's offsets as the source's own record times
+        give them: per partition, the smallest range below the committed end holding every
+        record whose time lies in [since, until) (docs/operations.md, "What to backfill")."""
+        sinks = rng.choice([None, None, ["a"], ["b"]])
+        u_part, u1, u2 = rng.random(), rng.random(), rng.random()
+        edge_since, edge_until = rng.random() < 0.5, rng.random() < 0.5
+        zone_s, zone_u = rng.choice(TIME_ZONES), rng.choice(TIME_ZONES)
+        one = rng.random() < 0.3  # --partition N
+        names = sinks or list(w.SINKS)
+        cps = self.checkpoints()
+        committed = {p: min(cps.get((s, p), 0) for s in names) for p in range(self.P)}
+        recs = [r for r in self.world.source.records() if r.o < committed.get(r.p, 0) and r.ts]
+        times: list[datetime] = sorted({r.ts for r in recs if r.ts is not None})
+        if not times:
+            return Result("backfill --since/--until", "skipped: nothing committed yet")
+        i = int(u1 * len(times))
+        j = i + int(u2 * (len(times) - i))  # the window's last batch (or the one after)
+        # since: a batch's time exactly (inclusive) or just before it; until: a batch's time
+        # exactly (exclusive: that batch is out) or just after the last batch in.
+        since = times[i] - (timedelta(microseconds=1) if not edge_since else timedelta(0))
+        if j >= len(times) or not edge_until:
+            until = times[min(j, len(times) - 1)] + timedelta(microseconds=1)
+        else:
+            until = times[j]
+        if until <= since:
+            until = since + timedelta(microseconds=1)
+        partition: int | str = int(u_part * self.P) if one else "all"
+        want: dict[int, list[int]] = {}
+        for r in recs:
+            if (partition == "all" or r.p == partition) and r.ts and since <= r.ts < until:
+                want.setdefault(r.p, []).append(r.o)
+        expected = {p: (min(o), max(o) + 1) for p, o in want.items()}
+        if self.oracle is not None:  # nothing below where every chosen sink began
+            expected = self.oracle.cut_below_start(expected, names)
+        s_txt, u_txt = _typed(since, zone_s), _typed(until, zone_u)
+        desc = f"backfill --since {s_txt} --until {u_txt} --partition {partition}{_sinks(sinks)}"
+        out = self.inproc.backfill_as_cli(partition, since=s_txt, until=u_txt, sinks=sinks)
+        res = self._inproc(desc, out)
+        got = {r.partition: (r.start, r.end) for r in out.ranges}
+        if out.ok and got != expected:
+            res.problems.append(
+                f"`{desc}` re-delivered {_spans(got) or 'nothing'}, but the source's record "
+                f"times put the window at {_spans(expected) or 'nothing'}"
+            )
+        elif out.code == 2 and expected:  # a run that fails is the oracle's to judge
+            res.problems.append(f"`{desc}` refused: {out}; the window holds {_spans(expected)}")
+        return res
+
+    def _accept(self, rng: random.Random) -> bool:
+        """--accept-pruned, half the time in a world whose source is trimmed (no draw else)."""
+        self.accept_pruned = self.world.features.trim and rng.random() < 0.5
+        return self.accept_pruned
+
+    # -- the source's own life ------------------------------------------------------------------
+    def trim(self, rng: random.Random) -> Result:
+        """Retention deletes a partition's oldest records (a file archive: whole segments),
+        below what every sink has committed there, tombstones like any other."""
+        p, u = rng.randrange(self.P), rng.random()
+        cps = self.checkpoints()
+        m = min(cps.get((s, p), 0) for s in w.SINKS)
+        if m == 0:
+            return Result(f"trim p{p}", "skipped: nothing committed there by every sink")
+        below = max(1, int(u * m))
+        gone = self.world.source.trim(p, below)
+        self.trimmed = gone
+        tombs = 0
+        if self.oracle is not None:
+            tombs = sum(1 for pos in gone if self.oracle.source[pos].tombstone)
+        return Result(
+            f"trim p{p} below {below}",
+            f"{len(gone)} record(s) deleted from the source ({tombs} tombstone(s))",
+        )
+
+    def late_segment(self, rng: random.Random) -> Result:
+        """A segment appears inside a gap below a sink's checkpoint (file_archive). Recovery
+        must report it (with the backfill that places it), the backfill it names must place
+        it, and then it is reported no more."""
+        src = self.world.source
+        if not isinstance(src, FileArchive):
+            return Result("late segment", "skipped: not a file archive")
+        gaps = src.gaps
+        u, n_u, old_u = rng.random(), rng.random(), rng.random()
+        cps = self.checkpoints()
+        below = [
+            (p, a, b)
+            for p, spans in sorted(gaps.items())
+            for a, b in spans
+            if any(cps.get((s, p), 0) >= b for s in w.SINKS)
+        ]
+        if not below:
+            return Result("late segment", "skipped: no gap below a checkpoint")
+        p, a, b = below[int(u * len(below))]
+        n = 1 + int(n_u * (b - a))
+        # New orders of this partition, sometimes an older version of an existing id.
+        recs: list[tuple] = []
+        for k in range(n):
+            ours = [i for i in self.ids if i % self.P == p]
+            if k == 0 and ours and old_u < 0.4:
+                i = ours[int(old_u / 0.4 * len(ours))]
+            else:
+                i, self.next_id = self.next_id, self.next_id + 1
+                while i % self.P != p:
+                    i, self.next_id = self.next_id, self.next_id + 1
+                self.ids.append(i)
+            recs.append(("order", i, round(rng.uniform(0, w.CLEAN_MAX), 2), p))
+        self.appended["clean"] += n
+        self.appended["late"] += n
+        src.write_late(p, a, self._versioned(recs, rng), rng)
+        self.reread = True
+        desc = f"late segment p{p} [{a},{a + n}) in gap [{a},{b})"
+        res = Result(desc, "")
+        found = self.inproc.late()
+        if not found.ok:
+            res.problems.append(f"looking for late records failed: {found}")
+            res.outcome = str(found)
+            return res
+        mine = [x for x in found.late if x[1] == p and x[2] <= a < x[3]]
+        expect = {s for s in w.SINKS if cps.get((s, p), 0) >= b and self._stepped_over(s, p, a)}
+        if not mine and expect:
+            res.problems.append(
+                f"{n} record(s) appeared at {p}:{a} below the checkpoint of "
+                f"{', '.join(sorted(expect))}, and nothing reports them (recover, status)"
+            )
+        notes = [f"reported for {', '.join(sorted(x[0] for x in mine)) or 'no sink'}"]
+        for sink, q, start, end, command in mine:
+            if f"--from {start} --to {end}" not in command or "tidemark backfill" not in command:
+                res.problems.append(f"late records reported with an odd command: {command}")
+            out = self.inproc.backfill_as_cli(q, start, end, sinks=[sink])
+            self.seen(self.inproc.log)
+            notes.append(f"backfill {sink} p{q} [{start},{end}): {str(out).splitlines()[0]}")
+            if not out.ok:
+                res.problems.append(f"the backfill that late records name failed: {out}")
+        again = self.inproc.late()
+        left = [x for x in again.late if x[1] == p and x[2] <= a < x[3]]
+        if left:
+            res.problems.append(f"late records still reported after their backfill: {left}")
+        res.outcome = "; ".join(notes)
+        return res
+
+    def _stepped_over(self, sink: str, p: int, a: int) -> bool:
+        """Whether a committed run of ``sink`` read over offset ``a`` of partition ``p`` (it
+        then recorded the gap): at or above where the sink began."""
+        if self.oracle is None:
+            return True
+        return a >= self.oracle.began.get((sink, p), 0)
+
+    def backfill_discarded(self, rng: random.Random) -> Result:
+        """A backfill of a few offsets around a discarded letter's record, of its sink or all."""
+        u, before, after, both = rng.random(), rng.randint(0, 5), rng.randint(0, 5), rng.random()
+        found = self._q(
+            "SELECT sink, source_partition, source_offset FROM tidemark.dlq "
+            "WHERE pipeline = %s AND status = 'discarded' ORDER BY id",
+            (w.PIPELINE,),
+        )
+        if not found:
+            return Result("backfill (a discarded record)", "skipped: no discarded letter")
+        s, p, o = found[int(u * len(found))]
+        sinks = None if both < 0.3 else [s]
+        cps = self.checkpoints()
+        m = min(cps.get((n, p), 0) for n in (sinks or w.SINKS))
+        a, b = max(0, o - before), min(m, o + 1 + after)
+        if b <= a:
+            return Result("backfill (a discarded record)", "skipped: not committed for every sink")
+        desc = f"backfill p{p} [{a},{b}){_sinks(sinks)} over discarded {p}:{o} of {s}"
+        return self._inproc(desc, self.inproc.backfill(p, a, b, sinks))
+
+    def backfill_low(self, rng: random.Random) -> Result:
+        """`tidemark backfill --partition P --from A --to B` with A below where a chosen sink
+        began: the CLI cuts it at the lowest start of the chosen sinks (each sink's run at its
+        own), or refuses it (exit 2) when it lies wholly below."""
+        sinks = rng.choice([None, None, ["a"], ["b"]])
+        p, u1, u2 = rng.randrange(self.P), rng.random(), rng.random()
+        names = sinks or list(w.SINKS)
+        cps = self.checkpoints()
+        m = min(cps.get((s, p), 0) for s in names)
+        if m == 0 or self.oracle is None:
+            return Result("backfill (below the start)", "skipped: nothing committed there yet")
+        floor = min(self.oracle.began.get((s, p), 0) for s in names)
+        start = int(u1 * (floor + 1)) if floor else 0  # at or below the lowest start
+        end = start + 1 + int(u2 * (m - start - 1))
+        desc = f"backfill p{p} [{start},{end}){_sinks(sinks)} (began at {floor})"
+        out = self.inproc.backfill_as_cli(p, start, end, sinks=sinks)
+        res = self._inproc(desc, out)
+        expected = self.oracle.cut_below_start({p: (start, end)}, names)
+        got = {r.partition: (r.start, r.end) for r in out.ranges}
+        if not expected:
+            if out.code != 2:
+                res.problems.append(
+                    f"`{desc}` lies wholly below where the sinks began: it should be refused "
+                    f"(exit 2), got {out}"
+                )
+        elif out.ok and got != expected:
+            res.problems.append(
+                f"`{desc}` re-delivered {_spans(got) or 'nothing'}, should be {_spans(expected)}"
+            )
+        elif out.ok and start < floor and not any("began at" in line for line in out.said):
+            res.problems.append(f"`{desc}` was cut without saying so: {out.said}")
+        return res
+
+    # -- an operator's hands on a stopped run's prepared transactions ---------------------------
+    def gids(
+        self,
+        rng: random.Random,
+        act: str | None = None,
+        point: str | None = None,
+        go_on: bool | None = None,
+    ) -> Result:
+        """A run (or one sink's run) stopped at a protocol point between its prepare and its
+        finish; the operator commits or rolls back some of its prepared transactions by hand
+        (``GID_ACTS``); then the job goes on or is killed, and recovery settles it. The oracle
+        then holds the sinks to what the run decided: each record placed exactly once."""
+        drawn = rng.choice(self.gid_acts_on)
+        act = act or drawn
+        drawn_point = rng.choice(GID_ACTS[act])
+        point = point or drawn_point
+        sink_u, how_many_u, go_u = rng.random(), rng.random(), rng.random()
+        go_on = go_u < 0.5 if go_on is None else go_on
+        appended = self.append(rng, rng.randint(5, 20))
+        sinks = None if sink_u < 0.6 else [w.SINKS[int((sink_u - 0.6) / 0.4 * len(w.SINKS))]]
+        job = self.sub.run(sinks, pause_at=point)
+        self.jobs.append(job)
+        desc = f"GIDS {act} at {point}: run{_sinks(sinks)}"
+        res = Result(desc, "", faulted=True)
+        notes = [appended.split(" (")[0]]
+        self.gid_acts[act] += 1
+        try:
+            if not job.wait_reached(timeout=240):
+                notes.append("point not reached")
+                notes.append(self._finish(job, res))
+            else:
+                notes.append(self._operator(act, how_many_u))
+                if go_on:
+                    job.resume()
+                    notes.append("job resumed: " + self._finish(job, res))
+                else:
+                    job.kill()
+                    notes.append("job killed: " + self._finish(job, res))
+                # A gid rolled back after the run verified its prepares (at after_prepare, the
+                # decision still to come, it will choose it) is lost like a chosen one.
+                if act.startswith("rollback") and "rollback_chosen" in self.gid_acts_on:
+                    notes.append(self._settle(res))
+        finally:
+            if job.alive():
+                job.kill()
+                job.wait(30)
+            self.seen(job.tail(10_000).splitlines())
+        res.outcome = "; ".join(n for n in notes if n) + f" [log {job.log_path.name}]"
+        return res
+
+    @property
+    def gid_acts_on(self) -> tuple[str, ...]:
+        """Rolling back a chosen gid needs `tidemark settle` (the product's answer to it)."""
+        import importlib.util
+
+        settle = importlib.util.find_spec("tidemark.driver.settle") is not None
+        return tuple(a for a in GID_ACTS if settle or a != "rollback_chosen")
+
+    def _settle(self, res: Result) -> str:
+        """After a chosen gid was rolled back: recovery reports the halt naming `tidemark
+        settle RUN`; run that (a process, as an operator would) and say what it did."""
+        rec = self.inproc.recover()
+        m = re.search(r"tidemark settle (\d+)", rec.text)
+        halted = self._q(
+            "SELECT halted_reason FROM tidemark.pipelines WHERE name = %s", (w.PIPELINE,)
+        )
+        reason = halted[0][0] if halted and halted[0][0] else ""
+        m = m or re.search(r"tidemark settle (\d+)", reason)
+        if not m:
+            if reason:
+                res.problems.append(f"halted without naming `tidemark settle RUN`: {reason}")
+            return f"recover: {rec}" + (f"; halted: {reason}" if reason else "; not halted")
+        job = self.sub.settle(int(m[1]))
+        self.jobs.append(job)
+        code = self._finish(job, res)
+        if code != "job exit 0":
+            res.problems.append(
+                f"`tidemark settle {m[1]}` failed ({code}): " + " | ".join(job.tail(5).splitlines())
+            )
+        return f"recover named settle {m[1]}; settle: {code}"
+
+    def _operator(self, act: str, u: float) -> str:
+        """Do ``act`` to the newest run's prepared transactions; say what was done."""
+        prefix = self.inproc._settings().gid_prefix
+        with self._ledger() as conn:
+            run = conn.execute(
+                "SELECT max(run_id) FROM tidemark.runs WHERE pipeline = %s", (w.PIPELINE,)
+            ).fetchone()
+            run_id = run[0] if run else None
+            if run_id is None:
+                return "no run"
+            chosen = {
+                g
+                for (g,) in conn.execute(
+                    "SELECT gid FROM tidemark.participants WHERE run_id = %s", (run_id,)
+                )
+            }
+            prepared = conn.execute(
+                "SELECT database, gid FROM pg_prepared_xacts WHERE gid LIKE %s ORDER BY 2",
+                (f"{prefix}:{run_id}:%",),
+            ).fetchall()
+        pool = [(db, g) for db, g in prepared if (g in chosen) == act.endswith("_chosen")]
+        if not pool:
+            return f"run {run_id}: no {act.split('_')[1]} gid prepared ({len(prepared)} prepared)"
+        pick = pool[: max(1, round(u * len(pool)))]
+        verb = "COMMIT" if act.startswith("commit") else "ROLLBACK"
+        for db, g in pick:
+            dsn = self.world.cluster.dsn(db)
+            with psycopg.connect(dsn, autocommit=True, application_name="chaos-operator") as c:
+                c.execute(sql.SQL(verb + " PREPARED {}").format(sql.Literal(g)))
+        return f"run {run_id}: {verb} PREPARED {len(pick)} of {len(pool)} ({_short([g for _, g in pick])})"
 
     def _inproc(self, desc: str, out: Outcome) -> Result:
         self.seen(self.inproc.log)
@@ -425,6 +814,10 @@ class Chaos:
         if self.tombstones:
             choices += ["tombstones", "b_tombstones"]
             weights += [25, 10]
+        splits = self.world.features.split
+        if splits:  # a key split or merge, or back to plain keys
+            choices.append("split")
+            weights.append(25)
         what = rng.choices(choices, weights=weights)[0]
         if what == "gate":
             k = replace(k, gate_fails=not k.gate_fails)
@@ -449,8 +842,11 @@ class Chaos:
                 k,
                 b_tombstones=rng.choice([t for t in (None, *w.TOMBSTONES) if t != k.b_tombstones]),
             )
+        elif what == "split":
+            k = replace(k, variant=rng.choice([v for v in (*w.SPLITS, "plain") if v != k.variant]))
         else:
-            k = replace(k, variant=rng.choice([v for v in w.VARIANTS if v != k.variant]))
+            variants = [v for v in w.VARIANTS if splits or v not in w.SPLITS]
+            k = replace(k, variant=rng.choice([v for v in variants if v != k.variant]))
         if k.b_rows_max > k.rows_max:  # sink b checks at least as much as the pipeline
             k = replace(k, b_rows_max=max(m for m in w.B_ROWS_MAX if m <= k.rows_max))
         self.world.write_pipeline(k)
@@ -576,5 +972,18 @@ def _sinks(sinks: list[str] | None) -> str:
     return "".join(f" --sink {s}" for s in sinks or [])
 
 
-def _short(ids: list[int]) -> str:
+def _typed(t: datetime, zone: str | None) -> str:
+    """``t`` as an operator types it: naive UTC, or in ``zone`` with its offset (Z for UTC)."""
+    if zone is None:
+        return t.astimezone(UTC).replace(tzinfo=None).isoformat()
+    if zone == "UTC":
+        return t.astimezone(UTC).replace(tzinfo=None).isoformat() + "Z"
+    return t.astimezone(ZoneInfo(zone)).isoformat()
+
+
+def _spans(r: dict[int, tuple[int, int]]) -> str:
+    return " ".join(f"p{p}[{a},{b})" for p, (a, b) in sorted(r.items()))
+
+
+def _short(ids: list) -> str:
     return clamp(",".join(map(str, ids)), 40)

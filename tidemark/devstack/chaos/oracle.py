@@ -33,7 +33,7 @@ import psycopg
 from psycopg import sql
 
 from tidemark.devstack.chaos import world as w
-from tidemark.devstack.chaos.checker import APP, Problem, Target, _ident
+from tidemark.devstack.chaos.checker import APP, Problem, Target, _ident, starts
 
 Pos = tuple[int, int]
 LIVE = ("quarantined", "discarded")
@@ -119,7 +119,17 @@ class Pipeline:
             i = int(text) if re.fullmatch(r"[0-9]+", text) else None
         else:
             i = None if d is None else d["id"]
-        return None if i is None else i + (w.KEY_SHIFT if self.k.variant == "rekey" else 0)
+        if i is None:
+            return None
+        v = self.k.variant
+        if v == "rekey":
+            return i + w.KEY_SHIFT
+        if v == "split":  # SQL: amount > SPLIT_AT is NULL (false) without an amount
+            big = d is not None and d["amount"] is not None and d["amount"] > w.SPLIT_AT
+            return i + (w.SPLIT_SHIFT if big else 0)
+        if v == "merge":  # Spark's pmod: never negative
+            return i - i % (2 * w.MERGE) + i % w.MERGE
+        return i
 
     def tomb(self, rec: Record) -> Tomb | None:
         """A tombstone that deletes its key for this sink, or None where it is quarantined."""
@@ -181,6 +191,12 @@ class SinkModel:
     # key -> its newest tombstone that deleted (what the sink's tombstone table keeps).
     tombs: dict[int, Tomb] = field(default_factory=dict)
     counts: Counter = field(default_factory=Counter)  # tombstones: what they did
+    # partition -> where the sink began (the model's: Oracle.began); nothing below it is
+    # ever delivered to the sink, nor a version a fallback may place.
+    began: dict[int, int] = field(default_factory=dict)
+    # Positions the source no longer holds (retention; Oracle.trimmed, shared): never
+    # re-delivered, never a version a fallback reads.
+    trimmed: set[Pos] = field(default_factory=set)
 
     def deliver(self, recs: list[Record], pipe: Pipeline, whole_batch: bool) -> None:
         """A first delivery: the newest version per key (a row or a tombstone that deletes)
@@ -208,9 +224,7 @@ class SinkModel:
         self._place(best)
 
     def _quarantine(self, rec: Record) -> None:
-        # A discard stands while its record fails (docs/design.md, "DLQ envelope").
-        if self.live.get((rec.p, rec.o)) != "discarded":
-            self.live[(rec.p, rec.o)] = "quarantined"
+        self._fails((rec.p, rec.o))
         if rec.tombstone:
             self.counts["quarantined"] += 1
 
@@ -242,7 +256,7 @@ class SinkModel:
                 continue
             row = pipe.row(rec)
             if row is None:
-                self.live.setdefault(pos, "quarantined")  # a discard stands
+                self._fails(pos)
                 continue
             # It passes: its own row or a newer version's places it (rule 5).
             self.live.pop(pos, None)
@@ -262,6 +276,8 @@ class SinkModel:
         for pos, rec in source.items() if bare else ():  # one pass: every key's versions
             if pos in chosen or pos in rowed or pos[1] >= self.checkpoint.get(pos[0], 0):
                 continue
+            if pos[1] < self.began.get(pos[0], 0) or pos in self.trimmed:
+                continue  # never delivered to this sink; or the source holds it no more
             keyed = pipe.keyed(rec)
             if keyed is not None and keyed[0] in versions:
                 versions[keyed[0]].append((keyed[1], rec))
@@ -291,6 +307,12 @@ class SinkModel:
                 self._place({k: row})
                 self.live.pop((rec.p, rec.o), None)
                 break
+
+    def _fails(self, pos: Pos) -> None:
+        """The record fails (again): a live letter, quarantined, except that a discard stands
+        while its record fails (docs/design.md, "Dead letters")."""
+        if self.live.get(pos) != "discarded":
+            self.live[pos] = "quarantined"
 
     def _delete(self, tombs: Iterable[Tomb], fallback: bool = False) -> None:
         """Tombstones that delete: each removes its key's row if that is not newer, and is
@@ -329,10 +351,17 @@ class Oracle:
         self.t = target
         self.f = features
         self.cols = columns(features)
-        self.sinks = {s: SinkModel() for s in target.sinks}
+        self.trimmed: set[Pos] = set()
+        self.sinks = {s: SinkModel(trimmed=self.trimmed) for s in target.sinks}
         self.source: dict[Pos, Record] = {}
         self.last_run = 0
         self.last: list[Applied] = []  # what the last sync applied
+        # (sink, partition) -> where the sink began: the source's end (start: latest) or its
+        # first record (earliest) when the sink's checkpoint there first appeared (every
+        # append of a step comes before its jobs claim).
+        self.began: dict[tuple[str, int], int] = {}
+        self.problems: list[Problem] = []  # what the last sync found wrong on its own
+        self.refusals: Counter = Counter()  # re-deliveries refused as they should be, by why
         self.aborted: list[Problem] = []  # (run, sink)s the last sync found aborted
 
     # -- learning what happened -----------------------------------------------------------
@@ -356,6 +385,9 @@ class Oracle:
         knobs: w.Knobs,
         redrive: dict[int, tuple[str, int, int]] | None = None,
         discarded: dict[int, tuple[str, int, int]] | None = None,
+        trimmed: Iterable[Pos] = (),
+        reread: bool = False,
+        accept_pruned: bool = False,
     ) -> list[Applied]:
         """Apply every (run, sink) committed since the last sync, with ``knobs`` (the
         pipeline of this step); ``redrive``: the letters this step's redrive asked for;
@@ -363,9 +395,14 @@ class Oracle:
         have: dict[int, int] = {}
         for p, o in self.source:
             have[p] = max(have.get(p, -1), o)
-        for r in self.t.source.records(have):
+        # Trimmed records stay in the model (the sinks may hold them), marked; a late
+        # segment's records lie below what was read: read everything again.
+        self.trimmed.update(trimmed)
+        for r in self.t.source.records(None if reread else have):
             self.source[(r.p, r.o)] = Record(r.p, r.o, r.payload, r.headers, r.ts, r.key)
+        self.problems = []
         with self._led() as led:
+            self._learn_starts(led)
             runs = led.execute(
                 """SELECT rs.run_id, rs.sink, r.mode, rs.state::text, rs.error
                    FROM tidemark.run_sinks rs
@@ -399,6 +436,52 @@ class Oracle:
         self.aborted = []
         for run_id, s, mode, st, error in runs:
             self.last_run = max(self.last_run, run_id)
+            mine = sorted(by_run.get((run_id, s), []))
+            if (
+                mode in ("backfill", "rebuild")
+                and s in self.sinks
+                and self._pruned(run_id, s, mode, st, error, mine, accept_pruned)
+            ):
+                continue
+            if mode == "backfill" and s in self.sinks and st in ("aborted", "committed"):
+                changed = self.key_changes(s, mine, knobs)
+                partial = bool(changed) and not self.whole(s, mine, changed)
+                if st == "aborted" and "key change" in str(error):
+                    if not partial:
+                        self.problems.append(
+                            Problem(
+                                s,
+                                "-",
+                                "-",
+                                f"run {run_id} (backfill) refused as a key change, but no row "
+                                f"of its range {_span(mine)} changed key (or the range holds "
+                                f"every older version): {' '.join(str(error).split())[:300]}",
+                            )
+                        )
+                    elif "tidemark sink rebuild" not in str(error):
+                        self.problems.append(
+                            Problem(
+                                s,
+                                "-",
+                                "-",
+                                f"run {run_id} refused a key change without naming "
+                                f"`tidemark sink rebuild`: {str(error)[:300]}",
+                            )
+                        )
+                    self.refusals["key change"] += 1
+                    continue
+                if st == "committed" and partial:
+                    p, o = changed[0]
+                    self.problems.append(
+                        Problem(
+                            s,
+                            p,
+                            o,
+                            f"run {run_id} re-delivered {_span(mine)} after a key change "
+                            f"({len(changed)} row(s) of it map to another key now) without "
+                            f"every older version: it should have been refused",
+                        )
+                    )
             if st == "aborted":
                 self.aborted.append(
                     Problem(
@@ -416,7 +499,7 @@ class Oracle:
                     run_id,
                     s,
                     mode,
-                    sorted(by_run.get((run_id, s), [])),
+                    mine,
                     gate_failed,
                     knobs,
                     redrive or {},
@@ -424,6 +507,134 @@ class Oracle:
             )
         self.last = done
         return done
+
+    def held_trimmed(self, s: str, ranges: list[tuple[int, int, int]] | None) -> list[Pos]:
+        """Positions the sink holds (a row, a tombstone, a live letter) whose record the
+        source no longer holds: in ``ranges``, or (None) anywhere below its checkpoint."""
+        m = self.sinks[s]
+        held = {r.pos for r in m.rows.values()} | {t.pos for t in m.tombs.values()} | set(m.live)
+        return sorted(
+            (p, o)
+            for p, o in held & self.trimmed
+            if (ranges is None and o < m.checkpoint.get(p, 0))
+            or any(q == p and a <= o < b for q, a, b in ranges or [])
+        )
+
+    def _pruned(
+        self,
+        run_id: int,
+        s: str,
+        mode: str,
+        st: str,
+        error: object,
+        ranges: list[tuple[int, int, int]],
+        accept: bool,
+    ) -> bool:
+        """Judge a re-delivery against what retention trimmed: refused (without
+        --accept-pruned) exactly where the sink holds positions the source lost. True where
+        the run was such a refusal (nothing of it to apply)."""
+        wide = self.held_trimmed(s, None)  # a fallback may read anywhere below the checkpoint
+        inside = self.held_trimmed(s, None if mode == "rebuild" else ranges)
+        if st == "aborted" and "--accept-pruned" in str(error):
+            self.refusals["pruned positions"] += 1
+            if accept or not wide:
+                self.problems.append(
+                    Problem(
+                        s,
+                        "-",
+                        "-",
+                        f"run {run_id} ({mode}) refused over pruned positions"
+                        + (" although --accept-pruned was given" if accept else "")
+                        + (", but the sink holds none" if not wide else "")
+                        + f": {' '.join(str(error).split())[:300]}",
+                    )
+                )
+            return True
+        if st == "committed" and inside and not accept:
+            p, o = inside[0]
+            self.problems.append(
+                Problem(
+                    s,
+                    p,
+                    o,
+                    f"run {run_id} ({mode}) re-delivered over {len(inside)} position(s) the "
+                    f"sink holds and the source no longer does, without --accept-pruned: it "
+                    f"should have been refused",
+                )
+            )
+        return False
+
+    def key_changes(self, s: str, ranges: list[tuple[int, int, int]], knobs: w.Knobs) -> list[Pos]:
+        """Positions of the sink's rows in ``ranges`` whose record ``knobs``' transform maps to
+        another key than the row's (a record that fails before it has a key has none)."""
+        m, pipe = self.sinks[s], Pipeline(knobs, self.f, s)
+        out = []
+        for k, row in m.rows.items():
+            p, o = row.pos
+            if any(q == p and a <= o < b for q, a, b in ranges):
+                keyed = pipe.keyed(self.source[row.pos])
+                if keyed is not None and keyed[0] != k:
+                    out.append(row.pos)
+        return sorted(out)
+
+    def whole(self, s: str, ranges: list[tuple[int, int, int]], changed: list[Pos]) -> bool:
+        """Whether ``ranges`` hold every version older than the ``changed`` rows: their
+        partitions from the first record (where the sink began, if later); every partition to
+        its checkpoint where the sink orders versions by a column."""
+        m = self.sinks[s]
+        parts = set(m.checkpoint) if self.f.versioned else {p for p, _o in changed}
+        for p in parts:
+            offs = [o for q, o in self.source if q == p]
+            first = max(min(offs) if offs else 0, m.began.get(p, 0))
+            mine = [(a, b) for q, a, b in ranges if q == p]
+            if not mine or mine[0][0] > first:
+                return False
+            if self.f.versioned and mine[-1][1] < m.checkpoint.get(p, 0):
+                return False
+        return True
+
+    def _learn_starts(self, led: psycopg.Connection) -> None:
+        cps = led.execute(
+            "SELECT sink, partition FROM tidemark.checkpoints WHERE pipeline = %s",
+            (self.t.pipeline,),
+        ).fetchall()
+        for s, p in cps:
+            if (s, p) in self.began or s not in self.sinks:
+                continue
+            offs = [o for q, o in self.source if q == p]
+            if self.f.start == "latest":
+                at = max(offs) + 1 if offs else 0
+            else:
+                at = min(offs) if offs else 0
+            self.began[(s, p)] = at
+            self.sinks[s].began[p] = at
+        recorded = starts(led, self.t.pipeline)
+        for (s, p), at in sorted(recorded.items()):
+            want = self.began.get((s, p))
+            if want is not None and at != want:
+                self.problems.append(
+                    Problem(
+                        s,
+                        p,
+                        at,
+                        f"the ledger says the sink began at {at}; it first saw the partition "
+                        f"when the source {'ended' if self.f.start == 'latest' else 'began'} "
+                        f"at {want} (start: {self.f.start})",
+                    )
+                )
+
+    def cut_below_start(
+        self, ranges: dict[int, tuple[int, int]], sinks: Iterable[str]
+    ) -> dict[int, tuple[int, int]]:
+        """Per partition [a, b) cut at the lowest start of ``sinks`` (none below it was
+        delivered to any of them); a range wholly below is left out."""
+        out = {}
+        for p, (a, b) in ranges.items():
+            floors = [self.began.get((s, p), 0) for s in sinks]
+            a = max(a, min(floors)) if floors else a
+            if b > a:
+                out[p] = (a, b)
+        return out
 
     def _apply(
         self,
@@ -450,21 +661,40 @@ class Oracle:
             for p, _a, b in ranges:
                 m.checkpoint[p] = max(m.checkpoint.get(p, 0), b)
             return Applied(run_id, s, mode, span + (" gate quarantined" if whole else ""))
+        for p, a, _b in ranges:
+            if mode != "run" and a < m.began.get(p, 0):
+                self.problems.append(
+                    Problem(
+                        s,
+                        p,
+                        a,
+                        f"run {run_id} ({mode}) re-delivered from {a}, below where the sink "
+                        f"began ({m.began[p]})",
+                    )
+                )
         if mode == "rebuild":
             if not gate_failed:  # a rebuild whose gate fails changes nothing
                 # A new, empty table (and tombstone table) takes every record the sink has
                 # received: nothing to remove, no key to fall back.
                 m.rows.clear()
-                m.tombs.clear()
+                # Tombstones the source no longer holds are carried into the new table's
+                # tombstone table (--accept-pruned): a deleted key stays deleted.
+                m.tombs = {k: t for k, t in m.tombs.items() if t.pos in self.trimmed}
                 chosen = {
-                    (p, o) for p, a, b in ranges for o in range(a, b) if (p, o) in self.source
+                    (p, o)
+                    for p, a, b in ranges
+                    for o in range(max(a, m.began.get(p, 0)), b)
+                    if (p, o) in self.source and (p, o) not in self.trimmed
                 }
                 m.redeliver(chosen, self.source, pipe)
             return Applied(run_id, s, mode, span)
         if mode == "backfill":
             if not gate_failed:  # a backfill whose gate fails changes nothing
                 chosen = {
-                    (p, o) for p, a, b in ranges for o in range(a, b) if (p, o) in self.source
+                    (p, o)
+                    for p, a, b in ranges
+                    for o in range(max(a, m.began.get(p, 0)), b)
+                    if (p, o) in self.source and (p, o) not in self.trimmed
                 }
                 m.redeliver(chosen, self.source, pipe)
             return Applied(run_id, s, mode, span)
@@ -486,7 +716,7 @@ class Oracle:
 
     # -- comparing ------------------------------------------------------------------------
     def compare(self) -> list[Problem]:
-        problems: list[Problem] = []
+        problems: list[Problem] = list(self.problems)
         with self._led() as led:
             letters = led.execute(
                 "SELECT sink, source_partition, source_offset, status::text, id "
@@ -575,3 +805,7 @@ class Oracle:
             return conn.execute(
                 sql.SQL("SELECT {} FROM {}").format(sql.SQL(", ").join(cols), _ident(table))
             ).fetchall()
+
+
+def _span(ranges: list[tuple[int, int, int]]) -> str:
+    return " ".join(f"p{p}[{a},{b})" for p, a, b in ranges) or "(no range)"

@@ -9,7 +9,7 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from tidemark.devstack.chaos.adapter import InProcess, Subprocess, spark_session
 from tidemark.devstack.chaos.checker import Checker, Problem, Snapshot, Target
@@ -17,6 +17,8 @@ from tidemark.devstack.chaos.ops import Chaos, plan
 from tidemark.devstack.chaos.oracle import Oracle
 from tidemark.devstack.chaos.world import (
     KEY_SHIFT,
+    ON,
+    OPTIONAL,
     PIPELINE,
     SINK_TABLE,
     SINKS,
@@ -46,7 +48,13 @@ def target(world: World) -> Target:
     )
 
 
-def world_params(seed: int) -> tuple[int, int, Features]:
+ZONES = ("db:Asia/Kathmandu", "role:America/St_Johns", "db:Pacific/Chatham", "role:Europe/Berlin")
+
+
+def world_params(seed: int, force: Iterable[str] = ()) -> tuple[int, int, Features]:
+    """The world a seed draws. Every draw is made whatever is switched on (so a seed's world
+    and sequence do not change when a feature is), then the optional features (world.OPTIONAL)
+    are kept where world.ON or ``force`` has them; ``force`` turns its features on outright."""
     r = random.Random(f"tidemark-chaos:{seed}:world")
     partitions, limit = r.choice([1, 2, 3]), r.randint(25, 60)
     # A version column needs two partitions to order anything across them.
@@ -54,11 +62,32 @@ def world_params(seed: int) -> tuple[int, int, Features]:
     meta = r.random() < 0.3
     # A file_archive source; tombstones (only without a version column: world.Features).
     archive, tombs = r.random() < 0.4, r.random() < 0.5
+    forced = set(force)
+    unknown = forced - set(OPTIONAL)
+    if unknown:
+        raise ValueError(f"no such chaos feature: {', '.join(sorted(unknown))}")
+    drawn = {name: r.random() for name in OPTIONAL}
+    zone = r.choice(ZONES)
+
+    def on(name: str, chance: float) -> bool:
+        return name in forced or (name in ON and drawn[name] < chance)
+
+    late = on("late", 0.5)
     return (
         partitions,
         limit,
         Features(
-            versioned=versioned, meta=meta, archive=archive, tombstones=tombs and not versioned
+            versioned=versioned,
+            meta=meta,
+            archive=archive or late,  # late segments are segments
+            tombstones=tombs and not versioned,
+            start="latest" if on("start", 0.4) else "earliest",
+            tz=zone if on("tz", 0.5) else None,
+            gids=on("gids", 0.5),
+            trim=on("trim", 0.4),
+            late=late,
+            split=on("split", 0.4),
+            prune=on("prune", 0.5),
         ),
     )
 
@@ -77,10 +106,12 @@ def run(
     keep_dir: bool = False,
     fault_every: int = FAULT_EVERY,
     out: Callable[[str], None] = echo,
+    force: Iterable[str] = (),
 ) -> int:
     if seed is None:
         seed = random.SystemRandom().randrange(1, 10**9)
-    partitions, limit, features = world_params(seed)
+    force = tuple(force)
+    partitions, limit, features = world_params(seed, force)
     out(
         f"chaos: seed {seed}, {steps} steps, a fault every {fault_every} steps, "
         f"{partitions} partitions, max {limit} records per partition and run, "
@@ -105,13 +136,14 @@ def run(
         chaos = Chaos(world, inproc, sub)
         checker = Checker(target(world))
         oracle = Oracle(target(world), features)
+        chaos.oracle = oracle
         for n in range(1, steps + 1):
             t0 = time.monotonic()
             step = plan(seed, n, fault_every, chaos.op_weights)
             res = chaos.perform(step)
             problems, snap = settle_and_check(inproc, checker, res.problems)
             problems += content(oracle, chaos, world)
-            if not step.fault:  # chaos asks only what a healthy pipeline can do
+            if not step.fault and not res.faulted:  # chaos asks what a healthy pipeline can do
                 problems += oracle.aborted
             done = n
             verdict = "ok" if not problems else f"{len(problems)} PROBLEM(S)"
@@ -123,7 +155,7 @@ def run(
                 for a in oracle.last:
                     out(f"  model applied: run {a.run_id} sink {a.sink} {a.mode} {a.what}")
                 failed_at = str(n)
-                if step.fault and chaos.jobs:
+                if (step.fault or res.faulted) and chaos.jobs:
                     out(f"  last output of {chaos.jobs[-1].log_path.name}:")
                     for line in chaos.jobs[-1].tail(15).splitlines():
                         out(f"    {line}")
@@ -167,6 +199,7 @@ def run(
         fault_every,
         world,
         oracle,
+        force,
     )
     return 1 if problems else 0
 
@@ -179,6 +212,9 @@ def content(oracle: Oracle, chaos: Chaos, world: World) -> list[Problem]:
         world.knobs,
         {i: letters[i] for i in chaos.redrive_ids if i in letters},
         {i: letters[i] for i in chaos.discard_ids if i in letters},
+        trimmed=chaos.trimmed,
+        reread=chaos.reread,
+        accept_pruned=chaos.accept_pruned,
     )
     return oracle.compare()
 
@@ -256,12 +292,15 @@ def summary(
     fault_every: int,
     world: World | None = None,
     oracle: Oracle | None = None,
+    force: tuple[str, ...] = (),
 ) -> None:
     out("")
     out(f"steps: {done} in {seconds:.0f}s")
     if chaos is not None:
         out("operations: " + _counts(chaos.ops))
         out("faults: " + (_counts(chaos.faults) or "none"))
+        if chaos.gid_acts:
+            out("operator gids: " + _counts(chaos.gid_acts))
         for what, c in chaos.coverage().items():
             out(f"{what} (runs, from their logs): " + (_counts(c) or "none"))
         kinds = {k.split(":", 1)[1]: v for k, v in chaos.appended.items() if ":" in k}
@@ -276,7 +315,8 @@ def summary(
         out(
             f"source: {src.kind}"
             + (
-                f" ({seg['parquet']} parquet + {seg['jsonl']} jsonl segments, {seg['gaps']} gap(s))"
+                f" ({seg['parquet']} parquet + {seg['jsonl']} jsonl segments, {seg['gaps']} gap(s)"
+                f", {seg.get('late', 0)} late, {seg.get('trimmed', 0)} trimmed)"
                 if src.kind == "file_archive"
                 else ""
             )
@@ -286,6 +326,8 @@ def summary(
             "tombstones (model, per sink and delivery): "
             + (_counts(oracle.tombstone_counts) or "none reached")
         )
+    if oracle is not None and oracle.refusals:
+        out("re-deliveries refused as they should be: " + _counts(oracle.refusals))
     if snap.tombs:
         out(
             "tombstones that delete, at the end: "
@@ -308,6 +350,7 @@ def summary(
         k = done if not step.isdigit() else int(step)
         out(f"seed {seed}, first failing step {failed_at}")
         extra = f" --fault-every {fault_every}" if fault_every != FAULT_EVERY else ""
+        extra += "".join(f" --feature {f}" for f in force)
         out(
             f"reproduce: tidemark chaos --seed {seed} --steps {k}{extra}"
             + ("" if keep_dir else "   (add --keep-dir to keep the databases and job logs)")
@@ -324,5 +367,7 @@ def _counts(c) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
 
 
-def main(seed: int | None, steps: int, keep_dir: bool, fault_every: int) -> None:
-    sys.exit(run(seed, steps, keep_dir, fault_every))
+def main(
+    seed: int | None, steps: int, keep_dir: bool, fault_every: int, force: Iterable[str] = ()
+) -> None:
+    sys.exit(run(seed, steps, keep_dir, fault_every, force=force))

@@ -84,6 +84,18 @@ class PostgresLog:
                 )
             ]
 
+    def trim(self, partition: int, below: int) -> list[tuple[int, int]]:
+        """Retention: delete the partition's records below ``below``; the positions gone."""
+        with psycopg.connect(self.dsn, autocommit=True, application_name="chaos") as c:
+            rows = c.execute(
+                sql.SQL(
+                    'DELETE FROM {} WHERE "partition" = %s AND "offset" < %s '
+                    'RETURNING "partition", "offset"'
+                ).format(_ident(self.table)),
+                (partition, below),
+            ).fetchall()
+        return sorted((p, o) for p, o in rows)
+
     def ends(self) -> dict[int, int]:
         """Partition -> its highest offset + 1."""
         with psycopg.connect(self.dsn, autocommit=True, application_name="chaos-check") as c:
@@ -103,7 +115,8 @@ class FileArchive:
     def __init__(self, root: Path):
         self.root = root
         self.next: dict[int, int] = {}
-        self.segments = {"parquet": 0, "jsonl": 0, "gaps": 0}
+        self.segments = {"parquet": 0, "jsonl": 0, "gaps": 0, "trimmed": 0, "late": 0}
+        self.gaps: dict[int, list[tuple[int, int]]] = {}  # partition -> [a, b) no segment holds
 
     def create(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -131,7 +144,9 @@ class FileArchive:
                     continue
                 start = self.next.get(p, 0)
                 if start and r.random() < self.GAP:
-                    start += r.randint(1, 3)
+                    gap = r.randint(1, 3)
+                    self.gaps.setdefault(p, []).append((start, start + gap))
+                    start += gap
                     self.segments["gaps"] += 1
                 fmt = r.choice(("parquet", "jsonl"))
                 rows = [
@@ -152,6 +167,78 @@ class FileArchive:
                 spans[p] = (first, start + len(chunk) - 1)
         return spans
 
+    def write_late(
+        self, partition: int, base: int, records: list[Draft], rng: random.Random
+    ) -> dict[int, tuple[int, int]]:
+        """A segment that appears late, at ``base`` inside one of the partition's gaps (which
+        it fills from its start): an archive writer that broke its contract."""
+        from tidemark.devstack.archive_writer import write_segment
+
+        fmt = rng.choice(("parquet", "jsonl"))
+        ts = datetime.now(UTC)
+        rows = [
+            {
+                "partition": partition,
+                "offset": base + i,
+                "key": k,
+                "payload": v,
+                "headers": h,
+                "ts": ts,
+            }
+            for i, (_p, k, v, h) in enumerate(records)
+        ]
+        write_segment(str(self.root), partition, rows, fmt)
+        self.segments["late"] += 1
+        self.segments[fmt] += 1
+        gaps = self.gaps.get(partition, [])
+        for i, (a, b) in enumerate(gaps):
+            if a == base:
+                gaps[i] = (base + len(records), b)
+        self.gaps[partition] = [(a, b) for a, b in gaps if b > a]
+        return {partition: (base, base + len(records) - 1)}
+
+    def trim(self, partition: int, below: int) -> list[tuple[int, int]]:
+        """Retention: delete the partition's segments whose every record lies below
+        ``below``; the positions gone."""
+        gone: list[tuple[int, int]] = []
+        for p, _base, f in self._files():
+            if p != partition:
+                continue
+            offs = [r.o for r in self._read(f)]
+            if offs and max(offs) < below:
+                f.unlink()
+                gone += [(p, o) for o in offs]
+                self.segments["trimmed"] += 1
+        return sorted(gone)
+
+    def _read(self, f: Path) -> list[SourceRecord]:
+        out: list[SourceRecord] = []
+        if f.suffix == ".parquet":
+            for r in pq.read_table(f).to_pylist():
+                out.append(
+                    SourceRecord(
+                        r["partition"], r["offset"], r["key"], r["payload"], r["headers"], r["ts"]
+                    )
+                )
+            return out
+        for line in f.read_bytes().splitlines():
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            h = r["headers"]
+            ts = datetime.fromisoformat(r["ts"]) if r["ts"] is not None else None
+            out.append(
+                SourceRecord(
+                    r["partition"],
+                    r["offset"],
+                    _unb64(r["key"]),
+                    _unb64(r["payload"]),
+                    None if h is None else json.dumps(h, ensure_ascii=False),
+                    ts,
+                )
+            )
+        return out
+
     def _files(self) -> list[tuple[int, int, Path]]:
         out = []
         for d in self.root.glob("partition=*"):
@@ -170,35 +257,7 @@ class FileArchive:
             nxt = files[i + 1] if i + 1 < len(files) else None
             if nxt and nxt[0] == p and nxt[1] <= after.get(p, -1) + 1:
                 continue  # every record of this segment is below the next segment's base
-            if f.suffix == ".parquet":
-                for r in pq.read_table(f).to_pylist():
-                    out.append(
-                        SourceRecord(
-                            r["partition"],
-                            r["offset"],
-                            r["key"],
-                            r["payload"],
-                            r["headers"],
-                            r["ts"],
-                        )
-                    )
-            else:
-                for line in f.read_bytes().splitlines():
-                    if not line.strip():
-                        continue
-                    r = json.loads(line)
-                    h = r["headers"]
-                    ts = datetime.fromisoformat(r["ts"]) if r["ts"] is not None else None
-                    out.append(
-                        SourceRecord(
-                            r["partition"],
-                            r["offset"],
-                            _unb64(r["key"]),
-                            _unb64(r["payload"]),
-                            None if h is None else json.dumps(h, ensure_ascii=False),
-                            ts,
-                        )
-                    )
+            out += self._read(f)
         return [r for r in out if r.o > after.get(r.p, -1)]
 
     def ends(self) -> dict[int, int]:

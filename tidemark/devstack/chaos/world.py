@@ -11,7 +11,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import yaml
+from psycopg import sql
 
 from tidemark.devstack.airflow_stack import free_port
 from tidemark.devstack.chaos.source import FileArchive, PostgresLog
@@ -40,11 +42,23 @@ B_ROWS_MAX = (300.0, 700.0, 2000.0)  # sink b's stricter row check
 # position (docs/design.md, "Re-delivery"). The chaos oracle (oracle.py) applies the same
 # mapping in plain Python: keep ``KEY_SHIFT`` and these expressions in step with it.
 KEY_SHIFT = 1_000_000
+# Key splits and merges (Features.split): ``split`` moves the versions of an id whose amount
+# is above SPLIT_AT to a second key (one key becomes two); ``merge`` maps ids i and i + 6
+# (i mod 12 below 6) to one key, both in one partition whatever the world's 1, 2 or 3.
+SPLIT_SHIFT = 2_000_000
+SPLIT_AT = 200.0
+MERGE = 6
 VARIANTS: dict[str, dict[str, str]] = {
     "plain": {"id": "id", "name": "name"},
     "upper": {"id": "id", "name": "upper(name)"},
     "rekey": {"id": f"id + {KEY_SHIFT}", "name": "name"},
+    "split": {
+        "id": f"id + (CASE WHEN amount > {SPLIT_AT} THEN {SPLIT_SHIFT} ELSE 0 END)",
+        "name": "name",
+    },
+    "merge": {"id": f"id - pmod(id, {2 * MERGE}) + pmod(id, {MERGE})", "name": "name"},
 }
+SPLITS = ("split", "merge")  # only in worlds with Features.split
 # Worlds with tombstones derive the sink key from the source key (a tombstone has no payload;
 # every order's key is its id's decimal text, a poison record's key is not a number: NULL).
 KEY_ID = "cast(cast(_tm_key as string) as bigint)"
@@ -116,6 +130,24 @@ class Features:
     # ``tombstones: delete | quarantine`` (and sink b's own). Only in worlds without a version
     # column: a tombstone's version would be NULL there (it orders by offset only).
     tombstones: bool = False
+    # Where a sink starts in a partition it never read (the pipeline's ``start``): ``latest``
+    # begins each sink at the end of the source when its first run claims (docs/pipelines.md),
+    # and no re-delivery may reach below that.
+    start: str = "earliest"
+    # The ledger database's (the postgres_log source's) TimeZone, and its role's: time-window
+    # backfills must map to the same offsets whatever a session reads times in.
+    tz: str | None = None
+    # Operator COMMIT PREPARED / ROLLBACK PREPARED of a run's gids while it is stopped
+    # between its decision and its finish (ops.py, "gids").
+    gids: bool = False
+    # Old records (and segments) trimmed from the source, tombstones included (retention).
+    trim: bool = False
+    # file_archive: a segment that appears late, inside a gap below a checkpoint.
+    late: bool = False
+    # Transform edits that split one key into two and merge two into one (world.VARIANTS).
+    split: bool = False
+    # Discards followed by `tidemark prune` (and backfills over discarded records).
+    prune: bool = False
 
     def short(self) -> str:
         on = [
@@ -125,10 +157,27 @@ class Features:
                 ("ts+headers", self.meta),
                 ("file_archive", self.archive),
                 ("tombstones", self.tombstones),
+                ("start: latest", self.start == "latest"),
+                (f"TimeZone {self.tz}", self.tz is not None),
+                ("operator gids", self.gids),
+                ("trimmed source", self.trim),
+                ("late segments", self.late),
+                ("key splits", self.split),
+                ("discard+prune", self.prune),
             )
             if v
         ]
         return ", ".join(on) or "plain"
+
+
+# The features of issue 45, point 8, each switchable on its own (``tidemark chaos --feature``);
+# those in ON are drawn by the seed, the others only when asked for. A feature whose product
+# side is not merged stays out of ON (see docs/operations.md, "The model-based checker").
+OPTIONAL = ("start", "tz", "gids", "trim", "late", "split", "prune")
+# "trim" is off: a backfill with --accept-pruned whose range starts below the source's first
+# record fails in its read (the reader is handed the whole range, not the spans the source
+# holds; docs/operations.md, "The model-based checker"). `--feature trim` draws it anyway.
+ON: tuple[str, ...] = ("start", "tz", "gids", "late", "split", "prune")
 
 
 class World:
@@ -181,12 +230,32 @@ class World:
             for db in world.names.values():
                 world.cluster.create_database(db)
             migrations.upgrade(world.ledger_dsn)
+            world.set_time_zone()
             world.source.create()
             world.write_pipeline()
         except BaseException:
             world.destroy()
             raise
         return world
+
+    def set_time_zone(self) -> None:
+        """Features.tz ``db:<zone>`` sets the ledger database's TimeZone (where the
+        postgres_log source is), ``role:<zone>`` the role's (every database): sessions that do
+        not pin their own read and compare times in it."""
+        if not self.features.tz:
+            return
+        scope, zone = self.features.tz.split(":", 1)
+        with psycopg.connect(self.ledger_dsn, autocommit=True) as conn:
+            if scope == "db":
+                conn.execute(
+                    sql.SQL("ALTER DATABASE {} SET TimeZone = {}").format(
+                        sql.Identifier(self.names["ledger"]), sql.Literal(zone)
+                    )
+                )
+            else:
+                conn.execute(
+                    sql.SQL("ALTER ROLE CURRENT_USER SET TimeZone = {}").format(sql.Literal(zone))
+                )
 
     def destroy(self) -> None:
         try:
@@ -245,14 +314,15 @@ class World:
             **({"version": "version"} if self.features.versioned else {}),
         }
         select = {**VARIANTS[k.variant], "amount": "amount", "version": "version"}
-        if self.features.tombstones:
-            select["id"] = KEY_ID + (f" + {KEY_SHIFT}" if k.variant == "rekey" else "")
+        if self.features.tombstones:  # the same expressions of the source key's number
+            select["id"] = VARIANTS[k.variant]["id"].replace("id", f"({KEY_ID})")
         if self.features.meta:
             select.update({"seen_at": "_tm_ts", "hdr": "_tm_headers"})
         return {
             "name": PIPELINE,
             "description": "tidemark chaos: " + k.short(),
             "source": self.source.spec(),
+            **({"start": self.features.start} if self.features.start != "earliest" else {}),
             **({"tombstones": k.tombstones} if self.features.tombstones else {}),
             "decode": {
                 "schema": {"id": "bigint", "name": "string", "amount": "double", "version": "int"}
