@@ -232,3 +232,22 @@ def test_a_late_segment_in_a_gap_the_sink_stepped_over_is_reported_and_placed(en
     write_segment(str(archive), 0, [_rec(8, 8)], "jsonl")
     code, out, err = tm(env.cli_env(), "status", "orders")
     assert "LATE: sink main partition 0: 1 record(s) at offsets [7, 10) appeared" in out, out
+
+
+def test_an_accepted_backfill_from_below_the_sources_first_record_places_what_it_holds(env, spark):
+    """Retention deleted the oldest records; a backfill of everything committed, with
+    --accept-pruned, re-delivers what the source still holds and leaves the rest as it is
+    (the reader was handed the whole range and failed below the first record left)."""
+    env.append_orders(range(1, 9), partitions=1)
+    env.pipeline()
+    assert env.run(spark).ok
+    assert env.checkpoints() == {0: 8}
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
+        c.execute('DELETE FROM src.log WHERE "partition" = 0 AND "offset" < 3')
+    refused = env.run(spark, mode=Backfill([Range(0, 0, 8)]))
+    assert not refused.ok and "no longer holds" in (refused.sinks["main"].error or "")
+    report = env.run(spark, mode=Backfill([Range(0, 0, 8)], accept_pruned=True))
+    assert report.ok, report.sinks["main"].error
+    rows = env.q(env.sink_dsn, "SELECT id, _tm_offset FROM orders ORDER BY id")
+    assert rows == [(i, i - 1) for i in range(1, 9)]  # every row once, kept or placed again
+    assert env.checkpoints() == {0: 8} and env.prepared() == []

@@ -269,18 +269,28 @@ class Backfill(Mode):
                             f"[{r.start}, {r.end}) goes past the checkpoint ({have}); only "
                             f"committed ranges can be backfilled - run the pipeline instead"
                         )
+
             # Each sink gets only the part at or above where it began: below, it never
             # received a record (docs/design.md, "Re-delivery"); a sink with none is left out.
+            # With --accept-pruned, nor below the first record the source still holds: the
+            # reader cannot read there, and what the sink holds there stays as it is.
+            def floor(sink: str, r: Range) -> int | None:
+                b = began.get(sink, {}).get(r.partition)
+                if src is None:
+                    return b
+                if r.partition not in first:
+                    first[r.partition] = src.earliest(r.partition)
+                e = first[r.partition]
+                return max(b or 0, r.end if e is None else e)
+
             return {
-                s: [
-                    c
-                    for r in self.ranges
-                    if (c := r.above(began.get(s, {}).get(r.partition))).size > 0
-                ]
+                s: [c for r in self.ranges if (c := r.above(floor(s, r))).size > 0]
                 for s in checkpoints
             }
 
-        return plan, NothingToClose()
+        src = sources.planner(pipeline) if self.accept_pruned else None
+        first: dict[int, int | None] = {}
+        return plan, src or NothingToClose()
 
 
 def one_task(read: list[Range], dense: bool) -> Layout:
