@@ -431,10 +431,12 @@ def _jsonl_last_offset(a: Archive, path: str, shown: str) -> int | None:
             tail = f.read(n) + tail
             lines = tail.split(b"\n")
             whole = lines if pos == 0 else lines[1:]  # lines[0] may be cut when pos > 0
-            for line in reversed(whole):
-                if line.strip():
-                    rec = _json_line(line, shown, "last line")
-                    return _int_field(rec, "offset", shown, "last line")
+            for i in reversed(range(len(whole))):
+                if whole[i].strip():
+                    # read from the start: its number is known, as the reader would name it
+                    at = f"line {i + 1}" if pos == 0 else "last line"
+                    rec = _json_line(whole[i], shown, at)
+                    return _int_field(rec, "offset", shown, at)
     return None
 
 
@@ -704,7 +706,7 @@ def _read_jsonl(
 
 def _json_line(line: bytes, shown: str, at: str) -> dict:
     try:
-        rec = json.loads(line)
+        rec = json.loads(line.decode("utf-8"))  # JSON Lines are UTF-8 (json would guess)
     except ValueError as exc:
         raise TidemarkError(f"file archive {shown} {at}: not JSON: {exc}") from None
     if not isinstance(rec, dict):
