@@ -174,10 +174,7 @@ class Features:
 # those in ON are drawn by the seed, the others only when asked for. A feature whose product
 # side is not merged stays out of ON (see docs/operations.md, "The model-based checker").
 OPTIONAL = ("start", "tz", "gids", "trim", "late", "split", "prune")
-# "trim" is off: a backfill with --accept-pruned whose range starts below the source's first
-# record fails in its read (the reader is handed the whole range, not the spans the source
-# holds; docs/operations.md, "The model-based checker"). `--feature trim` draws it anyway.
-ON: tuple[str, ...] = ("start", "tz", "gids", "late", "split", "prune")
+ON: tuple[str, ...] = OPTIONAL
 
 
 class World:
