@@ -517,3 +517,15 @@ def test_the_values_of_a_sliced_binary_array_are_its_own_bytes():
         )
         assert values(arr).to_pybytes() == b"abcdefgh", typ
         assert values(arr.slice(1, 2)).to_pybytes() == b"cde", typ
+
+
+def test_a_resolved_dsn_keeps_a_user_and_database_named_like_its_password(monkeypatch):
+    monkeypatch.setattr(dsn, "_SECRETS", set())
+    monkeypatch.setattr(dsn, "_DSNS", {})
+    dsn.remember("postgresql://tidemark:tidemark@127.0.0.1:5/tidemark")
+    got = dsn.mask("ledger postgresql://tidemark:tidemark@127.0.0.1:5/tidemark at version 15")
+    assert got == "ledger postgresql://tidemark:***@127.0.0.1:5/tidemark at version 15"
+    dsn.remember("host=h user=tidemark password='tide mark' dbname=tidemark")
+    assert dsn.mask("host=h user=tidemark password='tide mark' dbname=tidemark") == (
+        "host=h user=tidemark password=*** dbname=tidemark"
+    )

@@ -49,24 +49,34 @@ def _unquoted_secrets(m: re.Match[str]) -> str:
     return text
 
 
-def password_of(dsn: str) -> str | None:
-    """The password a DSN carries, read as leniently as a reader of the text would: a URI's
-    userinfo up to its last '@' (raw or URL-encoded), a query's or key=value ``password``."""
+def _password_span(dsn: str) -> tuple[int, int] | None:
+    """Where the password stands in a DSN, read as leniently as a reader of the text would:
+    a URI's userinfo up to its last '@' (raw or URL-encoded), a query's or key=value
+    ``password`` (a quoted value without its quotes)."""
     m = re.search(r"://[^:/@\s]*:(.*)@", dsn)
     if m:
-        return m[1]
+        return m.span(1)
     m = re.search(r"[?&]password=([^&#]*)", dsn, re.IGNORECASE) or _KV_PASSWORD.search(dsn)
-    if m:
-        value = m[m.lastindex or 1]
-        return value[1:-1] if value.startswith("'") and value.endswith("'") else value
-    return None
+    if not m:
+        return None
+    a, b = m.span(m.lastindex or 1)
+    quoted = b - a >= 2 and dsn[a] == dsn[b - 1] == "'"
+    return (a + 1, b - 1) if quoted else (a, b)
+
+
+def password_of(dsn: str) -> str | None:
+    span = _password_span(dsn)
+    return dsn[span[0] : span[1]] if span else None
 
 
 def remember(dsn: str) -> str:
-    """Keep the DSN's password (as written, decoded and encoded) for mask(); returns ``dsn``."""
-    pw = password_of(dsn)
-    if pw:
-        _DSNS[dsn] = dsn.replace(pw, "***")
+    """Keep the DSN (with its password masked in place: a user or database of the same name
+    stays readable) and its password (as written, decoded and encoded) for mask(); returns
+    ``dsn``."""
+    span = _password_span(dsn)
+    if span and span[1] > span[0]:
+        pw = dsn[span[0] : span[1]]
+        _DSNS[dsn] = dsn[: span[0]] + "***" + dsn[span[1] :]
         for form in {pw, unquote(pw), quote(pw, safe=""), quote(unquote(pw), safe="")}:
             if len(form) >= _MIN_SECRET:
                 _SECRETS.add(form)
