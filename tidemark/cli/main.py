@@ -372,25 +372,9 @@ def _backfill_ranges(
     if partition is None and not timed:
         raise click.UsageError("say what to backfill: --partition, or --since and --until")
     pipeline = ctx.pipelines(deep=False).get(name) or cfg.find(ctx.folder, name, deep=False)
-    if isinstance(partition, int) and not timed:
-        assert start is not None and end is not None
-        asked = [Range(partition, start, end)]
-    else:
-        ends = windows.committed(ctx.ledger_dsn, pipeline, sinks)
-        if isinstance(partition, int):
-            ends = {p: e for p, e in ends.items() if p == partition}
-        if timed:
-            assert since is not None and until is not None
-            asked = windows.by_time(pipeline, ends, since, until)
-        else:
-            asked = windows.by_offsets(pipeline, ends, start, end)
-    # No re-delivery reaches below where a sink began: --from below it is cut there (the
-    # records below were never delivered), said on stderr; offsets wholly below are refused.
-    names = sinks or [s.name for s in pipeline.sinks]
-    began = windows.began(ctx.ledger_dsn, pipeline, names)
-    ranges, notes = windows.below_start(pipeline, asked, began, names)
-    if isinstance(partition, int) and not timed and not ranges:
-        raise BadInput(f"{notes[0]}; nothing to backfill - give offsets at or above that")
+    ranges, notes = windows.backfill_ranges(
+        ctx.ledger_dsn, pipeline, partition, start, end, since, until, sinks
+    )
     for note in notes:
         click.echo(note, err=True)
     return ranges

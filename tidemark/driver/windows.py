@@ -114,3 +114,38 @@ def by_time(
         return [Range(p, w[0], w[1]) for p, w in found if w is not None]
     finally:
         plan.close()
+
+
+def backfill_ranges(
+    ledger_dsn: str,
+    pipeline: Pipeline,
+    partition: int | str | None,
+    start: int | None,
+    end: int | None,
+    since: datetime | None,
+    until: datetime | None,
+    sinks: list[str] | None,
+) -> tuple[list[Range], list[str]]:
+    """The ranges a backfill's arguments mean (checked by the caller: one partition with
+    offsets, ``"all"`` or None with offsets or a time window), and what to tell the user of
+    them. No re-delivery reaches below where a sink began: a range below it is cut there (its
+    records were never delivered), said in the notes; one partition's offsets wholly below it
+    are refused."""
+    timed = since is not None and until is not None
+    if isinstance(partition, int) and not timed:
+        assert start is not None and end is not None
+        asked = [Range(partition, start, end)]
+    else:
+        ends = committed(ledger_dsn, pipeline, sinks)
+        if isinstance(partition, int):
+            ends = {p: e for p, e in ends.items() if p == partition}
+        if timed:
+            assert since is not None and until is not None
+            asked = by_time(pipeline, ends, since, until)
+        else:
+            asked = by_offsets(pipeline, ends, start, end)
+    names = sinks or [s.name for s in pipeline.sinks]
+    ranges, notes = below_start(pipeline, asked, began(ledger_dsn, pipeline, names), names)
+    if isinstance(partition, int) and not timed and not ranges:
+        raise BadInput(f"{notes[0]}; nothing to backfill - give offsets at or above that")
+    return ranges, notes

@@ -341,6 +341,15 @@ def quarantined(conn: psycopg.Connection, pipeline: str) -> int:
     )
 
 
+def positions(conn: psycopg.Connection, pipeline: str, status: str) -> list[tuple[str, int, int]]:
+    """(sink, partition, offset) of the pipeline's letters in ``status``, oldest first."""
+    return conn.execute(
+        "SELECT sink, source_partition, source_offset FROM tidemark.dlq "
+        "WHERE pipeline = %s AND status = %s ORDER BY id",
+        (pipeline, status),
+    ).fetchall()
+
+
 @contextmanager
 def _snapshot(conn: psycopg.Connection) -> Iterator[None]:
     """A transaction whose queries all see one snapshot (REPEATABLE READ, read only); inside

@@ -34,6 +34,24 @@ def newest(conn: psycopg.Connection) -> int:
     return int(scalar(conn.execute("SELECT coalesce(max(run_id), 0) FROM tidemark.runs")))
 
 
+def newest_of(conn: psycopg.Connection, pipeline: str) -> int | None:
+    """The pipeline's newest run (None: it has none)."""
+    found = scalar(
+        conn.execute("SELECT max(run_id) FROM tidemark.runs WHERE pipeline = %s", (pipeline,))
+    )
+    return None if found is None else int(found)
+
+
+def participant_gids(conn: psycopg.Connection, run_id: int) -> set[str]:
+    """Every gid the run's decisions chose, of every sink and the ledger."""
+    return {
+        g
+        for (g,) in conn.execute(
+            "SELECT gid FROM tidemark.participants WHERE run_id = %s", (run_id,)
+        )
+    }
+
+
 def committing(conn: psycopg.Connection) -> list[tuple[int, str, str]]:
     """(run_id, sink, pipeline) of every decided sink whose commits may not be done."""
     return conn.execute(

@@ -9,13 +9,12 @@ it here, nowhere else.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import re
 import sys
 import traceback
 from dataclasses import dataclass, field
+from datetime import datetime
 from functools import partial
 
 import psycopg
@@ -154,25 +153,24 @@ class InProcess:
         """`tidemark backfill` as its command line says it (``--partition all``, ``--since`` /
         ``--until`` as ISO 8601 text): the CLI's own mapping to ranges, then the run. The
         outcome carries the ranges chosen and what the command said on stderr."""
-        from tidemark.cli import main as cli
+        from tidemark.driver import windows
         from tidemark.driver.modes import Backfill
         from tidemark.driver.run import Run
 
+        def at(text: str | None) -> datetime | None:  # as the CLI reads --since/--until
+            return None if text is None else windows.utc(datetime.fromisoformat(text))
+
         def go():
-            t = cli._Time()
-            err = io.StringIO()
-            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err):
-                ranges = cli._backfill_ranges(
-                    cli.Ctx(self._settings()),
-                    PIPELINE,
-                    partition,
-                    start,
-                    end,
-                    None if since is None else t.convert(since, None, None),
-                    None if until is None else t.convert(until, None, None),
-                    sinks,
-                )
-            said = [line for line in err.getvalue().splitlines() if line.strip()]
+            ranges, said = windows.backfill_ranges(
+                self._settings().ledger(),
+                self._pipelines()[PIPELINE],
+                partition,
+                start,
+                end,
+                at(since),
+                at(until),
+                sinks,
+            )
             if not ranges:
                 return Outcome(0, "nothing committed in what was asked", said=said)
             out = self._execute(partial(Run, mode=Backfill(ranges), sink_names=sinks))

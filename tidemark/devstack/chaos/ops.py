@@ -30,7 +30,7 @@ from tidemark.devstack.chaos import world as w
 from tidemark.devstack.chaos.adapter import InProcess, Outcome, Subprocess
 from tidemark.devstack.chaos.faults import KINDS, Job, terminate_backends
 from tidemark.devstack.chaos.source import FileArchive
-from tidemark.ledger import checkpoints, dlq
+from tidemark.ledger import checkpoints, dlq, runs, state
 
 OPS = {
     "append": 12,
@@ -432,9 +432,10 @@ class Chaos:
             out = self.inproc.backfill_as_cli("all", sinks=sinks)
             return self._inproc(f"backfill --partition all{_sinks(sinks)}", out)
         if step.op == "prune":
-            runs = rng.random() < 0.3
+            with_runs = rng.random() < 0.3
             return self._inproc(
-                f"prune (letters{' and runs' if runs else ''}, 0 days)", self.inproc.prune(runs)
+                f"prune (letters{' and runs' if with_runs else ''}, 0 days)",
+                self.inproc.prune(with_runs),
             )
         if step.op == "backfill_discarded":
             return self.backfill_discarded(rng)
@@ -605,11 +606,8 @@ class Chaos:
     def backfill_discarded(self, rng: random.Random) -> Result:
         """A backfill of a few offsets around a discarded letter's record, of its sink or all."""
         u, before, after, both = rng.random(), rng.randint(0, 5), rng.randint(0, 5), rng.random()
-        found = self._q(
-            "SELECT sink, source_partition, source_offset FROM tidemark.dlq "
-            "WHERE pipeline = %s AND status = 'discarded' ORDER BY id",
-            (w.PIPELINE,),
-        )
+        with self._ledger() as conn:
+            found = dlq.positions(conn, w.PIPELINE, "discarded")
         if not found:
             return Result("backfill (a discarded record)", "skipped: no discarded letter")
         s, p, o = found[int(u * len(found))]
@@ -718,10 +716,8 @@ class Chaos:
         settle RUN`; run that (a process, as an operator would) and say what it did."""
         rec = self.inproc.recover()
         m = re.search(r"tidemark settle (\d+)", rec.text)
-        halted = self._q(
-            "SELECT halted_reason FROM tidemark.pipelines WHERE name = %s", (w.PIPELINE,)
-        )
-        reason = halted[0][0] if halted and halted[0][0] else ""
+        with self._ledger() as conn:
+            reason = state.halted(conn, w.PIPELINE) or ""
         m = m or re.search(r"tidemark settle (\d+)", reason)
         if not m:
             if reason:
@@ -740,18 +736,10 @@ class Chaos:
         """Do ``act`` to the newest run's prepared transactions; say what was done."""
         prefix = self.inproc._settings().gid_prefix
         with self._ledger() as conn:
-            run = conn.execute(
-                "SELECT max(run_id) FROM tidemark.runs WHERE pipeline = %s", (w.PIPELINE,)
-            ).fetchone()
-            run_id = run[0] if run else None
+            run_id = runs.newest_of(conn, w.PIPELINE)
             if run_id is None:
                 return "no run"
-            chosen = {
-                g
-                for (g,) in conn.execute(
-                    "SELECT gid FROM tidemark.participants WHERE run_id = %s", (run_id,)
-                )
-            }
+            chosen = runs.participant_gids(conn, run_id)
             prepared = conn.execute(
                 "SELECT database, gid FROM pg_prepared_xacts WHERE gid LIKE %s ORDER BY 2",
                 (f"{prefix}:{run_id}:%",),
