@@ -486,18 +486,7 @@ def abandon(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, rea
     before any of the decision's committed, and the rest are rolled back: nothing of it is
     visible, its checkpoints stay. The pipeline is halted with ``reason`` in the same
     transaction, so no run starts before an operator has seen it (`tidemark settle`)."""
-    with conn.transaction():
-        _lock_lease(conn, pipeline, sink)
-        _transition(
-            conn,
-            run_id,
-            sink,
-            RunState.ABORTED,
-            [RunState.COMMITTING],
-            error=clamp(reason, ERROR_MAX),
-        )
-        _release(conn, pipeline, run_id, sink)
-        _halt(conn, pipeline, reason)
+    _end_decided(conn, pipeline, run_id, sink, reason, RunState.ABORTED)
 
 
 def lose(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, reason: str) -> None:
@@ -506,12 +495,19 @@ def lose(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, reason
     run's ranges count as delivered (a delivery's checkpoints move, as in :func:`advance`)
     and must be re-delivered: `tidemark settle RUN` backfills exactly them, then
     :func:`settled`. The pipeline is halted with ``reason`` in the same transaction."""
+    _end_decided(conn, pipeline, run_id, sink, reason, RunState.LOST)
+
+
+def _end_decided(
+    conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, reason: str, to: RunState
+) -> None:
+    """committing -> ``to`` with a lost participant: in one transaction, the lease freed and
+    the pipeline halted; ``lost`` ranges count as delivered, ``aborted`` ones do not."""
     with conn.transaction():
         _lock_lease(conn, pipeline, sink)
-        _transition(
-            conn, run_id, sink, RunState.LOST, [RunState.COMMITTING], error=clamp(reason, ERROR_MAX)
-        )
-        _move_checkpoints(conn, pipeline, run_id, sink)
+        _transition(conn, run_id, sink, to, [RunState.COMMITTING], error=clamp(reason, ERROR_MAX))
+        if to is RunState.LOST:
+            _move_checkpoints(conn, pipeline, run_id, sink)
         _release(conn, pipeline, run_id, sink)
         _halt(conn, pipeline, reason)
 
