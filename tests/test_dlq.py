@@ -524,6 +524,24 @@ def test_injection_in_every_filter_finds_nothing_and_harms_nothing(env, ledger, 
 
 
 # -- the command line --------------------------------------------------------------------------
+def test_cli_show_names_the_airflow_try_of_its_run(env, ledger):
+    """The run line names the DAG, DAG run, task and try Airflow ran it in (it printed
+    'try -' for every letter: it read a key the ledger never stores)."""
+    ledger.execute("INSERT INTO tidemark.pipelines (name) VALUES ('orders') ON CONFLICT DO NOTHING")
+    run_id = ledger.execute(
+        "INSERT INTO tidemark.runs (pipeline, mode, owner, dag_id, dag_run_id, task_id, "
+        "try_number) VALUES ('orders', 'redrive', 'me', 'tidemark_orders_redrive', "
+        "'manual__1', 'replay', 3) RETURNING run_id"
+    ).fetchone()[0]
+    letter = add(ledger, run_id=run_id)
+    code, out, err = tm(env.cli_env(), "dlq", "show", str(letter))
+    assert code == 0, err
+    assert "airflow tidemark_orders_redrive / manual__1 / replay try 3" in out, out
+    ledger.execute("UPDATE tidemark.runs SET try_number = NULL WHERE run_id = %s", (run_id,))
+    code, out, err = tm(env.cli_env(), "dlq", "show", str(letter))
+    assert code == 0 and "/ manual__1 / replay\n" in out and "try" not in out, out
+
+
 def test_cli_list_show_counts(env, ledger, sample):
     s = sample
     code, out, err = tm(env.cli_env(), "dlq", "list", "--pipeline", "gated")

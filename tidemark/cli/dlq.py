@@ -155,6 +155,13 @@ def dlq_list(ctx: Ctx, limit: int, before: int | None, as_json: bool, **kw) -> N
         click.echo(f"older: add --before {pg.next_before}")
 
 
+def _airflow_ids(af: dict) -> str:
+    """Where in Airflow the run ran: DAG / DAG run / task, and the task's try when known
+    (the ledger stores it as ``try_number``)."""
+    line = f"  airflow {af['dag_id']} / {af['run_id']} / {af.get('task_id') or '-'}"
+    return line + (f" try {af['try_number']}" if af.get("try_number") is not None else "")
+
+
 @dlq.command("show")
 @click.argument("record_id", metavar="ID", type=click.IntRange(min=1))
 @click.option(
@@ -193,12 +200,7 @@ def dlq_show(ctx: Ctx, record_id: int, fmt: str, as_json: bool) -> None:
         f"  source     partition {rec['source_partition']} offset {rec['source_offset']}",
         f"  run        {rec['run_id']}"
         + (f" ({run['mode']}, {_when(run['created_at'])})" if run else " (not in the ledger)")
-        + (
-            f"  airflow {af['dag_id']} / {af['run_id']} / {af.get('task_id', '-')} "
-            f"try {af.get('try', '-')}"
-            if af
-            else ""
-        ),
+        + (_airflow_ids(af) if af else ""),
         f"  attempts   {rec['attempts']}   first seen {_when(rec['first_seen'])}   "
         f"last seen {_when(rec['last_seen'])}",
     ]
