@@ -410,3 +410,22 @@ def test_a_cluster_deploy_mode_is_refused_with_what_to_set(airflow_home, tmp_pat
     replay = pipeline_dags(folder)["tidemark_flights"].get_task("replay")
     with pytest.raises(AirflowFailException, match="client mode"):
         replay.execute({"params": {}, "dag_run": None})
+
+
+@pytest.mark.parametrize("paused", [None, False, True])
+def test_the_scheduled_dag_starts_paused_or_not_as_the_pipeline_says(
+    airflow_home, tmp_path, paused
+):
+    """``airflow: {paused_on_creation: false}`` starts a new pipeline's scheduled DAG
+    unpaused; unset, Airflow's own default ([core] dags_are_paused_at_creation) decides."""
+    dags = tmp_path / "dags"
+    shutil.copytree(REPO / "dags", dags)
+    yaml = (dags / "pipelines" / "flights.yaml").read_text()
+    if paused is not None:
+        yaml += f"\nairflow:\n  paused_on_creation: {str(paused).lower()}\n"
+    (dags / "pipelines" / "flights.yaml").write_text(yaml)
+    bag = _bag(dags)
+    assert bag.import_errors == {}
+    assert bag.dags["tidemark_flights"].is_paused_upon_creation is paused
+    # The triggered ones never start paused: a trigger would wait for an unpause.
+    assert bag.dags["tidemark_flights_backfill"].is_paused_upon_creation is False

@@ -242,6 +242,10 @@ class Orchestration(_Model):
     # Airflow's own Backfill of the scheduled DAG re-delivers each run's data interval (its
     # records by time: `tidemark backfill --since --until`); off, such runs are refused.
     backfill_by_interval: bool = False
+    # Whether the scheduled DAG starts paused when Airflow first sees it; unset, Airflow's
+    # own default ([core] dags_are_paused_at_creation: paused). Only the first parse
+    # counts: afterwards the DAG keeps whatever pause state it has (the toggle in the UI).
+    paused_on_creation: bool | None = None
 
 
 class Pipeline(_Model):

@@ -325,6 +325,7 @@ def replay_dag(p: config.Pipeline, path: Path) -> DAG:
         max_active_runs=1,
         tags=["tidemark", *p.tags],
         default_args=_default_args(p),
+        is_paused_upon_creation=p.airflow.paused_on_creation,
     ) as dag:
         # recover also asks whether anything is new: if not, replay and report are skipped
         # (no JVM, no Great Expectations; the DAG run ends in seconds).
