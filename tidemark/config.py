@@ -6,6 +6,7 @@ Every error names the file, the field (as a dotted path) and the problem.
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -145,6 +146,71 @@ class Transform(_Model):
         return self
 
 
+class Correction(_Model):
+    """Values to correct in a window of records (docs/pipelines.md, "Corrections"): after
+    the transform, in every run, backfill, rebuild, redrive and fallback that reads them, each
+    column of ``set`` in a passing row of the window takes its expression's value. The window
+    is every condition given: ``partitions`` (default: all), ``offsets`` [from, to) in each of
+    them, ``since``/``until`` the record time [since, until) (UTC; a time without a zone is
+    UTC). A correction changes what the current pipeline makes of those records, as a
+    transform change does: rows already delivered change when the window is re-delivered
+    (`tidemark backfill`)."""
+
+    name: Annotated[str, Field(pattern=IDENT)]
+    note: str = ""
+    partitions: list[Annotated[int, Field(ge=0)]] | None = None
+    offsets: tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]] | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    # Output column -> Spark SQL expression over the transform's output columns (and _tm_*
+    # metadata); the result is cast to the column's type, so the sink's table never changes.
+    set_: dict[str, str] = Field(alias="set")
+
+    @field_validator("set_", mode="before")
+    def _literals(cls, v):
+        # YAML reads `temp: 20` or `flag: null` as a number or None: as SQL they are literals.
+        if not isinstance(v, dict):
+            return v
+        sql = {None: "NULL", True: "true", False: "false"}
+        return {
+            k: sql[e]
+            if e is None or isinstance(e, bool)
+            else str(e)
+            if isinstance(e, int | float)
+            else e
+            for k, e in v.items()
+        }
+
+    @field_validator("since", "until")
+    def _utc(cls, v: datetime | None):
+        if v is None:
+            return v
+        return v.replace(tzinfo=UTC) if v.tzinfo is None else v.astimezone(UTC)
+
+    @model_validator(mode="after")
+    def _window(self):
+        if not self.set_:
+            raise ValueError("set: name at least one column to correct")
+        for col, expr in self.set_.items():
+            if not re.match(IDENT, col) or not isinstance(expr, str) or not expr.strip():
+                raise ValueError(f"set: {col!r} must be an output column with an expression")
+        if (self.since is None) != (self.until is None):
+            raise ValueError("give since and until together (the window [since, until))")
+        if self.since is not None and self.until is not None and self.until <= self.since:
+            raise ValueError(
+                f"until ({self.until.isoformat()}) must be after since ({self.since.isoformat()})"
+            )
+        if self.offsets is not None:
+            if self.offsets[1] <= self.offsets[0]:
+                raise ValueError(f"offsets [{self.offsets[0]}, {self.offsets[1]}) is empty")
+            if not self.partitions:
+                raise ValueError("offsets need partitions: offsets are per partition")
+        if self.offsets is None and self.since is None:
+            # Without one it would correct every record: that is a transform change.
+            raise ValueError("give a window: offsets (with partitions) or since and until")
+        return self
+
+
 class Quality(_Model):
     """Great Expectations checks: ``rows`` quarantine each failing row (class validation);
     ``batch`` is the gate: if it fails nothing is written (or, with on_gate_failure
@@ -260,6 +326,7 @@ class Pipeline(_Model):
     source: Source
     decode: Decode
     transform: Transform = Transform()
+    corrections: list[Correction] = []
     sinks: Annotated[list[Sink], Field(min_length=1)]
     tombstones: Tombstones = "quarantine"
     limits: Limits = Limits()
@@ -283,6 +350,7 @@ class Pipeline(_Model):
             )
         if deep:
             self.check_expectations(where)
+        self.check_corrections(where)
         outputs = self.output_columns()
         if outputs is not None:
             for i, sink in enumerate(self.sinks):
@@ -298,6 +366,32 @@ class Pipeline(_Model):
                         where,
                         f"version column {sink.version} is not produced by the transform",
                         f"sinks[{i}].version",
+                    )
+
+    def check_corrections(self, where: str) -> None:
+        """A correction names each output column once per name, never a sink key column
+        (which would move its records to other keys: a key change, rebuilt, not corrected),
+        and, where the file tells them, only columns the transform produces."""
+        names = [c.name for c in self.corrections]
+        keys = {k for s in self.sinks for k in s.key}
+        outputs = self.output_columns()
+        for i, c in enumerate(self.corrections):
+            if names.index(c.name) != i:
+                raise ConfigError(where, f"name {c.name!r} is used twice", f"corrections[{i}].name")
+            for col in c.set_:
+                if col in keys:
+                    raise ConfigError(
+                        where,
+                        f"{col} is a sink key column: a correction cannot change a record's "
+                        "key (change the transform and rebuild the sink)",
+                        f"corrections[{i}].set.{col}",
+                    )
+                if outputs is not None and col not in outputs:
+                    raise ConfigError(
+                        where,
+                        f"the transform produces no column {col} (it produces "
+                        f"{', '.join(outputs)})",
+                        f"corrections[{i}].set.{col}",
                     )
 
     def check_expectations(self, where: str) -> None:

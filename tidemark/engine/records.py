@@ -159,7 +159,11 @@ def transform(df: DataFrame, pipeline: Pipeline) -> DataFrame:
 
 
 def rows(df: DataFrame, pipeline: Pipeline) -> DataFrame:
-    return transform(decode(df, pipeline), pipeline)
+    """What the pipeline makes of source records: decoded, transformed, corrected. Every
+    mode reads through here, so every delivery of a record makes the same row."""
+    from tidemark.engine import corrections  # it reads this module's column names
+
+    return corrections.apply(transform(decode(df, pipeline), pipeline), pipeline)
 
 
 def output_columns(df: DataFrame) -> list[tuple[str, str]]:

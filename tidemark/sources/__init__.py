@@ -138,8 +138,9 @@ def payload_source(pipeline: Pipeline) -> PostgresLogSource | FileArchiveSource 
     something may read them: a Python transform, or a pipeline whose settings name one of
     them anywhere (an expression, an expectation) as Spark resolves names, in any case (a
     settings' text is searched lower-cased: ``_TM_TS``, `` `_Tm_Ts` ``), or take every column
-    with a star (``struct(*)``, ``t.*``). A record that fails to decode keeps its
-    bytes and key in the batch (Spark decodes it; a tombstone is told by its key), and a
+    with a star (``struct(*)``, ``t.*``), or correct a window of record times (``_tm_ts``).
+    A record that fails to decode keeps its bytes and key in the batch (Spark decodes it; a
+    tombstone is told by its key), and a
     postgres_log reader reads no record's headers and time: the letters read them.
     """
     from tidemark.sources import json_arrow
@@ -152,6 +153,7 @@ def payload_source(pipeline: Pipeline) -> PostgresLogSource | FileArchiveSource 
         json_arrow.fields(pipeline.decode.schema_) is None
         or t.python
         or any(c in named for c in LEFT_OUT)
+        or any(c.since is not None for c in pipeline.corrections)  # a window by _tm_ts
         or any(_STAR.search(e) for e in (t.select or {}).values())
     ):
         return None
