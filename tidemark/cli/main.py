@@ -651,7 +651,7 @@ def chaos_cmd(
 
 
 # Command groups in their own modules register themselves on `cli`.
-from tidemark.cli import dlq, rebuild, retention  # noqa: E402, F401
+from tidemark.cli import dlq, rebuild, retention, source  # noqa: E402, F401
 
 
 def main(argv: list[str] | None = None) -> None:
