@@ -184,8 +184,9 @@ def test_validate_lists_every_problem_of_a_broken_file(tmp_path):
 
 
 def test_a_connection_airflow_keeps_names_its_user_and_the_variable_to_set(tmp_path):
-    """Outside Airflow the CLI cannot see the connections made in its UI or REST API: the
-    error says which part of the pipeline names the connection and what to set instead."""
+    """Where Airflow is not configured the CLI cannot see the connections made in its UI or
+    REST API: the error says which part of the pipeline names the connection, that Airflow
+    has no metadata database here, and what to set instead."""
     path = tmp_path / "payments.yaml"
     path.write_text(
         "source: {type: postgres_log, conn_id: shop_log, table: t}\n"
@@ -204,6 +205,9 @@ def test_a_connection_airflow_keeps_names_its_user_and_the_variable_to_set(tmp_p
     ):
         assert line.startswith(f"invalid {path}: pipeline payments: {where}: Airflow "), out
         assert "not found (" in line and f"outside Airflow, set {var} to its URI" in line, out
+        # Its AIRFLOW_HOME has no metadata database, and asking made none.
+        assert "Airflow is not configured here: no metadata database" in line, out
+    assert not (tmp_path / "airflow" / "airflow.db").exists()
 
 
 def test_a_broken_file_never_hides_the_good_ones(env):

@@ -107,9 +107,12 @@ def expand_env(value: str, where: str = "DSN") -> str:
 
 
 def airflow_connection_uri(conn_id: str, where: str) -> str:
-    """The URI of an Airflow connection, from Airflow itself when installed, else from the
-    AIRFLOW_CONN_<ID> environment variable Airflow would read. ``where`` names the part of
-    the pipeline that uses it in the error."""
+    """The URI of an Airflow connection: the AIRFLOW_CONN_<ID> environment variable Airflow
+    would read, else Airflow's own lookup when Airflow is installed: inside a task its SDK,
+    and where Airflow is configured (the CLI beside a scheduler, `airflow` working) its
+    metadata database and secrets backends, so a connection made in the UI or with
+    `airflow connections add` needs no duplicate variable. ``where`` names the part of the
+    pipeline that uses it in the error."""
     var = f"AIRFLOW_CONN_{conn_id.upper()}"
     env = os.environ.get(var)
     if env and not env.lstrip().startswith("{"):
@@ -118,19 +121,58 @@ def airflow_connection_uri(conn_id: str, where: str) -> str:
         from airflow.sdk import BaseHook
     except Exception:  # noqa: BLE001 - Airflow absent or not configured
         raise ConfigError(
-            where, f"connection {conn_id!r}: set {var} or run inside Airflow"
+            where, f"connection {conn_id!r}: set {var} or run where Airflow is installed"
         ) from None
     try:
         conn = BaseHook.get_connection(conn_id)
     except Exception as exc:  # noqa: BLE001 - whatever Airflow raises: one masked line
-        # Outside a task (the CLI) Airflow cannot see the connections kept in its database,
-        # so a connection made in the UI or by the REST API is "not found" here too.
+        # Outside a task the SDK sees environment variables and secrets backends only, not
+        # the connections kept in Airflow's metadata database: ask it there.
+        uri, why = airflow_metadata_connection(conn_id)
+        if uri is not None:
+            return uri
         raise ConfigError(
             where,
-            f"Airflow connection {conn_id!r} not found ({mask(str(exc))}); outside Airflow, "
-            f"set {var} to its URI (postgresql://user:password@host:port/database)",
+            f"Airflow connection {conn_id!r} not found ({mask(str(exc))}; {why}); outside "
+            f"Airflow, set {var} to its URI (postgresql://user:password@host:port/database)",
         ) from None
     return remember(_normalize_scheme(conn.get_uri()))
+
+
+def airflow_metadata_connection(conn_id: str) -> tuple[str | None, str]:
+    """(URI, "") of ``conn_id`` from Airflow's metadata database and secrets backends, as
+    `airflow connections get` finds it, or (None, why not) where it is not there or Airflow
+    is not configured here (no metadata database: a SQLite file that does not exist is never
+    created by asking)."""
+    try:
+        from airflow.configuration import conf
+
+        db = conf.get("database", "sql_alchemy_conn")
+    except Exception as exc:  # noqa: BLE001 - Airflow's configuration could not load
+        return None, f"Airflow is not configured here: {mask(_first_line(exc))}"
+    if db.startswith("sqlite:"):
+        path = db.split("sqlite:///", 1)[-1].split("?", 1)[0]
+        if not path or path == ":memory:" or not os.path.exists(path):
+            return None, (
+                f"Airflow is not configured here: no metadata database ({db}; set AIRFLOW_HOME "
+                "or AIRFLOW__DATABASE__SQL_ALCHEMY_CONN as Airflow's own processes have them)"
+            )
+    try:
+        from airflow.models.connection import Connection
+
+        conn = Connection.get_connection_from_secrets(conn_id)
+    except Exception as exc:  # noqa: BLE001 - its types are Airflow's and SQLAlchemy's
+        if type(exc).__name__ == "AirflowNotFoundException":
+            return None, f"nor in Airflow's metadata database {mask(db)}"
+        return None, f"cannot read Airflow's metadata database {mask(db)}: " + mask(
+            _first_line(exc)
+        )
+    return remember(_normalize_scheme(conn.get_uri())), ""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def airflow_connection_if_defined(conn_id: str) -> str | None:
