@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -529,3 +530,49 @@ def test_a_resolved_dsn_keeps_a_user_and_database_named_like_its_password(monkey
     assert dsn.mask("host=h user=tidemark password='tide mark' dbname=tidemark") == (
         "host=h user=tidemark password=*** dbname=tidemark"
     )
+
+
+_CORRECTED = """
+source: {type: file_archive, uri: /tmp/x}
+decode: {schema: {id: int, t: double}}
+transform: {select: {id: id, temp: t}}
+sinks: [{name: main, dsn: x, table: t, key: [id]}]
+corrections:
+  - name: celsius
+"""
+
+
+@pytest.mark.parametrize(
+    "window,problem",
+    [
+        ("set: {temp: 1}", "corrections[0]: give a window: offsets (with partitions) or since"),
+        ("since: 2026-01-01\n    set: {temp: 1}", "give since and until together"),
+        ("offsets: [3, 5]\n    set: {temp: 1}", "offsets need partitions"),
+        ("partitions: [0]\n    offsets: [5, 3]\n    set: {temp: 1}", "offsets [5, 3) is empty"),
+        (
+            "since: 2026-01-01T02:00:00+02:00\n    until: 2026-01-01T00:00:00Z\n    set: {temp: 1}",
+            "until (2026-01-01T00:00:00+00:00) must be after since (2026-01-01T00:00:00+00:00)",
+        ),
+        ("partitions: [0]\n    offsets: [0, 1]\n    set: {}", "name at least one column"),
+        ("partitions: [0]\n    offsets: [0, 1]\n    set: {id: 1}", "set.id: id is a sink key"),
+        ("partitions: [0]\n    offsets: [0, 1]\n    set: {t: 1}", "produces no column t"),
+    ],
+)
+def test_a_correction_needs_a_window_and_output_columns_that_are_no_key(window, problem):
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        config.parse(_CORRECTED + f"    {window}\n", "f.yaml", "p")
+
+
+def test_a_corrections_times_are_utc_and_yaml_literals_are_sql():
+    p = config.parse(
+        _CORRECTED + "    since: 2026-11-03 14:00\n    until: 2026-11-03T16:00:00+01:00\n"
+        "    set: {temp: null}\n",
+        "f.yaml",
+        "p",
+    )
+    (c,) = p.corrections
+    assert (c.since.isoformat(), c.until.isoformat()) == (
+        "2026-11-03T14:00:00+00:00",
+        "2026-11-03T15:00:00+00:00",
+    )
+    assert c.set_ == {"temp": "NULL"}
