@@ -441,3 +441,61 @@ def test_a_failed_in_set_gate_says_how_many_values_and_which(flights):
         "data-quality gate failed: expect_column_values_to_be_in_set("
         f"column=origin, value_set={ORIGINS}) {observed(failed)}"
     )
+
+
+SHOTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "browser"
+
+
+def test_data_docs_are_styled_with_no_network(flights, tmp_path: Path):
+    """Issue 48: GX's pages load Bootstrap, Font Awesome, jQuery and the rest from CDNs, so
+    offline they were unstyled. The pages Tidemark renders point at the site's own copies:
+    opened from a file with every network request refused, a page loads each of its CSS and
+    scripts, Bootstrap styles it and the status icons' font is there."""
+    from playwright.sync_api import sync_playwright
+
+    from tidemark.quality import offline
+
+    docs = tmp_path / "docs"
+    out = quality.gate(flights, _parse([DIST, IN_SET]), str(docs), "flights-run-7-warehouse")
+    index, _ = gx_docs.build_docs_index(str(docs))
+    pages = [Path(out.docs_path), Path(index)]
+    for p in pages:
+        html = p.read_text()
+        assert not [u for u in offline.CDN if u in html], p
+        assert "static/vendor/css/bootstrap.min.css" in html
+        assert offline.GX_ASSETS not in html  # GX's logo, with a tracking id
+    styles = docs / "gx" / "uncommitted" / "data_docs" / "local_site" / "static" / "styles"
+    assert offline.GX_ASSETS not in (styles / "data_docs_default_styles.css").read_text()
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path="/usr/bin/chromium", headless=True)
+        try:
+            for p, shot in zip(pages, ("data-docs-page.png", "data-docs-index.png"), strict=True):
+                page = browser.new_page(viewport={"width": 1200, "height": 900})
+                asked: list[str] = []
+                failed: list[str] = []
+                page.on("request", lambda r, asked=asked: asked.append(r.url))
+                page.on("requestfailed", lambda r, failed=failed: failed.append(r.url))
+                page.route(
+                    "**/*",
+                    lambda route: (
+                        route.continue_()
+                        if route.request.url.startswith("file:")
+                        else route.abort()
+                    ),
+                )
+                page.goto(p.resolve().as_uri(), wait_until="load")
+                page.evaluate("document.fonts.ready")
+                vendored = [u for u in asked if "/static/vendor/" in u]
+                assert len(vendored) >= 10, asked
+                assert not [u for u in failed if "/static/vendor/" in u], failed
+                assert [u for u in asked if not u.startswith("file:")] == []
+                assert page.evaluate("typeof window.jQuery") == "function"
+                assert page.evaluate("typeof $.fn.bootstrapTable") == "function"
+                font = page.evaluate("getComputedStyle(document.body).fontFamily")
+                assert "-apple-system" in font, font  # Bootstrap's, not the browser's serif
+                assert page.evaluate("""document.fonts.check('900 16px "Font Awesome 6 Free"')""")
+                page.screenshot(path=str(SHOTS / shot), full_page=True)
+                page.close()
+        finally:
+            browser.close()

@@ -62,8 +62,18 @@ def _render_docs(docs_dir: str, label: str, batch_id: str, res) -> str:
     for site in urls:
         url = site.get("site_url")
         if url:
-            return url.removeprefix("file://")
+            page = url.removeprefix("file://")
+            _offline(docs_dir, [unquote(page)])
+            return page
     return _index_page(docs_dir)
+
+
+def _offline(docs_dir: str, pages: list[str] | None) -> None:
+    """Point the pages at the site's own copies of their CSS and scripts (offline.py)."""
+    from tidemark.quality import offline
+
+    with _lock:
+        offline.localize(site_dir(docs_dir), pages)
 
 
 SITE = ("gx", "uncommitted", "data_docs", "local_site")  # the rendered site in a GX project
@@ -84,6 +94,7 @@ def build_docs_index(docs_dir: str) -> tuple[str, int]:
     with _lock:
         count = len(ctx.validation_results_store.list_keys())
         ctx.build_data_docs()
+    _offline(docs_dir, None)  # every page: ones rendered before assets were shipped too
     return _index_page(docs_dir), count
 
 
