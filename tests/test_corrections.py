@@ -12,6 +12,7 @@ import pytest
 
 from tests.invariants import assert_exactly_once
 from tests.test_cli import assert_one_clear_line, tm
+from tidemark import sources
 from tidemark.core.errors import ConfigError
 from tidemark.driver import windows
 from tidemark.driver.modes import Backfill, Rebuild
@@ -51,6 +52,7 @@ def test_a_correction_is_placed_once_by_a_backfill_of_its_window_and_kept_by_a_r
     # The correction alone: the running pipeline goes on (same table, no schema change) and
     # a record of the window that arrives now is corrected on its first delivery.
     env.pipeline(corrections=[CENTS])
+    assert sources.payload_source(env.load()) is None  # the reader keeps each record's time
     code, out, err = tm(env.cli_env(), "pipelines", "validate", "--offline")
     assert code == 0, err
     env.append([_record(1, 14, 18), _record(0, 20, 50)])
@@ -98,6 +100,7 @@ def test_a_correction_by_offsets_that_empties_a_required_column_quarantines_the_
                      {"name": "lost", "partitions": [1], "offsets": [0, 1],
                       "set": {"name": None}}],
     )  # fmt: skip
+    assert sources.payload_source(env.load()) is not None  # offsets need no record time
     report = env.run(spark)
     assert report.ok, report.summary()
     rows = dict(env.q(env.sink_dsn, "SELECT id, (name, amount)::text FROM orders"))
