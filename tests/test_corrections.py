@@ -125,3 +125,21 @@ def test_a_bad_correction_is_one_clear_line(env, spark):
     with pytest.raises(ConfigError, match=r"corrections\[0\]\.set\.amount: invalid expression"):
         env.run(spark)
     assert env.checkpoints() in ({}, {0: 0})
+
+
+def test_a_redrive_of_letters_in_the_window_places_their_corrected_values(env, spark):
+    """The wrong values sent records to the dead-letter queue (a row check): with the
+    correction in the file, redriving their letters places the corrected values, by the
+    record time the letters kept."""
+    env.append([_record(i % 2, i, minute) for i, minute in enumerate([0, 12, 14, 30])])
+    check = {"expect_column_values_to_be_between": {"column": "amount", "max_value": 100}}
+    env.pipeline(quality={"rows": [check]})
+    assert env.run(spark).ok
+    letters = env.ledger("SELECT id FROM tidemark.dlq WHERE status = 'quarantined' ORDER BY id")
+    assert len(letters) == 2  # ids 1 and 2: minutes 12 and 14, in cents
+    env.pipeline(quality={"rows": [check]}, corrections=[CENTS])
+    report = env.redrive(spark, ids=[i for (i,) in letters], by="fay")
+    assert report.ok, report.summary()
+    assert _amounts(env) == {i: i * 1.25 for i in range(4)}
+    assert env.ledger("SELECT count(*) FROM tidemark.dlq WHERE status = 'redriven'") == [(2,)]
+    assert_exactly_once(env)
