@@ -114,7 +114,7 @@ def links(request: Request) -> dict[str, str]:
 
 
 # -- what routes depend on -------------------------------------------------------------------
-def _web(request: Request) -> Web:
+async def _web(request: Request) -> Web:  # async: no threadpool hop for an attribute
     return cast(Web, request.app.state.web)
 
 
