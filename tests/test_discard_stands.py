@@ -162,8 +162,10 @@ def test_prune_keeps_a_discarded_letters_place_and_may_drop_its_payload(env, spa
 
 def _page(env, lid: int) -> str:
     """The letter's page as the web app renders it (without Airflow in front)."""
-    from tidemark.web import app
+    from tidemark.web import views
+    from tidemark.web.context import Web, templates
 
+    web = Web(jinja=templates())
     request = Request(
         {
             "type": "http",
@@ -177,17 +179,17 @@ def _page(env, lid: int) -> str:
         }
     )
     with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
-        rec = dlq.get(c, lid, payload_limit=app.SHOW_BYTES)
+        rec = dlq.get(c, lid, payload_limit=views.SHOW_BYTES)
     assert rec is not None
-    page = app._html(
+    page = web.html(
         request,
         "record.html",
-        r=app._record(request, rec, "auto"),
+        r=views.record(web, request, rec, "auto"),
         fmt="auto",
         formats=["auto", "text", "hex"],
-        show_bytes=app.SHOW_BYTES,
+        show_bytes=views.SHOW_BYTES,
         can_act=True,
-        headers_text=app._headers_text(rec),
+        headers_text=views.headers_text(rec),
     )
     return bytes(page.body).decode()
 

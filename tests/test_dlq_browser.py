@@ -201,7 +201,7 @@ def test_data_docs_render_in_their_sandbox_and_send_nothing_anywhere(site):
 
     from playwright.sync_api import expect, sync_playwright
 
-    from tidemark.web.app import DOCS_FONTS, DOCS_STYLES
+    from tidemark.web.pages import DOCS_FONTS, DOCS_STYLES
 
     env, stack = site
     SHOTS.mkdir(parents=True, exist_ok=True)

@@ -432,7 +432,7 @@ def test_data_docs_styles_are_the_ones_great_expectations_names_and_no_script_ru
     the policy runs none of their remote scripts, sends nothing anywhere."""
     import great_expectations
 
-    from tidemark.web.app import DOCS_CSP, DOCS_STYLES
+    from tidemark.web.pages import DOCS_CSP, DOCS_STYLES
 
     templates = Path(great_expectations.__file__).parent / "render" / "view" / "templates"
     html = "".join(p.read_text() for p in templates.rglob("*.j2"))

@@ -109,7 +109,7 @@ def validation_files(docs_dir: str, page: str) -> list[tuple[str, str]] | None:
     never trusted to point inside it."""
     pages = os.path.realpath(os.path.join(site_dir(docs_dir), "validations"))
     results = os.path.join(os.path.realpath(docs_dir), *RESULTS)
-    # The ledger keeps the page as GX's site URL gives it: percent-encoded (web/app.py too).
+    # The ledger keeps the page as GX's site URL gives it: percent-encoded (web/views.py too).
     path = os.path.realpath(unquote(page))
     rel = os.path.relpath(path, pages)
     if rel.startswith(os.pardir) or not rel.endswith(".html"):
