@@ -620,7 +620,10 @@ def maintenance_dag(pipelines_dir: str | Path) -> DAG:
         # and fails the DAG run on its own. It runs whatever recovery's outcome: it never
         # deletes what recovery has still to settle.
         prune = PythonOperator(
-            task_id="prune", python_callable=airflow_tasks.prune, trigger_rule=TriggerRule.ALL_DONE
+            task_id="prune",
+            python_callable=airflow_tasks.prune,
+            op_kwargs={"pipelines_dir": str(folder)},
+            trigger_rule=TriggerRule.ALL_DONE,
         )
         sweep >> [check, prune]
     return dag

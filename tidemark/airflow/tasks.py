@@ -358,14 +358,18 @@ def _emit_assets(p: config.Pipeline, run: dict, sinks: list[dict], outlet_events
 
 
 # -- maintenance ---------------------------------------------------------------------------
-def prune() -> dict:
+def prune(pipelines_dir: str | None = None) -> dict:
     """The maintenance DAG's retention: what `tidemark prune` deletes, with the settings of
-    the worker's environment (TIDEMARK_RETENTION_*, TIDEMARK_DATA_DOCS_DIR)."""
+    the worker's environment (TIDEMARK_RETENTION_*, TIDEMARK_DATA_DOCS_DIR) and each
+    pipeline file's own ``retention:``, read now (a change needs no restart)."""
     from tidemark.protocol.prune import Policy
     from tidemark.protocol.prune import prune as delete_expired
 
     s = get_settings()
-    summary = delete_expired(_ledger(), Policy.of(s), s.data_docs_dir, progress=print)
+    files = config.load_all(Path(pipelines_dir), deep=False)[0] if pipelines_dir else {}
+    summary = delete_expired(
+        _ledger(), Policy.of(s), s.data_docs_dir, progress=print, pipelines=files
+    )
     for line in summary.lines():
         print(line)
     return summary.to_dict()

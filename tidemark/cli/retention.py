@@ -37,8 +37,10 @@ def _progress(line: str) -> None:
 @pass_ctx
 def prune_cmd(ctx: Ctx, dry_run: bool, pipeline: str | None, as_json: bool) -> None:
     """Delete redriven dead letters, finished runs (with their metrics, data-quality results
-    and Data Docs pages) and redrive requests older than the retention settings. A discarded
-    dead letter loses its payload, headers and detail; its row stays (its record's place)."""
+    and Data Docs pages) and redrive requests older than the retention settings, and drop
+    retired tables past their pipeline's retired_tables_days. A pipeline's own `retention:`
+    overrides the settings for it. A discarded dead letter loses its payload, headers and
+    detail; its row stays (its record's place)."""
     from tidemark.protocol.prune import Policy, prune
 
     policy = Policy.of(ctx.settings)
@@ -49,14 +51,13 @@ def prune_cmd(ctx: Ctx, dry_run: bool, pipeline: str | None, as_json: bool) -> N
         pipeline=_pipeline_name(pipeline),
         dry_run=dry_run,
         progress=_progress,
+        pipelines=ctx.pipelines(deep=False),
     )
     if as_json:
         click.echo(json.dumps(summary.to_dict()))
         return
     click.echo(
-        f"retention: resolved dead letters {policy.letters_days} days (a discarded one's "
-        f"payload; its row stays), finished runs "
-        f"{policy.runs_days} days, redrive requests {policy.requests_days} days"
+        f"retention: {policy.describe()}"
         + (f"; pipeline {pipeline} only" if pipeline else "")
         + ("; dry run, nothing deleted" if dry_run else "")
     )
