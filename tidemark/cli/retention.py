@@ -119,3 +119,52 @@ def pipelines_retire(ctx: Ctx, name: str, yes: bool) -> None:
             f"remove it (and so its DAGs), or its next run starts it again from its "
             f"source's start"
         )
+
+
+def _source_group() -> click.Group:
+    """The `tidemark source` group: another module may define it too (`source create`)."""
+    found = cli.commands.get("source")
+    if isinstance(found, click.Group):
+        return found
+
+    @cli.group("source")
+    def source() -> None:
+        """Source logs: prune a postgres_log source."""
+
+    return source
+
+
+@_source_group().command("prune")
+@click.argument("pipeline")
+@click.option(
+    "--keep-days",
+    type=click.IntRange(min=0),
+    help="Days of records kept for rebuilds and backfills (default: the pipeline's "
+    "retention.source_keep_days).",
+)
+@click.option("--dry-run", is_flag=True, help="Say what would be deleted; delete nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
+@pass_ctx
+def source_prune_cmd(
+    ctx: Ctx, pipeline: str, keep_days: int | None, dry_run: bool, as_json: bool
+) -> None:
+    """Delete the rows of PIPELINE's postgres_log source that nothing may read again: below
+    every sink's checkpoint (of every pipeline reading the table), its quarantined dead
+    letters, open gaps and unsettled runs, and older than --keep-days. Says per partition
+    what it deletes and what keeps the rest."""
+    from tidemark.sources.prune import prune_source
+
+    all_p = ctx.pipelines(deep=False)
+    p = all_p.get(pipeline) or cfg.find(ctx.folder, pipeline, deep=False)
+    days = keep_days if keep_days is not None else p.retention.source_keep_days
+    if days is None:
+        raise BadInput(
+            f"pipeline {pipeline}: say how many days of source records rebuilds and backfills "
+            f"may still read: --keep-days N, or retention.source_keep_days in its file"
+        )
+    out = prune_source(ctx.ledger_dsn, p, all_p, days, dry_run=dry_run)
+    if as_json:
+        click.echo(json.dumps(out.to_dict()))
+        return
+    for line in out.lines():
+        click.echo(line)
