@@ -431,6 +431,8 @@ def parse(text: str, where: str, default_name: str | None = None, deep: bool = T
 
 
 def load(path: Path, deep: bool = True) -> Pipeline:
+    if path.stem.endswith(STAGED):  # a staged next version: checked against its live file
+        return load_staged(path.parent, path.stem.removesuffix(STAGED), deep)
     try:
         text = path.read_text()
     except OSError as exc:
