@@ -319,7 +319,7 @@ def test_airflows_backfill_of_a_scheduled_run_re_delivers_its_data_interval_when
     assert op._command(ctx) == args
 
 
-@pytest.mark.parametrize("kind", ["backfill", "redrive"])
+@pytest.mark.parametrize("kind", ["backfill", "redrive", "rebuild"])
 def test_a_form_left_as_it_is_can_be_triggered(airflow_home, kind):
     """Airflow's Trigger form holds back a run until every field whose type lacks null is
     filled in: an optional field defaults to null and allows it (the redrive form's error

@@ -24,7 +24,7 @@ from typing import Any
 
 from tidemark.config import Pipeline, PostgresLogSource
 from tidemark.core.db import connect, scalar
-from tidemark.core.errors import BadInput
+from tidemark.core.errors import BadInput, TidemarkError
 from tidemark.ledger import source_needs
 from tidemark.sources.postgres_log import PostgresLogPlanner
 
@@ -97,13 +97,7 @@ def prune_source(
     # Every pipeline reading the same table of the same database, by its file; and every
     # pipeline the ledger knows reading a table of that name (its file perhaps gone): its
     # checkpoints count too, so a shared name can only keep more.
-    files = [
-        p.name
-        for p in pipelines.values()
-        if isinstance(p.source, PostgresLogSource)
-        and p.source.table == src.table
-        and p.source_dsn() == dsn
-    ]
+    files = [p.name for p in pipelines.values() if _same_table(p, src.table, dsn)]
     with connect(ledger_dsn, autocommit=True, what="ledger") as conn:
         known = source_needs.reading(conn, src.table)
         readers = sorted({pipeline.name, *files, *known})
@@ -121,6 +115,15 @@ def prune_source(
     finally:
         planner.close()
     return out
+
+
+def _same_table(p: Pipeline, table: str, dsn: str) -> bool:
+    if not isinstance(p.source, PostgresLogSource) or p.source.table != table:
+        return False
+    try:
+        return p.source_dsn() == dsn
+    except TidemarkError:
+        return True  # its database cannot be told: counted, which only keeps more
 
 
 def _partition(
