@@ -131,3 +131,22 @@ def test_a_held_sink_takes_no_run_of_the_live_file_until_unstaged(env, spark):
     assert env.run(spark).ok
     assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(4,)]
     assert_exactly_once(env)
+
+
+def test_pipelines_validate_checks_a_staged_file_against_its_live_one(env):
+    from tests.test_cli import tm
+
+    env.pipeline()
+    _stage(env, sinks=[env.orders_sink(key=["id", "version"])])
+    staged = str(env.dir / "orders.next.yaml")
+    code, out, err = tm(env.cli_env(), "pipelines", "validate", "--offline", staged)
+    assert code == 0 and out.strip() == f"ok      {staged}", (out, err)
+    # The live pipelines are the live files only: the staged one is no pipeline of its own.
+    code, out, err = tm(env.cli_env(), "pipelines", "list")
+    assert code == 0 and [ln.split()[0] for ln in out.splitlines()] == ["orders"], out
+    _stage(env, source={**env.source(), "table": "src.other"})
+    code, out, err = tm(env.cli_env(), "pipelines", "validate", "--offline", staged)
+    assert code == 2
+    assert f"invalid {staged}: source: a staged version must read the live pipeline's source" in (
+        out
+    ), out
