@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 
+import psycopg
 import pytest
 import yaml
 
@@ -150,3 +151,29 @@ def test_pipelines_validate_checks_a_staged_file_against_its_live_one(env):
     assert f"invalid {staged}: source: a staged version must read the live pipeline's source" in (
         out
     ), out
+
+
+def test_promote_after_a_rename_by_hand_checks_the_held_sinks_were_rebuilt(env):
+    """A folder deployed from version control: the staged file is renamed into place by a
+    commit. Promote then only notes it, and not before each held sink's rebuild committed."""
+    env.pipeline()
+    _stage(env, sinks=[env.orders_sink(key=["id", "version"])])
+    live, staged = env.load(), config.load_staged(env.dir, "orders")
+    staging.held_for(env.ledger_dsn, live, staged, "main")
+    (env.dir / "orders.next.yaml").replace(env.dir / "orders.yaml")
+    with pytest.raises(Exception, match=r"sink\(s\) main held for it were not rebuilt"):
+        staging.promote(env.ledger_dsn, env.dir, "orders")
+    with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
+        c.execute("INSERT INTO tidemark.pipelines (name) VALUES ('orders') ON CONFLICT DO NOTHING")
+        run_id = c.execute(
+            "INSERT INTO tidemark.runs (pipeline, mode, owner) VALUES ('orders', 'rebuild', "
+            "'h:1') RETURNING run_id"
+        ).fetchone()[0]
+        c.execute(
+            "INSERT INTO tidemark.run_sinks (run_id, sink, state, lease_epoch) "
+            "VALUES (%s, 'main', 'committed', 1)",
+            (run_id,),
+        )
+    done = staging.promote(env.ledger_dsn, env.dir, "orders")
+    assert done.already and done.kept is None
+    assert env.ledger("SELECT promoted_at IS NOT NULL FROM tidemark.staged_holds") == [(True,)]

@@ -95,8 +95,22 @@ def promote(ledger_dsn: str, folder: Path, name: str) -> Promoted:
     if not staged_path.exists():
         # Promoted already (perhaps by a run that crashed before noting it in the ledger).
         live = cfg.find(folder, name, deep=False)
+        fp = cfg.fingerprint(live)
         with connect(ledger_dsn, autocommit=True, what="ledger") as conn:
-            n = staging.promoted(conn, name, cfg.fingerprint(live))
+            unbuilt = [
+                sink
+                for sink, h in staging.holds(conn, name).items()
+                if h.fingerprint == fp
+                and h.promoted_at is None
+                and staging.rebuilt_since(conn, name, sink, h.held_at) is None
+            ]
+            if unbuilt:
+                raise TidemarkError(
+                    f"pipeline {name}: its live file is the staged version, but sink(s) "
+                    f"{', '.join(unbuilt)} held for it were not rebuilt; `tidemark sink "
+                    f"rebuild {name} {unbuilt[0]}` first"
+                )
+            n = staging.promoted(conn, name, fp)
         if n:
             return Promoted(name, live_path, None, already=True)
         raise NotFound(f"pipeline {name}: nothing staged ({staged_path} does not exist)")
