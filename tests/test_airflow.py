@@ -579,6 +579,15 @@ def test_maintenance_sweeps_and_alerts_on_dlq_growth(world):
                      SELECT 'gated', 'main', coalesce(max(run_id), 0), 0, 999999, 'x', 'decode',
                             'payload is not JSON'
                      FROM tidemark.runs""")
+    # A retention of its own, written into the running pipeline's file (no restart): the
+    # prune task reads it on this run and drops the sink's old retired table.
+    import yaml
+
+    path = env.dir / "orders.yaml"
+    doc = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**doc, "retention": {"retired_tables_days": 30}}))
+    with psycopg.connect(env.sink_dsn, autocommit=True) as c:
+        c.execute("CREATE TABLE public.orders_20200101_run1 (id int)")
     run_id, state = world.run_to_end("tidemark_maintenance")
     assert state == "failed"
     # Recovery could not reach offline's second sink nor resolve noconn's connection: its
@@ -588,6 +597,17 @@ def test_maintenance_sweeps_and_alerts_on_dlq_growth(world):
         "check": "failed",
         "prune": "success",
     }
+    # This run's prune, or a scheduled one's before it (the DAG runs every 5 minutes).
+    assert env.q(env.sink_dsn, "SELECT to_regclass('public.orders_20200101_run1')") == [(None,)]
+    prune_logs = [
+        world.log("tidemark_maintenance", r["dag_run_id"], "prune")
+        for r in world.runs("tidemark_maintenance")
+    ]
+    dropped = "dropped retired table public.orders_20200101_run1 (pipeline orders sink main"
+    assert any(dropped in log for log in prune_logs), prune_logs[-1][-3000:]
+    assert "pipeline orders: its own retention:" in world.log(
+        "tidemark_maintenance", run_id, "prune"
+    )
     recover_log = world.log("tidemark_maintenance", run_id, "recover")
     assert "nowhere_wh" in recover_log and "127.0.0.1:1" in recover_log, recover_log[-3000:]
     mail = world.mails.wait(lambda m: "gated: needs attention" in m["Subject"])

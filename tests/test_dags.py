@@ -319,7 +319,7 @@ def test_airflows_backfill_of_a_scheduled_run_re_delivers_its_data_interval_when
     assert op._command(ctx) == args
 
 
-@pytest.mark.parametrize("kind", ["backfill", "redrive"])
+@pytest.mark.parametrize("kind", ["backfill", "redrive", "rebuild"])
 def test_a_form_left_as_it_is_can_be_triggered(airflow_home, kind):
     """Airflow's Trigger form holds back a run until every field whose type lacks null is
     filled in: an optional field defaults to null and allows it (the redrive form's error
@@ -429,3 +429,92 @@ def test_the_scheduled_dag_starts_paused_or_not_as_the_pipeline_says(
     assert bag.dags["tidemark_flights"].is_paused_upon_creation is paused
     # The triggered ones never start paused: a trigger would wait for an unpause.
     assert bag.dags["tidemark_flights_backfill"].is_paused_upon_creation is False
+
+
+def test_rebuild_dag_form_previews_first_and_builds_the_rebuild_command(airflow_home):
+    """tidemark_<name>_rebuild (issue 48): triggered by hand, its form asks for the sink,
+    the staged version, accept pruned and dry run, ticked by default (preview first); the
+    check's arguments complete `sink rebuild NAME`."""
+    from airflow.sdk.exceptions import ParamValidationError
+
+    from tidemark.airflow.rebuild_dag import check_rebuild
+
+    dag = _bag(REPO / "dags").dags["tidemark_flights_rebuild"]
+    assert type(dag.timetable).__name__ == "NullTimetable"  # no schedule: only triggered
+    assert "rebuild" in dag.tags and dag.max_active_runs == 1
+    assert [t.task_id for t in dag.topological_sort()] == [
+        "recover",
+        "check",
+        "replay",
+        "report",
+        "announce",
+    ]
+    form = copy.deepcopy(dag.params).validate()
+    assert form == {"sink": "warehouse", "staged": False, "accept_pruned": False, "dry_run": True}
+    for bad in ({"sink": "nowhere"}, {"dry_run": "yes"}, {"staged": None}):
+        p = copy.deepcopy(dag.params)
+        with pytest.raises(ParamValidationError):
+            p.update(bad)
+            p.validate()
+    path = str(REPO / "dags/pipelines/flights.yaml")
+    assert check_rebuild(path, form)["args"] == ["warehouse"]
+    assert check_rebuild(path, {**form, "accept_pruned": True})["args"] == [
+        "warehouse",
+        "--accept-pruned",
+    ]
+    with pytest.raises(BadInput, match="sink must be one of warehouse"):
+        check_rebuild(path, {**form, "sink": "nope"})
+    # No staged file: refused here, in one line, before Spark starts.
+    with pytest.raises(BadInput, match="no staged file for pipeline flights"):
+        check_rebuild(path, {**form, "staged": True})
+
+    replay = dag.get_task("replay")
+    replay.application_args = [
+        "--pipelines-dir", "d", "sink", "rebuild", "flights", "--airflow-run", "{}"
+    ]  # fmt: skip
+
+    class Ti:
+        def xcom_pull(self, task_ids):
+            assert task_ids == "check"
+            return {"args": ["warehouse", "--staged"]}
+
+    assert replay._command({"ti": Ti(), "params": {"dry_run": True}}) == [
+        "--pipelines-dir", "d", "sink", "rebuild", "flights", "warehouse", "--staged",
+        "--dry-run", "--airflow-run", "{}",
+    ]  # fmt: skip
+
+
+def test_a_staged_key_change_leaves_the_live_dags_alone(airflow_home, tmp_path):
+    """A key change waiting in flights.next.yaml: the live pipeline keeps its DAGs and its
+    version, the rebuild form offers the staged version, and a broken staged file is one
+    line of the pipeline files' import error, never a broken DAG."""
+    from tidemark import config
+    from tidemark.airflow.rebuild_dag import check_rebuild
+
+    dags = tmp_path / "dags"
+    shutil.copytree(REPO / "dags", dags)
+    pipes = dags / "pipelines"
+    live = (pipes / "flights.yaml").read_text()
+    (pipes / "flights.next.yaml").write_text(
+        live.replace("key: [flight_date, carrier, flight, origin, copy]", "key: [flight_date]")
+    )
+    bag = _bag(dags)
+    assert bag.import_errors == {}
+    assert {"tidemark_flights", "tidemark_flights_rebuild"} <= set(bag.dags)
+    assert not any("next" in d for d in bag.dags)
+    assert [p.name for p in config.pipeline_files(pipes)] == ["flights.yaml"]
+    assert config.load(pipes / "flights.yaml", deep=False).sinks[0].key[0] == "flight_date"
+    assert len(config.load(pipes / "flights.yaml", deep=False).sinks[0].key) == 5
+    form = copy.deepcopy(bag.dags["tidemark_flights_rebuild"].params).validate()
+    assert form["staged"] is True  # the staged file exists: the form offers it
+    assert check_rebuild(str(pipes / "flights.yaml"), form)["args"] == ["warehouse", "--staged"]
+
+    # A staged version must keep the live source and sinks' tables.
+    (pipes / "flights.next.yaml").write_text(
+        live.replace("table: public.flights", "table: public.flights2")
+    )
+    bag = _bag(dags)
+    (trace,) = bag.import_errors.values()
+    assert "staged version:" in trace and "flights.next.yaml" in trace
+    assert "sinks[0].table" in trace and "must keep the live table" in trace
+    assert {"tidemark_flights", "tidemark_flights_rebuild", "tidemark_maintenance"} <= set(bag.dags)

@@ -474,3 +474,105 @@ def test_prune_keeps_a_request_a_run_was_just_triggered_for(env):
     assert _ids(env, "redrive_requests", "request_id") == {queued}
     with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
         assert not redrives.queue(c, idle)  # gone: the trigger says so instead of queueing
+
+
+def test_a_pipelines_own_retention_overrides_the_settings_for_it_only_and_is_read_each_time(
+    env, monkeypatch
+):
+    """`retention:` in a pipeline file (issue 48): its keeping times replace the global ones
+    for that pipeline only, and the maintenance task reads the file on every run, so a change
+    needs no restart."""
+    from tidemark import config
+    from tidemark.airflow import tasks
+    from tidemark.core.settings import get_settings
+
+    docs = env.tmp / "docs"
+    w = _world(env, docs)
+    env.pipeline("orders", retention={"runs_days": 1000, "letters_days": 1000})
+    env.pipeline("other")
+    files = config.load_all(env.dir, deep=False)[0]
+    s = prune(env.ledger_dsn, Policy(), docs, pipelines=files)
+    # orders keeps its old runs and its redriven letter (1000 days); other goes by the
+    # settings (90 days: its old run goes).
+    assert w["old"] in _run_ids(env) and w["redriven"] in _ids(env, "dlq", "id")
+    assert w["other_old"] not in _run_ids(env)
+    assert s.policies == {
+        "orders": "resolved dead letters 1000 days (a discarded one's payload; its row stays), "
+        "finished runs 1000 days, redrive requests 30 days, retired tables kept"
+    }
+    assert s.lines()[:2] == ["retention of its own:", f"  pipeline orders: its own retention: "
+                             f"{s.policies['orders']}"]  # fmt: skip
+
+    # The file changes; the next maintenance run reads it (no restart, no setting).
+    env.pipeline("orders", retention={"runs_days": 30, "letters_days": 30})
+    monkeypatch.delenv("AIRFLOW_CONN_TIDEMARK_LEDGER", raising=False)
+    monkeypatch.setenv("TIDEMARK_LEDGER_DSN", env.ledger_dsn)
+    monkeypatch.setenv("TIDEMARK_DATA_DOCS_DIR", str(docs))
+    get_settings.cache_clear()
+    try:
+        got = tasks.prune(str(env.dir))
+    finally:
+        get_settings.cache_clear()
+    assert got["rows"]["dlq"] == 1 and got["rows"]["runs"] >= 1
+    assert w["old"] not in _run_ids(env) and w["redriven"] not in _ids(env, "dlq", "id")
+    assert w["newest_orders"] in _run_ids(env) and w["live_letter_run"] in _run_ids(env)
+
+
+def test_retired_tables_go_after_their_retention_saying_which(env):
+    """A rebuild's retired `<table>_<YYYYMMDD>_run<N>` tables (and their tombstone tables)
+    are dropped once older than the pipeline's retired_tables_days; a younger one, a table
+    only named like one, and one a view depends on are kept (the last said so)."""
+    from datetime import UTC, datetime
+
+    from tidemark import config
+    from tidemark.protocol.sinks import tombstone_name
+
+    docs = env.tmp / "docs"
+    today = f"{datetime.now(UTC):%Y%m%d}"
+    old, viewed, young, decoy = (
+        "orders_20200101_run5",
+        "orders_20200102_run6",
+        f"orders_{today}_run7",
+        "orders_x_20200101_run8",
+    )
+    with psycopg.connect(env.sink_dsn, autocommit=True) as c:
+        for t in ("orders", old, viewed, young, decoy):
+            c.execute(f"CREATE TABLE public.{t} (id int PRIMARY KEY)")
+        c.execute(f"CREATE VIEW public.keeps AS SELECT * FROM public.{viewed}")
+        c.execute("CREATE SCHEMA IF NOT EXISTS tidemark")
+        tomb = tombstone_name(f"public.{old}")
+        c.execute(f"CREATE TABLE tidemark.{tomb} (id int)")
+    env.pipeline(retention={"retired_tables_days": 30})
+    files = config.load_all(env.dir, deep=False)[0]
+
+    def tables() -> set[str]:
+        return {
+            r[0]
+            for r in env.q(
+                env.sink_dsn,
+                "SELECT tablename FROM pg_tables WHERE schemaname IN ('public', 'tidemark')",
+            )
+        }
+
+    before = tables()
+    dry = prune(env.ledger_dsn, Policy(), docs, pipelines=files, dry_run=True)
+    assert tables() == before
+    assert [t.split(" (")[0] for t in dry.tables] == [
+        f"would drop retired table public.{old}",
+        f"would drop retired table public.{viewed}",
+    ]
+    s = prune(env.ledger_dsn, Policy(), docs, pipelines=files)
+    assert tables() == before - {old, tomb}
+    assert s.rows["retired_tables"] == 1
+    (line,) = s.tables
+    assert line.startswith(
+        f"dropped retired table public.{old} (pipeline orders sink main; rebuild run 5, "
+        f"retired 2020-01-01, "
+    ) and line.endswith("days ago; kept 30 days)")
+    assert any(n.startswith(f"kept retired table public.{viewed}") and "depend" in n for n in
+               s.notes), s.notes  # fmt: skip
+    assert f"  {line}" in s.lines()
+    # Without retired_tables_days (the default) retired tables are kept.
+    env.pipeline()
+    files = config.load_all(env.dir, deep=False)[0]
+    assert prune(env.ledger_dsn, Policy(), docs, pipelines=files).tables == []

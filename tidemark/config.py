@@ -23,7 +23,7 @@ MAINTENANCE_DAG = "tidemark_maintenance"
 
 
 def dag_id(pipeline: str, kind: str | None = None) -> str:
-    """The Airflow DAG of a pipeline (``kind``: backfill, redrive); its permissions guard the
+    """The Airflow DAG of a pipeline (``kind``: backfill, redrive, rebuild); its permissions guard the
     pipeline's dead letters too."""
     return f"tidemark_{pipeline}" + (f"_{kind}" if kind else "")
 
@@ -314,6 +314,24 @@ class Orchestration(_Model):
     paused_on_creation: bool | None = None
 
 
+class Retention(_Model):
+    """How long this pipeline's history is kept (docs/operations.md, "Retention"); read by
+    `tidemark prune` and the maintenance DAG on every run. A field left out takes the
+    maintenance workers' TIDEMARK_RETENTION_* variable (or its default)."""
+
+    letters_days: Annotated[int, Field(ge=0)] | None = None  # redriven / discarded letters
+    runs_days: Annotated[int, Field(ge=0)] | None = None  # finished runs and their Data Docs
+    requests_days: Annotated[int, Field(ge=0)] | None = None  # redrive requests
+    # A table a rebuild retired (``<table>_<YYYYMMDD>_run<N>``), counted from its date; None
+    # (the default): kept until dropped by hand.
+    retired_tables_days: Annotated[int, Field(ge=0)] | None = None
+    # postgres_log only: `tidemark source prune` (and, with ``source_prune``, the
+    # maintenance DAG) deletes source rows below where every sink and re-delivery still
+    # needs them, keeping at least this many days of records for rebuilds and backfills.
+    source_keep_days: Annotated[int, Field(ge=0)] | None = None
+    source_prune: bool = False
+
+
 class Pipeline(_Model):
     name: Annotated[str, Field(pattern=IDENT)]
     description: str = ""
@@ -333,6 +351,7 @@ class Pipeline(_Model):
     quality: PipelineQuality = PipelineQuality()
     alerts: Alerts = Alerts()
     airflow: Orchestration = Orchestration()
+    retention: Retention = Retention()
 
     def cross_check(self, where: str, deep: bool = True) -> None:
         """Checks across sections, reported with the exact field path. ``deep`` also builds
@@ -347,6 +366,20 @@ class Pipeline(_Model):
                 "backfill_by_interval needs a schedule (each run's data interval is the "
                 "time between two of its ticks)",
                 "airflow.backfill_by_interval",
+            )
+        if self.retention.source_prune and self.source.type != "postgres_log":
+            raise ConfigError(
+                where,
+                "source_prune deletes rows of a postgres_log source; this source is "
+                f"{self.source.type}",
+                "retention.source_prune",
+            )
+        if self.retention.source_prune and self.retention.source_keep_days is None:
+            raise ConfigError(
+                where,
+                "source_prune needs source_keep_days (how many days of records rebuilds and "
+                "backfills may still read)",
+                "retention.source_keep_days",
             )
         if deep:
             self.check_expectations(where)
@@ -496,6 +529,8 @@ def parse(text: str, where: str, default_name: str | None = None, deep: bool = T
 
 
 def load(path: Path, deep: bool = True) -> Pipeline:
+    if path.stem.endswith(STAGED):  # a staged next version: checked against its live file
+        return load_staged(path.parent, path.stem.removesuffix(STAGED), deep)
     try:
         text = path.read_text()
     except OSError as exc:
@@ -508,13 +543,98 @@ def load(path: Path, deep: bool = True) -> Pipeline:
     return pipeline
 
 
-def pipeline_files(folder: Path) -> list[Path]:
+def _yaml_files(folder: Path) -> list[Path]:
     if not folder.is_dir():
         raise ConfigError(
             str(folder),
             "pipelines folder does not exist (set TIDEMARK_PIPELINES_DIR or --pipelines-dir)",
         )
     return sorted([*folder.glob("*.yaml"), *folder.glob("*.yml")])
+
+
+def pipeline_files(folder: Path) -> list[Path]:
+    """The live pipeline files of ``folder``: every YAML file but the staged ones."""
+    return [p for p in _yaml_files(folder) if not p.stem.endswith(STAGED)]
+
+
+# -- a staged change (docs/operations.md, "Change a key: stage, rebuild, promote") ---------
+# ``<name>.next.yaml`` beside ``<name>.yaml``: the pipeline's next version, waiting for the
+# rebuild that makes its tables fit it. Runs, backfills, redrives and the DAGs ignore it; a
+# rebuild with --staged writes with it and, once every sink's table fits it, promotes it (it
+# becomes ``<name>.yaml``; the file it replaces is kept as ``<name>.yaml.before-run<N>``).
+STAGED = ".next"
+
+
+def staged_files(folder: Path) -> list[Path]:
+    return [p for p in _yaml_files(folder) if p.stem.endswith(STAGED)]
+
+
+def staged_file(folder: Path, name: str) -> Path:
+    """The staged file of pipeline ``name`` (``.next.yaml`` when neither exists)."""
+    return file_of(folder, name + STAGED)
+
+
+def load_staged(folder: Path, name: str, deep: bool = True) -> Pipeline:
+    """The staged version of pipeline ``name``, checked against its live file: the same
+    source and the same sinks (names, tables, databases); keys, columns, transform and
+    checks may differ."""
+    path = staged_file(folder, name)
+    if not path.exists():
+        raise ConfigError(
+            str(path), f"no staged file for pipeline {name} (write its next version there)"
+        )
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(str(path), f"cannot read: {exc.strerror}") from None
+    staged = parse(text, str(path), default_name=name, deep=deep)
+    if staged.name != name:
+        raise ConfigError(
+            str(path), f"name {staged.name!r} must be the live pipeline's, {name!r}", "name"
+        )
+    live_path = file_of(folder, name)
+    if live_path.exists():
+        staged_fits(load(live_path, deep=False), staged, str(path))
+    return staged
+
+
+def staged_fits(live: Pipeline, staged: Pipeline, where: str) -> None:
+    """A staged version may change how records become rows, not where they come from or go:
+    the checkpoints, letters and tables it inherits are the live pipeline's."""
+    if staged.source != live.source:
+        raise ConfigError(where, "a staged version must read the live pipeline's source", "source")
+    have = {s.name: s for s in live.sinks}
+    names = [s.name for s in staged.sinks]
+    if sorted(names) != sorted(have):
+        raise ConfigError(
+            where,
+            f"a staged version must have the live pipeline's sinks ({', '.join(sorted(have))}), "
+            f"not {', '.join(sorted(names))}; add or remove a sink in the live file",
+            "sinks",
+        )
+    for i, s in enumerate(staged.sinks):
+        old = have[s.name]
+        for attr in ("table", "dsn", "conn_id"):
+            if getattr(s, attr) != getattr(old, attr):
+                raise ConfigError(
+                    where,
+                    f"sink {s.name}: a staged version must keep the live {attr} "
+                    f"(a rebuild swaps the table under its name)",
+                    f"sinks[{i}].{attr}",
+                )
+
+
+def fingerprint(p: Pipeline) -> str:
+    """A short digest of a pipeline's settings: a version's identity in the ledger."""
+    return digest(p.model_dump(mode="json"))
+
+
+def digest(settings: dict) -> str:
+    """:func:`fingerprint` of a pipeline's settings as a run's claim carries them."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def load_all(folder: Path, deep: bool = True) -> tuple[dict[str, Pipeline], list[ConfigError]]:

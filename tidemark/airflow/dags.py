@@ -8,6 +8,8 @@ Per pipeline ``<name>``:
   schedule, one active run at a time;
 * ``tidemark_<name>_backfill``: the same job in backfill mode for an offset range chosen in the
   Trigger form (partition, from/to offset, sinks);
+* ``tidemark_<name>_rebuild``: a sink's table made again from the source, with the live
+  file or the staged next version (tidemark/airflow/rebuild_dag.py);
 * ``tidemark_<name>_redrive``: quarantined records (ids, or a class/sink) replayed through the
   current pipeline code (tidemark/driver/redrive.py); the Dead letters page triggers it with
   a redrive request it made in the ledger. The select task turns the form into such a
@@ -71,11 +73,14 @@ def pipeline_dags(folder: str | Path) -> dict[str, DAG]:
             p = config.load(path, deep=False)
         except BadInput:
             continue  # check_pipeline_files says what is wrong
-        dags.update(
-            (d.dag_id, d)
-            for d in (replay_dag(p, path), backfill_dag(p, path), redrive_dag(p, path))
-        )
+        dags.update((d.dag_id, d) for d in _dags_of(p, path))
     return dags
+
+
+def _dags_of(p: config.Pipeline, path: Path) -> list[DAG]:
+    from tidemark.airflow.rebuild_dag import rebuild_dag
+
+    return [replay_dag(p, path), backfill_dag(p, path), redrive_dag(p, path), rebuild_dag(p, path)]
 
 
 def check_pipeline_files(folder: str | Path) -> None:
@@ -90,6 +95,13 @@ def check_pipeline_files(folder: str | Path) -> None:
             broken.append(
                 str(exc) + "".join(f"\n  {path}: {o}" for o in getattr(exc, "others", []))
             )
+    # A staged next version (<name>.next.yaml) is no pipeline's DAG: a broken one is said
+    # here and breaks nothing that runs.
+    for path in config.staged_files(Path(folder)):
+        try:
+            config.load_staged(path.parent, path.stem.removesuffix(config.STAGED), deep=False)
+        except BadInput as exc:
+            broken.append(f"staged version: {exc}")
     if broken:
         raise BadInput(f"{len(broken)} broken pipeline file(s):\n" + "\n".join(broken))
 
@@ -609,7 +621,10 @@ def maintenance_dag(pipelines_dir: str | Path) -> DAG:
         # and fails the DAG run on its own. It runs whatever recovery's outcome: it never
         # deletes what recovery has still to settle.
         prune = PythonOperator(
-            task_id="prune", python_callable=airflow_tasks.prune, trigger_rule=TriggerRule.ALL_DONE
+            task_id="prune",
+            python_callable=airflow_tasks.prune,
+            op_kwargs={"pipelines_dir": str(folder)},
+            trigger_rule=TriggerRule.ALL_DONE,
         )
         sweep >> [check, prune]
     return dag

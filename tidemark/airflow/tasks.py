@@ -358,17 +358,43 @@ def _emit_assets(p: config.Pipeline, run: dict, sinks: list[dict], outlet_events
 
 
 # -- maintenance ---------------------------------------------------------------------------
-def prune() -> dict:
+def prune(pipelines_dir: str | None = None) -> dict:
     """The maintenance DAG's retention: what `tidemark prune` deletes, with the settings of
-    the worker's environment (TIDEMARK_RETENTION_*, TIDEMARK_DATA_DOCS_DIR)."""
+    the worker's environment (TIDEMARK_RETENTION_*, TIDEMARK_DATA_DOCS_DIR) and each
+    pipeline file's own ``retention:``, read now (a change needs no restart)."""
     from tidemark.protocol.prune import Policy
     from tidemark.protocol.prune import prune as delete_expired
 
     s = get_settings()
-    summary = delete_expired(_ledger(), Policy.of(s), s.data_docs_dir, progress=print)
+    files = config.load_all(Path(pipelines_dir), deep=False)[0] if pipelines_dir else {}
+    summary = delete_expired(
+        _ledger(), Policy.of(s), s.data_docs_dir, progress=print, pipelines=files
+    )
+    failed = prune_sources(files)
     for line in summary.lines():
         print(line)
+    if failed:
+        raise TidemarkError("source prune failed: " + "; ".join(failed))
     return summary.to_dict()
+
+
+def prune_sources(files: dict[str, config.Pipeline]) -> list[str]:
+    """The source prune of every pipeline whose ``retention.source_prune`` is on (its
+    ``source_keep_days`` days kept); one pipeline's failure never stops the others'."""
+    from tidemark.sources.prune import prune_source
+
+    failed = []
+    for name, p in sorted(files.items()):
+        days = p.retention.source_keep_days
+        if not p.retention.source_prune or days is None:
+            continue
+        try:
+            for line in prune_source(_ledger(), p, files, days).lines():
+                print(line)
+        except TidemarkError as exc:
+            print(f"{name}: source prune failed: {exc}")
+            failed.append(f"{name}: {exc}")
+    return failed
 
 
 def maintenance(pipelines_dir: str, episodes: LagEpisodes | None = None, ti=None) -> str:

@@ -11,6 +11,7 @@ import click
 
 from tidemark import config as cfg
 from tidemark.cli.main import Ctx, cli, pass_ctx, pipelines
+from tidemark.cli.source import source
 from tidemark.core.errors import BadInput
 
 
@@ -37,8 +38,10 @@ def _progress(line: str) -> None:
 @pass_ctx
 def prune_cmd(ctx: Ctx, dry_run: bool, pipeline: str | None, as_json: bool) -> None:
     """Delete redriven dead letters, finished runs (with their metrics, data-quality results
-    and Data Docs pages) and redrive requests older than the retention settings. A discarded
-    dead letter loses its payload, headers and detail; its row stays (its record's place)."""
+    and Data Docs pages) and redrive requests older than the retention settings, and drop
+    retired tables past their pipeline's retired_tables_days. A pipeline's own `retention:`
+    overrides the settings for it. A discarded dead letter loses its payload, headers and
+    detail; its row stays (its record's place)."""
     from tidemark.protocol.prune import Policy, prune
 
     policy = Policy.of(ctx.settings)
@@ -49,14 +52,13 @@ def prune_cmd(ctx: Ctx, dry_run: bool, pipeline: str | None, as_json: bool) -> N
         pipeline=_pipeline_name(pipeline),
         dry_run=dry_run,
         progress=_progress,
+        pipelines=ctx.pipelines(deep=False),
     )
     if as_json:
         click.echo(json.dumps(summary.to_dict()))
         return
     click.echo(
-        f"retention: resolved dead letters {policy.letters_days} days (a discarded one's "
-        f"payload; its row stays), finished runs "
-        f"{policy.runs_days} days, redrive requests {policy.requests_days} days"
+        f"retention: {policy.describe()}"
         + (f"; pipeline {pipeline} only" if pipeline else "")
         + ("; dry run, nothing deleted" if dry_run else "")
     )
@@ -118,3 +120,39 @@ def pipelines_retire(ctx: Ctx, name: str, yes: bool) -> None:
             f"remove it (and so its DAGs), or its next run starts it again from its "
             f"source's start"
         )
+
+
+@source.command("prune")
+@click.argument("pipeline")
+@click.option(
+    "--keep-days",
+    type=click.IntRange(min=0),
+    help="Days of records kept for rebuilds and backfills (default: the pipeline's "
+    "retention.source_keep_days).",
+)
+@click.option("--dry-run", is_flag=True, help="Say what would be deleted; delete nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
+@pass_ctx
+def source_prune_cmd(
+    ctx: Ctx, pipeline: str, keep_days: int | None, dry_run: bool, as_json: bool
+) -> None:
+    """Delete the rows of PIPELINE's postgres_log source that nothing may read again: below
+    every sink's checkpoint (of every pipeline reading the table), its quarantined dead
+    letters, open gaps and unsettled runs, and older than --keep-days. Says per partition
+    what it deletes and what keeps the rest."""
+    from tidemark.sources.prune import prune_source
+
+    all_p = ctx.pipelines(deep=False)
+    p = all_p.get(pipeline) or cfg.find(ctx.folder, pipeline, deep=False)
+    days = keep_days if keep_days is not None else p.retention.source_keep_days
+    if days is None:
+        raise BadInput(
+            f"pipeline {pipeline}: say how many days of source records rebuilds and backfills "
+            f"may still read: --keep-days N, or retention.source_keep_days in its file"
+        )
+    out = prune_source(ctx.ledger_dsn, p, all_p, days, dry_run=dry_run)
+    if as_json:
+        click.echo(json.dumps(out.to_dict()))
+        return
+    for line in out.lines():
+        click.echo(line)

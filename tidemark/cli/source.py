@@ -15,7 +15,7 @@ from tidemark.sources import log_table
 
 @cli.group()
 def source() -> None:
-    """Source tables: create a pipeline's postgres_log table."""
+    """Source logs: create a pipeline's postgres_log table, or prune it."""
 
 
 @source.command("create")

@@ -30,7 +30,11 @@ RESOLVED = ("redriven", "discarded")
 # verdict, who discarded it, when and why) stays.
 PRUNED = ("payload", "headers", "source_headers", "detail")
 _OPEN = [str(s) for s in OPEN]
-_PIPELINE = "(%(pipeline)s::text IS NULL OR {col} = %(pipeline)s)"
+# ``own``: pipelines with a retention of their own in their file, left out of a prune of
+# every pipeline by the global settings (each gets a pass of its own).
+_PIPELINE = (
+    "(%(pipeline)s::text IS NULL OR {col} = %(pipeline)s) AND NOT ({col} = ANY(%(own)s::text[]))"
+)
 # A letter of dlq alias d resolved more than %({days})s days ago (one that was resolved
 # before resolved_at existed counts from when it was last seen).
 _EXPIRED_LETTER = (
@@ -54,6 +58,7 @@ def letters(
     limit: int,
     days: int | None,
     lock: bool = False,
+    own: list[str] | None = None,
 ) -> list[int]:
     """Ids of redriven letters resolved more than ``days`` ago (their records have rows);
     with ``days`` None, every letter of ``pipeline`` whatever its status (retiring it)."""
@@ -73,6 +78,7 @@ def letters(
             "days": days,
             "after": after,
             "limit": limit,
+            "own": own or [],
         },
         "d" if lock else None,
     )
@@ -90,6 +96,7 @@ def discarded(
     limit: int,
     days: int,
     lock: bool = False,
+    own: list[str] | None = None,
 ) -> list[int]:
     """Ids of discarded letters discarded more than ``days`` ago that still carry their
     record's bytes (payload, headers, detail)."""
@@ -105,6 +112,7 @@ def discarded(
             "days": days,
             "after": after,
             "limit": limit,
+            "own": own or [],
         },
         "d" if lock else None,
     )
@@ -131,6 +139,7 @@ def runs(
     days: int | None,
     letters_days: int = 0,
     lock: bool = False,
+    own: list[str] | None = None,
 ) -> list[int]:
     """Ids of finished runs that finished more than ``days`` ago and nothing protects (the
     module's docstring; a letter resolved more than ``letters_days`` ago does not: the same
@@ -166,6 +175,7 @@ def runs(
             "limit": limit,
             "resolved": list(RESOLVED),
             "letters_days": letters_days,
+            "own": own or [],
         },
         "r" if lock else None,
     )
@@ -213,6 +223,7 @@ def requests(
     limit: int,
     days: int | None,
     lock: bool = False,
+    own: list[str] | None = None,
 ) -> list[tuple[int, int]]:
     """(id, letters) of redrive requests made more than ``days`` ago and not queued for a
     run since (none of a pipeline whose redrive is open); with ``days`` None, every request
@@ -235,7 +246,14 @@ def requests(
         f"""SELECT q.request_id, q.letters FROM tidemark.redrive_requests q
                           WHERE {where} AND q.request_id > %(after)s ORDER BY q.request_id
                           LIMIT %(limit)s""",
-        {"pipeline": pipeline, "open": _OPEN, "days": days, "after": after, "limit": limit},
+        {
+            "pipeline": pipeline,
+            "open": _OPEN,
+            "days": days,
+            "after": after,
+            "limit": limit,
+            "own": own or [],
+        },
         "q" if lock else None,
     )
 
@@ -343,6 +361,7 @@ def delete_pipeline(conn: psycopg.Connection, pipeline: str) -> dict[str, int]:
         for t, col in (
             ("checkpoints", "pipeline"),
             ("source_gaps", "pipeline"),
+            ("staged_holds", "pipeline"),
             ("leases", "pipeline"),
             ("pipelines", "name"),
         )

@@ -214,6 +214,14 @@ def claim(
                 skipped[sink] = f"lease held by run {holder} ({holder_owner})"
             else:
                 free.append(sink)
+        # A sink rebuilt for a staged version of the pipeline takes runs of that version only
+        # (ledger/staging.py): checked under its lease's row lock.
+        from tidemark.config import digest
+        from tidemark.ledger import staging
+
+        for sink, why in staging.refused(conn, pipeline, free, digest(config)).items():
+            free.remove(sink)
+            skipped[sink] = why
         if not free:
             raise LeaseHeld(
                 f"pipeline {pipeline}: nothing claimed: "

@@ -11,12 +11,13 @@ day-old markers of settled runs on every database it scans (ledger/markers.py, p
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
+from tidemark.config import Pipeline, Retention
 from tidemark.core.db import connect, scalar
 from tidemark.core.errors import TidemarkError
 from tidemark.core.settings import Settings
@@ -38,6 +39,7 @@ class Policy:
     runs_days: int = 90
     requests_days: int = 30
     batch_size: int = 500
+    retired_tables_days: int | None = None  # None: retired tables are kept
 
     @classmethod
     def of(cls, s: Settings) -> Policy:
@@ -47,6 +49,29 @@ class Policy:
             s.retention_requests_days,
             s.retention_batch_size,
         )
+
+    def of_pipeline(self, r: Retention) -> Policy:
+        """This policy with what the pipeline's ``retention:`` sets instead (its file is
+        read again by every prune: a change needs no restart)."""
+        return replace(
+            self,
+            letters_days=_either(r.letters_days, self.letters_days),
+            runs_days=_either(r.runs_days, self.runs_days),
+            requests_days=_either(r.requests_days, self.requests_days),
+            retired_tables_days=_either(r.retired_tables_days, self.retired_tables_days),
+        )
+
+    def describe(self) -> str:
+        return (
+            f"resolved dead letters {self.letters_days} days (a discarded one's payload; its "
+            f"row stays), finished runs {self.runs_days} days, redrive requests "
+            f"{self.requests_days} days, retired tables "
+            + ("kept" if self.retired_tables_days is None else f"{self.retired_tables_days} days")
+        )
+
+
+def _either(own: Any, default: Any) -> Any:
+    return default if own is None else own
 
 
 # How each table's rows are named in a summary, in the order shown.
@@ -65,6 +90,7 @@ LABELS = {
     "redrive_requests": "redrive requests",
     "redrive_letters": "redrive request letters",
     "markers": "commit markers",
+    "retired_tables": "retired tables",
 }
 
 
@@ -87,6 +113,8 @@ class Summary:
     docs_bytes: int = 0
     outside: list[str] = field(default_factory=list)  # pages not under the Data Docs folder
     notes: list[str] = field(default_factory=list)  # anything else left behind, and why
+    policies: dict[str, str] = field(default_factory=dict)  # pipelines with their own retention
+    tables: list[str] = field(default_factory=list)  # retired tables dropped, each with why
 
     def add(self, counts: dict[str, int]) -> None:
         for k, v in counts.items():
@@ -105,8 +133,10 @@ class Summary:
                 f"  kept {len(self.outside)} Data Docs page(s) outside the Data Docs "
                 f"folder, e.g. {self.outside[0]}"
             )
+        out += [f"  {t}" for t in self.tables]
         out += [f"  {n}" for n in self.notes]
-        return [f"{verb}:", *out]
+        own = [f"  pipeline {name}: its own retention: {d}" for name, d in self.policies.items()]
+        return [*(["retention of its own:", *own] if own else []), f"{verb}:", *out]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -116,6 +146,8 @@ class Summary:
             "docs_bytes": self.docs_bytes,
             "outside": self.outside,
             "notes": self.notes,
+            "policies": self.policies,
+            "tables": self.tables,
         }
 
 
@@ -169,75 +201,123 @@ def prune(
     pipeline: str | None = None,
     dry_run: bool = False,
     progress: Progress = lambda m: None,
+    pipelines: dict[str, Pipeline] | None = None,
 ) -> Summary:
-    """Delete (``dry_run``: count) what has outlived ``policy``; ``pipeline``: only its."""
+    """Delete (``dry_run``: count) what has outlived ``policy``; ``pipeline``: only its.
+    ``pipelines`` (the pipeline files, read now): each one's ``retention:`` overrides the
+    policy for it, and its retired tables go after ``retired_tables_days``."""
     summary = Summary(dry_run=dry_run)
-    b = policy.batch_size
+    files = pipelines or {}
+    own = {
+        name: mine
+        for name, p in files.items()
+        if (mine := policy.of_pipeline(p.retention)) != policy
+    }
+    passes: list[tuple[str | None, Policy, list[str]]] = []
+    if pipeline is None:
+        passes.append((None, policy, sorted(own)))
+        passes += [(name, own[name], []) for name in sorted(own)]
+    else:
+        passes.append((pipeline, own.get(pipeline, policy), []))
     with connect(ledger_dsn, autocommit=True, what="ledger", application="tidemark-prune") as conn:
         locked(conn)
-        # Letters first: a run a deleted letter pointed at may go in the same prune.
-        walk(
-            conn,
-            "redriven dead letters",
-            lambda c, **kw: retention.letters(c, pipeline=pipeline, days=policy.letters_days, **kw),
-            lambda ids: {"dlq": retention.delete_letters(conn, ids)},
-            lambda ids: {"dlq": len(ids)},
-            summary,
-            b,
-            progress,
-        )
-        # A discarded letter is its record's one place (docs/design.md, invariant 1): its
-        # row stays; what it carried of the record goes.
-        walk(
-            conn,
-            "discarded dead letters' payloads",
-            lambda c, **kw: retention.discarded(
-                c, pipeline=pipeline, days=policy.letters_days, **kw
-            ),
-            lambda ids: {"dlq_payloads": retention.drop_payloads(conn, ids)},
-            lambda ids: {"dlq_payloads": len(ids)},
-            summary,
-            b,
-            progress,
-        )
-        if summary.rows.get("dlq_payloads"):
-            summary.notes.append(KEPT_DISCARDED)
-        pages: list[tuple[str, str]] = []
+        for name, pol, others in passes:
+            if name is not None and name in own:
+                summary.policies[name] = pol.describe()
+            _ledger_pass(conn, name, pol, others, docs_root, summary, progress)
+    for name, p in sorted(files.items()):
+        if pipeline is not None and name != pipeline:
+            continue
+        days = own.get(name, policy).retired_tables_days
+        if days is not None:
+            from tidemark.protocol import retired_tables
 
-        def remove_pages() -> None:
-            _docs(pages, docs_root, summary)
-            pages.clear()
-
-        walk(
-            conn,
-            "finished runs",
-            lambda c, **kw: retention.runs(
-                c, pipeline=pipeline, days=policy.runs_days, letters_days=policy.letters_days, **kw
-            ),
-            lambda ids: retention.delete_runs(conn, ids),
-            lambda ids: retention.run_rows(conn, ids),
-            summary,
-            b,
-            progress,
-            each=lambda ids: pages.extend(retention.docs_pages(conn, ids)),
-            committed=remove_pages,
-        )
-        walk(
-            conn,
-            "redrive requests",
-            lambda c, **kw: _by_letters(
-                retention.requests(c, pipeline=pipeline, days=policy.requests_days, **kw), b
-            ),
-            lambda ids: retention.delete_requests(conn, ids),
-            lambda ids: {
-                "redrive_requests": len(ids),
-                "redrive_letters": retention.request_letters(conn, ids),
-            },
-            summary,
-            b,
-            progress,
-        )
+            retired_tables.expire(p, days, summary, progress)
     return summary
+
+
+def _ledger_pass(
+    conn: psycopg.Connection,
+    pipeline: str | None,
+    policy: Policy,
+    own: list[str],
+    docs_root: Path,
+    summary: Summary,
+    progress: Progress,
+) -> None:
+    """One policy's letters, runs and requests: of ``pipeline`` (None: of every pipeline but
+    those in ``own``, which have a pass of their own)."""
+    b = policy.batch_size
+    # Letters first: a run a deleted letter pointed at may go in the same prune.
+    walk(
+        conn,
+        "redriven dead letters",
+        lambda c, **kw: retention.letters(
+            c, pipeline=pipeline, days=policy.letters_days, own=own, **kw
+        ),
+        lambda ids: {"dlq": retention.delete_letters(conn, ids)},
+        lambda ids: {"dlq": len(ids)},
+        summary,
+        b,
+        progress,
+    )
+    # A discarded letter is its record's one place (docs/design.md, invariant 1): its
+    # row stays; what it carried of the record goes.
+    walk(
+        conn,
+        "discarded dead letters' payloads",
+        lambda c, **kw: retention.discarded(
+            c, pipeline=pipeline, days=policy.letters_days, own=own, **kw
+        ),
+        lambda ids: {"dlq_payloads": retention.drop_payloads(conn, ids)},
+        lambda ids: {"dlq_payloads": len(ids)},
+        summary,
+        b,
+        progress,
+    )
+    if summary.rows.get("dlq_payloads") and KEPT_DISCARDED not in summary.notes:
+        summary.notes.append(KEPT_DISCARDED)
+    pages: list[tuple[str, str]] = []
+
+    def remove_pages() -> None:
+        _docs(pages, docs_root, summary)
+        pages.clear()
+
+    walk(
+        conn,
+        "finished runs",
+        lambda c, **kw: retention.runs(
+            c,
+            pipeline=pipeline,
+            days=policy.runs_days,
+            letters_days=policy.letters_days,
+            own=own,
+            **kw,
+        ),
+        lambda ids: retention.delete_runs(conn, ids),
+        lambda ids: retention.run_rows(conn, ids),
+        summary,
+        b,
+        progress,
+        each=lambda ids: pages.extend(retention.docs_pages(conn, ids)),
+        committed=remove_pages,
+    )
+    walk(
+        conn,
+        "redrive requests",
+        lambda c, **kw: _by_letters(
+            retention.requests(c, pipeline=pipeline, days=policy.requests_days, own=own, **kw),
+            b,
+        ),
+        lambda ids: retention.delete_requests(conn, ids),
+        lambda ids: {
+            "redrive_requests": len(ids),
+            "redrive_letters": retention.request_letters(conn, ids),
+        },
+        summary,
+        b,
+        progress,
+    )
 
 
 def _by_letters(page: list[tuple[int, int]], batch: int) -> list[tuple[int, int]]:
