@@ -310,7 +310,7 @@ class SinkModel:
 
     def _fails(self, pos: Pos) -> None:
         """The record fails (again): a live letter, quarantined, except that a discard stands
-        while its record fails (docs/design.md, "Dead letters")."""
+        while its record fails (docs/design.md, "DLQ envelope")."""
         if self.live.get(pos) != "discarded":
             self.live[pos] = "quarantined"
 
