@@ -529,3 +529,25 @@ def test_a_resolved_dsn_keeps_a_user_and_database_named_like_its_password(monkey
     assert dsn.mask("host=h user=tidemark password='tide mark' dbname=tidemark") == (
         "host=h user=tidemark password=*** dbname=tidemark"
     )
+
+
+def test_the_readme_lists_every_setting_with_its_default():
+    """README "Configuration" is the list of TIDEMARK_* variables: every field of Settings is
+    a row, and a row's default is the field's (one default each)."""
+    import re
+    from pathlib import Path
+
+    from tidemark.core.settings import Settings
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `(TIDEMARK_\w+)` \| ([^|]*) \|", readme, re.M))
+    missing = [f"TIDEMARK_{n.upper()}" for n in Settings.model_fields]
+    missing = [v for v in missing if v not in rows]
+    assert not missing, f"README 'Configuration' lacks {missing}"
+    for name, field in Settings.model_fields.items():
+        default = field.default
+        if isinstance(default, (str, int)) and not isinstance(default, bool) and default:
+            shown = rows[f"TIDEMARK_{name.upper()}"].strip()
+            assert shown == f"`{default}`", (
+                f"README: TIDEMARK_{name.upper()} {shown}, not {default}"
+            )

@@ -38,6 +38,7 @@ from tidemark.airflow import tasks as airflow_tasks
 from tidemark.airflow.job_command import JobAction, JobCommand
 from tidemark.core import job_secrets
 from tidemark.core.errors import BadInput, Halted
+from tidemark.core.settings import get_settings
 from tidemark.core.text import clamp
 from tidemark.engine.session import driver_java_options, log4j_option
 
@@ -253,7 +254,7 @@ def _spark(
         application=str(JOB),
         conn_id="spark_default",
         name=f"tidemark-{p.name}",
-        driver_memory=p.airflow.driver_memory,
+        driver_memory=p.airflow.driver_memory or get_settings().driver_memory,
         conf=_driver_conf(),
         pool=POOL,
     )

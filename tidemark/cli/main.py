@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 from datetime import datetime
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import click
 import psycopg
+from pydantic import ValidationError
 
 from tidemark import config as cfg
 from tidemark.cli.app import (
@@ -26,6 +26,7 @@ from tidemark.core import job_secrets
 from tidemark.core.db import connect, one_line
 from tidemark.core.dsn import mask
 from tidemark.core.errors import BadInput, ConfigError, TidemarkError
+from tidemark.core.settings import get_settings
 from tidemark.core.text import clamp
 from tidemark.ledger.state import AirflowRun, Range
 
@@ -547,6 +548,14 @@ def chaos_cmd(
 from tidemark.cli import dlq, rebuild, retention  # noqa: E402, F401
 
 
+def _debugging() -> bool:
+    """TIDEMARK_DEBUG: an internal error raises with its traceback."""
+    try:
+        return get_settings().debug
+    except ValidationError:  # the settings themselves are what failed: say it in one line
+        return False
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         job_secrets.load_into_environ()  # a spark-submit'd job's connections (Airflow)
@@ -564,7 +573,7 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"tidemark: database error: {one_line(exc)}", err=True)
         sys.exit(1)
     except Exception as exc:  # never a bare traceback to a user
-        if os.environ.get("TIDEMARK_DEBUG"):
+        if _debugging():
             raise
         click.echo(
             f"tidemark: internal error: {type(exc).__name__}: {clamp(mask(str(exc)), 500)} "

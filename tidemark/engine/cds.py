@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from tidemark.core.errors import TidemarkError
+from tidemark.core.settings import get_settings
 
 # JVM warnings (an archive from another class path, say) go to stderr: a run's stdout may be
 # its JSON report.
@@ -32,9 +33,7 @@ QUIET = ["-Xlog:disable", "-Xlog:all=warning:stderr"]
 
 
 def folder() -> Path:
-    if os.environ.get("TIDEMARK_SPARK_CDS_DIR"):
-        return Path(os.environ["TIDEMARK_SPARK_CDS_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tidemark"
+    return get_settings().cds_dir()
 
 
 def _java() -> Path | None:
