@@ -28,6 +28,33 @@ def monkeypatch_module():
     mp.undo()
 
 
+# The task try a replay's context below renders (--airflow-run: tidemark.ledger.state.AirflowRun).
+AIRFLOW_RUN_JSON = '{"dag_id": "d", "run_id": "r1", "task_id": "replay", "try_number": 1}'
+
+
+def _context(xcom=None, params=None, run_type="manual", interval=None, user="erin"):
+    """What Airflow hands a replay task's execute: its try (XComs by task id), the DAG run,
+    the trigger form's params."""
+    from types import SimpleNamespace
+
+    pulls = dict(xcom or {})
+
+    def xcom_pull(task_ids):
+        return pulls[task_ids]
+
+    ti = SimpleNamespace(dag_id="d", task_id="replay", try_number=1, xcom_pull=xcom_pull)
+    ctx = {
+        "ti": ti,
+        "run_id": "r1",
+        "dag": SimpleNamespace(dag_id="d"),
+        "dag_run": SimpleNamespace(run_type=run_type, triggering_user_name=user),
+        "params": dict(params or {}),
+    }
+    if interval:
+        ctx["data_interval_start"], ctx["data_interval_end"] = interval
+    return ctx
+
+
 def _bag(folder):
     from airflow.dag_processing.dagbag import DagBag
 
@@ -160,9 +187,9 @@ def test_redrive_dag_params_validate(airflow_home):
     # The form's dry_run previews the redrive (--dry-run after the pipeline's name).
     assert ok.validate()["dry_run"] is False
     replay = dag.get_task("replay")
-    command = replay._command({"params": {**ok, "dry_run": True}})
-    assert command[command.index("flights") + 1] == "--dry-run"
-    assert "--dry-run" not in replay._command({"params": dict(ok)})
+    select = {"select": 12}
+    assert replay.command(_context(select, params={**ok, "dry_run": True})).dry_run
+    assert "--dry-run" not in replay.command(_context(select, params=dict(ok))).argv()
     for bad in (
         {"dry_run": 1},
         {"ids": ["x"]},
@@ -273,19 +300,13 @@ def test_the_backfill_form_takes_a_time_window_or_every_partition(airflow_home):
 
     # The command replay runs: the check's arguments after the pipeline's name.
     replay = dag.get_task("replay")
-    replay.application_args = ["--pipelines-dir", "d", "backfill", "flights", "--airflow-run", "{}"]
-
-    class Ti:
-        def xcom_pull(self, task_ids):
-            assert task_ids == "check"
-            return {"args": ["--partition", "all"]}
-
-    assert replay._command({"ti": Ti()}) == [
-        "--pipelines-dir", "d", "backfill", "flights", "--partition", "all", "--airflow-run", "{}"
+    xcom = {"check": {"args": ["--partition", "all"]}}
+    head = ["--pipelines-dir", str(REPO / "dags/pipelines"), "backfill", "flights"]
+    assert replay.command(_context(xcom)).argv() == [
+        *head, "--partition", "all", "--airflow-run", AIRFLOW_RUN_JSON,
     ]  # fmt: skip
-    assert replay._command({"ti": Ti(), "params": {"dry_run": True}}) == [
-        "--pipelines-dir", "d", "backfill", "flights", "--partition", "all", "--dry-run",
-        "--airflow-run", "{}",
+    assert replay.command(_context(xcom, params={"dry_run": True})).argv() == [
+        *head, "--partition", "all", "--dry-run", "--airflow-run", AIRFLOW_RUN_JSON,
     ]  # fmt: skip
 
 
@@ -295,28 +316,23 @@ def test_airflows_backfill_of_a_scheduled_run_re_delivers_its_data_interval_when
     from datetime import UTC, datetime
 
     from tidemark.airflow.dags import ReplayOperator
+    from tidemark.airflow.job_command import JobAction, JobCommand
 
-    args = ["--pipelines-dir", "d", "run", "flights", "--airflow-run", "{}"]
+    job = JobCommand("d", JobAction.RUN, "flights")
     op = ReplayOperator(
-        task_id="replay", pipeline="flights", pipeline_file="f", application="a",
-        application_args=args, by_interval=True,
-    )  # fmt: skip
-
-    class Run:
-        run_type = "backfill"
-
-    ctx = {
-        "dag_run": Run(),
-        "data_interval_start": datetime(2026, 1, 1, 0, tzinfo=UTC),
-        "data_interval_end": datetime(2026, 1, 1, 1, tzinfo=UTC),
-    }
-    assert op._command(ctx) == [
+        task_id="replay", job=job, pipeline_file="f", application="a", by_interval=True
+    )
+    interval = (datetime(2026, 1, 1, 0, tzinfo=UTC), datetime(2026, 1, 1, 1, tzinfo=UTC))
+    ctx = _context(run_type="backfill", interval=interval)
+    assert op.command(ctx).argv() == [
         "--pipelines-dir", "d", "backfill", "flights",
         "--since", "2026-01-01T00:00:00+0000", "--until", "2026-01-01T01:00:00+0000",
-        "--airflow-run", "{}",
+        "--airflow-run", AIRFLOW_RUN_JSON,
     ]  # fmt: skip
-    Run.run_type = "scheduled"
-    assert op._command(ctx) == args
+    ctx = _context(run_type="scheduled", interval=interval)
+    assert op.command(ctx).argv() == [
+        "--pipelines-dir", "d", "run", "flights", "--airflow-run", AIRFLOW_RUN_JSON
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["backfill", "redrive", "rebuild"])
@@ -385,7 +401,7 @@ def test_no_connection_reaches_spark_submits_command_line(
         seen["left"] = os.path.exists(path)
 
     monkeypatch.setattr(SparkSubmitOperator, "execute", submit)
-    replay.execute({"params": {}, "dag_run": None})
+    replay.execute(_context())
     assert "Secret9" not in seen["cmd"] + json.dumps(seen["env"])
     assert seen["env"].keys() == {job_secrets.VAR}
     assert (seen["mode"], seen["folder_mode"]) == (0o600, 0o700)
@@ -518,3 +534,158 @@ def test_a_staged_key_change_leaves_the_live_dags_alone(airflow_home, tmp_path):
     assert "staged version:" in trace and "flights.next.yaml" in trace
     assert "sinks[0].table" in trace and "must keep the live table" in trace
     assert {"tidemark_flights", "tidemark_flights_rebuild", "tidemark_maintenance"} <= set(bag.dags)
+
+
+# A spark-submit that records the command it was given and exits as told: the provider's own
+# operator and hook run for real, up to the process they start.
+FAKE_SPARK_SUBMIT = """#!{python}
+import json, os, sys
+with open(os.environ["FAKE_SPARK_SUBMIT_ARGV"], "w") as f:
+    json.dump(sys.argv[1:], f)
+sys.exit(int(os.environ["FAKE_SPARK_SUBMIT_EXIT"]))
+"""
+
+
+@pytest.fixture
+def fake_spark_submit(tmp_path, monkeypatch):
+    """Run a replay task through the provider against a stand-in spark-submit; returns
+    ``submit(task, context, exit_code) -> the job's arguments`` (after the application)."""
+    import json
+    import os
+    import sys
+
+    from tidemark.airflow import tasks as airflow_tasks
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    binary = bin_dir / "spark-submit"
+    binary.write_text(FAKE_SPARK_SUBMIT.format(python=sys.executable))
+    binary.chmod(0o755)
+    argv_file = tmp_path / "argv.json"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SPARK_SUBMIT_ARGV", str(argv_file))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[2]"})
+    )
+    monkeypatch.setenv("AIRFLOW_CONN_TIDEMARK_LEDGER", "postgresql://tm:pw@127.0.0.1:1/ledger")
+    monkeypatch.setenv("AIRFLOW_CONN_WAREHOUSE", "postgresql://tm:pw@127.0.0.1:1/warehouse")
+    # No ledger here to say why the job failed: the failure is the provider's own.
+    monkeypatch.setattr(airflow_tasks, "failure", lambda *a, **k: None)
+
+    def submit(task, context, exit_code=0):
+        monkeypatch.setenv("FAKE_SPARK_SUBMIT_EXIT", str(exit_code))
+        argv_file.unlink(missing_ok=True)
+        # A copy: the provider keeps the hook of an operator's first execute (each try of a
+        # real task is a fresh process).
+        task = copy.deepcopy(task)
+        try:
+            task.render_template_fields(context)  # as Airflow's task runner does first
+            task.execute(context)
+        finally:
+            if argv_file.exists():
+                argv = json.loads(argv_file.read_text())
+                submit.argv = argv[argv.index(task.application) + 1 :]
+        return submit.argv
+
+    return submit
+
+
+def _pipeline_named(folder, name):
+    folder.mkdir(exist_ok=True)
+    (folder / f"{name}.yaml").write_text(
+        f"name: {name}\n"
+        "source: {type: postgres_log, conn_id: warehouse, table: src.log}\n"
+        "decode: {schema: {id: int}}\n"
+        "transform: {select: {id: id}, required: [id]}\n"
+        "sinks: [{name: main, conn_id: warehouse, table: public.orders, key: [id]}]\n"
+        "schedule: '@hourly'\nairflow: {backfill_by_interval: true}\n"
+    )
+
+
+def _as_the_job_reads_it(argv):
+    """The command words and parameters the job's CLI (click) makes of ``argv``."""
+    import click
+
+    from tidemark.cli.main import cli
+
+    ctx = cli.make_context("tidemark", list(argv))
+    words, command, args = [], cli, [*ctx.protected_args, *ctx.args]
+    while isinstance(command, click.Group):
+        name, command, args = command.resolve_command(ctx, args)
+        words.append(name)
+        ctx = command.make_context(name, args, parent=ctx)
+        args = [*ctx.protected_args, *ctx.args]
+    return words, ctx.params
+
+
+@pytest.mark.parametrize("name", ["run", "backfill", "dlq", "redrive", "pipelines_dir"])
+def test_the_job_gets_its_command_whatever_the_pipeline_is_called(
+    airflow_home, tmp_path, fake_spark_submit, name
+):
+    """The job's arguments as spark-submit receives them, through the provider's operator:
+    a pipeline named like a command or an option is still the pipeline, and what a task adds
+    at run time (the backfill form's arguments, the dry run, an Airflow backfill's data
+    interval) lands after the pipeline's name, whatever it is."""
+    from datetime import UTC, datetime
+
+    from tidemark.airflow.dags import pipeline_dags
+
+    folder = tmp_path / "pipelines"
+    _pipeline_named(folder, name)
+    dags = pipeline_dags(folder)
+    head = ["--pipelines-dir", str(folder)]
+    tail = ["--airflow-run", AIRFLOW_RUN_JSON]
+
+    def submitted(dag, context, words, **params):
+        argv = fake_spark_submit(dags[dag].get_task("replay"), context)
+        got_words, got = _as_the_job_reads_it(argv)
+        assert (got_words, {k: got[k] for k in params}) == (words, params), argv
+        return argv
+
+    interval = (datetime(2026, 1, 1, 0, tzinfo=UTC), datetime(2026, 1, 1, 1, tzinfo=UTC))
+    dag = f"tidemark_{name}"
+    assert submitted(dag, _context(run_type="scheduled"), ["run"], pipeline=name) == [
+        *head, "run", name, *tail,
+    ]  # fmt: skip
+    assert submitted(
+        dag, _context(run_type="backfill", interval=interval), ["backfill"], pipeline=name
+    ) == [
+        *head, "backfill", name,
+        "--since", "2026-01-01T00:00:00+0000", "--until", "2026-01-01T01:00:00+0000", *tail,
+    ]  # fmt: skip
+
+    form = {"check": {"args": ["--sink", "main", "--partition", "all", "--from", "0"]}}
+    context = _context(form, params={"dry_run": True})
+    assert submitted(
+        f"{dag}_backfill", context, ["backfill"], pipeline=name, dry_run=True, sinks=("main",)
+    ) == [
+        *head, "backfill", name, "--sink", "main", "--partition", "all", "--from", "0",
+        "--dry-run", *tail,
+    ]  # fmt: skip
+
+    context = _context({"select": 12}, params={"dry_run": True})
+    assert submitted(
+        f"{dag}_redrive", context, ["dlq", "redrive"], pipeline=name, dry_run=True, request=12
+    ) == [
+        *head, "dlq", "redrive", name, "--request", "12", "--by", "erin", "--dry-run", *tail,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("code,retried", [(2, False), (5, False), (1, True), (70, True)])
+def test_the_jobs_exit_code_comes_from_the_providers_failure(
+    airflow_home, tmp_path, fake_spark_submit, code, retried
+):
+    """Exit 2 (bad input) and 5 (halted) fail the task without retries; any other exit
+    retries. The code comes from what the provider's operator raises, not its internals."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from tidemark.airflow.dags import pipeline_dags
+
+    folder = tmp_path / "pipelines"
+    _pipeline_named(folder, "orders")
+    replay = pipeline_dags(folder)["tidemark_orders"].get_task("replay")
+    with pytest.raises(Exception) as failed:
+        fake_spark_submit(replay, _context(), exit_code=code)
+    assert isinstance(failed.value, AirflowFailException) is not retried, failed.value
+    if not retried:
+        assert f"(exit {code}: not retried)" in str(failed.value)

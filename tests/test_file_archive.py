@@ -18,6 +18,7 @@ from tidemark.core.errors import TidemarkError
 from tidemark.devstack import archive_writer
 from tidemark.ledger.state import Range
 from tidemark.sources import file_archive as fa
+from tidemark.sources import schema
 
 FORMATS = ["parquet", "jsonl"]
 T0 = datetime(2024, 5, 1, 12, 0, 0, 123456, tzinfo=UTC)
@@ -262,7 +263,7 @@ def test_payloads_read_again_by_offset_across_segments_and_gaps(archive, monkeyp
 
 def test_batches_hold_at_most_batch_rows(archive, monkeypatch):
     root, fmt = archive
-    monkeypatch.setattr(sources, "BATCH_ROWS", 3)
+    monkeypatch.setattr(schema, "BATCH_ROWS", 3)  # what the readers read
     batches = read(root, fmt, 0, 2, 22)
     assert [b.num_rows for b in batches] == [3, 3, 3, 3, 3, 3, 2]
     assert [o for b in batches for o in b.column(1).to_pylist()] == list(range(2, 22))

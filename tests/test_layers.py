@@ -99,12 +99,148 @@ def test_runtime_never_imports_the_dev_stack():
     assert out == "[]"
 
 
-def test_every_package_says_what_it_owns_and_may_import():
+def _tops() -> list[str]:
+    return [name for names in LAYERS for name in names]
+
+
+def _may_import(package: str, doc: str) -> set[str]:
+    """The layers a package's docstring says it may import ("May import: a, b (why), c."),
+    itself aside. Also "nothing of tidemark", "every layer", "any layer below X"."""
+    m = re.search(r"May import:\s*(.+?)(?:\n\s*\n|\Z)", doc, re.S)
+    assert m, f"tidemark/{package}/__init__.py: docstring lacks 'May import'"
+    text = " ".join(m.group(1).split())
+    tops = _tops()
+    if text.startswith("nothing of tidemark"):
+        return set()
+    if text.startswith("every layer"):
+        return set(tops) - {package}
+    below = re.match(r"any layer below (\w+)", text)
+    if below:
+        return set(tops[: tops.index(below.group(1))]) - {package}
+    named = set()
+    for item in re.sub(r"\([^)]*\)", "", text).rstrip(".").split(","):
+        word = item.split()[0] if item.split() else ""
+        assert word in tops, f"tidemark/{package}/__init__.py: May import names {word!r}, no layer"
+        named.add(word)
+    return named
+
+
+def _disallowed(package: str, allowed: set[str]) -> list[str]:
+    modules = _modules()
+    problems = []
+    for module, path in modules.items():
+        if module.split(".")[1:2] != [package]:
+            continue
+        for line, target in _imports(path, module):
+            top = target.split(".")[1] if target.count(".") else None
+            if top is not None and top != package and top not in allowed:
+                problems.append(f"{path.relative_to(PACKAGE.parent)}:{line}: imports {target}")
+    return problems
+
+
+def test_every_package_imports_only_what_it_says_it_may():
+    problems = []
     for init in sorted(PACKAGE.glob("*/__init__.py")):
+        package = init.parent.name
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
-        assert "May import" in doc, (
-            f"{init.relative_to(PACKAGE.parent)}: docstring lacks 'May import'"
-        )
+        allowed = _may_import(package, doc)
+        problems += [
+            f"{p} (May import: {', '.join(sorted(allowed)) or 'nothing'})"
+            for p in _disallowed(package, allowed)
+        ]
+    assert not problems, "imports beyond a package's 'May import' list:\n" + "\n".join(problems)
+
+
+def test_the_may_import_check_can_fail():
+    assert _may_import("render", "x.\n\nMay import: core.") == {"core"}
+    assert _may_import("web", "May import: render, core (not airflow: siblings).") == {
+        "render",
+        "core",
+    }
+    assert _may_import("core", "May import: nothing of tidemark.") == set()
+    assert "cli" not in _may_import("devstack", "May import: any layer below cli.")
+    # quality's modules import core: with nothing allowed, they are flagged
+    assert _disallowed("quality", set())
+
+
+def _module_imports(path: Path, module: str, modules: dict[str, Path]) -> set[str]:
+    """The tidemark modules ``module`` imports, anywhere in it (at the top, inside a
+    function, under TYPE_CHECKING: each is a dependency), by their own name: ``from
+    tidemark.cli import dlq`` imports tidemark.cli.dlq."""
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            names = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names
+            ]
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name.startswith("tidemark.") and name != module:
+                found.add(name)
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_inside_a_package():
+    """Modules of one package never import each other round: each is understood, tested and
+    moved with what it imports only (across packages the layers forbid cycles already)."""
+    modules = _modules()
+    graph = {
+        m: {t for t in _module_imports(p, m, modules) if t.split(".")[:2] == m.split(".")[:2]}
+        for m, p in modules.items()
+    }
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_can_fail(tmp_path):
+    a = tmp_path / "main.py"
+    a.write_text("from tidemark.cli import dlq\n")
+    modules = {"tidemark.cli.main": a, "tidemark.cli.dlq": a}
+    assert _module_imports(a, "tidemark.cli.main", modules) == {"tidemark.cli.dlq"}
+    graph = {"x.a": {"x.b"}, "x.b": {"x.c"}, "x.c": {"x.a"}, "x.d": {"x.a"}}
+    assert _cycles(graph) == [["x.a", "x.b", "x.c"]]
 
 
 # SQL naming a tidemark.* table or function, outside the ledger.

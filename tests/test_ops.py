@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import socket
 from datetime import UTC, datetime, timedelta
-from types import SimpleNamespace
 
 import pytest
 
@@ -82,12 +81,11 @@ def test_the_dev_stack_hands_airflow_the_ledger_as_a_connection():
 def test_only_bad_input_and_halted_fail_without_retry(code, retried):
     from tidemark.airflow.dags import NO_RETRY_EXIT_CODES, job_exit_code
 
-    hook = SimpleNamespace(_submit_sp=SimpleNamespace(returncode=code))
-    assert job_exit_code(hook, RuntimeError("x")) == code
     assert (code in NO_RETRY_EXIT_CODES) is not retried
-    # no process to ask: the provider's message says it
+    # what the provider raises (tests/test_dags.py runs it against a stand-in spark-submit)
     msg = f"Cannot execute: spark-submit ... Error code is: {code}.\ntidemark: error: ..."
-    assert job_exit_code(None, RuntimeError(msg)) == code
+    assert job_exit_code(RuntimeError(msg)) == code
+    assert job_exit_code(RuntimeError("spark-submit not found")) is None
 
 
 def test_a_run_of_a_halted_pipeline_exits_5(env):

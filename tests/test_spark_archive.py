@@ -67,16 +67,19 @@ def test_the_class_archive_is_built_once_and_mapped_by_a_fresh_session(tmp_path)
     assert probe.stdout.split() == ["unmapped", GC, "3"]
 
 
-def test_airflow_hands_spark_submit_the_sessions_jvm_options(tmp_path, monkeypatch):
+def test_airflow_hands_spark_submit_the_sessions_jvm_options(tmp_path, monkeypatch, request):
     from tidemark.airflow.dags import _driver_conf
     from tidemark.engine import cds
 
     def options():
         return _driver_conf().get("spark.driver.extraJavaOptions", "").split()
 
+    from tidemark.core.settings import get_settings
     from tidemark.engine.session import LOG4J
 
     monkeypatch.setenv("TIDEMARK_SPARK_CDS_DIR", str(tmp_path))
+    get_settings.cache_clear()  # settings are read once per process
+    request.addfinalizer(get_settings.cache_clear)  # after monkeypatch's undo
     from tidemark.engine.session import jit_options
 
     # On 2 cores: the serial collector and C2's raised thresholds (session.jit_options)

@@ -576,3 +576,25 @@ def test_a_corrections_times_are_utc_and_yaml_literals_are_sql():
         "2026-11-03T15:00:00+00:00",
     )
     assert c.set_ == {"temp": "NULL"}
+
+
+def test_the_readme_lists_every_setting_with_its_default():
+    """README "Configuration" is the list of TIDEMARK_* variables: every field of Settings is
+    a row, and a row's default is the field's (one default each)."""
+    import re
+    from pathlib import Path
+
+    from tidemark.core.settings import Settings
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `(TIDEMARK_\w+)` \| ([^|]*) \|", readme, re.M))
+    missing = [f"TIDEMARK_{n.upper()}" for n in Settings.model_fields]
+    missing = [v for v in missing if v not in rows]
+    assert not missing, f"README 'Configuration' lacks {missing}"
+    for name, field in Settings.model_fields.items():
+        default = field.default
+        if isinstance(default, (str, int)) and not isinstance(default, bool) and default:
+            shown = rows[f"TIDEMARK_{name.upper()}"].strip()
+            assert shown == f"`{default}`", (
+                f"README: TIDEMARK_{name.upper()} {shown}, not {default}"
+            )

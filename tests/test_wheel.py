@@ -196,7 +196,7 @@ def test_the_installed_wheel_works_outside_the_repository(source, venv, env, pg,
                 return False
         print(json.dumps({
             "purelib": sysconfig.get_paths()["purelib"], "tidemark": tidemark.__file__,
-            "sql_dir": str(migrations.SQL_DIR),
+            "sql_dir": str(migrations.sql_dir()),
             "job": importlib.util.find_spec("tidemark.cli.spark_job").origin,
             "pyspark": pyspark.__version__, "airflow": importlib.util.find_spec("airflow")
             is not None, "pyspark_client": has("pyspark-client")}))

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tidemark.core import dsn as dsnmod
 from tidemark.core.errors import ConfigError
+from tidemark.core.settings import MEMORY
 
 IDENT = r"^[a-z_][a-z0-9_]{0,39}$"
 TABLE = r"^([a-z_][a-z0-9_]*\.)?[a-z_][a-z0-9_]*$"
@@ -304,7 +305,8 @@ class Orchestration(_Model):
     retries: Annotated[int, Field(ge=0, le=20)] = 2
     retry_delay_seconds: Annotated[int, Field(ge=1)] = 60
     max_retry_delay_seconds: Annotated[int, Field(ge=1)] = 900  # exponential backoff cap
-    driver_memory: Annotated[str, Field(pattern=r"^\d+[mMgG]$")] = "2g"
+    # spark-submit --driver-memory; None: TIDEMARK_DRIVER_MEMORY (Settings.driver_memory, 3g)
+    driver_memory: Annotated[str | None, Field(pattern=MEMORY)] = None
     # Airflow's own Backfill of the scheduled DAG re-delivers each run's data interval (its
     # records by time: `tidemark backfill --since --until`); off, such runs are refused.
     backfill_by_interval: bool = False

@@ -37,8 +37,10 @@ from airflow.sdk import DAG, AssetAlias, Param, TriggerRule
 from tidemark import config
 from tidemark.airflow import POOL, assets
 from tidemark.airflow import tasks as airflow_tasks
+from tidemark.airflow.job_command import JobAction, JobCommand
 from tidemark.core import job_secrets
 from tidemark.core.errors import BadInput, Halted
+from tidemark.core.settings import get_settings
 from tidemark.core.text import clamp
 from tidemark.engine.session import driver_java_options, log4j_option
 
@@ -54,11 +56,6 @@ def _job() -> Path:
 
 JOB = _job()
 START = datetime(2026, 1, 1, tzinfo=UTC)
-# The task try starting a run (tidemark.ledger.state.AirflowRun), stored as run columns.
-AIRFLOW_RUN = (
-    '{{ {"dag_id": ti.dag_id, "run_id": run_id, "task_id": ti.task_id, '
-    '"try_number": ti.try_number} | tojson }}'
-)
 MAINTENANCE_SCHEDULE = "*/5 * * * *"
 
 
@@ -133,36 +130,40 @@ def _doc(p: config.Pipeline, path: Path, what: str) -> str:
 # The job's exit codes (README "Exit codes") that no retry can cure: bad input (2) and a halted
 # pipeline (5). The task fails at once instead of retrying; anything else retries with backoff.
 NO_RETRY_EXIT_CODES = frozenset({BadInput.exit_code, Halted.exit_code})
+# How the provider's AirflowException for a failed spark-submit says its exit code (the
+# operator's public outcome; tests/test_dags.py runs the provider against a stand-in binary).
 _EXIT_CODE = re.compile(r"Error code is: (-?\d+)")
 
 
-def job_exit_code(hook, exc: BaseException) -> int | None:
-    """spark-submit's exit code: from the hook's process, else from its error message."""
-    code = getattr(getattr(hook, "_submit_sp", None), "returncode", None)
-    if isinstance(code, int):
-        return code
+def job_exit_code(exc: BaseException) -> int | None:
+    """spark-submit's exit code, from the error SparkSubmitOperator raised (None: it failed
+    otherwise, e.g. before the process started)."""
     m = _EXIT_CODE.search(str(exc))
     return int(m.group(1)) if m else None
 
 
 class ReplayOperator(SparkSubmitOperator):
-    """SparkSubmitOperator on jobs/replay.py whose failure says what the ledger recorded
-    (e.g. the sink that failed and why) instead of the spark-submit command line, and fails
-    without retries when the job exits 2 (bad input) or 5 (halted)."""
+    """SparkSubmitOperator on jobs/replay.py running ``job`` (its command, completed at run
+    time), whose failure says what the ledger recorded (e.g. the sink that failed and why)
+    instead of the spark-submit command line, and fails without retries when the job exits 2
+    (bad input) or 5 (halted)."""
 
     def __init__(
         self,
         *,
-        pipeline: str,
+        job: JobCommand,
         pipeline_file: str,
         args_from: str | None = None,
         by_interval: bool = False,
         previews: bool = False,
+        conn_id: str = "spark_default",
         **kwargs,
     ):
-        super().__init__(**kwargs)
-        self.spark_conn_id = kwargs.get("conn_id", "spark_default")
-        self.pipeline = pipeline
+        # application_args, templated by Airflow as usual, show the command in the UI and the
+        # task's rendered fields; execute replaces them with the completed command.
+        super().__init__(application_args=job.argv(), conn_id=conn_id, **kwargs)
+        self.job = job
+        self.spark_conn_id = conn_id
         self.pipeline_file = pipeline_file
         # The task whose return value's ``args`` complete the command (check_backfill).
         self.args_from = args_from
@@ -170,6 +171,10 @@ class ReplayOperator(SparkSubmitOperator):
         self.by_interval = by_interval
         # The trigger's form has a dry_run param: set, the job previews (--dry-run).
         self.previews = previews
+
+    @property
+    def pipeline(self) -> str:
+        return self.job.pipeline
 
     def execute(self, context):
         # The job's process cannot ask Airflow for connections: it gets the ledger this task
@@ -181,7 +186,7 @@ class ReplayOperator(SparkSubmitOperator):
         # the logged command, or what OpenLineage sends of the task.
         self._refuse_cluster_mode()
         named = airflow_tasks.connections_exist(config.load(Path(self.pipeline_file), deep=False))
-        self.application_args = self._command(context)
+        self.application_args = self.command(context).argv()
         secrets = {**named, "TIDEMARK_LEDGER_DSN": airflow_tasks.ledger_dsn()}
         with job_secrets.written(secrets) as path:
             self.env_vars = {**(self.env_vars or {}), job_secrets.VAR: path}
@@ -204,7 +209,7 @@ class ReplayOperator(SparkSubmitOperator):
         try:
             return super().execute(context)
         except Exception as exc:
-            code = job_exit_code(self._hook, exc)
+            code = job_exit_code(exc)
             why = airflow_tasks.failure(
                 self.pipeline,
                 context["dag"].dag_id,
@@ -223,24 +228,17 @@ class ReplayOperator(SparkSubmitOperator):
                 raise
             raise RuntimeError(why) from exc
 
-    def _command(self, context) -> list[str]:
-        args = list(self.application_args or [])
-        if self.previews and (context.get("params") or {}).get("dry_run"):
-            args.insert(args.index(self.pipeline) + 1, "--dry-run")
+    def command(self, context) -> JobCommand:
+        """The job's command for this try: the DAG's, its templates rendered, completed by
+        the check task's arguments, an Airflow backfill's data interval, the form's dry run."""
+        job = self.job.rendered(lambda text: self.render_template(text, context))
         if self.args_from:
-            at = args.index(self.pipeline) + 1
-            args[at:at] = context["ti"].xcom_pull(task_ids=self.args_from)["args"]
+            job = job.with_options(*context["ti"].xcom_pull(task_ids=self.args_from)["args"])
         elif self.by_interval and getattr(context.get("dag_run"), "run_type", None) == "backfill":
-            at = args.index("run")
-            args[at : at + 2] = [
-                "backfill",
-                self.pipeline,
-                "--since",
-                context["data_interval_start"].strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "--until",
-                context["data_interval_end"].strftime("%Y-%m-%dT%H:%M:%S%z"),
-            ]
-        return args
+            job = job.backfill_of(context["data_interval_start"], context["data_interval_end"])
+        if self.previews and (context.get("params") or {}).get("dry_run"):
+            job = job.previewed()
+        return job
 
     # The OpenLineage provider's listener calls these (tidemark/airflow/lineage.py): the
     # source log in, the sink tables out, rows and the data-quality outcome as facets.
@@ -253,17 +251,22 @@ class ReplayOperator(SparkSubmitOperator):
         return self.get_openlineage_facets_on_complete(task_instance)
 
 
-def _spark(p: config.Pipeline, path: Path, args: list[str], **kw) -> SparkSubmitOperator:
+def _spark(
+    p: config.Pipeline,
+    path: Path,
+    action: JobAction,
+    options: tuple[str, ...] = (),
+    **kw,
+) -> SparkSubmitOperator:
     return ReplayOperator(
-        pipeline=p.name,
+        job=JobCommand(str(path.parent), action, p.name, options),
         pipeline_file=str(path),
         **kw,
         task_id="replay",
         application=str(JOB),
         conn_id="spark_default",
         name=f"tidemark-{p.name}",
-        application_args=["--pipelines-dir", str(path.parent), *args, "--airflow-run", AIRFLOW_RUN],
-        driver_memory=p.airflow.driver_memory,
+        driver_memory=p.airflow.driver_memory or get_settings().driver_memory,
         conf=_driver_conf(),
         pool=POOL,
     )
@@ -346,7 +349,7 @@ def replay_dag(p: config.Pipeline, path: Path) -> DAG:
             python_callable=airflow_tasks.pending,
             op_kwargs={"pipelines_dir": str(path.parent), "pipeline": p.name},
         )
-        replay = _spark(p, path, ["run", p.name], by_interval=p.airflow.backfill_by_interval)
+        replay = _spark(p, path, JobAction.RUN, by_interval=p.airflow.backfill_by_interval)
         first >> replay >> _report(p, path)
     return dag
 
@@ -463,7 +466,7 @@ def backfill_dag(p: config.Pipeline, path: Path) -> DAG:
             path,
             "check",
             airflow_tasks.check_backfill,
-            ["backfill", p.name],
+            JobAction.BACKFILL,
             args_from="check",
         )
     return dag
@@ -474,7 +477,8 @@ def _checked_replay(
     path: Path,
     task_id: str,
     check,
-    args: list[str],
+    action: JobAction,
+    options: tuple[str, ...] = (),
     args_from: str | None = None,
     **kwargs,
 ):
@@ -487,7 +491,7 @@ def _checked_replay(
         retries=0,
         op_kwargs={"pipeline_file": str(path), **kwargs},
     )
-    replay = _spark(p, path, args, args_from=args_from, previews=True)
+    replay = _spark(p, path, action, options, args_from=args_from, previews=True)
     _recover(p, path) >> first >> replay >> _report(p, path)
 
 
@@ -566,15 +570,8 @@ def redrive_dag(p: config.Pipeline, path: Path) -> DAG:
             path,
             "select",
             airflow_tasks.select_redrive,
-            [
-                "dlq",
-                "redrive",
-                p.name,
-                "--request",
-                "{{ ti.xcom_pull(task_ids='select') }}",
-                "--by",
-                by,
-            ],
+            JobAction.REDRIVE,
+            ("--request", "{{ ti.xcom_pull(task_ids='select') }}", "--by", by),
             by=by,
         )
     return dag

@@ -20,6 +20,7 @@ from tidemark.core.errors import BadInput
 
 def rebuild_dag(p: config.Pipeline, path: Path) -> DAG:
     from tidemark.airflow.dags import _checked_replay, _doc, _triggered
+    from tidemark.airflow.job_command import JobAction
 
     names = [s.name for s in p.sinks]
     staged = config.staged_file(path.parent, p.name)
@@ -69,9 +70,7 @@ def rebuild_dag(p: config.Pipeline, path: Path) -> DAG:
         params,
         is_paused_upon_creation=False,
     ) as dag:
-        _checked_replay(
-            p, path, "check", check_rebuild, ["sink", "rebuild", p.name], args_from="check"
-        )
+        _checked_replay(p, path, "check", check_rebuild, JobAction.REBUILD, args_from="check")
     return dag
 
 

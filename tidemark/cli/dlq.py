@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from tidemark.cli.main import Ctx, _run, cli, dry_run_option, pass_ctx, run_options
+from tidemark.cli.app import Ctx, cli, dry_run_option, pass_ctx, run_and_report, run_options
 from tidemark.core.db import connect
 from tidemark.core.errors import BadInput, NotFound
 from tidemark.ledger import dlq as dlq_mod
@@ -459,7 +459,7 @@ def dlq_redrive(
             err=True,
         )
         request = req.request_id
-    _run(
+    run_and_report(
         ctx,
         pipeline,
         as_json,

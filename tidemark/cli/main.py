@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 from datetime import datetime
@@ -11,102 +10,25 @@ from pathlib import Path
 
 import click
 import psycopg
-from dotenv import load_dotenv
 from pydantic import ValidationError
 
 from tidemark import config as cfg
+from tidemark.cli.app import (
+    Ctx,
+    cli,
+    dry_run_option,
+    pass_ctx,
+    pipelines,
+    run_and_report,
+    run_options,
+)
 from tidemark.core import job_secrets
 from tidemark.core.db import connect, one_line
 from tidemark.core.dsn import mask
 from tidemark.core.errors import BadInput, ConfigError, TidemarkError
-from tidemark.core.settings import Settings, get_settings
+from tidemark.core.settings import get_settings
 from tidemark.core.text import clamp
 from tidemark.ledger.state import AirflowRun, Range
-
-ENV_FILE = Path(".tidemark/env")
-
-
-class Ctx:
-    def __init__(self, settings: Settings):
-        self.settings = settings
-        self.warned: set[str] = set()  # a command may load the folder twice: warn once
-
-    @property
-    def ledger_dsn(self) -> str:
-        return self.settings.ledger()
-
-    @property
-    def folder(self) -> Path:
-        return self.settings.pipelines_dir
-
-    def pipelines(self, deep: bool = True) -> dict[str, cfg.Pipeline]:
-        good, bad = cfg.load_all(self.folder, deep)
-        for err in map(str, bad):
-            if err not in self.warned:
-                self.warned.add(err)
-                click.echo(f"warning: skipped {err}", err=True)
-        return good
-
-
-pass_ctx = click.make_pass_decorator(Ctx)
-
-
-def _airflow_run(ctx: click.Context, param: click.Parameter, value: str | None):
-    if value is None:
-        return None
-    try:
-        return AirflowRun.model_validate_json(value)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(map(str, err["loc"])) or "value"
-        raise click.BadParameter(f"{where}: {err['msg']}") from None
-
-
-airflow_run_option = click.option(
-    "--airflow-run",
-    "airflow",
-    callback=_airflow_run,
-    metavar="JSON",
-    help='The Airflow task try starting this run, as the DAGs pass it: {"dag_id": ..., '
-    '"run_id": ..., "task_id": ..., "try_number": ...}.',
-)
-
-dry_run_option = click.option(
-    "--dry-run",
-    is_flag=True,
-    help="Preview: run up to PREPARE, report what each sink would get, then roll everything "
-    "back (nothing committed; exit 0 when the run would commit).",
-)
-
-
-def run_options(fn):
-    """The options of every command that makes a run: --external-id, --airflow-run, --json."""
-    fn = click.option("--json", "as_json", is_flag=True, help="Print the run report as JSON.")(fn)
-    fn = airflow_run_option(fn)
-    return click.option("--external-id", help="Caller's own id for this run.")(fn)
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--ledger-dsn", envvar="TIDEMARK_LEDGER_DSN", help="PostgreSQL DSN of the ledger.")
-@click.option(
-    "--pipelines-dir",
-    type=click.Path(path_type=Path),
-    envvar="TIDEMARK_PIPELINES_DIR",
-    help="Folder of pipeline YAML files.",
-)
-@click.pass_context
-def cli(ctx: click.Context, ledger_dsn: str | None, pipelines_dir: Path | None) -> None:
-    """Exactly-once replay of offset-addressed logs into PostgreSQL."""
-    # `make up` writes the local stack's settings here; real environment variables win.
-    load_dotenv(ENV_FILE, override=False)
-    get_settings.cache_clear()
-    s = get_settings()
-    updates = {
-        k: v
-        for k, v in {"ledger_dsn": ledger_dsn, "pipelines_dir": pipelines_dir}.items()
-        if v is not None
-    }
-    ctx.obj = Ctx(s.model_copy(update=updates))
 
 
 # -- db -----------------------------------------------------------------------------------
@@ -148,11 +70,6 @@ def spark_archive(force: bool) -> None:
 
 
 # -- pipelines ------------------------------------------------------------------------------
-@cli.group()
-def pipelines() -> None:
-    """Pipeline files."""
-
-
 @pipelines.command("list")
 @pass_ctx
 def pipelines_list(ctx: Ctx) -> None:
@@ -211,31 +128,6 @@ def _names(values: tuple[str, ...]) -> list[str] | None:
     return [n for v in values for n in v.split(",") if n] or None
 
 
-def _run(ctx: Ctx, name: str, as_json: bool, runner=None, **kw) -> None:
-    from tidemark.driver.run import Run
-
-    # Expectations are built by the run once it knows it has work (Run.execute): an
-    # up-to-date pipeline returns without importing Great Expectations or starting Spark.
-    all_p = ctx.pipelines(deep=False)
-    pipeline = all_p.get(name) or cfg.find(ctx.folder, name, deep=False)
-    try:
-        report = (runner or Run)(
-            pipeline,
-            ctx.settings,
-            ledger_dsn=ctx.ledger_dsn,
-            all_pipelines=all_p,
-            where=str(cfg.file_of(ctx.folder, name)),
-            **kw,
-        ).execute()
-    except TidemarkError as exc:
-        if kw.get("dry_run"):  # the run's own error, said as the preview's outcome
-            exc.args = (f"dry run, nothing committed: {exc}", *exc.args[1:])
-        raise
-    click.echo(json.dumps(report.to_dict()) if as_json else report.summary())
-    if not report.ok:
-        sys.exit(1)
-
-
 @cli.command("run")
 @click.argument("pipeline")
 @click.option("--sink", "sinks", multiple=True, help="Only these sinks (default: all).")
@@ -250,7 +142,9 @@ def run_cmd(
     as_json: bool,
 ) -> None:
     """Replay the next range of PIPELINE into its sinks, exactly once."""
-    _run(ctx, pipeline, as_json, sink_names=_names(sinks), external_id=external_id, airflow=airflow)
+    run_and_report(
+        ctx, pipeline, as_json, sink_names=_names(sinks), external_id=external_id, airflow=airflow
+    )
 
 
 class _Partition(click.ParamType):
@@ -331,7 +225,7 @@ def backfill_cmd(
         return
     mode = Backfill(ranges, accept_pruned=accept_pruned)
     click.echo(f"backfill of {pipeline}: {mode.describe()}", err=True)
-    _run(
+    run_and_report(
         ctx,
         pipeline,
         as_json,
@@ -650,8 +544,16 @@ def chaos_cmd(
     chaos_main(seed, steps, keep_dir, fault_every, features)
 
 
-# Command groups in their own modules register themselves on `cli`.
+# Command groups in their own modules register themselves on `cli` (tidemark/cli/app.py).
 from tidemark.cli import dlq, rebuild, retention, source  # noqa: E402, F401
+
+
+def _debugging() -> bool:
+    """TIDEMARK_DEBUG: an internal error raises with its traceback."""
+    try:
+        return get_settings().debug
+    except ValidationError:  # the settings themselves are what failed: say it in one line
+        return False
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -671,7 +573,7 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"tidemark: database error: {one_line(exc)}", err=True)
         sys.exit(1)
     except Exception as exc:  # never a bare traceback to a user
-        if os.environ.get("TIDEMARK_DEBUG"):
+        if _debugging():
             raise
         click.echo(
             f"tidemark: internal error: {type(exc).__name__}: {clamp(mask(str(exc)), 500)} "

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import click
 
-from tidemark.cli.main import Ctx, _run, cli, dry_run_option, pass_ctx, pipelines, run_options
+from tidemark.cli.app import (
+    Ctx,
+    cli,
+    dry_run_option,
+    pass_ctx,
+    pipelines,
+    run_and_report,
+    run_options,
+)
 from tidemark.core.errors import BadInput, TidemarkError
 from tidemark.ledger.state import AirflowRun
 
@@ -76,7 +84,7 @@ def rebuild_cmd(
         f"table{' (dry run)' if dry_run else ''}",
         err=True,
     )
-    _run(
+    run_and_report(
         ctx,
         pipeline,
         as_json,

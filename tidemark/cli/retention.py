@@ -10,7 +10,7 @@ from typing import overload
 import click
 
 from tidemark import config as cfg
-from tidemark.cli.main import Ctx, cli, pass_ctx, pipelines
+from tidemark.cli.app import Ctx, cli, pass_ctx, pipelines
 from tidemark.cli.source import source
 from tidemark.core.errors import BadInput
 

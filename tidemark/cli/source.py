@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from tidemark import config as cfg
-from tidemark.cli.main import Ctx, cli, pass_ctx
+from tidemark.cli.app import Ctx, cli, pass_ctx
 from tidemark.core.db import connect
 from tidemark.core.dsn import mask
 from tidemark.core.errors import BadInput

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tidemark.core.dsn import remember
 from tidemark.core.errors import TidemarkError
+
+# One default for the driver's memory wherever a run starts one (README "Configuration"): in
+# local mode the driver JVM also runs the executors and holds the batch the gate caches.
+DRIVER_MEMORY = "3g"
+MEMORY = r"^\d+[mMgG]$"  # a JVM memory size, as spark-submit --driver-memory takes it
+SparkLogLevel = Literal["ALL", "TRACE", "DEBUG", "INFO", "WARN", "ERROR", "FATAL", "OFF"]
 
 
 class Settings(BaseSettings):
@@ -58,6 +66,31 @@ class Settings(BaseSettings):
     retention_batch_size: int = Field(
         500, ge=1, description="rows (letters, runs, requests) deleted per ledger transaction"
     )
+    # Spark's driver and the class archive (tidemark/engine/session.py, cds.py).
+    driver_memory: str = Field(
+        DRIVER_MEMORY,
+        pattern=MEMORY,
+        description="Spark driver memory of every run: `tidemark run`'s session, and the "
+        "DAGs' spark-submit unless the pipeline's airflow.driver_memory sets its own",
+    )
+    spark_log_level: SparkLogLevel = Field(
+        "ERROR", description="level of Spark's own log once the session is up"
+    )
+    spark_cds_dir: Path | None = Field(
+        None,
+        description="folder of the driver JVM's class archive (default: "
+        "$XDG_CACHE_HOME/tidemark, else ~/.cache/tidemark)",
+    )
+    sql_dir: Path | None = Field(
+        None, description="folder of the ledger's migrations (default: the package's own)"
+    )
+    debug: bool = Field(False, description="an internal error prints its traceback (the CLI)")
+
+    def cds_dir(self) -> Path:
+        """Where the driver JVM's class archive is (tidemark/engine/cds.py)."""
+        if self.spark_cds_dir is not None:
+            return self.spark_cds_dir
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tidemark"
 
     def docs_dir(self, pipeline: str) -> Path:
         """A pipeline's own Great Expectations project, where its Data Docs are rendered."""

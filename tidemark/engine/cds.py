@@ -9,9 +9,7 @@ set of Spark jars, and its name says which: after an upgrade of either, runs sta
 against its class path too, and only a complete archive is ever put under that name (a
 truncated one would crash the JVM).
 
-Run as ``python -m tidemark.engine.cds TMPFILE``, this module is the dumping process: a
-Spark session started with ``-XX:ArchiveClassesAtExit``, one small job through the classes a
-replay uses, and a clean JVM exit, at which the JVM writes the archive.
+The dumping process is tidemark/engine/cds_dump.py, run in a process of its own.
 """
 
 from __future__ import annotations
@@ -24,11 +22,10 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from tidemark.core.errors import TidemarkError
+from tidemark.core.settings import get_settings
 
 # JVM warnings (an archive from another class path, say) go to stderr: a run's stdout may be
 # its JSON report.
@@ -36,9 +33,7 @@ QUIET = ["-Xlog:disable", "-Xlog:all=warning:stderr"]
 
 
 def folder() -> Path:
-    if os.environ.get("TIDEMARK_SPARK_CDS_DIR"):
-        return Path(os.environ["TIDEMARK_SPARK_CDS_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tidemark"
+    return get_settings().cds_dir()
 
 
 def _java() -> Path | None:
@@ -79,7 +74,7 @@ def archive() -> Path | None:
     return folder() / f"spark-driver-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsa"
 
 
-def _option(flag: str, path: Path) -> str:
+def path_option(flag: str, path: Path) -> str:
     opt = f"{flag}={path}"
     return f'"{opt}"' if " " in opt else opt  # Spark splits the options on blanks
 
@@ -89,7 +84,7 @@ def java_options() -> list[str]:
     path = archive()
     if path is None or not path.is_file():
         return []
-    return [_option("-XX:SharedArchiveFile", path), *QUIET]
+    return [path_option("-XX:SharedArchiveFile", path), *QUIET]
 
 
 def build(force: bool = False, timeout: float = 600) -> tuple[Path, float | None]:
@@ -105,7 +100,7 @@ def build(force: bool = False, timeout: float = 600) -> tuple[Path, float | None
     try:
         # A process of its own: the JVM of this one (if any) started without the dump flag.
         done = subprocess.run(
-            [sys.executable, "-m", "tidemark.engine.cds", str(tmp)],
+            [sys.executable, "-m", "tidemark.engine.cds_dump", str(tmp)],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -123,52 +118,3 @@ def build(force: bool = False, timeout: float = 600) -> tuple[Path, float | None
     finally:
         tmp.unlink(missing_ok=True)
     return target, time.perf_counter() - t
-
-
-def _dump(tmp: Path) -> int:
-    """The dumping process: load what a replay loads, then let the JVM exit cleanly."""
-    import pyarrow as pa
-    from pyspark import SparkContext
-    from pyspark.sql import functions as F
-
-    from tidemark.engine.session import gc_options, session
-
-    spark = session(
-        "local[2]",
-        "tidemark-cds",
-        java_options=[
-            _option("-XX:ArchiveClassesAtExit", tmp),
-            *gc_options(),
-            "-Xlog:disable",
-            "-Xlog:all=error:stderr",
-        ],
-    )
-
-    def batches(it: Iterator[Any]) -> Iterator[Any]:  # pyarrow RecordBatches (no stubs)
-        for b in it:
-            ids = b.column(0).to_pylist()
-            yield pa.RecordBatch.from_pydict(
-                {
-                    "k": [str(i).encode() for i in ids],
-                    "v": [f'{{"y": 2013, "m": {i + 1}, "s": "x{i}"}}' for i in ids],
-                }
-            )
-
-    df = (
-        spark.range(0, 2, 1, 2)
-        .mapInArrow(batches, "k binary, v string")
-        .select("k", F.from_json("v", "y int, m int, s string").alias("j"))
-        .select("k", F.make_date("j.y", "j.m", F.lit(1)).alias("d"), "j.s")
-    )
-    df.where(F.col("d").isNotNull()).mapInArrow(lambda it: it, df.schema).collect()
-    spark.stop()
-    gateway = SparkContext._gateway
-    if gateway is None:
-        raise TidemarkError("the Spark session started no JVM to archive")
-    proc = gateway.proc  # the JVM exits once its stdin closes
-    proc.stdin.close()
-    return int(proc.wait(timeout=120))
-
-
-if __name__ == "__main__":
-    sys.exit(_dump(Path(sys.argv[1])))

@@ -13,7 +13,7 @@ asked the same few questions for each of its sinks:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -23,7 +23,19 @@ from tidemark.engine.redelivery import Redelivery, held_positions, range_positio
 from tidemark.protocol.taskspec import Backfilling, Delivering, Redriving, TaskSpec
 
 if TYPE_CHECKING:
-    from tidemark.engine.sink_task import SinkTask
+    from tidemark.engine.dead_letters import DeadLetters
+    from tidemark.engine.sink_writer import SinkWriter
+    from tidemark.protocol.taskspec import SinkTarget
+
+
+class SinkTask(Protocol):
+    """What a placement asks of a sink's task (tidemark/engine/sink_task.py, which holds its
+    placement: this module does not import it)."""
+
+    t: SinkTarget
+    w: SinkWriter
+    dead: DeadLetters
+    skipped: list[int]
 
 
 class Placing(ABC):
@@ -85,11 +97,12 @@ class Backfill(Placing):
 
     def finish(self, s: SinkTask, fallback: list[pa.RecordBatch]) -> None:
         """Steps 4 and 5: fall back, then resolve the letters of what is placed now."""
-        assert s.w.redelivery is not None
-        lost = s.w.redelivery.settle()
+        redelivery = s.w.redelivery
+        assert isinstance(redelivery, Redelivery)  # set by open
+        lost = redelivery.settle()
         if lost is None:
             return
-        placed = s.w.redelivery.fall_back(lost, fallback)
+        placed = redelivery.fall_back(lost, fallback)
         if s.w.failed:
             return
         for part, (a, b) in s.t.ranges.items():
@@ -117,8 +130,9 @@ class Redrive(Placing):
         return batch.filter(pc.is_in(batch.column(OFFSET), value_set=offs))
 
     def finish(self, s: SinkTask, fallback: list[pa.RecordBatch]) -> None:
-        assert s.w.redelivery is not None
-        lost = s.w.redelivery.settle()
+        redelivery = s.w.redelivery
+        assert isinstance(redelivery, Redelivery)  # set by open
+        lost = redelivery.settle()
         if lost is None:
             return
         if lost:

@@ -73,6 +73,8 @@ def session(
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
 
+    from tidemark.core.settings import get_settings
+
     builder = SparkSession.builder.appName(app_name)
     if master:
         builder = builder.master(master)
@@ -108,7 +110,7 @@ def session(
         .config("spark.python.sql.dataFrameDebugging.enabled", "false")
         .config("spark.sql.redaction.string.regex", REDACT)
         .config("spark.redaction.regex", REDACT)
-        .config("spark.driver.memory", os.environ.get("TIDEMARK_DRIVER_MEMORY", "3g"))
+        .config("spark.driver.memory", get_settings().driver_memory)
     )
     if (master or _submitted_master()).startswith("local"):
         # Local Spark stays on loopback. On a cluster the executors connect back to the
@@ -121,7 +123,7 @@ def session(
             .config("spark.python.daemon.module", "tidemark.engine.worker_daemon")
         )
     spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel(os.environ.get("TIDEMARK_SPARK_LOG_LEVEL", "ERROR"))
+    spark.sparkContext.setLogLevel(get_settings().spark_log_level)
     # The master may come from the argument or from spark-submit: ask the started context.
     if not (spark.sparkContext.master or "").startswith("local"):
         ship_package(spark.sparkContext)

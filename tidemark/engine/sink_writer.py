@@ -12,7 +12,7 @@ failed and rolled back; the task's other sinks carry on.
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import psycopg
@@ -29,10 +29,15 @@ from tidemark.ledger import markers
 from tidemark.protocol import gids, pruned, rebuild, twopc
 from tidemark.protocol.taskspec import CopyFormat, Prepared, SinkTarget, TaskSpec
 
-if TYPE_CHECKING:
-    from tidemark.engine.redelivery import Redelivery
-
 FLUSH_ROWS = 50_000
+
+
+class BeforeFirstRows(Protocol):
+    """What runs in the sink's transaction before its first row is written: a re-delivery's
+    removal by position (tidemark/engine/redelivery.py, which knows this module, not the
+    other way round)."""
+
+    def remove(self) -> None: ...
 
 
 class SinkWriter:
@@ -64,7 +69,7 @@ class SinkWriter:
         self.copy_format: CopyFormat | None = None  # chosen at the first rows
         self.csv_why = ""  # CSV: the first column binary COPY cannot carry
         self.encoder: pgbinary.Encoder | None = None
-        self.redelivery: Redelivery | None = None  # set for backfill and redrive
+        self.redelivery: BeforeFirstRows | None = None  # set for backfill and redrive
         self.write_failed_keys: set[tuple[Any, ...]] = set()  # keys of rows PostgreSQL refused
 
     def _open(self) -> psycopg.Connection:

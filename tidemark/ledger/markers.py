@@ -3,7 +3,8 @@ a marker row per committed participant, the merge guard's conflict function, and
 per-task staging tables.
 
 A marker row commits inside its prepared transaction, so "gid gone, marker here" means
-committed and "gid gone, no marker" means rolled back (docs/design.md, "Markers").
+committed and "gid gone, no marker" means rolled back (docs/design.md, "Commit protocol",
+steps 2 and 4).
 """
 
 from __future__ import annotations

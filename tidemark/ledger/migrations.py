@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -10,20 +9,27 @@ import psycopg
 
 from tidemark.core.db import connect, require_prepared_transactions, scalar
 from tidemark.core.errors import TidemarkError
+from tidemark.core.settings import get_settings
 
-SQL_DIR = Path(os.environ.get("TIDEMARK_SQL_DIR", Path(__file__).resolve().parent / "sql"))
+SHIPPED_SQL = Path(__file__).resolve().parent / "sql"  # the migrations in the wheel
 _NAME = re.compile(r"^V(\d{3})__(\w+)\.sql$")
 LOCK_KEY = 0x74646D6B  # 'tdmk': one upgrade at a time
 
 
+def sql_dir() -> Path:
+    """The migrations' folder: TIDEMARK_SQL_DIR, else the package's own."""
+    return get_settings().sql_dir or SHIPPED_SQL
+
+
 def available() -> list[tuple[int, str, Path]]:
     found = []
-    for path in sorted(SQL_DIR.glob("V*.sql")):
+    folder = sql_dir()
+    for path in sorted(folder.glob("V*.sql")):
         m = _NAME.match(path.name)
         if m:
             found.append((int(m[1]), m[2], path))
     if not found:
-        raise TidemarkError(f"no migrations found in {SQL_DIR}")
+        raise TidemarkError(f"no migrations found in {folder}")
     return found
 
 

@@ -8,6 +8,7 @@ switched off through the environment before the first import.
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import re
 import threading
@@ -19,7 +20,6 @@ os.environ.setdefault("GX_ANALYTICS_ENABLED", "false")
 
 VALUE_REPR_MAX = 60
 lock = threading.RLock()  # GX contexts are not thread-safe; one lock for every use
-_registry_cache: dict[str, dict[str, type]] = {}
 
 
 def _gx():
@@ -37,23 +37,21 @@ def _snake(name: str) -> str:
 def _registry() -> dict[str, type]:
     """snake_case expectation name -> GX expectation class (from ``great_expectations.expectations``)."""
     with lock:
-        reg = _registry_cache.get("registry")
-        if reg is None:
-            _gx()
-            import great_expectations.expectations as gxe
-            from great_expectations.expectations.expectation import Expectation
+        return _expectation_classes()
 
-            reg = {}
-            for attr in dir(gxe):
-                obj = getattr(gxe, attr)
-                if (
-                    isinstance(obj, type)
-                    and issubclass(obj, Expectation)
-                    and attr.startswith("Expect")
-                ):
-                    reg[getattr(obj, "expectation_type", None) or _snake(attr)] = obj
-            _registry_cache["registry"] = reg
-        return reg
+
+@functools.cache
+def _expectation_classes() -> dict[str, type]:
+    _gx()
+    import great_expectations.expectations as gxe
+    from great_expectations.expectations.expectation import Expectation
+
+    classes = {}
+    for attr in dir(gxe):
+        obj = getattr(gxe, attr)
+        if isinstance(obj, type) and issubclass(obj, Expectation) and attr.startswith("Expect"):
+            classes[getattr(obj, "expectation_type", None) or _snake(attr)] = obj
+    return classes
 
 
 def _pydantic_problem(name: str, exc: Exception) -> str:

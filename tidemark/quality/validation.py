@@ -3,32 +3,46 @@ any DataFrame, suites built from Tidemark's expectation objects, and validation.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 from tidemark.core.errors import TidemarkError
 from tidemark.quality.expectations import _gx
 from tidemark.quality.expectations import lock as _lock
 
-_state: dict[str, Any] = {}
+
+@dataclasses.dataclass(frozen=True)
+class Workspace:
+    """GX's ephemeral context of this process and its Spark batch definition, which takes any
+    DataFrame (datasource ``tidemark``, asset ``records``, batch definition ``whole``)."""
+
+    context: Any
+    batch_definition: Any
+
+
+@functools.cache
+def _built() -> Workspace:
+    gx = _gx()
+    from great_expectations.data_context.types.base import ProgressBarsConfig
+
+    ctx = gx.get_context(mode="ephemeral")
+    ctx.variables.progress_bars = ProgressBarsConfig(globally=False)
+    # persist=False: the caller caches the DataFrame; GX must not persist (and leak) it.
+    ds = ctx.data_sources.add_spark(name="tidemark", persist=False)
+    asset = ds.add_dataframe_asset(name="records")
+    return Workspace(ctx, asset.add_batch_definition_whole_dataframe("whole"))
+
+
+def workspace() -> Workspace:
+    """The process's GX workspace, built once (under GX's lock: contexts are not thread-safe)."""
+    with _lock:
+        return _built()
 
 
 def batch_definition():
     """The process-wide ephemeral context's Spark whole-dataframe batch definition."""
-    with _lock:
-        bd = _state.get("batch_definition")
-        if bd is None:
-            gx = _gx()
-            from great_expectations.data_context.types.base import ProgressBarsConfig
-
-            ctx = gx.get_context(mode="ephemeral")
-            ctx.variables.progress_bars = ProgressBarsConfig(globally=False)
-            # persist=False: the caller caches the DataFrame; GX must not persist (and leak) it.
-            ds = ctx.data_sources.add_spark(name="tidemark", persist=False)
-            asset = ds.add_dataframe_asset(name="records")
-            bd = asset.add_batch_definition_whole_dataframe("whole")
-            _state["context"] = ctx
-            _state["batch_definition"] = bd
-        return bd
+    return workspace().batch_definition
 
 
 def suite(name: str, expectations: list):

@@ -26,24 +26,8 @@ from tidemark.ledger.state import Range
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-# Every source yields batches of exactly this schema.
-SCHEMA = pa.schema(
-    [
-        ("_tm_partition", pa.int32()),
-        ("_tm_offset", pa.int64()),
-        ("_tm_key", pa.binary()),
-        ("_tm_payload", pa.binary()),
-        ("_tm_headers", pa.string()),
-        ("_tm_ts", pa.timestamp("us", tz="UTC")),
-    ]
-)
-SPARK_SCHEMA = (
-    "_tm_partition int, _tm_offset bigint, _tm_key binary, _tm_payload binary, "
-    "_tm_headers string, _tm_ts timestamp"
-)
-BATCH_ROWS = 20_000
-# What the reader leaves out of a record it decoded, where payload_source allows.
-LEFT_OUT = ("_tm_key", "_tm_payload", "_tm_headers", "_tm_ts")
+from tidemark.sources.schema import BATCH_ROWS, LEFT_OUT, SCHEMA, SPARK_SCHEMA
+
 # Wanted offsets closer than this are read again as one range (PayloadReader.records).
 REFETCH_GAP = 4096
 
@@ -330,6 +314,8 @@ def dataframe(spark: SparkSession, pipeline: Pipeline, ranges: list[Range]) -> D
 
 
 __all__ = [
+    "BATCH_ROWS",
+    "LEFT_OUT",
     "SCHEMA",
     "SPARK_SCHEMA",
     "FileArchiveSource",

@@ -450,7 +450,7 @@ def read_range(src: FileArchiveSource, r: Range) -> Iterator[pa.RecordBatch]:
     last segment's footer or tail, when the range reaches it, to check the range ends inside
     the archive). Yields rows in offset order, at most ``BATCH_ROWS`` a batch.
     """
-    from tidemark.sources import BATCH_ROWS, SCHEMA
+    from tidemark.sources.schema import BATCH_ROWS, SCHEMA
 
     if r.size <= 0:
         return
@@ -586,7 +586,7 @@ def _read_parquet(
 
 def _conform(raw: pa.RecordBatch, shown: str, partition: int) -> pa.RecordBatch:
     """A parquet batch (archive column names, any compatible types) as SCHEMA."""
-    from tidemark.sources import SCHEMA
+    from tidemark.sources.schema import SCHEMA
 
     cols = []
     for name, target in zip(COLUMNS, SCHEMA.types, strict=True):
@@ -647,7 +647,7 @@ def _check_headers(headers: pa.Array, offsets: pa.Array, shown: str) -> None:
 def _read_jsonl(
     a: Archive, path: str, r: Range, base: int, nxt: int | None, batch_rows: int
 ) -> Iterator[pa.RecordBatch]:
-    from tidemark.sources import SCHEMA
+    from tidemark.sources.schema import SCHEMA
 
     shown = a.show(path)
     order = _Order(shown, base, nxt)

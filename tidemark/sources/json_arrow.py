@@ -130,7 +130,7 @@ def decode(batch: pa.RecordBatch, decoded: dict[str, str], trim: bool = False) -
     flags = pa.concat_arrays(ok) if len(ok) > 1 else ok[0]
     cols = batch.columns
     if trim:
-        from tidemark.sources import LEFT_OUT
+        from tidemark.sources.schema import LEFT_OUT
 
         cols = list(cols)
         for name in LEFT_OUT:

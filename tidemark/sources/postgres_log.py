@@ -392,7 +392,7 @@ def read_range(
 
 def _checked(src: PostgresLogSource, r: Range, wholes) -> Iterator[pa.RecordBatch]:
     """The rows of ``r`` as the reader's batches, every offset checked to be the next one."""
-    from tidemark.sources import BATCH_ROWS, SCHEMA
+    from tidemark.sources.schema import BATCH_ROWS, SCHEMA
 
     expected = r.start
     for whole in wholes:

@@ -140,53 +140,54 @@ def _b(v) -> bytes | None:
 
 class Checker:
     def __init__(self, target: Target):
-        self.t = target
+        self.target = target
         self.previous: dict[tuple[str, int], int] | None = None
         self.known: dict[tuple[int, int], tuple[bytes | None, bytes | None]] = {}
 
     def check(self) -> tuple[list[Problem], Snapshot]:
         problems: list[Problem] = []
         snap = Snapshot()
-        held = {(r.p, r.o): (_b(r.key), _b(r.payload)) for r in self.t.source.records()}
+        held = {(r.p, r.o): (_b(r.key), _b(r.payload)) for r in self.target.source.records()}
         # Records retention trimmed from the source stay known (a sink may still hold them,
         # and must: nothing re-delivers them); they need no place of their own any more.
         self.known.update(held)
         source = self.known
         trimmed = {pos for pos in source if pos not in held}
-        with psycopg.connect(self.t.ledger_dsn, autocommit=True, application_name=APP) as led:
+        with psycopg.connect(self.target.ledger_dsn, autocommit=True, application_name=APP) as led:
             checkpoints = {
                 (s, p): n
                 for s, p, n in led.execute(
                     "SELECT sink, partition, next_offset FROM tidemark.checkpoints "
                     "WHERE pipeline = %s",
-                    (self.t.pipeline,),
+                    (self.target.pipeline,),
                 )
             }
-            began = starts(led, self.t.pipeline)
+            began = starts(led, self.target.pipeline)
             # Retention drops a discarded letter's payload (never its row; ledger V011).
             pruned = "pruned_at IS NOT NULL" if has_column(led, "dlq", "pruned_at") else "false"
             letters = led.execute(
                 f"""SELECT id, sink, source_partition, source_offset, key, payload,
                           status::text, error_class::text, {pruned}
                    FROM tidemark.dlq WHERE pipeline = %s ORDER BY id""",
-                (self.t.pipeline,),
+                (self.target.pipeline,),
             ).fetchall()
             halted = led.execute(
-                "SELECT halted_reason FROM tidemark.pipelines WHERE name = %s", (self.t.pipeline,)
+                "SELECT halted_reason FROM tidemark.pipelines WHERE name = %s",
+                (self.target.pipeline,),
             ).fetchone()
             open_runs = led.execute(
                 """SELECT rs.run_id, rs.sink, rs.state::text FROM tidemark.run_sinks rs
                    JOIN tidemark.runs r USING (run_id)
                    WHERE r.pipeline = %s AND rs.state::text = ANY(%s) ORDER BY 1, 2""",
-                (self.t.pipeline, list(OPEN_STATES)),
+                (self.target.pipeline, list(OPEN_STATES)),
             ).fetchall()
             prepared = led.execute(
                 "SELECT database, gid FROM pg_prepared_xacts WHERE database = ANY(%s) "
                 "ORDER BY database, gid",
-                (self.t.databases,),
+                (self.target.databases,),
             ).fetchall()
-        rows = {s: self._sink_rows(dsn, table) for s, (dsn, table) in self.t.sinks.items()}
-        tombs = {s: self._tombs(dsn, table) for s, (dsn, table) in self.t.sinks.items()}
+        rows = {s: self._sink_rows(dsn, table) for s, (dsn, table) in self.target.sinks.items()}
+        tombs = {s: self._tombs(dsn, table) for s, (dsn, table) in self.target.sinks.items()}
 
         ends: dict[int, int] = {}
         for p, o in source:
@@ -248,7 +249,7 @@ class Checker:
                 if status in LIVE:
                     unnamed.setdefault((p, o), []).append(lid)
                 continue
-            if sink not in self.t.sinks:
+            if sink not in self.target.sinks:
                 problems.append(
                     Problem(
                         sink, p, o, f"dead letter {lid} names a sink the pipeline does not have"
@@ -259,7 +260,7 @@ class Checker:
                 live.setdefault((sink, p, o), []).append(lid)
 
         # -- per sink and partition: exactly once below, nothing at or above ----------------
-        for s in self.t.sinks:
+        for s in self.target.sinks:
             by_pos: dict[tuple[int, int], tuple] = {}
             by_id: dict[int, tuple[int, int, int | None]] = {}
             for rid, version, p, o in rows[s]:
@@ -283,7 +284,7 @@ class Checker:
                             f"sink row id {rid} for a record whose payload has no readable id",
                         )
                     )
-                elif rid not in self.t.keys(pid):
+                elif rid not in self.target.keys(pid):
                     problems.append(
                         Problem(s, p, o, f"sink row id {rid} but its source record's id is {pid}")
                     )
@@ -331,7 +332,7 @@ class Checker:
                     problems.append(
                         Problem(s, p, o, f"tombstone of key {tid} for a record with a payload")
                     )
-                elif tid not in self.t.keys(parsed[(p, o)][0] or -1):
+                elif tid not in self.target.keys(parsed[(p, o)][0] or -1):
                     problems.append(
                         Problem(
                             s, p, o, f"tombstone of key {tid} for a record whose key is {skey!r}"
@@ -392,7 +393,7 @@ class Checker:
                     continue
                 pid, pversion = parsed[(p, o)]
                 newer = None
-                for k in self.t.keys(pid) if pid is not None else ():
+                for k in self.target.keys(pid) if pid is not None else ():
                     if (row := by_id.get(k)) and self._newer(row, p, o, pversion):
                         newer = row
                     if (row := tomb_id.get(k)) and self._newer(row, p, o, pversion):
@@ -400,7 +401,11 @@ class Checker:
                 if newer is not None:
                     continue
                 newer = next(
-                    (by_id[k] for k in (self.t.keys(pid) if pid is not None else ()) if k in by_id),
+                    (
+                        by_id[k]
+                        for k in (self.target.keys(pid) if pid is not None else ())
+                        if k in by_id
+                    ),
                     None,
                 )
                 what = f"below the checkpoint {cp} but not placed: no sink row"
@@ -453,7 +458,7 @@ class Checker:
             problems.append(Problem(sink, "-", "-", f"run {run_id} still {st} after recovery"))
         if halted and halted[0]:
             problems.append(
-                Problem("-", "-", "-", f"pipeline {self.t.pipeline} is halted: {halted[0]}")
+                Problem("-", "-", "-", f"pipeline {self.target.pipeline} is halted: {halted[0]}")
             )
         return sorted(set(problems), key=_order), snap
 
@@ -470,7 +475,7 @@ class Checker:
         rp, ro, rv = row
         a: tuple[int, ...]  # bools order as ints: a row of the record's partition is after
         b: tuple[int, ...]
-        if self.t.versioned and rv is not None:
+        if self.target.versioned and rv is not None:
             a, b = (rv, rp, ro), (version if version is not None else -1, p, o)
         else:
             a, b = (rp == p, ro), (True, o)
@@ -480,7 +485,7 @@ class Checker:
         """(id, version) of a record: the payload's, the id the key's where sink keys come
         from source keys (a tombstone's only id)."""
         pid, version = _payload_fields(payload)
-        if self.t.key_from_key:
+        if self.target.key_from_key:
             text = key.decode("ascii", "replace") if key is not None else ""
             pid = int(text) if re.fullmatch(r"[0-9]+", text) else None
         return pid, version

@@ -310,7 +310,7 @@ class SinkModel:
 
     def _fails(self, pos: Pos) -> None:
         """The record fails (again): a live letter, quarantined, except that a discard stands
-        while its record fails (docs/design.md, "Dead letters")."""
+        while its record fails (docs/design.md, "DLQ envelope")."""
         if self.live.get(pos) != "discarded":
             self.live[pos] = "quarantined"
 
@@ -348,7 +348,7 @@ class Applied:
 
 class Oracle:
     def __init__(self, target: Target, features: w.Features):
-        self.t = target
+        self.target = target
         self.f = features
         self.cols = columns(features)
         self.trimmed: set[Pos] = set()
@@ -366,7 +366,7 @@ class Oracle:
 
     # -- learning what happened -----------------------------------------------------------
     def _led(self) -> psycopg.Connection:
-        return psycopg.connect(self.t.ledger_dsn, autocommit=True, application_name=APP)
+        return psycopg.connect(self.target.ledger_dsn, autocommit=True, application_name=APP)
 
     def letters(self, ids: Iterable[int]) -> dict[int, tuple[str, int, int]]:
         """Dead letter id -> (sink, partition, offset): what a letter holds never changes."""
@@ -398,7 +398,7 @@ class Oracle:
         # Trimmed records stay in the model (the sinks may hold them), marked; a late
         # segment's records lie below what was read: read everything again.
         self.trimmed.update(trimmed)
-        for r in self.t.source.records(None if reread else have):
+        for r in self.target.source.records(None if reread else have):
             self.source[(r.p, r.o)] = Record(r.p, r.o, r.payload, r.headers, r.ts, r.key)
         self.problems = []
         with self._led() as led:
@@ -408,7 +408,7 @@ class Oracle:
                    FROM tidemark.run_sinks rs
                    JOIN tidemark.runs r USING (run_id)
                    WHERE r.pipeline = %s AND rs.run_id > %s ORDER BY 1, 2""",
-                (self.t.pipeline, self.last_run),
+                (self.target.pipeline, self.last_run),
             ).fetchall()
             if not runs:
                 ranges, gates = [], []
@@ -596,7 +596,7 @@ class Oracle:
     def _learn_starts(self, led: psycopg.Connection) -> None:
         cps = led.execute(
             "SELECT sink, partition FROM tidemark.checkpoints WHERE pipeline = %s",
-            (self.t.pipeline,),
+            (self.target.pipeline,),
         ).fetchall()
         for s, p in cps:
             if (s, p) in self.began or s not in self.sinks:
@@ -608,7 +608,7 @@ class Oracle:
                 at = min(offs) if offs else 0
             self.began[(s, p)] = at
             self.sinks[s].began[p] = at
-        recorded = starts(led, self.t.pipeline)
+        recorded = starts(led, self.target.pipeline)
         for (s, p), at in sorted(recorded.items()):
             want = self.began.get((s, p))
             if want is not None and at != want:
@@ -721,13 +721,13 @@ class Oracle:
             letters = led.execute(
                 "SELECT sink, source_partition, source_offset, status::text, id "
                 "FROM tidemark.dlq WHERE pipeline = %s AND status::text = ANY(%s)",
-                (self.t.pipeline, list(LIVE)),
+                (self.target.pipeline, list(LIVE)),
             ).fetchall()
         have_live: dict[str, dict[Pos, tuple[str, int]]] = {s: {} for s in self.sinks}
         for s, p, o, status, lid in letters:
             if s in have_live:
                 have_live[s][(p, o)] = (status, lid)
-        for s, (dsn, table) in self.t.sinks.items():
+        for s, (dsn, table) in self.target.sinks.items():
             m = self.sinks[s]
             rows = self._rows(dsn, table)
             have: dict[int, list[tuple]] = {}
