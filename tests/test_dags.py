@@ -453,7 +453,7 @@ def test_rebuild_dag_form_previews_first_and_builds_the_rebuild_command(airflow_
     check's arguments complete `sink rebuild NAME`."""
     from airflow.sdk.exceptions import ParamValidationError
 
-    from tidemark.airflow.rebuild_dag import check_rebuild
+    from tidemark.airflow.tasks import check_rebuild
 
     dag = _bag(REPO / "dags").dags["tidemark_flights_rebuild"]
     assert type(dag.timetable).__name__ == "NullTimetable"  # no schedule: only triggered
@@ -485,18 +485,10 @@ def test_rebuild_dag_form_previews_first_and_builds_the_rebuild_command(airflow_
         check_rebuild(path, {**form, "staged": True})
 
     replay = dag.get_task("replay")
-    replay.application_args = [
-        "--pipelines-dir", "d", "sink", "rebuild", "flights", "--airflow-run", "{}"
-    ]  # fmt: skip
-
-    class Ti:
-        def xcom_pull(self, task_ids):
-            assert task_ids == "check"
-            return {"args": ["warehouse", "--staged"]}
-
-    assert replay._command({"ti": Ti(), "params": {"dry_run": True}}) == [
-        "--pipelines-dir", "d", "sink", "rebuild", "flights", "warehouse", "--staged",
-        "--dry-run", "--airflow-run", "{}",
+    ctx = _context(xcom={"check": {"args": ["warehouse", "--staged"]}}, params={"dry_run": True})
+    assert replay.command(ctx).argv()[2:] == [
+        "sink", "rebuild", "flights", "warehouse", "--staged",
+        "--dry-run", "--airflow-run", AIRFLOW_RUN_JSON,
     ]  # fmt: skip
 
 
@@ -505,7 +497,7 @@ def test_a_staged_key_change_leaves_the_live_dags_alone(airflow_home, tmp_path):
     version, the rebuild form offers the staged version, and a broken staged file is one
     line of the pipeline files' import error, never a broken DAG."""
     from tidemark import config
-    from tidemark.airflow.rebuild_dag import check_rebuild
+    from tidemark.airflow.tasks import check_rebuild
 
     dags = tmp_path / "dags"
     shutil.copytree(REPO / "dags", dags)

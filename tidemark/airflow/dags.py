@@ -9,7 +9,7 @@ Per pipeline ``<name>``:
 * ``tidemark_<name>_backfill``: the same job in backfill mode for an offset range chosen in the
   Trigger form (partition, from/to offset, sinks);
 * ``tidemark_<name>_rebuild``: a sink's table made again from the source, with the live
-  file or the staged next version (tidemark/airflow/rebuild_dag.py);
+  file or the staged next version (rebuild_dag below);
 * ``tidemark_<name>_redrive``: quarantined records (ids, or a class/sink) replayed through the
   current pipeline code (tidemark/driver/redrive.py); the Dead letters page triggers it with
   a redrive request it made in the ledger. The select task turns the form into such a
@@ -75,7 +75,6 @@ def pipeline_dags(folder: str | Path) -> dict[str, DAG]:
 
 
 def _dags_of(p: config.Pipeline, path: Path) -> list[DAG]:
-    from tidemark.airflow.rebuild_dag import rebuild_dag
 
     return [replay_dag(p, path), backfill_dag(p, path), redrive_dag(p, path), rebuild_dag(p, path)]
 
@@ -493,6 +492,66 @@ def _checked_replay(
     )
     replay = _spark(p, path, action, options, args_from=args_from, previews=True)
     _recover(p, path) >> first >> replay >> _report(p, path)
+
+
+def rebuild_dag(p: config.Pipeline, path: Path) -> DAG:
+    """``tidemark_<name>_rebuild``: `tidemark sink rebuild` triggered by hand
+    (docs/operations.md, "Rebuild a sink" and "Change a key: stage, rebuild, promote").
+    Dry run is ticked by default: trigger once to preview, then again unticked. With Staged,
+    the rebuild writes with ``<name>.next.yaml`` and, once every sink it changes is rebuilt,
+    the job makes it the live file (the report says so)."""
+    names = [s.name for s in p.sinks]
+    staged = config.staged_file(path.parent, p.name)
+    params = {
+        "sink": Param(
+            names[0],
+            type="string",
+            enum=names,
+            title="Sink",
+            description="The sink whose table is made again from the source.",
+        ),
+        "staged": Param(
+            staged.exists(),
+            type="boolean",
+            title="Staged version",
+            description=f"Rebuild with the staged next version ({staged.name}) instead of "
+            f"the live file; it goes live once every sink it changes is rebuilt.",
+        ),
+        "accept_pruned": Param(
+            False,
+            type="boolean",
+            title="Accept pruned",
+            description="Rebuild although the source no longer holds records whose rows the "
+            "table has (they are left out of the new table; the old table keeps them).",
+        ),
+        "dry_run": Param(
+            True,
+            type="boolean",
+            title="Dry run",
+            description="Preview (the default): run up to PREPARE, report what the new table "
+            "would hold, roll back. Untick to rebuild.",
+        ),
+    }
+    with _triggered(
+        p,
+        "rebuild",
+        f"Rebuild a sink table of {p.name} from its source (a key change)",
+        _doc(p, path, "rebuild a sink table")
+        + (
+            "\n\nRe-delivers every record the sink has received into a new table made from "
+            "the pipeline (its key and columns) and swaps it in for the old one in the same "
+            "two-phase commit; the old table is kept as `<table>_<YYYYMMDD>_run<N>`. Trigger "
+            "with Dry run ticked first (the default) and read the report; then trigger again "
+            f"unticked. A key change waits in `{staged.name}` beside the pipeline file (the "
+            "live pipeline runs on meanwhile): tick Staged version to rebuild with it."
+        ),
+        params,
+        is_paused_upon_creation=False,
+    ) as dag:
+        _checked_replay(
+            p, path, "check", airflow_tasks.check_rebuild, JobAction.REBUILD, args_from="check"
+        )
+    return dag
 
 
 def redrive_dag(p: config.Pipeline, path: Path) -> DAG:

@@ -143,6 +143,31 @@ def check_backfill(pipeline_file: str, params: dict) -> dict:
     return {"pipeline": p.name, "sinks": sinks, "args": args}
 
 
+def check_rebuild(pipeline_file: str, params: dict) -> dict:
+    """The rebuild form, checked (the staged file too: a broken one fails here, not in
+    Spark), as the arguments replay adds after the pipeline's name."""
+    path = Path(pipeline_file)
+    p = config.load(path, deep=False)
+    sink = params.get("sink")
+    names = [s.name for s in p.sinks]
+    if sink not in names:
+        raise BadInput(f"rebuild of {p.name}: sink must be one of {', '.join(names)}; got {sink!r}")
+    args = [str(sink)]
+    if params.get("staged"):
+        from tidemark.protocol.staging import changed_sinks
+
+        staged = config.load_staged(path.parent, p.name)
+        changed = changed_sinks(p, staged)
+        print(
+            f"rebuild of {p.name} sink {sink} with the staged version "
+            f"{config.staged_file(path.parent, p.name)} (it changes {', '.join(changed) or 'no sink'})"
+        )
+        args.append("--staged")
+    if params.get("accept_pruned"):
+        args.append("--accept-pruned")
+    return {"pipeline": p.name, "sinks": [sink], "args": args}
+
+
 def _window(where: str, since: str | None, until: str | None) -> list[str]:
     from datetime import UTC, datetime
 

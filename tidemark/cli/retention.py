@@ -74,7 +74,7 @@ def pipelines_retire(ctx: Ctx, name: str, yes: bool) -> None:
     """Delete every ledger row of pipeline NAME (checkpoints, leases, runs, dead letters of
     every status, metrics, data-quality results, redrive requests) and its Data Docs. Its sink
     tables are left as they are."""
-    from tidemark.protocol.prune import LABELS, human_bytes
+    from tidemark.protocol.prune_summary import LABELS, human_bytes
     from tidemark.protocol.retire import plan, retire
 
     s = ctx.settings

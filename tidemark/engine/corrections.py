@@ -17,12 +17,12 @@ from pyspark.sql import functions as F
 
 from tidemark.config import Correction, Pipeline
 from tidemark.core.errors import ConfigError
-from tidemark.engine import records
+from tidemark.engine.row_errors import ERR_CLASS, ERR_REASON
 
 
 def window(c: Correction) -> Column:
     """The rows of the correction's window: every condition it gives."""
-    cond = F.col(records.ERR_CLASS).isNull()
+    cond = F.col(ERR_CLASS).isNull()
     if c.partitions:
         cond = cond & F.col("_tm_partition").isin(c.partitions)
     if c.offsets is not None:
@@ -73,13 +73,11 @@ def apply(df: DataFrame, pipeline: Pipeline) -> DataFrame:
         ]
         if nulls:
             why = F.coalesce(*nulls)
-            failed = F.col(records.ERR_CLASS).isNull() & why.isNotNull()
+            failed = F.col(ERR_CLASS).isNull() & why.isNotNull()
             df = df.withColumns(
                 {
-                    records.ERR_REASON: F.when(failed, why).otherwise(F.col(records.ERR_REASON)),
-                    records.ERR_CLASS: F.when(failed, F.lit("transform")).otherwise(
-                        F.col(records.ERR_CLASS)
-                    ),
+                    ERR_REASON: F.when(failed, why).otherwise(F.col(ERR_REASON)),
+                    ERR_CLASS: F.when(failed, F.lit("transform")).otherwise(F.col(ERR_CLASS)),
                 }
             )
     return df

@@ -17,10 +17,12 @@ from pyspark.sql.types import DataType
 
 from tidemark.config import META_PREFIX, Pipeline, pg_type
 from tidemark.core.errors import ConfigError
+from tidemark.engine import corrections
+from tidemark.engine.row_errors import ERR_CLASS as ERR_CLASS
+from tidemark.engine.row_errors import ERR_REASON as ERR_REASON
 from tidemark.sources import json_arrow
 
 META = ["_tm_partition", "_tm_offset", "_tm_key", "_tm_payload", "_tm_headers", "_tm_ts"]
-ERR_CLASS, ERR_REASON = "_tm_error_class", "_tm_reason"
 # A record with a key and no payload: not an error, but not a row either. Its class stays
 # set through the transform and the checks (which judge rows only); each sink then deletes
 # its key or keeps it as a dead letter (config.Tombstones, tidemark/engine/sink_task.py).
@@ -161,8 +163,6 @@ def transform(df: DataFrame, pipeline: Pipeline) -> DataFrame:
 def rows(df: DataFrame, pipeline: Pipeline) -> DataFrame:
     """What the pipeline makes of source records: decoded, transformed, corrected. Every
     mode reads through here, so every delivery of a record makes the same row."""
-    from tidemark.engine import corrections  # it reads this module's column names
-
     return corrections.apply(transform(decode(df, pipeline), pipeline), pipeline)
 
 

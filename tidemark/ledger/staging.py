@@ -8,7 +8,7 @@ from datetime import datetime
 
 import psycopg
 
-from tidemark.ledger.state import RunState
+from tidemark.ledger.run_state import RunState
 
 
 @dataclass(frozen=True)

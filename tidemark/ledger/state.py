@@ -13,7 +13,6 @@ fails instead of acting twice.
 
 from __future__ import annotations
 
-import enum
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -28,22 +27,10 @@ from tidemark.core.errors import Fenced, Halted, LeaseHeld, TidemarkError
 from tidemark.core.text import clamp
 from tidemark.ledger import gaps
 from tidemark.ledger.checkpoints import positions, starts
+from tidemark.ledger.run_state import RunState as RunState
 
 ERROR_MAX = 2000  # characters of an error kept in the ledger
 OWNER_LOCK_CLASS = 0x746D  # 'tm': session advisory lock (class, run_id) proves the owner lives
-
-
-class RunState(enum.StrEnum):
-    PLANNED = "planned"
-    WRITING = "writing"
-    PREPARED = "prepared"
-    COMMITTING = "committing"
-    COMMITTED = "committed"
-    ABORTED = "aborted"
-    DQ_FAILED = "dq_failed"
-    # Decided, some participants committed, another rolled back by someone else: its ranges
-    # must be re-delivered (`tidemark settle RUN`), which makes it committed.
-    LOST = "lost"
 
 
 ABORTABLE = (RunState.PLANNED, RunState.WRITING, RunState.PREPARED)

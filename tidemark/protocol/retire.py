@@ -20,7 +20,8 @@ from tidemark.core.dsn import mask
 from tidemark.core.errors import NotFound, TidemarkError
 from tidemark.ledger import markers, retention, state
 from tidemark.protocol import gids, twopc
-from tidemark.protocol.prune import Progress, Summary, locked, walk
+from tidemark.protocol.prune import locked, walk
+from tidemark.protocol.prune_summary import Progress, Summary
 from tidemark.quality import docs
 
 HALT = "retiring (tidemark pipelines retire)"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import UTC, date, datetime
-from typing import TYPE_CHECKING
 
 import psycopg
 from psycopg import sql
@@ -22,11 +21,9 @@ from tidemark.config import Pipeline
 from tidemark.core.db import connect, one_line, qualified
 from tidemark.core.dsn import mask
 from tidemark.core.errors import TidemarkError
+from tidemark.protocol.prune_summary import Progress, Summary
 from tidemark.protocol.rebuild import retired_table
 from tidemark.protocol.sinks import tombstone_table
-
-if TYPE_CHECKING:
-    from tidemark.protocol.prune import Progress, Summary
 
 _RETIRED = re.compile(r"_(\d{8})_run(\d+)$")
 
