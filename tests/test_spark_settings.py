@@ -1,0 +1,60 @@
+"""Spark settings reach the job: the executors' Python (spark.pyspark.python), the pipeline's
+``spark:`` block and the Spark connection's extra conf (tidemark/core/spark_settings.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+# A fresh process's session, with the executors' Python given as Spark conf: which Python
+# its tasks ran, seen from inside a task.
+PROBE = """
+import os, sys
+from tidemark.engine.session import session
+spark = session("local[1]", "tidemark-python-probe", conf={"spark.pyspark.python": sys.argv[1]})
+seen = spark.sparkContext.parallelize([0], 1).map(lambda _: os.environ.get("PROBE_PYTHON"))
+print(seen.collect()[0])
+"""
+
+
+def _wrapper(tmp_path: Path) -> Path:
+    """A Python that marks its processes, so a task can tell it ran there."""
+    wrapper = tmp_path / "marked-python"
+    wrapper.write_text(f'#!/bin/sh\nPROBE_PYTHON=marked exec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+@pytest.mark.spark  # a JVM of its own
+def test_the_executors_run_the_python_set_as_spark_conf(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_")}
+    probe = subprocess.run(
+        [sys.executable, "-c", PROBE, str(_wrapper(tmp_path))],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == ["marked"]
+
+
+def test_the_executors_python_is_the_setting_else_the_drivers_on_a_local_master_only():
+    from tidemark.core.errors import BadInput
+    from tidemark.engine.session import executors_python
+
+    assert executors_python("spark://m:7077", "/opt/env/bin/python", "/x") == "/opt/env/bin/python"
+    assert executors_python("yarn", None, "./environment/bin/python") == "./environment/bin/python"
+    assert executors_python("local[*,4]", None, None) == sys.executable
+    with pytest.raises(BadInput) as e:
+        executors_python("spark://m:7077", None, None)
+    assert str(e.value).startswith(
+        "the executors' Python is not set for master spark://m:7077: set spark.pyspark.python"
+    )
