@@ -58,3 +58,46 @@ def test_the_executors_python_is_the_setting_else_the_drivers_on_a_local_master_
     assert str(e.value).startswith(
         "the executors' Python is not set for master spark://m:7077: set spark.pyspark.python"
     )
+
+
+@pytest.mark.parametrize(
+    ("spark", "problem"),
+    [
+        ({"executor.memory": "4g"}, "'executor.memory' is not a Spark setting (spark.*)"),
+        ({"spark.master": "yarn"}, "spark.master cannot be set here"),
+        ({"spark.speculation": True}, "spark.speculation cannot be set here"),
+        ({"spark.executor.memory": ["4g"]}, "spark.executor.memory: expected a string"),
+        (
+            {"spark.hadoop.javax.jdo.option.ConnectionURL": "postgresql://u:Pw9@db/metastore"},
+            "spark.hadoop.javax.jdo.option.ConnectionURL: Spark settings travel in the clear",
+        ),
+    ],
+)
+def test_a_pipelines_spark_block_is_checked_field_by_field(tmp_path, spark, problem):
+    import yaml
+
+    from tidemark import config
+    from tidemark.core.errors import ConfigError
+
+    doc = yaml.safe_load((REPO / "dags" / "pipelines" / "flights.yaml").read_text())
+    path = tmp_path / "flights.yaml"
+    path.write_text(yaml.safe_dump({**doc, "spark": spark}))
+    with pytest.raises(ConfigError) as e:
+        config.load(path, deep=False)
+    assert "spark" in str(e.value) and problem in str(e.value), str(e.value)
+    assert "Pw9" not in str(e.value)
+
+
+def test_a_pipelines_spark_block_becomes_sparks_strings(tmp_path):
+    import yaml
+
+    from tidemark import config
+
+    doc = yaml.safe_load((REPO / "dags" / "pipelines" / "flights.yaml").read_text())
+    path = tmp_path / "flights.yaml"
+    spark = {"spark.executor.cores": 2, "spark.dynamicAllocation.enabled": False}
+    path.write_text(yaml.safe_dump({**doc, "spark": spark}))
+    assert config.load(path, deep=False).spark == {
+        "spark.executor.cores": "2",
+        "spark.dynamicAllocation.enabled": "false",
+    }
