@@ -101,3 +101,39 @@ def test_a_pipelines_spark_block_becomes_sparks_strings(tmp_path):
         "spark.executor.cores": "2",
         "spark.dynamicAllocation.enabled": "false",
     }
+
+
+class _Started(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("master", "loopback"), [("local[2]", True), ("spark://10.1.2.3:7077", False)]
+)
+def test_the_driver_advertises_loopback_only_to_a_local_master(monkeypatch, master, loopback):
+    """Executors on other hosts connect back to the driver at the address it advertises:
+    SPARK_LOCAL_IP and spark.driver.host stay unset (the host's address) unless local."""
+    from pyspark.sql import SparkSession
+
+    from tidemark.engine.session import session
+
+    seen: dict = {}
+
+    def get_or_create(builder):
+        seen["options"] = dict(builder._options)
+        seen["local_ip"] = os.environ.get("SPARK_LOCAL_IP")
+        raise _Started
+
+    monkeypatch.delenv("SPARK_LOCAL_IP", raising=False)
+    monkeypatch.delenv("PYSPARK_GATEWAY_PORT", raising=False)
+    monkeypatch.setattr(SparkSession.Builder, "getOrCreate", get_or_create)
+    with pytest.raises(_Started):
+        session(master, "tidemark-address-probe", conf={"spark.executor.cores": "1"})
+    assert seen["options"]["spark.executor.cores"] == "1"
+    if loopback:
+        assert seen["local_ip"] == "127.0.0.1"
+        assert seen["options"]["spark.driver.host"] == "127.0.0.1"
+    else:
+        assert seen["local_ip"] is None
+        assert "spark.driver.host" not in seen["options"]
+        assert "spark.driver.bindAddress" not in seen["options"]

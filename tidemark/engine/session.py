@@ -77,7 +77,6 @@ def session(
     the JVM is up already and spark-submit's own options hold. ``conf``: the user's Spark
     settings (tidemark/core/spark_settings.py), over Tidemark's defaults."""
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
 
     builder = SparkSession.builder.appName(app_name)
@@ -117,11 +116,13 @@ def session(
         .config("spark.redaction.regex", REDACT)
         .config("spark.driver.memory", os.environ.get("TIDEMARK_DRIVER_MEMORY", "3g"))
     )
-    if (master or _submitted_master()).startswith("local"):
+    if spark_settings.is_local(master or _submitted_master()):
         # Local Spark stays on loopback. On a cluster the executors connect back to the
-        # driver: its address is spark-submit's (--conf spark.driver.host) or Spark's default.
+        # driver: its address is the host's (Spark's default, or SPARK_LOCAL_IP), or
+        # spark.driver.host from spark-submit or the user's settings, never loopback.
         # Its Python workers are this machine's, which import tidemark: their daemon
         # imports PySpark from the installed package (tidemark/engine/worker_daemon.py).
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         builder = (
             builder.config("spark.driver.bindAddress", "127.0.0.1")
             .config("spark.driver.host", "127.0.0.1")
