@@ -492,3 +492,28 @@ def test_a_secret_in_the_spark_connections_conf_fails_the_task_in_one_line(
         "Spark connection 'spark_default': extra conf: spark.hadoop.fs.s3a.secret.key: "
     )
     assert "Hunter2Secret" not in message and "\n" not in message
+
+
+def test_a_kubernetes_master_without_its_provider_fails_the_task_saying_what_to_install(
+    airflow_home, tmp_path, monkeypatch
+):
+    import json
+
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from tidemark.airflow import spark_conf
+
+    if spark_conf._kubernetes_provider():
+        pytest.skip("the cncf-kubernetes provider is installed")
+
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SPARK_DEFAULT",
+        json.dumps({"conn_type": "spark", "host": "k8s://https://api.example", "port": 6443}),
+    )
+    folder = tmp_path / "pipelines"
+    folder.mkdir()
+    (folder / "orders.yaml").write_text(PIPELINE_WITH_SPARK)
+    with pytest.raises(
+        AirflowFailException, match="install apache-airflow-providers-cncf-kubernetes"
+    ):
+        spark_conf.job_conf({}, "spark_default", str(folder / "orders.yaml"))

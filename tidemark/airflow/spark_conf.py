@@ -19,7 +19,15 @@ def job_conf(base: Mapping[str, str] | None, conn_id: str, pipeline_file: str) -
     from airflow.sdk import BaseHook
     from airflow.sdk.exceptions import AirflowFailException
 
-    extra = BaseHook.get_connection(conn_id).extra_dejson or {}
+    conn = BaseHook.get_connection(conn_id)
+    if (conn.host or "").startswith("k8s") and not _kubernetes_provider():
+        # Else the provider's hook fails with "NameError: name 'kube_client' is not defined".
+        raise AirflowFailException(
+            f"Spark connection {conn_id!r} has a Kubernetes master: install "
+            "apache-airflow-providers-cncf-kubernetes beside Tidemark (the lock does not "
+            "include it; docs/production.md)"
+        )
+    extra = conn.extra_dejson or {}
     try:
         given = extra.get("conf") or {}
         if not isinstance(given, Mapping):
@@ -31,3 +39,12 @@ def job_conf(base: Mapping[str, str] | None, conn_id: str, pipeline_file: str) -
         ) from None
     pipeline = config.load(Path(pipeline_file), deep=False).spark
     return {**(base or {}), **from_connection, **pipeline}
+
+
+def _kubernetes_provider() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("airflow.providers.cncf.kubernetes") is not None
+    except ModuleNotFoundError:
+        return False
