@@ -66,6 +66,7 @@ def test_the_executors_python_is_the_setting_else_the_drivers_on_a_local_master_
         ({"executor.memory": "4g"}, "'executor.memory' is not a Spark setting (spark.*)"),
         ({"spark.master": "yarn"}, "spark.master cannot be set here"),
         ({"spark.speculation": True}, "spark.speculation cannot be set here"),
+        ({"spark.ssl.keyStorePassword": "Pw9"}, "spark.ssl.keyStorePassword: Spark settings"),
         ({"spark.executor.memory": ["4g"]}, "spark.executor.memory: expected a string"),
         (
             {"spark.hadoop.javax.jdo.option.ConnectionURL": "postgresql://u:Pw9@db/metastore"},
@@ -95,11 +96,16 @@ def test_a_pipelines_spark_block_becomes_sparks_strings(tmp_path):
 
     doc = yaml.safe_load((REPO / "dags" / "pipelines" / "flights.yaml").read_text())
     path = tmp_path / "flights.yaml"
-    spark = {"spark.executor.cores": 2, "spark.dynamicAllocation.enabled": False}
+    spark = {
+        "spark.executor.cores": 2,
+        "spark.dynamicAllocation.enabled": False,
+        "spark.authenticate.secret.file": "/etc/spark/secret",  # a path, not the secret
+    }
     path.write_text(yaml.safe_dump({**doc, "spark": spark}))
     assert config.load(path, deep=False).spark == {
         "spark.executor.cores": "2",
         "spark.dynamicAllocation.enabled": "false",
+        "spark.authenticate.secret.file": "/etc/spark/secret",
     }
 
 

@@ -11,7 +11,10 @@ from collections.abc import Mapping
 # Spark's names: dotted lower-camel words (spark.executor.memory, spark.pyspark.python).
 KEY = re.compile(r"^spark(\.[A-Za-z0-9_-]+)+$")
 # A key naming a secret, or a value holding a URL's password (scheme://user:password@host).
+# A key naming a secret's file (spark.authenticate.secret.file, ...oauthTokenFile) holds a
+# path, not the secret.
 SECRET_KEY = re.compile(r"(?i)password|secret|token|credential")
+SECRET_FILE = re.compile(r"(?i)(\.file|File|\.path)$")
 SECRET_VALUE = re.compile(r"://[^:/@\s]+:[^@\s]+@")
 # Tidemark decides these: the master is the CLI's setting or the Spark connection's host;
 # the driver runs where the job reads its connections (client mode); one attempt of a task
@@ -39,7 +42,7 @@ def checked(conf: Mapping[str, object]) -> dict[str, str]:
             text = str(value)
         else:
             raise ValueError(f"{key}: expected a string or a number")
-        if SECRET_KEY.search(key) or SECRET_VALUE.search(text):
+        if (SECRET_KEY.search(key) and not SECRET_FILE.search(key)) or SECRET_VALUE.search(text):
             raise ValueError(
                 f"{key}: Spark settings travel in the clear (command line, Spark UI, logs); "
                 "give secrets as connections, not Spark conf"
