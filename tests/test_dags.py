@@ -681,3 +681,110 @@ def test_the_jobs_exit_code_comes_from_the_providers_failure(
     assert isinstance(failed.value, AirflowFailException) is not retried, failed.value
     if not retried:
         assert f"(exit {code}: not retried)" in str(failed.value)
+
+
+PIPELINE_WITH_SPARK = (
+    "name: orders\n"
+    "source: {type: postgres_log, conn_id: warehouse, table: src.log}\n"
+    "decode: {schema: {id: int}}\n"
+    "transform: {select: {id: id}, required: [id]}\n"
+    "sinks: [{name: main, conn_id: warehouse, table: public.orders, key: [id]}]\n"
+    "spark:\n"
+    "  spark.executor.memory: 6g\n"
+    "  spark.archives: hdfs:///envs/tidemark.tar.gz#environment\n"
+    "  spark.pyspark.python: ./environment/bin/python\n"
+)
+
+
+def _submitted_command(airflow_home, tmp_path, monkeypatch, extra: dict) -> str:
+    """The spark-submit command the provider's hook builds for the replay task, given the
+    Spark connection's extra and a pipeline with a ``spark:`` block."""
+    import json
+
+    from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+
+    from tidemark.airflow.dags import pipeline_dags
+
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SPARK_DEFAULT",
+        json.dumps({"conn_type": "spark", "host": "spark://cluster", "port": 7077, "extra": extra}),
+    )
+    monkeypatch.setenv("AIRFLOW_CONN_TIDEMARK_LEDGER", "postgresql://tm:x@127.0.0.1:1/ledger")
+    monkeypatch.setenv("AIRFLOW_CONN_WAREHOUSE", "postgresql://tm:x@127.0.0.1:1/warehouse")
+    folder = tmp_path / "pipelines"
+    folder.mkdir()
+    (folder / "orders.yaml").write_text(PIPELINE_WITH_SPARK)
+    replay = pipeline_dags(folder)["tidemark_orders"].get_task("replay")
+    seen: dict = {}
+
+    def submit(self, context):
+        seen["cmd"] = self._get_hook()._build_spark_submit_command(self.application)
+
+    monkeypatch.setattr(SparkSubmitOperator, "execute", submit)
+    replay.execute({"params": {}, "dag_run": None})
+    return " ".join(seen["cmd"])
+
+
+def test_spark_settings_from_the_connection_and_the_pipeline_reach_spark_submit(
+    airflow_home, tmp_path, monkeypatch
+):
+    """The connection's extra ``conf`` is the cluster's default, the pipeline's ``spark:``
+    block wins over it; Tidemark's driver options stay."""
+    conf = {
+        "spark.executor.memory": "4g",
+        "spark.executor.cores": 1,
+        "spark.pyspark.python": "/opt/tidemark/bin/python",
+        "spark.driver.host": "10.0.0.5",
+    }
+    cmd = _submitted_command(airflow_home, tmp_path, monkeypatch, {"conf": conf})
+    assert cmd.startswith("spark-submit --master spark://cluster:7077 ")
+    for setting in (
+        "spark.executor.memory=6g",
+        "spark.executor.cores=1",
+        "spark.archives=hdfs:///envs/tidemark.tar.gz#environment",
+        "spark.pyspark.python=./environment/bin/python",
+        "spark.driver.host=10.0.0.5",
+        "spark.executor.extraJavaOptions=-Dlog4j2",
+    ):
+        assert f"--conf {setting}" in cmd, cmd
+    assert "spark.executor.memory=4g" not in cmd
+
+
+def test_a_secret_in_the_spark_connections_conf_fails_the_task_in_one_line(
+    airflow_home, tmp_path, monkeypatch
+):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    extra = {"conf": {"spark.hadoop.fs.s3a.secret.key": "Hunter2Secret"}}
+    with pytest.raises(AirflowFailException) as e:
+        _submitted_command(airflow_home, tmp_path, monkeypatch, extra)
+    message = str(e.value)
+    assert message.startswith(
+        "Spark connection 'spark_default': extra conf: spark.hadoop.fs.s3a.secret.key: "
+    )
+    assert "Hunter2Secret" not in message and "\n" not in message
+
+
+def test_a_kubernetes_master_without_its_provider_fails_the_task_saying_what_to_install(
+    airflow_home, tmp_path, monkeypatch
+):
+    import json
+
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from tidemark.airflow import spark_conf
+
+    if spark_conf._kubernetes_provider():
+        pytest.skip("the cncf-kubernetes provider is installed")
+
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_SPARK_DEFAULT",
+        json.dumps({"conn_type": "spark", "host": "k8s://https://api.example", "port": 6443}),
+    )
+    folder = tmp_path / "pipelines"
+    folder.mkdir()
+    (folder / "orders.yaml").write_text(PIPELINE_WITH_SPARK)
+    with pytest.raises(
+        AirflowFailException, match="install apache-airflow-providers-cncf-kubernetes"
+    ):
+        spark_conf.job_conf({}, "spark_default", str(folder / "orders.yaml"))

@@ -227,3 +227,41 @@ def test_the_replay_job_runs_on_a_standalone_cluster_with_its_code_shipped(
     app_dir = standalone.work / apps[0]["id"]
     shipped = sorted(p.name for p in app_dir.glob("*/tidemark-*.zip"))
     assert len(shipped) == 1, sorted(str(p) for p in app_dir.rglob("*"))
+
+
+def test_the_cli_runs_on_the_cluster_with_the_pipelines_spark_settings(env, standalone, tmp_path):
+    """`tidemark run` with a cluster master (no spark-submit): without the executors' Python
+    it stops in one line before writing; with it in the pipeline's spark: block, the
+    executors run that interpreter and the run delivers every record once."""
+    env.append_orders(range(3000))
+    ran = tmp_path / "executor-python-ran"
+    python = tmp_path / "marked-python"
+    python.write_text(f'#!/bin/sh\necho x >> "{ran}"\nexec "{executor_python(tmp_path)}" "$@"\n')
+    python.chmod(0o755)
+    job_env = env.cli_env(
+        SPARK_HOME=SPARK_HOME,
+        SPARK_CONF_DIR=standalone.root / "conf",
+        SPARK_LOCAL_IP="127.0.0.1",
+        TIDEMARK_SPARK_MASTER=standalone.url,
+    )
+    for k in [k for k in job_env if k.startswith("PYSPARK_")]:
+        del job_env[k]
+
+    env.pipeline(spark={"spark.driver.host": "127.0.0.1"})
+    job = JobProcess(env.cli_argv("run", "orders"), job_env)
+    code = job.wait(240)
+    out = job.output()
+    assert code == 2, out
+    assert f"the executors' Python is not set for master {standalone.url}" in out
+    assert "Traceback" not in out and env.prepared() == []
+
+    env.pipeline(spark={"spark.driver.host": "127.0.0.1", "spark.pyspark.python": str(python)})
+    job = JobProcess(env.cli_argv("run", "orders"), job_env)
+    code = job.wait(240)
+    out = job.output()
+    assert code == 0, f"{out}\n{standalone.logs()}"
+    assert ran.exists(), "the executors did not run the configured Python"
+    assert env.checkpoints() == {0: 1500, 1: 1500}
+    assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(3000,)]
+    assert env.prepared() == []
+    assert_exactly_once(env)

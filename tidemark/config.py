@@ -8,12 +8,13 @@ from __future__ import annotations
 import re
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tidemark.core import dsn as dsnmod
+from tidemark.core import spark_settings
 from tidemark.core.errors import ConfigError
 from tidemark.core.settings import MEMORY
 
@@ -354,6 +355,13 @@ class Pipeline(_Model):
     alerts: Alerts = Alerts()
     airflow: Orchestration = Orchestration()
     retention: Retention = Retention()
+    # Spark conf for this pipeline's job (spark.executor.memory, spark.pyspark.python,
+    # spark.archives, ...): over the Spark connection's extra conf (docs/production.md).
+    spark: dict[str, Any] = {}  # checked by spark_settings: one message per bad key
+
+    @field_validator("spark")
+    def _spark_conf(cls, v: dict[str, Any]) -> dict[str, str]:
+        return spark_settings.checked(v)
 
     def cross_check(self, where: str, deep: bool = True) -> None:
         """Checks across sections, reported with the exact field path. ``deep`` also builds

@@ -35,7 +35,7 @@ from airflow.providers.standard.operators.python import PythonOperator, ShortCir
 from airflow.sdk import DAG, AssetAlias, Param, TriggerRule
 
 from tidemark import config
-from tidemark.airflow import POOL, assets
+from tidemark.airflow import POOL, assets, spark_conf
 from tidemark.airflow import tasks as airflow_tasks
 from tidemark.airflow.job_command import JobAction, JobCommand
 from tidemark.core import job_secrets
@@ -184,6 +184,7 @@ class ReplayOperator(SparkSubmitOperator):
         # path is an env var, set after templating: nothing secret among the rendered fields,
         # the logged command, or what OpenLineage sends of the task.
         self._refuse_cluster_mode()
+        self.conf = spark_conf.job_conf(self.conf, self.spark_conn_id, self.pipeline_file)
         named = airflow_tasks.connections_exist(config.load(Path(self.pipeline_file), deep=False))
         self.application_args = self.command(context).argv()
         secrets = {**named, "TIDEMARK_LEDGER_DSN": airflow_tasks.ledger_dsn()}

@@ -68,7 +68,9 @@ class Writing(Tables):
 
         if not self._check_tables(claim, by_name, report):
             return []
-        spark = self.spark or session(self.s.spark_master, f"tidemark-{self.p.name}")
+        spark = self.spark or session(
+            self.s.spark_master, f"tidemark-{self.p.name}", conf=self.p.spark
+        )
         reads = dict(read_clock.clock(spark.sparkContext).value)
         try:
             return self._writes(spark, claim, by_name, report)

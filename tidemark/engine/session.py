@@ -7,8 +7,12 @@ import os
 import sys
 import tempfile
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from tidemark.core import spark_settings
+from tidemark.core.errors import BadInput
 
 if TYPE_CHECKING:  # PySpark loads when a session starts, not with this module
     from pyspark import SparkContext
@@ -63,14 +67,16 @@ def log4j_option() -> str:
 
 
 def session(
-    master: str | None, app_name: str, java_options: list[str] | None = None
+    master: str | None,
+    app_name: str,
+    java_options: list[str] | None = None,
+    conf: Mapping[str, str] | None = None,
 ) -> SparkSession:
     """Tidemark's SparkSession. The driver JVM's options (``java_options``, else
     :func:`driver_java_options`) apply when this process starts the JVM; under spark-submit
-    the JVM is up already and spark-submit's own options hold."""
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    the JVM is up already and spark-submit's own options hold. ``conf``: the user's Spark
+    settings (tidemark/core/spark_settings.py), over Tidemark's defaults."""
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
 
     from tidemark.core.settings import get_settings
@@ -112,22 +118,61 @@ def session(
         .config("spark.redaction.regex", REDACT)
         .config("spark.driver.memory", get_settings().driver_memory)
     )
-    if (master or _submitted_master()).startswith("local"):
+    if spark_settings.is_local(master or _submitted_master()):
         # Local Spark stays on loopback. On a cluster the executors connect back to the
-        # driver: its address is spark-submit's (--conf spark.driver.host) or Spark's default.
+        # driver: its address is the host's (Spark's default, or SPARK_LOCAL_IP), or
+        # spark.driver.host from spark-submit or the user's settings, never loopback.
         # Its Python workers are this machine's, which import tidemark: their daemon
         # imports PySpark from the installed package (tidemark/engine/worker_daemon.py).
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         builder = (
             builder.config("spark.driver.bindAddress", "127.0.0.1")
             .config("spark.driver.host", "127.0.0.1")
             .config("spark.python.daemon.module", "tidemark.engine.worker_daemon")
         )
+    for key, value in (conf or {}).items():
+        builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(get_settings().spark_log_level)
+    try:
+        python = executors_python(
+            spark.sparkContext.master or "local[*]",
+            spark.sparkContext.getConf().get(spark_settings.EXECUTORS_PYTHON),
+            os.environ.get("PYSPARK_PYTHON"),
+        )
+    except BadInput:
+        spark.stop()
+        raise
+    # PySpark names the executors' Python in every function it ships (SparkContext.pythonExec,
+    # read when a UDF or an RDD function is built), from PYSPARK_PYTHON when the context
+    # started: spark-submit sets that from spark.pyspark.python, a session started here does
+    # not, and spark.executorEnv.PYSPARK_PYTHON is never read.
+    spark.sparkContext.pythonExec = python
+    os.environ["PYSPARK_PYTHON"] = python
     # The master may come from the argument or from spark-submit: ask the started context.
     if not (spark.sparkContext.master or "").startswith("local"):
         ship_package(spark.sparkContext)
     return spark
+
+
+def executors_python(master: str, configured: str | None, environ: str | None) -> str:
+    """The Python the executors run: Spark's setting ``spark.pyspark.python`` (the pipeline's
+    ``spark:`` block, the Spark connection's extra conf, spark-submit's --conf or
+    spark-defaults.conf), else PYSPARK_PYTHON, else with a local master this process's own.
+    On a cluster this process's path (a venv on the Airflow worker) rarely exists on the
+    executors' hosts, and Spark's default ``python3`` rarely has pyarrow, ADBC and psycopg:
+    unset, the run stops before it writes, saying where to set it."""
+    if configured:
+        return configured
+    if environ:
+        return environ
+    if spark_settings.is_local(master):
+        return sys.executable
+    raise BadInput(
+        f"the executors' Python is not set for master {master}: set "
+        f"{spark_settings.EXECUTORS_PYTHON} in the pipeline's spark: block or in the Spark "
+        "connection's extra conf, or PYSPARK_PYTHON (docs/production.md)"
+    )
 
 
 def _submitted_master() -> str:
