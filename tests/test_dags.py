@@ -721,7 +721,7 @@ def _submitted_command(airflow_home, tmp_path, monkeypatch, extra: dict) -> str:
         seen["cmd"] = self._get_hook()._build_spark_submit_command(self.application)
 
     monkeypatch.setattr(SparkSubmitOperator, "execute", submit)
-    replay.execute({"params": {}, "dag_run": None})
+    replay.execute(_context())
     return " ".join(seen["cmd"])
 
 
