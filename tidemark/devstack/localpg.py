@@ -92,6 +92,8 @@ class Cluster:
             "-E",
             "UTF8",
             "--locale=C.UTF-8",
+            # A cluster that never fsyncs (a scratch one) need not wait for its files' sync.
+            *(["--no-sync"] if self.overrides.get("fsync") == "off" else []),
         )
         conf = "\n".join(f"{k} = {v}" for k, v in {**SETTINGS, **self.overrides}.items())
         with open(self.data / "postgresql.auto.conf", "a") as fh:

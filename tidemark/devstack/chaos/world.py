@@ -195,7 +195,12 @@ class World:
         # On a cluster of its own (the chaos command), or on a running one it shares (the
         # tests': a cluster's start and stop cost more than the world's databases).
         self.shared = cluster is not None
-        self.cluster = cluster or Cluster(root / "pg", port or free_port())
+        # fsync off: the faults are crashes of processes (jobs, backends, the server), whose
+        # writes the kernel keeps either way; with it on, every PREPARE and COMMIT PREPARED
+        # waited for the disk.
+        self.cluster = cluster or Cluster(
+            root / "pg", port or free_port(), overrides={"fsync": "off"}
+        )
         self.pipelines_dir = root / "pipelines"
         self.docs_dir = root / "data_docs"
         self.logs_dir = root / "logs"
