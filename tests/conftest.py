@@ -73,6 +73,27 @@ def spark():
     s = session("local[2,4]", "tidemark-tests")
     yield s
     s.stop()
+    _close_gateway()
+
+
+def _close_gateway() -> None:
+    """PySpark leaves its py4j gateway to the interpreter's exit, where the finalizers of its
+    connections log "Closing down clientserver connection" through whatever handlers a test
+    set up (Airflow's, imported in-process, on pytest's captured streams, closed by then):
+    "--- Logging error ---" after pytest's summary. Closed here, while those streams are
+    open, and the driver JVM ended by closing its stdin, as it is at the interpreter's exit."""
+    from pyspark import SparkContext
+
+    gateway = SparkContext._gateway
+    if gateway is None:
+        return
+    SparkContext._gateway = None
+    SparkContext._jvm = None
+    gateway.shutdown()  # closes every connection now: none is left for a finalizer
+    proc = getattr(gateway, "proc", None)
+    if proc is not None and proc.stdin is not None:
+        proc.stdin.close()
+        proc.wait(timeout=60)
 
 
 LEDGER_TEMPLATE = "tidemark_ledger_template"

@@ -30,8 +30,8 @@ from tidemark.devstack.chaos.world import World
 
 
 @pytest.fixture(scope="module")
-def world():
-    w = World.create(partitions=2, limit=1000)
+def world(pg):
+    w = World.create(partitions=2, limit=1000, cluster=pg)
     yield w
     w.destroy()
 
@@ -406,10 +406,10 @@ def test_the_oracle_models_key_splits_merges_where_sinks_began_and_trimmed_recor
     assert oracle.cut_below_start({0: (0, 1)}, ["a"]) == {}
 
 
-def test_the_oracle_finds_hand_made_differences(spark, tmp_path):
+def test_the_oracle_finds_hand_made_differences(spark, tmp_path, pg):
     """Sinks and letters corrupted by hand: every difference is reported, whatever the data
     path (a correct one delivers exactly the model)."""
-    world = World.create(partitions=2, limit=1000, root=tmp_path / "w")
+    world = World.create(partitions=2, limit=1000, root=tmp_path / "w", cluster=pg)
     try:
         world.append(
             [
@@ -595,12 +595,12 @@ def _trim_most(chaos: Chaos, rng) -> Result:
     return Result("trim", f"{len(chaos.trimmed)} record(s) deleted from the source")
 
 
-def test_sinks_that_start_at_latest_get_nothing_from_below_where_they_began(tmp_path, spark):
+def test_sinks_that_start_at_latest_get_nothing_from_below_where_they_began(tmp_path, spark, pg):
     """(a) `start: latest`: sink a begins where the source ended at its first run, sink b
     later still. Backfills from offset 0 (cut, or refused when wholly below), of every
     partition and of a time window, a rebuild, and an in-process backfill from 0 re-deliver
     nothing below where each sink began; the ledger's start is the oracle's."""
-    world = World.create(2, 1000, tmp_path / "w", w.Features(start="latest"))
+    world = World.create(2, 1000, tmp_path / "w", w.Features(start="latest"), cluster=pg)
 
     def run(*sinks: str):
         return lambda c, r: c._inproc(f"run {sinks}", c.inproc.run(list(sinks) or None))
@@ -623,11 +623,11 @@ def test_sinks_that_start_at_latest_get_nothing_from_below_where_they_began(tmp_
         world.destroy()
 
 
-def test_time_windows_map_to_offsets_whatever_the_session_time_zone(tmp_path, spark):
+def test_time_windows_map_to_offsets_whatever_the_session_time_zone(tmp_path, spark, pg):
     """(g) The ledger database (the source's) reads times in Asia/Kathmandu: windows typed
     naive, with Z or another zone's offset re-deliver what the source's own times say, and so
     does --partition all."""
-    world = World.create(2, 1000, tmp_path / "w", w.Features(tz="db:Asia/Kathmandu"))
+    world = World.create(2, 1000, tmp_path / "w", w.Features(tz="db:Asia/Kathmandu"), cluster=pg)
     try:
         with psycopg.connect(world.ledger_dsn, autocommit=True) as c:
             assert c.execute("SHOW TimeZone").fetchone() == ("Asia/Kathmandu",)
@@ -642,11 +642,13 @@ def test_time_windows_map_to_offsets_whatever_the_session_time_zone(tmp_path, sp
         world.destroy()
 
 
-def test_key_splits_and_merges_are_refused_in_part_and_placed_whole(tmp_path, spark):
+def test_key_splits_and_merges_are_refused_in_part_and_placed_whole(tmp_path, spark, pg):
     """(d) After a transform edit that splits keys, a backfill of part of a partition is
     refused for its sinks before anything is written (naming `tidemark sink rebuild`); a
     rebuild and a whole backfill place every version; then a merge, the same."""
-    world = World.create(2, 1000, tmp_path / "w", w.Features(split=True, versioned=True))
+    world = World.create(
+        2, 1000, tmp_path / "w", w.Features(split=True, versioned=True), cluster=pg
+    )
     try:
         chaos, done = _life(
             world,
@@ -670,13 +672,13 @@ def test_key_splits_and_merges_are_refused_in_part_and_placed_whole(tmp_path, sp
         world.destroy()
 
 
-def test_trimmed_sources_and_pruned_discards(tmp_path, spark):
+def test_trimmed_sources_and_pruned_discards(tmp_path, spark, pg):
     """(b) Retention deletes old records (tombstones among them): a re-delivery over what the
     sinks hold there is refused without --accept-pruned, and with it keeps those positions as
     they are (a trimmed tombstone stays a delete). (f) Discards stand through backfills and a
     prune drops their payloads, never them."""
     feats = w.Features(tombstones=True, trim=True, prune=True)
-    world = World.create(1, 1000, tmp_path / "w", feats)
+    world = World.create(1, 1000, tmp_path / "w", feats, cluster=pg)
     try:
         chaos, done = _life(
             world,
@@ -713,11 +715,11 @@ def test_trimmed_sources_and_pruned_discards(tmp_path, spark):
         world.destroy()
 
 
-def test_a_late_segment_is_reported_and_placed_by_its_backfill(tmp_path, spark):
+def test_a_late_segment_is_reported_and_placed_by_its_backfill(tmp_path, spark, pg):
     """(c) A segment appears in a gap below the checkpoints of a file archive: recovery and
     status report it with the backfill that places it; that backfill places it, and nothing
     is reported after."""
-    world = World.create(1, 1000, tmp_path / "w", w.Features(archive=True, late=True))
+    world = World.create(1, 1000, tmp_path / "w", w.Features(archive=True, late=True), cluster=pg)
     world.source.GAP = 1.0  # every new segment after a gap: one below the checkpoint, surely
     try:
         _chaos, done = _life(world, spark, ["append", "append", "append", "run", "late_segment"])
@@ -727,13 +729,13 @@ def test_a_late_segment_is_reported_and_placed_by_its_backfill(tmp_path, spark):
 
 
 @pytest.mark.spark  # jobs in processes of their own, stopped at a protocol point
-def test_an_operators_commit_and_rollback_of_prepared_gids(tmp_path, spark):
+def test_an_operators_commit_and_rollback_of_prepared_gids(tmp_path, spark, pg):
     """(e) A run stopped after its decision: an operator commits a chosen gid (the finish sees
     its marker), rolls back gids after their prepare was verified but before the decision
     (which then chooses them: lost like chosen ones), and rolls back a chosen one part way
     through the finish: recovery names `tidemark settle RUN`, which re-delivers what
     committed in part and resumes. Every record placed exactly once."""
-    world = World.create(2, 1000, tmp_path / "w", w.Features(gids=True))
+    world = World.create(2, 1000, tmp_path / "w", w.Features(gids=True), cluster=pg)
     try:
         chaos, done = _life(
             world,

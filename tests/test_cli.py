@@ -74,7 +74,9 @@ def test_unreachable_server_and_missing_ledger(env):
 def test_a_server_without_prepared_transactions_is_refused():
     root = Path(tempfile.mkdtemp(prefix="tidemark-test-noprep-"))
     root.chmod(0o755)
-    cluster = Cluster(root, free_port(), overrides={"max_prepared_transactions": "0"})
+    cluster = Cluster(
+        root, free_port(), overrides={"max_prepared_transactions": "0", "fsync": "off"}
+    )
     cluster.start()
     try:
         environ = {"PATH": "/usr/bin:/bin", "TIDEMARK_LEDGER_DSN": cluster.dsn()}

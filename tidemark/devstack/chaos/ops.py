@@ -741,8 +741,9 @@ class Chaos:
                 return "no run"
             chosen = runs.participant_gids(conn, run_id)
             prepared = conn.execute(
-                "SELECT database, gid FROM pg_prepared_xacts WHERE gid LIKE %s ORDER BY 2",
-                (f"{prefix}:{run_id}:%",),
+                "SELECT database, gid FROM pg_prepared_xacts WHERE gid LIKE %s "
+                "AND database = ANY(%s) ORDER BY 2",  # the world's: its cluster may be shared
+                (f"{prefix}:{run_id}:%", self.world.databases),
             ).fetchall()
         pool = [(db, g) for db, g in prepared if (g in chosen) == act.endswith("_chosen")]
         if not pool:

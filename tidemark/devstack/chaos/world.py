@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import uuid
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -185,17 +186,31 @@ class World:
         limit: int,
         port: int | None = None,
         features: Features = Features(),
+        cluster: Cluster | None = None,
     ):
         self.root = root
         self.partitions = partitions
         self.limit = limit
         self.features = features
-        self.cluster = Cluster(root / "pg", port or free_port())
+        # On a cluster of its own (the chaos command), or on a running one it shares (the
+        # tests': a cluster's start and stop cost more than the world's databases).
+        self.shared = cluster is not None
+        # fsync off: the faults are crashes of processes (jobs, backends, the server), whose
+        # writes the kernel keeps either way; with it on, every PREPARE and COMMIT PREPARED
+        # waited for the disk.
+        self.cluster = cluster or Cluster(
+            root / "pg", port or free_port(), overrides={"fsync": "off"}
+        )
         self.pipelines_dir = root / "pipelines"
         self.docs_dir = root / "data_docs"
         self.logs_dir = root / "logs"
         self.scratch_dir = root / "tmp"  # Spark and temp files of the jobs
-        self.names = {"ledger": "chaos_ledger", "a": "chaos_sink_a", "b": "chaos_sink_b"}
+        tag = f"_{uuid.uuid4().hex[:8]}" if self.shared else ""
+        self.names = {
+            "ledger": f"chaos_ledger{tag}",
+            "a": f"chaos_sink_a{tag}",
+            "b": f"chaos_sink_b{tag}",
+        }
         # Spread needs fewer partitions than cores; a world with tombstones starts deleting.
         self.knobs = Knobs(
             spread=partitions == 1, tombstones="delete" if features.tombstones else "quarantine"
@@ -214,16 +229,20 @@ class World:
         limit: int = 40,
         root: Path | None = None,
         features: Features = Features(),
+        cluster: Cluster | None = None,
     ) -> World:
+        """A world on a cluster of its own under ``root``, or with its databases on
+        ``cluster`` (running), which outlives it."""
         if root is None:
             root = Path(tempfile.mkdtemp(prefix="tidemark-chaos-"))
         root.mkdir(parents=True, exist_ok=True)
         os.chmod(root, 0o755)  # the server runs as postgres when we are root
-        world = cls(root, partitions, limit, features=features)
+        world = cls(root, partitions, limit, features=features, cluster=cluster)
         for d in (world.pipelines_dir, world.docs_dir, world.logs_dir, world.scratch_dir):
             d.mkdir(exist_ok=True)
         try:
-            world.cluster.start()
+            if not world.shared:
+                world.cluster.start()
             for db in world.names.values():
                 world.cluster.create_database(db)
             migrations.upgrade(world.ledger_dsn)
@@ -242,6 +261,10 @@ class World:
         if not self.features.tz:
             return
         scope, zone = self.features.tz.split(":", 1)
+        if scope != "db" and self.shared:
+            raise ValueError(
+                f"{self.features.tz}: a role's TimeZone is not a shared cluster's to set"
+            )
         with psycopg.connect(self.ledger_dsn, autocommit=True) as conn:
             if scope == "db":
                 conn.execute(
@@ -256,9 +279,28 @@ class World:
 
     def destroy(self) -> None:
         try:
-            self.cluster.destroy()
+            if self.shared:
+                self._drop_databases()
+            else:
+                self.cluster.destroy()
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
+
+    def _drop_databases(self) -> None:
+        """A shared cluster's: the world's databases, their prepared transactions first (they
+        would keep a database from being dropped)."""
+        with psycopg.connect(self.cluster.dsn("postgres"), autocommit=True) as admin:
+            for db in self.databases:
+                prepared = admin.execute(
+                    "SELECT gid FROM pg_prepared_xacts WHERE database = %s", (db,)
+                ).fetchall()
+                if prepared:
+                    with psycopg.connect(self.cluster.dsn(db), autocommit=True) as conn:
+                        for (gid,) in prepared:
+                            conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+                admin.execute(
+                    sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(db))
+                )
 
     def stop(self) -> None:
         """Stop the server and keep the folder (--keep-dir)."""
@@ -266,6 +308,8 @@ class World:
 
     def restart_postgres(self) -> None:
         """An immediate (crash) restart: no checkpoint, crash recovery on start."""
+        if self.shared:
+            raise ValueError("a world does not restart a cluster it shares")
         c = self.cluster
         c._run(
             "pg_ctl",
