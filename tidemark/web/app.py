@@ -56,6 +56,7 @@ from tidemark.render import payloads
 from tidemark.web import auth as web_auth
 from tidemark.web.airflow_api import AirflowApi, AirflowFailed, TriggerFailed
 from tidemark.web.auth import Caller, Forbidden, NotAuthenticated, guard
+from tidemark.web.pipelines_pages import router as pipelines_router
 
 TEMPLATES = Path(__file__).resolve().parent / "templates" / "dlq"
 STATIC = {"dlq.css": "text/css", "dlq.js": "text/javascript", "icon.svg": "image/svg+xml"}
@@ -328,6 +329,7 @@ class Answers:
             )(scope, receive, headed)
 
 
+app.include_router(pipelines_router)  # the Pipelines pages (pipelines_pages.py)
 app.router.redirect_slashes = False  # SlashRedirect's instead
 # Added in this order so each runs inside the next: Answers is outermost, and the others'
 # answers get its headers.
