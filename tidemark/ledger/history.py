@@ -59,11 +59,12 @@ def record_lag(
     samples: Iterable[Sample],
     *,
     keep_days: int,
-    every_seconds: int = SAMPLE_EVERY_SECONDS,
+    every_seconds: int | None = None,
 ) -> int:
     """Store one measurement of the pipeline's lag (one ``at`` for all its rows), unless the
-    last one is younger than ``every_seconds``; and drop its samples older than ``keep_days``
+    last one is younger than ``every_seconds`` (default SAMPLE_EVERY_SECONDS); and drop its samples older than ``keep_days``
     (the runs' retention). Returns the rows stored."""
+    every = SAMPLE_EVERY_SECONDS if every_seconds is None else every_seconds
     rows = [(pipeline, s.sink, s.partition, s.checkpoint, s.head) for s in samples]
     with conn.transaction():
         conn.execute(
@@ -77,10 +78,10 @@ def record_lag(
             conn.execute(
                 "SELECT EXISTS (SELECT 1 FROM tidemark.lag_samples WHERE pipeline = %s "
                 "AND at > now() - make_interval(secs => %s))",
-                (pipeline, every_seconds),
+                (pipeline, every),
             )
         )
-        if recent and every_seconds > 0:
+        if recent and every > 0:
             return 0
         with conn.cursor() as cur:
             cur.executemany(
@@ -167,12 +168,14 @@ def states(conn: psycopg.Connection, pipelines: list[str]) -> dict[str, State]:
             out[key[0]].sinks.append(sinks[key])
         sinks[key].partitions.append({**r, "lag": None, "head": None})
     for r in cur.execute(
-        """SELECT DISTINCT ON (pipeline, sink, partition) pipeline, sink, partition, at,
-                  head, greatest(head - checkpoint, 0) AS lag
-           FROM tidemark.lag_samples s
-           WHERE pipeline = ANY(%s)
-             AND at = (SELECT max(at) FROM tidemark.lag_samples m WHERE m.pipeline = s.pipeline)
-           ORDER BY pipeline, sink, partition""",
+        # each pipeline's newest measurement: two index lookups, whatever the history holds
+        """SELECT s.pipeline, s.sink, s.partition, s.at, s.head,
+                  greatest(s.head - s.checkpoint, 0) AS lag
+           FROM unnest(%s::text[]) p(name)
+           CROSS JOIN LATERAL (SELECT max(at) AS at FROM tidemark.lag_samples
+                               WHERE pipeline = p.name) m
+           JOIN tidemark.lag_samples s ON s.pipeline = p.name AND s.at = m.at
+           ORDER BY 1, 2, 3""",
         (names,),
     ):
         st = sinks.get((r["pipeline"], r["sink"]))

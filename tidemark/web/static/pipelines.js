@@ -73,7 +73,7 @@
       } } },
       axes: [
         { stroke: AXIS, grid: { stroke: GRID, width: 1 }, ticks: { stroke: GRID },
-          size: small ? 24 : 36, font: (small ? "10px" : "11px") + " system-ui, sans-serif" },
+          size: small ? 24 : 44, font: (small ? "10px" : "11px") + " system-ui, sans-serif" },
         { stroke: AXIS, grid: { stroke: GRID, width: 1 }, ticks: { stroke: GRID },
           size: small ? 38 : 52, font: (small ? "10px" : "11px") + " system-ui, sans-serif",
           values: function (u, vals) { return vals.map(compact); } }
