@@ -3,7 +3,7 @@ pipelines.
 
 ``seed`` fills a ledger directly (no Spark): per pipeline two sinks and four partitions, a
 run an hour with its sinks, ranges, counts and timings, a lag measurement every 10 minutes
-(what the maintenance DAG keeps, ledger/history.py) and a few dead letters per run. Then the
+(what the maintenance DAG keeps for a week, then one an hour: ledger/history.py) and a few dead letters per run. Then the
 reads each page makes are timed (median of --reps) and the plans of the heaviest are checked
 to use the V018 indexes, not a scan of a whole table. tests/test_pipeline_history.py seeds a
 small one with the same helper.
@@ -111,14 +111,20 @@ def seed(
                           + part * 10
                FROM unnest(%(names)s::text[]) p, unnest(%(sinks)s::text[]) s,
                     generate_series(0, %(parts)s - 1) part,
-                    generate_series(now() - make_interval(days => %(days)s), now(),
-                                    make_interval(mins => %(every)s)) t""",
+                    (SELECT generate_series(now() - make_interval(days => %(fine)s), now(),
+                                            make_interval(mins => %(every)s))
+                     UNION ALL  -- older than the fine week: one an hour (history.record_lag)
+                     SELECT generate_series(now() - make_interval(days => %(days)s),
+                                            now() - make_interval(days => %(fine)s)
+                                                - interval '1 hour',
+                                            interval '1 hour')) ts(t)""",
             {
                 "names": names,
                 "sinks": list(SINKS),
                 "parts": PARTITIONS,
                 "days": days,
                 "every": sample_minutes,
+                "fine": min(days, history.FINE_DAYS),
                 "origin": "2000-01-01 00:00:00+00",
             },
         ).rowcount

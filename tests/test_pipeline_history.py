@@ -109,3 +109,27 @@ def test_state_now_halted_in_doubt_last_run_and_where_each_sink_began(env):
         assert main.partitions[0]["lag"] == 50 and main.partitions[0]["head"] == 7250
         assert main.partitions[1]["lag"] is None  # not in the newest measurement
         assert st["p00"].in_doubt == []
+
+
+def test_past_a_week_one_measurement_an_hour_is_kept(env):
+    with _conn(env) as c:
+        hour = "date_trunc('hour', now() - interval '7 days 12 hours')"
+        c.execute(
+            "INSERT INTO tidemark.lag_samples (pipeline, sink, partition, at, checkpoint, head) "
+            f"SELECT 'orders', s, 0, {hour} + make_interval(mins => m), 0, m "
+            "FROM unnest(ARRAY['main', 'archive']) s, unnest(ARRAY[5, 15, 25, 65, 75]) m"
+        )
+        # younger than a week: all kept
+        c.execute(
+            "INSERT INTO tidemark.lag_samples (pipeline, sink, partition, at, checkpoint, head) "
+            "SELECT 'orders', 'main', 0, now() - make_interval(mins => m), 0, m "
+            "FROM unnest(ARRAY[20, 30, 40]) m"
+        )
+        history.record_lag(c, "orders", [], keep_days=90)
+        kept = c.execute(
+            "SELECT sink, head FROM tidemark.lag_samples WHERE at < now() - interval '1 day' "
+            "ORDER BY 1, 2"
+        ).fetchall()
+        assert kept == [("archive", 5), ("archive", 65), ("main", 5), ("main", 65)]
+        recent = "SELECT count(*) FROM tidemark.lag_samples WHERE at > now() - interval '1 day'"
+        assert c.execute(recent).fetchone()[0] == 3

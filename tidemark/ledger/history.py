@@ -21,9 +21,11 @@ from tidemark.core.db import scalar
 from tidemark.ledger.runs import OPEN
 from tidemark.ledger.state import RunState, owner_alive_sql
 
-# The maintenance DAG measures lag every 5 minutes; a sample every 10 is enough for charts
-# of hours to months, and keeps 90 days of 20 pipelines well under a million rows.
+# The maintenance DAG measures lag every 5 minutes; a sample every 10 minutes is kept for a
+# week (the 24-hour and 7-day charts), then one an hour (the 30- and 90-day charts, whose
+# buckets are 4 and 12 hours): 90 days of 20 pipelines stay about half a million rows.
 SAMPLE_EVERY_SECONDS = 600
+FINE_DAYS = 7
 _ORIGIN = "timestamptz '2000-01-01 00:00:00+00'"
 
 
@@ -62,8 +64,9 @@ def record_lag(
     every_seconds: int | None = None,
 ) -> int:
     """Store one measurement of the pipeline's lag (one ``at`` for all its rows), unless the
-    last one is younger than ``every_seconds`` (default SAMPLE_EVERY_SECONDS); and drop its samples older than ``keep_days``
-    (the runs' retention). Returns the rows stored."""
+    last one is younger than ``every_seconds`` (default SAMPLE_EVERY_SECONDS); thin its
+    samples past FINE_DAYS to one an hour, and drop those older than ``keep_days`` (the
+    runs' retention). Returns the rows stored."""
     every = SAMPLE_EVERY_SECONDS if every_seconds is None else every_seconds
     rows = [(pipeline, s.sink, s.partition, s.checkpoint, s.head) for s in samples]
     with conn.transaction():
@@ -71,6 +74,20 @@ def record_lag(
             "DELETE FROM tidemark.lag_samples WHERE pipeline = %s "
             "AND at < now() - make_interval(days => %s)",
             (pipeline, keep_days),
+        )
+        # Thin the day that just left the fine week to the first measurement of each hour.
+        # One day only, so each call touches a bounded number of rows (a maintenance DAG
+        # stopped for longer leaves that stretch fine: more rows, nothing wrong).
+        conn.execute(
+            f"""DELETE FROM tidemark.lag_samples s
+               WHERE s.pipeline = %(p)s
+                 AND s.at >= now() - make_interval(days => {FINE_DAYS + 1})
+                 AND s.at < now() - make_interval(days => {FINE_DAYS})
+                 AND s.at > (SELECT min(m.at) FROM tidemark.lag_samples m
+                             WHERE m.pipeline = s.pipeline
+                               AND m.at >= date_trunc('hour', s.at)
+                               AND m.at < date_trunc('hour', s.at) + interval '1 hour')""",
+            {"p": pipeline},
         )
         if not rows:
             return 0

@@ -50,6 +50,7 @@ STATIC = {
 }
 WINDOWS = (1, 7, 30, 90)  # days a page can show
 DEFAULT_DAYS = 7
+NO_LAG = "no lag measured in this window: the maintenance DAG measures it every 5 minutes"
 UNAVAILABLE = "the ledger database is unavailable; try again later"
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ def _chart(
     *,
     kind: str = "line",
     order: list[str] | None = None,
+    empty: str | None = None,
 ) -> str:
     """One chart's JSON: (time, series label, value) rows aligned on the times of them all
     (a series without a value at a time has null there: a gap, not a zero)."""
@@ -141,6 +143,7 @@ def _chart(
         {
             "title": title,
             "unit": unit,
+            "empty": empty or f"no {title.split(':')[0]} in this window",
             "kind": kind,
             "x": xs,
             "series": [{"label": s, "values": values[s]} for s in labels],
@@ -191,7 +194,10 @@ def overview(request: Request, caller: CallerDep) -> Response:
                 "state": states.get(name),
                 "badges": _badges(states.get(name)),
                 "lag": _chart(
-                    "records behind", "records", [(t, "lag", v) for t, v in lag.get(name, [])]
+                    "records behind",
+                    "records",
+                    [(t, "lag", v) for t, v in lag.get(name, [])],
+                    empty=NO_LAG,
                 ),
                 "rate": _chart(
                     "records / s",
@@ -247,6 +253,7 @@ def _detail(caller: Caller, pipeline: str, days: int) -> dict[str, Any]:
                     order=[
                         f"partition {p}" for p in sorted({p for s, p, _, _ in lag if s == sink})
                     ],
+                    empty=NO_LAG,
                 ),
                 "rate": _chart(
                     f"records per second, per run: {sink}",

@@ -40,7 +40,7 @@
       el.appendChild(t);
     }
     if (!hasData) {
-      empty(el, "no " + spec.title.split(":")[0] + " in this window");
+      empty(el, spec.empty);
       return;
     }
     var bars = spec.kind === "bars" && uPlot.paths && uPlot.paths.bars;
