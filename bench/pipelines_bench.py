@@ -113,11 +113,15 @@ def seed(
                     generate_series(0, %(parts)s - 1) part,
                     (SELECT generate_series(now() - make_interval(days => %(fine)s), now(),
                                             make_interval(mins => %(every)s))
-                     UNION ALL  -- older than the fine week: one an hour (history.record_lag)
-                     SELECT generate_series(now() - make_interval(days => %(days)s),
+                     -- older than the fine week: one an hour, the most behind
+                     -- (history.record_lag), here 50 minutes past: before the hourly run
+                     UNION ALL
+                     SELECT generate_series(date_trunc('hour', now()
+                                                - make_interval(days => %(days)s)),
                                             now() - make_interval(days => %(fine)s)
                                                 - interval '1 hour',
-                                            interval '1 hour')) ts(t)""",
+                                            interval '1 hour') + interval '50 minutes'
+                     ) ts(t)""",
             {
                 "names": names,
                 "sinks": list(SINKS),

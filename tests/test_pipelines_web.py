@@ -210,7 +210,9 @@ def test_both_pages_in_chromium(site):
         page.get_by_role("link", name="Pipelines").first.click()
         frame = page.frame_locator("iframe").first
         expect(frame.locator("#multiples")).to_be_visible(timeout=60_000)
-        page.screenshot(path=SHOTS / "01-airflow-nav.png", full_page=True)
+        expect(frame.locator("[data-drawn]").first).to_be_visible()
+        page.wait_for_load_state("networkidle")
+        page.screenshot(path=SHOTS / "01-airflow-nav.png")
 
         problems.clear()  # Airflow's own console is not this test's
         for days in (1, 7):

@@ -48,11 +48,11 @@ class Window:
 
     @classmethod
     def of(cls, days: int) -> Window:
-        # about 100 to 200 buckets whatever the window
-        bucket = {1: 900, 7: 3600, 30: 4 * 3600, 90: 12 * 3600}.get(days)
-        if bucket is None:
-            bucket = max(900, days * 86400 // 180)
-        return cls(days, bucket)
+        """A day or a week: every sample, run and letter write as it is (0: no buckets; a
+        week of 10-minute samples is 1,008 points). Longer: about 180 buckets."""
+        if days <= 7:
+            return cls(days, 0)
+        return cls(days, {30: 4 * 3600, 90: 12 * 3600}.get(days, days * 86400 // 180))
 
 
 def record_lag(
@@ -75,18 +75,23 @@ def record_lag(
             "AND at < now() - make_interval(days => %s)",
             (pipeline, keep_days),
         )
-        # Thin the day that just left the fine week to the first measurement of each hour.
-        # One day only, so each call touches a bounded number of rows (a maintenance DAG
-        # stopped for longer leaves that stretch fine: more rows, nothing wrong).
+        # Thin the day that just left the fine week to one measurement an hour: the one most
+        # behind (the charts show the most behind per bucket; the first of the hour would
+        # often be the moment after a run, and hide every backlog). One day only, so each
+        # call touches a bounded number of rows (a maintenance DAG stopped for longer leaves
+        # that stretch fine: more rows, nothing wrong).
         conn.execute(
             f"""DELETE FROM tidemark.lag_samples s
                WHERE s.pipeline = %(p)s
                  AND s.at >= now() - make_interval(days => {FINE_DAYS + 1})
                  AND s.at < now() - make_interval(days => {FINE_DAYS})
-                 AND s.at > (SELECT min(m.at) FROM tidemark.lag_samples m
-                             WHERE m.pipeline = s.pipeline
-                               AND m.at >= date_trunc('hour', s.at)
-                               AND m.at < date_trunc('hour', s.at) + interval '1 hour')""",
+                 AND s.at <> (SELECT m.at FROM tidemark.lag_samples m
+                              WHERE m.pipeline = s.pipeline
+                                AND m.at >= date_trunc('hour', s.at)
+                                AND m.at < date_trunc('hour', s.at) + interval '1 hour'
+                              GROUP BY m.at
+                              ORDER BY sum(greatest(m.head - m.checkpoint, 0)) DESC, m.at
+                              LIMIT 1)""",
             {"p": pipeline},
         )
         if not rows:
@@ -204,7 +209,9 @@ def states(conn: psycopg.Connection, pipelines: list[str]) -> dict[str, State]:
 
 
 # -- series -------------------------------------------------------------------------------------
-def _bucket(col: str) -> str:
+def _bucket(col: str, w: Window) -> str:
+    if not w.bucket_seconds:
+        return col
     return f"date_bin(make_interval(secs => %(bucket)s), {col}, {_ORIGIN})"
 
 
@@ -218,11 +225,11 @@ _SINCE = "now() - make_interval(days => %(days)s)"
 def lag_totals(
     conn: psycopg.Connection, pipelines: list[str], w: Window
 ) -> dict[str, list[tuple[datetime, int]]]:
-    """Per pipeline and bucket, the most records any sink was behind (summed over its
+    """Per pipeline and bucket (or measurement), the most records any sink was behind (summed over its
     partitions) in a measurement: the overview's lag line."""
     out: dict[str, list[tuple[datetime, int]]] = {}
     for pipeline, t, lag in conn.execute(
-        f"""SELECT pipeline, {_bucket("at")} AS t, max(lag)::bigint FROM (
+        f"""SELECT pipeline, {_bucket("at", w)} AS t, max(lag)::bigint FROM (
                 SELECT pipeline, sink, at, sum(greatest(head - checkpoint, 0)) AS lag
                 FROM tidemark.lag_samples
                 WHERE pipeline = ANY(%(pipelines)s) AND at >= {_SINCE}
@@ -241,7 +248,7 @@ def lag_by_partition(
     return [
         (s, p, t, int(lag))
         for s, p, t, lag in conn.execute(
-            f"""SELECT sink, partition, {_bucket("at")} AS t,
+            f"""SELECT sink, partition, {_bucket("at", w)} AS t,
                        max(greatest(head - checkpoint, 0))
                 FROM tidemark.lag_samples
                 WHERE pipeline = %(pipeline)s AND at >= {_SINCE}
@@ -258,7 +265,7 @@ def run_rates(
     records those of its busiest sink) and the longest run's seconds."""
     out: dict[str, list[tuple[datetime, float, float]]] = {}
     for pipeline, t, rate, seconds in conn.execute(
-        f"""SELECT pipeline, {_bucket("created_at")} AS t, avg(records / seconds),
+        f"""SELECT pipeline, {_bucket("created_at", w)} AS t, avg(records / seconds),
                    max(seconds)
             FROM (SELECT r.pipeline, r.created_at,
                          greatest(extract(epoch FROM r.finished_at - r.created_at), 0.001)
@@ -300,10 +307,10 @@ def letters_created(
     conn: psycopg.Connection, pipelines: list[str], w: Window
 ) -> dict[str, list[tuple[datetime, str, int]]]:
     """Per pipeline: (bucket, error class, dead letters first seen in it), whatever their
-    status now."""
+    status now. Without buckets, per instant: a run writes its letters in one transaction."""
     out: dict[str, list[tuple[datetime, str, int]]] = {}
     for pipeline, t, cls, n in conn.execute(
-        f"""SELECT pipeline, {_bucket("first_seen")} AS t, error_class::text, count(*)
+        f"""SELECT pipeline, {_bucket("first_seen", w)} AS t, error_class::text, count(*)
             FROM tidemark.dlq
             WHERE pipeline = ANY(%(pipelines)s) AND first_seen >= {_SINCE}
             GROUP BY 1, 2, 3 ORDER BY 1, 2, 3""",

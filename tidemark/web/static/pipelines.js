@@ -26,9 +26,21 @@
     el.appendChild(d);
   }
 
-  function draw(el) {
-    var spec;
-    try { spec = JSON.parse(el.getAttribute("data-chart")); } catch (e) { return; }
+  // One time axis for every chart of the page (small multiples compare only on the same
+  // axis): from the first point of any chart to the last, at least 10 minutes wide.
+  function pageRange(specs) {
+    var lo = Infinity, hi = -Infinity;
+    specs.forEach(function (s) {
+      if (s && s.x.length) { lo = Math.min(lo, s.x[0]); hi = Math.max(hi, s.x[s.x.length - 1]); }
+    });
+    if (lo === Infinity) return null;
+    if (hi - lo < 600) { var mid = (lo + hi) / 2; lo = mid - 300; hi = mid + 300; }
+    var pad = (hi - lo) * 0.02;
+    return [lo - pad, hi + pad];
+  }
+
+  function draw(el, spec, range) {
+    if (!spec) return;
     var small = el.classList.contains("small");
     var hasData = spec.x.length && spec.series.some(function (s) {
       return s.values.some(function (v) { return v != null; });
@@ -68,7 +80,7 @@
       series: series,
       legend: { show: !small || spec.series.length > 1, live: !small },
       cursor: { show: true, points: { size: 6 } },
-      scales: { x: { time: true }, y: { range: function (u, lo, hi) {
+      scales: { x: { time: true, range: function () { return range; } }, y: { range: function (u, lo, hi) {
         return [Math.min(0, lo), hi > 0 ? hi * 1.1 : 1];
       } } },
       axes: [
@@ -96,7 +108,12 @@
   }
 
   document.addEventListener("DOMContentLoaded", function () {
-    document.querySelectorAll("[data-chart]").forEach(draw);
+    var els = Array.prototype.slice.call(document.querySelectorAll("[data-chart]"));
+    var specs = els.map(function (el) {
+      try { return JSON.parse(el.getAttribute("data-chart")); } catch (e) { return null; }
+    });
+    var range = pageRange(specs);
+    els.forEach(function (el, i) { draw(el, specs[i], range); });
     var pending;
     window.addEventListener("resize", function () {
       clearTimeout(pending);
