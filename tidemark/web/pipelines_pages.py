@@ -129,16 +129,25 @@ def _chart(
     kind: str = "line",
     order: list[str] | None = None,
     empty: str | None = None,
+    add: bool = False,
 ) -> str:
     """One chart's JSON: (time, series label, value) rows aligned on the times of them all
-    (a series without a value at a time has null there: a gap, not a zero)."""
+    (a series without a value at a time has null there: a gap, not a zero); ``add``: the
+    values are counts."""
     xs = sorted({_epoch(t) for t, _, _ in rows})
     at = {x: i for i, x in enumerate(xs)}
     labels = order or sorted({s for _, s, _ in rows})
     values: dict[str, list[float | None]] = {s: [None] * len(xs) for s in labels}
     for t, s, v in rows:
-        if s in values:
-            values[s][at[_epoch(t)]] = v
+        if s not in values:
+            continue
+        # Two rows in one second (the axis' unit): counts add up, anything else keeps the
+        # larger (the most behind, the slower run).
+        i = at[_epoch(t)]
+        old = values[s][i]
+        if old is not None and v is not None:
+            v = old + v if add else max(old, v)
+        values[s][i] = v
     return json.dumps(
         {
             "title": title,
@@ -209,6 +218,7 @@ def overview(request: Request, caller: CallerDep) -> Response:
                     "letters",
                     [(t, "letters", n) for t, n in sorted(per_class.items())],
                     kind="bars",
+                    add=True,
                 ),
             }
         )
@@ -288,6 +298,7 @@ def _detail(caller: Caller, pipeline: str, days: int) -> dict[str, Any]:
             "letters",
             [(t, cls, n) for t, cls, n in letters],
             kind="bars",
+            add=True,
         ),
         "letters_total": sum(n for _, _, n in letters),
         "recent": list(reversed(runs[-20:])),
