@@ -27,14 +27,14 @@
   }
 
   // One time axis for every chart of the page (small multiples compare only on the same
-  // axis): from the first point of any chart to the last, at least 10 minutes wide.
+  // axis): from the first point of any chart to the last, at least 2 minutes wide.
   function pageRange(specs) {
     var lo = Infinity, hi = -Infinity;
     specs.forEach(function (s) {
       if (s && s.x.length) { lo = Math.min(lo, s.x[0]); hi = Math.max(hi, s.x[s.x.length - 1]); }
     });
     if (lo === Infinity) return null;
-    if (hi - lo < 600) { var mid = (lo + hi) / 2; lo = mid - 300; hi = mid + 300; }
+    if (hi - lo < 120) { var mid = (lo + hi) / 2; lo = mid - 60; hi = mid + 60; }
     var pad = (hi - lo) * 0.02;
     return [lo - pad, hi + pad];
   }
