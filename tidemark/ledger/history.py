@@ -167,13 +167,14 @@ def states(conn: psycopg.Connection, pipelines: list[str]) -> dict[str, State]:
                 {k: r[k] for k in ("run_id", "sink", "state", "alive")}
             )
     for r in cur.execute(
-        """SELECT DISTINCT ON (r.pipeline) r.pipeline, r.run_id, r.mode, r.created_at,
-                  r.finished_at,
+        # each pipeline's newest run by an index lookup (runs_by_time), not a sort of all
+        """SELECT p.name AS pipeline, r.run_id, r.mode, r.created_at, r.finished_at,
                   (SELECT coalesce(json_agg(json_build_object('sink', rs.sink,
                           'state', rs.state, 'error', rs.error) ORDER BY rs.sink), '[]')
                    FROM tidemark.run_sinks rs WHERE rs.run_id = r.run_id) AS sinks
-           FROM tidemark.runs r WHERE r.pipeline = ANY(%s)
-           ORDER BY r.pipeline, r.run_id DESC""",
+           FROM unnest(%s::text[]) p(name)
+           CROSS JOIN LATERAL (SELECT * FROM tidemark.runs x WHERE x.pipeline = p.name
+                               ORDER BY x.created_at DESC, x.run_id DESC LIMIT 1) r""",
         (names,),
     ):
         out[r.pop("pipeline")].last_run = r
@@ -270,11 +271,11 @@ def run_rates(
             FROM (SELECT r.pipeline, r.created_at,
                          greatest(extract(epoch FROM r.finished_at - r.created_at), 0.001)
                              AS seconds,
-                         (SELECT max(m.value) FROM tidemark.run_metrics m
-                          WHERE m.run_id = r.run_id AND m.name = 'records') AS records
-                  FROM tidemark.runs r
+                         max((rs.counts ->> 'records')::float8) AS records
+                  FROM tidemark.runs r JOIN tidemark.run_sinks rs USING (run_id)
                   WHERE r.pipeline = ANY(%(pipelines)s) AND r.created_at >= {_SINCE}
-                    AND r.finished_at IS NOT NULL) x
+                    AND r.finished_at IS NOT NULL
+                  GROUP BY r.run_id) x
             WHERE records IS NOT NULL
             GROUP BY 1, 2 ORDER BY 1, 2""",
         _params(pipelines, w),

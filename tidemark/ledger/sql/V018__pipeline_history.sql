@@ -12,7 +12,9 @@ CREATE TABLE tidemark.lag_samples (
     checkpoint bigint      NOT NULL,
     head       bigint      NOT NULL
 );
-CREATE INDEX lag_samples_by_time ON tidemark.lag_samples (pipeline, at);
+-- INCLUDE: the charts read the index alone (90 days of 20 pipelines: half a million rows).
+CREATE INDEX lag_samples_by_time ON tidemark.lag_samples (pipeline, at)
+    INCLUDE (sink, partition, checkpoint, head);
 CREATE INDEX lag_samples_age ON tidemark.lag_samples (at);
 
 -- The page's other series, read by time per pipeline: runs (durations, records per second
