@@ -73,7 +73,7 @@
       return o;
     }));
     var data = [spec.x].concat(spec.series.map(function (s) { return s.values; }));
-    var height = small ? 110 : (el.clientHeight || 230) - 22;
+    var height = small ? 120 : (el.clientHeight || 230) - 22;
     var opts = {
       width: Math.max(el.clientWidth, 120),
       height: height,
@@ -85,7 +85,7 @@
       } } },
       axes: [
         { stroke: AXIS, grid: { stroke: GRID, width: 1 }, ticks: { stroke: GRID },
-          size: small ? 24 : 44, font: (small ? "10px" : "11px") + " system-ui, sans-serif" },
+          size: small ? 34 : 44, font: (small ? "10px" : "11px") + " system-ui, sans-serif" },
         { stroke: AXIS, grid: { stroke: GRID, width: 1 }, ticks: { stroke: GRID },
           size: small ? 38 : 52, font: (small ? "10px" : "11px") + " system-ui, sans-serif",
           values: function (u, vals) { return vals.map(compact); } }
