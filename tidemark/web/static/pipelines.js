@@ -19,6 +19,23 @@
     return String(Math.round(v * 10) / 10);
   }
 
+  function pad(n) { return n < 10 ? "0" + n : String(n); }
+
+  // A small chart's time labels on one line, in UTC like the rest of the page: seconds when
+  // the axis spans minutes, hours and minutes when it spans up to two days, else the date.
+  function smallTimes(range) {
+    var span = range ? range[1] - range[0] : 86400;
+    return function (u, splits) {
+      return splits.map(function (ts) {
+        var d = new Date(ts * 1000);
+        var hm = pad(d.getUTCHours()) + ":" + pad(d.getUTCMinutes());
+        if (span < 900) return hm + ":" + pad(d.getUTCSeconds());
+        if (span <= 2 * 86400) return hm;
+        return (d.getUTCMonth() + 1) + "/" + d.getUTCDate();
+      });
+    };
+  }
+
   function empty(el, text) {
     var d = document.createElement("div");
     d.className = "empty";
@@ -73,7 +90,7 @@
       return o;
     }));
     var data = [spec.x].concat(spec.series.map(function (s) { return s.values; }));
-    var height = small ? 120 : (el.clientHeight || 230) - 22;
+    var height = small ? 110 : (el.clientHeight || 230) - 22;
     var opts = {
       width: Math.max(el.clientWidth, 120),
       height: height,
@@ -85,13 +102,16 @@
       } } },
       axes: [
         { stroke: AXIS, grid: { stroke: GRID, width: 1 }, ticks: { stroke: GRID },
-          size: small ? 34 : 44, font: (small ? "10px" : "11px") + " system-ui, sans-serif" },
+          size: small ? 24 : 44, font: (small ? "10px" : "11px") + " system-ui, sans-serif" },
         { stroke: AXIS, grid: { stroke: GRID, width: 1 }, ticks: { stroke: GRID },
           size: small ? 38 : 52, font: (small ? "10px" : "11px") + " system-ui, sans-serif",
           values: function (u, vals) { return vals.map(compact); } }
       ]
     };
+    // The page says "All times UTC": the axes too, whatever the browser's time zone.
+    opts.tzDate = function (ts) { return uPlot.tzDate(new Date(ts * 1e3), "Etc/UTC"); };
     if (small) {
+      opts.axes[0].values = smallTimes(range);
       opts.legend = { show: false };
       opts.title = undefined;
     }
