@@ -113,6 +113,7 @@ bench: pg spark-archive
 	$(BIN)/tidemark db upgrade
 	$(PY) bench/replay_bench.py
 	set -a && . $(ENVF) && set +a && $(PY) bench/dlq_bench.py
+	set -a && . $(ENVF) && set +a && $(PY) bench/pipelines_bench.py
 	set -a && . $(ENVF) && set +a && $(PY) bench/idle_bench.py
 
 # A seeded random sequence of operations and faults against a scratch cluster, with the

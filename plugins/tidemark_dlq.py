@@ -1,5 +1,6 @@
-"""Airflow plugin: Tidemark's dead letters in Airflow's UI ("Dead letters" in the navigation)
-and their JSON API, served by Airflow's API server under /tidemark (tidemark/web/app.py)."""
+"""Airflow plugin: Tidemark's dead letters and pipelines in Airflow's UI ("Dead letters" and
+"Pipelines" in the navigation) and the dead letters' JSON API, served by Airflow's API
+server under /tidemark (tidemark/web/app.py, tidemark/web/pipelines_pages.py)."""
 
 from airflow.plugins_manager import AirflowPlugin
 
@@ -17,5 +18,13 @@ class TidemarkDeadLetters(AirflowPlugin):
             "url_route": "dead-letters",
             "nav_top_level": True,
             "icon": "/tidemark/dlq/static/icon.svg",
-        }
+        },
+        {
+            "name": "Pipelines",
+            "href": "/tidemark/pipelines/",
+            "destination": "nav",
+            "url_route": "tidemark-pipelines",
+            "nav_top_level": True,
+            "icon": "/tidemark/pipelines/static/pipelines.svg",
+        },
     ]

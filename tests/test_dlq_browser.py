@@ -196,7 +196,8 @@ def test_review_preview_redrive_and_discard_in_the_browser(site):
 def test_data_docs_render_in_their_sandbox_and_send_nothing_anywhere(site):
     """A real run's Data Docs page, from a gate letter's record page: it reads (the
     failing check and its unexpected values are there), none of its scripts runs, and it
-    asks nothing of any host but this one and the stylesheet CDNs DOCS_CSP names."""
+    asks nothing of any host but this one (its styles are the site's own copies) and the
+    stylesheet CDNs DOCS_CSP names."""
     from urllib.parse import urlsplit
 
     from playwright.sync_api import expect, sync_playwright
@@ -235,6 +236,8 @@ def test_data_docs_render_in_their_sandbox_and_send_nothing_anywhere(site):
     ]
     assert elsewhere == [], elsewhere
     assert not [u for u in sent if urlsplit(u).path.endswith(".js")], sent
-    # GX's logo is fetched from its S3 bucket with the project's id: a beacon, refused.
-    assert any("great-expectations-web-assets" in u for u in blocked), blocked
+    # Styled offline (tidemark/quality/docs.py): its stylesheets come from the site itself,
+    # and GX's logo too, never from GX's S3 bucket with the project's id (a beacon).
+    assert any("/static/vendor/" in u and u.endswith(".css") for u in sent), sent
+    assert not any("great-expectations-web-assets" in u for u in asked), asked
     assert any("sandboxed" in m and "allow-scripts" in m for m in console), console

@@ -204,3 +204,27 @@ def test_data_docs_are_served_per_pipeline_to_its_readers(teams):
     with _client(stack, "bob") as c:
         assert c.get(page.format("other")).status_code == 200
         assert c.get(page.format("orders")).status_code == 404
+
+
+def test_the_pipelines_pages_show_each_team_its_own_pipelines(teams):
+    """The Pipelines pages (docs/dlq.md, "Pipelines page") decide as the letters do: a team's
+    member sees the team's pipelines; another team's, or one of no known team, is not found."""
+    import re
+
+    stack, _ = teams
+    seen = {}
+    for user in ("alice", "bob", "admin"):
+        with _client(stack, user) as c:
+            page = c.get("/tidemark/pipelines/")
+            assert page.status_code == 200, page.text
+            seen[user] = re.findall(r'data-pipeline="(\w+)"', page.text)
+            for name in ("orders", "other", "ghost"):
+                r = c.get(f"/tidemark/pipelines/{name}")
+                assert r.status_code == (200 if name in seen[user] else 404), (user, name)
+                api = c.get(f"/tidemark/pipelines/api/{name}")
+                assert api.status_code == r.status_code, (user, name, api.text)
+    assert seen == {
+        "alice": ["orders"],
+        "bob": ["other"],
+        "admin": ["ghost", "orders", "other"],
+    }

@@ -311,6 +311,7 @@ def _counts(env, pipeline: str) -> dict[str, int]:
         "runs": "pipeline = %(p)s",
         "dlq": "pipeline = %(p)s",
         "redrive_requests": "pipeline = %(p)s",
+        "lag_samples": "pipeline = %(p)s",
         "run_sinks": "run_id IN (SELECT run_id FROM tidemark.runs WHERE pipeline = %(p)s)",
         "dq_results": "run_id IN (SELECT run_id FROM tidemark.runs WHERE pipeline = %(p)s)",
         "run_metrics": "run_id IN (SELECT run_id FROM tidemark.runs WHERE pipeline = %(p)s)",
@@ -332,6 +333,11 @@ def _retire_world(env, docs: Path) -> dict:
             )
             c.execute(
                 "INSERT INTO tidemark.leases (pipeline, sink, epoch) VALUES (%s, 's0', 3)", (p,)
+            )
+            c.execute(
+                "INSERT INTO tidemark.lag_samples (pipeline, sink, partition, checkpoint, head) "
+                "VALUES (%s, 's0', 0, 10, 12)",
+                (p,),
             )
         # The open run of the world settled, as recovery would.
         c.execute("UPDATE tidemark.run_sinks SET state = 'aborted' WHERE state = 'prepared'")

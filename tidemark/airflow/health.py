@@ -17,7 +17,7 @@ from tidemark.core.errors import TidemarkError
 from tidemark.core.settings import get_settings
 from tidemark.driver import lag, late
 from tidemark.driver.lag import Lag
-from tidemark.ledger import dlq, runs, state
+from tidemark.ledger import dlq, history, runs, state
 from tidemark.protocol import gids
 
 
@@ -94,6 +94,16 @@ def check_health(pipelines: dict[str, config.Pipeline], ledger: str) -> Health:
                 health.problems.append(Problem(name, f"lag not measured: {one_line(exc)}"))
                 continue
             health.problems += lag_problems(p, health.lags[name])
+            # The Pipelines page's lag over time (ledger/history.py keeps one every 10 min).
+            history.record_lag(
+                c,
+                name,
+                [
+                    history.Sample(x.sink, x.partition, x.checkpoint, x.head)
+                    for x in health.lags[name]
+                ],
+                keep_days=get_settings().retention_runs_days,
+            )
     for dsn, label in dsns.items():
         try:
             with connect(dsn, autocommit=True, what=label) as c:

@@ -291,6 +291,7 @@ def pipeline_rows(conn: psycopg.Connection, pipeline: str) -> dict[str, int]:
         "runs": "pipeline = %(p)s",
         "redrive_requests": "pipeline = %(p)s",
         "source_gaps": "pipeline = %(p)s",
+        "lag_samples": "pipeline = %(p)s",  # the Pipelines page's (ledger/history.py)
     }
     out = {
         t: scalar(conn.execute(f"SELECT count(*) FROM tidemark.{t} WHERE {w}", {"p": pipeline}))
@@ -354,14 +355,15 @@ def lock_pipeline(conn: psycopg.Connection, pipeline: str) -> str | None:
 
 
 def delete_pipeline(conn: psycopg.Connection, pipeline: str) -> dict[str, int]:
-    """The pipeline's checkpoints, the gaps its sinks stepped over, leases and row (its runs,
-    letters and requests gone)."""
+    """The pipeline's checkpoints, the gaps its sinks stepped over, lag samples, leases and
+    row (its runs, letters and requests gone)."""
     return {
         t: conn.execute(f"DELETE FROM tidemark.{t} WHERE {col} = %s", (pipeline,)).rowcount
         for t, col in (
             ("checkpoints", "pipeline"),
             ("source_gaps", "pipeline"),
             ("staged_holds", "pipeline"),
+            ("lag_samples", "pipeline"),
             ("leases", "pipeline"),
             ("pipelines", "name"),
         )

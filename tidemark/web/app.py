@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from fastapi import Depends, FastAPI
 
-from tidemark.web import api, errors, pages
+from tidemark.web import api, errors, pages, pipelines_pages
 from tidemark.web.auth import guard
 from tidemark.web.context import Web, templates
 from tidemark.web.middleware import BodyLimit, Failures, SecurityHeaders, SlashRedirect
@@ -34,6 +34,7 @@ def create_app(web: Web | None = None) -> FastAPI:
     # Every router of the app, here and only here.
     app.include_router(pages.router)
     app.include_router(api.router)
+    app.include_router(pipelines_pages.router)
     errors.install(app, web)
     app.router.redirect_slashes = False  # SlashRedirect's instead: a path, never a host
     # Each added runs inside the next: SecurityHeaders is outermost, so every answer of the

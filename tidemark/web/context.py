@@ -98,7 +98,9 @@ def rel(request: Request) -> str:
 
 
 def is_api(request: Request) -> bool:
-    return rel(request).startswith(("/dlq/api/", "/dlq/static/"))
+    return rel(request).startswith(
+        ("/dlq/api/", "/dlq/static/", "/pipelines/api/", "/pipelines/static/")
+    )
 
 
 def wants_html(request: Request) -> bool:

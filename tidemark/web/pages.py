@@ -31,7 +31,8 @@ STATIC = {"dlq.css": "text/css", "dlq.js": "text/javascript", "icon.svg": "image
 # rendered on the server and read fine without their scripts (which come from CDNs without
 # integrity), so none runs: an opaque-origin sandbox without allow-scripts, keeping them away
 # from the Airflow session too. Their stylesheets and icon fonts load only from the CDN paths
-# GX names (tests/test_dlq_web.py checks them against GX's templates), and nothing on the
+# GX names (tests/test_dlq_web.py checks them against GX's templates) or, for sites rendered
+# offline (tidemark/quality/docs.py vendors them into each site), from here; nothing on the
 # page can send data anywhere: no connections, images only from here.
 DOCS_STYLES = (
     "https://cdn.jsdelivr.net/npm/@forevolve/bootstrap-dark@1.1.0/",
@@ -44,7 +45,8 @@ DOCS_STYLES = (
 DOCS_FONTS = ("https://cdnjs.cloudflare.com/ajax/libs/font-awesome/6.6.0/webfonts/",)
 DOCS_CSP = (
     "sandbox allow-popups; default-src 'none'; script-src 'none'; "
-    f"style-src 'unsafe-inline' {' '.join(DOCS_STYLES)}; font-src {' '.join(DOCS_FONTS)}; "
+    f"style-src 'self' 'unsafe-inline' {' '.join(DOCS_STYLES)}; "
+    f"font-src 'self' {' '.join(DOCS_FONTS)}; "
     "img-src 'self' data:; connect-src 'none'; form-action 'none'; base-uri 'none'; "
     "frame-ancestors 'self'"
 )
