@@ -17,10 +17,11 @@ from tidemark.ledger.state import Range
 from tidemark.protocol.taskspec import TASK_PHASES
 
 
-def test_run_delivers_once_then_only_what_is_new(env, spark):
+@pytest.mark.engines("local", "spark")
+def test_run_delivers_once_then_only_what_is_new(env, engine):
     env.append_orders(range(200))
     env.pipeline()
-    report = env.run(spark)
+    report = env.run(engine)
     assert report.ok, report.summary()
     assert report.records == 200
     assert report.sinks["main"].rows == 200
@@ -59,11 +60,11 @@ def test_run_delivers_once_then_only_what_is_new(env, spark):
         (7, 1, 3, report.run_id),
     ]
 
-    again = env.run(spark)
+    again = env.run(engine)
     assert again.run_id is None and "up to date" in again.message
 
     env.append_orders(range(200, 230))
-    third = env.run(spark)
+    third = env.run(engine)
     assert third.ok and third.records == 30
     assert env.checkpoints() == {0: 115, 1: 115}
     assert_exactly_once(env)

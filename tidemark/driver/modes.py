@@ -13,8 +13,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
+import pyarrow as pa
+
 from tidemark import sources
 from tidemark.config import Pipeline, Sink, Source
+from tidemark.core.clock import Phases
 from tidemark.core.errors import TidemarkError
 from tidemark.ledger import state
 from tidemark.ledger.state import Planner, Range
@@ -65,6 +68,18 @@ class Mode(ABC):
 
     def source(self, spark: SparkSession, pipeline: Pipeline, read: list[Range]) -> DataFrame:
         return sources.dataframe(spark, pipeline, read)
+
+    def arrow(self, pipeline: Pipeline, read: list[Range], phases: Phases) -> list[pa.Table]:
+        """The records of ``read`` as the local runner reads them (tidemark/driver/runners.py):
+        one table per read, the batches :meth:`source` would hand Spark; ``phases`` gets the
+        reader's time."""
+        job = sources.read_job(pipeline, read)
+        out = []
+        for r in read:
+            batches = list(job.batches(r, phases))
+            schema = batches[0].schema if batches else sources.SCHEMA
+            out.append(pa.Table.from_batches(batches, schema=schema))
+        return out
 
     def payloads(self, pipeline: Pipeline) -> Source | None:
         """Where a task reads again a payload its batch left out (None: it left none out)."""

@@ -24,6 +24,7 @@ from pyspark.sql import DataFrame, SparkSession
 
 from tidemark import sources
 from tidemark.config import Pipeline, Quality, Sink
+from tidemark.core.clock import Phases
 from tidemark.core.db import connect
 from tidemark.core.errors import BadInput, TidemarkError
 from tidemark.core.settings import Settings
@@ -84,6 +85,14 @@ class RedriveMode(Mode):
         return plan, NothingToClose()
 
     def source(self, spark: SparkSession, pipeline: Pipeline, read: list[Range]) -> DataFrame:
+        # One task: each sink's status change is one transaction with its sink write.
+        return spark.createDataFrame(self._records(pipeline)).coalesce(1)
+
+    def arrow(self, pipeline: Pipeline, read: list[Range], phases: Phases) -> list[pa.Table]:
+        with phases("read"):
+            return [self._records(pipeline)]
+
+    def _records(self, pipeline: Pipeline) -> pa.Table:
         """Each record once (several sinks' letters may hold it), from the stored bytes, read
         from the ledger in chunks straight into Arrow."""
         batches = []
@@ -101,9 +110,7 @@ class RedriveMode(Mode):
                         schema=sources.SCHEMA,
                     )
                 )
-        table = pa.Table.from_batches(batches, schema=sources.SCHEMA)
-        # One task: each sink's status change is one transaction with its sink write.
-        return spark.createDataFrame(table).coalesce(1)
+        return pa.Table.from_batches(batches, schema=sources.SCHEMA)
 
     def payloads(self, pipeline: Pipeline) -> None:
         return None  # the stored bytes are the batch's: every payload is carried

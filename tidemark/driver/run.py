@@ -35,6 +35,7 @@ from tidemark.driver import late
 from tidemark.driver.checking import QualityPath
 from tidemark.driver.modes import Backfill, Delivery, Layout, Mode
 from tidemark.driver.report import DRY_RUN, UP_TO_DATE, RunReport, SinkOutcome, phases
+from tidemark.driver.runners import TaskRunner, runner_for
 from tidemark.driver.tables import Rebuilt, Sinks
 from tidemark.driver.verifying import Verifying
 from tidemark.driver.watch import Heartbeat, Stop
@@ -73,6 +74,7 @@ class Run(Writing, Verifying):
         airflow: AirflowRun | None = None,
         log: Log = stderr_log,
         spark: SparkSession | None = None,
+        runner: TaskRunner | None = None,
         by: str | None = None,
         where: str | None = None,
         dry_run: bool = False,
@@ -104,7 +106,14 @@ class Run(Writing, Verifying):
         self.external_id = external_id
         self.airflow = airflow
         self.log = log
-        self.spark = spark
+        # Where the write tasks run, chosen once (tidemark/driver/runners.py).
+        self.runner = runner or runner_for(settings, spark, f"tidemark-{pipeline.name}")
+        refused = self.runner.refusal(self.mode, pipeline)
+        if refused is not None:
+            raise BadInput(
+                f"{pipeline.name}: engine {self.runner.engine} cannot run this {self.mode.name}: "
+                f"{refused}; run it with engine spark (TIDEMARK_ENGINE=spark)"
+            )
         self.by = by
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
         self.stop = Stop()

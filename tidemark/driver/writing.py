@@ -1,4 +1,5 @@
-"""Step 2 of a run (tidemark/driver/run.py): the write. Spark tasks PREPARE the batch on every
+"""Step 2 of a run (tidemark/driver/run.py): the write. Write tasks (in Spark or in the run's
+process: tidemark/driver/runners.py) PREPARE the batch on every
 sink's database and each sink's dead letters on the ledger, as the run's layout spreads the
 records over them; the quality strategy (tidemark/driver/checking.py) judges each write, and
 one that does not stand is rolled back and the batch written again with the next write
@@ -9,29 +10,23 @@ number in its gids.
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING
 
 import psycopg
-from pyspark import StorageLevel
-from pyspark.sql import DataFrame, SparkSession
 
 from tidemark.config import Pipeline, PostgresLogSource
-from tidemark.core.db import one_line
-from tidemark.core.dsn import mask
-from tidemark.core.errors import Terminated, TidemarkError
+from tidemark.core.errors import TidemarkError
 from tidemark.core.settings import Settings
 from tidemark.driver import checking, fallback, gate
 from tidemark.driver.checking import Checked, Fails, Job, QualityPath, Stands
 from tidemark.driver.modes import Layout, Mode
 from tidemark.driver.report import RunReport
+from tidemark.driver.runners import Batch, TaskRunner
 from tidemark.driver.tables import Sinks, Tables, table_exists
-from tidemark.driver.watch import Progress, Stop
-from tidemark.engine import records
+from tidemark.driver.watch import Stop
 from tidemark.ledger import checkpoints, state
 from tidemark.ledger.state import Claim, RunState
 from tidemark.protocol.taskspec import Rebuilding, SinkTarget, TaskResult, TaskSpec
-from tidemark.sources import read_clock
 
 
 class Writing(Tables):
@@ -44,7 +39,7 @@ class Writing(Tables):
     ledger_dsn: str
     mode: Mode
     quality: QualityPath
-    spark: SparkSession | None
+    runner: TaskRunner
     by: str | None
     stop: Stop
     log: checking.Log
@@ -64,25 +59,20 @@ class Writing(Tables):
         that does not stand is rolled back (nothing is visible before the decision) and the
         batch is read and written again as the judgement says, with the next write number in
         its gids (gids.Gid.write)."""
-        from tidemark.engine.session import session
-
         if not self._check_tables(claim, by_name, report):
             return []
-        spark = self.spark or session(self.s.spark_master, f"tidemark-{self.p.name}")
-        reads = dict(read_clock.clock(spark.sparkContext).value)
+        read_time = self.runner.reader_clock()
         try:
-            return self._writes(spark, claim, by_name, report)
+            return self._writes(claim, by_name, report)
         finally:
-            self.read_phases = read_clock.since(spark.sparkContext, reads)
+            self.read_phases = read_time()
 
-    def _writes(
-        self, spark: SparkSession, claim: Claim, by_name: Sinks, report: RunReport
-    ) -> list[str]:
+    def _writes(self, claim: Claim, by_name: Sinks, report: RunReport) -> list[str]:
         self.stop.check()
-        self.layout = self._layout(spark, claim, by_name)
+        self.layout = self._layout(claim, by_name)
         ctx = self._checks_context(claim)
-        df = self._read(spark)
-        quality = checking.choose(
+        df = self._read()
+        quality = self.runner.choose(
             self.quality,
             ctx.pipeline,
             df,
@@ -91,7 +81,7 @@ class Writing(Tables):
         )
         write = 0
         while True:
-            live, job = self._write_once(spark, df, claim, by_name, report, ctx, quality, write)
+            live, job = self._write_once(df, claim, by_name, report, ctx, quality, write)
             if job is None:  # no sink left to write
                 return live
             judged = quality.judge(job, ctx)
@@ -108,12 +98,11 @@ class Writing(Tables):
             )
             self._rollback_run(claim, by_name, keep=set())
             self.stop.check()
-            quality, df, write = judged.then, self._read(spark), write + 1
+            quality, df, write = judged.then, self._read(), write + 1
 
     def _write_once(
         self,
-        spark: SparkSession,
-        df: DataFrame,
+        df: Batch,
         claim: Claim,
         by_name: Sinks,
         report: RunReport,
@@ -122,21 +111,23 @@ class Writing(Tables):
         write: int,
     ) -> tuple[list[str], Job | None]:
         """One write of the batch ``df``, checked as ``quality`` says; the sinks it writes
-        and what its Spark job did (None: no sink left to write)."""
-        columns = records.output_columns(df)
+        and what its write tasks did (None: no sink left to write)."""
+        columns = self.runner.columns(df)
         self._refuse_tables(claim, by_name, columns, report)
         cached = fallen = None
         if quality.caches or self.mode.falls_back:
             # Read once: the expectations, the fallback keys and the writes all use this
             # cached batch.
-            df = cached = df.persist(StorageLevel.MEMORY_AND_DISK)
+            df = cached = self.runner.cache(df)
         try:
             assert self.layout is not None
             report.layout = self.layout.kind
             report.quality.append(type(quality).__name__)
             checked = quality.check(df, ctx)
             if checked.verdict is not None and checked.verdict.halted:
-                report.records = df.count()  # a sink writes none of the batch: still, it read it
+                report.records = self.runner.count(
+                    df
+                )  # a sink writes none of the batch: still, it read it
                 self._halt(claim, checked.verdict, report)
             live = self._start_writing(claim, by_name, columns, checked, report)
             if not live:
@@ -146,28 +137,28 @@ class Writing(Tables):
                 plans = self._plans(claim, by_name, live, checked.verdict)
                 # Before any transaction is prepared: a sink the backfill would leave with
                 # versions placed by nothing (a key split) is refused (fallback.refusals).
-                for sink, why in fallback.refusals(spark, self.p, out, plans).items():
+                for sink, why in self.runner.refusals(self.p, out, plans).items():
                     self._abort(claim.run_id, sink, why, report)
                     live.remove(sink)
                     del plans[sink]
                 if not live:
                     return [], None
-                fallen = self._fallback(spark, out, claim, plans)
+                fallen = self._fallback(out, claim, plans)
                 out = fallen.df if fallen is not None else out
             spec = self._spec(claim, by_name, live, [c for c, _ in columns], checked, fallen, write)
-            return live, self._run_tasks(spark, out, spec, claim.run_id)
+            return live, self._run_tasks(out, spec, claim.run_id)
         finally:
             if cached is not None:
-                cached.unpersist()
+                self.runner.release(cached)
             if fallen is not None:
                 fallen.release()
 
-    def _layout(self, spark: SparkSession, claim: Claim, by_name: Sinks) -> Layout:
+    def _layout(self, claim: Claim, by_name: Sinks) -> Layout:
         layout = self.mode.layout(
             claim.read_ranges(),
             [by_name[s].config for s in claim.sinks],
             dense=isinstance(self.p.source, PostgresLogSource),
-            parallelism=spark.sparkContext.defaultParallelism,
+            parallelism=self.runner.parallelism(),
             split_min=self.p.limits.split_min_records,
         )
         if layout.kind in ("spread", "together"):
@@ -185,10 +176,10 @@ class Writing(Tables):
             )
         return layout
 
-    def _read(self, spark: SparkSession) -> DataFrame:
-        """The batch: the mode's records, decoded and transformed (lazily)."""
+    def _read(self) -> Batch:
+        """The batch: the mode's records, decoded and transformed (lazily in Spark)."""
         assert self.layout is not None
-        return records.rows(self.mode.source(spark, self.p, self.layout.read), self.p)
+        return self.runner.read(self.mode, self.p, self.layout.read)
 
     def _checks_context(self, claim: Claim) -> checking.Context:
         return checking.Context(
@@ -271,14 +262,14 @@ class Writing(Tables):
         return plans
 
     def _fallback(
-        self, spark: SparkSession, df: DataFrame, claim: Claim, plans: dict[str, fallback.SinkPlan]
+        self, df: Batch, claim: Claim, plans: dict[str, fallback.SinkPlan]
     ) -> fallback.Fallback | None:
         """A backfill's fallback versions (tidemark/driver/fallback.py); one write task."""
         assert self.layout is not None
         if self.layout.tasks != 1:
             raise TidemarkError(f"a backfill writes in one task, not {self.layout.tasks}")
-        return fallback.attach(
-            spark, self.p, self.mode, df, plans, lambda m: self.log(f"run {claim.run_id}: {m}")
+        return self.runner.fallback(
+            self.p, self.mode, df, plans, lambda m: self.log(f"run {claim.run_id}: {m}")
         )
 
     def _spec(
@@ -333,42 +324,11 @@ class Writing(Tables):
             write=write,
         )
 
-    def _run_tasks(self, spark: SparkSession, df: DataFrame, spec: TaskSpec, run_id: int) -> Job:
-        """The Spark job: one write task per layout task, each returning its TaskResult."""
-        from tidemark.engine.writer import RESULT_SCHEMA, make_task
-
+    def _run_tasks(self, df: Batch, spec: TaskSpec, run_id: int) -> Job:
+        """The write tasks: one per layout task, each returning its TaskResult."""
         assert self.layout is not None
-        layout = self.layout
-        if layout.kind == "spread":
-            df = df.repartition(layout.tasks, *(layout.by or []))
-        elif layout.kind == "together":
-            df = df.coalesce(1)
-        progress = Progress(spark, run_id, layout.tasks, self.log)
-        progress.start()
-        try:
-            rows = df.mapInArrow(make_task(spec), RESULT_SCHEMA).collect()
-        except Terminated:
-            spark.sparkContext.cancelAllJobs()
-            raise
-        # Blind on purpose: the job fails as Py4J, PySpark or a lost JVM connection says; each
-        # is the job failing after its retries, and the run rolls back.
-        except Exception as exc:  # noqa: BLE001
-            return Job([], f"Spark job failed: {_spark_error(exc)}")
-        finally:
-            progress.stop()
-        self.results = [TaskResult.model_validate_json(r["result"]) for r in rows]
-        self._mark("write")
-        return Job(self.results)
-
-
-_EXC_LINE = re.compile(r"^([\w.]+(Error|Exception|Terminated|Held|Fenced)): (.*)$")
-
-
-def _spark_error(exc: BaseException) -> str:
-    """The Python exception a failed task raised, as one line, out of Spark's wrapping."""
-    found = None
-    for line in str(exc).splitlines():
-        m = _EXC_LINE.match(line.strip())
-        if m and not m.group(1).startswith(("org.apache", "java.", "py4j")):
-            found = f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(3)}"
-    return mask(found) if found else one_line(exc)
+        job = self.runner.run(df, spec, self.layout, run_id, self.log)
+        if job.failure is None:
+            self.results = job.results
+            self._mark("write")
+        return job
