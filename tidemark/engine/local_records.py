@@ -35,6 +35,7 @@ SPARK_NAMES = {
     pa.string(): "string",
     pa.bool_(): "boolean",
     pa.timestamp("us", tz="UTC"): "timestamp",
+    pa.binary(): "binary",  # _tm_key, _tm_payload selected as they are
 }
 _NAME = re.compile(r"^\s*(?:`((?:[^`]|``)+)`|([A-Za-z_][A-Za-z0-9_]*))\s*$")
 _INSTANT = re.compile(json_arrow.ISO_INSTANT)
