@@ -9,8 +9,8 @@ DataFrame) is refused by :func:`refusal` before the run claims anything.
 
 Records Arrow's JSON reader decodes are taken as they are (tidemark/sources/json_arrow.py);
 each other record is read by Python's parser, with the verdict Spark gives it (an empty,
-non-UTF-8 or non-object payload, a field of another type: tests/test_local_engine.py compares
-both engines on such records).
+non-UTF-8 or non-object payload, a field of another type: tests/test_protocol.py's poison
+records land in the same dead letters, with the same reasons, on both engines).
 """
 
 from __future__ import annotations
