@@ -56,6 +56,9 @@ class Mode(ABC):
     accept_pruned = False
     reads_ranges = True  # reads whole ranges: records the gaps it steps over (ledger/gaps.py)
     needs_prepare = False  # only with delivery: exactly_once (its change must ride the 2PC)
+    # Over quality.max_quarantined the run and the pipeline halt (driver/ceiling.py): a
+    # delivery only, not an operator's deliberate re-delivery.
+    halts_over_ceiling = False
 
     @abstractmethod
     def planner(self, pipeline: Pipeline) -> tuple[Planner, Closing]:
@@ -178,6 +181,7 @@ class Delivery(Mode):
     # each task, which tasks holding parts of one range would fight over.
     spreads = True
     checks_while_writing = True
+    halts_over_ceiling = True
 
     def planner(self, pipeline: Pipeline, limit: int | None = None) -> tuple[Planner, Closing]:
         limit = limit or pipeline.limits.max_records_per_partition

@@ -33,7 +33,7 @@ from tidemark.core.errors import BadInput, Fenced, Inconsistency, Terminated, Ti
 from tidemark.core.settings import Settings
 from tidemark.driver import late
 from tidemark.driver.checking import QualityPath
-from tidemark.driver.modes import Backfill, Delivery, Layout, Mode
+from tidemark.driver.modes import Backfill, Delivery, Mode
 from tidemark.driver.report import DRY_RUN, UP_TO_DATE, RunReport, SinkOutcome, phases
 from tidemark.driver.runners import TaskRunner, runner_for
 from tidemark.driver.tables import Rebuilt, Sinks
@@ -120,7 +120,6 @@ class Run(Writing, Verifying):
         self.clock: dict[str, float] = {}  # phase -> monotonic time it ended
         self.results: list[TaskResult] = []  # the write that stands: one per task
         self.read_phases: dict[str, float] = {}  # the reader's own, every read of the run
-        self.layout: Layout | None = None  # how records reach the write tasks (per run)
         self.dry_run = dry_run
         self.halted_ok = halted_ok  # `tidemark settle`'s re-delivery of a lost run's ranges
         self.omit: dict[str, list[str]] = {}  # a dry run's columns its tables lack
@@ -156,10 +155,11 @@ class Run(Writing, Verifying):
                 ):
                     # 2. Write, in Spark tasks: each PREPAREs its rows on every sink's
                     # database and each sink's dead letters on the ledger.
-                    live = self._write(claim, by_name, report)
+                    written = self._write(claim, by_name, report)
+                    self.results, self.read_phases = written.results, written.read_phases
                     # Verify, on a new connection to each participant's database: every
                     # chosen gid still prepared; the ledger marks the sink prepared.
-                    prepared = self._verify(claim, by_name, live, report)
+                    prepared = self._verify(claim, by_name, written, report)
                     self.stop.check()
                     faults.point("after_prepare")
                     if self.dry_run:  # a preview: what it would decide, then nothing

@@ -10,6 +10,7 @@ number in its gids.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import psycopg
@@ -29,6 +30,17 @@ from tidemark.ledger.state import Claim, RunState
 from tidemark.protocol.taskspec import Rebuilding, SinkTarget, TaskResult, TaskSpec
 
 
+@dataclass(frozen=True)
+class WriteOutcome:
+    """What the write that stands did: the sinks it wrote, how its records reached its tasks
+    (None: nothing was read, no sink left to write), every task's result, the reader's time."""
+
+    live: list[str]
+    layout: Layout | None
+    results: list[TaskResult]
+    read_phases: dict[str, float]
+
+
 class Writing(Tables):
     """The write phase of a :class:`~tidemark.driver.run.Run`."""
 
@@ -43,9 +55,6 @@ class Writing(Tables):
     by: str | None
     stop: Stop
     log: checking.Log
-    layout: Layout | None
-    results: list[TaskResult]
-    read_phases: dict[str, float]
     dry_run: bool
 
     if TYPE_CHECKING:  # the run's own, tidemark/driver/run.py
@@ -53,25 +62,31 @@ class Writing(Tables):
         def _mark(self, phase: str) -> None: ...
         def _rollback_run(self, claim: Claim, by_name: Sinks, keep: set[str]) -> None: ...
 
-    def _write(self, claim: Claim, by_name: Sinks, report: RunReport) -> list[str]:
-        """Writes of the batch until one stands; returns the sinks it wrote. The quality
+    def _write(self, claim: Claim, by_name: Sinks, report: RunReport) -> WriteOutcome:
+        """Writes of the batch until one stands; returns what stands. The quality
         strategy is chosen once, on the first read of the batch, and judges each write; one
         that does not stand is rolled back (nothing is visible before the decision) and the
         batch is read and written again as the judgement says, with the next write number in
         its gids (gids.Gid.write)."""
         if not self._check_tables(claim, by_name, report):
-            return []
+            return WriteOutcome([], None, [], {})
         read_time = self.runner.reader_clock()
+        layout: Layout | None = None
+        live: list[str] = []
+        job = Job([])
         try:
-            return self._writes(claim, by_name, report)
+            self.stop.check()
+            layout = self._layout(claim, by_name)
+            live, job = self._writes(layout, claim, by_name, report)
         finally:
-            self.read_phases = read_time()
+            read = read_time()
+        return WriteOutcome(live, layout, job.results, read)
 
-    def _writes(self, claim: Claim, by_name: Sinks, report: RunReport) -> list[str]:
-        self.stop.check()
-        self.layout = self._layout(claim, by_name)
+    def _writes(
+        self, layout: Layout, claim: Claim, by_name: Sinks, report: RunReport
+    ) -> tuple[list[str], Job]:
         ctx = self._checks_context(claim)
-        df = self._read()
+        df = self._read(layout)
         quality = self.runner.choose(
             self.quality,
             ctx.pipeline,
@@ -81,12 +96,12 @@ class Writing(Tables):
         )
         write = 0
         while True:
-            live, job = self._write_once(df, claim, by_name, report, ctx, quality, write)
+            live, job = self._write_once(layout, df, claim, by_name, report, ctx, quality, write)
             if job is None:  # no sink left to write
-                return live
+                return live, Job([])
             judged = quality.judge(job, ctx)
             if isinstance(judged, Stands):
-                return live
+                return live, job
             if isinstance(judged, Fails):
                 for sink in live:
                     self._abort(claim.run_id, sink, judged.why, report)
@@ -98,10 +113,11 @@ class Writing(Tables):
             )
             self._rollback_run(claim, by_name, keep=set())
             self.stop.check()
-            quality, df, write = judged.then, self._read(), write + 1
+            quality, df, write = judged.then, self._read(layout), write + 1
 
     def _write_once(
         self,
+        layout: Layout,
         df: Batch,
         claim: Claim,
         by_name: Sinks,
@@ -120,8 +136,7 @@ class Writing(Tables):
             # cached batch.
             df = cached = self.runner.cache(df)
         try:
-            assert self.layout is not None
-            report.layout = self.layout.kind
+            report.layout = layout.kind
             report.quality.append(type(quality).__name__)
             checked = quality.check(df, ctx)
             if checked.verdict is not None and checked.verdict.halted:
@@ -143,10 +158,12 @@ class Writing(Tables):
                     del plans[sink]
                 if not live:
                     return [], None
-                fallen = self._fallback(out, claim, plans)
+                fallen = self._fallback(layout, out, claim, plans)
                 out = fallen.df if fallen is not None else out
-            spec = self._spec(claim, by_name, live, [c for c, _ in columns], checked, fallen, write)
-            return live, self._run_tasks(out, spec, claim.run_id)
+            spec = self._spec(
+                layout, claim, by_name, live, [c for c, _ in columns], checked, fallen, write
+            )
+            return live, self._run_tasks(layout, out, spec, claim.run_id)
         finally:
             if cached is not None:
                 self.runner.release(cached)
@@ -176,10 +193,9 @@ class Writing(Tables):
             )
         return layout
 
-    def _read(self) -> Batch:
+    def _read(self, layout: Layout) -> Batch:
         """The batch: the mode's records, decoded and transformed (lazily in Spark)."""
-        assert self.layout is not None
-        return self.runner.read(self.mode, self.p, self.layout.read)
+        return self.runner.read(self.mode, self.p, layout.read)
 
     def _checks_context(self, claim: Claim) -> checking.Context:
         return checking.Context(
@@ -262,18 +278,18 @@ class Writing(Tables):
         return plans
 
     def _fallback(
-        self, df: Batch, claim: Claim, plans: dict[str, fallback.SinkPlan]
+        self, layout: Layout, df: Batch, claim: Claim, plans: dict[str, fallback.SinkPlan]
     ) -> fallback.Fallback | None:
         """A backfill's fallback versions (tidemark/driver/fallback.py); one write task."""
-        assert self.layout is not None
-        if self.layout.tasks != 1:
-            raise TidemarkError(f"a backfill writes in one task, not {self.layout.tasks}")
+        if layout.tasks != 1:
+            raise TidemarkError(f"a backfill writes in one task, not {layout.tasks}")
         return self.runner.fallback(
             self.p, self.mode, df, plans, lambda m: self.log(f"run {claim.run_id}: {m}")
         )
 
     def _spec(
         self,
+        layout: Layout,
         claim: Claim,
         by_name: Sinks,
         live: list[str],
@@ -282,7 +298,6 @@ class Writing(Tables):
         fallen: fallback.Fallback | None,
         write: int,
     ) -> TaskSpec:
-        assert self.layout is not None
         v = checked.verdict or gate.Verdict()
         targets = []
         for s in live:
@@ -314,7 +329,7 @@ class Writing(Tables):
             lock_timeout_ms=self.s.lock_timeout_ms,
             ledger_dsn=self.ledger_dsn,
             columns=columns,
-            accounting=self.layout.accounting,
+            accounting=layout.accounting,
             placement=self.mode.placement(self.by, fallen),
             failed=v.rows.get(gate.PIPELINE, {}),
             quarantine=v.quarantine.get(gate.PIPELINE),
@@ -324,11 +339,9 @@ class Writing(Tables):
             write=write,
         )
 
-    def _run_tasks(self, df: Batch, spec: TaskSpec, run_id: int) -> Job:
+    def _run_tasks(self, layout: Layout, df: Batch, spec: TaskSpec, run_id: int) -> Job:
         """The write tasks: one per layout task, each returning its TaskResult."""
-        assert self.layout is not None
-        job = self.runner.run(df, spec, self.layout, run_id, self.log)
+        job = self.runner.run(df, spec, layout, run_id, self.log)
         if job.failure is None:
-            self.results = job.results
             self._mark("write")
         return job
