@@ -245,10 +245,10 @@ class Env:
         return self._execute(Run, spark, name, **kw)
 
     def redrive(self, spark, name: str = "orders", **kw):
-        """A Redrive of pipeline ``name`` (``ids=``/``request=``, ``by=``), executed."""
-        from tidemark.driver.redrive import Redrive
+        """A run in redrive mode of pipeline ``name`` (``ids=``/``request=``, ``by=``), executed."""
+        from tidemark.driver.redrive import redrive_run
 
-        return self._execute(Redrive, spark, name, **kw)
+        return self._execute(redrive_run, spark, name, **kw)
 
     def _execute(self, runner, spark, name: str, **kw):
         """``spark``: a SparkSession, or a TaskRunner (fixture engine)."""

@@ -32,10 +32,16 @@ from tidemark.protocol.taskspec import (
 )
 
 if TYPE_CHECKING:  # Spark: planning and pending() need none of it
+    from collections.abc import Callable
+
     import psycopg
     from pyspark.sql import DataFrame, SparkSession
 
     from tidemark.driver.fallback import Fallback
+    from tidemark.driver.report import RunReport
+    from tidemark.protocol.taskspec import TaskResult
+
+    Log = Callable[[str], None]
 
 
 class Closing(Protocol):
@@ -83,6 +89,23 @@ class Mode(ABC):
             schema = batches[0].schema if batches else sources.SCHEMA
             out.append(pa.Table.from_batches(batches, schema=schema))
         return out
+
+    def begin(self, pipeline: Pipeline) -> None:  # noqa: B027 - nothing by default
+        """Before the run plans (a redrive makes its request)."""
+
+    def announcement(self, claim: state.Claim, pipeline: Pipeline) -> str:
+        """The line that says what the run claimed and reads."""
+        read = claim.read_ranges()
+        return (
+            f"run {claim.run_id}: claimed {', '.join(claim.sinks)} "
+            f"(epochs {', '.join(str(c.epoch) for c in claim.sinks.values())}); "
+            f"reading {sum(r.size for r in read):,} records from {len(read)} partition(s)"
+        )
+
+    def conclude(  # noqa: B027 - nothing by default
+        self, report: RunReport, results: list[TaskResult], log: Log
+    ) -> None:
+        """After the run, whatever it did: the mode's own part of the report."""
 
     def payloads(self, pipeline: Pipeline) -> Source | None:
         """Where a task reads again a payload its batch left out (None: it left none out)."""

@@ -128,6 +128,13 @@ class Run(Writing, Verifying):
 
     # -- the protocol ----------------------------------------------------------------------
     def execute(self) -> RunReport:
+        """The mode's before and after (a redrive's request and report) around the protocol."""
+        self.mode.begin(self.p)
+        report = self._protocol()
+        self.mode.conclude(report, self.results, self.log)
+        return report
+
+    def _protocol(self) -> RunReport:
         """docs/design.md, "Commit protocol", step by step."""
         started = time.monotonic()
         faults.mark_job_process_group()
@@ -244,12 +251,7 @@ class Run(Writing, Verifying):
         return claim
 
     def _announce(self, claim: Claim, report: RunReport) -> None:
-        read = claim.read_ranges()
-        self.log(
-            f"run {claim.run_id}: claimed {', '.join(claim.sinks)} "
-            f"(epochs {', '.join(str(c.epoch) for c in claim.sinks.values())}); "
-            f"reading {sum(r.size for r in read):,} records from {len(read)} partition(s)"
-        )
+        self.log(self.mode.announcement(claim, self.p))
         self._planned(claim, report)
 
     def _record_gaps(self, claim: Claim) -> None:
