@@ -28,6 +28,9 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "spark" in item.fixturenames:
             item.add_marker(pytest.mark.spark)
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("engine") == "spark":
+            item.add_marker(pytest.mark.spark)
 
     # The Airflow modules last, in their order, those with an Airflow of their own first: the
     # session's Airflow (airflow_site) then runs from its first module to the end of the
@@ -64,6 +67,27 @@ def airflow_site(pg, tmp_path_factory):
         yield site
     finally:
         site.stop()
+
+
+def pytest_generate_tests(metafunc):
+    # A test taking `engine` runs its write tasks on the local runner (no JVM); marked
+    # @pytest.mark.engines("local", "spark") it runs on Spark too (then marked spark, above).
+    if "engine" in metafunc.fixturenames:
+        marker = metafunc.definition.get_closest_marker("engines")
+        metafunc.parametrize("engine", marker.args if marker else ("local",), indirect=True)
+
+
+@pytest.fixture
+def engine(request, env):
+    """Where the test's runs write (tidemark/driver/runners.py): a TaskRunner to hand
+    env.run, and the engine of the `tidemark` processes env.cli_env starts."""
+    from tidemark.core.engines import Engine
+    from tidemark.driver.runners import LocalRunner, SparkRunner
+
+    env.engine = Engine(request.param)
+    if env.engine is Engine.SPARK:
+        return SparkRunner(request.getfixturevalue("spark"), env.settings(), "tidemark-tests")
+    return LocalRunner()
 
 
 @pytest.fixture(scope="session")
@@ -143,6 +167,7 @@ class Env:
         self.dir = tmp / "pipelines"
         self.dir.mkdir()
         self.tmp = tmp
+        self.engine: str | None = None  # TIDEMARK_ENGINE of its processes (fixture engine)
 
     # -- data ----------------------------------------------------------------------------------
     def append(self, records) -> dict[int, tuple[int, int]]:
@@ -241,22 +266,24 @@ class Env:
         return self._execute(Run, spark, name, **kw)
 
     def redrive(self, spark, name: str = "orders", **kw):
-        """A Redrive of pipeline ``name`` (``ids=``/``request=``, ``by=``), executed."""
-        from tidemark.driver.redrive import Redrive
+        """A run in redrive mode of pipeline ``name`` (``ids=``/``request=``, ``by=``), executed."""
+        from tidemark.driver.redrive import redrive_run
 
-        return self._execute(Redrive, spark, name, **kw)
+        return self._execute(redrive_run, spark, name, **kw)
 
     def _execute(self, runner, spark, name: str, **kw):
+        """``spark``: a SparkSession, or a TaskRunner (fixture engine)."""
         from tidemark import config
+        from tidemark.driver.runners import TaskRunner
 
         all_p, _ = config.load_all(self.dir)
         kw.setdefault("log", lambda m: None)
+        kw["runner" if isinstance(spark, TaskRunner) else "spark"] = spark
         return runner(
             all_p[name],
             kw.pop("settings", None) or self.settings(),
             ledger_dsn=self.ledger_dsn,
             all_pipelines=all_p,
-            spark=spark,
             **kw,
         ).execute()
 
@@ -277,6 +304,8 @@ class Env:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        if self.engine is not None:
+            env["TIDEMARK_ENGINE"] = str(self.engine)
         env.update({k: str(v) for k, v in extra.items()})
         return env
 

@@ -76,14 +76,14 @@ def test_a_lagging_sinks_failed_gate_quarantines_only_its_own_range(env, spark):
     assert_exactly_once(env, sinks=both(env))
 
 
-def test_a_decode_verdict_binds_only_the_sinks_whose_range_holds_the_record(env, spark):
+def test_a_decode_verdict_binds_only_the_sinks_whose_range_holds_the_record(env, engine):
     env.append_orders(range(10), partitions=1)
     env.append([(0, b"poison", b"{not json", None, None)])  # offset 10
     env.pipeline(sinks=two_sinks(env))
-    assert env.run(spark, sink_names=["a"]).ok
+    assert env.run(engine, sink_names=["a"]).ok
     assert letters(env) == [("a", 0, 10, "decode", "quarantined", 1)]
     env.append_orders(range(10, 15), partitions=1)
-    both_run = env.run(spark)  # b from 0 (gets the poison for itself), a from 11
+    both_run = env.run(engine)  # b from 0 (gets the poison for itself), a from 11
     assert both_run.ok, both_run.summary()
     assert both_run.sinks["a"].rows == 5 and both_run.sinks["b"].rows == 15
     assert letters(env) == [
@@ -317,14 +317,14 @@ def _versions_in_two_partitions(env) -> None:
     env.pipeline(source=env.source(0, 1))
 
 
-def test_one_run_with_versions_of_a_key_in_two_partitions_commits_the_newest(env, spark):
+def test_one_run_with_versions_of_a_key_in_two_partitions_commits_the_newest(env, engine):
     # Two tasks writing key 7 would deadlock: the second waits on the first's row, which its
     # prepared transaction holds until the decision. A short lock timeout makes that a quick
     # failure here instead of a hang.
     _versions_in_two_partitions(env)
     main = env.orders_sink(version="version")
     env.pipeline(source=env.source(0, 1), sinks=[main])
-    report = env.run(spark, settings=env.settings(lock_timeout_ms=2000))
+    report = env.run(engine, settings=env.settings(lock_timeout_ms=2000))
     assert report.ok, report.summary()
     assert report.sinks["main"].rows == 4 and report.sinks["main"].superseded == 1
     assert env.q(env.sink_dsn, "SELECT id, name, version FROM orders ORDER BY id") == [
@@ -337,9 +337,9 @@ def test_one_run_with_versions_of_a_key_in_two_partitions_commits_the_newest(env
     assert_exactly_once(env)
 
 
-def test_a_key_in_two_partitions_of_one_run_without_a_version_column_says_so(env, spark):
+def test_a_key_in_two_partitions_of_one_run_without_a_version_column_says_so(env, engine):
     _versions_in_two_partitions(env)
-    report = env.run(spark, settings=env.settings(lock_timeout_ms=1000))
+    report = env.run(engine, settings=env.settings(lock_timeout_ms=1000))
     error = report.sinks["main"].error or ""
     assert report.sinks["main"].state == "aborted", report.summary()
     assert "lock timeout" in error and "another task of this run" in error, error
@@ -348,12 +348,12 @@ def test_a_key_in_two_partitions_of_one_run_without_a_version_column_says_so(env
     assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(0,)]
 
 
-def test_sink_keys_are_never_null(env, spark):
+def test_sink_keys_are_never_null(env, engine):
     env.append_orders(range(5), partitions=1)
     env.append([(0, b"nokey", json.dumps({"name": "no id"}).encode(), None, None)])
     # No `required`: the key column is required all the same.
     env.pipeline(transform={"select": {"id": "id", "name": "name"}})
-    report = env.run(spark)
+    report = env.run(engine)
     assert report.ok and report.sinks["main"].rows == 5, report.summary()
     assert env.ledger("SELECT error_class::text, reason FROM tidemark.dlq") == [
         ("transform", "key column id is NULL")
@@ -371,7 +371,7 @@ def test_sink_keys_are_never_null(env, spark):
         transform={"select": {"id": "id", "name": "name"}},
         sinks=[{"name": "loose", "dsn": env.sink2_dsn, "table": "public.loose", "key": ["id"]}],
     )
-    refused = env.run(spark, sink_names=["loose"])
+    refused = env.run(engine, sink_names=["loose"])
     assert refused.sinks["loose"].state == "aborted"
     assert "allows NULL in key column(s) id" in refused.sinks["loose"].error
 
@@ -407,7 +407,7 @@ def test_a_transform_that_loses_or_copies_records_fails_before_anything_is_prepa
     assert env.ledger("SELECT count(*) FROM tidemark.dlq") == [(0,)]
 
 
-def test_headers_postgresql_refuses_are_kept_and_the_record_quarantined(env, spark):
+def test_headers_postgresql_refuses_are_kept_and_the_record_quarantined(env, engine):
     """A `\\u0000` in JSON headers: jsonb refuses it, so the dead letter keeps them base64."""
     import base64
 
@@ -416,7 +416,7 @@ def test_headers_postgresql_refuses_are_kept_and_the_record_quarantined(env, spa
     env.append([(0, b"k", b"{not json", raw, None)])
     env.append_orders([1], partitions=1)
     env.pipeline()
-    report = env.run(spark)
+    report = env.run(engine)
     assert report.ok and report.sinks["main"].dead == 1, report.summary()
     (headers,) = env.ledger("SELECT headers FROM tidemark.dlq")[0]
     assert base64.b64decode(headers["_tm_unstorable_headers_base64"]).decode() == raw
@@ -430,7 +430,8 @@ def _tasks(env) -> set[str]:
     }
 
 
-def test_a_one_partition_run_spreads_over_tasks_by_key_and_places_each_record_once(env, spark):
+@pytest.mark.engines("local", "spark")
+def test_a_one_partition_run_spreads_over_tasks_by_key_and_places_each_record_once(env, engine):
     """One partition, two cores: the range is read in sub-ranges and its records spread by key
     over two write tasks, each its own participant. Versions of a key sit in every
     sub-range; the newest wins, for each sink, and a lagging sink catches up alone."""
@@ -439,12 +440,12 @@ def test_a_one_partition_run_spreads_over_tasks_by_key_and_places_each_record_on
     env.append(recs)
     spread = {"max_records_per_partition": 2000, "split_min_records": 1000}
     env.pipeline(sinks=two_sinks(env)[:1], limits=spread)
-    first = env.run(spark)
+    first = env.run(engine)
     assert first.ok, first.summary()
     assert _tasks(env) == {"0", "1"}
     env.pipeline(sinks=two_sinks(env), limits=spread)
     for _ in range(3):  # a: 2000 -> 3000; b: 0 -> 2000 -> 3000
-        report = env.run(spark)
+        report = env.run(engine)
         assert report.ok or report.run_id is None, report.summary()
     newest = {i % 700: f"v{i}" for i in range(3000) if i != 1234}
     for dsn in both(env).values():
@@ -457,7 +458,7 @@ def test_a_one_partition_run_spreads_over_tasks_by_key_and_places_each_record_on
     assert_exactly_once(env, sinks=both(env))
 
 
-def test_versions_of_a_key_in_two_partitions_spread_by_key_commit_the_newest(env, spark):
+def test_versions_of_a_key_in_two_partitions_spread_by_key_commit_the_newest(env, engine):
     """A sink ordering versions by a column: every version of a key goes to one task, so
     several tasks write side by side without waiting on each other's rows."""
     env.append(
@@ -467,7 +468,7 @@ def test_versions_of_a_key_in_two_partitions_spread_by_key_commit_the_newest(env
         sinks=[env.orders_sink(version="version")],
         limits={"max_records_per_partition": 1000, "split_min_records": 10},
     )
-    report = env.run(spark, settings=env.settings(lock_timeout_ms=2000))
+    report = env.run(engine, settings=env.settings(lock_timeout_ms=2000))
     assert report.ok, report.summary()
     assert report.sinks["main"].rows + report.sinks["main"].superseded == 1000
     assert _tasks(env) == {"0", "1"}

@@ -1,6 +1,10 @@
 """A crash (SIGKILL of the whole job: driver, JVM and Python workers) at every step of the
 protocol, then recovery and a rerun: every record is in the sink exactly once or in the DLQ
-exactly once, checkpoints are at the end, and no prepared transaction is left."""
+exactly once, checkpoints are at the end, and no prepared transaction is left.
+
+The job processes write on the local runner (no JVM: tidemark/driver/runners.py), the same
+task code in the job's own process; the cases marked ``engines("local", "spark")`` run in
+Spark too, where the SIGKILL takes the JVM and the Python workers with it."""
 
 from __future__ import annotations
 
@@ -12,8 +16,6 @@ from tests.conftest import order_record
 from tests.invariants import assert_exactly_once
 from tests.proc import JobProcess
 from tidemark.core import faults
-
-pytestmark = pytest.mark.slow
 
 # point -> does the decision exist when the job dies (recovery rolls forward, else back)
 CRASH_POINTS = {
@@ -55,7 +57,7 @@ def test_the_matrix_covers_every_fault_point():
 
 
 @pytest.mark.parametrize("point", list(CRASH_POINTS))
-def test_crash_at_every_step_then_recover_and_rerun(env, spark, point):
+def test_crash_at_every_step_then_recover_and_rerun(env, engine, point):
     sinks = _world(env)
     job = JobProcess(env.cli_argv("run", "orders"), env.cli_env(), crash_at=point)
     code = job.wait()
@@ -80,7 +82,7 @@ def test_crash_at_every_step_then_recover_and_rerun(env, spark, point):
     after = {s for (s,) in env.ledger("SELECT state::text FROM tidemark.run_sinks")}
     assert after == ({"committed"} if decided else {"aborted"})
 
-    report = env.run(spark)
+    report = env.run(engine)
     assert report.ok or report.run_id is None, report.summary()
     for sink in sinks:
         assert env.checkpoints(sink=sink) == {0: 151, 1: 151}
@@ -93,13 +95,13 @@ def test_crash_at_every_step_then_recover_and_rerun(env, spark, point):
     assert_exactly_once(env, sinks=sinks)
 
 
-def _crash_recover_rerun(env, spark, point: str) -> list[str]:
+def _crash_recover_rerun(env, engine, point: str) -> list[str]:
     """SIGKILL `tidemark run` at ``point``, recover, run again; the Spark tasks that wrote."""
     job = JobProcess(env.cli_argv("run", "orders"), env.cli_env(), crash_at=point)
     assert job.wait() == -signal.SIGKILL, job.output()
     rep = env.recover()
     assert rep.ok, rep.errors
-    report = env.run(spark)
+    report = env.run(engine)
     assert report.ok or report.run_id is None, report.summary()
     return [
         t
@@ -110,7 +112,8 @@ def _crash_recover_rerun(env, spark, point: str) -> list[str]:
 
 
 @pytest.mark.parametrize("point", ["task_after_prepare", "mid_finish"])
-def test_crash_in_a_run_written_by_one_task(env, spark, point):
+@pytest.mark.engines("local", "spark")
+def test_crash_in_a_run_written_by_one_task(env, engine, point):
     """Sinks with a version column and keys whose versions sit in both partitions: one task
     writes both ranges (tidemark/driver/modes.py, Layout "together"). A crash before and after the
     decision, recovery, a rerun: each key once, at its newest version."""
@@ -123,7 +126,7 @@ def test_crash_in_a_run_written_by_one_task(env, spark, point):
             for n, d in sinks.items()
         ]
     )
-    assert _crash_recover_rerun(env, spark, point) == ["0"]
+    assert _crash_recover_rerun(env, engine, point) == ["0"]
     for sink, dsn in sinks.items():
         assert env.checkpoints(sink=sink) == {0: 155, 1: 155}
         assert env.q(dsn, "SELECT count(*), count(*) FILTER (WHERE version = 2) FROM orders") == [
@@ -133,7 +136,8 @@ def test_crash_in_a_run_written_by_one_task(env, spark, point):
 
 
 @pytest.mark.parametrize("point", ["task_after_prepare", "mid_finish"])
-def test_crash_in_a_run_spread_over_tasks_by_key(env, spark, point):
+@pytest.mark.engines("local", "spark")
+def test_crash_in_a_run_spread_over_tasks_by_key(env, engine, point):
     """One partition read in sub-ranges, its records spread by key over two write tasks
     (tidemark/driver/modes.py, Layout), each preparing its own transaction per sink. A
     crash before and after the decision, recovery, a rerun: each record placed once."""
@@ -145,7 +149,7 @@ def test_crash_in_a_run_spread_over_tasks_by_key(env, spark, point):
         ],
         limits={"max_records_per_partition": 5000, "split_min_records": 1000},
     )
-    assert _crash_recover_rerun(env, spark, point) == ["0", "1"]
+    assert _crash_recover_rerun(env, engine, point) == ["0", "1"]
     for sink, dsn in sinks.items():
         assert env.checkpoints(sink=sink) == {0: 2000}
         assert env.q(
@@ -154,7 +158,8 @@ def test_crash_in_a_run_spread_over_tasks_by_key(env, spark, point):
     assert_exactly_once(env, sinks=sinks)
 
 
-def test_a_failed_task_attempt_is_rolled_back_by_its_retry(env, spark):
+@pytest.mark.engines("local", "spark")
+def test_a_failed_task_attempt_is_rolled_back_by_its_retry(env, engine):
     sinks = _world(env)
     job = JobProcess(
         env.cli_argv("run", "orders"), env.cli_env(TIDEMARK_FAIL_AT="task_after_prepare")
@@ -168,7 +173,9 @@ def test_a_failed_task_attempt_is_rolled_back_by_its_retry(env, spark):
 
 
 @pytest.mark.parametrize("point", ["before_commit_prepared", "mid_finish"])
-def test_sink_backend_killed_during_commit_prepared_is_settled_by_recovery(env, point, tmp_path):
+def test_sink_backend_killed_during_commit_prepared_is_settled_by_recovery(
+    env, engine, point, tmp_path
+):
     sinks = _world(env)
     job = JobProcess(
         env.cli_argv("run", "orders"), env.cli_env(), pause_dir=tmp_path / "p", pause_at=point

@@ -175,10 +175,10 @@ def test_a_dry_run_of_an_at_least_once_pipeline_is_refused(env):
 
 def _redrive(env, spark, **kw):
     from tidemark import config
-    from tidemark.driver.redrive import Redrive
+    from tidemark.driver.redrive import redrive_run
 
     all_p, _ = config.load_all(env.dir)
-    return Redrive(
+    return redrive_run(
         all_p["orders"],
         env.settings(),
         ledger_dsn=env.ledger_dsn,

@@ -17,10 +17,11 @@ from tidemark.ledger.state import Range
 from tidemark.protocol.taskspec import TASK_PHASES
 
 
-def test_run_delivers_once_then_only_what_is_new(env, spark):
+@pytest.mark.engines("local", "spark")
+def test_run_delivers_once_then_only_what_is_new(env, engine):
     env.append_orders(range(200))
     env.pipeline()
-    report = env.run(spark)
+    report = env.run(engine)
     assert report.ok, report.summary()
     assert report.records == 200
     assert report.sinks["main"].rows == 200
@@ -59,17 +60,17 @@ def test_run_delivers_once_then_only_what_is_new(env, spark):
         (7, 1, 3, report.run_id),
     ]
 
-    again = env.run(spark)
+    again = env.run(engine)
     assert again.run_id is None and "up to date" in again.message
 
     env.append_orders(range(200, 230))
-    third = env.run(spark)
+    third = env.run(engine)
     assert third.ok and third.records == 30
     assert env.checkpoints() == {0: 115, 1: 115}
     assert_exactly_once(env)
 
 
-def test_each_sink_advances_on_its_own_and_reads_once_from_the_minimum(env, spark):
+def test_each_sink_advances_on_its_own_and_reads_once_from_the_minimum(env, engine):
     env.append_orders(range(100))
     broken = {
         "name": "second",
@@ -79,7 +80,7 @@ def test_each_sink_advances_on_its_own_and_reads_once_from_the_minimum(env, spar
     }
     main = {"name": "main", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"]}
     env.pipeline(sinks=[main, broken])
-    first = env.run(spark)
+    first = env.run(engine)
     assert first.sinks["main"].state == "committed"
     assert first.sinks["second"].state == "aborted"
     assert "no_such_database" in first.sinks["second"].error
@@ -102,7 +103,7 @@ def test_each_sink_advances_on_its_own_and_reads_once_from_the_minimum(env, spar
     # sink gets only what it still lacks.
     env.append_orders(range(100, 120))
     env.pipeline(sinks=[main, {**broken, "dsn": env.sink2_dsn}])
-    second = env.run(spark)
+    second = env.run(engine)
     assert second.ok, second.summary()
     assert second.records == 120
     assert second.sinks["main"].rows == 20
@@ -124,7 +125,8 @@ POISON = {
 }
 
 
-def test_poison_records_land_in_the_dlq_byte_for_byte_and_the_run_advances(env, spark):
+@pytest.mark.engines("local", "spark")
+def test_poison_records_land_in_the_dlq_byte_for_byte_and_the_run_advances(env, engine):
     env.append_orders(range(10, 20), partitions=1)
     poison = list(POISON.items())
     env.append(
@@ -133,7 +135,7 @@ def test_poison_records_land_in_the_dlq_byte_for_byte_and_the_run_advances(env, 
     # A NUL inside a JSON string decodes fine but PostgreSQL text refuses it: a sink_write.
     env.append([(0, b"nul-escape", b'{"id": 99, "name": "a\\u0000b"}', None, None)])
     env.pipeline()
-    report = env.run(spark)
+    report = env.run(engine)
     assert report.ok, report.summary()
     assert report.sinks["main"].rows == 10
     # Every letter names the sink it applies to: the only sink here.
@@ -268,7 +270,7 @@ def test_a_decoded_records_bytes_stay_out_of_the_batch_and_its_letter_reads_them
         assert sources.payload_source(env.load()) is None, column
 
 
-def test_a_transform_naming_the_source_fields_as_spark_resolves_them_gets_their_values(env, spark):
+def test_a_transform_naming_the_source_fields_as_spark_resolves_them_gets_their_values(env, engine):
     """Issue 45 case 8: Spark resolves names case-insensitively, but the reader looked for
     ``_tm_ts`` (...) case-sensitively, left them out, and the sink got NULLs, exit 0."""
     from tidemark import sources
@@ -285,7 +287,7 @@ def test_a_transform_naming_the_source_fields_as_spark_resolves_them_gets_their_
     odd = {"event_time": "_TM_TS", "k": "`_Tm_Key`", "h": "`_tm_HEADERS`"}
     env.pipeline(transform={"select": {"id": "id", "name": "name", **odd}, "required": ["id"]})
     assert sources.payload_source(env.load()) is None
-    report = env.run(spark)
+    report = env.run(engine)
     assert report.ok, report.summary()
     rows = env.q(env.sink_dsn, "SELECT id, event_time, k, h FROM orders ORDER BY id")
     assert rows == [(i, t0.replace(minute=i), f"k{i}".encode(), f'{{"h": {i}}}') for i in range(4)]
@@ -415,29 +417,29 @@ def test_a_run_that_lost_its_lease_can_never_reach_the_decision(env):
     assert (old.run_id, "main") in rep.aborted
 
 
-def test_a_failure_before_the_decision_rolls_back_at_once_and_frees_the_lease(env, spark):
+def test_a_failure_before_the_decision_rolls_back_at_once_and_frees_the_lease(env, engine):
     env.append_orders(range(20))
     env.pipeline(transform={"select": {"id": "id", "name": "no_such_column"}})
     with pytest.raises(TidemarkError, match="invalid expression"):
-        env.run(spark)
+        env.run(engine)
     assert env.ledger("SELECT state::text, error FROM tidemark.run_sinks")[0][0] == "aborted"
     assert env.ledger("SELECT run_id FROM tidemark.leases") == [(None,)]
     assert env.prepared() == []
 
 
-def test_a_lagging_sink_catches_up_without_the_read_spanning_the_gap(env, spark):
+def test_a_lagging_sink_catches_up_without_the_read_spanning_the_gap(env, engine):
     env.append_orders(range(40), partitions=1)
     main = {"name": "main", "dsn": env.sink_dsn, "table": "public.orders", "key": ["id"]}
     env.pipeline(sinks=[main], limits={"max_records_per_partition": 30})
-    assert env.run(spark).ok and env.run(spark).ok
+    assert env.run(engine).ok and env.run(engine).ok
     assert env.checkpoints(sink="main") == {0: 40}
     late = {"name": "late", "dsn": env.sink2_dsn, "table": "public.orders", "key": ["id"]}
     env.pipeline(sinks=[main, late], limits={"max_records_per_partition": 30})
-    first = env.run(spark)
+    first = env.run(engine)
     assert first.ok and first.records == 30  # [0, 30): no more than the limit
     assert "main" not in first.sinks  # nothing for it: not even claimed
     assert first.sinks["late"].rows == 30
-    second = env.run(spark)
+    second = env.run(engine)
     assert second.records == 10 and second.sinks["late"].rows == 10
     assert env.checkpoints(sink="late") == env.checkpoints(sink="main") == {0: 40}
-    assert env.run(spark).run_id is None
+    assert env.run(engine).run_id is None

@@ -177,15 +177,16 @@ def test_redrive_from_the_cli_by_class_and_bad_input(env, spark):
         assert "Traceback" not in bad.stderr
 
 
-def test_a_sink_write_failure_keeps_its_own_dead_letter(env, spark):
+@pytest.mark.engines("local", "spark")
+def test_a_sink_write_failure_keeps_its_own_dead_letter(env, engine):
     """A record quarantined at one sink (class sink_write) goes back to that sink only."""
     env.append_orders(range(10))
     env.pipeline()
-    assert env.run(spark).ok
+    assert env.run(engine).ok
     env.append_orders([50, 51])
     with _Conn(env.sink_dsn) as c:
         c.execute("ALTER TABLE public.orders ADD CONSTRAINT small CHECK (id < 50)")
-    rep = env.run(spark)
+    rep = env.run(engine)
     assert rep.ok and rep.sinks["main"].dead == 2
     ids = [
         i
@@ -195,14 +196,14 @@ def test_a_sink_write_failure_keeps_its_own_dead_letter(env, spark):
         )
     ]
     assert len(ids) == 2
-    rep = _redrive(env, spark, ids)  # still refused by the sink
+    rep = _redrive(env, engine, ids)  # still refused by the sink
     assert rep.ok and sorted(rep.redrive["failed_again"]) == ids
     assert env.ledger("SELECT DISTINCT attempts, status::text FROM tidemark.dlq") == [
         (2, "quarantined")
     ]
     with _Conn(env.sink_dsn) as c:
         c.execute("ALTER TABLE public.orders DROP CONSTRAINT small")
-    rep = _redrive(env, spark, ids)
+    rep = _redrive(env, engine, ids)
     assert rep.ok and rep.redrive["redriven"] == 2
     assert _count(env, env.sink_dsn) == 12
     assert_exactly_once(env)
@@ -283,7 +284,7 @@ def large_redrive(env, spark, n: int = N_LARGE, log=lambda m: None):
     import time
 
     from tidemark import config
-    from tidemark.driver.redrive import Redrive
+    from tidemark.driver.redrive import redrive_run
     from tidemark.ledger import dlq, redrives
 
     env.append_orders(range(n))
@@ -311,7 +312,7 @@ def large_redrive(env, spark, n: int = N_LARGE, log=lambda m: None):
         req = redrives.create(
             c, "orders", "dave", filters=dlq.Filters.parse(error_class="validation")
         )
-    report = Redrive(
+    report = redrive_run(
         all_p["orders"],
         env.settings(),
         ledger_dsn=env.ledger_dsn,

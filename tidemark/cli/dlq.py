@@ -463,7 +463,7 @@ def dlq_redrive(
         ctx,
         pipeline,
         as_json,
-        runner=redrive.Redrive,
+        runner=redrive.redrive_run,
         request=request,
         ids=None if request is not None else chosen,
         by=by,

@@ -11,6 +11,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tidemark.core.dsn import remember
+from tidemark.core.engines import Engine
 from tidemark.core.errors import TidemarkError
 
 # One default for the driver's memory wherever a run starts one (README "Configuration"): in
@@ -34,6 +35,11 @@ class Settings(BaseSettings):
         "local[*,4]",
         description="Spark master for `tidemark run` "
         "(local mode retries a failed task up to 4 times)",
+    )
+    engine: Engine = Field(
+        Engine.SPARK,
+        description="where a run's write tasks run: spark, or local (in the run's process, "
+        "no JVM; no transform expressions, data-quality checks or backfills)",
     )
     gid_prefix: str = Field(
         "tm",

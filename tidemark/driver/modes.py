@@ -13,8 +13,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
+import pyarrow as pa
+
 from tidemark import sources
 from tidemark.config import Pipeline, Sink, Source
+from tidemark.core.clock import Phases
 from tidemark.core.errors import TidemarkError
 from tidemark.ledger import state
 from tidemark.ledger.state import Planner, Range
@@ -29,10 +32,16 @@ from tidemark.protocol.taskspec import (
 )
 
 if TYPE_CHECKING:  # Spark: planning and pending() need none of it
+    from collections.abc import Callable
+
     import psycopg
     from pyspark.sql import DataFrame, SparkSession
 
     from tidemark.driver.fallback import Fallback
+    from tidemark.driver.report import RunReport
+    from tidemark.protocol.taskspec import TaskResult
+
+    Log = Callable[[str], None]
 
 
 class Closing(Protocol):
@@ -53,6 +62,9 @@ class Mode(ABC):
     accept_pruned = False
     reads_ranges = True  # reads whole ranges: records the gaps it steps over (ledger/gaps.py)
     needs_prepare = False  # only with delivery: exactly_once (its change must ride the 2PC)
+    # Over quality.max_quarantined the run and the pipeline halt (driver/ceiling.py): a
+    # delivery only, not an operator's deliberate re-delivery.
+    halts_over_ceiling = False
 
     @abstractmethod
     def planner(self, pipeline: Pipeline) -> tuple[Planner, Closing]:
@@ -65,6 +77,35 @@ class Mode(ABC):
 
     def source(self, spark: SparkSession, pipeline: Pipeline, read: list[Range]) -> DataFrame:
         return sources.dataframe(spark, pipeline, read)
+
+    def arrow(self, pipeline: Pipeline, read: list[Range], phases: Phases) -> list[pa.Table]:
+        """The records of ``read`` as the local runner reads them (tidemark/driver/runners.py):
+        one table per read, the batches :meth:`source` would hand Spark; ``phases`` gets the
+        reader's time."""
+        job = sources.read_job(pipeline, read)
+        out = []
+        for r in read:
+            batches = list(job.batches(r, phases))
+            schema = batches[0].schema if batches else sources.SCHEMA
+            out.append(pa.Table.from_batches(batches, schema=schema))
+        return out
+
+    def begin(self, pipeline: Pipeline) -> None:  # noqa: B027 - nothing by default
+        """Before the run plans (a redrive makes its request)."""
+
+    def announcement(self, claim: state.Claim, pipeline: Pipeline) -> str:
+        """The line that says what the run claimed and reads."""
+        read = claim.read_ranges()
+        return (
+            f"run {claim.run_id}: claimed {', '.join(claim.sinks)} "
+            f"(epochs {', '.join(str(c.epoch) for c in claim.sinks.values())}); "
+            f"reading {sum(r.size for r in read):,} records from {len(read)} partition(s)"
+        )
+
+    def conclude(  # noqa: B027 - nothing by default
+        self, report: RunReport, results: list[TaskResult], log: Log
+    ) -> None:
+        """After the run, whatever it did: the mode's own part of the report."""
 
     def payloads(self, pipeline: Pipeline) -> Source | None:
         """Where a task reads again a payload its batch left out (None: it left none out)."""
@@ -163,6 +204,7 @@ class Delivery(Mode):
     # each task, which tasks holding parts of one range would fight over.
     spreads = True
     checks_while_writing = True
+    halts_over_ceiling = True
 
     def planner(self, pipeline: Pipeline, limit: int | None = None) -> tuple[Planner, Closing]:
         limit = limit or pipeline.limits.max_records_per_partition

@@ -17,6 +17,7 @@ on its own. Checkpoints never move.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -24,28 +25,48 @@ from pyspark.sql import DataFrame, SparkSession
 
 from tidemark import sources
 from tidemark.config import Pipeline, Quality, Sink
+from tidemark.core.clock import Phases
 from tidemark.core.db import connect
 from tidemark.core.errors import BadInput, TidemarkError
 from tidemark.core.settings import Settings
 from tidemark.driver.modes import Layout, Mode, NothingToClose
-from tidemark.driver.run import Run, RunReport
+from tidemark.driver.report import RunReport
+from tidemark.driver.run import Run
 from tidemark.ledger import letters, redrives
 from tidemark.ledger.state import Claim, Planner, Range, RunState
-from tidemark.protocol.taskspec import ByRecords, Placement, Redriving
+from tidemark.protocol.taskspec import ByRecords, Placement, Redriving, TaskResult
 
 if TYPE_CHECKING:
     from tidemark.driver.fallback import Fallback
 
+Log = Callable[[str], None]
 SHOW_UNPLACED = 20  # letters left out, logged one by one; the rest as a count
 
 
 class RedriveMode(Mode):
+    """``tidemark dlq redrive``: re-deliver the records of one redrive request's letters (or
+    of ``ids``, for which it makes the request before the run plans), and report on them."""
+
     reads_ranges = False  # hand-picked records: it steps over nothing
     name = "redrive"
 
-    def __init__(self, pipeline: Pipeline, ledger_dsn: str, request: int | None):
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        ledger_dsn: str,
+        request: int | None,
+        *,
+        ids: list[int] | None = None,
+        by: str | None = None,
+    ):
+        if request is not None and ids is not None:
+            raise ValueError("give a redrive request or ids, not both")
+        if ids is not None and not ids:
+            raise BadInput(f"redrive {pipeline.name}: no dead letters given")
         self.ledger_dsn = ledger_dsn
         self.request = request
+        self.ids = ids
+        self.by = by
         self.by_sink: dict[str, int] = {}  # sink -> letters planned
         self.unplaced: dict[int, str] = {}  # id -> why it is left out
         self.source_unknown: list[int] = []  # ids replayed with a NULL timestamp
@@ -84,6 +105,14 @@ class RedriveMode(Mode):
         return plan, NothingToClose()
 
     def source(self, spark: SparkSession, pipeline: Pipeline, read: list[Range]) -> DataFrame:
+        # One task: each sink's status change is one transaction with its sink write.
+        return spark.createDataFrame(self._records(pipeline)).coalesce(1)
+
+    def arrow(self, pipeline: Pipeline, read: list[Range], phases: Phases) -> list[pa.Table]:
+        with phases("read"):
+            return [self._records(pipeline)]
+
+    def _records(self, pipeline: Pipeline) -> pa.Table:
         """Each record once (several sinks' letters may hold it), from the stored bytes, read
         from the ledger in chunks straight into Arrow."""
         batches = []
@@ -101,9 +130,7 @@ class RedriveMode(Mode):
                         schema=sources.SCHEMA,
                     )
                 )
-        table = pa.Table.from_batches(batches, schema=sources.SCHEMA)
-        # One task: each sink's status change is one transaction with its sink write.
-        return spark.createDataFrame(table).coalesce(1)
+        return pa.Table.from_batches(batches, schema=sources.SCHEMA)
 
     def payloads(self, pipeline: Pipeline) -> None:
         return None  # the stored bytes are the batch's: every payload is carried
@@ -120,6 +147,68 @@ class RedriveMode(Mode):
                 ],
             }
         )
+
+    def begin(self, pipeline: Pipeline) -> None:
+        """The request: made from ``ids``, or checked to be the pipeline's."""
+        with connect(self.ledger_dsn, autocommit=True, what="ledger") as conn:
+            if self.request is None:
+                req = redrives.create(conn, pipeline.name, self.by or "tidemark", ids=self.ids)
+                if req is None:  # ids holds one at least (checked in __init__)
+                    raise BadInput(f"redrive {pipeline.name}: no dead letters given")
+                self.request = req.request_id
+                return
+            req = redrives.get(conn, self.request)
+        if req is None or req.pipeline != pipeline.name:
+            raise BadInput(
+                f"redrive of {pipeline.name}: no redrive request {self.request} for this pipeline"
+            )
+
+    def announcement(self, claim: Claim, pipeline: Pipeline) -> str:
+        # Not "reading N records": the letters' records are read by position, not the span
+        # their positions cover.
+        n = sum(self.by_sink.values())
+        return (
+            f"run {claim.run_id}: claimed {', '.join(claim.sinks)}; redriving {n:,} dead "
+            f"letter(s) of {pipeline.name} (request {self.request}) for {self.by}"
+        )
+
+    def conclude(self, report: RunReport, results: list[TaskResult], log: Log) -> None:
+        """The report of the letters: what the sinks committed (a dry run's: would have)."""
+        unplaced = sorted(self.unplaced.items())
+        for i, why in unplaced[:SHOW_UNPLACED]:
+            log(f"dead letter {i} not redriven: {why}")
+        if len(unplaced) > SHOW_UNPLACED:
+            log(f"... and {len(unplaced) - SHOW_UNPLACED:,} more dead letters not redriven")
+        done = [
+            r
+            for t in results
+            for s, r in t.sinks.items()
+            if report.sinks[s].state == RunState.COMMITTED or report.sinks[s].previewed
+        ]
+        report.redrive = {
+            "request": self.request,
+            "redriven": sum(r.redriven for r in done),
+            "failed_again": sorted(i for r in done for i in r.failed_again),
+            "skipped": sorted(
+                {i for t in results for r in t.sinks.values() for i in r.skipped}
+                | set(self.unplaced)
+            ),
+            "source_unknown": self.source_unknown,
+        }
+        unknown = self.source_unknown
+        if unknown:  # the transform saw no source timestamp for these: say so
+            shown = ", ".join(map(str, unknown[:SHOW_UNPLACED]))
+            more = (
+                f" and {len(unknown) - SHOW_UNPLACED:,} more"
+                if len(unknown) > SHOW_UNPLACED
+                else ""
+            )
+            log(
+                f"dead letter(s) {shown}{more}: the source no longer holds the record; "
+                f"replayed with a NULL _tm_ts and the headers as the letter stored them"
+            )
+        if report.run_id is None:
+            report.message = "nothing to redrive"
 
     def layout(self, read: list[Range], sinks: list[Sink], **_: Any) -> Layout:
         return Layout("records", 1, read, ByRecords())  # one task over hand-picked records
@@ -152,91 +241,18 @@ def fill_source_fields(ledger_dsn: str, pipeline: Pipeline, request: int, sinks:
         return letters.fill_source(conn, pipeline.name, found, gone)
 
 
-class Redrive(Run):
-    """``tidemark dlq redrive``: a run in redrive mode over one redrive request (or ``ids``,
-    for which it creates the request), with its report of the letters."""
-
-    def __init__(
-        self,
-        pipeline: Pipeline,
-        settings: Settings,
-        *,
-        ledger_dsn: str,
-        by: str,
-        request: int | None = None,
-        ids: list[int] | None = None,
-        **kw: Any,
-    ):
-        if (request is None) == (ids is None):
-            raise ValueError("give a redrive request or ids")
-        if ids is not None and not ids:
-            raise BadInput(f"redrive {pipeline.name}: no dead letters given")
-        self.ids = ids
-        self.redrive = RedriveMode(pipeline, ledger_dsn, request)
-        super().__init__(pipeline, settings, ledger_dsn=ledger_dsn, mode=self.redrive, by=by, **kw)
-
-    def _request(self) -> None:
-        with connect(self.ledger_dsn, autocommit=True, what="ledger") as conn:
-            if self.redrive.request is None:
-                req = redrives.create(conn, self.p.name, self.by or "tidemark", ids=self.ids)
-                if req is None:  # ids holds one at least (checked in __init__)
-                    raise BadInput(f"redrive {self.p.name}: no dead letters given")
-                self.redrive.request = req.request_id
-                return
-            req = redrives.get(conn, self.redrive.request)
-        if req is None or req.pipeline != self.p.name:
-            raise BadInput(
-                f"redrive of {self.p.name}: no redrive request "
-                f"{self.redrive.request} for this pipeline"
-            )
-
-    def execute(self) -> RunReport:
-        self._request()
-        report = super().execute()
-        unplaced = sorted(self.redrive.unplaced.items())
-        for i, why in unplaced[:SHOW_UNPLACED]:
-            self.log(f"dead letter {i} not redriven: {why}")
-        if len(unplaced) > SHOW_UNPLACED:
-            self.log(f"... and {len(unplaced) - SHOW_UNPLACED:,} more dead letters not redriven")
-        # What the sinks committed; a dry run's: what they would have.
-        done = [
-            r
-            for t in self.results
-            for s, r in t.sinks.items()
-            if report.sinks[s].state == RunState.COMMITTED or report.sinks[s].previewed
-        ]
-        report.redrive = {
-            "request": self.redrive.request,
-            "redriven": sum(r.redriven for r in done),
-            "failed_again": sorted(i for r in done for i in r.failed_again),
-            "skipped": sorted(
-                {i for t in self.results for r in t.sinks.values() for i in r.skipped}
-                | set(self.redrive.unplaced)
-            ),
-            "source_unknown": self.redrive.source_unknown,
-        }
-        unknown = self.redrive.source_unknown
-        if unknown:  # the transform saw no source timestamp for these: say so
-            shown = ", ".join(map(str, unknown[:SHOW_UNPLACED]))
-            more = (
-                f" and {len(unknown) - SHOW_UNPLACED:,} more"
-                if len(unknown) > SHOW_UNPLACED
-                else ""
-            )
-            self.log(
-                f"dead letter(s) {shown}{more}: the source no longer holds the record; "
-                f"replayed with a NULL _tm_ts and the headers as the letter stored them"
-            )
-        if report.run_id is None:
-            report.message = "nothing to redrive"
-        return report
-
-    def _announce(self, claim: Claim, report: RunReport) -> None:
-        n = sum(self.redrive.by_sink.values())
-        self.log(
-            f"run {claim.run_id}: claimed {', '.join(claim.sinks)}; redriving {n:,} dead "
-            f"letter(s) of {self.p.name} (request {self.redrive.request}) for {self.by}"
-        )
-        # Not the base's "reading N records": the letters' records are read by position,
-        # not the span their positions cover.
-        self._planned(claim, report)
+def redrive_run(
+    pipeline: Pipeline,
+    settings: Settings,
+    *,
+    ledger_dsn: str,
+    by: str,
+    request: int | None = None,
+    ids: list[int] | None = None,
+    **kw: Any,
+) -> Run:
+    """A run in redrive mode over one redrive request (or ``ids``, for which it makes one)."""
+    if (request is None) == (ids is None):
+        raise ValueError("give a redrive request or ids")
+    mode = RedriveMode(pipeline, ledger_dsn, request, ids=ids, by=by)
+    return Run(pipeline, settings, ledger_dsn=ledger_dsn, mode=mode, by=by, **kw)

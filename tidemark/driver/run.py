@@ -33,8 +33,9 @@ from tidemark.core.errors import BadInput, Fenced, Inconsistency, Terminated, Ti
 from tidemark.core.settings import Settings
 from tidemark.driver import late
 from tidemark.driver.checking import QualityPath
-from tidemark.driver.modes import Backfill, Delivery, Layout, Mode
+from tidemark.driver.modes import Backfill, Delivery, Mode
 from tidemark.driver.report import DRY_RUN, UP_TO_DATE, RunReport, SinkOutcome, phases
+from tidemark.driver.runners import TaskRunner, runner_for
 from tidemark.driver.tables import Rebuilt, Sinks
 from tidemark.driver.verifying import Verifying
 from tidemark.driver.watch import Heartbeat, Stop
@@ -73,6 +74,7 @@ class Run(Writing, Verifying):
         airflow: AirflowRun | None = None,
         log: Log = stderr_log,
         spark: SparkSession | None = None,
+        runner: TaskRunner | None = None,
         by: str | None = None,
         where: str | None = None,
         dry_run: bool = False,
@@ -104,14 +106,22 @@ class Run(Writing, Verifying):
         self.external_id = external_id
         self.airflow = airflow
         self.log = log
-        self.spark = spark
+        # Where the write tasks run, chosen once (tidemark/driver/runners.py).
+        self.runner = runner or runner_for(
+            settings, spark, f"tidemark-{pipeline.name}", pipeline.spark
+        )
+        refused = self.runner.refusal(self.mode, pipeline)
+        if refused is not None:
+            raise BadInput(
+                f"{pipeline.name}: engine {self.runner.engine} cannot run this {self.mode.name}: "
+                f"{refused}; run it with engine spark (TIDEMARK_ENGINE=spark)"
+            )
         self.by = by
         self.owner = f"{socket.gethostname()}:{os.getpid()}"
         self.stop = Stop()
         self.clock: dict[str, float] = {}  # phase -> monotonic time it ended
         self.results: list[TaskResult] = []  # the write that stands: one per task
         self.read_phases: dict[str, float] = {}  # the reader's own, every read of the run
-        self.layout: Layout | None = None  # how records reach the write tasks (per run)
         self.dry_run = dry_run
         self.halted_ok = halted_ok  # `tidemark settle`'s re-delivery of a lost run's ranges
         self.omit: dict[str, list[str]] = {}  # a dry run's columns its tables lack
@@ -120,6 +130,13 @@ class Run(Writing, Verifying):
 
     # -- the protocol ----------------------------------------------------------------------
     def execute(self) -> RunReport:
+        """The mode's before and after (a redrive's request and report) around the protocol."""
+        self.mode.begin(self.p)
+        report = self._protocol()
+        self.mode.conclude(report, self.results, self.log)
+        return report
+
+    def _protocol(self) -> RunReport:
         """docs/design.md, "Commit protocol", step by step."""
         started = time.monotonic()
         faults.mark_job_process_group()
@@ -147,10 +164,11 @@ class Run(Writing, Verifying):
                 ):
                     # 2. Write, in Spark tasks: each PREPAREs its rows on every sink's
                     # database and each sink's dead letters on the ledger.
-                    live = self._write(claim, by_name, report)
+                    written = self._write(claim, by_name, report)
+                    self.results, self.read_phases = written.results, written.read_phases
                     # Verify, on a new connection to each participant's database: every
                     # chosen gid still prepared; the ledger marks the sink prepared.
-                    prepared = self._verify(claim, by_name, live, report)
+                    prepared = self._verify(claim, by_name, written, report)
                     self.stop.check()
                     faults.point("after_prepare")
                     if self.dry_run:  # a preview: what it would decide, then nothing
@@ -235,12 +253,7 @@ class Run(Writing, Verifying):
         return claim
 
     def _announce(self, claim: Claim, report: RunReport) -> None:
-        read = claim.read_ranges()
-        self.log(
-            f"run {claim.run_id}: claimed {', '.join(claim.sinks)} "
-            f"(epochs {', '.join(str(c.epoch) for c in claim.sinks.values())}); "
-            f"reading {sum(r.size for r in read):,} records from {len(read)} partition(s)"
-        )
+        self.log(self.mode.announcement(claim, self.p))
         self._planned(claim, report)
 
     def _record_gaps(self, claim: Claim) -> None:

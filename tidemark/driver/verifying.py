@@ -21,6 +21,7 @@ from tidemark.driver import ceiling
 from tidemark.driver.modes import Layout, Mode
 from tidemark.driver.report import COUNTS, RunReport
 from tidemark.driver.tables import Sinks
+from tidemark.driver.writing import WriteOutcome
 from tidemark.ledger import state
 from tidemark.ledger.state import Claim, Participant, RunState
 from tidemark.protocol import coverage, twopc
@@ -34,7 +35,6 @@ class Verifying:
     p: Pipeline
     ledger: psycopg.Connection
     ledger_dsn: str
-    layout: Layout | None
     results: list[TaskResult]
     log: Callable[[str], None]
     mode: Mode
@@ -46,14 +46,15 @@ class Verifying:
         def _chosen(self, sink: str) -> list[Participant]: ...
 
     def _verify(
-        self, claim: Claim, by_name: Sinks, live: list[str], report: RunReport
+        self, claim: Claim, by_name: Sinks, written: WriteOutcome, report: RunReport
     ) -> list[str]:
         """The sinks whose write can be decided: the tasks accounted for every record
         (docs/design.md, "Task accounting"; else the run aborts), then per sink no task
         failed it and each of its chosen gids is still prepared."""
-        if not live:
+        live = written.live
+        if not live or written.layout is None:
             return []
-        self._account(claim, by_name, live, report)
+        self._account(claim, by_name, written.layout, live, report)
         self._under_ceiling(claim, by_name, live, report)
         return [s for s in live if self._verify_sink(claim, by_name, s, report)]
 
@@ -66,7 +67,7 @@ class Verifying:
         A delivery only: a backfill or redrive is an operator's deliberate re-delivery
         (previewed with --dry-run), whose letters also count older versions outside its
         range; at least once has committed its rows already."""
-        if self.mode.name != "run" or self.p.delivery != "exactly_once":
+        if not self.mode.halts_over_ceiling or self.p.delivery != "exactly_once":
             return
         over = [m for s in live if (m := ceiling.breach(self.p, s, self._mine(s)))]
         if not over:
@@ -83,9 +84,9 @@ class Verifying:
     def _mine(self, sink: str) -> list[SinkResult]:
         return [r.sinks[sink] for r in self.results if sink in r.sinks]
 
-    def _account(self, claim: Claim, by_name: Sinks, live: list[str], report: RunReport) -> None:
-        assert self.layout is not None
-        layout = self.layout
+    def _account(
+        self, claim: Claim, by_name: Sinks, layout: Layout, live: list[str], report: RunReport
+    ) -> None:
         report.records = sum(r.records for r in self.results)
         accounting = [r.error for r in self.results if r.error]
         if len(self.results) != layout.tasks:

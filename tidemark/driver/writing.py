@@ -1,4 +1,5 @@
-"""Step 2 of a run (tidemark/driver/run.py): the write. Spark tasks PREPARE the batch on every
+"""Step 2 of a run (tidemark/driver/run.py): the write. Write tasks (in Spark or in the run's
+process: tidemark/driver/runners.py) PREPARE the batch on every
 sink's database and each sink's dead letters on the ledger, as the run's layout spreads the
 records over them; the quality strategy (tidemark/driver/checking.py) judges each write, and
 one that does not stand is rolled back and the batch written again with the next write
@@ -9,29 +10,35 @@ number in its gids.
 
 from __future__ import annotations
 
-import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import psycopg
-from pyspark import StorageLevel
-from pyspark.sql import DataFrame, SparkSession
 
 from tidemark.config import Pipeline, PostgresLogSource
-from tidemark.core.db import one_line
-from tidemark.core.dsn import mask
-from tidemark.core.errors import Terminated, TidemarkError
+from tidemark.core.errors import TidemarkError
 from tidemark.core.settings import Settings
 from tidemark.driver import checking, fallback, gate
 from tidemark.driver.checking import Checked, Fails, Job, QualityPath, Stands
 from tidemark.driver.modes import Layout, Mode
 from tidemark.driver.report import RunReport
+from tidemark.driver.runners import Batch, TaskRunner
 from tidemark.driver.tables import Sinks, Tables, table_exists
-from tidemark.driver.watch import Progress, Stop
-from tidemark.engine import records
+from tidemark.driver.watch import Stop
 from tidemark.ledger import checkpoints, state
 from tidemark.ledger.state import Claim, RunState
 from tidemark.protocol.taskspec import Rebuilding, SinkTarget, TaskResult, TaskSpec
-from tidemark.sources import read_clock
+
+
+@dataclass(frozen=True)
+class WriteOutcome:
+    """What the write that stands did: the sinks it wrote, how its records reached its tasks
+    (None: nothing was read, no sink left to write), every task's result, the reader's time."""
+
+    live: list[str]
+    layout: Layout | None
+    results: list[TaskResult]
+    read_phases: dict[str, float]
 
 
 class Writing(Tables):
@@ -44,13 +51,10 @@ class Writing(Tables):
     ledger_dsn: str
     mode: Mode
     quality: QualityPath
-    spark: SparkSession | None
+    runner: TaskRunner
     by: str | None
     stop: Stop
     log: checking.Log
-    layout: Layout | None
-    results: list[TaskResult]
-    read_phases: dict[str, float]
     dry_run: bool
 
     if TYPE_CHECKING:  # the run's own, tidemark/driver/run.py
@@ -58,33 +62,32 @@ class Writing(Tables):
         def _mark(self, phase: str) -> None: ...
         def _rollback_run(self, claim: Claim, by_name: Sinks, keep: set[str]) -> None: ...
 
-    def _write(self, claim: Claim, by_name: Sinks, report: RunReport) -> list[str]:
-        """Writes of the batch until one stands; returns the sinks it wrote. The quality
+    def _write(self, claim: Claim, by_name: Sinks, report: RunReport) -> WriteOutcome:
+        """Writes of the batch until one stands; returns what stands. The quality
         strategy is chosen once, on the first read of the batch, and judges each write; one
         that does not stand is rolled back (nothing is visible before the decision) and the
         batch is read and written again as the judgement says, with the next write number in
         its gids (gids.Gid.write)."""
-        from tidemark.engine.session import session
-
         if not self._check_tables(claim, by_name, report):
-            return []
-        spark = self.spark or session(
-            self.s.spark_master, f"tidemark-{self.p.name}", conf=self.p.spark
-        )
-        reads = dict(read_clock.clock(spark.sparkContext).value)
+            return WriteOutcome([], None, [], {})
+        read_time = self.runner.reader_clock()
+        layout: Layout | None = None
+        live: list[str] = []
+        job = Job([])
         try:
-            return self._writes(spark, claim, by_name, report)
+            self.stop.check()
+            layout = self._layout(claim, by_name)
+            live, job = self._writes(layout, claim, by_name, report)
         finally:
-            self.read_phases = read_clock.since(spark.sparkContext, reads)
+            read = read_time()
+        return WriteOutcome(live, layout, job.results, read)
 
     def _writes(
-        self, spark: SparkSession, claim: Claim, by_name: Sinks, report: RunReport
-    ) -> list[str]:
-        self.stop.check()
-        self.layout = self._layout(spark, claim, by_name)
+        self, layout: Layout, claim: Claim, by_name: Sinks, report: RunReport
+    ) -> tuple[list[str], Job]:
         ctx = self._checks_context(claim)
-        df = self._read(spark)
-        quality = checking.choose(
+        df = self._read(layout)
+        quality = self.runner.choose(
             self.quality,
             ctx.pipeline,
             df,
@@ -93,12 +96,12 @@ class Writing(Tables):
         )
         write = 0
         while True:
-            live, job = self._write_once(spark, df, claim, by_name, report, ctx, quality, write)
+            live, job = self._write_once(layout, df, claim, by_name, report, ctx, quality, write)
             if job is None:  # no sink left to write
-                return live
+                return live, Job([])
             judged = quality.judge(job, ctx)
             if isinstance(judged, Stands):
-                return live
+                return live, job
             if isinstance(judged, Fails):
                 for sink in live:
                     self._abort(claim.run_id, sink, judged.why, report)
@@ -110,12 +113,12 @@ class Writing(Tables):
             )
             self._rollback_run(claim, by_name, keep=set())
             self.stop.check()
-            quality, df, write = judged.then, self._read(spark), write + 1
+            quality, df, write = judged.then, self._read(layout), write + 1
 
     def _write_once(
         self,
-        spark: SparkSession,
-        df: DataFrame,
+        layout: Layout,
+        df: Batch,
         claim: Claim,
         by_name: Sinks,
         report: RunReport,
@@ -124,21 +127,22 @@ class Writing(Tables):
         write: int,
     ) -> tuple[list[str], Job | None]:
         """One write of the batch ``df``, checked as ``quality`` says; the sinks it writes
-        and what its Spark job did (None: no sink left to write)."""
-        columns = records.output_columns(df)
+        and what its write tasks did (None: no sink left to write)."""
+        columns = self.runner.columns(df)
         self._refuse_tables(claim, by_name, columns, report)
         cached = fallen = None
         if quality.caches or self.mode.falls_back:
             # Read once: the expectations, the fallback keys and the writes all use this
             # cached batch.
-            df = cached = df.persist(StorageLevel.MEMORY_AND_DISK)
+            df = cached = self.runner.cache(df)
         try:
-            assert self.layout is not None
-            report.layout = self.layout.kind
+            report.layout = layout.kind
             report.quality.append(type(quality).__name__)
             checked = quality.check(df, ctx)
             if checked.verdict is not None and checked.verdict.halted:
-                report.records = df.count()  # a sink writes none of the batch: still, it read it
+                report.records = self.runner.count(
+                    df
+                )  # a sink writes none of the batch: still, it read it
                 self._halt(claim, checked.verdict, report)
             live = self._start_writing(claim, by_name, columns, checked, report)
             if not live:
@@ -148,28 +152,30 @@ class Writing(Tables):
                 plans = self._plans(claim, by_name, live, checked.verdict)
                 # Before any transaction is prepared: a sink the backfill would leave with
                 # versions placed by nothing (a key split) is refused (fallback.refusals).
-                for sink, why in fallback.refusals(spark, self.p, out, plans).items():
+                for sink, why in self.runner.refusals(self.p, out, plans).items():
                     self._abort(claim.run_id, sink, why, report)
                     live.remove(sink)
                     del plans[sink]
                 if not live:
                     return [], None
-                fallen = self._fallback(spark, out, claim, plans)
+                fallen = self._fallback(layout, out, claim, plans)
                 out = fallen.df if fallen is not None else out
-            spec = self._spec(claim, by_name, live, [c for c, _ in columns], checked, fallen, write)
-            return live, self._run_tasks(spark, out, spec, claim.run_id)
+            spec = self._spec(
+                layout, claim, by_name, live, [c for c, _ in columns], checked, fallen, write
+            )
+            return live, self._run_tasks(layout, out, spec, claim.run_id)
         finally:
             if cached is not None:
-                cached.unpersist()
+                self.runner.release(cached)
             if fallen is not None:
                 fallen.release()
 
-    def _layout(self, spark: SparkSession, claim: Claim, by_name: Sinks) -> Layout:
+    def _layout(self, claim: Claim, by_name: Sinks) -> Layout:
         layout = self.mode.layout(
             claim.read_ranges(),
             [by_name[s].config for s in claim.sinks],
             dense=isinstance(self.p.source, PostgresLogSource),
-            parallelism=spark.sparkContext.defaultParallelism,
+            parallelism=self.runner.parallelism(),
             split_min=self.p.limits.split_min_records,
         )
         if layout.kind in ("spread", "together"):
@@ -187,10 +193,9 @@ class Writing(Tables):
             )
         return layout
 
-    def _read(self, spark: SparkSession) -> DataFrame:
-        """The batch: the mode's records, decoded and transformed (lazily)."""
-        assert self.layout is not None
-        return records.rows(self.mode.source(spark, self.p, self.layout.read), self.p)
+    def _read(self, layout: Layout) -> Batch:
+        """The batch: the mode's records, decoded and transformed (lazily in Spark)."""
+        return self.runner.read(self.mode, self.p, layout.read)
 
     def _checks_context(self, claim: Claim) -> checking.Context:
         return checking.Context(
@@ -273,18 +278,18 @@ class Writing(Tables):
         return plans
 
     def _fallback(
-        self, spark: SparkSession, df: DataFrame, claim: Claim, plans: dict[str, fallback.SinkPlan]
+        self, layout: Layout, df: Batch, claim: Claim, plans: dict[str, fallback.SinkPlan]
     ) -> fallback.Fallback | None:
         """A backfill's fallback versions (tidemark/driver/fallback.py); one write task."""
-        assert self.layout is not None
-        if self.layout.tasks != 1:
-            raise TidemarkError(f"a backfill writes in one task, not {self.layout.tasks}")
-        return fallback.attach(
-            spark, self.p, self.mode, df, plans, lambda m: self.log(f"run {claim.run_id}: {m}")
+        if layout.tasks != 1:
+            raise TidemarkError(f"a backfill writes in one task, not {layout.tasks}")
+        return self.runner.fallback(
+            self.p, self.mode, df, plans, lambda m: self.log(f"run {claim.run_id}: {m}")
         )
 
     def _spec(
         self,
+        layout: Layout,
         claim: Claim,
         by_name: Sinks,
         live: list[str],
@@ -293,7 +298,6 @@ class Writing(Tables):
         fallen: fallback.Fallback | None,
         write: int,
     ) -> TaskSpec:
-        assert self.layout is not None
         v = checked.verdict or gate.Verdict()
         targets = []
         for s in live:
@@ -325,7 +329,7 @@ class Writing(Tables):
             lock_timeout_ms=self.s.lock_timeout_ms,
             ledger_dsn=self.ledger_dsn,
             columns=columns,
-            accounting=self.layout.accounting,
+            accounting=layout.accounting,
             placement=self.mode.placement(self.by, fallen),
             failed=v.rows.get(gate.PIPELINE, {}),
             quarantine=v.quarantine.get(gate.PIPELINE),
@@ -335,42 +339,9 @@ class Writing(Tables):
             write=write,
         )
 
-    def _run_tasks(self, spark: SparkSession, df: DataFrame, spec: TaskSpec, run_id: int) -> Job:
-        """The Spark job: one write task per layout task, each returning its TaskResult."""
-        from tidemark.engine.writer import RESULT_SCHEMA, make_task
-
-        assert self.layout is not None
-        layout = self.layout
-        if layout.kind == "spread":
-            df = df.repartition(layout.tasks, *(layout.by or []))
-        elif layout.kind == "together":
-            df = df.coalesce(1)
-        progress = Progress(spark, run_id, layout.tasks, self.log)
-        progress.start()
-        try:
-            rows = df.mapInArrow(make_task(spec), RESULT_SCHEMA).collect()
-        except Terminated:
-            spark.sparkContext.cancelAllJobs()
-            raise
-        # Blind on purpose: the job fails as Py4J, PySpark or a lost JVM connection says; each
-        # is the job failing after its retries, and the run rolls back.
-        except Exception as exc:  # noqa: BLE001
-            return Job([], f"Spark job failed: {_spark_error(exc)}")
-        finally:
-            progress.stop()
-        self.results = [TaskResult.model_validate_json(r["result"]) for r in rows]
-        self._mark("write")
-        return Job(self.results)
-
-
-_EXC_LINE = re.compile(r"^([\w.]+(Error|Exception|Terminated|Held|Fenced)): (.*)$")
-
-
-def _spark_error(exc: BaseException) -> str:
-    """The Python exception a failed task raised, as one line, out of Spark's wrapping."""
-    found = None
-    for line in str(exc).splitlines():
-        m = _EXC_LINE.match(line.strip())
-        if m and not m.group(1).startswith(("org.apache", "java.", "py4j")):
-            found = f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(3)}"
-    return mask(found) if found else one_line(exc)
+    def _run_tasks(self, layout: Layout, df: Batch, spec: TaskSpec, run_id: int) -> Job:
+        """The write tasks: one per layout task, each returning its TaskResult."""
+        job = self.runner.run(df, spec, layout, run_id, self.log)
+        if job.failure is None:
+            self._mark("write")
+        return job

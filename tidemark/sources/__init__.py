@@ -291,18 +291,25 @@ class RangeReader:
                 self.clock.add(phases.seconds)
 
 
-def dataframe(spark: SparkSession, pipeline: Pipeline, ranges: list[Range]) -> DataFrame:
-    """The source records of ``ranges`` as a DataFrame, one Spark partition per range; with
-    the payloads' JSON fields already decoded where Arrow can (json_arrow), and those
-    records' payloads left out where :func:`payload_source` allows."""
+def read_job(pipeline: Pipeline, ranges: list[Range]) -> ReadJob:
+    """The reading of ``ranges``: with the payloads' JSON fields already decoded where Arrow
+    can (json_arrow), and those records' payloads left out where :func:`payload_source`
+    allows. Spark's reader (:func:`dataframe`) and the local runner's read it alike."""
     from tidemark.sources import json_arrow
 
-    job = ReadJob(
+    return ReadJob(
         source=reader_source(pipeline),
         ranges=[(r.partition, r.start, r.end) for r in ranges],
         decoded=json_arrow.fields(pipeline.decode.schema_),
         trim=payload_source(pipeline) is not None,
     )
+
+
+def dataframe(spark: SparkSession, pipeline: Pipeline, ranges: list[Range]) -> DataFrame:
+    """The source records of ``ranges`` as a DataFrame, one Spark partition per range; with
+    the payloads' JSON fields already decoded where Arrow can (json_arrow), and those
+    records' payloads left out where :func:`payload_source` allows."""
+    job = read_job(pipeline, ranges)
     # Partition i of the range holds the one index i, so Spark partition i reads range i.
     # Spark's Python data source API would plan the same partitions in a Python process of
     # its own, started afresh by every run: about 3 s of a run's fixed cost (bench).
@@ -327,5 +334,6 @@ __all__ = [
     "headers_and_ts",
     "payload_source",
     "planner",
+    "read_job",
     "read_range",
 ]

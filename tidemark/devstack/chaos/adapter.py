@@ -212,9 +212,9 @@ class InProcess:
         return self._call(go)
 
     def redrive(self, ids: list[int], by: str = "chaos") -> Outcome:
-        from tidemark.driver.redrive import Redrive
+        from tidemark.driver.redrive import redrive_run
 
-        return self._execute(partial(Redrive, ids=ids, by=by))
+        return self._execute(partial(redrive_run, ids=ids, by=by))
 
     def discard(self, ids: list[int], note: str = "chaos", by: str = "chaos") -> Outcome:
         from tidemark.ledger import dlq

@@ -1,0 +1,361 @@
+"""Where a run's write tasks run (step 2 of tidemark/driver/run.py): one strategy per run,
+chosen once from ``Settings.engine`` (:func:`runner_for`).
+
+* :class:`SparkRunner`: the batch is a Spark DataFrame; Spark reads, decodes and transforms
+  it and runs one write task per layout task (mapInArrow), retrying a failed task.
+* :class:`LocalRunner`: no JVM. The run's process reads the same Arrow batches from the
+  source, decodes and transforms them in Arrow (tidemark/engine/local_records.py) and hands
+  them to the same task code (tidemark/engine/writer.py: run_task), task by task, as the
+  layout spreads them, retrying a failed task as Spark does. For tests and small pipelines:
+  it refuses, before the claim, what needs Spark (:meth:`LocalRunner.refusal`): a transform
+  expression, data-quality checks, a backfill's fallback versions.
+
+Both give the write the same things: the batch's sink columns, the tasks' results (a
+:class:`~tidemark.driver.checking.Job`), the reader's time.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from tidemark.config import Pipeline
+from tidemark.core.clock import Phases
+from tidemark.core.db import one_line
+from tidemark.core.dsn import mask
+from tidemark.core.engines import Engine
+from tidemark.core.errors import Terminated
+from tidemark.core.settings import Settings
+from tidemark.driver import checking
+from tidemark.driver.checking import Job, NoChecks, QualityPath, Strategy
+from tidemark.driver.modes import Layout, Mode
+from tidemark.ledger.state import Range
+from tidemark.protocol.taskspec import TaskResult, TaskSpec
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+    from tidemark.driver.fallback import Fallback, SinkPlan
+
+Log = Callable[[str], None]
+# A DataFrame (SparkRunner) or a LocalBatch: only its runner looks inside.
+Batch = Any
+# As spark.task.maxFailures (tidemark/engine/session.py): a task's tries before the job fails.
+TASK_TRIES = 4
+
+
+class TaskRunner(ABC):
+    engine: Engine
+
+    def refusal(self, mode: Mode, pipeline: Pipeline) -> str | None:
+        """Why this runner cannot run ``pipeline`` in ``mode`` (None: it can)."""
+        return None
+
+    @abstractmethod
+    def parallelism(self) -> int:
+        """How many tasks run side by side (a layout spreads a small batch over them)."""
+
+    @abstractmethod
+    def reader_clock(self) -> Callable[[], dict[str, float]]:
+        """From now: a function saying the reader's time since, per phase."""
+
+    @abstractmethod
+    def read(self, mode: Mode, pipeline: Pipeline, read: list[Range]) -> Batch:
+        """The batch: the mode's records of ``read``, decoded and transformed."""
+
+    @abstractmethod
+    def columns(self, batch: Batch) -> list[tuple[str, str]]:
+        """(name, PostgreSQL type) of the sink columns the batch carries."""
+
+    def cache(self, batch: Batch) -> Batch:
+        """The batch, read once for the several passes over it that follow."""
+        return batch
+
+    def release(self, batch: Batch) -> None:  # noqa: B027 - nothing to free by default
+        """The cache of :meth:`cache` freed."""
+
+    @abstractmethod
+    def count(self, batch: Batch) -> int: ...
+
+    def choose(
+        self,
+        path: QualityPath,
+        checks: Pipeline,
+        batch: Batch,
+        run_id: int,
+        may_check_while_writing: Callable[[], bool],
+    ) -> Strategy:
+        return checking.choose(path, checks, batch, run_id, may_check_while_writing)
+
+    def refusals(
+        self, pipeline: Pipeline, batch: Batch, plans: dict[str, SinkPlan]
+    ) -> dict[str, str]:
+        """A backfill's sinks refused before anything is prepared (fallback.refusals)."""
+        raise NotImplementedError(f"engine {self.engine}: no backfill fallback")
+
+    def fallback(
+        self,
+        pipeline: Pipeline,
+        mode: Mode,
+        batch: Batch,
+        plans: dict[str, SinkPlan],
+        log: Log,
+    ) -> Fallback | None:
+        """A backfill's fallback versions (fallback.attach)."""
+        raise NotImplementedError(f"engine {self.engine}: no backfill fallback")
+
+    @abstractmethod
+    def run(self, batch: Batch, spec: TaskSpec, layout: Layout, run_id: int, log: Log) -> Job:
+        """The write tasks, one per layout task, each returning its TaskResult; a job that
+        failed after its retries says why. SIGTERM (Terminated) stops it and is raised."""
+
+
+class SparkRunner(TaskRunner):
+    """The write tasks in Spark: the given session, or one started on first use."""
+
+    engine = Engine.SPARK
+
+    def __init__(
+        self,
+        spark: SparkSession | None,
+        settings: Settings,
+        app: str,
+        conf: dict[str, str] | None = None,
+    ) -> None:
+        self._spark = spark
+        self.master, self.app = settings.spark_master, app
+        self.conf = conf or {}  # the pipeline's `spark:` block (docs/production.md)
+
+    @property
+    def spark(self) -> SparkSession:
+        if self._spark is None:
+            from tidemark.engine.session import session
+
+            self._spark = session(self.master, self.app, conf=self.conf)
+        return self._spark
+
+    def parallelism(self) -> int:
+        return self.spark.sparkContext.defaultParallelism
+
+    def reader_clock(self) -> Callable[[], dict[str, float]]:
+        from tidemark.sources import read_clock
+
+        sc = self.spark.sparkContext
+        before = dict(read_clock.clock(sc).value)
+        return lambda: read_clock.since(sc, before)
+
+    def read(self, mode: Mode, pipeline: Pipeline, read: list[Range]) -> Batch:
+        from tidemark.engine import records
+
+        return records.rows(mode.source(self.spark, pipeline, read), pipeline)
+
+    def columns(self, batch: Batch) -> list[tuple[str, str]]:
+        from tidemark.engine import records
+
+        return records.output_columns(batch)
+
+    def cache(self, batch: Batch) -> Batch:
+        from pyspark import StorageLevel
+
+        return batch.persist(StorageLevel.MEMORY_AND_DISK)
+
+    def release(self, batch: Batch) -> None:
+        batch.unpersist()
+
+    def count(self, batch: Batch) -> int:
+        return int(batch.count())
+
+    def refusals(
+        self, pipeline: Pipeline, batch: Batch, plans: dict[str, SinkPlan]
+    ) -> dict[str, str]:
+        from tidemark.driver import fallback
+
+        return fallback.refusals(self.spark, pipeline, batch, plans)
+
+    def fallback(
+        self,
+        pipeline: Pipeline,
+        mode: Mode,
+        batch: Batch,
+        plans: dict[str, SinkPlan],
+        log: Log,
+    ) -> Fallback | None:
+        from tidemark.driver import fallback
+
+        return fallback.attach(self.spark, pipeline, mode, batch, plans, log)
+
+    def run(self, batch: Batch, spec: TaskSpec, layout: Layout, run_id: int, log: Log) -> Job:
+        from tidemark.driver.watch import Progress
+        from tidemark.engine.writer import RESULT_SCHEMA, make_task
+
+        df = batch
+        if layout.kind == "spread":
+            df = df.repartition(layout.tasks, *(layout.by or []))
+        elif layout.kind == "together":
+            df = df.coalesce(1)
+        progress = Progress(self.spark, run_id, layout.tasks, log)
+        progress.start()
+        try:
+            rows = df.mapInArrow(make_task(spec), RESULT_SCHEMA).collect()
+        except Terminated:
+            self.spark.sparkContext.cancelAllJobs()
+            raise
+        # Blind on purpose: the job fails as Py4J, PySpark or a lost JVM connection says; each
+        # is the job failing after its retries, and the run rolls back.
+        except Exception as exc:  # noqa: BLE001
+            return Job([], f"Spark job failed: {_spark_error(exc)}")
+        finally:
+            progress.stop()
+        return Job([TaskResult.model_validate_json(r["result"]) for r in rows])
+
+
+@dataclass(frozen=True)
+class LocalBatch:
+    """The local runner's batch: what to read, read by each task as it runs (as Spark's
+    tasks read theirs), and the schema of its transformed records."""
+
+    mode: Mode
+    pipeline: Pipeline
+    read: list[Range]
+    schema: pa.Schema
+
+
+Records = Callable[[], Iterator[pa.RecordBatch]]  # a task's records, read afresh per try
+
+
+class LocalRunner(TaskRunner):
+    """The write tasks in this process, one after the other, without Spark."""
+
+    engine = Engine.LOCAL
+
+    def __init__(self) -> None:
+        self.phases = Phases()  # the reader's time, every read of the runner
+
+    def refusal(self, mode: Mode, pipeline: Pipeline) -> str | None:
+        from tidemark.engine import local_records
+
+        why = local_records.refusal(pipeline)
+        if why is None and mode.quality(pipeline).has_quality():
+            why = "it has data-quality checks (Great Expectations runs on Spark)"
+        if why is None and mode.falls_back:
+            why = f"a {mode.name}'s fallback versions are found by Spark"
+        return why
+
+    def parallelism(self) -> int:
+        return 2  # as the tests' Spark master local[2,4]: a small batch still spreads
+
+    def reader_clock(self) -> Callable[[], dict[str, float]]:
+        before = dict(self.phases.seconds)
+        return lambda: {k: round(v - before.get(k, 0.0), 3) for k, v in self.phases.seconds.items()}
+
+    def read(self, mode: Mode, pipeline: Pipeline, read: list[Range]) -> Batch:
+        from tidemark import sources
+        from tidemark.engine import local_records
+
+        empty = pa.RecordBatch.from_pylist([], schema=sources.SCHEMA)
+        return LocalBatch(mode, pipeline, read, local_records.rows(empty, pipeline).schema)
+
+    def columns(self, batch: Batch) -> list[tuple[str, str]]:
+        from tidemark.engine import local_records
+
+        return local_records.output_columns(batch.schema)
+
+    def count(self, batch: Batch) -> int:
+        return sum(b.num_rows for b in self._rows(batch, batch.read))
+
+    def choose(
+        self,
+        path: QualityPath,
+        checks: Pipeline,
+        batch: Batch,
+        run_id: int,
+        may_check_while_writing: Callable[[], bool],
+    ) -> Strategy:
+        assert not checks.has_quality()  # refusal() said so before the claim
+        return NoChecks()
+
+    def run(self, batch: Batch, spec: TaskSpec, layout: Layout, run_id: int, log: Log) -> Job:
+        from tidemark.engine.writer import run_task
+
+        results = []
+        for task, records in enumerate(self._tasks(batch, layout)):
+            failure: BaseException | None = None
+            for attempt in range(TASK_TRIES):
+                try:
+                    result = run_task(spec, task, attempt, records())
+                except Terminated:
+                    raise
+                # Blind as Spark is: a task that raises is tried again, then fails the job.
+                except Exception as exc:  # noqa: BLE001
+                    failure = exc
+                    log(f"run {run_id}: write task {task} attempt {attempt} failed: {exc}")
+                    continue
+                results.append(result)
+                break
+            else:
+                assert failure is not None
+                why = mask(f"{type(failure).__name__}: {one_line(failure)}")
+                return Job([], f"write task {task} failed {TASK_TRIES} times: {why}")
+        return Job(results)
+
+    def _rows(self, batch: LocalBatch, read: list[Range]) -> Iterator[pa.RecordBatch]:
+        from tidemark.engine import local_records
+
+        for table in batch.mode.arrow(batch.pipeline, read, self.phases):
+            for b in table.to_batches():
+                yield local_records.rows(b, batch.pipeline)
+
+    def _tasks(self, batch: LocalBatch, layout: Layout) -> list[Records]:
+        """Each task's records, as Spark hands them to the layout's tasks."""
+        if layout.kind == "ranges":
+            assert len(batch.read) == layout.tasks, (len(batch.read), layout.tasks)
+            return [partial(self._rows, batch, [r]) for r in batch.read]
+        if layout.kind in ("together", "records"):
+            return [partial(self._rows, batch, batch.read)]
+        # spread: every record with the same values of the key columns in one task
+        whole = pa.Table.from_batches(list(self._rows(batch, batch.read)), schema=batch.schema)
+        keys = [whole.column(c).to_pylist() for c in layout.by or []]
+        bucket = pa.array(
+            [zlib.crc32(repr(k).encode()) % layout.tasks for k in zip(*keys, strict=True)],
+            pa.int32(),
+        )
+        parts = [whole.filter(pc.equal(bucket, t)) for t in range(layout.tasks)]
+        return [partial(_batches, t) for t in parts]
+
+
+def _batches(table: pa.Table) -> Iterator[pa.RecordBatch]:
+    return iter(table.to_batches())
+
+
+def runner_for(
+    settings: Settings,
+    spark: SparkSession | None,
+    app: str,
+    conf: dict[str, str] | None = None,
+) -> TaskRunner:
+    """The run's runner: Spark with the given session (else one started with the pipeline's
+    ``conf``), or as ``settings.engine`` says."""
+    if spark is not None or settings.engine is Engine.SPARK:
+        return SparkRunner(spark, settings, app, conf)
+    return LocalRunner()
+
+
+_EXC_LINE = re.compile(r"^([\w.]+(Error|Exception|Terminated|Held|Fenced)): (.*)$")
+
+
+def _spark_error(exc: BaseException) -> str:
+    """The Python exception a failed task raised, as one line, out of Spark's wrapping."""
+    found = None
+    for line in str(exc).splitlines():
+        m = _EXC_LINE.match(line.strip())
+        if m and not m.group(1).startswith(("org.apache", "java.", "py4j")):
+            found = f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(3)}"
+    return mask(found) if found else one_line(exc)
