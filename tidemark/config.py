@@ -244,6 +244,10 @@ class Orchestration(_Model):
     backfill_by_interval: bool = False
 
 
+# `start`: earliest, latest, an offset for every partition, or {partition: offset}.
+Start = Literal["earliest", "latest"] | int | dict[int, int]
+
+
 class Pipeline(_Model):
     name: Annotated[str, Field(pattern=IDENT)]
     description: str = ""
@@ -251,8 +255,9 @@ class Pipeline(_Model):
     tags: list[str] = []
     delivery: Literal["exactly_once", "at_least_once"] = "exactly_once"
     # Where a sink with no checkpoint in a partition starts: the first settled offset of the
-    # source (earliest) or the end of what is settled now (latest: skip the history).
-    start: Literal["earliest", "latest"] = "earliest"
+    # source (earliest), the end of what is settled now (latest: skip the history), an offset
+    # (every partition) or {partition: offset} (partitions not named start at earliest).
+    start: Start = "earliest"
     source: Source
     decode: Decode
     transform: Transform = Transform()
@@ -262,6 +267,29 @@ class Pipeline(_Model):
     quality: PipelineQuality = PipelineQuality()
     alerts: Alerts = Alerts()
     airflow: Orchestration = Orchestration()
+
+    @field_validator("start", mode="before")
+    @classmethod
+    def _start(cls, v: object) -> object:
+        # One line for any wrong shape (a union's errors would list one per member).
+        def offset(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+        if v in ("earliest", "latest") or offset(v):
+            return v
+        if isinstance(v, dict) and v and all(offset(p) and offset(o) for p, o in v.items()):
+            return v
+        raise ValueError(
+            f"must be earliest, latest, an offset (an integer >= 0) or a mapping of partition "
+            f"to offset (e.g. {{0: 1200, 1: 800}}), not {v!r}"
+        )
+
+    def start_at(self, partition: int) -> int | Literal["earliest", "latest"]:
+        """Where a sink starts in ``partition`` it has no checkpoint in: earliest, latest or
+        an offset."""
+        if isinstance(self.start, dict):
+            return self.start.get(partition, "earliest")
+        return self.start
 
     def cross_check(self, where: str, deep: bool = True) -> None:
         """Checks across sections, reported with the exact field path. ``deep`` also builds
