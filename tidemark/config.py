@@ -18,6 +18,14 @@ from tidemark.core.errors import ConfigError
 IDENT = r"^[a-z_][a-z0-9_]{0,39}$"
 TABLE = r"^([a-z_][a-z0-9_]*\.)?[a-z_][a-z0-9_]*$"
 META_PREFIX = "_tm_"
+
+
+def is_meta(name: str) -> bool:
+    """A Tidemark column (``_tm_*``) in any case: Spark resolves names case-insensitively
+    (spark.sql.caseSensitive is off), so ``_TM_TS`` is ``_tm_ts`` to it."""
+    return name.lower().startswith(META_PREFIX)
+
+
 MAINTENANCE_DAG = "tidemark_maintenance"
 
 
@@ -114,7 +122,7 @@ class Decode(_Model):
         if not v:
             raise ValueError("declare at least one field")
         for name, t in v.items():
-            if not isinstance(name, str) or not name or name.startswith(META_PREFIX):
+            if not isinstance(name, str) or not name or is_meta(name):
                 raise ValueError(f"bad field name {name!r}")
             try:
                 pg_type(t)
