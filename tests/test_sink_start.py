@@ -215,6 +215,7 @@ def test_start_takes_an_offset_or_a_mapping_and_refuses_anything_else_in_one_lin
     assert parse(base + "start: 1200\n", "a.yaml").start_at(3) == 1200
     mapped = parse(base + "start: {0: 1200, 1: 800}\n", "a.yaml")
     assert [mapped.start_at(p) for p in (0, 1, 2)] == [1200, 800, "earliest"]
+    assert parse(base + "start: {'0': 7}\n", "a.yaml").start_at(0) == 7
     assert parse(base + "start: latest\n", "a.yaml").start_at(0) == "latest"
     for bad in ("-1", "first", "yes", "{0: -5}", "{a: 5}", "{}", "1.5"):
         path = tmp_path / "a.yaml"

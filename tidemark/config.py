@@ -285,8 +285,11 @@ class Pipeline(_Model):
 
         if v in ("earliest", "latest") or offset(v):
             return v
-        if isinstance(v, dict) and v and all(offset(p) and offset(o) for p, o in v.items()):
-            return v
+        if isinstance(v, dict) and v:
+            # A partition written as text ('0': 1200, or a JSON dump of the file) is its number.
+            parts = {int(p) if isinstance(p, str) and p.isdigit() else p: o for p, o in v.items()}
+            if len(parts) == len(v) and all(offset(p) and offset(o) for p, o in parts.items()):
+                return parts
         raise ValueError(
             f"must be earliest, latest, an offset (an integer >= 0) or a mapping of partition "
             f"to offset (e.g. {{0: 1200, 1: 800}}), not {v!r}"
