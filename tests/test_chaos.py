@@ -755,3 +755,18 @@ def test_an_operators_commit_and_rollback_of_prepared_gids(tmp_path, spark, pg):
         assert "settle: job exit 0" in done[4].outcome, done[4]
     finally:
         world.destroy()
+
+
+def test_seeds_draw_starts_at_an_offset_and_keep_the_worlds_they_drew_before():
+    """A start at an offset (every partition's, or partition 0's) is drawn only where a seed
+    drew neither latest nor earliest before, so a seed that drew latest still does."""
+    from tidemark.devstack.chaos.runner import world_params
+
+    starts = {s: world_params(s)[2].start for s in range(1, 120)}
+    assert any(isinstance(v, int) for v in starts.values())
+    assert any(isinstance(v, dict) and set(v) == {0} for v in starts.values())
+    assert starts[103] == "latest" and starts[105] == 30 and starts[101] == {0: 26}
+    assert world_params(102)[2].start == "earliest"
+    feats = w.Features(start={0: 26})
+    assert (feats.start_at(0), feats.start_at(1)) == (26, "earliest")
+    assert "start: {0: 26}" in feats.short()

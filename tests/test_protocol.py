@@ -298,6 +298,38 @@ def test_a_transform_naming_the_source_fields_as_spark_resolves_them_gets_their_
         assert (sources.payload_source(env.load()) is None) is kept, expr
 
 
+def test_a_python_transform_naming_tidemark_columns_in_another_case_is_read_as_spark_does(
+    env, spark, tmp_path, monkeypatch
+):
+    """`_TM_ERROR` is `_tm_error` to Spark: the rows a Python transform rejects under that
+    name go to the DLQ with its reason (they reached the sink, its rejects an output column);
+    a decode field `_TM_TS` would shadow `_tm_ts` and is refused."""
+    from tidemark import config
+    from tidemark.core.errors import ConfigError
+
+    module = tmp_path / "upper_reject.py"
+    module.write_text(
+        "from pyspark.sql import functions as F\n\n\n"
+        "def fn(df):\n"
+        "    odd = F.when(F.col('id') % 2 == 1, F.lit('odd id'))\n"
+        "    return df.withColumn('_TM_ERROR', odd).withColumnRenamed('_tm_offset', '_TM_OFFSET')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env.append_orders(range(6), partitions=1)
+    env.pipeline(transform={"python": "upper_reject:fn"})
+    report = env.run(spark)
+    assert report.ok, report.summary()
+    assert env.q(env.sink_dsn, "SELECT id FROM orders ORDER BY id") == [(0,), (2,), (4,)]
+    assert env.ledger(
+        "SELECT source_offset, error_class::text, reason FROM tidemark.dlq ORDER BY 1"
+    ) == [(o, "transform", "odd id") for o in (1, 3, 5)]
+    assert_exactly_once(env)
+
+    text = env.pipeline().read_text().replace("version: int", "version: int\n    _TM_TS: string")
+    with pytest.raises(ConfigError, match="bad field name '_TM_TS'"):
+        config.parse(text, "orders.yaml")
+
+
 def test_backfill_is_idempotent_and_never_moves_checkpoints_back(env, spark):
     env.append_orders(range(100))
     env.pipeline()

@@ -79,3 +79,29 @@ def test_the_heavy_imports_of_a_run_find_their_bytecode():
 
     for module in (great_expectations, pandas, pyarrow, pyspark.sql):
         assert Path(importlib.util.cache_from_source(module.__file__)).is_file(), module.__name__
+
+
+def test_a_session_reads_times_in_utc_whatever_the_machines_zone():
+    """spark.sql.session.timeZone is pinned to UTC: in a JVM whose default zone is
+    Asia/Kathmandu (TZ), 23:30 UTC is still 23:30 on 1 March, not 05:15 on the 2nd."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "from datetime import UTC, datetime\n"
+        "from pyspark.sql import functions as F\n"
+        "from tidemark.engine.session import session\n"
+        "s = session('local[1]', 'tidemark-tz')\n"
+        "t = F.lit(datetime(2026, 3, 1, 23, 30, tzinfo=UTC))\n"
+        "got = s.range(1).select(F.date_format(t, 'yyyy-MM-dd HH:mm')).first()[0]\n"
+        "print('GOT', s.conf.get('spark.sql.session.timeZone'), got)\n"
+        "s.stop()\n"
+    )
+    env = {**os.environ, "TZ": "Asia/Kathmandu", "TIDEMARK_DRIVER_MEMORY": "512m"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = [ln for ln in done.stdout.splitlines() if ln.startswith("GOT ")]
+    assert got == ["GOT UTC 2026-03-01 23:30"], done.stdout

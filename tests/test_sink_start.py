@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime, timedelta
 
+import yaml
+
 from tests.invariants import assert_exactly_once
 from tests.test_cli import assert_one_clear_line, tm
 from tidemark.driver.modes import Backfill
@@ -171,3 +173,57 @@ def test_each_sink_gets_the_part_of_a_backfill_at_or_above_where_it_began():
         "a": [Range(0, 3, 10), Range(2, 0, 5)],
         "b": [Range(0, 5, 10)],
     }
+
+
+def test_a_sink_starts_at_an_offset_and_no_re_delivery_reaches_below_it(env, spark):
+    """`start: {0: 2, 1: 5}` (an offset per partition): partition 0 begins at offset 2;
+    partition 1's source has not reached offset 5 yet, so it begins only once it has, at 5
+    (not at its end). A backfill of every partition and a rebuild stay at or above where the
+    sink began; status shows it."""
+    env.pipeline(start={0: 2, 1: 5})
+    env.append([_order(i % 2, i, i) for i in range(6)])  # p0: 0, 2, 4; p1: 1, 3, 5
+    assert env.run(spark).ok
+    assert env.checkpoints() == {0: 3}
+    assert _held(env) == [(4, 0, 2)]
+    env.append([_order(1, i, 10 + i) for i in (7, 9, 11, 13)])  # p1 offsets 3-6
+    assert env.run(spark).ok
+    assert env.checkpoints() == {0: 3, 1: 7}
+    want = [(4, 0, 2), (11, 1, 5), (13, 1, 6)]
+    assert _held(env) == want
+    assert_exactly_once(env)
+
+    code, out, err = tm(env.cli_env(), "backfill", "orders", "--partition", "all", cwd=env.tmp)
+    assert code == 0, out + err
+    code, out, err = tm(env.cli_env(), "sink", "rebuild", "orders", "main", cwd=env.tmp)
+    assert code == 0, out + err
+    assert _held(env) == want
+    assert_exactly_once(env)
+    code, out, err = tm(env.cli_env(), "status", "orders", cwd=env.tmp)
+    assert code == 0, out + err
+    assert "main             partition 0               3  began at 2" in out, out
+    assert "main             partition 1               7  began at 5" in out, out
+
+
+def test_start_takes_an_offset_or_a_mapping_and_refuses_anything_else_in_one_line(tmp_path):
+    from tidemark.config import parse
+
+    base = (
+        "name: a\nsource: {type: postgres_log, dsn: 'postgresql://h/d', table: t}\n"
+        "decode: {schema: {id: int}}\nsinks: [{name: s, dsn: 'postgresql://h/d', table: t, "
+        "key: [id]}]\n"
+    )
+    assert parse(base + "start: 1200\n", "a.yaml").start_at(3) == 1200
+    mapped = parse(base + "start: {0: 1200, 1: 800}\n", "a.yaml")
+    assert [mapped.start_at(p) for p in (0, 1, 2)] == [1200, 800, "earliest"]
+    assert parse(base + "start: {'0': 7}\n", "a.yaml").start_at(0) == 7
+    assert parse(base + "start: latest\n", "a.yaml").start_at(0) == "latest"
+    for bad in ("-1", "first", "yes", "{0: -5}", "{a: 5}", "{}", "1.5"):
+        path = tmp_path / "a.yaml"
+        path.write_text(base + f"start: {bad}\n")
+        code, out, err = tm({"PATH": "/usr/bin:/bin"}, "pipelines", "validate", str(path))
+        assert code == 2, out + err
+        assert out.splitlines() == [
+            f"invalid {path}: start: must be earliest, latest, an offset (an integer >= 0) or "
+            f"a mapping of partition to offset (e.g. {{0: 1200, 1: 800}}), not "
+            + repr(yaml.safe_load(f"v: {bad}")["v"])
+        ], out

@@ -21,6 +21,14 @@ from tidemark.core.settings import MEMORY
 IDENT = r"^[a-z_][a-z0-9_]{0,39}$"
 TABLE = r"^([a-z_][a-z0-9_]*\.)?[a-z_][a-z0-9_]*$"
 META_PREFIX = "_tm_"
+
+
+def is_meta(name: str) -> bool:
+    """A Tidemark column (``_tm_*``) in any case: Spark resolves names case-insensitively
+    (spark.sql.caseSensitive is off), so ``_TM_TS`` is ``_tm_ts`` to it."""
+    return name.lower().startswith(META_PREFIX)
+
+
 MAINTENANCE_DAG = "tidemark_maintenance"
 
 
@@ -117,7 +125,7 @@ class Decode(_Model):
         if not v:
             raise ValueError("declare at least one field")
         for name, t in v.items():
-            if not isinstance(name, str) or not name or name.startswith(META_PREFIX):
+            if not isinstance(name, str) or not name or is_meta(name):
                 raise ValueError(f"bad field name {name!r}")
             try:
                 pg_type(t)
@@ -335,6 +343,10 @@ class Retention(_Model):
     source_prune: bool = False
 
 
+# `start`: earliest, latest, an offset for every partition, or {partition: offset}.
+Start = Literal["earliest", "latest"] | int | dict[int, int]
+
+
 class Pipeline(_Model):
     name: Annotated[str, Field(pattern=IDENT)]
     description: str = ""
@@ -342,8 +354,9 @@ class Pipeline(_Model):
     tags: list[str] = []
     delivery: Literal["exactly_once", "at_least_once"] = "exactly_once"
     # Where a sink with no checkpoint in a partition starts: the first settled offset of the
-    # source (earliest) or the end of what is settled now (latest: skip the history).
-    start: Literal["earliest", "latest"] = "earliest"
+    # source (earliest), the end of what is settled now (latest: skip the history), an offset
+    # (every partition) or {partition: offset} (partitions not named start at earliest).
+    start: Start = "earliest"
     source: Source
     decode: Decode
     transform: Transform = Transform()
@@ -362,6 +375,32 @@ class Pipeline(_Model):
     @field_validator("spark")
     def _spark_conf(cls, v: dict[str, Any]) -> dict[str, str]:
         return spark_settings.checked(v)
+
+    @field_validator("start", mode="before")
+    @classmethod
+    def _start(cls, v: object) -> object:
+        # One line for any wrong shape (a union's errors would list one per member).
+        def offset(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+        if v in ("earliest", "latest") or offset(v):
+            return v
+        if isinstance(v, dict) and v:
+            # A partition written as text ('0': 1200, or a JSON dump of the file) is its number.
+            parts = {int(p) if isinstance(p, str) and p.isdigit() else p: o for p, o in v.items()}
+            if len(parts) == len(v) and all(offset(p) and offset(o) for p, o in parts.items()):
+                return parts
+        raise ValueError(
+            f"must be earliest, latest, an offset (an integer >= 0) or a mapping of partition "
+            f"to offset (e.g. {{0: 1200, 1: 800}}), not {v!r}"
+        )
+
+    def start_at(self, partition: int) -> int | Literal["earliest", "latest"]:
+        """Where a sink starts in ``partition`` it has no checkpoint in: earliest, latest or
+        an offset."""
+        if isinstance(self.start, dict):
+            return self.start.get(partition, "earliest")
+        return self.start
 
     def cross_check(self, where: str, deep: bool = True) -> None:
         """Checks across sections, reported with the exact field path. ``deep`` also builds

@@ -33,7 +33,7 @@ import psycopg
 from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 
-from tidemark.config import META_PREFIX, Pipeline, Quality
+from tidemark.config import Pipeline, Quality, is_meta
 from tidemark.core.columns import OFFSET, PARTITION
 from tidemark.engine.records import ERR_CLASS
 from tidemark.ledger.state import Range
@@ -131,7 +131,7 @@ def _for_gx(df: DataFrame, checks: list[Quality], where: str) -> DataFrame:
     read (all output columns if one may read the whole table). No cache of its own: the
     expectations' counts take one scan of the batch cache (tidemark/quality/aggregates.py),
     which reads only these columns."""
-    outputs = [c for c in df.columns if not c.startswith(META_PREFIX)]
+    outputs = [c for c in df.columns if not is_meta(c)]
     used: set[str] | None = set()
     for q in checks:
         for items, part in ((q.rows, "quality.rows"), (q.batch, "quality.batch")):

@@ -37,8 +37,8 @@ class Lag:
 
 def measure(conn: psycopg.Connection, pipeline: config.Pipeline) -> list[Lag]:
     """Every (sink, partition) of the pipeline. A partition a sink has no checkpoint in yet
-    counts from the source's first settled offset, unless the pipeline starts at ``latest``
-    (it would skip that history)."""
+    counts from where it will begin (sources.first_offset), unless the pipeline starts at
+    ``latest`` (it would skip that history)."""
     at = checkpoints.positions(conn, pipeline.name)
     planner = sources.planner(pipeline)
     out = []
@@ -48,7 +48,11 @@ def measure(conn: psycopg.Connection, pipeline: config.Pipeline) -> list[Lag]:
             for sink in pipeline.sinks:
                 ck = at.get(sink.name, {}).get(part)
                 if ck is None:
-                    ck = None if pipeline.start == "latest" else planner.earliest(part)
+                    ck = (
+                        None
+                        if pipeline.start == "latest"
+                        else sources.first_offset(pipeline, planner, part)
+                    )
                     if ck is None:
                         continue
                 if ck not in ends:

@@ -211,9 +211,7 @@ class Delivery(Mode):
         src = sources.planner(pipeline)
 
         def first(partition: int) -> int | None:
-            if pipeline.start == "latest":
-                return src.latest(partition)
-            return src.earliest(partition)
+            return sources.first_offset(pipeline, src, partition)
 
         def plan(
             checkpoints: dict[str, dict[int, int]], began: dict[str, dict[int, int]]

@@ -15,7 +15,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import DataType
 
-from tidemark.config import META_PREFIX, Pipeline, pg_type
+from tidemark.config import Pipeline, is_meta, pg_type
 from tidemark.core.errors import ConfigError
 from tidemark.engine import corrections
 from tidemark.engine.row_errors import ERR_CLASS as ERR_CLASS
@@ -119,6 +119,11 @@ def transform(df: DataFrame, pipeline: Pipeline) -> DataFrame:
         except (ImportError, AttributeError) as exc:
             raise ConfigError(where, f"cannot load {t.python}: {exc}", "python") from None
         out: DataFrame = fn(df)  # the pipeline's own function: DataFrame -> DataFrame
+        # `_TM_ERROR`, `_Tm_Offset`: the same columns to Spark; named as Tidemark names them,
+        # so that every check below (and the writer's) finds them.
+        odd = {c: c.lower() for c in out.columns if is_meta(c) and c != c.lower()}
+        if odd:
+            out = out.withColumnsRenamed(odd)
         missing = [c for c in carried if c not in out.columns]
         if missing:
             raise ConfigError(
@@ -170,7 +175,7 @@ def output_columns(df: DataFrame) -> list[tuple[str, str]]:
     """(name, PostgreSQL type) of the sink columns the transformed frame carries."""
     cols = []
     for f in df.schema.fields:
-        if f.name.startswith(META_PREFIX):
+        if is_meta(f.name):
             continue
         cols.append((f.name, spark_to_pg(f.dataType, f.name)))
     return cols

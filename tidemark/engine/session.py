@@ -95,6 +95,9 @@ def session(
         .config("spark.speculation", "false")  # one attempt per task at a time
         .config("spark.task.maxFailures", "4")
         .config("spark.sql.ansi.enabled", "false")
+        # Times in UTC whatever the machine's zone (the JVM's default otherwise): a transform's
+        # to_date(_tm_ts) or a string cast to a timestamp must not move with the host.
+        .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.shuffle.partitions", "8")
         # A gated run caches its batch once; compressing that cache cost more CPU
         # than it saved (bench/replay_bench.py, 2 cores).

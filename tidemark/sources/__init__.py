@@ -60,6 +60,22 @@ class Planner(Protocol):
     def close(self) -> None: ...
 
 
+def first_offset(pipeline: Pipeline, src: Planner, partition: int) -> int | None:
+    """Where a sink with no checkpoint in ``partition`` begins (the pipeline's ``start``);
+    None: not yet (nothing settled, or the source has not reached the start offset). An
+    offset below the source's first record begins at that record: nothing below is held."""
+    start = pipeline.start_at(partition)
+    if start == "earliest":
+        return src.earliest(partition)
+    if start == "latest":
+        return src.latest(partition)
+    end = src.latest(partition)
+    if end is None or end < start:
+        return None
+    first = src.earliest(partition)
+    return start if first is None else max(start, first)
+
+
 def planner(pipeline: Pipeline) -> Planner:
     src = pipeline.source
     if isinstance(src, PostgresLogSource):

@@ -152,6 +152,11 @@ class Chaos:
         self.op_weights = weights
         self.oracle: Any = None  # the runner's Oracle (where each sink began)
         self.gid_acts: Counter[str] = Counter()
+        # Operations that did something (not "skipped: ..."), and pipeline edits by kind
+        # (a key split or merge: "split->merge"): what the summary's table of the issue 45
+        # life operations counts.
+        self.reached: Counter[str] = Counter()
+        self.edits: Counter[str] = Counter()
         self.last_part: dict[int, int] = {}
         # What this step asked of dead letters (the oracle's input): ids redriven, discarded.
         self.redrive_ids: list[int] = []
@@ -371,6 +376,12 @@ class Chaos:
 
     # -- operations -----------------------------------------------------------------------------
     def perform(self, step: Step) -> Result:
+        res = self._perform(step)
+        if not res.outcome.startswith("skipped"):
+            self.reached[step.op if not step.fault else f"fault:{step.fault}"] += 1
+        return res
+
+    def _perform(self, step: Step) -> Result:
         rng = step.rng
         self.ops[step.op if not step.fault else f"fault:{step.fault}"] += 1
         self.redrive_ids, self.discard_ids = [], []
@@ -844,6 +855,7 @@ class Chaos:
         if k.b_rows_max > k.rows_max:  # sink b checks at least as much as the pipeline
             k = replace(k, b_rows_max=max(m for m in w.B_ROWS_MAX if m <= k.rows_max))
         self.world.write_pipeline(k)
+        self.edits[f"{what}->{k.variant}" if what in ("split", "transform") else what] += 1
         return f"{what}: {k.short()}"
 
     # -- faults -------------------------------------------------------------------------------

@@ -602,10 +602,21 @@ class Oracle:
             if (s, p) in self.began or s not in self.sinks:
                 continue
             offs = [o for q, o in self.source if q == p]
-            if self.f.start == "latest":
+            how = self.f.start_at(p)
+            if how == "latest":
                 at = max(offs) + 1 if offs else 0
-            else:
+            elif how == "earliest":
                 at = min(offs) if offs else 0
+            else:  # an offset: once the source has reached it, there (or at its first record)
+                assert isinstance(how, int)
+                end = max(offs) + 1 if offs else 0
+                if end < how:
+                    self.problems.append(
+                        Problem(
+                            s, p, end, f"the sink began before the source reached its start {how}"
+                        )
+                    )
+                at = max(how, min(offs)) if offs else how
             self.began[(s, p)] = at
             self.sinks[s].began[p] = at
         recorded = starts(led, self.target.pipeline)
@@ -618,8 +629,7 @@ class Oracle:
                         p,
                         at,
                         f"the ledger says the sink began at {at}; it first saw the partition "
-                        f"when the source {'ended' if self.f.start == 'latest' else 'began'} "
-                        f"at {want} (start: {self.f.start})",
+                        f"where it should have begun: {want} (start: {self.f.start})",
                     )
                 )
 

@@ -133,8 +133,9 @@ class Features:
     tombstones: bool = False
     # Where a sink starts in a partition it never read (the pipeline's ``start``): ``latest``
     # begins each sink at the end of the source when its first run claims (docs/pipelines.md),
-    # and no re-delivery may reach below that.
-    start: str = "earliest"
+    # an offset (or {partition: offset}) there once the source has reached it; no re-delivery
+    # may reach below that.
+    start: str | int | dict[int, int] = "earliest"
     # The ledger database's (the postgres_log source's) TimeZone, and its role's: time-window
     # backfills must map to the same offsets whatever a session reads times in.
     tz: str | None = None
@@ -150,6 +151,12 @@ class Features:
     # Discards followed by `tidemark prune` (and backfills over discarded records).
     prune: bool = False
 
+    def start_at(self, partition: int) -> str | int:
+        """earliest, latest or an offset: where a sink begins in ``partition``."""
+        if isinstance(self.start, dict):
+            return self.start.get(partition, "earliest")
+        return self.start
+
     def short(self) -> str:
         on = [
             n
@@ -158,7 +165,7 @@ class Features:
                 ("ts+headers", self.meta),
                 ("file_archive", self.archive),
                 ("tombstones", self.tombstones),
-                ("start: latest", self.start == "latest"),
+                (f"start: {self.start}", self.start != "earliest"),
                 (f"TimeZone {self.tz}", self.tz is not None),
                 ("operator gids", self.gids),
                 ("trimmed source", self.trim),
