@@ -202,8 +202,6 @@ def transform(batch: pa.RecordBatch, pipeline: Pipeline) -> pa.RecordBatch:
 
 def output_columns(schema: pa.Schema) -> list[tuple[str, str]]:
     """(name, PostgreSQL type) of the sink columns, as records.output_columns says them."""
-    from tidemark.config import META_PREFIX, pg_type
+    from tidemark.config import is_meta, pg_type
 
-    return [
-        (f.name, pg_type(SPARK_NAMES[f.type])) for f in schema if not f.name.startswith(META_PREFIX)
-    ]
+    return [(f.name, pg_type(SPARK_NAMES[f.type])) for f in schema if not is_meta(f.name)]
