@@ -1,5 +1,6 @@
-"""Airflow's REST API as the Dead letters pages call it: trigger a pipeline's redrive DAG as
-the caller, tell whether that DAG is paused, and read one of its runs (state and conf).
+"""Airflow's REST API as the Dead letters and Pipelines pages call it: trigger a pipeline's
+redrive or rebuild DAG as the caller, tell whether that DAG is paused, read its Params and one
+of its runs (state and conf).
 
 At the address Airflow is configured with (:func:`base_url`), never the request's Host
 header: a client could name any host and the API server would send it the caller's token
@@ -93,6 +94,19 @@ class AirflowApi:
         if r.status_code != 200:
             raise AirflowFailed(_refusal(dag, r, "read a run of"))
         return dict(r.json())
+
+    def dag_params(self, dag: str) -> dict[str, Any] | None:
+        """``dag``'s Params as Airflow parsed them (each ``{"value", "schema", ...}``);
+        None if there is no such DAG the caller may see. AirflowFailed otherwise."""
+        try:
+            r = self._http.get(f"{self._dag(dag)}/details")
+        except httpx.HTTPError as exc:
+            raise AirflowFailed(f"cannot reach Airflow's API: {exc}") from None
+        if r.status_code in (403, 404):
+            return None
+        if r.status_code != 200:
+            raise AirflowFailed(_refusal(dag, r, "read"))
+        return dict(r.json().get("params") or {})
 
     def paused(self, dag: str) -> bool:
         """A paused DAG's run waits in the queue: say so rather than leave people waiting."""

@@ -24,7 +24,8 @@ from urllib.parse import quote
 
 import psycopg
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from tidemark.config import IDENT, dag_id
@@ -35,7 +36,10 @@ from tidemark.core.settings import get_settings
 from tidemark.core.text import shown
 from tidemark.ledger import history
 from tidemark.web import auth as web_auth
+from tidemark.web import rebuild
 from tidemark.web.auth import Caller, Forbidden, guard
+from tidemark.web.context import WebDep
+from tidemark.web.runs import REFRESH_SECONDS
 
 HERE = Path(__file__).resolve().parent
 TEMPLATES = HERE / "templates" / "pipelines"
@@ -107,6 +111,7 @@ def _html(request: Request, template: str, **ctx: Any) -> HTMLResponse:
         prefix=request.scope.get("root_path", ""),
         airflow=request.base_url.path.rstrip("/"),
         user=caller.name if caller else "",
+        csrf=web_auth.csrf_token(caller) if caller and caller.via_cookie else "",
         **ctx,
     )
     return HTMLResponse(body)
@@ -309,6 +314,7 @@ def _detail(caller: Caller, pipeline: str, days: int) -> dict[str, Any]:
 def pipeline_page(request: Request, pipeline: str, caller: CallerDep) -> Response:
     days = _days(request)
     d = _detail(caller, pipeline, days)
+    can_edit = _may_edit(caller, d["pipeline"])
     return _html(
         request,
         "pipeline.html",
@@ -316,7 +322,35 @@ def pipeline_page(request: Request, pipeline: str, caller: CallerDep) -> Respons
         days=days,
         windows=WINDOWS,
         dag=dag_id(d["pipeline"]),
-        can_edit=_may_edit(caller, d["pipeline"]),
+        can_edit=can_edit,
+        # The Rebuild action, to those who may trigger the pipeline's DAGs only.
+        rebuild=rebuild.offer(caller, d["pipeline"]) if can_edit else None,
+    )
+
+
+@router.post("/pipelines/{pipeline}/rebuild")
+async def rebuild_post(request: Request, pipeline: str, caller: CallerDep, web: WebDep) -> Response:
+    """Preview a rebuild of a sink (always, from the page's form), or rebuild what a finished
+    preview showed (``preview``: its run id); then the run's page (303, so a reload does not
+    trigger again)."""
+    body = await rebuild.rebuild_body(request)
+    out = await run_in_threadpool(rebuild.trigger, web, request, caller, pipeline, body)
+    return RedirectResponse(out["page"], status_code=303)
+
+
+@router.get("/pipelines/{pipeline}/rebuild/{dag_run_id}")
+def rebuild_page(
+    request: Request, pipeline: str, dag_run_id: str, caller: CallerDep, web: WebDep
+) -> Response:
+    """A rebuild DAG run as it goes: reloads until it ends; a preview that ended well offers
+    the rebuild for real, to those who may trigger it."""
+    r = rebuild.rebuild_run(web, request, caller, pipeline, dag_run_id)
+    return _html(
+        request,
+        "rebuild.html",
+        r=r,
+        can_act=r["ready"] and _may_edit(caller, r["pipeline"]),
+        refresh=None if r["final"] or r["airflow_error"] else REFRESH_SECONDS,
     )
 
 
