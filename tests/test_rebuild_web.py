@@ -9,14 +9,18 @@ real only from a preview that ended well, with the preview's own sink and option
 from __future__ import annotations
 
 import json
+import os
 import re
+import socket
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import unquote
 
 import httpx
 import psycopg
 import pytest
-from fastapi import Request
+from fastapi import FastAPI, Request
 from starlette.testclient import TestClient
 
 from bench.pipelines_bench import seed
@@ -29,6 +33,10 @@ from tidemark.web.app import create_app
 from tidemark.web.auth import Caller, guard
 
 DAG = "tidemark_p00_rebuild"
+CHROMIUM = "/usr/bin/chromium"
+SHOTS = Path(
+    os.environ.get("REBUILD_SHOTS", Path(__file__).parents[1] / "test-artifacts" / "rebuild")
+)
 # user -> what they may do on every DAG: admin edits, viewer reads, stranger nothing
 ACCESS = {"admin": {"GET", "PUT"}, "viewer": {"GET"}, "stranger": set()}
 
@@ -83,7 +91,7 @@ class FakeAirflow:
 
 
 @pytest.fixture
-def app(env, monkeypatch) -> Iterator[tuple[TestClient, FakeAirflow]]:
+def asgi(env, monkeypatch) -> Iterator[tuple[FastAPI, FakeAirflow]]:
     with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
         seed(c, pipelines=1, days=1, letters_per_run=0)  # p00, sinks main and archive
     monkeypatch.setenv("TIDEMARK_LEDGER_DSN", env.ledger_dsn)
@@ -109,10 +117,16 @@ def app(env, monkeypatch) -> Iterator[tuple[TestClient, FakeAirflow]]:
     application = create_app()
     application.dependency_overrides[guard] = caller
     try:
-        with TestClient(application, root_path="/tidemark", follow_redirects=False) as client:
-            yield client, fake
+        yield application, fake
     finally:
         get_settings.cache_clear()
+
+
+@pytest.fixture
+def app(asgi) -> Iterator[tuple[TestClient, FakeAirflow]]:
+    application, fake = asgi
+    with TestClient(application, root_path="/tidemark", follow_redirects=False) as client:
+        yield client, fake
 
 
 def _as(user: str) -> dict[str, str]:
@@ -220,3 +234,64 @@ def test_a_failed_preview_unlocks_nothing(env, app):
     assert "rebuild-for-real" not in page.text and "Spark failed" in page.text
     r = client.post("/pipelines/p00/rebuild", data={"preview": run_id}, headers=_as("admin"))
     assert r.status_code == 400 and len(fake.triggered) == 1
+
+
+def test_the_action_in_chromium(env, asgi):
+    """The page as a person sees it: the forms under each sink, a preview from a click, its
+    page with the rebuild for real once the preview ended; screenshots in
+    test-artifacts/rebuild/ (REBUILD_SHOTS overrides it)."""
+    import uvicorn
+    from playwright.sync_api import expect, sync_playwright
+
+    application, fake = asgi
+    fake.staged = True
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()  # connections wait in the backlog until the server accepts them
+    port = sock.getsockname()[1]
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    mounted = Starlette(routes=[Mount("/tidemark", app=application)])  # as Airflow mounts it
+    server = uvicorn.Server(uvicorn.Config(mounted, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}/tidemark"
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True)
+            context = browser.new_context(
+                viewport={"width": 1400, "height": 900}, extra_http_headers=_as("admin")
+            )
+            page = context.new_page()
+            problems: list[str] = []
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            page.on(
+                "response",
+                lambda r: r.status >= 400 and "/tidemark/" in r.url and problems.append(r.url),
+            )
+            page.goto(f"{base}/pipelines/p00?days=1")
+            form = page.locator("form[data-rebuild=archive]")
+            expect(form).to_be_visible()
+            expect(form.get_by_label("with the staged version")).to_be_visible()
+            expect(page.locator("[data-drawn]").first).to_be_visible()
+            page.screenshot(path=SHOTS / "01-pipeline-rebuild-action.png", full_page=True)
+            form.get_by_label("accept pruned records").check()
+            form.get_by_role("button", name="Preview rebuild").click()
+            expect(page.locator("#sink")).to_have_text("archive")
+            assert fake.triggered == [
+                (DAG, {"sink": "archive", "staged": False, "accept_pruned": True, "dry_run": True})
+            ]
+            _finish_preview(env, fake, "manual__0")
+            page.reload()
+            expect(page.get_by_role("button", name="Rebuild for real")).to_be_visible()
+            page.screenshot(path=SHOTS / "02-preview-done.png", full_page=True)
+            page.get_by_role("button", name="Rebuild for real").click()
+            expect(page.locator("h1")).to_contain_text("Rebuild")
+            assert fake.triggered[-1][1]["dry_run"] is False
+            browser.close()
+        assert problems == []
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
