@@ -2,7 +2,8 @@
 multiples (lag, records per second, dead letters created), and one pipeline in detail, per
 sink: checkpoint lag per partition over time, records per second and duration per run, dead
 letters created per error class, and its state now (halted, in doubt, last run, where each
-sink began).
+sink began); and, to those who may edit its DAG, a Rebuild action per sink, previewed first
+(rebuild.py).
 
 A router of the app Airflow mounts at /tidemark (app.py includes it): the app's guard, error
 pages and security headers apply. Who may see a pipeline is decided as for its dead letters
