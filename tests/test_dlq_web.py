@@ -17,7 +17,7 @@ import socket
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import httpx
 import psycopg
@@ -547,6 +547,70 @@ def test_redrive_triggers_the_pipelines_redrive_dag(site):
         got = api.get(f"/dags/{dag}/dagRuns/{run_id}").json()
         assert site.request(got["conf"]["request"])[2] == [ids["json"]]
     assert site.letter(ids["redrive1"])[0] == "quarantined"  # the DAG does that, not the UI
+
+
+def test_the_pipelines_rebuild_action_triggers_a_preview_of_the_rebuild_dag(site):
+    """The Pipelines page's Rebuild form (tidemark/web/rebuild.py; tests/test_rebuild_web.py
+    has its flow in-process) against the real API server: the rebuild DAG's Params read from
+    Airflow, the cookie form's CSRF token, the trigger as the caller with dry_run true."""
+    dag = "tidemark_orders_rebuild"
+    site.stack.wait_dag(dag)
+    # A sink with a checkpoint has its section (and form) on the page.
+    site.env.ledger(
+        "INSERT INTO tidemark.checkpoints (pipeline, sink, partition, next_offset) "
+        "VALUES ('orders', 'main', 0, 0) RETURNING 1"
+    )
+    try:
+        with site.stack.api(site.admin) as api:
+            # Paused, the run stays queued: this test is about the trigger, not Spark.
+            api.patch(f"/dags/{dag}", json={"is_paused": True}).raise_for_status()
+            with site.client(site.viewer) as c:  # reads every DAG, edits none
+                page = c.get("/tidemark/pipelines/orders")
+                assert page.status_code == 200 and "data-rebuild" not in page.text
+                r = c.post("/tidemark/pipelines/orders/rebuild", json={"sink": "main"})
+                assert r.status_code == 403, r.text
+            with site.client(cookie=site.admin) as c:
+                page = c.get("/tidemark/pipelines/orders")
+                form = re.search(r'<form[^>]*data-rebuild="main">(.*?)</form>', page.text, re.S)
+                assert form, page.text
+                assert 'name="staged"' not in form[1]  # no orders.next.yaml
+                token = re.search(r'name="csrf_token" value="([0-9a-f]+)"', form[1])[1]
+                r = c.post(
+                    "/tidemark/pipelines/orders/rebuild",
+                    data={"sink": "main", "accept_pruned": "true"},
+                    headers={"Origin": site.stack.url},
+                )
+                assert r.status_code == 403 and "CSRF" in r.text
+                r = c.post(
+                    "/tidemark/pipelines/orders/rebuild",
+                    data={"sink": "main", "accept_pruned": "true", "csrf_token": token},
+                    headers={"Origin": site.stack.url},
+                )
+                assert r.status_code == 303, r.text
+                where = r.headers["location"]
+                assert where.startswith("/tidemark/pipelines/orders/rebuild/")
+                run_id = unquote(where.rsplit("/", 1)[1])
+                got = api.get(f"/dags/{dag}/dagRuns/{quote(run_id, safe='')}").json()
+                assert got["conf"] == {
+                    "sink": "main",
+                    "staged": False,
+                    "accept_pruned": True,
+                    "dry_run": True,
+                }
+                assert got["triggering_user_name"] == "admin"
+                page = c.get(where)
+                assert page.status_code == 200 and "The DAG is paused" in page.text
+                assert "rebuild-for-real" not in page.text  # the preview has not run
+                r = c.post(
+                    "/tidemark/pipelines/orders/rebuild",
+                    data={"preview": run_id, "csrf_token": token},
+                    headers={"Origin": site.stack.url},
+                )
+                assert r.status_code == 400 and "not a preview that ended" in r.text
+            runs = api.get(f"/dags/{dag}/dagRuns").json()["dag_runs"]
+            assert [x["dag_run_id"] for x in runs] == [run_id]
+    finally:
+        site.env.ledger("DELETE FROM tidemark.checkpoints WHERE pipeline = 'orders' RETURNING 1")
 
 
 def test_a_record_shows_the_headers_as_the_source_had_them_and_the_source_time(site):
