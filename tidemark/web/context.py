@@ -18,7 +18,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from tidemark.core.db import connect
 from tidemark.core.dsn import mask
-from tidemark.core.errors import TidemarkError
+from tidemark.core.errors import NotFound, TidemarkError
 from tidemark.core.settings import Settings, get_settings
 from tidemark.web import auth as web_auth
 from tidemark.web.auth import Caller, guard
@@ -127,3 +127,15 @@ async def _caller(request: Request, caller: Annotated[Caller, Depends(guard)]) -
 
 WebDep = Annotated[Web, Depends(_web)]
 CallerDep = Annotated[Caller, Depends(_caller)]
+
+
+def static_file(folder: Path, types: dict[str, str], name: str) -> Response:
+    """One of the app's own static files (``types``: name to media type; any other name is
+    not found), cached privately: the pages' stylesheets and scripts."""
+    if name not in types:
+        raise NotFound(f"no static file {name[:40]!r}")
+    return Response(
+        (folder / name).read_bytes(),
+        media_type=types[name],
+        headers={"Cache-Control": "private, max-age=300"},
+    )

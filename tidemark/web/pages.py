@@ -22,7 +22,7 @@ from tidemark.web import auth as web_auth
 from tidemark.web import views
 from tidemark.web.access import may, readable, readable_pipelines, visible
 from tidemark.web.auth import Forbidden
-from tidemark.web.context import TEMPLATES, CallerDep, WebDep, links
+from tidemark.web.context import TEMPLATES, CallerDep, WebDep, links, static_file
 from tidemark.web.runs import REFRESH_SECONDS, redrive_run
 from tidemark.web.selection import MATCHING, ActionBody, filters, number
 
@@ -185,10 +185,4 @@ def data_docs(pipeline: str, path: str, caller: CallerDep, web: WebDep) -> Respo
 
 @router.get("/dlq/static/{name}")
 def static(name: str, caller: CallerDep) -> Response:
-    if name not in STATIC:
-        raise NotFound(f"no static file {name!r}")
-    return Response(
-        (TEMPLATES / name).read_bytes(),
-        media_type=STATIC[name],
-        headers={"Cache-Control": "private, max-age=300"},
-    )
+    return static_file(TEMPLATES, STATIC, name)

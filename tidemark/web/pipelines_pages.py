@@ -39,7 +39,7 @@ from tidemark.ledger import history
 from tidemark.web import auth as web_auth
 from tidemark.web import rebuild
 from tidemark.web.auth import Caller, Forbidden, guard
-from tidemark.web.context import WebDep
+from tidemark.web.context import WebDep, static_file
 from tidemark.web.runs import REFRESH_SECONDS
 
 HERE = Path(__file__).resolve().parent
@@ -403,10 +403,4 @@ def pipeline_api(request: Request, pipeline: str, caller: CallerDep) -> Response
 
 @router.get("/pipelines/static/{name}")
 def static(name: str, caller: CallerDep) -> Response:
-    if name not in STATIC:
-        raise NotFound(f"no static file {shown(name, 40)}")
-    return Response(
-        (STATIC_DIR / name).read_bytes(),
-        media_type=STATIC[name],
-        headers={"Cache-Control": "private, max-age=300"},
-    )
+    return static_file(STATIC_DIR, STATIC, name)
