@@ -598,3 +598,21 @@ def test_the_readme_lists_every_setting_with_its_default():
             assert shown == f"`{default}`", (
                 f"README: TIDEMARK_{name.upper()} {shown}, not {default}"
             )
+
+
+def test_a_sigterm_wrapped_by_py4j_is_still_found_as_terminated():
+    from py4j.protocol import Py4JNetworkError
+
+    from tidemark.core.errors import Terminated, terminated_in
+
+    def py4j_call():  # what py4j's clientserver does when its recv is interrupted
+        try:
+            raise Terminated("SIGTERM before the decision: rolled back")
+        except Exception as e:
+            raise Py4JNetworkError("Error while sending or receiving", e) from None
+
+    with pytest.raises(Py4JNetworkError) as caught:
+        py4j_call()
+    found = terminated_in(caught.value)
+    assert isinstance(found, Terminated) and found.exit_code == 143
+    assert terminated_in(RuntimeError("other")) is None

@@ -25,7 +25,7 @@ from tidemark.cli.app import (
 from tidemark.core import job_secrets
 from tidemark.core.db import connect, one_line
 from tidemark.core.dsn import mask
-from tidemark.core.errors import BadInput, ConfigError, TidemarkError
+from tidemark.core.errors import BadInput, ConfigError, TidemarkError, terminated_in
 from tidemark.core.settings import get_settings
 from tidemark.core.text import clamp
 from tidemark.ledger.state import AirflowRun, Range
@@ -585,6 +585,10 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"tidemark: database error: {one_line(exc)}", err=True)
         sys.exit(1)
     except Exception as exc:  # never a bare traceback to a user
+        term = terminated_in(exc)
+        if term is not None:  # SIGTERM inside a Py4J call: Py4J's error wraps it
+            click.echo(f"tidemark: error: {term}", err=True)
+            sys.exit(term.exit_code)
         if _debugging():
             raise
         click.echo(

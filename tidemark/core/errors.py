@@ -66,6 +66,24 @@ class Terminated(TidemarkError):
     exit_code = 143
 
 
+def terminated_in(exc: BaseException) -> Terminated | None:
+    """The SIGTERM an error carries. The signal handler raises Terminated wherever the main
+    thread is; inside a Py4J call Py4J wraps it in its own network error (the Terminated as
+    that error's ``cause`` and context), which must still end the run as terminated."""
+    todo: list[BaseException] = [exc]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, Terminated):
+            return e
+        linked = (e.__cause__, e.__context__, getattr(e, "cause", None))
+        todo.extend(x for x in linked if isinstance(x, BaseException))
+    return None
+
+
 class NotFound(BadInput):
     """What the user named (a dead letter, a file) does not exist."""
 

@@ -29,7 +29,13 @@ from tidemark.config import Pipeline
 from tidemark.core import faults
 from tidemark.core.db import connect, one_line
 from tidemark.core.dsn import mask
-from tidemark.core.errors import BadInput, Fenced, Inconsistency, Terminated, TidemarkError
+from tidemark.core.errors import (
+    BadInput,
+    Fenced,
+    Inconsistency,
+    TidemarkError,
+    terminated_in,
+)
 from tidemark.core.settings import Settings
 from tidemark.driver import late
 from tidemark.driver.checking import QualityPath
@@ -484,6 +490,6 @@ class Run(Writing, Verifying):
 
 
 def _why_aborted(exc: BaseException) -> str:
-    if isinstance(exc, Terminated):
+    if terminated_in(exc) is not None:
         return "terminated (SIGTERM) before the decision"
     return f"{type(exc).__name__}: {one_line(exc)}"

@@ -32,7 +32,7 @@ from tidemark.core.clock import Phases
 from tidemark.core.db import one_line
 from tidemark.core.dsn import mask
 from tidemark.core.engines import Engine
-from tidemark.core.errors import Terminated
+from tidemark.core.errors import Terminated, terminated_in
 from tidemark.core.settings import Settings
 from tidemark.driver import checking
 from tidemark.driver.checking import Job, NoChecks, QualityPath, Strategy
@@ -211,6 +211,9 @@ class SparkRunner(TaskRunner):
         # Blind on purpose: the job fails as Py4J, PySpark or a lost JVM connection says; each
         # is the job failing after its retries, and the run rolls back.
         except Exception as exc:  # noqa: BLE001
+            term = terminated_in(exc)  # SIGTERM inside the Py4J call, wrapped by Py4J
+            if term is not None:
+                raise term from exc
             return Job([], f"Spark job failed: {_spark_error(exc)}")
         finally:
             progress.stop()
