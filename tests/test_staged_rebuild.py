@@ -187,3 +187,23 @@ def test_promote_after_a_rename_by_hand_checks_the_held_sinks_were_rebuilt(env):
     done = staging.promote(env.ledger_dsn, env.dir, "orders")
     assert done.already and done.kept is None
     assert env.ledger("SELECT promoted_at IS NOT NULL FROM tidemark.staged_holds") == [(True,)]
+
+
+def test_status_says_which_sinks_a_staged_version_holds_and_how_to_release_them(env):
+    """A held sink refuses the live file's runs: without a line in `tidemark status` the
+    pipeline just looks stalled."""
+    from tests.test_cli import tm
+
+    env.pipeline()
+    _stage(env, sinks=[env.orders_sink(key=["id", "version"])])
+    staging.held_for(env.ledger_dsn, env.load(), config.load_staged(env.dir, "orders"), "main")
+    code, out, err = tm(env.cli_env(), "status", "orders")
+    assert code == 0, err
+    assert "HELD: sink main for the staged version" in out, out
+    assert "`tidemark pipelines unstage orders`" in out, out
+    code, out, err = tm(env.cli_env(), "status", "orders", "--json")
+    assert code == 0 and '"sink": "main"' in out, out
+    code, out, err = tm(env.cli_env(), "pipelines", "unstage", "orders")
+    assert code == 0, err
+    code, out, err = tm(env.cli_env(), "status", "orders")
+    assert "HELD" not in out and "never run" in out, out

@@ -608,7 +608,7 @@ def test_a_sigterm_wrapped_by_py4j_is_still_found_as_terminated():
     def py4j_call():  # what py4j's clientserver does when its recv is interrupted
         try:
             raise Terminated("SIGTERM before the decision: rolled back")
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - as py4j catches it
             raise Py4JNetworkError("Error while sending or receiving", e) from None
 
     with pytest.raises(Py4JNetworkError) as caught:

@@ -8,6 +8,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from tidemark.ledger import staging
 from tidemark.ledger.checkpoints import listing
 from tidemark.quality.outcomes import observed
 
@@ -55,15 +56,19 @@ def pipeline_status(conn: psycopg.Connection, pipeline: str, runs: int = 10) -> 
         "dead_letters": dlq,
         "leases": leases,
         "gates": gates,
+        "holds": [vars(h) for h in staging.holds(conn, pipeline).values()],
     }
 
 
 def render(st: dict[str, Any]) -> str:
     out = [f"pipeline {st['pipeline']}"]
-    if not st["known"]:
+    if not st["known"] and not st["holds"]:
         return out[0] + ": never run"
     if st["halted"]:
         out.append(f"  HALTED: {st['halted']}")
+    out.extend(_hold_lines(st["pipeline"], st["holds"]))
+    if not st["known"]:
+        return "\n".join(out)
     out.append("  checkpoints (next offset to deliver; where the sink began):")
     for c in st["checkpoints"]:
         began = (
@@ -103,6 +108,26 @@ def render(st: dict[str, Any]) -> str:
             f"    {d['sink']:<16} {d['error_class']:<11} {d['status']:<12} {d['records']:>8,}"
         )
     return "\n".join(out)
+
+
+def _hold_lines(pipeline: str, holds: list[dict[str, Any]]) -> list[str]:
+    """Sinks held for a staged version (docs/operations.md, "Change a key"): the live file's
+    runs are refused for them, which reads as a stalled pipeline unless status says why."""
+    out = []
+    for h in holds:
+        if h["promoted_at"] is None:
+            out.append(
+                f"  HELD: sink {h['sink']} for the staged version {h['fingerprint'][:12]} since "
+                f"{h['held_at']:%Y-%m-%d %H:%M:%S}: runs of the live file are refused for it; "
+                f"`tidemark pipelines promote {pipeline}` once its rebuild committed, or "
+                f"`tidemark pipelines unstage {pipeline}`"
+            )
+        else:
+            out.append(
+                f"  held: sink {h['sink']} refuses runs of the version it replaced "
+                f"({h['replaces'][:12]}), promoted {h['promoted_at']:%Y-%m-%d %H:%M:%S}"
+            )
+    return out
 
 
 def failed_lines(results: list[dict[str, Any]]) -> list[str]:
