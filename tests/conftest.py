@@ -334,7 +334,7 @@ def order_record(partition: int, i: int, name: str, amount: float, version: int 
 
 def first_five(checkpoints: dict, began: dict | None = None) -> dict:
     """A claim's plan: offsets 0 to 5 of partition 0, for each sink."""
-    from tidemark.ledger.state import Range
+    from tidemark.core.ranges import Range
 
     return {s: [Range(0, 0, 5)] for s in checkpoints}
 

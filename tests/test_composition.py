@@ -13,9 +13,9 @@ import pytest
 from tests.conftest import order_record
 from tests.invariants import assert_exactly_once
 from tidemark.core.errors import TidemarkError
+from tidemark.core.ranges import Range
 from tidemark.driver.run import Backfill
 from tidemark.ledger import dlq
-from tidemark.ledger.state import Range
 
 ROWS = "expect_column_values_to_be_between"
 

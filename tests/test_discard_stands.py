@@ -14,10 +14,10 @@ from starlette.requests import Request
 
 from tests.invariants import assert_exactly_once
 from tests.test_cli import tm
+from tidemark.core.ranges import Range
 from tidemark.driver.modes import Rebuild
 from tidemark.driver.run import Backfill
 from tidemark.ledger import dlq
-from tidemark.ledger.state import Range
 from tidemark.protocol.prune import Policy, prune
 
 ROWS = "expect_column_values_to_be_between"

@@ -15,8 +15,8 @@ import pytest
 import tidemark.sources as sources
 from tidemark.config import FileArchiveSource
 from tidemark.core.errors import TidemarkError
+from tidemark.core.ranges import Range
 from tidemark.devstack import archive_writer
-from tidemark.ledger.state import Range
 from tidemark.sources import file_archive as fa
 from tidemark.sources import schema
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 
 from tests.test_cli import tm
+from tidemark.core.ranges import Range
 from tidemark.driver import windows
 from tidemark.driver.modes import Backfill, Rebuild
-from tidemark.ledger.state import Range
 
 DECODE = {"schema": {"id": "string", "region": "string", "ver": "int"}}
 OLD = {"k": "id", "id": "id", "region": "region", "ver": "ver"}

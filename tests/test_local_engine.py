@@ -8,10 +8,10 @@ import pytest
 
 from tidemark.core.engines import Engine
 from tidemark.core.errors import BadInput
+from tidemark.core.ranges import Range
 from tidemark.core.settings import Settings
 from tidemark.driver.run import Backfill
 from tidemark.driver.runners import LocalRunner, SparkRunner, runner_for
-from tidemark.ledger.state import Range
 
 
 def test_the_engine_is_one_setting_spark_by_default(monkeypatch):

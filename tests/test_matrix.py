@@ -32,13 +32,14 @@ import pytest
 from tests.invariants import assert_at_least_once, assert_exactly_once
 from tidemark import config
 from tidemark.config import Pipeline
+from tidemark.core.claims import Claim, SinkClaim
+from tidemark.core.ranges import Range
 from tidemark.core.settings import Settings
 from tidemark.driver import checking, gate
 from tidemark.driver.checking import Job, QualityPath, Redo, Strategy
 from tidemark.driver.modes import Backfill, Delivery, Layout, Mode, Rebuild
 from tidemark.driver.redrive import RedriveMode
 from tidemark.driver.run import Run, RunReport
-from tidemark.ledger.state import Claim, Range, SinkClaim
 from tidemark.protocol import gids, sinks
 
 Path = tuple[str, ...]  # the strategy of each write, in order

@@ -10,9 +10,9 @@ import json
 import pytest
 
 from tidemark.core.errors import BadInput
+from tidemark.core.ranges import Range
 from tidemark.driver.report import COUNTS, DRY_RUN
 from tidemark.driver.run import Backfill, Run
-from tidemark.ledger.state import Range
 
 ROWS = "expect_column_values_to_be_between"
 

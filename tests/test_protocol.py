@@ -11,9 +11,9 @@ import pytest
 from tests.conftest import claim_orders
 from tests.invariants import assert_exactly_once
 from tidemark.core.errors import TidemarkError
+from tidemark.core.ranges import Range
 from tidemark.driver.run import Backfill
 from tidemark.ledger import state
-from tidemark.ledger.state import Range
 from tidemark.protocol.taskspec import TASK_PHASES
 
 
@@ -172,7 +172,7 @@ def test_a_decoded_records_bytes_stay_out_of_the_batch_and_its_letter_reads_them
     whole-batch gate) reads them again from the source, so the letter holds the record as
     the source had it, byte for byte."""
     from tidemark import sources
-    from tidemark.ledger.state import Range
+    from tidemark.core.ranges import Range
 
     at = datetime(2026, 3, 1, 12, 30, tzinfo=UTC)
     env.append_orders(range(20))
@@ -385,7 +385,7 @@ def test_state_machine_step_by_step(env):
     """Each transition is one ledger transaction and refuses to run from the wrong state."""
     import psycopg
 
-    from tidemark.ledger.state import Participant
+    from tidemark.core.participants import Participant, Target
 
     env.pipeline()
     with psycopg.connect(env.ledger_dsn, autocommit=True) as conn:
@@ -404,7 +404,7 @@ def test_state_machine_step_by_step(env):
         assert st() == "writing"
         state.mark_prepared(conn, "orders", rid, "main", {"rows": 5})
         assert st() == "prepared"
-        state.decide(conn, "orders", rid, "main", [Participant("tm:x", "ledger", 0, 5)])
+        state.decide(conn, "orders", rid, "main", [Participant("tm:x", Target.ledger(), 0, 5)])
         assert st() == "committing"
         assert not state.abort(conn, "orders", rid, "main", "too late")
         assert st() == "committing"

@@ -166,8 +166,8 @@ def test_a_rebuild_keeps_deleted_keys_deleted(env, spark):
     assert report.ok, report.summary()
     assert env.q(env.sink_dsn, "SELECT id FROM orders ORDER BY id") == [(1,), (3,)]
     # The tombstone table follows its table: a backfill of the old order 2 brings nothing back.
+    from tidemark.core.ranges import Range
     from tidemark.driver.run import Backfill
-    from tidemark.ledger.state import Range
 
     assert env.run(spark, mode=Backfill([Range(0, 1, 2)])).ok
     assert env.q(env.sink_dsn, "SELECT id FROM orders ORDER BY id") == [(1,), (3,)]

@@ -13,8 +13,8 @@ import yaml
 
 from tests.invariants import assert_exactly_once
 from tests.test_cli import assert_one_clear_line, tm
+from tidemark.core.ranges import Range
 from tidemark.driver.modes import Backfill
-from tidemark.ledger.state import Range
 
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 ROWS = "expect_column_values_to_be_between"

@@ -21,10 +21,10 @@ import pytest
 
 from tests.test_cli import tm
 from tidemark.core.errors import TidemarkError
+from tidemark.core.ranges import Range
 from tidemark.devstack.archive_writer import write_segment
 from tidemark.driver.modes import Backfill, Rebuild
 from tidemark.driver.run import Run
-from tidemark.ledger.state import Range
 from tidemark.protocol.sinks import tombstone_name
 
 KEYED = {

@@ -11,8 +11,8 @@ import pytest
 
 from tidemark.config import PostgresLogSource
 from tidemark.core.errors import TidemarkError
+from tidemark.core.ranges import Range
 from tidemark.devstack.archive_writer import write_segment
-from tidemark.ledger.state import Range
 from tidemark.sources import BATCH_ROWS, SCHEMA
 from tidemark.sources.postgres_log import PostgresLogPlanner, read_range
 

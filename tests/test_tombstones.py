@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from tests.conftest import order_record
 from tests.invariants import assert_exactly_once
+from tidemark.core.ranges import Range
 from tidemark.driver.run import Backfill
-from tidemark.ledger.state import Range
 
 ROWS = "expect_column_values_to_be_between"
 KEYED = {

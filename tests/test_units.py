@@ -10,7 +10,7 @@ import pytest
 from tidemark import config
 from tidemark.core import dsn
 from tidemark.core.errors import ConfigError
-from tidemark.ledger.state import Range
+from tidemark.core.ranges import Range
 from tidemark.protocol import gids
 
 
@@ -169,8 +169,8 @@ def test_secret_files_are_private_from_the_first_byte(tmp_path):
 
 
 def test_pieces_cut_ranges_into_about_n_contiguous_sub_ranges():
+    from tidemark.core.ranges import Range
     from tidemark.driver.modes import pieces
-    from tidemark.ledger.state import Range
 
     read = [Range(0, 10, 110), Range(1, 5, 5), Range(2, 0, 3)]
     out = pieces(read, 4)

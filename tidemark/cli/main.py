@@ -26,9 +26,10 @@ from tidemark.core import job_secrets
 from tidemark.core.db import connect, one_line
 from tidemark.core.dsn import mask
 from tidemark.core.errors import BadInput, ConfigError, TidemarkError, terminated_in
+from tidemark.core.ranges import Range
 from tidemark.core.settings import get_settings
 from tidemark.core.text import clamp
-from tidemark.ledger.state import AirflowRun, Range
+from tidemark.ledger.state import AirflowRun
 
 
 # -- db -----------------------------------------------------------------------------------

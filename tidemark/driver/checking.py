@@ -23,8 +23,8 @@ from pyspark.sql import DataFrame
 
 from tidemark.config import Pipeline
 from tidemark.core import faults
+from tidemark.core.ranges import Range
 from tidemark.driver import gate
-from tidemark.ledger.state import Range
 from tidemark.protocol.taskspec import RowCheck, TaskResult
 
 Log = Callable[[str], None]

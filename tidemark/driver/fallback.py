@@ -43,10 +43,10 @@ from tidemark import sources
 from tidemark.config import Pipeline, Sink
 from tidemark.core.db import qualified
 from tidemark.core.errors import TidemarkError
+from tidemark.core.ranges import Range
 from tidemark.driver import gate
 from tidemark.engine import records, tombstones
 from tidemark.engine.redelivery import show
-from tidemark.ledger.state import Range
 from tidemark.protocol import pruned
 from tidemark.protocol.sinks import tombstone_table
 from tidemark.protocol.taskspec import FALLBACK, Failures

@@ -35,8 +35,8 @@ from pyspark.sql import functions as F
 
 from tidemark.config import Pipeline, Quality, is_meta
 from tidemark.core.columns import OFFSET, PARTITION
+from tidemark.core.ranges import Range
 from tidemark.engine.records import ERR_CLASS
-from tidemark.ledger.state import Range
 from tidemark.ledger.status import save_dq_result
 from tidemark.protocol.taskspec import CHECK, RowCheck
 from tidemark.quality import checks as quality

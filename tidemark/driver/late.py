@@ -17,8 +17,8 @@ import psycopg
 from tidemark import sources
 from tidemark.config import Pipeline
 from tidemark.core.errors import TidemarkError
+from tidemark.core.ranges import Range
 from tidemark.ledger import gaps
-from tidemark.ledger.state import Range
 
 
 def outside(r: Range, held: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -17,10 +17,12 @@ import pyarrow as pa
 
 from tidemark import sources
 from tidemark.config import Pipeline, Sink, Source
+from tidemark.core.claims import Claim
 from tidemark.core.clock import Phases
 from tidemark.core.errors import TidemarkError
+from tidemark.core.ranges import Range
 from tidemark.ledger import state
-from tidemark.ledger.state import Planner, Range
+from tidemark.ledger.state import Planner
 from tidemark.protocol.taskspec import (
     Accounting,
     Backfilling,
@@ -93,7 +95,7 @@ class Mode(ABC):
     def begin(self, pipeline: Pipeline) -> None:  # noqa: B027 - nothing by default
         """Before the run plans (a redrive makes its request)."""
 
-    def announcement(self, claim: state.Claim, pipeline: Pipeline) -> str:
+    def announcement(self, claim: Claim, pipeline: Pipeline) -> str:
         """The line that says what the run claimed and reads."""
         read = claim.read_ranges()
         return (
@@ -127,7 +129,7 @@ class Mode(ABC):
         ``spread`` when a first delivery has fewer ranges than Spark has cores (or versions of
         a key may sit in several partitions) and is big enough to be worth a shuffle; else one
         task per range, or one task for them all when a sink orders versions by a column."""
-        spans = [Span(partition=r.partition, start=r.start, end=r.end, dense=dense) for r in read]
+        spans = [Span.of(r, dense) for r in read]
         versioned = len(read) > 1 and any(s.version for s in sinks)
         by = common_key(sinks)
         total = sum(r.size for r in read)
@@ -335,7 +337,7 @@ class Backfill(Mode):
 
 def one_task(read: list[Range], dense: bool) -> Layout:
     """Every range in one write task (``together``; ``ranges`` when there is one)."""
-    spans = [Span(partition=r.partition, start=r.start, end=r.end, dense=dense) for r in read]
+    spans = [Span.of(r, dense) for r in read]
     return Layout("together" if len(read) > 1 else "ranges", 1, read, ByRanges(reads=[spans]))
 
 

@@ -25,15 +25,17 @@ from pyspark.sql import DataFrame, SparkSession
 
 from tidemark import sources
 from tidemark.config import Pipeline, Quality, Sink
+from tidemark.core.claims import Claim
 from tidemark.core.clock import Phases
 from tidemark.core.db import connect
 from tidemark.core.errors import BadInput, TidemarkError
+from tidemark.core.ranges import Range
 from tidemark.core.settings import Settings
 from tidemark.driver.modes import Layout, Mode, NothingToClose
 from tidemark.driver.report import RunReport
 from tidemark.driver.run import Run
 from tidemark.ledger import letters, redrives
-from tidemark.ledger.state import Claim, Planner, Range, RunState
+from tidemark.ledger.state import Planner, RunState
 from tidemark.protocol.taskspec import ByRecords, Placement, Redriving, TaskResult
 
 if TYPE_CHECKING:

@@ -27,6 +27,7 @@ from pyspark.sql import SparkSession
 from tidemark import sources as src
 from tidemark.config import Pipeline
 from tidemark.core import faults
+from tidemark.core.claims import Claim
 from tidemark.core.db import connect, one_line
 from tidemark.core.dsn import mask
 from tidemark.core.errors import (
@@ -36,6 +37,8 @@ from tidemark.core.errors import (
     TidemarkError,
     terminated_in,
 )
+from tidemark.core.participants import Participant, Target
+from tidemark.core.ranges import Range
 from tidemark.core.settings import Settings
 from tidemark.driver import late
 from tidemark.driver.checking import QualityPath
@@ -48,7 +51,7 @@ from tidemark.driver.watch import Heartbeat, Stop
 from tidemark.driver.writing import Writing
 from tidemark.ledger import gaps, runs, state
 from tidemark.ledger.migrations import require_current
-from tidemark.ledger.state import AirflowRun, Claim, Participant, Range, RunState
+from tidemark.ledger.state import AirflowRun, RunState
 from tidemark.protocol import gids, recovery, sinks, twopc
 from tidemark.protocol.taskspec import TaskResult
 
@@ -294,7 +297,7 @@ class Run(Writing, Verifying):
     # -- 2. write: tidemark/driver/writing.py; verify: tidemark/driver/verifying.py ---------
     def _chosen(self, sink: str) -> list[Participant]:
         return [
-            Participant(p.gid, p.target, r.task, p.rows)
+            Participant(p.gid, Target.parse(p.target), r.task, p.rows)
             for r in self.results
             for p in r.participants
             if p.sink == sink
@@ -393,8 +396,8 @@ class Run(Writing, Verifying):
         keep: set[str] = set()
         for sink in decided:
             keep.update(p.gid for p in self._chosen(sink))
-            for _gid, target in runs.chosen(ledger, claim.run_id, sink):
-                dbs.conn(dbs.dsn_for(self.p.name, target))  # open before committing
+            for c in runs.chosen(ledger, claim.run_id, sink):
+                dbs.conn(dbs.dsn_for(self.p.name, c.target))  # open before committing
         lost: dict[str, str] = {}
         for sink in decided:
             faults.point("before_commit_prepared")

@@ -33,11 +33,11 @@ from tidemark.core.db import one_line
 from tidemark.core.dsn import mask
 from tidemark.core.engines import Engine
 from tidemark.core.errors import Terminated, terminated_in
+from tidemark.core.ranges import Range
 from tidemark.core.settings import Settings
 from tidemark.driver import checking
 from tidemark.driver.checking import Job, NoChecks, QualityPath, Strategy
 from tidemark.driver.modes import Layout, Mode
-from tidemark.ledger.state import Range
 from tidemark.protocol.taskspec import TaskResult, TaskSpec
 
 if TYPE_CHECKING:

@@ -24,11 +24,12 @@ from pyspark.sql import SparkSession
 from tidemark.config import Pipeline
 from tidemark.core.db import connect
 from tidemark.core.errors import BadInput, TidemarkError
+from tidemark.core.ranges import Range
 from tidemark.core.settings import Settings
 from tidemark.driver.modes import Backfill
 from tidemark.driver.run import Run, stderr_log
 from tidemark.ledger import runs, state
-from tidemark.ledger.state import Range, RunState
+from tidemark.ledger.state import RunState
 from tidemark.protocol import recovery
 
 BY = "tidemark settle"  # who the re-delivery's letters name as resolving them

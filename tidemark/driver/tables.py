@@ -18,13 +18,14 @@ import psycopg
 
 from tidemark import sources
 from tidemark.config import Pipeline
+from tidemark.core.claims import Claim
 from tidemark.core.db import connect
 from tidemark.core.errors import TidemarkError
 from tidemark.driver import checking, preflight
 from tidemark.driver.modes import Backfill, Mode, Rebuild
 from tidemark.driver.report import RunReport
 from tidemark.ledger import checkpoints
-from tidemark.ledger.state import Claim, RunState
+from tidemark.ledger.state import RunState
 from tidemark.protocol import pruned, rebuild, sink_schema, sinks
 
 Sinks = dict[str, sinks.ResolvedSink]  # the run's sinks by name

@@ -15,15 +15,17 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from tidemark.config import Pipeline
+from tidemark.core.claims import Claim
 from tidemark.core.db import connect
 from tidemark.core.errors import OverCeiling, TidemarkError
+from tidemark.core.participants import Participant, TargetKind
 from tidemark.driver import ceiling
 from tidemark.driver.modes import Layout, Mode
 from tidemark.driver.report import COUNTS, RunReport
 from tidemark.driver.tables import Sinks
 from tidemark.driver.writing import WriteOutcome
 from tidemark.ledger import state
-from tidemark.ledger.state import Claim, Participant, RunState
+from tidemark.ledger.state import RunState
 from tidemark.protocol import coverage, twopc
 from tidemark.protocol.taskspec import ByKey, SinkResult, TaskResult
 
@@ -137,7 +139,7 @@ class Verifying:
             return []
         missing = []
         for p in self._chosen(sink):
-            dsn = self.ledger_dsn if p.target == "ledger" else by_name[sink].dsn
+            dsn = self.ledger_dsn if p.target.kind is TargetKind.LEDGER else by_name[sink].dsn
             with connect(dsn, autocommit=True) as conn:
                 if not twopc.is_prepared(conn, p.gid):
                     missing.append(p.gid)

@@ -15,9 +15,9 @@ from tidemark import sources
 from tidemark.config import Pipeline
 from tidemark.core.db import connect
 from tidemark.core.errors import BadInput
+from tidemark.core.ranges import Range
 from tidemark.ledger import checkpoints
 from tidemark.ledger.migrations import require_current
-from tidemark.ledger.state import Range
 
 
 def committed(ledger_dsn: str, pipeline: Pipeline, sinks: list[str] | None) -> dict[int, int]:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import psycopg
 
 from tidemark.config import Pipeline, PostgresLogSource
+from tidemark.core.claims import Claim
 from tidemark.core.errors import TidemarkError
 from tidemark.core.settings import Settings
 from tidemark.driver import checking, fallback, gate
@@ -26,7 +27,7 @@ from tidemark.driver.runners import Batch, TaskRunner
 from tidemark.driver.tables import Sinks, Tables, table_exists
 from tidemark.driver.watch import Stop
 from tidemark.ledger import checkpoints, state
-from tidemark.ledger.state import Claim, RunState
+from tidemark.ledger.state import RunState
 from tidemark.protocol.taskspec import Rebuilding, SinkTarget, TaskResult, TaskSpec
 
 

@@ -3,13 +3,15 @@ checks and the Dead letters page. The writes are the transitions of state.py."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import args_row, dict_row
 
 from tidemark.core.db import scalar
+from tidemark.core.participants import Target
 from tidemark.ledger.state import ABORTABLE, AirflowRun, RunState, owner_alive_sql
 
 # The states a run's sink is in before it is settled (committed, aborted or dq_failed).
@@ -62,14 +64,30 @@ def committing(conn: psycopg.Connection) -> list[tuple[int, str, str]]:
     ).fetchall()
 
 
-def chosen(conn: psycopg.Connection, run_id: int, sink: str) -> list[tuple[str, str]]:
-    """(gid, target) of a decision that are not known to be committed yet, in the order they
-    commit: the sink's participants first, the ledger's last (docs/design.md, step 4)."""
-    return conn.execute(
-        "SELECT gid, target FROM tidemark.participants WHERE run_id = %s AND sink = %s "
-        "AND outcome IS DISTINCT FROM %s ORDER BY target = 'ledger', target, gid",
-        (run_id, sink, Outcome.COMMITTED),
-    ).fetchall()
+@dataclass(frozen=True)
+class Chosen:
+    """A chosen participant still to finish: its gid and where it is prepared."""
+
+    gid: str
+    target: Target
+
+    @classmethod
+    def of(cls, gid: str, target: str) -> Chosen:
+        return cls(gid, Target.parse(target))
+
+
+def chosen(conn: psycopg.Connection, run_id: int, sink: str) -> list[Chosen]:
+    """The participants of a decision that are not known to be committed yet, in the order
+    they commit: the sink's first, the ledger's last (docs/design.md, step 4)."""
+    return (
+        conn.cursor(row_factory=args_row(Chosen.of))
+        .execute(
+            "SELECT gid, target FROM tidemark.participants WHERE run_id = %s AND sink = %s "
+            "AND outcome IS DISTINCT FROM %s ORDER BY target = 'ledger', target, gid",
+            (run_id, sink, Outcome.COMMITTED),
+        )
+        .fetchall()
+    )
 
 
 def outcomes(conn: psycopg.Connection, run_id: int, sink: str) -> dict[str, str | None]:

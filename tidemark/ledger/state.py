@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import psycopg
 from pydantic import BaseModel, ConfigDict
 
+from tidemark.core.claims import Claim, SinkClaim
 from tidemark.core.db import scalar
 from tidemark.core.dsn import mask
 from tidemark.core.errors import Fenced, Halted, LeaseHeld, TidemarkError
+from tidemark.core.participants import Participant
+from tidemark.core.ranges import Range
 from tidemark.core.text import clamp
 from tidemark.ledger import gaps
 from tidemark.ledger.checkpoints import positions, starts
@@ -48,54 +50,6 @@ class AirflowRun(BaseModel):
 
 class IllegalTransition(TidemarkError):
     pass
-
-
-@dataclass(frozen=True)
-class Range:
-    partition: int
-    start: int  # inclusive
-    end: int  # exclusive
-
-    @property
-    def size(self) -> int:
-        return self.end - self.start
-
-    def above(self, floor: int | None) -> Range:
-        """The part at or above offset ``floor`` (empty when none is; None: all of it). A
-        re-delivery takes only the part at or above where a sink began."""
-        start = self.start if floor is None else max(self.start, floor)
-        return Range(self.partition, start, max(start, self.end))
-
-
-@dataclass
-class SinkClaim:
-    sink: str
-    epoch: int
-    ranges: list[Range]
-
-
-@dataclass
-class Claim:
-    run_id: int
-    pipeline: str
-    mode: str
-    sinks: dict[str, SinkClaim] = field(default_factory=dict)
-    skipped: dict[str, str] = field(default_factory=dict)  # sink -> why it was not claimed
-
-    def read_ranges(self) -> list[Range]:
-        """One read per partition, from the minimum over the claimed sinks."""
-        by_part: dict[int, Range] = {}
-        for sc in self.sinks.values():
-            for r in sc.ranges:
-                if r.size == 0:
-                    continue
-                cur = by_part.get(r.partition)
-                by_part[r.partition] = (
-                    r
-                    if cur is None
-                    else Range(r.partition, min(cur.start, r.start), max(cur.end, r.end))
-                )
-        return [by_part[p] for p in sorted(by_part)]
 
 
 class Planner(Protocol):
@@ -395,14 +349,6 @@ def mark_prepared(
         )
 
 
-@dataclass(frozen=True)
-class Participant:
-    gid: str
-    target: str  # 'ledger' or 'sink:<name>'
-    task: int
-    rows: int
-
-
 def decide(
     conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, chosen: list[Participant]
 ) -> None:
@@ -415,7 +361,7 @@ def decide(
             cur.executemany(
                 """INSERT INTO tidemark.participants (run_id, sink, gid, target, task, rows)
                    VALUES (%s, %s, %s, %s, %s, %s)""",
-                [(run_id, sink, p.gid, p.target, p.task, p.rows) for p in chosen],
+                [(run_id, sink, p.gid, str(p.target), p.task, p.rows) for p in chosen],
             )
 
 

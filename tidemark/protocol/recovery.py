@@ -28,6 +28,7 @@ from tidemark.config import Pipeline
 from tidemark.core.db import connect, one_line
 from tidemark.core.dsn import mask
 from tidemark.core.errors import TidemarkError
+from tidemark.core.participants import Target
 from tidemark.ledger import markers, runs, state
 from tidemark.ledger.state import RunState
 from tidemark.protocol import gids, twopc
@@ -94,10 +95,10 @@ class Databases:
             )
         return self._conns[dsn]
 
-    def dsn_for(self, pipeline: str, target: str) -> str:
-        if target == "ledger":
+    def dsn_for(self, pipeline: str, target: Target) -> str:
+        sink = target.name
+        if sink is None:  # TargetKind.LEDGER
             return self.ledger_dsn
-        sink = target.split(":", 1)[1]
         try:
             return self.sink_dsns[(pipeline, sink)]
         except KeyError:
@@ -192,9 +193,9 @@ def finish(
     race with whoever rolls it back) stops the commits there. Idempotent, and safe beside
     another settler of the same decision: each decides from what the databases say."""
     todo = runs.chosen(ledger, run_id, sink)
-    conns = {gid: dbs.conn(dbs.dsn_for(pipeline, target)) for gid, target in todo}
+    conns = {c.gid: dbs.conn(dbs.dsn_for(pipeline, c.target)) for c in todo}
     lost: list[str] = []
-    for gid, _ in todo:
+    for gid in conns:
         if twopc.is_prepared(conns[gid], gid):
             continue
         if markers.has(conns[gid], gid):
@@ -202,7 +203,7 @@ def finish(
         else:
             lost.append(gid)
     if not lost:
-        for gid, _ in todo:
+        for gid in conns:
             outcome = twopc.commit(conns[gid], gid)
             if after_each:
                 after_each()

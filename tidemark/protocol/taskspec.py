@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tidemark.config import Source
+from tidemark.core.ranges import Range
 
 # Where a task's time goes (seconds, TaskResult.phases and SinkResult.phases): waiting for
 # Spark to read, decode and transform the next batch; scoping, accounting and row verdicts;
@@ -50,14 +51,19 @@ class _Model(BaseModel):
 
 
 class Span(_Model):
-    """Offsets ``[start, end)`` of one partition. ``dense``: the source holds every offset of
-    it (postgres_log); a compacted archive may have gaps, so only duplicates and strays can be
-    told there, not a dropped record."""
+    """A :class:`~tidemark.core.ranges.Range` as a task reads it: its offsets ``[start, end)``
+    of one partition, sent as JSON, with what the task can check there. ``dense``: the source
+    holds every offset of it (postgres_log); a compacted archive may have gaps, so only
+    duplicates and strays can be told there, not a dropped record."""
 
     partition: int
     start: int
     end: int
     dense: bool = True
+
+    @classmethod
+    def of(cls, r: Range, dense: bool) -> Span:
+        return cls(partition=r.partition, start=r.start, end=r.end, dense=dense)
 
     @property
     def size(self) -> int:

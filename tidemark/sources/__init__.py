@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict
 from tidemark.config import FileArchiveSource, Pipeline, PostgresLogSource, Source
 from tidemark.core.clock import Phases
 from tidemark.core.errors import TidemarkError
-from tidemark.ledger.state import Range
+from tidemark.core.ranges import Range
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession

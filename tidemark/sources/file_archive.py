@@ -62,7 +62,7 @@ import pyarrow.parquet as pq
 from tidemark.config import FileArchiveSource
 from tidemark.core.dsn import mask
 from tidemark.core.errors import TidemarkError
-from tidemark.ledger.state import Range
+from tidemark.core.ranges import Range
 
 FORMATS = ("parquet", "jsonl")
 COLUMNS = ("partition", "offset", "key", "payload", "headers", "ts")

@@ -24,7 +24,7 @@ from psycopg import conninfo, sql
 from tidemark.config import PostgresLogSource
 from tidemark.core.db import connect, one_line, qualified, scalar
 from tidemark.core.errors import TidemarkError
-from tidemark.ledger.state import Range
+from tidemark.core.ranges import Range
 
 
 def _ids(cols) -> dict[str, sql.Identifier]:

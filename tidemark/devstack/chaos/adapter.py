@@ -19,9 +19,10 @@ from functools import partial
 
 import psycopg
 
+from tidemark.core.ranges import Range
 from tidemark.devstack.chaos.faults import Job
 from tidemark.devstack.chaos.world import PIPELINE, World
-from tidemark.ledger.state import Range, RunState
+from tidemark.ledger.state import RunState
 
 # Exit codes of the CLI (README "Exit codes"): 0 done, 1 failed, 2 bad input, 3 lease held,
 # 4 fenced, 5 halted (an inconsistency, the quarantine ceiling), 143 SIGTERM; 70 an internal error (a bug).
