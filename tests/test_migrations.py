@@ -258,3 +258,48 @@ def test_v009_fills_where_a_sink_began_only_where_the_ledger_proves_it(pg, monke
     text = render(st)
     assert "partition 0               9  began at 3" in text, text
     assert "partition 2               8  began at the source's first record" in text, text
+
+
+def test_v019_makes_the_dry_runs_aborted_before_it_previewed(pg, monkeypatch):
+    """A preview before V019 ended its sinks aborted with the error 'dry run: rolled back';
+    after it they read previewed, without the error, and every other row stays as it was
+    (an abort with any other error too). The open-run index still serves the open states."""
+    before = max(m[0] for m in migrations.available() if m[0] < 19)
+    dsn, everything = _ledger_at(before, pg, monkeypatch)
+    rows = [
+        ("a", "aborted", "dry run: rolled back"),
+        ("b", "aborted", "Spark failed"),
+        ("c", "committed", None),
+        ("d", "lost", "gid x lost"),
+        ("e", "writing", None),
+    ]
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("INSERT INTO tidemark.pipelines (name) VALUES ('p')")
+        (rid,) = c.execute(
+            "INSERT INTO tidemark.runs (pipeline, mode, owner) VALUES ('p', 'backfill', 'h:1') "
+            "RETURNING run_id"
+        ).fetchone()
+        for sink, st, error in rows:
+            c.execute(
+                "INSERT INTO tidemark.run_sinks (run_id, sink, state, lease_epoch, error) "
+                "VALUES (%s, %s, %s, 1, %s)",
+                (rid, sink, st, error),
+            )
+    monkeypatch.setattr(migrations, "available", lambda: everything)
+    assert migrations.upgrade(dsn)[0] == everything[-1][0]
+    with psycopg.connect(dsn, autocommit=True) as c:
+        got = c.execute(
+            "SELECT sink, state::text, error FROM tidemark.run_sinks ORDER BY sink"
+        ).fetchall()
+        assert got == [("a", "previewed", None), *rows[1:]]
+        (index,) = c.execute(
+            "SELECT indexdef FROM pg_indexes WHERE indexname = 'run_sinks_open'"
+        ).fetchone()
+        assert "writing" in index and "previewed" not in index
+        # The column's default survives the new type.
+        c.execute(
+            "INSERT INTO tidemark.run_sinks (run_id, sink, lease_epoch) VALUES (%s, 'f', 1)", (rid,)
+        )
+        assert c.execute(
+            "SELECT state::text FROM tidemark.run_sinks WHERE sink = 'f'"
+        ).fetchone() == ("planned",)

@@ -11,7 +11,7 @@ import pytest
 
 from tidemark.core.errors import BadInput
 from tidemark.core.ranges import Range
-from tidemark.driver.report import COUNTS, DRY_RUN
+from tidemark.driver.report import COUNTS
 from tidemark.driver.run import Backfill, Run
 
 ROWS = "expect_column_values_to_be_between"
@@ -45,13 +45,15 @@ def _counts(report, sink: str = "main") -> dict:
 
 def _assert_previewed(env, preview, before: dict) -> None:
     assert preview.ok and preview.dry_run, preview.summary()
-    assert all(s.previewed and s.error == DRY_RUN for s in preview.sinks.values())
+    assert all(
+        s.previewed and s.state == "previewed" and s.error is None for s in preview.sinks.values()
+    )
     assert _world(env) == before
-    # The ledger keeps the preview as an aborted run that left nothing for recovery.
+    # The ledger keeps the preview as its own state, that left nothing for recovery.
     states = env.ledger(
         "SELECT state::text, error FROM tidemark.run_sinks WHERE run_id = %s", (preview.run_id,)
     )
-    assert states == [("aborted", DRY_RUN)] * len(preview.sinks)
+    assert states == [("previewed", None)] * len(preview.sinks)
     rec = env.recover()
     assert not (rec.rolled_forward or rec.aborted or rec.rolled_back or rec.errors), rec
     summary = preview.summary()

@@ -26,7 +26,6 @@ from starlette.testclient import TestClient
 from bench.pipelines_bench import seed
 from tidemark.core import dsn as core_dsn
 from tidemark.core.settings import get_settings
-from tidemark.ledger.runs import DRY_RUN
 from tidemark.web import airflow_api
 from tidemark.web import auth as web_auth
 from tidemark.web.app import create_app
@@ -145,8 +144,8 @@ def _finish_preview(env, fake: FakeAirflow, run_id: str, ok: bool = True) -> Non
         ).fetchone()
         c.execute(
             "INSERT INTO tidemark.run_sinks (run_id, sink, state, lease_epoch, counts, error) "
-            "VALUES (%s, 'archive', 'aborted', 1, '{\"records\": 1200, \"rows\": 1100}', %s)",
-            (rid, DRY_RUN if ok else "Spark failed"),
+            "VALUES (%s, 'archive', %s, 1, '{\"records\": 1200, \"rows\": 1100}', %s)",
+            (rid, *(("previewed", None) if ok else ("aborted", "Spark failed"))),
         )
 
 

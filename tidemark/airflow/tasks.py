@@ -319,12 +319,12 @@ def report(pipeline: str, dag_id: str, run_id: str, pipeline_file: str | None = 
             "summary": "nothing to replay (no new records, or every sink busy)",
         }
     from tidemark.airflow import metrics
-    from tidemark.driver.report import DRY_RUN
+    from tidemark.ledger.run_state import RunState
 
-    # A dry run's sinks that would commit end aborted with DRY_RUN (only a dry run says it).
-    dry = any(s["error"] == DRY_RUN for s in sinks)
+    # A dry run's sinks that would commit end previewed (only a dry run has them).
+    dry = any(s["state"] == RunState.PREVIEWED for s in sinks)
     parts = [
-        f"{s['sink']} {'would commit' if s['error'] == DRY_RUN else s['state']} "
+        f"{s['sink']} {'would commit' if s['state'] == RunState.PREVIEWED else s['state']} "
         f"{s['counts'].get('rows', 0):,} rows {s['counts'].get('dead', 0):,} dead"
         + "".join(f", {c}" for c in s["schema_changes"])
         for s in sinks

@@ -7,7 +7,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidemark.ledger.runs import DRY_RUN as DRY_RUN  # the ledger reads it too
 from tidemark.ledger.state import RunState
 from tidemark.protocol.taskspec import TASK_PHASES, CopyFormat, SinkResult, TaskResult
 

@@ -43,7 +43,7 @@ from tidemark.core.settings import Settings
 from tidemark.driver import late
 from tidemark.driver.checking import QualityPath
 from tidemark.driver.modes import Backfill, Delivery, Mode
-from tidemark.driver.report import DRY_RUN, UP_TO_DATE, RunReport, SinkOutcome, phases
+from tidemark.driver.report import UP_TO_DATE, RunReport, SinkOutcome, phases
 from tidemark.driver.runners import TaskRunner, runner_for
 from tidemark.driver.tables import Rebuilt, Sinks
 from tidemark.driver.verifying import Verifying
@@ -307,13 +307,12 @@ class Run(Writing, Verifying):
     def _roll_back_preview(
         self, claim: Claim, by_name: Sinks, prepared: list[str], report: RunReport
     ) -> None:
-        """A dry run instead of its decision: each prepared sink aborted (the ledger keeps
-        the run and its counts, error DRY_RUN), every prepared transaction of the run rolled
-        back. Nothing was visible, so nothing changes: rows, letters and checkpoints stay."""
+        """A dry run instead of its decision: each prepared sink previewed (the ledger keeps
+        the run and its counts), every prepared transaction of the run rolled back. Nothing was visible, so nothing changes: rows, letters and checkpoints stay."""
         for sink in prepared:
-            state.abort(self.ledger, self.p.name, claim.run_id, sink, DRY_RUN)
+            state.preview(self.ledger, self.p.name, claim.run_id, sink)
             out = report.sinks[sink]
-            out.state, out.error, out.previewed = RunState.ABORTED, DRY_RUN, True
+            out.state, out.previewed = RunState.PREVIEWED, True
         self._rollback_run(claim, by_name, keep=set())
         self.log(f"run {claim.run_id}: dry run: every prepared transaction rolled back")
         report.phases = phases(self.clock, self.results, read=self.read_phases)

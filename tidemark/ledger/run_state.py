@@ -19,3 +19,5 @@ class RunState(enum.StrEnum):
     # Decided, some participants committed, another rolled back by someone else: its ranges
     # must be re-delivered (`tidemark settle RUN`), which makes it committed.
     LOST = "lost"
+    # A dry run's sink that would commit: prepared, then rolled back instead of decided.
+    PREVIEWED = "previewed"

@@ -14,12 +14,10 @@ from tidemark.core.db import scalar
 from tidemark.core.participants import Target
 from tidemark.ledger.state import ABORTABLE, AirflowRun, RunState, owner_alive_sql
 
-# The states a run's sink is in before it is settled (committed, aborted or dq_failed).
+# The states a run's sink is in before it is settled (committed, aborted, dq_failed or
+# previewed).
 OPEN = (RunState.PLANNED, RunState.WRITING, RunState.PREPARED, RunState.COMMITTING)
 DECIDED = (RunState.COMMITTING, RunState.COMMITTED)
-# A dry run's sinks end aborted with this error (the ledger's record of the preview), every
-# prepared transaction of the run rolled back (docs/operations.md, "Preview: --dry-run").
-DRY_RUN = "dry run: rolled back"
 
 
 class Outcome(StrEnum):

@@ -3,6 +3,7 @@
     planned -> writing -> prepared -> committing -> committed
     planned/writing/prepared -> aborted
     planned/writing -> dq_failed
+    prepared -> previewed      a dry run: it would commit; rolled back instead of decided
     committing -> aborted      a chosen participant lost before any committed (abandon)
     committing -> lost         one lost after others committed (lose) -> committed (settled)
 
@@ -487,6 +488,15 @@ def abort(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, error
             return False
         _release(conn, pipeline, run_id, sink)
         return True
+
+
+def preview(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str) -> None:
+    """prepared -> previewed: a dry run's sink that would commit, its lease freed. The run
+    then rolls back what it prepared; its counts stay, as the real run's would."""
+    with conn.transaction():
+        _lock_lease(conn, pipeline, sink)
+        _transition(conn, run_id, sink, RunState.PREVIEWED, [RunState.PREPARED])
+        _release(conn, pipeline, run_id, sink)
 
 
 def dq_failed(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, error: str) -> None:

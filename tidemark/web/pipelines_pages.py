@@ -36,6 +36,7 @@ from tidemark.core.errors import BadInput, NotFound, TidemarkError
 from tidemark.core.settings import get_settings
 from tidemark.core.text import shown
 from tidemark.ledger import history
+from tidemark.ledger.run_state import RunState
 from tidemark.web import auth as web_auth
 from tidemark.web import rebuild
 from tidemark.web.auth import Caller, Forbidden, guard
@@ -179,10 +180,14 @@ def _badges(st: history.State | None) -> list[tuple[str, str]]:
     last = st.last_run
     if last and last["finished_at"] is None and not st.in_doubt:
         out.append(("info", "running"))
-    if last and any(s["state"] not in ("committed",) for s in last["sinks"]):
-        failed = [s["sink"] for s in last["sinks"] if s["state"] in ("aborted", "dq_failed")]
+    if last and any(s["state"] != RunState.COMMITTED for s in last["sinks"]):
+        failed = [
+            s["sink"] for s in last["sinks"] if s["state"] in (RunState.ABORTED, RunState.DQ_FAILED)
+        ]
         if failed:
             out.append(("bad", "last run failed: " + ", ".join(failed)))
+        elif any(s["state"] == RunState.PREVIEWED for s in last["sinks"]):
+            out.append(("info", "last run a preview"))
     return out or [("ok", "ok")]
 
 

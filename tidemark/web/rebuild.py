@@ -23,6 +23,7 @@ from tidemark.config import IDENT, dag_id
 from tidemark.core.errors import BadInput, NotFound
 from tidemark.core.text import shown
 from tidemark.ledger import runs as ledger_runs
+from tidemark.ledger.run_state import RunState
 from tidemark.web import auth as web_auth
 from tidemark.web.access import may
 from tidemark.web.airflow_api import AirflowApi, AirflowFailed
@@ -118,7 +119,7 @@ def offer(caller: Caller, pipeline: str) -> dict[str, Any]:
 
 def _outcome(row: dict[str, Any]) -> dict[str, Any]:
     counts = row["counts"] or {}
-    would = row["error"] == ledger_runs.DRY_RUN
+    would = row["state"] == RunState.PREVIEWED
     return {
         "sink": row["sink"],
         "state": "would commit" if would else row["state"],

@@ -13,6 +13,7 @@ from tidemark.core.errors import NotFound
 from tidemark.core.text import shown
 from tidemark.ledger import redrives
 from tidemark.ledger import runs as ledger_runs
+from tidemark.ledger.run_state import RunState
 from tidemark.web.access import may
 from tidemark.web.airflow_api import AirflowApi, AirflowFailed
 from tidemark.web.auth import Caller
@@ -26,7 +27,7 @@ REFRESH_SECONDS = 3  # how often the page reloads itself while the run is not fi
 def _sink_outcome(row: dict[str, Any], dry_run: bool) -> dict[str, Any]:
     """One sink of the ledger's run: what it got, or, previewed, what it would get."""
     counts = row["counts"] or {}
-    would = dry_run and row["error"] == ledger_runs.DRY_RUN
+    would = dry_run and row["state"] == RunState.PREVIEWED
     return {
         "sink": row["sink"],
         "state": "would commit" if would else row["state"],
@@ -61,7 +62,7 @@ def redrive_run(
         req = redrives.get(conn, rid) if isinstance(rid, int) and rid > 0 else None
         req = req if req is not None and req.pipeline == pipeline else None
         now = redrives.statuses(conn, req.request_id) if req else {}
-    dry_run = conf.get("dry_run") is True or any(s["error"] == ledger_runs.DRY_RUN for s in sinks)
+    dry_run = conf.get("dry_run") is True or any(s["state"] == RunState.PREVIEWED for s in sinks)
     outcome = [_sink_outcome(s, dry_run) for s in sinks]
     state = af.get("state")
     return {
