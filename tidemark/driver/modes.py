@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from enum import StrEnum
+from typing import TYPE_CHECKING, Protocol
 
 import pyarrow as pa
 
@@ -141,10 +142,19 @@ class Mode(ABC):
             and (len(read) < parallelism or versioned)
         ):
             tasks = max(parallelism, len(read))
-            return Layout("spread", tasks, pieces(read, tasks), ByKey(spread=spans), by=by)
+            return Layout(LayoutKind.SPREAD, tasks, pieces(read, tasks), ByKey(spread=spans), by=by)
         if versioned:
-            return Layout("together", 1, read, ByRanges(reads=[spans]))
-        return Layout("ranges", len(read), read, ByRanges(reads=[[s] for s in spans]))
+            return Layout(LayoutKind.TOGETHER, 1, read, ByRanges(reads=[spans]))
+        return Layout(LayoutKind.RANGES, len(read), read, ByRanges(reads=[[s] for s in spans]))
+
+
+class LayoutKind(StrEnum):
+    """The ways a run's records reach its write tasks (:class:`Layout`)."""
+
+    RANGES = "ranges"
+    TOGETHER = "together"
+    SPREAD = "spread"
+    RECORDS = "records"
 
 
 @dataclass(frozen=True)
@@ -169,7 +179,7 @@ class Layout:
     ``records``.
     """
 
-    kind: Literal["ranges", "together", "spread", "records"]
+    kind: LayoutKind
     tasks: int
     read: list[Range]
     accounting: Accounting
@@ -338,7 +348,8 @@ class Backfill(Mode):
 def one_task(read: list[Range], dense: bool) -> Layout:
     """Every range in one write task (``together``; ``ranges`` when there is one)."""
     spans = [Span.of(r, dense) for r in read]
-    return Layout("together" if len(read) > 1 else "ranges", 1, read, ByRanges(reads=[spans]))
+    kind = LayoutKind.TOGETHER if len(read) > 1 else LayoutKind.RANGES
+    return Layout(kind, 1, read, ByRanges(reads=[spans]))
 
 
 @dataclass

@@ -31,7 +31,7 @@ from tidemark.core.db import connect
 from tidemark.core.errors import BadInput, TidemarkError
 from tidemark.core.ranges import Range
 from tidemark.core.settings import Settings
-from tidemark.driver.modes import Layout, Mode, NothingToClose
+from tidemark.driver.modes import Layout, LayoutKind, Mode, NothingToClose
 from tidemark.driver.report import RunReport
 from tidemark.driver.run import Run
 from tidemark.ledger import letters, redrives
@@ -213,7 +213,7 @@ class RedriveMode(Mode):
             report.message = "nothing to redrive"
 
     def layout(self, read: list[Range], sinks: list[Sink], **_: Any) -> Layout:
-        return Layout("records", 1, read, ByRecords())  # one task over hand-picked records
+        return Layout(LayoutKind.RECORDS, 1, read, ByRecords())  # one task over hand-picked records
 
     def placement(self, by: str | None, fallen: Fallback | None) -> Placement:
         if self.request is None:

@@ -37,7 +37,7 @@ from tidemark.core.ranges import Range
 from tidemark.core.settings import Settings
 from tidemark.driver import checking
 from tidemark.driver.checking import Job, NoChecks, QualityPath, Strategy
-from tidemark.driver.modes import Layout, Mode
+from tidemark.driver.modes import Layout, LayoutKind, Mode
 from tidemark.protocol.taskspec import TaskResult, TaskSpec
 
 if TYPE_CHECKING:
@@ -197,9 +197,9 @@ class SparkRunner(TaskRunner):
         from tidemark.engine.writer import RESULT_SCHEMA, make_task
 
         df = batch
-        if layout.kind == "spread":
+        if layout.kind is LayoutKind.SPREAD:
             df = df.repartition(layout.tasks, *(layout.by or []))
-        elif layout.kind == "together":
+        elif layout.kind is LayoutKind.TOGETHER:
             df = df.coalesce(1)
         progress = Progress(self.spark, run_id, layout.tasks, log)
         progress.start()
@@ -318,10 +318,10 @@ class LocalRunner(TaskRunner):
 
     def _tasks(self, batch: LocalBatch, layout: Layout) -> list[Records]:
         """Each task's records, as Spark hands them to the layout's tasks."""
-        if layout.kind == "ranges":
+        if layout.kind is LayoutKind.RANGES:
             assert len(batch.read) == layout.tasks, (len(batch.read), layout.tasks)
             return [partial(self._rows, batch, [r]) for r in batch.read]
-        if layout.kind in ("together", "records"):
+        if layout.kind in (LayoutKind.TOGETHER, LayoutKind.RECORDS):
             return [partial(self._rows, batch, batch.read)]
         # spread: every record with the same values of the key columns in one task
         whole = pa.Table.from_batches(list(self._rows(batch, batch.read)), schema=batch.schema)

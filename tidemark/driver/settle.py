@@ -24,7 +24,6 @@ from pyspark.sql import SparkSession
 from tidemark.config import Pipeline
 from tidemark.core.db import connect
 from tidemark.core.errors import BadInput, TidemarkError
-from tidemark.core.ranges import Range
 from tidemark.core.settings import Settings
 from tidemark.driver.modes import Backfill
 from tidemark.driver.run import Run, stderr_log
@@ -79,15 +78,16 @@ def settle(
     )
     with connect(ledger_dsn, autocommit=True, what="ledger") as conn:
         sinks = runs.sinks_of(conn, run_id)
-        lost_of = {s: _lost(conn, run_id, s) for s, _, _ in sinks}
-    stuck = [s for s, st, _ in sinks if st == RunState.COMMITTING]
+        lost_of = {s.sink: _lost(conn, run_id, s.sink) for s in sinks}
+    stuck = [s.sink for s in sinks if s.state is RunState.COMMITTING]
     if stuck:
         why = "; ".join(rep.errors_of.get(name, [])) or "see `tidemark recover`"
         raise TidemarkError(
             f"run {run_id} sink {stuck[0]} is still committing: recovery could not finish it "
             f"({why}); fix that, then `tidemark settle {run_id}` again"
         )
-    for sink, st, _ in sinks:
+    for s in sinks:
+        sink, st = s.sink, s.state
         if not lost_of[sink]:
             continue
         gids = ", ".join(lost_of[sink])
@@ -133,7 +133,7 @@ def _redeliver(
 ) -> int:
     """A backfill of exactly the ranges of (run, sink), then the sink reads committed."""
     with connect(ledger_dsn, autocommit=True, what="ledger") as conn:
-        ranges = [Range(p, a, b) for p, a, b in runs.ranges(conn, run_id, sink)]
+        ranges = runs.ranges(conn, run_id, sink)
     if sink not in {s.name for s in pipeline.sinks}:
         raise TidemarkError(
             f"run {run_id} sink {sink}: the pipeline {pipeline.name} no longer has this sink; "

@@ -21,7 +21,7 @@ from tidemark.core.errors import TidemarkError
 from tidemark.core.settings import Settings
 from tidemark.driver import checking, fallback, gate
 from tidemark.driver.checking import Checked, Fails, Job, QualityPath, Stands
-from tidemark.driver.modes import Layout, Mode
+from tidemark.driver.modes import Layout, LayoutKind, Mode
 from tidemark.driver.report import RunReport
 from tidemark.driver.runners import Batch, TaskRunner
 from tidemark.driver.tables import Sinks, Tables, table_exists
@@ -179,8 +179,8 @@ class Writing(Tables):
             parallelism=self.runner.parallelism(),
             split_min=self.p.limits.split_min_records,
         )
-        if layout.kind in ("spread", "together"):
-            if layout.kind == "spread":
+        if layout.kind in (LayoutKind.SPREAD, LayoutKind.TOGETHER):
+            if layout.kind is LayoutKind.SPREAD:
                 how = f"records spread by ({', '.join(layout.by or [])})"
             elif self.mode.falls_back:
                 how = "a backfill of several partitions writes in one task"

@@ -8,10 +8,11 @@ from enum import StrEnum
 from typing import Any
 
 import psycopg
-from psycopg.rows import args_row, dict_row
+from psycopg.rows import args_row, class_row, dict_row
 
 from tidemark.core.db import scalar
 from tidemark.core.participants import Target
+from tidemark.core.ranges import Range
 from tidemark.ledger.state import ABORTABLE, AirflowRun, RunState, owner_alive_sql
 
 # The states a run's sink is in before it is settled (committed, aborted, dq_failed or
@@ -52,14 +53,48 @@ def participant_gids(conn: psycopg.Connection, run_id: int) -> set[str]:
     }
 
 
-def committing(conn: psycopg.Connection) -> list[tuple[int, str, str]]:
-    """(run_id, sink, pipeline) of every decided sink whose commits may not be done."""
-    return conn.execute(
-        """SELECT rs.run_id, rs.sink, r.pipeline FROM tidemark.run_sinks rs
-                           JOIN tidemark.runs r USING (run_id)
-                           WHERE rs.state = %s ORDER BY rs.run_id""",
-        (RunState.COMMITTING,),
-    ).fetchall()
+@dataclass(frozen=True)
+class RunSink:
+    """One (run, sink) of a pipeline."""
+
+    run_id: int
+    sink: str
+    pipeline: str
+
+
+@dataclass(frozen=True)
+class Undecided(RunSink):
+    """A (run, sink) before its decision, and whether its run can still reach it."""
+
+    alive: bool  # the owner's session lock is held
+    leased: bool  # the lease is still the run's, same epoch, not expired
+
+
+@dataclass(frozen=True)
+class SinkState:
+    """Where one sink of a run is: its state, and why it ended there when it failed."""
+
+    sink: str
+    state: RunState
+    error: str | None
+
+    @classmethod
+    def of(cls, sink: str, state: str, error: str | None) -> SinkState:
+        return cls(sink, RunState(state), error)
+
+
+def committing(conn: psycopg.Connection) -> list[RunSink]:
+    """Every decided (run, sink) whose commits may not be done."""
+    return (
+        conn.cursor(row_factory=class_row(RunSink))
+        .execute(
+            """SELECT rs.run_id, rs.sink, r.pipeline FROM tidemark.run_sinks rs
+               JOIN tidemark.runs r USING (run_id)
+               WHERE rs.state = %s ORDER BY rs.run_id""",
+            (RunState.COMMITTING,),
+        )
+        .fetchall()
+    )
 
 
 @dataclass(frozen=True)
@@ -98,21 +133,29 @@ def outcomes(conn: psycopg.Connection, run_id: int, sink: str) -> dict[str, str 
     )
 
 
-def sinks_of(conn: psycopg.Connection, run_id: int) -> list[tuple[str, str, str | None]]:
-    """(sink, state, error) of a run's sinks."""
-    return conn.execute(
-        "SELECT sink, state::text, error FROM tidemark.run_sinks WHERE run_id = %s ORDER BY 1",
-        (run_id,),
-    ).fetchall()
+def sinks_of(conn: psycopg.Connection, run_id: int) -> list[SinkState]:
+    """A run's sinks, by name."""
+    return (
+        conn.cursor(row_factory=args_row(SinkState.of))
+        .execute(
+            "SELECT sink, state::text, error FROM tidemark.run_sinks WHERE run_id = %s ORDER BY 1",
+            (run_id,),
+        )
+        .fetchall()
+    )
 
 
-def ranges(conn: psycopg.Connection, run_id: int, sink: str) -> list[tuple[int, int, int]]:
-    """(partition, from, to) of a run's sink, one per partition (the span of its ranges)."""
-    return conn.execute(
-        "SELECT partition, min(from_offset), max(to_offset) FROM tidemark.run_ranges "
-        "WHERE run_id = %s AND sink = %s GROUP BY 1 ORDER BY 1",
-        (run_id, sink),
-    ).fetchall()
+def ranges(conn: psycopg.Connection, run_id: int, sink: str) -> list[Range]:
+    """A run's sink's ranges, one per partition (the span of its ranges there)."""
+    return (
+        conn.cursor(row_factory=args_row(Range))
+        .execute(
+            "SELECT partition, min(from_offset), max(to_offset) FROM tidemark.run_ranges "
+            "WHERE run_id = %s AND sink = %s GROUP BY 1 ORDER BY 1",
+            (run_id, sink),
+        )
+        .fetchall()
+    )
 
 
 def record_outcome(
@@ -125,18 +168,22 @@ def record_outcome(
     )
 
 
-def unsettled(conn: psycopg.Connection) -> list[tuple[int, str, str, bool, bool]]:
-    """(run_id, sink, pipeline, owner alive, lease still its own) of every undecided sink."""
-    return conn.execute(
-        f"""
+def unsettled(conn: psycopg.Connection) -> list[Undecided]:
+    """Every undecided (run, sink), with whether its owner lives and still holds the lease."""
+    return (
+        conn.cursor(row_factory=class_row(Undecided))
+        .execute(
+            f"""
         SELECT rs.run_id, rs.sink, r.pipeline, {owner_alive_sql("rs.run_id")} AS alive,
                coalesce(l.run_id = rs.run_id AND l.epoch = rs.lease_epoch
                         AND l.expires_at >= now(), false) AS leased
         FROM tidemark.run_sinks rs JOIN tidemark.runs r USING (run_id)
         LEFT JOIN tidemark.leases l ON l.pipeline = r.pipeline AND l.sink = rs.sink
         WHERE rs.state = ANY(%s)""",
-        ([str(s) for s in ABORTABLE],),
-    ).fetchall()
+            ([str(s) for s in ABORTABLE],),
+        )
+        .fetchall()
+    )
 
 
 def open_sinks(conn: psycopg.Connection, up_to: int) -> dict[int, dict[str, str]]:

@@ -142,7 +142,8 @@ def recover(
 
 
 def _roll_forward(ledger: psycopg.Connection, dbs: Databases, report: Report) -> None:
-    for run_id, sink, pipeline in runs.committing(ledger):
+    for rs in runs.committing(ledger):
+        run_id, sink, pipeline = rs.run_id, rs.sink, rs.pipeline
         try:
             done = finish(ledger, dbs, pipeline, run_id, sink)
         except (psycopg.Error, TidemarkError) as exc:
@@ -261,10 +262,11 @@ def _settle_lost(
 
 
 def _abort_dead(ledger: psycopg.Connection, report: Report) -> None:
-    for run_id, sink, pipeline, alive, leased in runs.unsettled(ledger):
-        if alive and leased:
+    for u in runs.unsettled(ledger):
+        run_id, sink, pipeline = u.run_id, u.sink, u.pipeline
+        if u.alive and u.leased:
             continue
-        why = "owner process is gone" if not alive else "lease expired or taken over"
+        why = "owner process is gone" if not u.alive else "lease expired or taken over"
         try:
             if state.abort(ledger, pipeline, run_id, sink, f"recovery: {why}"):
                 report.aborted.append((run_id, sink))
