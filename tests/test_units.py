@@ -616,3 +616,15 @@ def test_a_sigterm_wrapped_by_py4j_is_still_found_as_terminated():
     found = terminated_in(caught.value)
     assert isinstance(found, Terminated) and found.exit_code == 143
     assert terminated_in(RuntimeError("other")) is None
+
+
+def test_a_participant_target_is_parsed_once_and_spelled_back_the_same():
+    from tidemark.core.participants import Target, TargetKind
+
+    assert Target.parse("ledger") == Target.ledger()
+    sink = Target.parse("sink:main:x")  # a sink's name may hold ':'
+    assert (sink.kind, sink.name) == (TargetKind.SINK, "main:x")
+    assert [str(t) for t in (Target.ledger(), sink)] == ["ledger", "sink:main:x"]
+    for bad in ("sink", "sink:", "lake:x", ""):
+        with pytest.raises(ValueError, match="participant target"):
+            Target.parse(bad)
