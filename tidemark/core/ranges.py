@@ -1,5 +1,5 @@
 """Offsets of a source: a :class:`Range` of one partition, the unit every layer plans, claims,
-reads and checkpoints in (docs/design.md, "Ranges")."""
+reads and checkpoints in."""
 
 from __future__ import annotations
 
