@@ -4,7 +4,10 @@ server under /tidemark (tidemark/web/app.py, tidemark/web/pipelines_pages.py).""
 
 from airflow.plugins_manager import AirflowPlugin
 
+from tidemark.airflow.connection_lookup import register
 from tidemark.web.app import app
+
+register()  # the pages' ledger connection (ledger_conn_id) is Airflow's
 
 
 class TidemarkDeadLetters(AirflowPlugin):

@@ -94,7 +94,7 @@ def asgi(env, monkeypatch) -> Iterator[tuple[FastAPI, FakeAirflow]]:
     with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
         seed(c, pipelines=1, days=1, letters_per_run=0)  # p00, sinks main and archive
     monkeypatch.setenv("TIDEMARK_LEDGER_DSN", env.ledger_dsn)
-    monkeypatch.setattr(core_dsn, "airflow_connection_if_defined", lambda conn_id: None)
+    monkeypatch.setattr(core_dsn, "_lookup", None)
     get_settings.cache_clear()
     fake = FakeAirflow()
 

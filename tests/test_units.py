@@ -628,3 +628,36 @@ def test_a_participant_target_is_parsed_once_and_spelled_back_the_same():
     for bad in ("sink", "sink:", "lake:x", ""):
         with pytest.raises(ValueError, match="participant target"):
             Target.parse(bad)
+
+
+def test_core_resolves_connection_ids_through_the_lookup_a_higher_layer_registers(monkeypatch):
+    """core/dsn.py knows no Airflow: without a lookup a connection id is its variable or one
+    clear line; with one, the lookup's URI (normalized and remembered for masking)."""
+    import ast
+    from pathlib import Path
+
+    import tidemark.core
+
+    for path in Path(tidemark.core.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom | ast.Import):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                assert not any(n.split(".")[0] == "airflow" for n in names), path
+    monkeypatch.delenv("AIRFLOW_CONN_WAREHOUSE", raising=False)
+    monkeypatch.setattr(dsn, "_lookup", None)
+    with pytest.raises(ConfigError, match="set AIRFLOW_CONN_WAREHOUSE"):
+        dsn.resolve(None, "warehouse", "sink w")
+    assert dsn.connection_if_defined("warehouse") is None
+
+    class Fixed:
+        def uri(self, conn_id: str, where: str) -> str:
+            return f"postgres://u:Secret9x@h/{conn_id}"
+
+        def uri_if_defined(self, conn_id: str) -> str | None:
+            return None if conn_id == "none" else self.uri(conn_id, "")
+
+    dsn.use_connections(Fixed())
+    assert dsn.resolve(None, "warehouse", "sink w") == "postgresql://u:Secret9x@h/warehouse"
+    assert dsn.connection_if_defined("none") is None
+    assert dsn.mask("'Secret9x'") == "'***'"

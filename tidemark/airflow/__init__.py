@@ -6,4 +6,10 @@ library functions. Importing this package does not import Airflow; its modules d
 May import: driver, engine, sources, protocol, ledger, config, quality, core.
 """
 
+from tidemark.airflow import connection_lookup
+
+# A process using the Airflow layer (a DAG file, a task) resolves connection ids through
+# Airflow, as the CLI does (cli/main.py); this imports no Airflow until one is looked up.
+connection_lookup.register()
+
 POOL = "tidemark_spark"  # caps concurrent Spark jobs; one fits 2 cores

@@ -10,7 +10,7 @@ way the ledger's connection already reaches it.
 from __future__ import annotations
 
 from tidemark import config
-from tidemark.core.dsn import airflow_connection_if_defined
+from tidemark.core.dsn import CONN_VAR, connection_if_defined
 from tidemark.core.errors import BadInput
 
 
@@ -19,12 +19,12 @@ def job_env(p: config.Pipeline) -> dict[str, str]:
     line naming it and where the pipeline uses it: retrying cannot create it)."""
     env: dict[str, str] = {}
     for where, conn_id in p.conn_ids():
-        uri = airflow_connection_if_defined(conn_id)
+        uri = connection_if_defined(conn_id)
         if uri is None:
             raise BadInput(
                 f"pipeline {p.name}: {where}: Airflow connection {conn_id!r} does "
                 f"not exist; create it (Admin > Connections, `airflow connections "
                 f"add`, or a secrets backend)"
             )
-        env[f"AIRFLOW_CONN_{conn_id.upper()}"] = uri
+        env[CONN_VAR.format(conn_id.upper())] = uri
     return env

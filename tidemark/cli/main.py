@@ -13,6 +13,7 @@ import psycopg
 from pydantic import ValidationError
 
 from tidemark import config as cfg
+from tidemark.airflow import connection_lookup
 from tidemark.cli.app import (
     Ctx,
     cli,
@@ -30,6 +31,10 @@ from tidemark.core.ranges import Range
 from tidemark.core.settings import get_settings
 from tidemark.core.text import clamp
 from tidemark.ledger.state import AirflowRun
+
+# The CLI (and the Spark job it is) resolves a pipeline's connection ids through Airflow,
+# where Airflow is installed (core/dsn.py knows no Airflow).
+connection_lookup.register()
 
 
 # -- db -----------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Connection references: a DSN (with ${ENV} references) or an Airflow connection id.
+"""Connection references: a DSN (with ${ENV} references) or a connection id, looked up in its
+variable or through the lookup a higher layer registers (Airflow's: tidemark/airflow).
 
 Resolved lazily, at the moment a connection is opened, so a pipeline file can be validated
 on a machine that cannot reach (or has no secrets for) its databases.
@@ -8,9 +9,10 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Protocol
 from urllib.parse import quote, unquote
 
-from tidemark.core.errors import ConfigError, TidemarkError
+from tidemark.core.errors import ConfigError
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 # URI userinfo. libpq ends it at the first '@' or '/', so an encoded password holds neither;
@@ -106,93 +108,58 @@ def expand_env(value: str, where: str = "DSN") -> str:
     return _ENV_REF.sub(sub, value)
 
 
-def airflow_connection_uri(conn_id: str, where: str) -> str:
-    """The URI of an Airflow connection: the AIRFLOW_CONN_<ID> environment variable Airflow
-    would read, else Airflow's own lookup when Airflow is installed: inside a task its SDK,
-    and where Airflow is configured (the CLI beside a scheduler, `airflow` working) its
-    metadata database and secrets backends, so a connection made in the UI or with
-    `airflow connections add` needs no duplicate variable. ``where`` names the part of the
-    pipeline that uses it in the error."""
-    var = f"AIRFLOW_CONN_{conn_id.upper()}"
+# Connections a pipeline names by id travel between processes in these variables (the
+# convention Airflow reads, and the one the DAGs hand the Spark job: airflow/connections.py).
+CONN_VAR = "AIRFLOW_CONN_{}"
+
+
+class ConnectionLookup(Protocol):
+    """Where a connection named by id is found when no variable holds it. Core knows none:
+    the layer that does registers one (:func:`use_connections`; Airflow's is
+    tidemark/airflow/connection_lookup.py)."""
+
+    def uri(self, conn_id: str, where: str) -> str:
+        """The URI of ``conn_id``, or ConfigError naming why not (``where``: the part of the
+        pipeline that uses it)."""
+        ...
+
+    def uri_if_defined(self, conn_id: str) -> str | None:
+        """The URI of ``conn_id``, None where there is no such connection (or nothing to ask);
+        any other failure raises TidemarkError, masked."""
+        ...
+
+
+_lookup: ConnectionLookup | None = None
+
+
+def use_connections(lookup: ConnectionLookup | None) -> None:
+    """Resolve connection ids through ``lookup`` from now on (None: the environment only)."""
+    global _lookup
+    _lookup = lookup
+
+
+def connection_uri(conn_id: str, where: str) -> str:
+    """The URI of connection ``conn_id``: its variable (CONN_VAR), else the registered lookup.
+    ``where`` names the part of the pipeline that uses it in the error."""
+    var = CONN_VAR.format(conn_id.upper())
     env = os.environ.get(var)
     if env and not env.lstrip().startswith("{"):
-        return remember(_normalize_scheme(env))
-    try:
-        from airflow.sdk import BaseHook
-    except Exception:  # noqa: BLE001 - Airflow absent or not configured
+        return remember(normalize_scheme(env))
+    if _lookup is None:
         raise ConfigError(
             where, f"connection {conn_id!r}: set {var} or run where Airflow is installed"
-        ) from None
-    try:
-        conn = BaseHook.get_connection(conn_id)
-    except Exception as exc:  # noqa: BLE001 - whatever Airflow raises: one masked line
-        # Outside a task the SDK sees environment variables and secrets backends only, not
-        # the connections kept in Airflow's metadata database: ask it there.
-        uri, why = airflow_metadata_connection(conn_id)
-        if uri is not None:
-            return uri
-        raise ConfigError(
-            where,
-            f"Airflow connection {conn_id!r} not found ({mask(str(exc))}; {why}); outside "
-            f"Airflow, set {var} to its URI (postgresql://user:password@host:port/database)",
-        ) from None
-    return remember(_normalize_scheme(conn.get_uri()))
-
-
-def airflow_metadata_connection(conn_id: str) -> tuple[str | None, str]:
-    """(URI, "") of ``conn_id`` from Airflow's metadata database and secrets backends, as
-    `airflow connections get` finds it, or (None, why not) where it is not there or Airflow
-    is not configured here (no metadata database: a SQLite file that does not exist is never
-    created by asking)."""
-    try:
-        from airflow.configuration import conf
-
-        db = conf.get("database", "sql_alchemy_conn")
-    except Exception as exc:  # noqa: BLE001 - Airflow's configuration could not load
-        return None, f"Airflow is not configured here: {mask(_first_line(exc))}"
-    if db.startswith("sqlite:"):
-        path = db.split("sqlite:///", 1)[-1].split("?", 1)[0]
-        if not path or path == ":memory:" or not os.path.exists(path):
-            return None, (
-                f"Airflow is not configured here: no metadata database ({db}; set AIRFLOW_HOME "
-                "or AIRFLOW__DATABASE__SQL_ALCHEMY_CONN as Airflow's own processes have them)"
-            )
-    try:
-        from airflow.models.connection import Connection
-
-        conn = Connection.get_connection_from_secrets(conn_id)
-    except Exception as exc:  # noqa: BLE001 - its types are Airflow's and SQLAlchemy's
-        if type(exc).__name__ == "AirflowNotFoundException":
-            return None, f"nor in Airflow's metadata database {mask(db)}"
-        return None, f"cannot read Airflow's metadata database {mask(db)}: " + mask(
-            _first_line(exc)
         )
-    return remember(_normalize_scheme(conn.get_uri())), ""
+    return remember(normalize_scheme(_lookup.uri(conn_id, where)))
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+def connection_if_defined(conn_id: str) -> str | None:
+    """The URI of connection ``conn_id`` from the registered lookup, or None when there is none
+    or it has no such connection (any other failure raises, masked)."""
+    uri = None if _lookup is None else _lookup.uri_if_defined(conn_id)
+    return None if uri is None else remember(normalize_scheme(uri))
 
 
-def airflow_connection_if_defined(conn_id: str) -> str | None:
-    """The URI of the Airflow connection ``conn_id``, or None when Airflow is not installed or
-    has no such connection (any other failure raises, masked). Always through Airflow's
-    ``BaseHook``, so that inside a task Airflow masks the password in the logs."""
-    try:
-        from airflow.sdk import BaseHook
-    except Exception:  # noqa: BLE001 - Airflow absent or not configured
-        return None
-    try:
-        conn = BaseHook.get_connection(conn_id)
-    except Exception as exc:  # noqa: BLE001 - its type is Airflow's (core cannot import it)
-        if type(exc).__name__ == "AirflowNotFoundException":
-            return None
-        raise TidemarkError(f"Airflow connection {conn_id!r}: {mask(str(exc))}") from None
-    return remember(_normalize_scheme(conn.get_uri()))
-
-
-def _normalize_scheme(uri: str) -> str:
+def normalize_scheme(uri: str) -> str:
     # Airflow spells it postgres://; libpq accepts both, psycopg too, but keep one spelling.
     return re.sub(r"^postgres(ql)?(\+\w+)?://", "postgresql://", uri)
 
@@ -201,5 +168,5 @@ def resolve(dsn: str | None, conn_id: str | None, where: str) -> str:
     if dsn:
         return remember(expand_env(dsn, where))
     if conn_id:
-        return airflow_connection_uri(conn_id, where)
+        return connection_uri(conn_id, where)
     raise ConfigError(where, "needs a dsn or a conn_id")

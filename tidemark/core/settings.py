@@ -117,9 +117,9 @@ class Settings(BaseSettings):
     def airflow_ledger(self, where: str) -> str:
         """The ledger's DSN inside Airflow: the Airflow connection ``ledger_conn_id`` when
         Airflow has it (its password then masked in task logs), else ``ledger_dsn``."""
-        from tidemark.core.dsn import airflow_connection_if_defined
+        from tidemark.core.dsn import connection_if_defined
 
-        uri = airflow_connection_if_defined(self.ledger_conn_id)
+        uri = connection_if_defined(self.ledger_conn_id)
         if uri:
             return uri
         if not self.ledger_dsn:
