@@ -58,7 +58,7 @@ def settle(
         run = runs.get(conn, run_id)
     if run is None:
         raise BadInput(f"run {run_id}: no such run in the ledger (`tidemark status PIPELINE`)")
-    name = run["pipeline"]
+    name = run.pipeline
     pipeline = pipelines.get(name)
     if pipeline is None:
         raise BadInput(
@@ -109,7 +109,7 @@ def settle(
     with connect(ledger_dsn, autocommit=True, what="ledger") as conn:
         left = state.lost_sinks(conn, name)
         if left:
-            other, sink = left[0]
+            other, sink = left[0].run_id, left[0].sink
             said(f"{name}: still halted: run {other} sink {sink}: `tidemark settle {other}`")
         elif any(lost_of.values()):
             out.resumed = state.resume(conn, name)

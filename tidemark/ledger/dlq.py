@@ -488,7 +488,8 @@ def get(
         return None
     for k in ("key", "payload", "source_headers"):
         rec[k] = bytes(rec[k]) if rec[k] is not None else None
-    rec["run"] = runs.get(conn, rec["run_id"])
+    run = runs.get(conn, rec["run_id"])
+    rec["run"] = None if run is None else run.as_dict()
     rec["quality"] = cur.execute(
         """SELECT scope, success, rows_failed, docs_path
                                     FROM tidemark.dq_results WHERE run_id = %s ORDER BY scope""",

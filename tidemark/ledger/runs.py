@@ -4,6 +4,7 @@ checks and the Dead letters page. The writes are the transitions of state.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
@@ -123,14 +124,15 @@ def chosen(conn: psycopg.Connection, run_id: int, sink: str) -> list[Chosen]:
     )
 
 
-def outcomes(conn: psycopg.Connection, run_id: int, sink: str) -> dict[str, str | None]:
-    """gid -> outcome of every participant a decision chose."""
-    return dict(
-        conn.execute(
+def outcomes(conn: psycopg.Connection, run_id: int, sink: str) -> dict[str, Outcome | None]:
+    """gid -> outcome of every participant a decision chose (None: not known yet)."""
+    return {
+        gid: None if outcome is None else Outcome(outcome)
+        for gid, outcome in conn.execute(
             "SELECT gid, outcome FROM tidemark.participants WHERE run_id = %s AND sink = %s",
             (run_id, sink),
-        ).fetchall()
-    )
+        )
+    }
 
 
 def sinks_of(conn: psycopg.Connection, run_id: int) -> list[SinkState]:
@@ -260,8 +262,26 @@ def of_dag_run(
     return run, sinks
 
 
-def get(conn: psycopg.Connection, run_id: int) -> dict[str, Any] | None:
-    """One run, with ``airflow`` (an AirflowRun as a dict) when Airflow started it."""
+@dataclass(frozen=True)
+class RunRecord:
+    """One run of the ledger, with the Airflow task try that started it (None: not Airflow)."""
+
+    run_id: int
+    pipeline: str
+    mode: str
+    owner: str
+    created_at: datetime
+    finished_at: datetime | None
+    external_id: str | None
+    airflow: AirflowRun | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """As the dead-letter JSON shows it (``airflow`` a dict)."""
+        return {**vars(self), "airflow": self.airflow.model_dump() if self.airflow else None}
+
+
+def get(conn: psycopg.Connection, run_id: int) -> RunRecord | None:
+    """One run of the ledger (None: no such run)."""
     run = (
         conn.cursor(row_factory=dict_row)
         .execute(
@@ -274,7 +294,7 @@ def get(conn: psycopg.Connection, run_id: int) -> dict[str, Any] | None:
     if run is None:
         return None
     ids = {k: run.pop(k) for k in ("dag_id", "dag_run_id", "task_id", "try_number")}
-    run["airflow"] = (
+    airflow = (
         None
         if ids["dag_id"] is None
         else AirflowRun(
@@ -282,6 +302,6 @@ def get(conn: psycopg.Connection, run_id: int) -> dict[str, Any] | None:
             run_id=ids["dag_run_id"],
             task_id=ids["task_id"],
             try_number=ids["try_number"],
-        ).model_dump()
+        )
     )
-    return run
+    return RunRecord(**run, airflow=airflow)

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import psycopg
+from psycopg.rows import class_row
 from pydantic import BaseModel, ConfigDict
 
 from tidemark.core.claims import Claim, SinkClaim
@@ -467,13 +469,25 @@ def settled(conn: psycopg.Connection, run_id: int, sink: str, note: str) -> None
         )
 
 
-def lost_sinks(conn: psycopg.Connection, pipeline: str) -> list[tuple[int, str]]:
-    """(run_id, sink) of the pipeline's sinks in ``lost``: ranges still to re-deliver."""
-    return conn.execute(
-        """SELECT rs.run_id, rs.sink FROM tidemark.run_sinks rs JOIN tidemark.runs r
-           USING (run_id) WHERE r.pipeline = %s AND rs.state = %s ORDER BY 1, 2""",
-        (pipeline, RunState.LOST),
-    ).fetchall()
+@dataclass(frozen=True)
+class LostSink:
+    """A (run, sink) in ``lost``: its ranges still to re-deliver (`tidemark settle RUN`)."""
+
+    run_id: int
+    sink: str
+
+
+def lost_sinks(conn: psycopg.Connection, pipeline: str) -> list[LostSink]:
+    """The pipeline's sinks in ``lost``, by run and sink."""
+    return (
+        conn.cursor(row_factory=class_row(LostSink))
+        .execute(
+            """SELECT rs.run_id, rs.sink FROM tidemark.run_sinks rs JOIN tidemark.runs r
+               USING (run_id) WHERE r.pipeline = %s AND rs.state = %s ORDER BY 1, 2""",
+            (pipeline, RunState.LOST),
+        )
+        .fetchall()
+    )
 
 
 def abort(conn: psycopg.Connection, pipeline: str, run_id: int, sink: str, error: str) -> bool:
@@ -587,7 +601,7 @@ def resume(conn: psycopg.Connection, pipeline: str) -> bool:
     with conn.transaction():
         lost = lost_sinks(conn, pipeline)
         if lost:
-            run_id, sink = lost[0]
+            run_id, sink = lost[0].run_id, lost[0].sink
             raise TidemarkError(
                 f"pipeline {pipeline}: run {run_id} sink {sink} lost a participant after "
                 f"others had committed, so its ranges are not whole; `tidemark settle "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from typing import Any
 
 import psycopg
@@ -18,7 +19,7 @@ def pipeline_status(conn: psycopg.Connection, pipeline: str, runs: int = 10) -> 
     row = cur.execute(
         "SELECT halted_reason, halted_at FROM tidemark.pipelines WHERE name = %s", (pipeline,)
     ).fetchone()
-    checkpoints = listing(conn, pipeline)
+    checkpoints = [asdict(c) for c in listing(conn, pipeline)]  # for --json as they are
     recent = cur.execute(
         """SELECT r.run_id, r.mode, r.created_at, r.finished_at, rs.sink, rs.state::text AS state,
                   rs.counts, rs.error
