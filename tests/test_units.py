@@ -661,3 +661,16 @@ def test_core_resolves_connection_ids_through_the_lookup_a_higher_layer_register
     assert dsn.resolve(None, "warehouse", "sink w") == "postgresql://u:Secret9x@h/warehouse"
     assert dsn.connection_if_defined("none") is None
     assert dsn.mask("'Secret9x'") == "'***'"
+
+
+def test_a_preview_as_the_last_run_is_no_failure_on_the_pipelines_page():
+    from tidemark.ledger.history import State
+    from tidemark.web.pipelines_pages import _badges
+
+    def last(*states: str) -> State:
+        sinks = [{"sink": f"s{i}", "state": st} for i, st in enumerate(states)]
+        return State("p", last_run={"finished_at": 1, "sinks": sinks})
+
+    assert _badges(last("previewed", "previewed")) == [("info", "last run a preview")]
+    assert _badges(last("previewed", "aborted")) == [("bad", "last run failed: s1")]
+    assert _badges(last("committed")) == [("ok", "ok")]
