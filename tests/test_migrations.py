@@ -70,7 +70,7 @@ def test_v005_moves_airflow_identity_into_columns(pg, monkeypatch):
             json.dumps({"dag_id": 7, "run_id": "x"}),
         ]
         found, sinks = runs.of_dag_run(c, "orders", "tidemark_orders", "scheduled__2026-01-01")
-        assert found["run_id"] == ids[0] and sinks == []
+        assert found is not None and found.run_id == ids[0] and sinks == []
 
 
 def test_the_ledger_enums_are_the_python_enums(env):

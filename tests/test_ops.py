@@ -199,20 +199,28 @@ def test_a_runs_numbers_go_to_statsd(statsd):
     from tidemark.airflow import metrics
 
     t0 = datetime(2026, 1, 1, tzinfo=UTC)
-    run = {
-        "run_id": 7,
-        "mode": "run",
-        "created_at": t0,
-        "finished_at": t0 + timedelta(seconds=12.5),
-    }
+    from tidemark.ledger.runs import SinkRun, StartedRun
+
+    run = StartedRun(7, "run", t0, t0 + timedelta(seconds=12.5), None)
     sinks = [
-        {
-            "sink": "main",
-            "state": "committed",
-            "counts": {"rows": 120, "dead": 3},
-            "timings": {"write_seconds": 1.5, "claim_seconds": 0.25},
-        },
-        {"sink": "audit", "state": "dq_failed", "counts": {"rows": 0}, "timings": {}},
+        SinkRun.of(
+            sink="main",
+            state="committed",
+            counts={"rows": 120, "dead": 3},
+            timings={"write_seconds": 1.5, "claim_seconds": 0.25},
+            error=None,
+            schema_changes=[],
+            ranges=[],
+        ),
+        SinkRun.of(
+            sink="audit",
+            state="dq_failed",
+            counts={"rows": 0},
+            timings={},
+            error="gate",
+            schema_changes=[],
+            ranges=[],
+        ),
     ]
     n = metrics.emit_run("orders", run, sinks)
     assert sorted(statsd(n)) == sorted(

@@ -72,7 +72,7 @@ def replay_lineage(pipeline_file: str, dag_id: str, run_id: str) -> OperatorLine
     p = config.load(Path(pipeline_file), deep=False)
     with connect(ledger_dsn(), autocommit=True, what="ledger") as c:
         run, sinks = runs.of_dag_run(c, p.name, dag_id, run_id)
-        dq = dq_results(c, run["run_id"]) if run else []
+        dq = dq_results(c, run.run_id) if run else []
     if run is None:
         return OperatorLineage()
     namespace, name = source_dataset(p)
@@ -84,10 +84,10 @@ def replay_lineage(pipeline_file: str, dag_id: str, run_id: str) -> OperatorLine
     declared = {s.name: s for s in p.sinks}
     outputs = []
     for s in sinks:
-        if s["sink"] not in declared:
+        if s.sink not in declared:
             continue
-        o_ns, o_name = _dataset(assets.sink_uri(p, declared[s["sink"]]))
-        written = (s["counts"] or {}).get("rows", 0) if s["state"] == RunState.COMMITTED else 0
+        o_ns, o_name = _dataset(assets.sink_uri(p, declared[s.sink]))
+        written = (s.counts or {}).get("rows", 0) if s.state is RunState.COMMITTED else 0
         outputs.append(
             OutputDataset(
                 namespace=o_ns,

@@ -15,9 +15,10 @@ Names carry their labels, ``tidemark.<metric>.<pipeline>[.<sink>[.<partition or 
 from __future__ import annotations
 
 import logging
-from datetime import datetime
 
 from tidemark.ledger.dlq import ERROR_CLASSES
+from tidemark.ledger.run_state import RunState
+from tidemark.ledger.runs import SinkRun, StartedRun
 
 log = logging.getLogger(__name__)
 PREFIX = "tidemark"
@@ -33,41 +34,41 @@ def _name(metric: str, *labels: object) -> str:
     return ".".join([PREFIX, metric, *(str(x) for x in labels)])
 
 
-def emit_run(pipeline: str, run: dict, sinks: list[dict]) -> int:
+def emit_run(pipeline: str, run: StartedRun, sinks: list[SinkRun]) -> int:
     """A finished run's numbers (``runs.of_dag_run``): per sink its records delivered and
     quarantined (committed sinks only: nothing else reached the sink), its outcome and its
     phase timings; the run's duration. Returns how many metrics were sent."""
     stats, sent = _stats(), 0
     for s in sinks:
-        tags = {"pipeline": pipeline, "sink": s["sink"]}
+        tags = {"pipeline": pipeline, "sink": s.sink}
         stats.incr(
-            _name("sink_runs", pipeline, s["sink"], s["state"]), tags={**tags, "state": s["state"]}
+            _name("sink_runs", pipeline, s.sink, s.state), tags={**tags, "state": str(s.state)}
         )
         sent += 1
-        if s["state"] != "committed":
+        if s.state is not RunState.COMMITTED:
             continue
-        counts = s.get("counts") or {}
+        counts = s.counts or {}
         stats.incr(
-            _name("records_delivered", pipeline, s["sink"]), int(counts.get("rows", 0)), tags=tags
+            _name("records_delivered", pipeline, s.sink), int(counts.get("rows", 0)), tags=tags
         )
         stats.incr(
-            _name("records_quarantined", pipeline, s["sink"]), int(counts.get("dead", 0)), tags=tags
+            _name("records_quarantined", pipeline, s.sink), int(counts.get("dead", 0)), tags=tags
         )
         sent += 2
-        for phase, seconds in sorted((s.get("timings") or {}).items()):
+        for phase, seconds in sorted((s.timings or {}).items()):
             if phase.endswith("_seconds") and isinstance(seconds, int | float):
                 stats.timing(
-                    _name("phase", pipeline, s["sink"], phase.removesuffix("_seconds")),
+                    _name("phase", pipeline, s.sink, phase.removesuffix("_seconds")),
                     seconds * 1000.0,
                     tags={**tags, "phase": phase},
                 )
                 sent += 1
-    start, end = run.get("created_at"), run.get("finished_at")
-    if isinstance(start, datetime) and isinstance(end, datetime):
+    start, end = run.created_at, run.finished_at
+    if end is not None:
         stats.timing(
             _name("run_duration", pipeline),
             (end - start).total_seconds() * 1000.0,
-            tags={"pipeline": pipeline, "mode": str(run.get("mode"))},
+            tags={"pipeline": pipeline, "mode": run.mode},
         )
         sent += 1
     return sent

@@ -263,7 +263,9 @@ def select_redrive(pipeline_file: str, params: dict, by: str) -> int:
     return req.request_id
 
 
-def _ledger_run(pipeline: str, dag_id: str, run_id: str) -> tuple[dict | None, list[dict]]:
+def _ledger_run(
+    pipeline: str, dag_id: str, run_id: str
+) -> tuple[runs.StartedRun | None, list[runs.SinkRun]]:
     """The latest ledger run a task of this DAG run started, and its sinks."""
     with connect(_ledger(), autocommit=True, what="ledger") as c:
         return runs.of_dag_run(c, pipeline, dag_id, run_id)
@@ -281,14 +283,12 @@ def failure(pipeline: str, dag_id: str, run_id: str, try_number: int | None = No
     from tidemark.airflow import metrics
 
     run, sinks = _ledger_run(pipeline, dag_id, run_id)
-    if run is not None and try_number is not None and run.get("try_number") == try_number:
+    if run is not None and try_number is not None and run.try_number == try_number:
         metrics.safely(metrics.emit_run, pipeline, run, sinks)
-    bad = [s for s in sinks if s["state"] not in runs.DECIDED]
+    bad = [s for s in sinks if s.state not in runs.DECIDED]
     if run is None or not bad:
         return None
-    why = f"run {run['run_id']}: " + "; ".join(
-        f"sink {s['sink']} {s['state']}: {s['error']}" for s in bad
-    )
+    why = f"run {run.run_id}: " + "; ".join(f"sink {s.sink} {s.state}: {s.error}" for s in bad)
     # A run that halted its pipeline (the quarantine ceiling) says so, as the CLI does.
     if _halted(pipeline):
         why += f"; pipeline {pipeline} halted: `tidemark resume {pipeline}` once fixed"
@@ -322,38 +322,40 @@ def report(pipeline: str, dag_id: str, run_id: str, pipeline_file: str | None = 
     from tidemark.ledger.run_state import RunState
 
     # A dry run's sinks that would commit end previewed (only a dry run has them).
-    dry = any(s["state"] == RunState.PREVIEWED for s in sinks)
+    dry = any(s.state is RunState.PREVIEWED for s in sinks)
     parts = [
-        f"{s['sink']} {'would commit' if s['state'] == RunState.PREVIEWED else s['state']} "
-        f"{s['counts'].get('rows', 0):,} rows {s['counts'].get('dead', 0):,} dead"
-        + "".join(f", {c}" for c in s["schema_changes"])
+        f"{s.sink} {'would commit' if s.state is RunState.PREVIEWED else s.state} "
+        f"{s.counts.get('rows', 0):,} rows {s.counts.get('dead', 0):,} dead"
+        + "".join(f", {c}" for c in s.schema_changes)
         for s in sinks
     ]
     if not dry:  # a preview delivered nothing: no metrics of a run
         metrics.safely(metrics.emit_run, pipeline, run, sinks)
     out = {
         "pipeline": pipeline,
-        "run_id": run["run_id"],
-        "mode": run["mode"],
+        "run_id": run.run_id,
+        "mode": run.mode,
         "sinks": {
-            s["sink"]: {
-                "state": s["state"],
-                "counts": s["counts"],
-                "error": s["error"],
-                "schema_changes": s["schema_changes"],
+            s.sink: {
+                "state": s.state.value,
+                "counts": s.counts,
+                "error": s.error,
+                "schema_changes": s.schema_changes,
             }
             for s in sinks
         },
         "dry_run": dry,
         "summary": ("dry run, nothing committed: " if dry else "")
-        + f"run {run['run_id']} ({run['mode']}): "
+        + f"run {run.run_id} ({run.mode}): "
         + "; ".join(parts),
     }
     print(out["summary"])
     return out
 
 
-def _emit_assets(p: config.Pipeline, run: dict, sinks: list[dict], outlet_events) -> list[str]:
+def _emit_assets(
+    p: config.Pipeline, run: runs.StartedRun, sinks: list[runs.SinkRun], outlet_events
+) -> list[str]:
     from airflow.sdk import Asset, AssetAlias
 
     from tidemark.airflow import assets
@@ -362,22 +364,22 @@ def _emit_assets(p: config.Pipeline, run: dict, sinks: list[dict], outlet_events
     declared = {s.name: s for s in p.sinks}
     out = []
     for s in sinks:
-        if s["state"] != RunState.COMMITTED or s["sink"] not in declared:
+        if s.state is not RunState.COMMITTED or s.sink not in declared:
             continue  # only committed data is announced (a sink since removed: nothing to name)
-        uri = assets.sink_uri(p, declared[s["sink"]])
+        uri = assets.sink_uri(p, declared[s.sink])
         alias.add(
             Asset(uri),
             extra={
                 "pipeline": p.name,
-                "sink": s["sink"],
-                "table": declared[s["sink"]].table,
-                "run_id": run["run_id"],
-                "mode": run["mode"],
-                "ranges": s["ranges"],
-                "counts": s["counts"],
+                "sink": s.sink,
+                "table": declared[s.sink].table,
+                "run_id": run.run_id,
+                "mode": run.mode,
+                "ranges": s.ranges,
+                "counts": s.counts,
             },
         )
-        print(f"asset event: {uri} (run {run['run_id']}, sink {s['sink']})")
+        print(f"asset event: {uri} (run {run.run_id}, sink {s.sink})")
         out.append(uri)
     return out
 

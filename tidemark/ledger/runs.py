@@ -9,7 +9,7 @@ from enum import StrEnum
 from typing import Any
 
 import psycopg
-from psycopg.rows import args_row, class_row, dict_row
+from psycopg.rows import args_row, class_row, dict_row, kwargs_row
 
 from tidemark.core.db import scalar
 from tidemark.core.participants import Target
@@ -235,30 +235,64 @@ def long_leases(
     ).fetchall()
 
 
+@dataclass(frozen=True)
+class StartedRun:
+    """The ledger run a task of an Airflow DAG run started, and the task's try."""
+
+    run_id: int
+    mode: str
+    created_at: datetime
+    finished_at: datetime | None
+    try_number: int | None
+
+
+@dataclass(frozen=True)
+class SinkRun:
+    """One sink of a run as its DAG run's tasks report it."""
+
+    sink: str
+    state: RunState
+    counts: dict[str, Any]
+    timings: dict[str, Any]  # phase -> seconds
+    error: str | None
+    schema_changes: list[str]  # what the run changed in the sink's table
+    ranges: list[dict[str, int]]  # {partition, from_offset, to_offset}, by partition
+
+    @classmethod
+    def of(cls, **row: Any) -> SinkRun:
+        return cls(**{**row, "state": RunState(row["state"])})
+
+
 def of_dag_run(
     conn: psycopg.Connection, pipeline: str, dag_id: str, dag_run_id: str
-) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
-    """The latest ledger run a task of this Airflow DAG run started (id, mode, created and
-    finished, the task try), and its sinks (state, counts, phase timings, error)."""
-    cur = conn.cursor(row_factory=dict_row)
-    run = cur.execute(
-        """SELECT run_id, mode, created_at, finished_at, try_number FROM tidemark.runs
+) -> tuple[StartedRun | None, list[SinkRun]]:
+    """The latest ledger run a task of this Airflow DAG run started, and its sinks."""
+    run = (
+        conn.cursor(row_factory=class_row(StartedRun))
+        .execute(
+            """SELECT run_id, mode, created_at, finished_at, try_number FROM tidemark.runs
            WHERE pipeline = %s AND dag_id = %s
            AND dag_run_id = %s ORDER BY run_id DESC LIMIT 1""",
-        (pipeline, dag_id, dag_run_id),
-    ).fetchone()
+            (pipeline, dag_id, dag_run_id),
+        )
+        .fetchone()
+    )
     if run is None:
         return None, []
-    sinks = cur.execute(
-        """SELECT sink, state::text AS state, counts, timings, error, schema_changes,
+    sinks = (
+        conn.cursor(row_factory=kwargs_row(SinkRun.of))
+        .execute(
+            """SELECT sink, state::text AS state, counts, timings, error, schema_changes,
                   (SELECT coalesce(json_agg(json_build_object(
                               'partition', rr.partition, 'from_offset', rr.from_offset,
                               'to_offset', rr.to_offset) ORDER BY rr.partition), '[]')
                    FROM tidemark.run_ranges rr
                    WHERE rr.run_id = rs.run_id AND rr.sink = rs.sink) AS ranges
            FROM tidemark.run_sinks rs WHERE run_id = %s ORDER BY sink""",
-        (run["run_id"],),
-    ).fetchall()
+            (run.run_id,),
+        )
+        .fetchall()
+    )
     return run, sinks
 
 

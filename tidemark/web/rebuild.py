@@ -117,15 +117,15 @@ def offer(caller: Caller, pipeline: str) -> dict[str, Any]:
     return {"dag": dag, "sinks": list(sinks), "staged": staged.get("value") is True, "error": None}
 
 
-def _outcome(row: dict[str, Any]) -> dict[str, Any]:
-    counts = row["counts"] or {}
-    would = row["state"] == RunState.PREVIEWED
+def _outcome(row: ledger_runs.SinkRun) -> dict[str, Any]:
+    counts = row.counts or {}
+    would = row.state is RunState.PREVIEWED
     return {
-        "sink": row["sink"],
-        "state": "would commit" if would else row["state"],
-        "ok": would or row["state"] == "committed",
+        "sink": row.sink,
+        "state": "would commit" if would else row.state.value,
+        "ok": would or row.state is RunState.COMMITTED,
         "dry": would,
-        "error": None if would else row["error"],
+        "error": None if would else row.error,
         **{k: counts.get(k, 0) for k in ("records", "rows", "dead")},
     }
 
@@ -166,7 +166,7 @@ def rebuild_run(
         "airflow_error": airflow_error,
         "dry_run": dry_run,
         "options": options,
-        "run_id": run["run_id"] if run else None,
+        "run_id": run.run_id if run else None,
         "sinks": outcome,
         "ready": bool(
             dry_run

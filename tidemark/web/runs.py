@@ -24,15 +24,15 @@ FINAL = ("success", "failed")  # Airflow's DAG run states that do not change any
 REFRESH_SECONDS = 3  # how often the page reloads itself while the run is not final
 
 
-def _sink_outcome(row: dict[str, Any], dry_run: bool) -> dict[str, Any]:
+def _sink_outcome(row: ledger_runs.SinkRun, dry_run: bool) -> dict[str, Any]:
     """One sink of the ledger's run: what it got, or, previewed, what it would get."""
-    counts = row["counts"] or {}
-    would = dry_run and row["state"] == RunState.PREVIEWED
+    counts = row.counts or {}
+    would = dry_run and row.state is RunState.PREVIEWED
     return {
-        "sink": row["sink"],
-        "state": "would commit" if would else row["state"],
-        "ok": would or row["state"] == "committed",
-        "error": None if would else row["error"],
+        "sink": row.sink,
+        "state": "would commit" if would else row.state.value,
+        "ok": would or row.state is RunState.COMMITTED,
+        "error": None if would else row.error,
         **{k: counts.get(k, 0) for k in ("records", "rows", "dead", "superseded", "resolved")},
     }
 
@@ -62,7 +62,7 @@ def redrive_run(
         req = redrives.get(conn, rid) if isinstance(rid, int) and rid > 0 else None
         req = req if req is not None and req.pipeline == pipeline else None
         now = redrives.statuses(conn, req.request_id) if req else {}
-    dry_run = conf.get("dry_run") is True or any(s["state"] == RunState.PREVIEWED for s in sinks)
+    dry_run = conf.get("dry_run") is True or any(s.state is RunState.PREVIEWED for s in sinks)
     outcome = [_sink_outcome(s, dry_run) for s in sinks]
     state = af.get("state")
     return {
@@ -75,7 +75,7 @@ def redrive_run(
         "paused": paused,
         "airflow_error": airflow_error,
         "dry_run": dry_run,
-        "run_id": run["run_id"] if run else None,
+        "run_id": run.run_id if run else None,
         "sinks": outcome,
         "request": {"id": req.request_id, "letters": req.letters, "now": now} if req else None,
         # A preview every sink of which would commit: its request may now be redriven.
