@@ -445,7 +445,10 @@ def test_dry_run_previews_a_backfill_and_a_redrive_and_commits_nothing(env, spar
     report = json.loads(out)
     assert report["dry_run"] is True and report["mode"] == "redrive"
     assert report["sinks"]["main"]["previewed"] is True
-    assert report["sinks"]["main"]["error"] == "dry run: rolled back"
+    assert (report["sinks"]["main"]["state"], report["sinks"]["main"]["error"]) == (
+        "previewed",
+        None,
+    )
     assert (report["redrive"]["redriven"], report["redrive"]["failed_again"]) == (1, [])
 
     assert env.q(env.sink_dsn, "SELECT * FROM orders ORDER BY id") == rows
