@@ -188,15 +188,15 @@ def unsettled(conn: psycopg.Connection) -> list[Undecided]:
     )
 
 
-def open_sinks(conn: psycopg.Connection, up_to: int) -> dict[int, dict[str, str]]:
+def open_sinks(conn: psycopg.Connection, up_to: int) -> dict[int, dict[str, RunState]]:
     """{run_id: {sink: state}} of runs up to ``up_to`` not settled yet."""
-    out: dict[int, dict[str, str]] = {}
+    out: dict[int, dict[str, RunState]] = {}
     for run_id, sink, st in conn.execute(
         "SELECT run_id, sink, state::text FROM tidemark.run_sinks WHERE run_id <= %s "
         "AND state = ANY(%s)",
         (up_to, [str(s) for s in OPEN]),
     ):
-        out.setdefault(run_id, {})[sink] = st
+        out.setdefault(run_id, {})[sink] = RunState(st)
     return out
 
 

@@ -321,5 +321,5 @@ def _sweep(
                 report.error(f"cannot roll back {gid}: {one_line(exc)}", dbs.users(dsn))
 
 
-def _may_still_choose(open_sinks: dict[str, str], g: gids.Gid) -> bool:
+def _may_still_choose(open_sinks: dict[str, RunState], g: gids.Gid) -> bool:
     return open_sinks.get(g.sink) not in (None, RunState.COMMITTING)
