@@ -31,6 +31,7 @@ from tidemark import config
 from tidemark.airflow import assets
 from tidemark.airflow.tasks import ledger_dsn
 from tidemark.core.db import connect
+from tidemark.core.sink_counts import SinkCounts
 from tidemark.ledger import runs
 from tidemark.ledger.state import RunState
 from tidemark.ledger.status import dq_results
@@ -87,7 +88,7 @@ def replay_lineage(pipeline_file: str, dag_id: str, run_id: str) -> OperatorLine
         if s["sink"] not in declared:
             continue
         o_ns, o_name = _dataset(assets.sink_uri(p, declared[s["sink"]]))
-        written = (s["counts"] or {}).get("rows", 0) if s["state"] == RunState.COMMITTED else 0
+        written = SinkCounts.from_json(s["counts"]).rows if s["state"] == RunState.COMMITTED else 0
         outputs.append(
             OutputDataset(
                 namespace=o_ns,

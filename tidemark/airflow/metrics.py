@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from datetime import datetime
 
+from tidemark.core.sink_counts import SinkCounts
 from tidemark.ledger.dlq import ERROR_CLASSES
 
 log = logging.getLogger(__name__)
@@ -46,13 +47,9 @@ def emit_run(pipeline: str, run: dict, sinks: list[dict]) -> int:
         sent += 1
         if s["state"] != "committed":
             continue
-        counts = s.get("counts") or {}
-        stats.incr(
-            _name("records_delivered", pipeline, s["sink"]), int(counts.get("rows", 0)), tags=tags
-        )
-        stats.incr(
-            _name("records_quarantined", pipeline, s["sink"]), int(counts.get("dead", 0)), tags=tags
-        )
+        counts = SinkCounts.from_json(s.get("counts"))
+        stats.incr(_name("records_delivered", pipeline, s["sink"]), counts.rows, tags=tags)
+        stats.incr(_name("records_quarantined", pipeline, s["sink"]), counts.dead, tags=tags)
         sent += 2
         for phase, seconds in sorted((s.get("timings") or {}).items()):
             if phase.endswith("_seconds") and isinstance(seconds, int | float):

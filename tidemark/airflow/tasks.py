@@ -14,6 +14,7 @@ from tidemark.airflow.health import LagEpisodes, Problem, check_health, lag_epis
 from tidemark.core.db import connect
 from tidemark.core.errors import BadInput, TidemarkError
 from tidemark.core.settings import get_settings
+from tidemark.core.sink_counts import SinkCounts
 from tidemark.ledger import checkpoints, dlq, runs
 from tidemark.ledger.state import RunState, halted
 
@@ -325,9 +326,10 @@ def report(pipeline: str, dag_id: str, run_id: str, pipeline_file: str | None = 
     dry = any(s["error"] == DRY_RUN for s in sinks)
     parts = [
         f"{s['sink']} {'would commit' if s['error'] == DRY_RUN else s['state']} "
-        f"{s['counts'].get('rows', 0):,} rows {s['counts'].get('dead', 0):,} dead"
-        + "".join(f", {c}" for c in s["schema_changes"])
+        f"{c.rows:,} rows {c.dead:,} dead"
+        + "".join(f", {change}" for change in s["schema_changes"])
         for s in sinks
+        for c in [SinkCounts.from_json(s["counts"])]
     ]
     if not dry:  # a preview delivered nothing: no metrics of a run
         metrics.safely(metrics.emit_run, pipeline, run, sinks)

@@ -75,7 +75,8 @@ class DeadLetters:
 
     def __init__(self, spec: TaskSpec, sink: str, gid: str, phases: Phases) -> None:
         self.spec, self.sink, self.gid, self.phases = spec, sink, gid, phases
-        self.conn: psycopg.Connection | None = None
+        # The ledger transaction and its staged letters, begun at the first statement
+        self.stage: letters.Stage | None = None
         self.rows = 0
         self.resolved = 0
         self.offsets: dict[int, list[int]] = {}  # partition -> offsets quarantined here
@@ -90,11 +91,13 @@ class DeadLetters:
         self.pending_bytes = 0
 
     def _open(self) -> psycopg.Connection:
-        if self.conn is not None:
-            return self.conn
-        self.conn = transactions.begin(self.spec.ledger_dsn, self.spec.lock_timeout_ms, "dlq")
-        self.stage = letters.Stage(self.conn, self.gid)
-        return self.conn
+        return self._staged().conn
+
+    def _staged(self) -> letters.Stage:
+        if self.stage is None:
+            conn = transactions.begin(self.spec.ledger_dsn, self.spec.lock_timeout_ms, "dlq")
+            self.stage = letters.Stage(conn, self.gid)
+        return self.stage
 
     def hold(self, request: int) -> list[int]:
         """Redrive: lock this sink's letters of the request (a concurrent discard waits) and
@@ -141,8 +144,8 @@ class DeadLetters:
             return
         pending, self.pending, self.pending_bytes = self.pending, [], 0
         self._fill_left_out(pending)
-        self._open()
-        with self.stage.copy() as copy:
+        stage = self._staged()
+        with stage.copy() as copy:
             for r, error_class, reason, detail in pending:
                 if error_class == "decode":  # Spark's word made precise, from the bytes
                     reason = decode_reason(r["_tm_payload"], reason)
@@ -165,7 +168,7 @@ class DeadLetters:
                         True,
                     )
                 )
-        self.stage.merge()
+        stage.merge()
 
     def _fill_left_out(self, pending: list[Pending]) -> None:
         """What the reader left out (TaskSpec.payloads, sources.LEFT_OUT: a decoded record's
@@ -223,15 +226,15 @@ class DeadLetters:
     def prepare(self) -> Prepared | None:
         with self.phases("quarantine"):
             self.flush()
-        if self.conn is None:
+        if self.stage is None:
             return None
         if not self.rows and not self.resolved:
             self.close()  # nothing to commit: no participant
             return None
         with self.phases("prepare"):
             self.stage.drop()
-            transactions.finish(self.conn, self.gid, self.spec.run_id, self.spec.prepare)
-            self.conn.close()
+            transactions.finish(self.stage.conn, self.gid, self.spec.run_id, self.spec.prepare)
+            self.stage.conn.close()
         return Prepared(
             gid=self.gid, target="ledger", sink=self.sink, rows=self.rows + self.resolved
         )
@@ -239,5 +242,5 @@ class DeadLetters:
     def close(self) -> None:
         if self.reader is not None:
             self.reader.close()
-        if self.conn is not None and not self.conn.closed:
-            self.conn.close()  # an open, unprepared transaction rolls back
+        if self.stage is not None and not self.stage.conn.closed:
+            self.stage.conn.close()  # an open, unprepared transaction rolls back

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from tidemark.config import IDENT, dag_id
 from tidemark.core.errors import BadInput, NotFound
+from tidemark.core.sink_counts import SinkCounts
 from tidemark.core.text import shown
 from tidemark.ledger import runs as ledger_runs
 from tidemark.web import auth as web_auth
@@ -117,7 +118,7 @@ def offer(caller: Caller, pipeline: str) -> dict[str, Any]:
 
 
 def _outcome(row: dict[str, Any]) -> dict[str, Any]:
-    counts = row["counts"] or {}
+    counts = SinkCounts.from_json(row["counts"]).to_json()
     would = row["error"] == ledger_runs.DRY_RUN
     return {
         "sink": row["sink"],
@@ -125,7 +126,7 @@ def _outcome(row: dict[str, Any]) -> dict[str, Any]:
         "ok": would or row["state"] == "committed",
         "dry": would,
         "error": None if would else row["error"],
-        **{k: counts.get(k, 0) for k in ("records", "rows", "dead")},
+        **{k: counts[k] for k in ("records", "rows", "dead")},
     }
 
 

@@ -10,6 +10,7 @@ from fastapi import Request
 
 from tidemark.config import IDENT, dag_id
 from tidemark.core.errors import NotFound
+from tidemark.core.sink_counts import SinkCounts
 from tidemark.core.text import shown
 from tidemark.ledger import redrives
 from tidemark.ledger import runs as ledger_runs
@@ -25,14 +26,14 @@ REFRESH_SECONDS = 3  # how often the page reloads itself while the run is not fi
 
 def _sink_outcome(row: dict[str, Any], dry_run: bool) -> dict[str, Any]:
     """One sink of the ledger's run: what it got, or, previewed, what it would get."""
-    counts = row["counts"] or {}
+    counts = SinkCounts.from_json(row["counts"]).to_json()
     would = dry_run and row["error"] == ledger_runs.DRY_RUN
     return {
         "sink": row["sink"],
         "state": "would commit" if would else row["state"],
         "ok": would or row["state"] == "committed",
         "error": None if would else row["error"],
-        **{k: counts.get(k, 0) for k in ("records", "rows", "dead", "superseded", "resolved")},
+        **{k: counts[k] for k in ("records", "rows", "dead", "superseded", "resolved")},
     }
 
 
