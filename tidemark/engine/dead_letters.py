@@ -83,6 +83,7 @@ class DeadLetters:
         self.held: dict[tuple[int, int], int] = {}  # redrive: (partition, offset) -> letter id
         self.held_offsets: dict[int, pa.Array] = {}  # redrive: partition -> offsets held
         self.failed_again: list[int] = []
+        self.skipped: list[int] = []  # redrive: letters of the request no longer quarantined
         self.reader: PayloadReader | None = None  # reads what the reader left out (_fill_left_out)
         self.pending: list[Pending] = []  # not yet written
         # "<class>: <reason>" -> letters, for the quarantine ceiling's message
@@ -99,22 +100,20 @@ class DeadLetters:
             self.stage = letters.Stage(conn, self.gid)
         return self.stage
 
-    def hold(self, request: int) -> list[int]:
+    def hold(self, request: int) -> None:
         """Redrive: lock this sink's letters of the request (a concurrent discard waits) and
-        keep those still quarantined. Returns the ids not held (discarded or resolved since
-        the plan)."""
+        keep those still quarantined; ``skipped``: the ids not held (discarded or resolved
+        since the plan)."""
         conn = self._open()
-        skipped: list[int] = []
         by_part: dict[int, list[int]] = {}
         for i, part, off, live in redrives.hold(conn, request, self.spec.pipeline, self.sink):
             if live:
                 self.held[(part, off)] = i
                 by_part.setdefault(part, []).append(off)
             else:
-                skipped.append(i)
+                self.skipped.append(i)
         # Built once: every batch is scoped against them (a redrive may be 100,000 letters).
         self.held_offsets = {p: pa.array(offs, pa.int64()) for p, offs in by_part.items()}
-        return skipped
 
     def add(
         self,

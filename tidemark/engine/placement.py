@@ -41,7 +41,6 @@ class SinkTask(Protocol):
     t: SinkTarget
     w: SinkWriter
     dead: DeadLetters
-    skipped: list[int]
 
 
 class Placing(ABC):
@@ -136,7 +135,7 @@ class Redrive(Placing):
 
     def open(self, s: SinkTask) -> None:
         """Locks the sink's letters of the request (a concurrent discard waits)."""
-        s.skipped = s.dead.hold(self.how.request)
+        s.dead.hold(self.how.request)
 
     def scope(self, s: SinkTask, partition: int, batch: pa.RecordBatch) -> pa.RecordBatch:
         offs = s.dead.held_offsets.get(partition)
@@ -165,7 +164,7 @@ class Redrive(Placing):
         return {
             "redriven": len(s.dead.held) - len(failed),
             "failed_again": sorted(failed),
-            "skipped": s.skipped,
+            "skipped": s.dead.skipped,
         }
 
 

@@ -47,7 +47,6 @@ class SinkTask:
             direct=direct,
             removal=placing.removal(target, self.dead, rows_gid),
         )
-        self.skipped: list[int] = []  # redrive: letters no longer quarantined
         self.fallback: list[pa.RecordBatch] = []  # backfill: versions to fall back on
         self.records = 0  # of the sink's range, seen
         self.fell_back = 0  # backfill: fallback versions examined (Placing.finish)
@@ -134,6 +133,10 @@ class SinkTask:
 
     def _null_reason(self, col: str) -> str:
         return f"{'key' if col in self.t.key else 'version'} column {col} is NULL"
+
+    def set_aside(self, fallback: pa.RecordBatch) -> None:
+        """A backfill's fallback versions for this sink, placed at :meth:`finish`."""
+        self.fallback.append(fallback)
 
     def finish(self) -> None:
         """After the last batch: flush; a re-delivery then falls back and resolves."""

@@ -162,7 +162,7 @@ def _set_aside_fallback(batch: pa.RecordBatch, sinks: list[SinkTask]) -> pa.Reco
     for s in sinks:
         mine = batch.filter(pc.equal(tag, s.t.name))
         if mine.num_rows:
-            s.fallback.append(mine)
+            s.set_aside(mine)
     return batch.filter(pc.invert(extra))
 
 
