@@ -57,11 +57,11 @@ def test_a_lagging_sinks_failed_gate_quarantines_only_its_own_range(env, spark):
     quality = {"batch": [gate], "on_gate_failure": "quarantine_batch"}
     env.pipeline(sinks=two_sinks(env), quality=quality, limits={"max_records_per_partition": 10})
     first = env.run(spark, sink_names=["a"])
-    assert first.ok and first.sinks["a"].rows == 20, first.summary()
+    assert first.ok and first.sinks["a"].counts.rows == 20, first.summary()
 
     env.pipeline(sinks=two_sinks(env), quality=quality, limits={"max_records_per_partition": 40})
     second = env.run(spark, sink_names=["b"])  # 80 records: the gate fails
-    assert second.ok and second.sinks["b"].dead == 80, second.summary()
+    assert second.ok and second.sinks["b"].counts.dead == 80, second.summary()
     assert letters(env, "sink = 'a'") == []
     assert {r[3] for r in letters(env, "sink = 'b'")} == {"dq_gate"}
     assert len(ids(env, env.sink_dsn)) == 20 and ids(env, env.sink2_dsn) == []
@@ -69,7 +69,7 @@ def test_a_lagging_sinks_failed_gate_quarantines_only_its_own_range(env, spark):
 
     # Sink a catches up over records b has (in its DLQ): its own range [10, 40) only.
     third = env.run(spark)
-    assert list(third.sinks) == ["a"] and third.sinks["a"].dead == 60, third.summary()
+    assert list(third.sinks) == ["a"] and third.sinks["a"].counts.dead == 60, third.summary()
     assert len(letters(env, "sink = 'a'")) == 60
     assert len(ids(env, env.sink_dsn)) == 20
     assert env.checkpoints(sink="a") == env.checkpoints(sink="b") == {0: 40, 1: 40}
@@ -85,7 +85,7 @@ def test_a_decode_verdict_binds_only_the_sinks_whose_range_holds_the_record(env,
     env.append_orders(range(10, 15), partitions=1)
     both_run = env.run(engine)  # b from 0 (gets the poison for itself), a from 11
     assert both_run.ok, both_run.summary()
-    assert both_run.sinks["a"].rows == 5 and both_run.sinks["b"].rows == 15
+    assert both_run.sinks["a"].counts.rows == 5 and both_run.sinks["b"].counts.rows == 15
     assert letters(env) == [
         ("a", 0, 10, "decode", "quarantined", 1),
         ("b", 0, 10, "decode", "quarantined", 1),
@@ -111,7 +111,12 @@ def test_a_backfill_leaves_the_sink_as_one_delivery_with_the_current_pipeline_wo
     assert report.ok, report.summary()
     out = report.sinks["main"]
     # Every row of the range goes first (21: ids 0 .. 20), then the range is placed again.
-    assert (out.rows, out.removed, out.resolved, out.dead) == (29, 21, 12, 4 + 7)
+    assert (out.counts.rows, out.counts.removed, out.counts.resolved, out.counts.dead) == (
+        29,
+        21,
+        12,
+        4 + 7,
+    )
     assert ids(env, env.sink_dsn) == list(range(4, 33))
     by_offset = {r[2]: r for r in letters(env)}
     assert [o for o, r in by_offset.items() if r[4] == "quarantined"] == [
@@ -137,8 +142,8 @@ def test_a_backfill_leaves_the_sink_as_one_delivery_with_the_current_pipeline_wo
     # Back to the first check: the 12 redriven letters are quarantined again, their rows gone.
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 25}}]})
     again = env.run(spark, mode=Backfill([Range(0, 0, 40)]))
-    assert again.ok and again.sinks["main"].removed == 29, again.summary()
-    assert again.sinks["main"].resolved == 4  # ids 0 .. 3 pass again
+    assert again.ok and again.sinks["main"].counts.removed == 29, again.summary()
+    assert again.sinks["main"].counts.resolved == 4  # ids 0 .. 3 pass again
     assert ids(env, env.sink_dsn) == list(range(21))
     status = {r[2]: r[4] for r in letters(env)}
     assert status == {
@@ -154,7 +159,7 @@ def test_a_backfill_leaves_the_sink_as_one_delivery_with_the_current_pipeline_wo
     assert rep.redrive["skipped"] == [last], rep.summary()
     # ... and a backfill of its range places it, now that it passes: its letter resolved.
     rep = env.run(spark, mode=Backfill([Range(0, 39, 40)]), by="fay")
-    assert rep.ok and rep.sinks["main"].resolved == 1, rep.summary()
+    assert rep.ok and rep.sinks["main"].counts.resolved == 1, rep.summary()
     assert 39 in ids(env, env.sink_dsn)
     assert letters(env, "id = %s", (last,))[0][4] == "redriven"
     assert_exactly_once(env)
@@ -189,7 +194,12 @@ def test_a_backfill_that_removes_a_keys_row_places_its_older_versions_again(env,
     out = report.sinks["main"]
     # Range: the rows of 4 .. 6 removed; 3 placed, 4 .. 6 quarantined. Keys 7 and 8 lost
     # their rows: fallen back to offsets 0 and 1, and 2 quarantined on the way (amount 60).
-    assert (out.removed, out.fallback, out.rows, out.dead) == (3, 3, 3, 4), report.summary()
+    assert (out.counts.removed, out.counts.fallback, out.counts.rows, out.counts.dead) == (
+        3,
+        3,
+        3,
+        4,
+    ), report.summary()
     assert env.q(env.sink_dsn, "SELECT id, _tm_offset, amount FROM orders ORDER BY id") == [
         (7, 0, 1.0),
         (8, 1, 2.0),
@@ -209,7 +219,7 @@ def test_a_backfill_that_removes_a_keys_row_places_its_older_versions_again(env,
     # of its range; offset 2 stays quarantined (outside the range), superseded by the row.
     env.pipeline()
     again = env.run(spark, mode=Backfill([Range(0, 3, 7)]))
-    assert again.ok and again.sinks["main"].resolved == 3, again.summary()
+    assert again.ok and again.sinks["main"].counts.resolved == 3, again.summary()
     assert env.q(env.sink_dsn, "SELECT id, _tm_offset FROM orders ORDER BY id") == newest
     assert_exactly_once(env)
 
@@ -233,7 +243,7 @@ def test_a_backfill_falls_back_to_a_version_in_another_partition_by_the_version_
     )
     report = env.run(spark, mode=Backfill([Range(0, 0, 2)]))
     assert report.ok, report.summary()
-    assert (report.sinks["main"].removed, report.sinks["main"].fallback) == (2, 1)
+    assert (report.sinks["main"].counts.removed, report.sinks["main"].counts.fallback) == (2, 1)
     assert env.q(env.sink_dsn, "SELECT id, version, _tm_partition FROM orders ORDER BY id") == [
         (7, 1, 1),
         (8, 3, 0),
@@ -279,7 +289,7 @@ def test_versions_of_a_key_from_two_partitions_need_a_declared_order(env, spark)
     env.pipeline(source=env.source(0), sinks=[plain])
     first = env.run(spark)
     assert first.ok, first.summary()
-    assert first.sinks["main"].superseded == 1  # id 1's first version, in the same batch
+    assert first.sinks["main"].counts.superseded == 1  # id 1's first version, in the same batch
     assert env.q(env.sink_dsn, "SELECT name FROM orders ORDER BY id") == [("b",), ("p0",)]
 
     # Partition 1 brings another version of id 7: offsets cannot order it against partition 0.
@@ -296,7 +306,7 @@ def test_versions_of_a_key_from_two_partitions_need_a_declared_order(env, spark)
     assert env.q(env.sink_dsn, "SELECT name, version FROM orders WHERE id = 7") == [("p1", 2)]
     # Re-delivering partition 0 never puts back an older version; what it skips is counted.
     back = env.run(spark, mode=Backfill([Range(0, 0, 3)]))
-    assert back.ok and back.sinks["main"].superseded == 2, back.summary()
+    assert back.ok and back.sinks["main"].counts.superseded == 2, back.summary()
     assert env.q(env.sink_dsn, "SELECT id, name, version FROM orders ORDER BY id") == [
         (1, "b", 2),
         (7, "p1", 2),
@@ -326,7 +336,7 @@ def test_one_run_with_versions_of_a_key_in_two_partitions_commits_the_newest(env
     env.pipeline(source=env.source(0, 1), sinks=[main])
     report = env.run(engine, settings=env.settings(lock_timeout_ms=2000))
     assert report.ok, report.summary()
-    assert report.sinks["main"].rows == 4 and report.sinks["main"].superseded == 1
+    assert report.sinks["main"].counts.rows == 4 and report.sinks["main"].counts.superseded == 1
     assert env.q(env.sink_dsn, "SELECT id, name, version FROM orders ORDER BY id") == [
         (1, "a", 1),
         (2, "b", 1),
@@ -354,7 +364,7 @@ def test_sink_keys_are_never_null(env, engine):
     # No `required`: the key column is required all the same.
     env.pipeline(transform={"select": {"id": "id", "name": "name"}})
     report = env.run(engine)
-    assert report.ok and report.sinks["main"].rows == 5, report.summary()
+    assert report.ok and report.sinks["main"].counts.rows == 5, report.summary()
     assert env.ledger("SELECT error_class::text, reason FROM tidemark.dlq") == [
         ("transform", "key column id is NULL")
     ]
@@ -417,7 +427,7 @@ def test_headers_postgresql_refuses_are_kept_and_the_record_quarantined(env, eng
     env.append_orders([1], partitions=1)
     env.pipeline()
     report = env.run(engine)
-    assert report.ok and report.sinks["main"].dead == 1, report.summary()
+    assert report.ok and report.sinks["main"].counts.dead == 1, report.summary()
     (headers,) = env.ledger("SELECT headers FROM tidemark.dlq")[0]
     assert base64.b64decode(headers["_tm_unstorable_headers_base64"]).decode() == raw
     assert_exactly_once(env)
@@ -470,7 +480,7 @@ def test_versions_of_a_key_in_two_partitions_spread_by_key_commit_the_newest(env
     )
     report = env.run(engine, settings=env.settings(lock_timeout_ms=2000))
     assert report.ok, report.summary()
-    assert report.sinks["main"].rows + report.sinks["main"].superseded == 1000
+    assert report.sinks["main"].counts.rows + report.sinks["main"].counts.superseded == 1000
     assert _tasks(env) == {"0", "1"}
     assert env.q(env.sink_dsn, "SELECT DISTINCT name FROM orders") == [("p1",)]
     assert_exactly_once(env)

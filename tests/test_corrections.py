@@ -58,7 +58,7 @@ def test_a_correction_is_placed_once_by_a_backfill_of_its_window_and_kept_by_a_r
     env.append([_record(1, 14, 18), _record(0, 20, 50)])
     report = env.run(spark)
     assert report.ok, report.summary()
-    assert report.sinks["main"].rows == 2 and report.sinks["main"].schema_changes == []
+    assert report.sinks["main"].counts.rows == 2 and report.sinks["main"].schema_changes == []
     amounts = _amounts(env)
     assert amounts[14] == 14 * 1.25 and amounts[20] == 20 * 1.25
     assert {i: amounts[i] for i in wrong} == {i: right[i] * 100 for i in wrong}  # not yet

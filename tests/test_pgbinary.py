@@ -157,7 +157,7 @@ def test_a_run_says_how_its_rows_went_in(env, spark):
         sinks=[{"name": "main", "dsn": env.sink2_dsn, "table": "public.orders", "key": ["id"]}],
     )
     rep = env.run(spark, name="typed")
-    assert rep.ok and rep.sinks["main"].rows == 40
+    assert rep.ok and rep.sinks["main"].counts.rows == 40
     assert rep.sinks["main"].copy_format == CopyFormat.CSV
     assert rep.sinks["main"].csv_why.startswith("column amount (double into numeric")
     assert env.q(env.sink2_dsn, "SELECT amount FROM public.orders WHERE id = 3") == [

@@ -112,7 +112,11 @@ def test_a_run_past_the_quarantine_ceiling_halts_with_nothing_committed(env, spa
     with psycopg.connect(env.ledger_dsn, autocommit=True) as c:
         assert state.resume(c, "orders")
     report = env.run(spark)
-    assert report.ok and report.sinks["main"].rows == 2 and report.sinks["main"].dead == 6
+    assert (
+        report.ok
+        and report.sinks["main"].counts.rows == 2
+        and report.sinks["main"].counts.dead == 6
+    )
     assert_exactly_once(env)
 
 
@@ -173,7 +177,7 @@ def test_a_few_quarantined_records_never_halt_a_run_whatever_their_share(env, sp
     env.append([_bad(i) for i in range(8)])  # 75%, but 6 records: under the default minimum
     env.pipeline()
     report = env.run(spark)
-    assert report.ok and report.sinks["main"].dead == 6
+    assert report.ok and report.sinks["main"].counts.dead == 6
     assert_exactly_once(env)
 
 

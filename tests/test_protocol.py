@@ -12,6 +12,7 @@ from tests.conftest import claim_orders
 from tests.invariants import assert_exactly_once
 from tidemark.core.errors import TidemarkError
 from tidemark.core.ranges import Range
+from tidemark.core.sink_counts import SinkCounts
 from tidemark.driver.run import Backfill
 from tidemark.ledger import state
 from tidemark.protocol.taskspec import TASK_PHASES
@@ -24,7 +25,7 @@ def test_run_delivers_once_then_only_what_is_new(env, engine):
     report = env.run(engine)
     assert report.ok, report.summary()
     assert report.records == 200
-    assert report.sinks["main"].rows == 200
+    assert report.sinks["main"].counts.rows == 200
     assert env.checkpoints() == {0: 100, 1: 100}
     assert env.q(env.sink_dsn, "SELECT count(*), count(DISTINCT id) FROM orders")[0] == (200, 200)
     assert env.prepared() == []
@@ -106,8 +107,8 @@ def test_each_sink_advances_on_its_own_and_reads_once_from_the_minimum(env, engi
     second = env.run(engine)
     assert second.ok, second.summary()
     assert second.records == 120
-    assert second.sinks["main"].rows == 20
-    assert second.sinks["second"].rows == 120
+    assert second.sinks["main"].counts.rows == 20
+    assert second.sinks["second"].counts.rows == 120
     assert env.checkpoints(sink="main") == env.checkpoints(sink="second") == {0: 60, 1: 60}
     runs = env.q(env.sink_dsn, "SELECT _tm_run_id, count(*) FROM orders GROUP BY 1 ORDER BY 1")
     assert runs == [(first.run_id, 100), (second.run_id, 20)]
@@ -137,9 +138,9 @@ def test_poison_records_land_in_the_dlq_byte_for_byte_and_the_run_advances(env, 
     env.pipeline()
     report = env.run(engine)
     assert report.ok, report.summary()
-    assert report.sinks["main"].rows == 10
+    assert report.sinks["main"].counts.rows == 10
     # Every letter names the sink it applies to: the only sink here.
-    assert report.sinks["main"].dead == len(POISON) + 1
+    assert report.sinks["main"].counts.dead == len(POISON) + 1
     assert env.checkpoints() == {0: 10 + len(POISON) + 1}
 
     dlq = {
@@ -238,7 +239,7 @@ def test_a_decoded_records_bytes_stay_out_of_the_batch_and_its_letter_reads_them
         }
     )
     report = env.run(spark)
-    assert report.ok and report.sinks["main"].dead == 30, report.summary()
+    assert report.ok and report.sinks["main"].counts.dead == 30, report.summary()
     assert env.ledger(
         "SELECT count(*), count(*) FILTER (WHERE d.payload = s.payload) FROM tidemark.dlq d "
         "JOIN src.log s ON (s.partition, s.offset) = (d.source_partition, d.source_offset) "
@@ -402,8 +403,10 @@ def test_state_machine_step_by_step(env):
             state.decide(conn, "orders", rid, "main", [])
         state.start_writing(conn, "orders", rid, "main")
         assert st() == "writing"
-        state.mark_prepared(conn, "orders", rid, "main", {"rows": 5})
+        state.mark_prepared(conn, "orders", rid, "main", SinkCounts(records=5, rows=5))
         assert st() == "prepared"
+        stored = conn.execute("SELECT counts FROM tidemark.run_sinks WHERE run_id = %s", (rid,))
+        assert SinkCounts.from_json(stored.fetchone()[0]) == SinkCounts(records=5, rows=5)
         state.decide(conn, "orders", rid, "main", [Participant("tm:x", Target.ledger(), 0, 5)])
         assert st() == "committing"
         assert not state.abort(conn, "orders", rid, "main", "too late")
@@ -429,7 +432,7 @@ def test_a_run_that_lost_its_lease_can_never_reach_the_decision(env):
     ):
         old = claim_orders(a, owner="a:1")
         state.start_writing(a, "orders", old.run_id, "main")
-        state.mark_prepared(a, "orders", old.run_id, "main", {})
+        state.mark_prepared(a, "orders", old.run_id, "main", SinkCounts())
         with pytest.raises(state.LeaseHeld):
             claim_orders(b, owner="b:2")
         # The lease expires (a paused or partitioned owner): another run takes over.
@@ -470,8 +473,8 @@ def test_a_lagging_sink_catches_up_without_the_read_spanning_the_gap(env, engine
     first = env.run(engine)
     assert first.ok and first.records == 30  # [0, 30): no more than the limit
     assert "main" not in first.sinks  # nothing for it: not even claimed
-    assert first.sinks["late"].rows == 30
+    assert first.sinks["late"].counts.rows == 30
     second = env.run(engine)
-    assert second.records == 10 and second.sinks["late"].rows == 10
+    assert second.records == 10 and second.sinks["late"].counts.rows == 10
     assert env.checkpoints(sink="late") == env.checkpoints(sink="main") == {0: 40}
     assert env.run(engine).run_id is None

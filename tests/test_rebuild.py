@@ -72,7 +72,12 @@ def test_a_rebuild_gives_the_sink_its_new_key_and_keeps_the_old_table(env, spark
     out = report.sinks["main"]
     # Both versions of each order have a row now; the poison record stays a dead letter and
     # the six letters of the dropped check are resolved (their records have rows).
-    assert (out.rows, out.dead, out.resolved, out.removed) == (12, 1, 6, 0), report.summary()
+    assert (out.counts.rows, out.counts.dead, out.counts.resolved, out.counts.removed) == (
+        12,
+        1,
+        6,
+        0,
+    ), report.summary()
     assert out.schema_changes == [
         "public.orders rebuilt from the pipeline: key (id, version), 4 columns",
         f"the old table kept as public.{_retired(report.run_id)} (drop it when you no longer "
@@ -116,7 +121,7 @@ def test_a_rebuild_preview_changes_nothing(env, spark):
     preview = _rebuild(env, spark, dry_run=True)
     assert preview.ok and preview.dry_run, preview.summary()
     out = preview.sinks["main"]
-    assert out.previewed and (out.rows, out.dead, out.resolved) == (12, 1, 6)
+    assert out.previewed and (out.counts.rows, out.counts.dead, out.counts.resolved) == (12, 1, 6)
     assert out.schema_changes[1].startswith("the old table would be kept as public.orders_")
     assert "public.orders would be rebuilt from the pipeline: key (id, version)" in (
         preview.summary()

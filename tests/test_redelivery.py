@@ -44,7 +44,7 @@ def test_a_backfill_whose_check_changes_places_each_records_newest_passing_versi
     assert report.ok, report.summary()
     assert rows(env) == [(7, 1, 500.0), (8, 3, 500.0), (9, 5, 150.0)]
     assert letters(env) == {1: "redriven", 2: "quarantined", 3: "redriven", 4: "quarantined"}
-    assert report.sinks["main"].removed == 2 and report.sinks["main"].fallback == 0
+    assert report.sinks["main"].counts.removed == 2 and report.sinks["main"].counts.fallback == 0
     assert_exactly_once(env)
 
 
@@ -156,7 +156,7 @@ def test_a_redrive_of_a_letter_whose_newer_version_is_in_the_sink_resolves_it(en
     env.pipeline()
     rep = env.redrive(spark, ids=[letter], by="fay")
     assert rep.ok and rep.redrive["redriven"] == 1, rep.summary()
-    assert rep.sinks["main"].superseded == 1
+    assert rep.sinks["main"].counts.superseded == 1
     assert rows(env, "id, _tm_offset, name") == [(1, 1, "new")]
     assert letters(env) == {0: "redriven"}
     assert_exactly_once(env)
@@ -215,7 +215,7 @@ def test_older_versions_outside_the_range_follow_their_newer_version_to_its_new_
     assert report.ok, report.summary()
     assert env.q(env.sink_dsn, "SELECT k, name, _tm_offset FROM moved") == [(107, "old", 0)]
     assert letters(env) == {1: "quarantined"}
-    assert report.sinks["main"].removed == 1 and report.sinks["main"].fallback == 0
+    assert report.sinks["main"].counts.removed == 1 and report.sinks["main"].counts.fallback == 0
     assert_exactly_once(env, table="moved")
 
 

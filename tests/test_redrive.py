@@ -187,7 +187,7 @@ def test_a_sink_write_failure_keeps_its_own_dead_letter(env, engine):
     with _Conn(env.sink_dsn) as c:
         c.execute("ALTER TABLE public.orders ADD CONSTRAINT small CHECK (id < 50)")
     rep = env.run(engine)
-    assert rep.ok and rep.sinks["main"].dead == 2
+    assert rep.ok and rep.sinks["main"].counts.dead == 2
     ids = [
         i
         for (i,) in env.ledger(
@@ -413,7 +413,7 @@ def _seen_world(env, spark, version: str | None):
         transform={"select": SEEN, "required": ["id"]}, sinks=[sink], quality={"rows": [ROWS]}
     )
     rep = env.run(spark)
-    assert rep.ok and rep.sinks["main"].dead == 2, rep.summary()
+    assert rep.ok and rep.sinks["main"].counts.dead == 2, rep.summary()
     return sink
 
 

@@ -18,6 +18,7 @@ from tests.invariants import assert_exactly_once
 from tests.proc import run_orders
 from tidemark.core.dsn import mask
 from tidemark.core.errors import Fenced
+from tidemark.core.sink_counts import SinkCounts
 from tidemark.engine.transactions import rollback_earlier_attempts
 from tidemark.ledger import markers, state
 from tidemark.protocol import twopc
@@ -87,7 +88,7 @@ def test_recovery_reports_a_gid_with_its_prefix_it_cannot_read_and_leaves_it_pre
 def _claimed(conn, ttl: int = 60):
     claim = claim_orders(conn, ttl_seconds=ttl)
     state.start_writing(conn, "orders", claim.run_id, "main")
-    state.mark_prepared(conn, "orders", claim.run_id, "main", {})
+    state.mark_prepared(conn, "orders", claim.run_id, "main", SinkCounts())
     return claim.run_id
 
 
@@ -223,7 +224,7 @@ def test_start_latest_skips_the_history_once_and_keeps_what_comes_after(env, spa
     assert env.checkpoints() == {0: 10, 1: 10}  # the start is recorded, not recomputed
     env.append_orders(range(20, 24))
     second = env.run(spark)
-    assert second.ok and second.sinks["main"].rows == 4, second.summary()
+    assert second.ok and second.sinks["main"].counts.rows == 4, second.summary()
     assert sorted(i for (i,) in env.q(env.sink_dsn, "SELECT id FROM orders")) == [20, 21, 22, 23]
 
 

@@ -45,12 +45,12 @@ def test_a_tombstone_deletes_its_keys_row_and_no_backfill_brings_it_back(env, sp
     assert env.run(spark).ok
     env.append([tombstone(1)])
     report = env.run(spark)
-    assert report.ok and report.sinks["main"].tombstones == 1, report.summary()
+    assert report.ok and report.sinks["main"].counts.tombstones == 1, report.summary()
     assert ids(env) == [(2, 1)] and letters(env) == []
     # Re-delivering the older version of key 1 (offset 0, before the tombstone) places
     # nothing: the tombstone is its key's newest version.
     back = env.run(spark, mode=Backfill([Range(0, 0, 2)]))
-    assert back.ok and back.sinks["main"].superseded == 1, back.summary()
+    assert back.ok and back.sinks["main"].counts.superseded == 1, back.summary()
     assert ids(env) == [(2, 1)] and letters(env) == []
     # A newer version brings the key back.
     env.append([order(1, 7.0)])
@@ -125,7 +125,7 @@ def test_a_tombstone_kept_as_a_letter_deletes_its_key_when_redriven(env, spark):
     env.pipeline(transform=KEYED, tombstones="delete")
     rep = env.redrive(spark, ids=[letter], by="fay")
     assert rep.ok and rep.redrive["redriven"] == 1, rep.summary()
-    assert rep.sinks["main"].tombstones == 1
+    assert rep.sinks["main"].counts.tombstones == 1
     assert ids(env) == [(2, 1)]
     assert [(o, s) for o, _, _, s in letters(env)] == [(2, "redriven")]
     assert_exactly_once(env, tombstones=True)

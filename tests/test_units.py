@@ -258,10 +258,13 @@ def test_a_sink_result_says_its_copy_format_and_why_csv():
     for CSV, and only for it."""
     from pydantic import ValidationError
 
+    from tidemark.core.sink_counts import SinkCounts
     from tidemark.driver.report import SinkOutcome
     from tidemark.protocol.taskspec import CopyFormat, SinkResult
 
-    csv = SinkResult(rows=2, copy_format=CopyFormat.CSV, csv_why="column amount (double)")
+    csv = SinkResult(
+        counts=SinkCounts(rows=2), copy_format=CopyFormat.CSV, csv_why="column amount (double)"
+    )
     assert SinkResult.model_validate_json(csv.model_dump_json()) == csv
     assert SinkResult.model_validate({"copy_format": "binary"}).copy_format is CopyFormat.BINARY
     for bad in [
@@ -275,10 +278,64 @@ def test_a_sink_result_says_its_copy_format_and_why_csv():
     out = SinkOutcome("main", "committed")
     out.take_copy_format([SinkResult(), csv, SinkResult(copy_format=CopyFormat.CSV, csv_why="b")])
     assert (out.copy_format, out.csv_why) == (CopyFormat.CSV, "column amount (double)")
-    assert json.loads(json.dumps(vars(out)))["copy_format"] == "csv"
+    assert json.loads(json.dumps(out.to_dict()))["copy_format"] == "csv"
     none = SinkOutcome("main", "committed")
     none.take_copy_format([SinkResult()])
     assert (none.copy_format, none.csv_why) == (None, "")
+
+
+def test_per_sink_counts_are_one_type_from_the_task_to_the_ledger():
+    """SinkCounts: summed over a sink's tasks, carried in the task's result (JSON), written
+    to the ledger by its serializer and read back by its parser, old rows included: before
+    V004 a row had ``sink_dead`` + ``source_dead``, an aborted run's only ``records``."""
+    from tidemark.core.sink_counts import SinkCounts
+    from tidemark.driver.report import SinkOutcome
+    from tidemark.protocol.taskspec import SinkResult
+
+    a = SinkCounts(records=10, rows=6, dead=2, superseded=1, tombstones=1)
+    b = SinkCounts(records=4, rows=2, dead=1, removed=3, resolved=1, fallback=2, superseded=3)
+    assert SinkCounts.total([a, b]) == SinkCounts(14, 8, 3, 4, 3, 1, 2, 1)
+    assert SinkCounts.total([]) == SinkCounts()
+    assert a.unbalanced() is None and b.unbalanced() is None
+    assert SinkCounts(records=3, rows=1, fallback=1).unbalanced() == (
+        "3 records and 1 fallback versions but 1 written + 0 quarantined + 0 superseded + "
+        "0 tombstones"
+    )
+    wire = SinkResult(counts=b)
+    assert SinkResult.model_validate_json(wire.model_dump_json()).counts == b
+    stored = json.loads(json.dumps(b.to_json()))
+    assert stored == {
+        "records": 4,
+        "rows": 2,
+        "dead": 1,
+        "superseded": 3,
+        "removed": 3,
+        "resolved": 1,
+        "fallback": 2,
+        "tombstones": 0,
+    }
+    assert SinkCounts.from_json(stored) == b
+    assert SinkCounts.from_json(None) == SinkCounts.from_json({}) == SinkCounts()
+    assert SinkCounts.from_json({"records": 7}) == SinkCounts(records=7)
+    old = {"records": 9, "rows": 5, "sink_dead": 3, "source_dead": 1}
+    assert SinkCounts.from_json(old) == SinkCounts(records=9, rows=5, dead=4)
+    assert SinkCounts.from_json({**old, "dead": 2}).dead == 2  # the new key wins
+    out = SinkOutcome("main", "committed")
+    out.take_counts([SinkResult(counts=a), SinkResult(counts=b)])
+    assert out.counts == a + b
+    shown = out.to_dict()  # the run report's JSON: counts in line, as before
+    assert list(shown)[:9] == [
+        "sink",
+        "state",
+        "rows",
+        "dead",
+        "superseded",
+        "removed",
+        "resolved",
+        "fallback",
+        "tombstones",
+    ]
+    assert "counts" not in shown and "records" not in shown and shown["rows"] == 8
 
 
 def test_a_task_accounts_by_ranges_by_key_or_by_records():

@@ -214,8 +214,18 @@ def test_a_delivery_by_ranges_prepares_one_transaction_per_sink(bench: Bench) ->
         (f"tm:{RUN}:s.copy:0:0", "sink:copy", 30),
     ]
     main, copy = r.sinks["main"], r.sinks["copy"]
-    assert (main.records, main.rows, main.dead, main.superseded) == (50, 50, 0, 0)
-    assert (copy.records, copy.rows, copy.dead, copy.superseded) == (30, 30, 0, 0)
+    assert (main.counts.records, main.counts.rows, main.counts.dead, main.counts.superseded) == (
+        50,
+        50,
+        0,
+        0,
+    )
+    assert (copy.counts.records, copy.counts.rows, copy.counts.dead, copy.counts.superseded) == (
+        30,
+        30,
+        0,
+        0,
+    )
     assert r.seen == {}  # by ranges: the task itself accounts for every offset
     assert bench.prepared("main") == [f"tm:{RUN}:s.main:0:0"]
     assert bench.prepared("copy") == [f"tm:{RUN}:s.copy:0:0"]
@@ -317,7 +327,12 @@ def test_records_postgresql_refuses_are_bisected_into_dead_letters(env: Any) -> 
     r = bench.run(spec, [batch(records[:25]), batch(records[25:])])
 
     main = r.sinks["main"]
-    assert (main.records, main.rows, main.dead, main.error) == (40, 36, 4, None)
+    assert (main.counts.records, main.counts.rows, main.counts.dead, main.error) == (
+        40,
+        36,
+        4,
+        None,
+    )
     assert [(p.gid, p.target, p.rows) for p in r.participants] == [
         (f"tm:{RUN}:s.main:0:0", "sink:main", 36),
         (f"tm:{RUN}:d.main:0:0", "ledger", 4),
@@ -353,7 +368,7 @@ def test_direct_copy_first_then_the_merge_replaces_by_key(bench: Bench) -> None:
     the newest version of a key within the batch (the other is superseded)."""
     first = bench.spec({"main": {0: (0, 10)}}, by_ranges([Span(partition=0, start=0, end=10)]))
     r1 = bench.run(first, [orders(0, range(10))])
-    assert (r1.sinks["main"].rows, r1.sinks["main"].superseded) == (10, 0)
+    assert (r1.sinks["main"].counts.rows, r1.sinks["main"].counts.superseded) == (10, 0)
     assert "merge" not in r1.sinks["main"].phases  # straight into the target
     bench.commit(r1)
 
@@ -365,7 +380,7 @@ def test_direct_copy_first_then_the_merge_replaces_by_key(bench: Bench) -> None:
     ids = [3, 4, 20, 20, 21]
     r2 = bench.run(later, [batch([order(0, 10 + i, k, version=2) for i, k in enumerate(ids)])])
     main = r2.sinks["main"]
-    assert (main.records, main.rows, main.superseded) == (5, 4, 1)
+    assert (main.counts.records, main.counts.rows, main.counts.superseded) == (5, 4, 1)
     assert "merge" in main.phases
     bench.commit(r2)
     got = {i: (o, run) for i, _, _, _, o, run in bench.rows("main")}
@@ -389,7 +404,12 @@ def test_a_backfill_replaces_its_range_by_position(bench: Bench) -> None:
     spec = bench.spec(ranges, read, Backfilling(by="bob"), run_id=RUN + 1)
     r2 = bench.run(spec, [batch(records)])
     main = r2.sinks["main"]
-    assert (main.records, main.removed, main.rows, main.dead) == (10, 10, 9, 1)
+    assert (main.counts.records, main.counts.removed, main.counts.rows, main.counts.dead) == (
+        10,
+        10,
+        9,
+        1,
+    )
     assert [p.gid for p in r2.participants] == [
         f"tm:{RUN + 1}:s.main:0:0",
         f"tm:{RUN + 1}:d.main:0:0",
@@ -481,7 +501,12 @@ def test_a_redrive_places_the_records_of_its_letters(env: Any) -> None:
 
     r = bench.run(redrive, [batch([records[5]])])
     main = r.sinks["main"]
-    assert (main.redriven, main.rows, main.resolved, main.failed_again) == (1, 1, 1, [])
+    assert (main.redriven, main.counts.rows, main.counts.resolved, main.failed_again) == (
+        1,
+        1,
+        1,
+        [],
+    )
     assert bench.letters()[0][4] == "quarantined"  # until the decision
     bench.commit(r)
     assert bench.rows("main")[5] == (5, "order-5", -2.0, 0, 5, RUN + 1)

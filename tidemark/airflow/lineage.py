@@ -87,7 +87,7 @@ def replay_lineage(pipeline_file: str, dag_id: str, run_id: str) -> OperatorLine
         if s.sink not in declared:
             continue
         o_ns, o_name = _dataset(assets.sink_uri(p, declared[s.sink]))
-        written = (s.counts or {}).get("rows", 0) if s.state is RunState.COMMITTED else 0
+        written = s.counts.rows if s.state is RunState.COMMITTED else 0
         outputs.append(
             OutputDataset(
                 namespace=o_ns,

@@ -47,13 +47,8 @@ def emit_run(pipeline: str, run: StartedRun, sinks: list[SinkRun]) -> int:
         sent += 1
         if s.state is not RunState.COMMITTED:
             continue
-        counts = s.counts or {}
-        stats.incr(
-            _name("records_delivered", pipeline, s.sink), int(counts.get("rows", 0)), tags=tags
-        )
-        stats.incr(
-            _name("records_quarantined", pipeline, s.sink), int(counts.get("dead", 0)), tags=tags
-        )
+        stats.incr(_name("records_delivered", pipeline, s.sink), s.counts.rows, tags=tags)
+        stats.incr(_name("records_quarantined", pipeline, s.sink), s.counts.dead, tags=tags)
         sent += 2
         for phase, seconds in sorted((s.timings or {}).items()):
             if phase.endswith("_seconds") and isinstance(seconds, int | float):

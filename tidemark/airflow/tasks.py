@@ -325,7 +325,7 @@ def report(pipeline: str, dag_id: str, run_id: str, pipeline_file: str | None = 
     dry = any(s.state is RunState.PREVIEWED for s in sinks)
     parts = [
         f"{s.sink} {'would commit' if s.state is RunState.PREVIEWED else s.state} "
-        f"{s.counts.get('rows', 0):,} rows {s.counts.get('dead', 0):,} dead"
+        f"{s.counts.rows:,} rows {s.counts.dead:,} dead"
         + "".join(f", {c}" for c in s.schema_changes)
         for s in sinks
     ]
@@ -338,7 +338,7 @@ def report(pipeline: str, dag_id: str, run_id: str, pipeline_file: str | None = 
         "sinks": {
             s.sink: {
                 "state": s.state.value,
-                "counts": s.counts,
+                "counts": s.counts.to_json(),
                 "error": s.error,
                 "schema_changes": s.schema_changes,
             }
@@ -376,7 +376,7 @@ def _emit_assets(
                 "run_id": run.run_id,
                 "mode": run.mode,
                 "ranges": s.ranges,
-                "counts": s.counts,
+                "counts": s.counts.to_json(),
             },
         )
         print(f"asset event: {uri} (run {run.run_id}, sink {s.sink})")

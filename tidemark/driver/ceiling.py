@@ -21,11 +21,11 @@ def breach(pipeline: Pipeline, sink: str, results: list[SinkResult]) -> str | No
     """The message when ``results`` (the sink's, from every task) quarantine more than the
     ceiling allows; None otherwise."""
     share = pipeline.quality.max_quarantined
-    records = sum(r.records for r in results)
+    records = sum(r.counts.records for r in results)
     reasons: Counter[str] = Counter()
     for r in results:
         reasons.update(r.reasons)
-    dead = sum(r.dead - r.classes.get("dq_gate", 0) for r in results)
+    dead = sum(r.counts.dead - r.classes.get("dq_gate", 0) for r in results)
     least = pipeline.quality.max_quarantined_min
     if share >= 1 or records == 0 or dead <= share * records or dead < least:
         return None

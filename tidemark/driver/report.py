@@ -4,28 +4,21 @@ read, and where the time went."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tidemark.core.sink_counts import SinkCounts
 from tidemark.ledger.state import RunState
 from tidemark.protocol.taskspec import TASK_PHASES, CopyFormat, SinkResult, TaskResult
 
 UP_TO_DATE = "up to date: nothing to replay"
-# What a sink's tasks count, summed per sink (SinkOutcome, protocol.taskspec.SinkResult).
-COUNTS = ("rows", "dead", "superseded", "removed", "resolved", "fallback", "tombstones")
 
 
 @dataclass
 class SinkOutcome:
     sink: str
     state: str
-    rows: int = 0
-    dead: int = 0
-    superseded: int = 0  # versions not written: a newer one of their key won
-    removed: int = 0  # re-delivery: rows of the range removed (then placed again)
-    resolved: int = 0  # re-delivery: dead letters resolved (their records now delivered)
-    fallback: int = 0  # backfill: older versions examined for keys that lost their row
-    tombstones: int = 0  # tombstones that delete their key (tombstones: delete)
+    counts: SinkCounts = field(default_factory=SinkCounts)  # summed over the sink's tasks
     error: str | None = None
     copy_format: CopyFormat | None = None  # None: no rows went in
     csv_why: str = ""  # CSV: the first column binary COPY cannot carry
@@ -35,8 +28,7 @@ class SinkOutcome:
 
     def take_counts(self, results: list[SinkResult]) -> None:
         """The sink's counts over its tasks' results."""
-        for name in COUNTS:
-            setattr(self, name, sum(getattr(r, name) for r in results))
+        self.counts = SinkCounts.total(r.counts for r in results)
         self.classes = {}
         for r in results:
             for cls, n in r.classes.items():
@@ -49,6 +41,15 @@ class SinkOutcome:
         first = next((r for r in results if r.copy_format is not None), None)
         if first is not None:
             self.copy_format, self.csv_why = first.copy_format, first.csv_why
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report's shape: its counts in line with the rest (the records read are the
+        run's, not repeated per sink)."""
+        out: dict[str, Any] = {"sink": self.sink, "state": self.state}
+        out.update((k, v) for k, v in self.counts.to_json().items() if k != "records")
+        out.update((f.name, getattr(self, f.name)) for f in fields(self) if f.name not in out)
+        del out["counts"]
+        return out
 
 
 @dataclass
@@ -88,7 +89,7 @@ class RunReport:
             "layout": self.layout,
             "quality": self.quality,
             "phases": self.phases,
-            "sinks": {k: vars(v) for k, v in self.sinks.items()},
+            "sinks": {k: v.to_dict() for k, v in self.sinks.items()},
         }
 
     def summary(self) -> str:
@@ -102,20 +103,21 @@ class RunReport:
         ]
         for s in self.sinks.values():
             tail = f" - {s.error}" if s.error else ""
+            c = s.counts
             more = "".join(
                 f", {n:,} {what}"
                 for n, what in (
-                    (s.superseded, "superseded by newer versions"),
-                    (s.removed, "rows removed"),
-                    (s.resolved, "dead letters resolved"),
-                    (s.fallback, "older versions of their keys placed again"),
-                    (s.tombstones, "tombstones"),
+                    (c.superseded, "superseded by newer versions"),
+                    (c.removed, "rows removed"),
+                    (c.resolved, "dead letters resolved"),
+                    (c.fallback, "older versions of their keys placed again"),
+                    (c.tombstones, "tombstones"),
                 )
                 if n
             )
             lines.append(
-                f"  sink {s.sink}: {s.state}, {s.rows:,} rows written, "
-                f"{s.dead:,} quarantined{more}{tail}"
+                f"  sink {s.sink}: {s.state}, {c.rows:,} rows written, "
+                f"{c.dead:,} quarantined{more}{tail}"
             )
             if s.schema_changes:
                 lines.append(f"    table: {'; '.join(s.schema_changes)}")
@@ -176,16 +178,17 @@ def _would(mode: str, s: SinkOutcome) -> list[str]:
         if mode == "redrive"
         else "records quarantined (new letters or live again)"
     )
+    c = s.counts
     return [
         f"{what}: {n:,}{more}"
         for what, n, more, always in (
-            ("rows written (inserted or replaced)", s.rows, "", True),
-            ("rows removed (the range's, replaced by position)", s.removed, "", True),
-            ("keys falling back (older versions placed again)", s.fallback, "", True),
-            ("versions superseded by newer ones", s.superseded, "", False),
-            ("keys deleted by tombstones", s.tombstones, "", False),
-            (dead, s.dead, f" ({classes})" if classes else "", True),
-            ("dead letters resolved", s.resolved, "", True),
+            ("rows written (inserted or replaced)", c.rows, "", True),
+            ("rows removed (the range's, replaced by position)", c.removed, "", True),
+            ("keys falling back (older versions placed again)", c.fallback, "", True),
+            ("versions superseded by newer ones", c.superseded, "", False),
+            ("keys deleted by tombstones", c.tombstones, "", False),
+            (dead, c.dead, f" ({classes})" if classes else "", True),
+            ("dead letters resolved", c.resolved, "", True),
         )
         if always or n
     ]

@@ -21,7 +21,7 @@ from tidemark.core.errors import OverCeiling, TidemarkError
 from tidemark.core.participants import Participant, TargetKind
 from tidemark.driver import ceiling
 from tidemark.driver.modes import Layout, Mode
-from tidemark.driver.report import COUNTS, RunReport
+from tidemark.driver.report import RunReport
 from tidemark.driver.tables import Sinks
 from tidemark.driver.writing import WriteOutcome
 from tidemark.ledger import state
@@ -126,10 +126,8 @@ class Verifying:
         if errors:
             self._abort(claim.run_id, sink, errors[0], report)
             return False
-        counts = {"records": sum(m.records for m in mine)}
-        counts.update((name, getattr(out, name)) for name in COUNTS)
         state.mark_prepared(
-            self.ledger, self.p.name, claim.run_id, sink, counts, out.schema_changes
+            self.ledger, self.p.name, claim.run_id, sink, out.counts, out.schema_changes
         )
         out.state = RunState.PREPARED
         return True

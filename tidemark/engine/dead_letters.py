@@ -75,13 +75,15 @@ class DeadLetters:
 
     def __init__(self, spec: TaskSpec, sink: str, gid: str, phases: Phases) -> None:
         self.spec, self.sink, self.gid, self.phases = spec, sink, gid, phases
-        self.conn: psycopg.Connection | None = None
+        # The ledger transaction and its staged letters, begun at the first statement
+        self.stage: letters.Stage | None = None
         self.rows = 0
         self.resolved = 0
         self.offsets: dict[int, list[int]] = {}  # partition -> offsets quarantined here
         self.held: dict[tuple[int, int], int] = {}  # redrive: (partition, offset) -> letter id
         self.held_offsets: dict[int, pa.Array] = {}  # redrive: partition -> offsets held
         self.failed_again: list[int] = []
+        self.skipped: list[int] = []  # redrive: letters of the request no longer quarantined
         self.reader: PayloadReader | None = None  # reads what the reader left out (_fill_left_out)
         self.pending: list[Pending] = []  # not yet written
         # "<class>: <reason>" -> letters, for the quarantine ceiling's message
@@ -90,28 +92,28 @@ class DeadLetters:
         self.pending_bytes = 0
 
     def _open(self) -> psycopg.Connection:
-        if self.conn is not None:
-            return self.conn
-        self.conn = transactions.begin(self.spec.ledger_dsn, self.spec.lock_timeout_ms, "dlq")
-        self.stage = letters.Stage(self.conn, self.gid)
-        return self.conn
+        return self._staged().conn
 
-    def hold(self, request: int) -> list[int]:
+    def _staged(self) -> letters.Stage:
+        if self.stage is None:
+            conn = transactions.begin(self.spec.ledger_dsn, self.spec.lock_timeout_ms, "dlq")
+            self.stage = letters.Stage(conn, self.gid)
+        return self.stage
+
+    def hold(self, request: int) -> None:
         """Redrive: lock this sink's letters of the request (a concurrent discard waits) and
-        keep those still quarantined. Returns the ids not held (discarded or resolved since
-        the plan)."""
+        keep those still quarantined; ``skipped``: the ids not held (discarded or resolved
+        since the plan)."""
         conn = self._open()
-        skipped: list[int] = []
         by_part: dict[int, list[int]] = {}
         for i, part, off, live in redrives.hold(conn, request, self.spec.pipeline, self.sink):
             if live:
                 self.held[(part, off)] = i
                 by_part.setdefault(part, []).append(off)
             else:
-                skipped.append(i)
+                self.skipped.append(i)
         # Built once: every batch is scoped against them (a redrive may be 100,000 letters).
         self.held_offsets = {p: pa.array(offs, pa.int64()) for p, offs in by_part.items()}
-        return skipped
 
     def add(
         self,
@@ -141,8 +143,8 @@ class DeadLetters:
             return
         pending, self.pending, self.pending_bytes = self.pending, [], 0
         self._fill_left_out(pending)
-        self._open()
-        with self.stage.copy() as copy:
+        stage = self._staged()
+        with stage.copy() as copy:
             for r, error_class, reason, detail in pending:
                 if error_class == "decode":  # Spark's word made precise, from the bytes
                     reason = decode_reason(r["_tm_payload"], reason)
@@ -165,7 +167,7 @@ class DeadLetters:
                         True,
                     )
                 )
-        self.stage.merge()
+        stage.merge()
 
     def _fill_left_out(self, pending: list[Pending]) -> None:
         """What the reader left out (TaskSpec.payloads, sources.LEFT_OUT: a decoded record's
@@ -223,15 +225,15 @@ class DeadLetters:
     def prepare(self) -> Prepared | None:
         with self.phases("quarantine"):
             self.flush()
-        if self.conn is None:
+        if self.stage is None:
             return None
         if not self.rows and not self.resolved:
             self.close()  # nothing to commit: no participant
             return None
         with self.phases("prepare"):
             self.stage.drop()
-            transactions.finish(self.conn, self.gid, self.spec.run_id, self.spec.prepare)
-            self.conn.close()
+            transactions.finish(self.stage.conn, self.gid, self.spec.run_id, self.spec.prepare)
+            self.stage.conn.close()
         return Prepared(
             gid=self.gid, target="ledger", sink=self.sink, rows=self.rows + self.resolved
         )
@@ -239,5 +241,5 @@ class DeadLetters:
     def close(self) -> None:
         if self.reader is not None:
             self.reader.close()
-        if self.conn is not None and not self.conn.closed:
-            self.conn.close()  # an open, unprepared transaction rolls back
+        if self.stage is not None and not self.stage.conn.closed:
+            self.stage.conn.close()  # an open, unprepared transaction rolls back

@@ -19,7 +19,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tidemark.core.columns import OFFSET
-from tidemark.engine.redelivery import Redelivery, held_positions, range_positions, show
+from tidemark.engine.redelivery import (
+    Redelivery,
+    Removal,
+    held_positions,
+    range_positions,
+    show,
+)
 from tidemark.protocol.taskspec import Backfilling, Delivering, Redriving, TaskSpec
 
 if TYPE_CHECKING:
@@ -35,12 +41,16 @@ class SinkTask(Protocol):
     t: SinkTarget
     w: SinkWriter
     dead: DeadLetters
-    skipped: list[int]
 
 
 class Placing(ABC):
     direct = False  # rows may go by COPY straight into the target
     fallback = False  # a backfill's fallback versions follow the range (column FALLBACK)
+
+    def removal(self, t: SinkTarget, dead: DeadLetters, gid: str) -> Removal | None:
+        """What the sink's writer removes as its transaction ``gid`` begins (re-delivery's
+        step 1); None: nothing."""
+        return None
 
     def open(self, s: SinkTask) -> None:  # noqa: B027 - most placements need nothing first
         """Before the task's first batch."""
@@ -49,9 +59,11 @@ class Placing(ABC):
     def scope(self, s: SinkTask, partition: int, batch: pa.RecordBatch) -> pa.RecordBatch:
         """The records of ``batch`` (all of ``partition``) that sink ``s`` must place."""
 
-    def finish(self, s: SinkTask, fallback: list[pa.RecordBatch]) -> None:
-        """After the task's last batch: everything placed, nothing prepared yet."""
+    def finish(self, s: SinkTask, fallback: list[pa.RecordBatch]) -> int:
+        """After the task's last batch: everything placed, nothing prepared yet. Returns how
+        many fallback versions it examined (SinkCounts.fallback)."""
         s.w.flush()
+        return 0
 
     def extra(self, s: SinkTask) -> dict[str, Any]:
         """Its own part of the sink's result (SinkResult)."""
@@ -82,35 +94,35 @@ class Backfill(Placing):
         self.by = how.by or "tidemark"
         self.fallback = how.fallback
 
-    def open(self, s: SinkTask) -> None:
-        s.w.redelivery = Redelivery(
-            s.t,
-            s.w,
-            s.dead,
-            range_positions(s.t),
-            moved=self.how.moved.get(s.t.name),
-            fallback_failed=self.how.fallback_failed.get(s.t.name),
-        )
+    def removal(self, t: SinkTarget, dead: DeadLetters, gid: str) -> Removal:
+        positions = range_positions(t)
+        return Removal(t, gid, lambda: positions)
 
     def scope(self, s: SinkTask, partition: int, batch: pa.RecordBatch) -> pa.RecordBatch:
         return in_range(s, partition, batch)
 
-    def finish(self, s: SinkTask, fallback: list[pa.RecordBatch]) -> None:
+    def finish(self, s: SinkTask, fallback: list[pa.RecordBatch]) -> int:
         """Steps 4 and 5: fall back, then resolve the letters of what is placed now."""
-        redelivery = s.w.redelivery
-        assert isinstance(redelivery, Redelivery)  # set by open
+        redelivery = Redelivery(
+            s.t,
+            s.w,
+            s.dead,
+            moved=self.how.moved.get(s.t.name),
+            fallback_failed=self.how.fallback_failed.get(s.t.name),
+        )
         lost = redelivery.settle()
         if lost is None:
-            return
+            return 0
         placed = redelivery.fall_back(lost, fallback)
         if s.w.failed:
-            return
+            return redelivery.fallback
         for part, (a, b) in s.t.ranges.items():
             s.dead.resolve(part, a, b, self.by, f"delivered again by backfill run {self.run_id}")
         for part, offs in placed.items():
             s.dead.resolve_offsets(
                 part, offs, self.by, f"fallen back to by backfill run {self.run_id}"
             )
+        return redelivery.fallback
 
 
 class Redrive(Placing):
@@ -118,10 +130,12 @@ class Redrive(Placing):
         self.how, self.run_id = how, run_id
         self.by = how.by or "tidemark"
 
+    def removal(self, t: SinkTarget, dead: DeadLetters, gid: str) -> Removal:
+        return Removal(t, gid, lambda: held_positions(dead))  # the letters open() holds
+
     def open(self, s: SinkTask) -> None:
         """Locks the sink's letters of the request (a concurrent discard waits)."""
-        s.skipped = s.dead.hold(self.how.request)
-        s.w.redelivery = Redelivery(s.t, s.w, s.dead, held_positions(s.dead))
+        s.dead.hold(self.how.request)
 
     def scope(self, s: SinkTask, partition: int, batch: pa.RecordBatch) -> pa.RecordBatch:
         offs = s.dead.held_offsets.get(partition)
@@ -129,29 +143,28 @@ class Redrive(Placing):
             return batch.slice(0, 0)
         return batch.filter(pc.is_in(batch.column(OFFSET), value_set=offs))
 
-    def finish(self, s: SinkTask, fallback: list[pa.RecordBatch]) -> None:
-        redelivery = s.w.redelivery
-        assert isinstance(redelivery, Redelivery)  # set by open
-        lost = redelivery.settle()
+    def finish(self, s: SinkTask, fallback: list[pa.RecordBatch]) -> int:
+        lost = Redelivery(s.t, s.w, s.dead).settle()
         if lost is None:
-            return
+            return 0
         if lost:
-            s.w._fail(
+            s.w.fail(
                 RuntimeError(
                     f"key ({', '.join(s.t.key)})={show(next(iter(lost)))} had its row at "
                     f"the position of a live dead letter (placed twice); backfill that range "
                     f"instead of redriving it"
                 )
             )
-            return
+            return 0
         s.dead.resolve_held(self.by, f"redriven by run {self.run_id}")
+        return 0
 
     def extra(self, s: SinkTask) -> dict[str, Any]:
         failed = set(s.dead.failed_again)
         return {
             "redriven": len(s.dead.held) - len(failed),
             "failed_again": sorted(failed),
-            "skipped": s.skipped,
+            "skipped": s.dead.skipped,
         }
 
 

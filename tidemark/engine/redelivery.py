@@ -4,8 +4,9 @@ sink in one task, on the sink's and the ledger's transactions of that task.
 The rule: the sink ends as if every record of the re-delivered range had been delivered once
 with the current pipeline, and every record outside it as it was. Replace by position:
 
-1. :meth:`Redelivery.remove` (before any row is written): every row whose
-   ``(partition, offset)`` lies in the range goes; their keys are kept in a scratch table.
+1. :meth:`Removal.remove` (the writer runs it as the sink's transaction begins, before any
+   row is written): every row whose ``(partition, offset)`` lies in the range goes; their
+   keys are kept in a scratch table.
 2. the records of the range that pass now are placed by the writer's merge, as in a first
    delivery (newest version of a key wins; never over a newer row outside the range);
 3. those that fail now are quarantined for this sink (tidemark/engine/sink_task.py);
@@ -38,8 +39,11 @@ from tidemark.ledger import markers
 from tidemark.protocol.taskspec import Failures, SinkTarget
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from tidemark.engine.dead_letters import DeadLetters, Record
     from tidemark.engine.sink_writer import SinkWriter
+    from tidemark.engine.tombstones import Tombstones
 
 Key = tuple[Any, ...]
 # (partition, condition on _tm_offset, its arguments): where the re-delivered records sit.
@@ -89,48 +93,65 @@ class Unordered(Exception):
     """Versions of one key from two partitions and no version column to order them."""
 
 
+def lost_table(gid: str) -> sql.Composed:
+    """The scratch table of the keys step 1 removed a row of, in the sink's transaction
+    ``gid``."""
+    return markers.stage_table("lost", gid)
+
+
+class Removal:
+    """Step 1, for the sink's writer to run as its transaction begins (sink_writer.Removal):
+    the rows and tombstones at ``positions`` (asked for then: a redrive holds its letters
+    first) go, their keys into :func:`lost_table`."""
+
+    def __init__(
+        self, target: SinkTarget, gid: str, positions: Callable[[], list[Position]]
+    ) -> None:
+        self.keys = sql.SQL(", ").join(sql.Identifier(k) for k in target.key)
+        self.lost_table = lost_table(gid)
+        self.positions = positions
+
+    def remove(
+        self, conn: psycopg.Connection, table: sql.Composable, tombs: Tombstones | None
+    ) -> int:
+        conn.execute(
+            sql.SQL("CREATE UNLOGGED TABLE {} AS SELECT {} FROM {} WITH NO DATA").format(
+                self.lost_table, self.keys, table
+            )
+        )
+        removed = 0
+        for part, cond, args in self.positions():
+            removed += conn.execute(
+                sql.SQL(
+                    "WITH gone AS (DELETE FROM {t} WHERE _tm_partition = %s AND {cond} "
+                    "RETURNING {keys}) INSERT INTO {lost} SELECT {keys} FROM gone"
+                ).format(t=table, cond=cond, keys=self.keys, lost=self.lost_table),
+                [part, *args],
+            ).rowcount
+            if tombs is not None:  # a tombstone is a version too: it goes likewise
+                removed += tombs.remove_at(part, cond, args, self.lost_table)
+        return removed
+
+
 class Redelivery:
+    """Steps 4 and 5 for one sink, once its range is placed, through its writer (whose
+    transaction ran step 1: :class:`Removal`) and its dead letters."""
+
     def __init__(
         self,
         target: SinkTarget,
         writer: SinkWriter,
         dead: DeadLetters,
-        positions: list[Position],
         *,
         moved: list[list[Any]] | None = None,
         fallback_failed: Failures | None = None,
     ) -> None:
         self.t, self.w, self.dead = target, writer, dead
-        self.positions = positions
         self.moved = moved or []  # keys the range's failing records map to now
         self.fallback_failed = fallback_failed or {}  # row-level failures of the candidates
-        self.removed = False
         self.keys = [sql.Identifier(k) for k in target.key]
-
-    # -- step 1 ------------------------------------------------------------------------------
-    def remove(self) -> None:
-        """Step 1, once, before the task's first row reaches the sink."""
-        if self.removed:
-            return
-        self.removed = True
-        conn = self.w._open()
-        self.lost_table = markers.stage_table("lost", self.w.gid)
-        keys = sql.SQL(", ").join(self.keys)
-        conn.execute(
-            sql.SQL("CREATE UNLOGGED TABLE {} AS SELECT {} FROM {} WITH NO DATA").format(
-                self.lost_table, keys, self.w.table
-            )
-        )
-        for part, cond, args in self.positions:
-            self.w.out["removed"] += conn.execute(
-                sql.SQL(
-                    "WITH gone AS (DELETE FROM {t} WHERE _tm_partition = %s AND {cond} "
-                    "RETURNING {keys}) INSERT INTO {lost} SELECT {keys} FROM gone"
-                ).format(t=self.w.table, cond=cond, keys=keys, lost=self.lost_table),
-                [part, *args],
-            ).rowcount
-            if self.w.tombs is not None:  # a tombstone is a version too: it goes likewise
-                self.w.out["removed"] += self.w.tombs.remove_at(part, cond, args, self.lost_table)
+        self.lost_table = lost_table(writer.gid)
+        self.fallback = 0  # candidate versions examined (SinkCounts.fallback)
 
     # -- step 4 ------------------------------------------------------------------------------
     def settle(self) -> set[Key] | None:
@@ -140,16 +161,17 @@ class Redelivery:
         if self.w.failed:
             return None
         try:
-            self.remove()  # a range with no row to write still removes its rows
-            self._moved()
-            lost = self._lost()
-            self._drop()
+            # A range with no row to write still removes its rows (the transaction's start).
+            conn = self.w.connection()
+            self._moved(conn)
+            lost = self._lost(conn)
+            conn.execute(sql.SQL("DROP TABLE {}").format(self.lost_table))
         except psycopg.Error as exc:
-            self.w._fail(exc)
+            self.w.fail(exc)
             return None
         refused = lost & self.w.write_failed_keys
         if refused:
-            self.w._fail(
+            self.w.fail(
                 RuntimeError(
                     f"key ({', '.join(self.t.key)})={show(next(iter(refused)))} lost its row: "
                     f"its record in the range passes the checks but PostgreSQL refused its row "
@@ -160,13 +182,13 @@ class Redelivery:
             return None
         return lost
 
-    def _moved(self) -> None:
+    def _moved(self, conn: psycopg.Connection) -> None:
         """The keys the range's failing records map to now where their rows went (the
         driver found them): the versions those rows placed are theirs now, so they fall
         back like the keys that lost their rows."""
         if not self.moved:
             return
-        with self.w._open().cursor() as cur:
+        with conn.cursor() as cur:
             cur.executemany(
                 sql.SQL("INSERT INTO {} ({}) VALUES ({})").format(
                     self.lost_table,
@@ -176,12 +198,12 @@ class Redelivery:
                 self.moved,
             )
 
-    def _lost(self) -> set[Key]:
+    def _lost(self, conn: psycopg.Connection) -> set[Key]:
         """Keys whose row step 1 removed and that have none now."""
         match = sql.SQL(" AND ").join(sql.SQL("t.{k} = l.{k}").format(k=k) for k in self.keys)
         return {
             tuple(r)
-            for r in self.w._open().execute(
+            for r in conn.execute(
                 sql.SQL(
                     "SELECT DISTINCT {keys} FROM {lost} l WHERE NOT EXISTS "
                     "(SELECT 1 FROM {t} t WHERE {match})"
@@ -193,9 +215,6 @@ class Redelivery:
                 )
             )
         }
-
-    def _drop(self) -> None:
-        self.w._open().execute(sql.SQL("DROP TABLE {}").format(self.lost_table))
 
     def fall_back(self, lost: set[Key], candidates: list[pa.RecordBatch]) -> dict[int, list[int]]:
         """Step 4: per lost key, its candidate versions newest first (version column, then
@@ -217,7 +236,7 @@ class Redelivery:
         try:
             known = self._known(rows)
         except psycopg.Error as exc:
-            self.w._fail(exc)
+            self.w.fail(exc)
             return placed
         versions: dict[Key, list[Record]] = {}
         for r in rows:
@@ -226,7 +245,7 @@ class Redelivery:
         try:
             good, bad, tombs = self._walk(versions, known, placed)
         except Unordered as exc:
-            self.w._fail(exc)
+            self.w.fail(exc)
             return placed
         self.w.add_tombstones(tombs)
         if good:
@@ -244,8 +263,7 @@ class Redelivery:
         for part, offs in by_part.items():
             known.own |= {(part, o) for o in self.w.own_rows(part, offs)}
             known.lettered |= {(part, o) for o in self.dead.live(part, offs)}
-            if self.w.tombs is not None:
-                known.applied |= {(part, o) for o in self.w.tombs.held(part, offs)}
+            known.applied |= {(part, o) for o in self.w.tombstones_at(part, offs)}
         return known
 
     def _walk(
@@ -265,14 +283,14 @@ class Redelivery:
                 if r[ERR_CLASS] == TOMBSTONE and self.t.tombstones == "delete":
                     # The key stays deleted, this tombstone its newest version now; a letter
                     # that held it is resolved like a fallen-back row's (step 5).
-                    self.w.out["fallback"] += 1
+                    self.fallback += 1
                     tombs.append(r)
                     placed.setdefault(pos[0], []).append(pos[1])
                     break
                 why = self._fails(r)
                 if why is not None and pos in known.lettered:
                     continue  # placed by its letter as it was (an operator's discard stands)
-                self.w.out["fallback"] += 1
+                self.fallback += 1
                 if why is None:
                     good.append(r)
                     placed.setdefault(pos[0], []).append(pos[1])

@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 
 from tidemark.core.clock import Phases
 from tidemark.core.columns import OFFSET, PARTITION
+from tidemark.core.sink_counts import SinkCounts
 from tidemark.engine.dead_letters import TOP_REASONS, DeadLetters, Record
 from tidemark.engine.placement import Placing
 from tidemark.engine.records import ERR_CLASS, ERR_REASON, TOMBSTONE, TOMBSTONE_KEPT
@@ -37,18 +38,25 @@ class SinkTask:
         # A rebuild's new table starts empty: its rows may go straight in, as a first
         # delivery's do, until a key repeats.
         direct = placing.direct or target.rebuild is not None
+        rows_gid = gid(gids.sink_stage(target.name))
         self.w = SinkWriter(
-            spec, target, gid(gids.sink_stage(target.name)), self.dead, direct=direct
+            spec,
+            target,
+            rows_gid,
+            self.dead,
+            direct=direct,
+            removal=placing.removal(target, self.dead, rows_gid),
         )
-        self.skipped: list[int] = []  # redrive: letters no longer quarantined
         self.fallback: list[pa.RecordBatch] = []  # backfill: versions to fall back on
+        self.records = 0  # of the sink's range, seen
+        self.fell_back = 0  # backfill: fallback versions examined (Placing.finish)
 
     def scope(self, partition: int, batch: pa.RecordBatch) -> pa.RecordBatch:
         """The records of ``batch`` this sink must place."""
         return self.placing.scope(self, partition, batch)
 
     def place(self, partition: int, batch: pa.RecordBatch) -> None:
-        self.w.out["records"] += batch.num_rows
+        self.records += batch.num_rows
         why = self.spec.quarantine or self.t.quarantine
         bad = pc.is_valid(batch.column(ERR_CLASS))
         if pc.any(bad).as_py():  # decode and transform failures, and tombstones
@@ -126,25 +134,34 @@ class SinkTask:
     def _null_reason(self, col: str) -> str:
         return f"{'key' if col in self.t.key else 'version'} column {col} is NULL"
 
+    def set_aside(self, fallback: pa.RecordBatch) -> None:
+        """A backfill's fallback versions for this sink, placed at :meth:`finish`."""
+        self.fallback.append(fallback)
+
     def finish(self) -> None:
         """After the last batch: flush; a re-delivery then falls back and resolves."""
-        self.placing.finish(self, self.fallback)
+        self.fell_back = self.placing.finish(self, self.fallback)
         self.fallback = []
 
+    def counts(self) -> SinkCounts:
+        w = self.w
+        return SinkCounts(
+            records=self.records,
+            rows=w.rows,
+            dead=self.dead.rows,
+            superseded=w.superseded,
+            removed=w.removed,
+            resolved=self.dead.resolved,
+            fallback=self.fell_back,
+            tombstones=w.tombstones,
+        )
+
     def result(self) -> SinkResult:
-        o = self.w.out
         extra: dict[str, Any] = self.placing.extra(self)
         return SinkResult(
-            records=o["records"],
-            rows=o["rows"],
-            dead=self.dead.rows,
+            counts=self.counts(),
             reasons=dict(self.dead.reasons.most_common(TOP_REASONS)),
             classes=dict(self.dead.classes),
-            superseded=o["superseded"],
-            removed=o["removed"],
-            fallback=o["fallback"],
-            tombstones=o["tombstones"],
-            resolved=self.dead.resolved,
             error=self.w.failed,
             copy_format=self.w.copy_format,
             csv_why=self.w.csv_why,

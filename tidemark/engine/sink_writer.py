@@ -12,6 +12,7 @@ failed and rolled back; the task's other sinks carry on.
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -32,31 +33,70 @@ from tidemark.protocol.taskspec import CopyFormat, Prepared, SinkTarget, TaskSpe
 FLUSH_ROWS = 50_000
 
 
-class BeforeFirstRows(Protocol):
-    """What runs in the sink's transaction before its first row is written: a re-delivery's
-    removal by position (tidemark/engine/redelivery.py, which knows this module, not the
-    other way round)."""
+class Removal(Protocol):
+    """What runs in the sink's transaction as it begins, before any row is written: a
+    re-delivery's removal by position (tidemark/engine/redelivery.py, which knows this
+    module, not the other way round)."""
 
-    def remove(self) -> None: ...
+    def remove(
+        self, conn: psycopg.Connection, table: sql.Composable, tombs: tombstones.Tombstones | None
+    ) -> int:
+        """Removes the rows (and tombstones) at the re-delivered positions; returns how many."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Open:
+    """The sink's transaction, once begun: what it needed the database to know."""
+
+    conn: psycopg.Connection
+    tombs: tombstones.Tombstones | None  # the sink ever deleted keys
+    pg_types: dict[str, str]  # the target's column types (pgbinary.column_types)
+    merge_sql: sql.Composed
+
+
+@dataclass(frozen=True)
+class _Format:
+    """How rows go in, chosen at the task's first rows (the schema is the transform's)."""
+
+    copy_format: CopyFormat
+    csv_why: str  # CSV: the first column binary COPY cannot carry
+    encoder: pgbinary.Encoder | None  # binary COPY's
+    copy_sql: sql.Composed  # into the staging table
+    direct_sql: sql.Composed  # straight into the target
+
+
+_Encoded = tuple[memoryview, _Format]  # a batch's rows as COPY takes them, and the format
 
 
 class SinkWriter:
     """One sink's rows in one transaction on its database (stage ``s.<sink>``)."""
 
     def __init__(
-        self, spec: TaskSpec, target: SinkTarget, gid: str, dead: DeadLetters, *, direct: bool
+        self,
+        spec: TaskSpec,
+        target: SinkTarget,
+        gid: str,
+        dead: DeadLetters,
+        *,
+        direct: bool,
+        removal: Removal | None = None,
     ) -> None:
         self.spec, self.target, self.gid, self.dead = spec, target, gid, dead
         self.phases = dead.phases
-        self.conn: psycopg.Connection | None = None
-        self.out = {
-            "records": 0,
-            "rows": 0,
-            "superseded": 0,
-            "removed": 0,
-            "fallback": 0,
-            "tombstones": 0,
-        }
+        self.removal = removal  # backfill and redrive: run as the transaction begins
+        self.table = sql.SQL(qualified(target.table))
+        self.stage_table = markers.stage_table("stage", gid)
+        self.columns = [
+            *(c for c in spec.columns if c not in target.omit),
+            PARTITION,
+            OFFSET,
+            "_tm_run_id",
+        ]
+        self.ident = sql.SQL(", ").join(sql.Identifier(c) for c in self.columns)
+        self.truncate_sql = sql.SQL("TRUNCATE {}").format(self.stage_table)
+        self.open: _Open | None = None  # begun at the first statement (connection())
+        self.format: _Format | None = None  # chosen at the first rows
         self.failed: str | None = None
         self.pending: list[pa.RecordBatch] = []
         self.pending_rows = 0
@@ -64,41 +104,66 @@ class SinkWriter:
         # into it and let its unique index prove that (see _copy_direct).
         self.direct = direct
         self.staged = False
-        self.tombs: tombstones.Tombstones | None = None  # the sink ever deleted keys
         self.tomb_rows: list[Record] = []  # this task's tombstones that delete (redelivery)
-        self.copy_format: CopyFormat | None = None  # chosen at the first rows
-        self.csv_why = ""  # CSV: the first column binary COPY cannot carry
-        self.encoder: pgbinary.Encoder | None = None
-        self.redelivery: BeforeFirstRows | None = None  # set for backfill and redrive
         self.write_failed_keys: set[tuple[Any, ...]] = set()  # keys of rows PostgreSQL refused
+        # What it wrote (SinkCounts, with the task's other counts: sink_task.py)
+        self.rows = 0  # inserted or replaced
+        self.superseded = 0  # not written: a newer version of the key won
+        self.removed = 0  # re-delivery: rows and tombstones at the range's positions
+        self.tombstones = 0  # that delete their key
 
-    def _open(self) -> psycopg.Connection:
-        if self.conn is not None:
-            return self.conn
+    @property
+    def copy_format(self) -> CopyFormat | None:
+        """None: no rows went in."""
+        return self.format.copy_format if self.format else None
+
+    @property
+    def csv_why(self) -> str:
+        return self.format.csv_why if self.format else ""
+
+    @property
+    def tombs(self) -> tombstones.Tombstones | None:
+        return self.open.tombs if self.open else None
+
+    def connection(self) -> psycopg.Connection:
+        """The sink's transaction, begun at the first call (and a re-delivery's removal run
+        in it, before any row is written)."""
+        return self._tx().conn
+
+    def _tx(self) -> _Open:
+        if self.open is None:
+            self.open = self._begin()
+        return self.open
+
+    def _begin(self) -> _Open:
         t = self.target
-        self.conn = transactions.begin(t.dsn, self.spec.lock_timeout_ms, "sink")
-        if t.rebuild is not None:  # its new table, in this transaction (see prepare)
-            rebuild.create(self.conn, t.table, t.rebuild.columns, t.key)
-            if t.tombstones == "delete":
-                rebuild.create_tombstones(self.conn, t.table, t.key, t.version)
-                if t.held is not None:  # --accept-pruned: deletes the source no longer holds
-                    cols = [*t.key, *([t.version] if t.version else []), PARTITION, OFFSET]
-                    pruned.carry_tombstones(self.conn, t.rebuild.live, t.table, cols, t.held)
-        self.stage_table = markers.stage_table("stage", self.gid)
-        self.table = sql.SQL(qualified(t.table))
-        cols = [*(c for c in self.spec.columns if c not in t.omit), PARTITION, OFFSET, "_tm_run_id"]
-        ident = [sql.Identifier(c) for c in cols]
+        conn = transactions.begin(t.dsn, self.spec.lock_timeout_ms, "sink")
+        try:
+            if t.rebuild is not None:  # its new table, in this transaction (see prepare)
+                rebuild.create(conn, t.table, t.rebuild.columns, t.key)
+                if t.tombstones == "delete":
+                    rebuild.create_tombstones(conn, t.table, t.key, t.version)
+                    if t.held is not None:  # --accept-pruned: deletes the source no longer holds
+                        cols = [*t.key, *([t.version] if t.version else []), PARTITION, OFFSET]
+                        pruned.carry_tombstones(conn, t.rebuild.live, t.table, cols, t.held)
+            pg_types = pgbinary.column_types(conn, qualified(t.table))
+            tombs = None
+            if t.tombstones == "delete" or tombstones.exists(conn, t.table):
+                tombs = tombstones.Tombstones(conn, self.gid, self.table, t.table, t.key, t.version)
+                self.direct = False  # a direct COPY would skip the tombstones' guard
+            if self.removal is not None:
+                self.removed += self.removal.remove(conn, self.table, tombs)
+        except BaseException:
+            conn.close()
+            raise
+        return _Open(conn, tombs, pg_types, self._merge_sql(tombs))
+
+    def _merge_sql(self, tombs: tombstones.Tombstones | None) -> sql.Composed:
+        t = self.target
         keys = [sql.Identifier(k) for k in t.key]
-        self.ident = sql.SQL(", ").join(ident)
-        self.pg_types = pgbinary.column_types(self.conn, qualified(t.table))
-        if t.tombstones == "delete" or tombstones.exists(self.conn, t.table):
-            self.tombs = tombstones.Tombstones(
-                self.conn, self.gid, self.table, t.table, t.key, t.version
-            )
-            self.direct = False  # a direct COPY would skip the tombstones' guard
         updates = [
             sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(c), sql.Identifier(c))
-            for c in cols
+            for c in self.columns
             if c not in t.key
         ]
         order: list[sql.Composable] = [*keys]
@@ -107,24 +172,21 @@ class SinkWriter:
         if t.version:
             order.append(sql.SQL("{} DESC").format(sql.Identifier(t.version)))
         guard = tombstones.newer("EXCLUDED", "t", t.key, t.version)
-        self.merge_sql = sql.SQL("""
+        return sql.SQL("""
             INSERT INTO {target} AS t ({cols})
             SELECT DISTINCT ON ({keys}) {cols} FROM {stage} s WHERE {live}
             ORDER BY {order}, _tm_partition DESC, _tm_offset DESC
             ON CONFLICT ({keys}) DO UPDATE SET {updates}
             WHERE {guard}""").format(
             target=self.table,
-            cols=sql.SQL(", ").join(ident),
+            cols=self.ident,
             keys=sql.SQL(", ").join(keys),
             order=sql.SQL(", ").join(order),
             stage=self.stage_table,
             updates=sql.SQL(", ").join(updates),
             guard=guard,
-            live=self.tombs.not_older("s") if self.tombs else sql.SQL("true"),
+            live=tombs.not_older("s") if tombs else sql.SQL("true"),
         )
-        self.truncate_sql = sql.SQL("TRUNCATE {}").format(self.stage_table)
-        self.columns = cols
-        return self.conn
 
     def add(self, batch: pa.RecordBatch) -> None:
         if self.failed or batch.num_rows == 0:
@@ -142,33 +204,32 @@ class SinkWriter:
         if self.failed or not rows:
             return
         try:
-            self._open()
+            self.connection()
         except psycopg.Error as exc:
-            self._fail(exc)
+            self.fail(exc)
             return
         assert self.tombs is not None  # a sink whose pipeline deletes keys has them
         self.tombs.add(rows)
         self.tomb_rows += rows
-        self.out["tombstones"] += len(rows)
+        self.tombstones += len(rows)
 
     def flush(self) -> None:
-        if self.failed or not (self.pending or (self.tombs and self.tombs.pending)):
+        tombs = self.tombs
+        if self.failed or not (self.pending or (tombs and tombs.pending)):
             return
         table = pa.Table.from_batches(self.pending) if self.pending else None
         self.pending, self.pending_rows = [], 0
         try:
-            self._open()
-            if self.redelivery is not None:
-                self.redelivery.remove()  # by position, before the first row is written
+            self.connection()
             if table is not None:
                 self._check_partitions(table)
                 self._write(table)
             if self.tombs is not None:
                 self.tombs.apply()
         except psycopg.Error as exc:
-            self._fail(exc)
+            self.fail(exc)
         except _VersionConflict as exc:
-            self._fail(exc)
+            self.fail(exc)
 
     def _check_partitions(self, table: pa.Table) -> None:
         """A batch mixing partitions (a redrive's) must not hold one key from two of them
@@ -186,49 +247,55 @@ class SinkWriter:
                 f"a version column for this sink (sinks[].version)"
             )
 
-    def _encode(self, table: pa.Table) -> memoryview:
+    def _encode(self, table: pa.Table) -> _Encoded:
         with self.phases("encode"):
             run_col = pa.array(np.full(table.num_rows, self.spec.run_id, np.int64))
             out = table.append_column("_tm_run_id", run_col).select(self.columns)
-            if self.copy_format is None:
-                self._choose_format(out.schema)
-            if self.encoder is not None:
-                return self.encoder.encode(out)
+            if self.format is None:
+                self.format = self._choose_format(out.schema)
+            fmt = self.format
+            if fmt.encoder is not None:
+                return fmt.encoder.encode(out), fmt
             buf = io.BytesIO()
             pacsv.write_csv(
                 _for_csv(out), buf, pacsv.WriteOptions(include_header=False, batch_size=8192)
             )
-            return buf.getbuffer()
+            return buf.getbuffer(), fmt
 
-    def _choose_format(self, schema: pa.Schema) -> None:
+    def _choose_format(self, schema: pa.Schema) -> _Format:
         """Binary COPY when every column's type carries over exactly, else CSV (which lets
         PostgreSQL parse and cast); decided once per task, the schema is the transform's."""
-        self.encoder, self.csv_why = pgbinary.encoder(schema, self.pg_types)
-        fmt = CopyFormat.BINARY if self.encoder is not None else CopyFormat.CSV
-        self.copy_format = fmt
+        encoder, csv_why = pgbinary.encoder(schema, self._tx().pg_types)
+        fmt = CopyFormat.BINARY if encoder is not None else CopyFormat.CSV
         copy = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT {})")
-        self.copy_sql = copy.format(self.stage_table, self.ident, sql.SQL(fmt.value))
-        self.direct_sql = copy.format(self.table, self.ident, sql.SQL(fmt.value))
+        return _Format(
+            copy_format=fmt,
+            csv_why=csv_why,
+            encoder=encoder,
+            copy_sql=copy.format(self.stage_table, self.ident, sql.SQL(fmt.value)),
+            direct_sql=copy.format(self.table, self.ident, sql.SQL(fmt.value)),
+        )
 
     def _write(self, table: pa.Table) -> None:
-        buf = self._encode(table)  # encoded once, whichever path takes it
-        if self.direct and self._copy_direct(table, buf):
+        encoded = self._encode(table)  # encoded once, whichever path takes it
+        if self.direct and self._copy_direct(table, encoded):
             return
-        self._merge(table, buf)
+        self._merge(table, encoded)
 
-    def _copy_direct(self, table: pa.Table, buf: memoryview) -> bool:
+    def _copy_direct(self, table: pa.Table, encoded: _Encoded) -> bool:
         """COPY the rows straight into the target. That succeeds only if no key of theirs is
         in the target or twice among them (the unique index on the key, which every sink
         table has, refuses it), and then it writes exactly what the merge would: every row,
         nothing superseded. Any data error rolls the savepoint back and the staging merge
         decides (versions, duplicates, bisecting bad rows); a key already present turns the
         direct path off for the rest of the task."""
-        conn = self._open()
+        conn = self.connection()
+        buf, fmt = encoded
         try:
             with (
                 conn.transaction(),
                 self.phases("copy"),
-                conn.cursor().copy(self.direct_sql) as copy,
+                conn.cursor().copy(fmt.direct_sql) as copy,
             ):
                 copy.write(buf)
         except psycopg.Error as exc:
@@ -237,13 +304,14 @@ class SinkWriter:
             if exc.sqlstate == "23505":  # unique_violation: keys repeat, merge from now on
                 self.direct = False
             return False
-        self.out["rows"] += table.num_rows
+        self.rows += table.num_rows
         return True
 
-    def _merge(self, table: pa.Table, buf: memoryview | None = None) -> None:
+    def _merge(self, table: pa.Table, encoded: _Encoded | None = None) -> None:
         """Stage the rows, then upsert them into the target, guarded by version; on bad data
         bisect down to the rows at fault and quarantine them."""
-        conn = self._open()
+        tx = self._tx()
+        conn = tx.conn
         if not self.staged:
             conn.execute(
                 sql.SQL("CREATE UNLOGGED TABLE {} (LIKE {})").format(self.stage_table, self.table)
@@ -251,15 +319,14 @@ class SinkWriter:
             self.staged = True
         try:
             with conn.transaction():  # a savepoint: bisect on bad data
-                if buf is None:
-                    buf = self._encode(table)
-                with self.phases("copy"), conn.cursor().copy(self.copy_sql) as copy:
+                buf, fmt = encoded or self._encode(table)
+                with self.phases("copy"), conn.cursor().copy(fmt.copy_sql) as copy:
                     copy.write(buf)
                 with self.phases("merge"):
-                    written = conn.execute(self.merge_sql).rowcount
+                    written = conn.execute(tx.merge_sql).rowcount
                     conn.execute(self.truncate_sql)
-            self.out["rows"] += written
-            self.out["superseded"] += table.num_rows - written
+            self.rows += written
+            self.superseded += table.num_rows - written
         except psycopg.Error as exc:
             if not is_data_error(exc):
                 raise
@@ -278,7 +345,8 @@ class SinkWriter:
             self._merge(table.slice(0, half))
             self._merge(table.slice(half))
 
-    def _fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> None:
+        """The sink fails in this task (``failed`` says why): its transaction rolls back."""
         self.failed = f"sink {self.target.name}: {one_line(exc)}"
         self.close()
         if getattr(exc, "sqlstate", None) == "55P03":  # lock_not_available
@@ -310,7 +378,7 @@ class SinkWriter:
         """Which of ``offsets`` of ``partition`` have their own row in this sink."""
         return {
             o
-            for (o,) in self._open().execute(
+            for (o,) in self.connection().execute(
                 sql.SQL(
                     "SELECT _tm_offset FROM {} WHERE _tm_partition = %s AND _tm_offset = ANY(%s)"
                 ).format(self.table),
@@ -318,39 +386,46 @@ class SinkWriter:
             )
         }
 
+    def tombstones_at(self, partition: int, offsets: list[int]) -> set[int]:
+        """Which of ``offsets`` of ``partition`` are a key's tombstone in this sink (none
+        where it never deleted keys)."""
+        tombs = self._tx().tombs
+        return set() if tombs is None else tombs.held(partition, offsets)
+
     def prepare(self) -> Prepared | None:
         self.flush()
         r = self.target.rebuild
         if r is not None and not self.failed:
             try:  # a rebuild swaps its table in even when it received no row
-                self._open()
+                self.connection()
             except psycopg.Error as exc:
-                self._fail(exc)
-        if self.failed or self.conn is None:
+                self.fail(exc)
+        if self.failed or self.open is None:
             return None  # failed, or nothing to write: no participant
+        conn = self.open.conn
         try:
             with self.phases("prepare"):
                 if r is not None:
-                    rebuild.swap(self.conn, r.live, self.target.table, r.retired)
+                    rebuild.swap(conn, r.live, self.target.table, r.retired)
                 if self.staged:
-                    self.conn.execute(sql.SQL("DROP TABLE {}").format(self.stage_table))
-                if self.tombs is not None:
-                    self.tombs.drop()
-                transactions.finish(self.conn, self.gid, self.spec.run_id, self.spec.prepare)
-                self.conn.close()
+                    conn.execute(sql.SQL("DROP TABLE {}").format(self.stage_table))
+                if self.open.tombs is not None:
+                    self.open.tombs.drop()
+                transactions.finish(conn, self.gid, self.spec.run_id, self.spec.prepare)
+                conn.close()
         except psycopg.Error as exc:
-            self._fail(exc)
+            self.fail(exc)
             return None
         return Prepared(
             gid=self.gid,
             target=f"sink:{self.target.name}",
             sink=self.target.name,
-            rows=self.out["rows"] + self.out["removed"],
+            rows=self.rows + self.removed,
         )
 
     def close(self) -> None:
-        if self.conn is not None and not self.conn.closed:
-            self.conn.close()
+        if self.open is not None and not self.open.conn.closed:
+            self.open.conn.close()
 
 
 class _VersionConflict(Exception):

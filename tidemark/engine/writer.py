@@ -136,15 +136,9 @@ def _unaccounted(sinks: list[SinkTask], accounts: Accounts) -> str | None:
         return problem
     for s in sinks:
         s.finish()
-        r = s.result()
-        placed = r.rows + r.dead + r.superseded + r.tombstones
-        if not r.error and r.records + r.fallback != placed:
-            problem = (
-                f"sink {s.t.name}: {r.records} records"
-                + (f" and {r.fallback} fallback versions" if r.fallback else "")
-                + f" but {r.rows} written + {r.dead} quarantined + "
-                f"{r.superseded} superseded + {r.tombstones} tombstones"
-            )
+        off = s.counts().unbalanced()
+        if not s.w.failed and off is not None:
+            problem = f"sink {s.t.name}: {off}"
     return problem
 
 
@@ -168,7 +162,7 @@ def _set_aside_fallback(batch: pa.RecordBatch, sinks: list[SinkTask]) -> pa.Reco
     for s in sinks:
         mine = batch.filter(pc.equal(tag, s.t.name))
         if mine.num_rows:
-            s.fallback.append(mine)
+            s.set_aside(mine)
     return batch.filter(pc.invert(extra))
 
 

@@ -14,6 +14,7 @@ from psycopg.rows import args_row, class_row, dict_row, kwargs_row
 from tidemark.core.db import scalar
 from tidemark.core.participants import Target
 from tidemark.core.ranges import Range
+from tidemark.core.sink_counts import SinkCounts
 from tidemark.ledger.state import ABORTABLE, AirflowRun, RunState, owner_alive_sql
 
 # The states a run's sink is in before it is settled (committed, aborted, dq_failed or
@@ -252,7 +253,7 @@ class SinkRun:
 
     sink: str
     state: RunState
-    counts: dict[str, Any]
+    counts: SinkCounts
     timings: dict[str, Any]  # phase -> seconds
     error: str | None
     schema_changes: list[str]  # what the run changed in the sink's table
@@ -260,7 +261,13 @@ class SinkRun:
 
     @classmethod
     def of(cls, **row: Any) -> SinkRun:
-        return cls(**{**row, "state": RunState(row["state"])})
+        return cls(
+            **{
+                **row,
+                "state": RunState(row["state"]),
+                "counts": SinkCounts.from_json(row["counts"]),
+            }
+        )
 
 
 def of_dag_run(

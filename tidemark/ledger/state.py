@@ -29,6 +29,7 @@ from tidemark.core.dsn import mask
 from tidemark.core.errors import Fenced, Halted, LeaseHeld, TidemarkError
 from tidemark.core.participants import Participant
 from tidemark.core.ranges import Range
+from tidemark.core.sink_counts import SinkCounts
 from tidemark.core.text import clamp
 from tidemark.ledger import gaps
 from tidemark.ledger.checkpoints import positions, starts
@@ -335,7 +336,7 @@ def mark_prepared(
     pipeline: str,
     run_id: int,
     sink: str,
-    counts: dict[str, Any],
+    counts: SinkCounts,
     schema_changes: list[str] | None = None,
 ) -> None:
     """writing -> prepared, with the counts and what the run changed in the sink's table."""
@@ -347,7 +348,7 @@ def mark_prepared(
             sink,
             RunState.PREPARED,
             [RunState.WRITING],
-            counts=json.dumps(counts),
+            counts=json.dumps(counts.to_json()),
             schema_changes=list(schema_changes or []),
         )
 

@@ -9,6 +9,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from tidemark.core.sink_counts import SinkCounts
 from tidemark.ledger import staging
 from tidemark.ledger.checkpoints import listing
 from tidemark.quality.outcomes import observed
@@ -82,14 +83,11 @@ def render(st: dict[str, Any]) -> str:
         )
     out.append("  recent runs:")
     for r in st["runs"]:
-        counts = r["counts"] or {}
-        rows = counts.get("rows", 0)
-        dead = counts.get("dead", counts.get("sink_dead", 0) + counts.get("source_dead", 0))
+        counts = SinkCounts.from_json(r["counts"])
         err = f"  {r['error'][:100]}" if r["error"] else ""
-        read = counts.get("records", 0)
         out.append(
             f"    {r['run_id']:>6} {r['mode']:<8} {r['sink']:<16} {r['state']:<10} "
-            f"{read:>10,} read {rows:>10,} rows {dead:>7,} dlq  "
+            f"{counts.records:>10,} read {counts.rows:>10,} rows {counts.dead:>7,} dlq  "
             f"{r['created_at']:%Y-%m-%d %H:%M:%S}{err}"
         )
     if st["gates"]:

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tidemark.config import Source
 from tidemark.core.ranges import Range
+from tidemark.core.sink_counts import SinkCounts
 
 # Where a task's time goes (seconds, TaskResult.phases and SinkResult.phases): waiting for
 # Spark to read, decode and transform the next batch; scoping, accounting and row verdicts;
@@ -214,16 +215,9 @@ class Prepared(_Model):
 
 
 class SinkResult(_Model):
-    records: int = 0  # records of this sink's range the task saw
-    rows: int = 0  # rows written (inserted or replaced)
-    dead: int = 0  # records quarantined for this sink
+    counts: SinkCounts = SinkCounts()  # records, rows written, quarantined, superseded, ...
     reasons: dict[str, int] = {}  # the task's most frequent "<class>: <reason>" of ``dead``
-    classes: dict[str, int] = {}  # ``dead`` by error class
-    superseded: int = 0  # versions not written: a newer one won
-    removed: int = 0  # re-delivery: own rows removed (now quarantined)
-    resolved: int = 0  # re-delivery: live letters resolved (now delivered)
-    fallback: int = 0  # backfill: older versions placed again (see FALLBACK)
-    tombstones: int = 0  # tombstones that delete their key (none placed a row)
+    classes: dict[str, int] = {}  # ``counts.dead`` by error class
     redriven: int = 0  # redrive: letters delivered
     failed_again: list[int] = []  # redrive: letter ids quarantined again
     skipped: list[int] = []  # redrive: letter ids no longer quarantined

@@ -118,7 +118,7 @@ def offer(caller: Caller, pipeline: str) -> dict[str, Any]:
 
 
 def _outcome(row: ledger_runs.SinkRun) -> dict[str, Any]:
-    counts = row.counts or {}
+    counts = row.counts.to_json()
     would = row.state is RunState.PREVIEWED
     return {
         "sink": row.sink,
@@ -126,7 +126,7 @@ def _outcome(row: ledger_runs.SinkRun) -> dict[str, Any]:
         "ok": would or row.state is RunState.COMMITTED,
         "dry": would,
         "error": None if would else row.error,
-        **{k: counts.get(k, 0) for k in ("records", "rows", "dead")},
+        **{k: counts[k] for k in ("records", "rows", "dead")},
     }
 
 

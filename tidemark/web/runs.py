@@ -26,14 +26,14 @@ REFRESH_SECONDS = 3  # how often the page reloads itself while the run is not fi
 
 def _sink_outcome(row: ledger_runs.SinkRun, dry_run: bool) -> dict[str, Any]:
     """One sink of the ledger's run: what it got, or, previewed, what it would get."""
-    counts = row.counts or {}
+    counts = row.counts.to_json()
     would = dry_run and row.state is RunState.PREVIEWED
     return {
         "sink": row.sink,
         "state": "would commit" if would else row.state.value,
         "ok": would or row.state is RunState.COMMITTED,
         "error": None if would else row.error,
-        **{k: counts.get(k, 0) for k in ("records", "rows", "dead", "superseded", "resolved")},
+        **{k: counts[k] for k in ("records", "rows", "dead", "superseded", "resolved")},
     }
 
 

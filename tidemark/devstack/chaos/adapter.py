@@ -260,7 +260,7 @@ def _report(report) -> str:
     parts = [f"run {report.run_id} {report.mode} {report.records} read"]
     for s in report.sinks.values():
         tail = f" ({_one_line(s.error, 100)})" if s.error and s.state != RunState.COMMITTED else ""
-        parts.append(f"{s.sink}={s.state}:{s.rows}+{s.dead}dlq{tail}")
+        parts.append(f"{s.sink}={s.state}:{s.counts.rows}+{s.counts.dead}dlq{tail}")
     for s, why in report.skipped.items():
         parts.append(f"{s}=skipped ({_one_line(why, 60)})")
     if report.redrive is not None:
