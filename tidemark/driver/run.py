@@ -84,21 +84,7 @@ class Run:
         dry_run: bool = False,
         halted_ok: bool = False,
     ) -> None:
-        # Checked here: a mode named by a string once ran a delivery instead, unnoticed.
-        if mode is not None and not isinstance(mode, Mode):
-            raise TypeError(f"Run(mode=...) takes a Mode such as Backfill(...), not {mode!r}")
-        if not isinstance(quality, QualityPath):
-            raise TypeError(f"Run(quality=...) takes a QualityPath, not {quality!r}")
-        if dry_run and pipeline.delivery != "exactly_once":
-            raise BadInput(
-                f"{pipeline.name} has delivery: at_least_once, whose write tasks commit; a "
-                f"dry run needs delivery: exactly_once, which it can roll back"
-            )
-        if mode is not None and mode.needs_prepare and pipeline.delivery != "exactly_once":
-            raise BadInput(
-                f"{pipeline.name} has delivery: at_least_once, whose write tasks commit; a "
-                f"{mode.name} needs delivery: exactly_once, whose decision commits it whole"
-            )
+        _check_arguments(pipeline, mode, quality, dry_run)
         self.pipeline = pipeline
         self.where = where or f"pipeline {pipeline.name}"  # names the file in config errors
         self.settings = settings
@@ -312,3 +298,24 @@ class Run:
         if ctx.report.records:
             state.note_read(ctx.ledger.conn, ctx.run_id, ctx.report.records)
         state.finish_run(ctx.ledger.conn, ctx.run_id)
+
+
+def _check_arguments(
+    pipeline: Pipeline, mode: Mode | None, quality: QualityPath, dry_run: bool
+) -> None:
+    """Refuse, before anything runs, what the run cannot do as asked."""
+    # Checked here: a mode named by a string once ran a delivery instead, unnoticed.
+    if mode is not None and not isinstance(mode, Mode):
+        raise TypeError(f"Run(mode=...) takes a Mode such as Backfill(...), not {mode!r}")
+    if not isinstance(quality, QualityPath):
+        raise TypeError(f"Run(quality=...) takes a QualityPath, not {quality!r}")
+    if dry_run and pipeline.delivery != "exactly_once":
+        raise BadInput(
+            f"{pipeline.name} has delivery: at_least_once, whose write tasks commit; a "
+            f"dry run needs delivery: exactly_once, which it can roll back"
+        )
+    if mode is not None and mode.needs_prepare and pipeline.delivery != "exactly_once":
+        raise BadInput(
+            f"{pipeline.name} has delivery: at_least_once, whose write tasks commit; a "
+            f"{mode.name} needs delivery: exactly_once, whose decision commits it whole"
+        )
