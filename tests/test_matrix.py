@@ -34,12 +34,12 @@ from tidemark import config
 from tidemark.config import Pipeline
 from tidemark.core.claims import Claim, SinkClaim
 from tidemark.core.ranges import Range
-from tidemark.core.settings import Settings
 from tidemark.driver import checking, gate
 from tidemark.driver.checking import Job, QualityPath, Redo, Strategy
 from tidemark.driver.modes import Backfill, Delivery, Layout, Mode, Rebuild
 from tidemark.driver.redrive import RedriveMode
-from tidemark.driver.run import Run, RunReport
+from tidemark.driver.run import RunReport
+from tidemark.driver.writing import may_check_while_writing
 from tidemark.protocol import gids, sinks
 
 Path = tuple[str, ...]  # the strategy of each write, in order
@@ -192,8 +192,7 @@ def _quality_paths(mode: Mode, delivery: str) -> set[Path]:
     paths: set[Path] = set()
     for quality in ({}, {"rows": [STRICT]}):
         p = _pipeline(delivery, quality)
-        run = Run(p, Settings(ledger_dsn="postgresql:///unused"), ledger_dsn="unused", mode=mode)
-        may = functools.partial(run._may_check_while_writing, Claim(0, p.name, mode.name), {})
+        may = functools.partial(may_check_while_writing, p, mode, [])
         # speculate plans the checks on a Spark DataFrame; which strategy choose returns
         # depends only on whether a plan exists, and these checks have one.
         with mock.patch.object(gate, "speculate", lambda *_: object()):

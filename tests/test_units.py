@@ -123,6 +123,37 @@ def test_a_run_refuses_a_mode_or_quality_path_it_cannot_type_check():
     assert Run(p, settings, ledger_dsn="postgresql://u@h/db").mode.name == "run"
 
 
+def test_a_mode_says_its_kind_and_the_ledger_takes_every_kind():
+    """What kind of run a mode makes is its RunKind, whose value is the mode the ledger
+    records (runs_mode_check of the newest migration that sets it); the driver asks nothing
+    else: no isinstance on a mode, no comparing its name."""
+    from tests.conftest import REPO
+    from tidemark.driver.modes import Backfill, Delivery, Rebuild, RunKind
+    from tidemark.driver.redrive import RedriveMode
+
+    modes = {Delivery: "run", Backfill: "backfill", Rebuild: "rebuild", RedriveMode: "redrive"}
+    assert {m.kind for m in modes} == set(RunKind)
+    assert Delivery().name == "run" and Backfill([Range(0, 0, 5)]).name == "backfill"
+    assert {m.kind.value for m in modes} == set(modes.values())
+    checks = [
+        m.group(1)
+        for f in sorted((REPO / "sql").glob("V*.sql"))
+        for m in re.finditer(r"mode\s+IN\s+\(([^)]*)\)", f.read_text())
+    ]
+    assert set(re.findall(r"'(\w+)'", checks[-1])) == {k.value for k in RunKind}
+    asked = re.compile(
+        r"isinstance\([^,]*\bmode\b[^,]*,[^)]*\b(Delivery|Backfill|Rebuild|RedriveMode)\b"
+        r"|\bmode\.name\s*[!=]="
+    )
+    found = [
+        f"{f.name}:{n}: {line.strip()}"
+        for f in sorted((REPO / "tidemark" / "driver").glob("*.py"))
+        for n, line in enumerate(f.read_text().splitlines(), 1)
+        if asked.search(line)
+    ]
+    assert found == [], "ask mode.kind (RunKind) instead:\n" + "\n".join(found)
+
+
 def test_pg_types():
     assert config.pg_type("decimal(10, 2)") == "numeric(10,2)"
     assert config.pg_type("timestamp") == "timestamptz"

@@ -121,7 +121,7 @@ class Bench:
         run_id: int = RUN,
         prepare: bool = True,
     ) -> TaskSpec:
-        """As the driver's Run._spec builds it: one SinkTarget per sink written."""
+        """As the driver's Writer._spec builds it: one SinkTarget per sink written."""
         targets = [
             SinkTarget(
                 name=s.name,

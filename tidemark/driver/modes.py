@@ -9,6 +9,7 @@ decide, finish, advance) is the same code for all three.
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import StrEnum
@@ -51,15 +52,24 @@ class Closing(Protocol):
     def close(self) -> None: ...
 
 
+class RunKind(enum.StrEnum):
+    """What kind of run a mode makes: the one way the driver asks (its value is the mode's
+    name in the ledger, the report and the CLI)."""
+
+    DELIVERY = "run"
+    BACKFILL = "backfill"
+    REBUILD = "rebuild"
+    REDRIVE = "redrive"
+
+
 class Mode(ABC):
-    name = "run"
+    kind = RunKind.DELIVERY
     gate_policy: str | None = None  # None: the pipeline's on_gate_failure
     spreads = False  # may spread its records over tasks by key (Layout)
     falls_back = False  # removed rows fall back to older versions (fallback.py)
     # May run the pipeline's checks in its write job (docs/quality.md, "One pass"): only a
     # first delivery, whose batch is the run's own and whose writes replace nothing.
     checks_while_writing = False
-    rebuilds = False  # writes a new table and swaps it in (Rebuild)
     # Re-deliver what the source holds where it no longer holds some of what the sink does
     # (--accept-pruned; docs/design.md, "Re-delivery"): else such a re-delivery is refused.
     accept_pruned = False
@@ -68,6 +78,10 @@ class Mode(ABC):
     # Over quality.max_quarantined the run and the pipeline halt (driver/ceiling.py): a
     # delivery only, not an operator's deliberate re-delivery.
     halts_over_ceiling = False
+
+    @property
+    def name(self) -> str:
+        return self.kind.value
 
     @abstractmethod
     def planner(self, pipeline: Pipeline) -> tuple[Planner, Closing]:
@@ -276,7 +290,7 @@ class Backfill(Mode):
 
     ranges: list[Range]
     accept_pruned: bool = False
-    name = "backfill"
+    kind = RunKind.BACKFILL
     gate_policy = "halt"  # re-delivery never quarantines a whole batch
     falls_back = True
 
@@ -362,9 +376,8 @@ class Rebuild(Mode):
 
     sink: str
     accept_pruned: bool = False
-    name = "rebuild"
+    kind = RunKind.REBUILD
     gate_policy = "halt"  # re-delivery never quarantines a whole batch
-    rebuilds = True
     # At least once commits in the write task: a retried task would swap a second time.
     needs_prepare = True
 

@@ -31,7 +31,7 @@ from tidemark.core.db import connect
 from tidemark.core.errors import BadInput, TidemarkError
 from tidemark.core.ranges import Range
 from tidemark.core.settings import Settings
-from tidemark.driver.modes import Layout, LayoutKind, Mode, NothingToClose
+from tidemark.driver.modes import Layout, LayoutKind, Mode, NothingToClose, RunKind
 from tidemark.driver.report import RunReport
 from tidemark.driver.run import Run
 from tidemark.ledger import letters, redrives
@@ -50,7 +50,7 @@ class RedriveMode(Mode):
     of ``ids``, for which it makes the request before the run plans), and report on them."""
 
     reads_ranges = False  # hand-picked records: it steps over nothing
-    name = "redrive"
+    kind = RunKind.REDRIVE
 
     def __init__(
         self,

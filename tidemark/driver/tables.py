@@ -4,31 +4,27 @@ created or evolved just before the write (docs/design.md, "Tables"). A rebuild c
 what its new table would leave out, and names the table it writes and the one it retires
 (tidemark/protocol/rebuild.py).
 
-:class:`Tables` is mixed into :class:`tidemark.driver.run.Run` through
-:class:`tidemark.driver.writing.Writing`, whose state it uses.
+:class:`Tables` is built from the run's context (tidemark/driver/context.py); a sink it
+refuses is aborted through the run's :class:`~tidemark.driver.aborting.Aborter`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
 
 import psycopg
 
 from tidemark import sources
-from tidemark.config import Pipeline
-from tidemark.core.claims import Claim
 from tidemark.core.db import connect
 from tidemark.core.errors import TidemarkError
-from tidemark.driver import checking, preflight
-from tidemark.driver.modes import Backfill, Mode, Rebuild
-from tidemark.driver.report import RunReport
+from tidemark.driver import preflight
+from tidemark.driver.aborting import Aborter
+from tidemark.driver.context import RunContext
+from tidemark.driver.modes import RunKind
 from tidemark.ledger import checkpoints
 from tidemark.ledger.state import RunState
 from tidemark.protocol import pruned, rebuild, sink_schema, sinks
-
-Sinks = dict[str, sinks.ResolvedSink]  # the run's sinks by name
 
 
 @dataclass
@@ -45,133 +41,119 @@ class Rebuilt:
 
 
 class Tables:
-    """The table steps of a :class:`~tidemark.driver.run.Run`."""
+    """The sink tables of one run: checked, refused, created or evolved. What it finds
+    (``omit``, ``rebuilt``, ``held``, each empty until then) the write's task spec reads."""
 
-    p: Pipeline
-    mode: Mode
-    log: checking.Log
-    dry_run: bool
-    omit: dict[str, list[str]]  # a dry run's sink -> output columns its table lacks
-    rebuilt: dict[str, Rebuilt]  # a rebuild's sink -> its new table and the retired one
-    # A re-delivery with --accept-pruned: sink -> the spans of its ranges the source holds
-    # (SinkTarget.held); what lies outside them stays as it is.
-    held: dict[str, pruned.Spans]
-    ledger: psycopg.Connection
+    def __init__(self, ctx: RunContext, aborter: Aborter) -> None:
+        self.ctx = ctx
+        self.aborter = aborter
+        self.omit: dict[str, list[str]] = {}  # a dry run's sink -> output columns it lacks
+        self.rebuilt: dict[str, Rebuilt] = {}  # a rebuild's sink -> its new and retired table
+        # A re-delivery with --accept-pruned: sink -> the spans of its ranges the source
+        # holds (SinkTarget.held); what lies outside them stays as it is.
+        self.held: dict[str, pruned.Spans] = {}
 
-    if TYPE_CHECKING:  # the run's own, tidemark/driver/run.py
+    def _live(self) -> list[str]:
+        report = self.ctx.report
+        return [s for s in self.ctx.claim.sinks if report.sinks[s].state != RunState.ABORTED]
 
-        def _abort(self, run_id: int, sink: str, error: str, report: RunReport) -> None: ...
-
-    def _check_tables(self, claim: Claim, by_name: Sinks, report: RunReport) -> bool:
+    def check(self) -> bool:
         """Before Spark starts: refuse each sink whose table cannot take what the pipeline
         writes, as far as its file says (tidemark/driver/preflight.py). False when no sink
         is left to write."""
-        names = [s for s in claim.sinks if report.sinks[s].state != RunState.ABORTED]
-        if isinstance(self.mode, Rebuild):
-            for sink in names:
-                self._check_rebuild(claim, by_name[sink], self.mode, report)
-            return any(report.sinks[s].state != RunState.ABORTED for s in claim.sinks)
-        for sink, problems in preflight.sink_problems(self.p, names).items():
+        kind = self.ctx.mode.kind
+        if kind is RunKind.REBUILD:
+            for sink in self._live():
+                self._check_rebuild(self.ctx.sinks[sink])
+            return bool(self._live())
+        for sink, problems in preflight.sink_problems(self.ctx.pipeline, self._live()).items():
             if problems:
-                self._abort(claim.run_id, sink, "; ".join(problems), report)
-        if isinstance(self.mode, Backfill):
-            for sink in claim.sinks:
-                if report.sinks[sink].state != RunState.ABORTED:
-                    self._check_backfill(claim, by_name[sink], self.mode, report)
-        return any(report.sinks[s].state != RunState.ABORTED for s in claim.sinks)
+                self.aborter.abort(sink, "; ".join(problems))
+        if kind is RunKind.BACKFILL:
+            for sink in self._live():
+                self._check_backfill(self.ctx.sinks[sink])
+        return bool(self._live())
 
-    def _held(self, claim: Claim, sink: str) -> pruned.Spans:
-        """The spans of ``sink``'s ranges the source holds now (Planner.held)."""
-        plan = sources.planner(self.p)
-        try:
-            return {
-                r.partition: plan.held(r.partition, r.start, r.end)
-                for r in claim.sinks[sink].ranges
-            }
-        finally:
-            plan.close()
-
-    def _pruned(
-        self,
-        claim: Claim,
-        sink: sinks.ResolvedSink,
-        ranges: dict[int, tuple[int, int]],
-        held: pruned.Spans,
-    ) -> pruned.Found:
-        """What the sink and its dead letters hold in ``ranges`` outside ``held``."""
-        with connect(sink.dsn, autocommit=True, what=f"sink {sink.name}") as conn:
-            found = pruned.in_sink(conn, sink.config.table, ranges, held)
-        return pruned.in_ledger(self.ledger, found, self.p.name, sink.name, ranges, held)
-
-    def _check_backfill(
-        self, claim: Claim, sink: sinks.ResolvedSink, mode: Backfill, report: RunReport
-    ) -> None:
-        """Before Spark starts: a backfill would remove what the sink holds at positions
-        whose records the source no longer holds, and could not place them again (a
-        tombstone among them: its key would come back). Refused, unless the user accepts
-        backfilling what the source holds, leaving the rest as it is."""
-        ranges = {r.partition: (r.start, r.end) for r in claim.sinks[sink.name].ranges}
-        try:
-            held = self._held(claim, sink.name)
-            found = self._pruned(claim, sink, ranges, held)
-        except (psycopg.Error, TidemarkError) as exc:
-            self._abort(claim.run_id, sink.name, str(exc), report)
-            return
-        if not found:
-            return
-        why = f"sink {sink.name}: {found.describe(sink.config.table)}; retention pruned them)"
-        if not mode.accept_pruned:
-            self._abort(
-                claim.run_id,
-                sink.name,
-                f"{why}; a backfill would remove them. Backfill what the source holds with "
-                f"--accept-pruned (what it no longer holds stays as it is)",
-                report,
-            )
-            return
-        self.held[sink.name] = held
-        self.log(f"run {claim.run_id}: {why}; they stay as they are (--accept-pruned)")
-
-    def _refuse_tables(
-        self, claim: Claim, by_name: Sinks, columns: list[tuple[str, str]], report: RunReport
-    ) -> None:
+    def refuse(self, columns: list[tuple[str, str]]) -> None:
         """Once the transform's output types are known, before the batch is read and
         checked: abort each sink whose table cannot take them (changing nothing yet)."""
-        for sink in claim.sinks:
-            if report.sinks[sink].state == RunState.ABORTED or sink in self.rebuilt:
+        for sink in self._live():
+            if sink in self.rebuilt:
                 continue  # a rebuild's new table is made from these types
-            problems = sinks.table_problems(by_name[sink], list(columns), f"sink {sink}")
+            problems = sinks.table_problems(self.ctx.sinks[sink], list(columns), f"sink {sink}")
             if problems:
-                self._abort(claim.run_id, sink, "; ".join(problems), report)
+                self.aborter.abort(sink, "; ".join(problems))
 
-    def _ensure_table(
-        self,
-        claim: Claim,
-        sink: sinks.ResolvedSink,
-        columns: list[tuple[str, str]],
-        report: RunReport,
-    ) -> bool:
+    def ensure(self, sink: sinks.ResolvedSink, columns: list[tuple[str, str]]) -> bool:
         """A sink about to be written: its table created, or evolved as its ``schema`` says,
         what changed in the report (False: refused, the sink aborted). A dry run changes no
         table: it says what the run would change and writes the columns the table has."""
-        deletes = self.p.tombstones_of(sink.config) == "delete"
-        out = report.sinks[sink.name]
+        ctx = self.ctx
+        deletes = ctx.pipeline.tombstones_of(sink.config) == "delete"
+        out = ctx.report.sinks[sink.name]
         if sink.name in self.rebuilt:
             self.rebuilt[sink.name].columns = columns
             out.schema_changes = self._rebuilding(sink, self.rebuilt[sink.name])
             return True
         try:
-            if self.dry_run:
+            if ctx.dry_run:
                 out.schema_changes = self._plan_table(sink, columns, deletes)
                 return True
             changes = sinks.ensure_table(sink, columns, f"sink {sink.name}", deletes)
         except TidemarkError as exc:
-            self._abort(claim.run_id, sink.name, str(exc), report)
+            self.aborter.abort(sink.name, str(exc))
             return False
         out.schema_changes += changes
         for change in changes:
-            self.log(f"run {claim.run_id} sink {sink.name}: {change}")
+            ctx.log(f"run {ctx.run_id} sink {sink.name}: {change}")
         return True
+
+    def _held(self, sink: str) -> pruned.Spans:
+        """The spans of ``sink``'s ranges the source holds now (Planner.held)."""
+        plan = sources.planner(self.ctx.pipeline)
+        try:
+            return {
+                r.partition: plan.held(r.partition, r.start, r.end)
+                for r in self.ctx.claim.sinks[sink].ranges
+            }
+        finally:
+            plan.close()
+
+    def _pruned(
+        self, sink: sinks.ResolvedSink, ranges: dict[int, tuple[int, int]], held: pruned.Spans
+    ) -> pruned.Found:
+        """What the sink and its dead letters hold in ``ranges`` outside ``held``."""
+        with connect(sink.dsn, autocommit=True, what=f"sink {sink.name}") as conn:
+            found = pruned.in_sink(conn, sink.config.table, ranges, held)
+        return pruned.in_ledger(
+            self.ctx.ledger.conn, found, self.ctx.pipeline.name, sink.name, ranges, held
+        )
+
+    def _check_backfill(self, sink: sinks.ResolvedSink) -> None:
+        """Before Spark starts: a backfill would remove what the sink holds at positions
+        whose records the source no longer holds, and could not place them again (a
+        tombstone among them: its key would come back). Refused, unless the user accepts
+        backfilling what the source holds, leaving the rest as it is."""
+        ctx = self.ctx
+        ranges = {r.partition: (r.start, r.end) for r in ctx.claim.sinks[sink.name].ranges}
+        try:
+            held = self._held(sink.name)
+            found = self._pruned(sink, ranges, held)
+        except (psycopg.Error, TidemarkError) as exc:
+            self.aborter.abort(sink.name, str(exc))
+            return
+        if not found:
+            return
+        why = f"sink {sink.name}: {found.describe(sink.config.table)}; retention pruned them)"
+        if not ctx.mode.accept_pruned:
+            self.aborter.abort(
+                sink.name,
+                f"{why}; a backfill would remove them. Backfill what the source holds with "
+                f"--accept-pruned (what it no longer holds stays as it is)",
+            )
+            return
+        self.held[sink.name] = held
+        ctx.log(f"run {ctx.run_id}: {why}; they stay as they are (--accept-pruned)")
 
     def _plan_table(
         self, sink: sinks.ResolvedSink, columns: list[tuple[str, str]], deletes: bool
@@ -187,56 +169,54 @@ class Tables:
         self.omit[sink.name] = [c for c, _ in plan.adds]
         return [f"would add column {c} {t}" for c, t in plan.adds]
 
-    def _check_rebuild(
-        self, claim: Claim, sink: sinks.ResolvedSink, mode: Rebuild, report: RunReport
-    ) -> None:
+    def _check_rebuild(self, sink: sinks.ResolvedSink) -> None:
         """Before Spark starts: the sink's database takes prepared transactions, and the new
         table would hold every row the old one does, unless the user accepts leaving out
         those whose records the source no longer holds (retention pruned them)."""
-        cfg, what = sink.config, f"sink {sink.name}"
+        ctx = self.ctx
+        cfg, what, run_id = sink.config, f"sink {sink.name}", ctx.run_id
         # Everything the sink holds from where it began, in every partition it has a
         # checkpoint in: a rebuild re-delivers all of it (a partition the source holds
         # nothing of has no range). Rows below where it began were never delivered to it
         # (an older backfill put them there): left out, with no --accept-pruned to ask for.
-        cps = checkpoints.positions(self.ledger, self.p.name, [sink.name]).get(sink.name, {})
-        began = checkpoints.starts(self.ledger, self.p.name, [sink.name]).get(sink.name, {})
-        parts = {*cps, *(r.partition for r in claim.sinks[sink.name].ranges)}
+        ledger, name = ctx.ledger.conn, ctx.pipeline.name
+        cps = checkpoints.positions(ledger, name, [sink.name]).get(sink.name, {})
+        began = checkpoints.starts(ledger, name, [sink.name]).get(sink.name, {})
+        parts = {*cps, *(r.partition for r in ctx.claim.sinks[sink.name].ranges)}
         every = {p: (began.get(p) or 0, pruned.EVERYTHING) for p in sorted(parts)}
         try:
             with connect(sink.dsn, autocommit=True, what=what) as conn:
                 sinks.prepare_database(conn, what)
                 exists = sink_schema.table_columns(conn, cfg.table) is not None
                 never = rebuild.placed_below(conn, cfg.table, began) if exists else {}
-            held = self._held(claim, sink.name)
-            found = self._pruned(claim, sink, every, held) if exists else pruned.Found()
+            held = self._held(sink.name)
+            found = self._pruned(sink, every, held) if exists else pruned.Found()
         except (psycopg.Error, TidemarkError) as exc:
-            self._abort(claim.run_id, sink.name, str(exc), report)
+            self.aborter.abort(sink.name, str(exc))
             return
         if never:
-            self.log(
-                f"run {claim.run_id}: {what}: {sum(never.values()):,} rows of {cfg.table} lie "
+            ctx.log(
+                f"run {run_id}: {what}: {sum(never.values()):,} rows of {cfg.table} lie "
                 f"below where the sink began ("
                 + ", ".join(f"partition {p}: offset {began[p]:,}" for p in never)
                 + "): never delivered to it, left out of the new table"
             )
         if found:
             why = f"{what}: {found.describe(cfg.table)}; retention pruned them)"
-            if not mode.accept_pruned:
-                self._abort(
-                    claim.run_id,
+            if not ctx.mode.accept_pruned:
+                self.aborter.abort(
                     sink.name,
                     f"{why}; a rebuild would leave them out of the new table. Rebuild from "
                     f"what the source holds with --accept-pruned (the old table keeps them; "
                     f"deleted keys stay deleted)",
-                    report,
                 )
                 return
             self.held[sink.name] = held
-            self.log(f"run {claim.run_id}: {why}; left out of the new table (--accept-pruned)")
+            ctx.log(f"run {run_id}: {why}; left out of the new table (--accept-pruned)")
         now = datetime.now(UTC)
         self.rebuilt[sink.name] = Rebuilt(
-            new=rebuild.new_table(cfg.table, claim.run_id),
-            retired=rebuild.retired_table(cfg.table, claim.run_id, now),
+            new=rebuild.new_table(cfg.table, run_id),
+            retired=rebuild.retired_table(cfg.table, run_id, now),
             existed=exists,
             left_out=found.total_rows,
             carried=found.total_tombstones,
@@ -244,7 +224,7 @@ class Tables:
 
     def _rebuilding(self, sink: sinks.ResolvedSink, r: Rebuilt) -> list[str]:
         """What a rebuild does to the sink's tables, as the report says it."""
-        would = "would be " if self.dry_run else ""
+        would = "would be " if self.ctx.dry_run else ""
         made = (
             f"{sink.config.table} {would}rebuilt from the pipeline: key "
             f"({', '.join(sink.config.key)}), {len(r.columns)} columns"

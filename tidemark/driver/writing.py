@@ -5,30 +5,28 @@ records over them; the quality strategy (tidemark/driver/checking.py) judges eac
 one that does not stand is rolled back and the batch written again with the next write
 number in its gids.
 
-:class:`Writing` is mixed into :class:`tidemark.driver.run.Run`, whose state it uses.
+:class:`Writer` is built from the run's context (tidemark/driver/context.py) and returns a
+:class:`WriteOutcome`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import psycopg
 
 from tidemark.config import Pipeline, PostgresLogSource
-from tidemark.core.claims import Claim
 from tidemark.core.errors import TidemarkError
-from tidemark.core.settings import Settings
+from tidemark.core.participants import Participant, Target
 from tidemark.driver import checking, fallback, gate
-from tidemark.driver.checking import Checked, Fails, Job, QualityPath, Stands
-from tidemark.driver.modes import Layout, LayoutKind, Mode
-from tidemark.driver.report import RunReport
-from tidemark.driver.runners import Batch, TaskRunner
-from tidemark.driver.tables import Sinks, Tables, table_exists
-from tidemark.driver.watch import Stop
+from tidemark.driver.aborting import Aborter
+from tidemark.driver.checking import Checked, Fails, Job, Stands
+from tidemark.driver.context import RunContext
+from tidemark.driver.modes import Layout, LayoutKind, Mode, RunKind
+from tidemark.driver.runners import Batch
+from tidemark.driver.tables import Tables, table_exists
 from tidemark.ledger import checkpoints, state
 from tidemark.ledger.state import RunState
-from tidemark.protocol.taskspec import Rebuilding, SinkTarget, TaskResult, TaskSpec
+from tidemark.protocol import sinks
+from tidemark.protocol.taskspec import Rebuilding, SinkResult, SinkTarget, TaskResult, TaskSpec
 
 
 @dataclass(frozen=True)
@@ -41,308 +39,303 @@ class WriteOutcome:
     results: list[TaskResult]
     read_phases: dict[str, float]
 
+    def chosen(self, sink: str) -> list[Participant]:
+        """The participants of ``sink`` its decision chooses: one per task and database."""
+        return [
+            Participant(p.gid, Target.parse(p.target), r.task, p.rows)
+            for r in self.results
+            for p in r.participants
+            if p.sink == sink
+        ]
 
-class Writing(Tables):
-    """The write phase of a :class:`~tidemark.driver.run.Run`."""
+    def of_sink(self, sink: str) -> list[SinkResult]:
+        """What each task did for ``sink``."""
+        return [r.sinks[sink] for r in self.results if sink in r.sinks]
 
-    # What the write uses of its run (set in Run.__init__ and Run.execute).
-    p: Pipeline
-    s: Settings
-    ledger: psycopg.Connection
-    ledger_dsn: str
-    mode: Mode
-    quality: QualityPath
-    runner: TaskRunner
-    by: str | None
-    stop: Stop
-    log: checking.Log
-    dry_run: bool
 
-    if TYPE_CHECKING:  # the run's own, tidemark/driver/run.py
+NOTHING_WRITTEN = WriteOutcome([], None, [], {})
 
-        def _mark(self, phase: str) -> None: ...
-        def _rollback_run(self, claim: Claim, by_name: Sinks, keep: set[str]) -> None: ...
 
-    def _write(self, claim: Claim, by_name: Sinks, report: RunReport) -> WriteOutcome:
+def may_check_while_writing(
+    pipeline: Pipeline, mode: Mode, written: list[sinks.ResolvedSink]
+) -> bool:
+    """The pipeline's checks may run in the job that writes the batch (docs/quality.md,
+    "One pass") where nothing it writes is visible before the decision (exactly once),
+    the batch is the run's own (no re-delivery, no fallback versions), no sink has
+    checks of its own, and every sink's table exists (a failed gate creates none)."""
+    return (
+        pipeline.delivery == "exactly_once"
+        and mode.checks_while_writing
+        and all(s.config.quality.empty for s in written)
+        and all(table_exists(s) for s in written)
+    )
+
+
+class Writer:
+    """The write of one run: writes of its batch until one stands."""
+
+    def __init__(self, ctx: RunContext, tables: Tables, aborter: Aborter) -> None:
+        self.ctx = ctx
+        self.tables = tables
+        self.aborter = aborter
+
+    def write(self) -> WriteOutcome:
         """Writes of the batch until one stands; returns what stands. The quality
         strategy is chosen once, on the first read of the batch, and judges each write; one
         that does not stand is rolled back (nothing is visible before the decision) and the
         batch is read and written again as the judgement says, with the next write number in
         its gids (gids.Gid.write)."""
-        if not self._check_tables(claim, by_name, report):
-            return WriteOutcome([], None, [], {})
-        read_time = self.runner.reader_clock()
+        if not self.tables.check():
+            return NOTHING_WRITTEN
+        read_time = self.ctx.runner.reader_clock()
         layout: Layout | None = None
         live: list[str] = []
         job = Job([])
         try:
-            self.stop.check()
-            layout = self._layout(claim, by_name)
-            live, job = self._writes(layout, claim, by_name, report)
+            self.ctx.stop.check()
+            layout = self._layout()
+            live, job = self._writes(layout)
         finally:
             read = read_time()
         return WriteOutcome(live, layout, job.results, read)
 
-    def _writes(
-        self, layout: Layout, claim: Claim, by_name: Sinks, report: RunReport
-    ) -> tuple[list[str], Job]:
-        ctx = self._checks_context(claim)
-        df = self._read(layout)
-        quality = self.runner.choose(
-            self.quality,
-            ctx.pipeline,
-            df,
-            claim.run_id,
-            lambda: self._may_check_while_writing(claim, by_name),
+    def _writes(self, layout: Layout) -> tuple[list[str], Job]:
+        ctx = self.ctx
+        checks = self._checks_context()
+        batch = self._read(layout)
+        claimed = [ctx.sinks[s] for s in ctx.claim.sinks]
+        quality = ctx.runner.choose(
+            ctx.quality,
+            checks.pipeline,
+            batch,
+            ctx.run_id,
+            lambda: may_check_while_writing(ctx.pipeline, ctx.mode, claimed),
         )
         write = 0
         while True:
-            live, job = self._write_once(layout, df, claim, by_name, report, ctx, quality, write)
+            live, job = self._write_once(layout, batch, checks, quality, write)
             if job is None:  # no sink left to write
                 return live, Job([])
-            judged = quality.judge(job, ctx)
+            judged = quality.judge(job, checks)
             if isinstance(judged, Stands):
                 return live, job
             if isinstance(judged, Fails):
-                for sink in live:
-                    self._abort(claim.run_id, sink, judged.why, report)
-                self._rollback_run(claim, by_name, keep=set())
-                raise TidemarkError(f"run {claim.run_id}: {judged.why}")
-            self.log(
-                f"run {claim.run_id}: data quality: {judged.why}; rolled back the write, "
+                self.aborter.abort_sinks(live, judged.why)
+                raise TidemarkError(f"run {ctx.run_id}: {judged.why}")
+            ctx.log(
+                f"run {ctx.run_id}: data quality: {judged.why}; rolled back the write, "
                 f"checking the batch before writing it again"
             )
-            self._rollback_run(claim, by_name, keep=set())
-            self.stop.check()
-            quality, df, write = judged.then, self._read(layout), write + 1
+            self.aborter.roll_back()
+            ctx.stop.check()
+            quality, batch, write = judged.then, self._read(layout), write + 1
 
     def _write_once(
         self,
         layout: Layout,
-        df: Batch,
-        claim: Claim,
-        by_name: Sinks,
-        report: RunReport,
-        ctx: checking.Context,
+        batch: Batch,
+        checks: checking.Context,
         quality: checking.Strategy,
         write: int,
     ) -> tuple[list[str], Job | None]:
-        """One write of the batch ``df``, checked as ``quality`` says; the sinks it writes
-        and what its write tasks did (None: no sink left to write)."""
-        columns = self.runner.columns(df)
-        self._refuse_tables(claim, by_name, columns, report)
+        """One write of ``batch``, checked as ``quality`` says; the sinks it writes and what
+        its write tasks did (None: no sink left to write)."""
+        ctx, runner, report = self.ctx, self.ctx.runner, self.ctx.report
+        columns = runner.columns(batch)
+        self.tables.refuse(columns)
         cached = fallen = None
-        if quality.caches or self.mode.falls_back:
+        if quality.caches or ctx.mode.falls_back:
             # Read once: the expectations, the fallback keys and the writes all use this
             # cached batch.
-            df = cached = self.runner.cache(df)
+            batch = cached = runner.cache(batch)
         try:
             report.layout = layout.kind
             report.quality.append(type(quality).__name__)
-            checked = quality.check(df, ctx)
+            checked = quality.check(batch, checks)
             if checked.verdict is not None and checked.verdict.halted:
-                report.records = self.runner.count(
-                    df
-                )  # a sink writes none of the batch: still, it read it
-                self._halt(claim, checked.verdict, report)
-            live = self._start_writing(claim, by_name, columns, checked, report)
+                report.records = runner.count(batch)  # a sink writes none of it: still, it read it
+                self._halt(checked.verdict)
+            live = self._start_writing(columns, checked)
             if not live:
                 return [], None
             out = checked.df
-            if self.mode.falls_back:
-                plans = self._plans(claim, by_name, live, checked.verdict)
+            if ctx.mode.falls_back:
+                plans = self._plans(live, checked.verdict)
                 # Before any transaction is prepared: a sink the backfill would leave with
                 # versions placed by nothing (a key split) is refused (fallback.refusals).
-                for sink, why in self.runner.refusals(self.p, out, plans).items():
-                    self._abort(claim.run_id, sink, why, report)
+                for sink, why in runner.refusals(ctx.pipeline, out, plans).items():
+                    self.aborter.abort(sink, why)
                     live.remove(sink)
                     del plans[sink]
                 if not live:
                     return [], None
-                fallen = self._fallback(layout, out, claim, plans)
+                fallen = self._fallback(layout, out, plans)
                 out = fallen.df if fallen is not None else out
-            spec = self._spec(
-                layout, claim, by_name, live, [c for c, _ in columns], checked, fallen, write
-            )
-            return live, self._run_tasks(layout, out, spec, claim.run_id)
+            spec = self._spec(layout, live, [c for c, _ in columns], checked, fallen, write)
+            return live, self._run_tasks(layout, out, spec)
         finally:
             if cached is not None:
-                self.runner.release(cached)
+                runner.release(cached)
             if fallen is not None:
                 fallen.release()
 
-    def _layout(self, claim: Claim, by_name: Sinks) -> Layout:
-        layout = self.mode.layout(
-            claim.read_ranges(),
-            [by_name[s].config for s in claim.sinks],
-            dense=isinstance(self.p.source, PostgresLogSource),
-            parallelism=self.runner.parallelism(),
-            split_min=self.p.limits.split_min_records,
+    def _layout(self) -> Layout:
+        ctx = self.ctx
+        layout = ctx.mode.layout(
+            ctx.claim.read_ranges(),
+            [ctx.sinks[s].config for s in ctx.claim.sinks],
+            dense=isinstance(ctx.pipeline.source, PostgresLogSource),
+            parallelism=ctx.runner.parallelism(),
+            split_min=ctx.pipeline.limits.split_min_records,
         )
         if layout.kind in (LayoutKind.SPREAD, LayoutKind.TOGETHER):
             if layout.kind is LayoutKind.SPREAD:
                 how = f"records spread by ({', '.join(layout.by or [])})"
-            elif self.mode.falls_back:
+            elif ctx.mode.kind is RunKind.BACKFILL:
                 how = "a backfill of several partitions writes in one task"
-            elif self.mode.rebuilds:
+            elif ctx.mode.kind is RunKind.REBUILD:
                 how = "a rebuild writes its new table in one task"
             else:
                 how = "a sink orders versions by a column"
-            self.log(
-                f"run {claim.run_id}: {layout.tasks} write task(s) over "
+            ctx.log(
+                f"run {ctx.run_id}: {layout.tasks} write task(s) over "
                 f"{len(layout.read)} read(s), {how}"
             )
         return layout
 
     def _read(self, layout: Layout) -> Batch:
         """The batch: the mode's records, decoded and transformed (lazily in Spark)."""
-        return self.runner.read(self.mode, self.p, layout.read)
+        return self.ctx.runner.read(self.ctx.mode, self.ctx.pipeline, layout.read)
 
-    def _checks_context(self, claim: Claim) -> checking.Context:
+    def _checks_context(self) -> checking.Context:
+        ctx = self.ctx
         return checking.Context(
-            pipeline=self.mode.quality(self.p),
-            run_id=claim.run_id,
-            ledger=self.ledger,
-            docs_dir=str(self.s.docs_dir(self.p.name)),
-            sink_ranges={s: c.ranges for s, c in claim.sinks.items()},
-            policy=self.mode.gate_policy,
-            log=self.log,
-            mark=self._mark,
+            pipeline=ctx.mode.quality(ctx.pipeline),
+            run_id=ctx.run_id,
+            ledger=ctx.ledger.conn,
+            docs_dir=str(ctx.settings.docs_dir(ctx.pipeline.name)),
+            sink_ranges={s: c.ranges for s, c in ctx.claim.sinks.items()},
+            policy=ctx.mode.gate_policy,
+            log=ctx.log,
+            mark=ctx.clock.mark,
         )
 
-    def _may_check_while_writing(self, claim: Claim, by_name: Sinks) -> bool:
-        """The pipeline's checks may run in the job that writes the batch (docs/quality.md,
-        "One pass") where nothing it writes is visible before the decision (exactly once),
-        the batch is the run's own (no re-delivery, no fallback versions), no sink has
-        checks of its own, and every sink's table exists (a failed gate creates none)."""
-        return (
-            self.p.delivery == "exactly_once"
-            and self.mode.checks_while_writing
-            and all(by_name[s].config.quality.empty for s in claim.sinks)
-            and all(table_exists(by_name[s]) for s in claim.sinks)
-        )
-
-    def _halt(self, claim: Claim, verdict: gate.Verdict, report: RunReport) -> None:
+    def _halt(self, verdict: gate.Verdict) -> None:
         """A failed gate under ``halt``: its sinks end ``dq_failed``, nothing written."""
+        ctx = self.ctx
         for sink, why in verdict.halted.items():
-            if report.sinks[sink].state == RunState.ABORTED:
+            out = ctx.report.sinks[sink]
+            if out.state == RunState.ABORTED:
                 continue
-            state.dq_failed(self.ledger, self.p.name, claim.run_id, sink, why)
-            report.sinks[sink].state, report.sinks[sink].error = RunState.DQ_FAILED, why
-            self.log(f"run {claim.run_id} sink {sink}: dq_failed: {why}")
+            state.dq_failed(ctx.ledger.conn, ctx.pipeline.name, ctx.run_id, sink, why)
+            out.state, out.error = RunState.DQ_FAILED, why
+            ctx.log(f"run {ctx.run_id} sink {sink}: dq_failed: {why}")
 
-    def _start_writing(
-        self,
-        claim: Claim,
-        by_name: Sinks,
-        columns: list[tuple[str, str]],
-        checked: Checked,
-        report: RunReport,
-    ) -> list[str]:
+    def _start_writing(self, columns: list[tuple[str, str]], checked: Checked) -> list[str]:
         """The sinks this write writes, each with its table (created or evolved only now:
         a halted run leaves no table behind) and in state ``writing``."""
+        ctx = self.ctx
         halted = checked.verdict.halted if checked.verdict is not None else {}
         live: list[str] = []
-        for sink in claim.sinks:
-            now = report.sinks[sink].state
-            if now == RunState.ABORTED or sink in halted:
+        for sink in ctx.claim.sinks:
+            out = ctx.report.sinks[sink]
+            if out.state == RunState.ABORTED or sink in halted:
                 continue
-            if not self._ensure_table(claim, by_name[sink], columns, report):
+            if not self.tables.ensure(ctx.sinks[sink], columns):
                 continue
-            if now != RunState.WRITING:  # else it writes again (a write that did not stand)
-                state.start_writing(self.ledger, self.p.name, claim.run_id, sink)
-            report.sinks[sink].state = RunState.WRITING
+            if out.state != RunState.WRITING:  # else it writes again (a write that did not stand)
+                state.start_writing(ctx.ledger.conn, ctx.pipeline.name, ctx.run_id, sink)
+            out.state = RunState.WRITING
             live.append(sink)
         return live
 
-    def _plans(
-        self, claim: Claim, by_name: Sinks, live: list[str], verdict: gate.Verdict | None
-    ) -> dict[str, fallback.SinkPlan]:
+    def _plans(self, live: list[str], verdict: gate.Verdict | None) -> dict[str, fallback.SinkPlan]:
         """Each sink of a backfill as the fallback sees it (tidemark/driver/fallback.py)."""
+        ctx = self.ctx
         v = verdict or gate.Verdict()
-        cps = checkpoints.positions(self.ledger, self.p.name, live)
-        began = checkpoints.starts(self.ledger, self.p.name, live)
+        positions = checkpoints.positions(ctx.ledger.conn, ctx.pipeline.name, live)
+        began = checkpoints.starts(ctx.ledger.conn, ctx.pipeline.name, live)
         plans = {}
         for s in live:
             failed: dict[int, dict[int, str]] = {}
             for scope in (gate.PIPELINE, s):
-                for p, offs in v.rows.get(scope, {}).items():
-                    failed.setdefault(p, {}).update(offs)
+                for partition, offsets in v.rows.get(scope, {}).items():
+                    failed.setdefault(partition, {}).update(offsets)
             plans[s] = fallback.SinkPlan(
-                by_name[s].config,
-                by_name[s].dsn,
-                claim.sinks[s].ranges,
-                cps.get(s, {}),
+                ctx.sinks[s].config,
+                ctx.sinks[s].dsn,
+                ctx.claim.sinks[s].ranges,
+                positions.get(s, {}),
                 failed,
                 began=began.get(s, {}),
             )
         return plans
 
     def _fallback(
-        self, layout: Layout, df: Batch, claim: Claim, plans: dict[str, fallback.SinkPlan]
+        self, layout: Layout, batch: Batch, plans: dict[str, fallback.SinkPlan]
     ) -> fallback.Fallback | None:
         """A backfill's fallback versions (tidemark/driver/fallback.py); one write task."""
+        ctx = self.ctx
         if layout.tasks != 1:
             raise TidemarkError(f"a backfill writes in one task, not {layout.tasks}")
-        return self.runner.fallback(
-            self.p, self.mode, df, plans, lambda m: self.log(f"run {claim.run_id}: {m}")
+        return ctx.runner.fallback(
+            ctx.pipeline, ctx.mode, batch, plans, lambda m: ctx.log(f"run {ctx.run_id}: {m}")
+        )
+
+    def _target(self, sink: str, verdict: gate.Verdict) -> SinkTarget:
+        """Where and how the tasks write ``sink`` (TaskSpec.sinks)."""
+        ctx, tables = self.ctx, self.tables
+        cfg = ctx.sinks[sink].config
+        rebuilt = tables.rebuilt.get(sink)
+        return SinkTarget(
+            name=sink,
+            dsn=ctx.sinks[sink].dsn,
+            table=rebuilt.new if rebuilt else cfg.table,
+            key=cfg.key,
+            version=cfg.version,
+            ranges={r.partition: (r.start, r.end) for r in ctx.claim.sinks[sink].ranges},
+            failed=verdict.rows.get(sink, {}),
+            quarantine=verdict.quarantine.get(sink),
+            tombstones=ctx.pipeline.tombstones_of(cfg),
+            omit=tables.omit.get(sink, []),
+            rebuild=Rebuilding(live=cfg.table, retired=rebuilt.retired, columns=rebuilt.columns)
+            if rebuilt
+            else None,
+            held=tables.held.get(sink),
         )
 
     def _spec(
         self,
         layout: Layout,
-        claim: Claim,
-        by_name: Sinks,
         live: list[str],
         columns: list[str],
         checked: Checked,
         fallen: fallback.Fallback | None,
         write: int,
     ) -> TaskSpec:
-        v = checked.verdict or gate.Verdict()
-        targets = []
-        for s in live:
-            cfg = by_name[s].config
-            r = self.rebuilt.get(s)
-            targets.append(
-                SinkTarget(
-                    name=s,
-                    dsn=by_name[s].dsn,
-                    table=r.new if r else cfg.table,
-                    key=cfg.key,
-                    version=cfg.version,
-                    ranges={r.partition: (r.start, r.end) for r in claim.sinks[s].ranges},
-                    failed=v.rows.get(s, {}),
-                    quarantine=v.quarantine.get(s),
-                    tombstones=self.p.tombstones_of(cfg),
-                    omit=self.omit.get(s, []),
-                    rebuild=Rebuilding(live=cfg.table, retired=r.retired, columns=r.columns)
-                    if r
-                    else None,
-                    held=self.held.get(s),
-                )
-            )
+        ctx = self.ctx
+        verdict = checked.verdict or gate.Verdict()
         return TaskSpec(
-            run_id=claim.run_id,
-            pipeline=self.p.name,
-            prefix=self.s.gid_prefix,
-            prepare=self.p.delivery == "exactly_once",
-            lock_timeout_ms=self.s.lock_timeout_ms,
-            ledger_dsn=self.ledger_dsn,
+            run_id=ctx.run_id,
+            pipeline=ctx.pipeline.name,
+            prefix=ctx.settings.gid_prefix,
+            prepare=ctx.exactly_once,
+            lock_timeout_ms=ctx.settings.lock_timeout_ms,
+            ledger_dsn=ctx.ledger.dsn,
             columns=columns,
             accounting=layout.accounting,
-            placement=self.mode.placement(self.by, fallen),
-            failed=v.rows.get(gate.PIPELINE, {}),
-            quarantine=v.quarantine.get(gate.PIPELINE),
-            payloads=self.mode.payloads(self.p),
-            sinks=targets,
+            placement=ctx.mode.placement(ctx.by, fallen),
+            failed=verdict.rows.get(gate.PIPELINE, {}),
+            quarantine=verdict.quarantine.get(gate.PIPELINE),
+            payloads=ctx.mode.payloads(ctx.pipeline),
+            sinks=[self._target(s, verdict) for s in live],
             checks=checked.row_checks,
             write=write,
         )
 
-    def _run_tasks(self, layout: Layout, df: Batch, spec: TaskSpec, run_id: int) -> Job:
+    def _run_tasks(self, layout: Layout, batch: Batch, spec: TaskSpec) -> Job:
         """The write tasks: one per layout task, each returning its TaskResult."""
-        job = self.runner.run(df, spec, layout, run_id, self.log)
+        job = self.ctx.runner.run(batch, spec, layout, self.ctx.run_id, self.ctx.log)
         if job.failure is None:
-            self._mark("write")
+            self.ctx.clock.mark("write")
         return job
