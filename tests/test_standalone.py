@@ -1,9 +1,13 @@
 """Scale-out by configuration only: the replay job on a real Spark standalone cluster.
 
-A master and two workers (1 core each) run as separate JVMs; the job is started the way Airflow's
-SparkSubmitOperator starts it (`spark-submit --master spark://... jobs/replay.py run ...`). The
-executors' Python cannot import the editable `tidemark` install, so the job only succeeds if it
-ships its own code (tidemark.engine.session.ship_package).
+A master and two workers (1 core each) run as separate JVMs, started once for the module by
+the module `make cluster` uses (tidemark/devstack/spark_cluster.py). The job runs as a user
+starts it: spark-submit, `tidemark run` with a master setting, and the Airflow replay task
+(the Spark provider's own spark-submit command); an executor and a worker are SIGKILLed
+mid-write; the executors run a venv-pack archive. The executors' Python cannot import the
+editable `tidemark` install, so the job only succeeds if it ships its own code
+(tidemark.engine.session.ship_package). Sinks are checked record by record
+(tests/invariants.py).
 """
 
 from __future__ import annotations
