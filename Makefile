@@ -11,11 +11,12 @@ PGDIR  := $(STATE)/pg
 ENVF   := $(STATE)/env
 UV_VERSION := 0.13.9
 
-.PHONY: help venv spark-archive lock browser pg up down test test-fast lint bench chaos clean
+.PHONY: help venv spark-archive lock browser pg up down cluster cluster-down test test-fast lint bench chaos clean
 
 help:
 	@echo "make up         local PostgreSQL + ledger + demo data + Airflow (demo DAG unpaused)"
 	@echo "make down       stop what 'make up' started"
+	@echo "make cluster    a Spark standalone cluster here: master + 2 workers (make cluster-down)"
 	@echo "make test       lint and the whole test suite (starts its own servers)"
 	@echo "make test-fast  the tests that need no Spark and no Airflow (PostgreSQL only): 2-3 minutes"
 	@echo "make bench      the replay benchmark (2M records)"
@@ -90,9 +91,22 @@ up: pg spark-archive
 	@echo "Tidemark is up: the DAG tidemark_flights replays the demo now and then hourly."
 	@echo "CLI: source $(VENV)/bin/activate && tidemark status flights"
 
-down:
+down: cluster-down
 	@if [ -x $(BIN)/tidemark ] && [ -d $(STATE)/airflow ]; then $(BIN)/tidemark airflow down; fi
 	@if [ -d $(PGDIR) ]; then $(PY) -m tidemark.devstack.localpg stop --dir $(PGDIR) --port $(PORT); fi
+
+# A Spark standalone master and two workers (1 core each) from the venv's PySpark, which has
+# no start-master.sh: tidemark/devstack/spark_cluster.py, the daemons the cluster tests use.
+# Loopback unless SPARK_CLUSTER_HOST is set; state and logs in $(STATE)/spark. Idempotent.
+SPARK_CLUSTER_HOST ?= 127.0.0.1
+SPARK_MASTER_PORT  ?= 7077
+SPARK_UI_PORT      ?= 8091
+cluster: venv
+	$(PY) -m tidemark.devstack.spark_cluster up --dir $(STATE)/spark --host $(SPARK_CLUSTER_HOST) \
+	  --port $(SPARK_MASTER_PORT) --ui-port $(SPARK_UI_PORT)
+
+cluster-down:
+	@if [ -f $(STATE)/spark/state.json ]; then $(PY) -m tidemark.devstack.spark_cluster down --dir $(STATE)/spark; fi
 
 lint: venv
 	$(BIN)/ruff check .

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+import sys
 
 import pytest
 
@@ -745,6 +746,8 @@ def test_spark_settings_from_the_connection_and_the_pipeline_reach_spark_submit(
         "spark.pyspark.python=./environment/bin/python",
         "spark.driver.host=10.0.0.5",
         "spark.executor.extraJavaOptions=-Dlog4j2",
+        # The driver runs the task's Python, not the executors' (./environment/bin/python).
+        f"spark.pyspark.driver.python={sys.executable}",
     ):
         assert f"--conf {setting}" in cmd, cmd
     assert "spark.executor.memory=4g" not in cmd

@@ -6,11 +6,14 @@ the executors' Python) goes in ``conf`` (docs/production.md, "Spark settings")."
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 from tidemark import config
 from tidemark.core import spark_settings
+
+DRIVER_PYTHON = "spark.pyspark.driver.python"
 
 
 def job_conf(base: Mapping[str, str] | None, conn_id: str, pipeline_file: str) -> dict[str, str]:
@@ -38,7 +41,11 @@ def job_conf(base: Mapping[str, str] | None, conn_id: str, pipeline_file: str) -
             f"Spark connection {conn_id!r}: extra conf: {exc} (docs/production.md)"
         ) from None
     pipeline = config.load(Path(pipeline_file), deep=False).spark
-    return {**(base or {}), **from_connection, **pipeline}
+    # The driver runs here (client mode), as this task's Python: spark-submit would otherwise
+    # start it with spark.pyspark.python, the executors' (./env/bin/python of an archive, a
+    # path on the executors' hosts), which cannot import tidemark here.
+    driver = {DRIVER_PYTHON: sys.executable}
+    return {**driver, **(base or {}), **from_connection, **pipeline}
 
 
 def _kubernetes_provider() -> bool:
