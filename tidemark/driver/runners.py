@@ -17,7 +17,7 @@ Both give the write the same things: the batch's sink columns, the tasks' result
 
 from __future__ import annotations
 
-import atexit
+import os
 import re
 import zlib
 from abc import ABC, abstractmethod
@@ -223,14 +223,15 @@ class SparkRunner(TaskRunner):
 # The same DataFrames and task code as SparkRunner, run by a Spark Connect server's Python
 # workers, which import tidemark from the session's artifact (tidemark/engine/connect_session.py).
 # What a Connect session lacks, it does without: no SparkContext (the server's parallelism,
-# interruptAll on SIGTERM, no progress lines: they read Spark's status tracker) and no
+# its job interrupted by tag on SIGTERM, no progress lines: they read Spark's status tracker) and no
 # accumulators (the reader's own time per phase is not reported; the write tasks' phases come
 # back in their results as on Spark). docs/production.md, "Spark Connect".
 
 
 class ConnectRunner(SparkRunner):
-    """The write tasks on the Connect server at ``remote``: the given session, or a new one
-    opened on first use (and released when this process exits)."""
+    """The write tasks on the Connect server at ``remote``: the given session, or the one
+    the runs of this package share there (connect_session.remote_session), opened on first
+    use. Its jobs carry a tag of this process: SIGTERM interrupts them, not other runs'."""
 
     engine = Engine.CONNECT
 
@@ -252,7 +253,6 @@ class ConnectRunner(SparkRunner):
             from tidemark.engine.connect_session import remote_session
 
             self._spark = remote_session(self.remote, self.app, self.conf)
-            atexit.register(self._spark.stop)  # the server frees the session's artifacts
         return self._spark
 
     def parallelism(self) -> int:
@@ -273,17 +273,21 @@ class ConnectRunner(SparkRunner):
             df = df.repartition(layout.tasks, *(layout.by or []))
         elif layout.kind == "together":
             df = df.coalesce(1)
+        tag = f"tidemark-run-{run_id}-{os.getpid()}"
+        self.spark.addTag(tag)
         try:
             rows = df.mapInArrow(make_task(spec), RESULT_SCHEMA).collect()
         except Terminated:
             # The server runs a query on after its client stops waiting: stop it now, so no
             # task PREPAREs after the run rolled back (recovery rolls back any that did).
-            self.spark.interruptAll()
+            self.spark.interruptTag(tag)
             raise
         # Blind on purpose, as SparkRunner: gRPC, PySpark or the server's error all say the
         # job failed after its retries; the run rolls back.
         except Exception as exc:  # noqa: BLE001
             return Job([], f"Spark Connect job failed: {_spark_error(exc)}")
+        finally:
+            self.spark.removeTag(tag)
         return Job([TaskResult.model_validate_json(r["result"]) for r in rows])
 
 

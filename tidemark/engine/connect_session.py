@@ -11,6 +11,7 @@ configuration (docs/production.md, "Spark Connect").
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,7 @@ SQL_CONF = {
     "spark.sql.codegen.hugeMethodLimit": "8000",
 }
 
+_NAMESPACE = uuid.UUID("0f1c6a4e-8d53-4c44-9a55-4d8e2b7c1a90")  # Tidemark's sessions
 # A Connect URL's parameters may carry a token (Databricks: sc://host:443/;token=...).
 _PARAMS = re.compile(r"/;.*$")
 
@@ -47,62 +49,91 @@ def is_connect(spark: object) -> bool:
     return type(spark).__module__.startswith("pyspark.sql.connect")
 
 
+def session_url(url: str, conf: Mapping[str, str]) -> str:
+    """``url`` naming the session every run of this tidemark package with these settings
+    shares (unless ``url`` names one): the server keeps a session's artifacts and its Python
+    workers, which imported tidemark already, between runs, so a run on a warm server starts
+    no worker (seconds each) and ships nothing new. The session idles out on the server
+    (spark.connect.session.manager.defaultSessionTimeout) when no run uses it."""
+    if ";session_id=" in url:
+        return url
+    from tidemark.engine.session import package_zip
+
+    settings = sorted((k, v) for k, v in {**SQL_CONF, **conf}.items() if k != REMOTE)
+    sid = uuid.uuid5(_NAMESPACE, f"{package_zip().name}|{settings!r}")
+    sep = ";" if "/;" in url else ("" if url.endswith("/") else "/") + ";"
+    return f"{url}{sep}session_id={sid}"
+
+
 def remote_session(url: str, app: str, conf: Mapping[str, str] | None = None) -> SparkSession:
-    """A new session on the Connect server at ``url``, with Tidemark's settings, the user's
-    ``conf`` (the pipeline's spark: block, ``spark.remote`` aside) and the tidemark package."""
-    from pyspark.errors import PySparkException
+    """The session on the Connect server at ``url`` shared by the runs of this package with
+    these settings (:func:`session_url`), with Tidemark's settings, the user's ``conf`` (the
+    pipeline's spark: block, ``spark.remote`` aside) and the tidemark package. Never stopped
+    by a run (that would end it for every run sharing it).
+
+    A session a run set up already (a warm server) costs one round trip: the session's own
+    setting :data:`READY` says the package is there and the server's parallelism; a new one
+    (a cold or restarted server) gets the settings, the artifact, then READY."""
     from pyspark.sql import SparkSession
 
+    conf = {k: v for k, v in (conf or {}).items() if k != REMOTE}
     try:
-        spark = SparkSession.builder.remote(url).config("spark.app.name", app).create()
-        spark.sql("SELECT 1").collect()  # the channel opens lazily: fail here, not mid-run
+        spark = SparkSession.builder.remote(session_url(url, conf)).create()
+        ready = spark.conf.get(READY, None)  # the first round trip: unreachable fails here
     # Blind on purpose: an unreachable server shows as gRPC's, PySpark's or the OS's error.
     except Exception as exc:  # noqa: BLE001
         raise BadInput(
             f"cannot reach the Spark Connect server at {masked(url)}: {_one_line(exc)}"
         ) from None
+    from tidemark.engine.session import package_zip
+
+    shipped = package_zip().name
+    sid = str(getattr(spark, "session_id", id(spark)))
+    if ready and ready.split("|")[0] == shipped:
+        _PARALLELISM[sid] = int(ready.split("|")[1])
+        return spark
     try:
-        for key, value in SQL_CONF.items():
-            spark.conf.set(key, value)
-        for key, value in (conf or {}).items():
-            if key == REMOTE:
-                continue
-            try:
-                spark.conf.set(key, value)
-            except PySparkException as exc:
-                raise BadInput(
-                    f"the Spark Connect server at {masked(url)} does not let a session set "
-                    f"{key} ({_one_line(exc)}): set it in the server's configuration "
-                    '(docs/production.md, "Spark Connect")'
-                ) from None
-        ship(spark)
+        _set_up(spark, url, conf)
+        _PARALLELISM[sid] = parallelism(spark)
+        spark.conf.set(READY, f"{shipped}|{_PARALLELISM[sid]}")
     except BaseException:
-        spark.stop()
+        spark.client.close()  # the channel, not the session: other runs may share it
         raise
     return spark
 
 
-_SHIPPED: set[tuple[str, str]] = set()  # (session id, zip) already added
+READY = "spark.tidemark.ready"  # "<package zip>|<parallelism>" once a session is set up
+_PARALLELISM: dict[str, int] = {}  # session id -> the server's parallelism
 
 
-def ship(spark: SparkSession) -> None:
-    """The tidemark package on the session's Python path, on the server's workers: a zip
-    named by its content (tidemark/engine/session.py: package_zip), added once per session."""
+def _set_up(spark: SparkSession, url: str, conf: Mapping[str, str]) -> None:
+    from pyspark.errors import PySparkException
+
+    spark.conf._set_all(configs=dict(SQL_CONF), silent=False)  # type: ignore[attr-defined]
+    for key, value in conf.items():
+        try:
+            spark.conf.set(key, value)
+        except PySparkException as exc:
+            raise BadInput(
+                f"the Spark Connect server at {masked(url)} does not let a session set "
+                f"{key} ({_one_line(exc)}): set it in the server's configuration "
+                '(docs/production.md, "Spark Connect")'
+            ) from None
     from tidemark.engine.session import package_zip
 
-    shipped = package_zip()
-    key = (str(getattr(spark, "session_id", id(spark))), shipped.name)
-    if key not in _SHIPPED:
-        spark.addArtifacts(str(shipped), pyfile=True)
-        _SHIPPED.add(key)
+    # Added once per session; the server accepts the same file again (concurrent set-ups).
+    spark.addArtifacts(str(package_zip()), pyfile=True)
 
 
 def parallelism(spark: SparkSession) -> int:
-    """How many tasks the server runs side by side for this session: its
-    ``spark.default.parallelism`` if set, else as many as it splits a range into (its
-    default parallelism: a Connect session has no SparkContext to ask)."""
+    """How many tasks the server runs side by side for this session: as recorded when the
+    session was set up, else its ``spark.default.parallelism`` if set, else as many as it
+    splits a range into (its default parallelism: a Connect session has no SparkContext)."""
     from pyspark.sql import functions as F
 
+    sid = str(getattr(spark, "session_id", id(spark)))
+    if sid in _PARALLELISM:
+        return _PARALLELISM[sid]
     configured = spark.conf.get("spark.default.parallelism", None)
     if configured:
         return max(int(configured), 1)
