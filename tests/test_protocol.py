@@ -127,7 +127,7 @@ POISON = {
 }
 
 
-@pytest.mark.engines("local", "spark")
+@pytest.mark.engines("local", "spark", "connect")
 def test_poison_records_land_in_the_dlq_byte_for_byte_and_the_run_advances(env, engine):
     env.append_orders(range(10, 20), partitions=1)
     poison = list(POISON.items())

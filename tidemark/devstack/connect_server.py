@@ -159,7 +159,7 @@ class ConnectServer:
             spark.stop()
 
     def stop(self, timeout: float = 60.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it if it outlives ``timeout``."""
+        """SIGTERM the server's session, SIGKILL it if it outlives ``timeout``."""
         pid = self.pid()
         if pid is not None:
             _signal_group(pid, signal.SIGTERM)
@@ -173,7 +173,7 @@ class ConnectServer:
             (self.root / name).unlink(missing_ok=True)
 
     def kill(self) -> None:
-        """SIGKILL the server's process group (the tests' crash), leaving its state files."""
+        """SIGKILL the server's session (the tests' crash), leaving its state files."""
         pid = self.pid()
         if pid is not None:
             _signal_group(pid, signal.SIGKILL)
@@ -188,8 +188,13 @@ class ConnectServer:
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
+    """``sig`` to the server's session: the JVM's process group and PySpark's worker daemon's
+    (a group of its own), so no Python worker outlives the server."""
+    from tidemark.devstack.chaos.faults import signal_session
+
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, sig)
+    signal_session(pid, sig)
 
 
 def _alive(pid: int) -> bool:

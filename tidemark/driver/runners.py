@@ -247,6 +247,10 @@ class ConnectRunner(SparkRunner):
         self.remote = remote
         self._parallelism: int | None = None
 
+    def refusal(self, mode: Mode, pipeline: Pipeline) -> str | None:
+        self.spark  # noqa: B018 - the session now, before the claim: unreachable is BadInput
+        return None
+
     @property
     def spark(self) -> SparkSession:
         if self._spark is None:

@@ -75,11 +75,18 @@ def remote_session(url: str, app: str, conf: Mapping[str, str] | None = None) ->
     setting :data:`READY` says the package is there and the server's parallelism; a new one
     (a cold or restarted server) gets the settings, the artifact, then READY."""
     from pyspark.sql import SparkSession
+    from pyspark.sql.connect.client.retries import DefaultPolicy
 
     conf = {k: v for k, v in (conf or {}).items() if k != REMOTE}
     try:
         spark = SparkSession.builder.remote(session_url(url, conf)).create()
-        ready = spark.conf.get(READY, None)  # the first round trip: unreachable fails here
+        # The first round trip: an unreachable server fails here, after some 17 s of
+        # retries, not the client's default 10 minutes. A server lost mid-run is retried for
+        # a few seconds, then the run fails and rolls back (its process also waits on the
+        # client's release calls, retried alike, before it can exit).
+        spark.client.set_retry_policies([DefaultPolicy(max_retries=REACH_TRIES)])
+        ready = spark.conf.get(READY, None)
+        spark.client.set_retry_policies([DefaultPolicy(max_retries=RUN_TRIES)])
     # Blind on purpose: an unreachable server shows as gRPC's, PySpark's or the OS's error.
     except Exception as exc:  # noqa: BLE001
         raise BadInput(
@@ -102,6 +109,8 @@ def remote_session(url: str, app: str, conf: Mapping[str, str] | None = None) ->
     return spark
 
 
+REACH_TRIES = 5  # 50 ms, then each wait 4 times the last: about 17 s in all
+RUN_TRIES = 4  # about 4 s: a rerun is safe, a run stuck on a lost server holds its leases
 READY = "spark.tidemark.ready"  # "<package zip>|<parallelism>" once a session is set up
 _PARALLELISM: dict[str, int] = {}  # session id -> the server's parallelism
 
