@@ -598,3 +598,21 @@ def test_the_readme_lists_every_setting_with_its_default():
             assert shown == f"`{default}`", (
                 f"README: TIDEMARK_{name.upper()} {shown}, not {default}"
             )
+
+
+def test_spark_connect_urls_name_a_shared_session_and_hide_their_token():
+    """tidemark/engine/connect_session.py: the runs of one package and settings share a
+    server session; a URL's parameters (a token) never reach a message or a pipeline file."""
+    from tidemark.core import spark_settings
+    from tidemark.engine.connect_session import masked, session_url
+
+    a = session_url("sc://h:15002", {})
+    assert a.startswith("sc://h:15002/;session_id=") and a == session_url("sc://h:15002", {})
+    assert session_url("sc://h:15002", {"spark.sql.shuffle.partitions": "2"}) != a
+    assert session_url("sc://h:443/;token=t", {}).startswith("sc://h:443/;token=t;session_id=")
+    assert masked("sc://h:443/;token=secret;x=1") == "sc://h:443/;..."
+    with pytest.raises(ValueError, match="spark.remote: Spark settings travel in the clear"):
+        spark_settings.checked({"spark.remote": "sc://h:443/;token=secret"})
+    assert spark_settings.checked({"spark.remote": "sc://h:15002"}) == {
+        "spark.remote": "sc://h:15002"
+    }
