@@ -166,3 +166,38 @@ def test_server_killed_mid_run_restarted_recovery_and_rerun_exact(env, tmp_path)
         _rerun_exact(env)
     finally:
         server.stop()
+
+
+def test_sigterm_mid_job_rolls_back_and_recovery_settles_what_its_tasks_prepare_later(
+    connect_env,
+):
+    """SIGTERM while the tasks wait on the server: the run interrupts its own job (by its
+    tag), rolls back and exits 143. A task blocked inside PostgreSQL does not see the
+    interrupt until its statement returns: freed, it PREPAREs for the aborted run (measured:
+    both did). Nothing of it commits; the next recovery rolls it back (docs/design.md,
+    "Recovery": a task may outlive its run)."""
+    from tidemark.core.errors import Terminated
+
+    env = connect_env
+    job, lock = _locked_run(env)
+    job.signal(signal.SIGTERM)
+    code = job.wait()
+    out = job.output()
+    assert code == Terminated.exit_code, out
+    assert "Traceback" not in out
+    lock.rollback()
+    lock.close()
+    assert env.ledger("SELECT state::text FROM tidemark.run_sinks WHERE run_id = 2") == [
+        ("aborted",)
+    ]
+    _await(
+        "the tasks' backends done",
+        lambda: env.q(
+            env.sink_dsn,
+            "SELECT count(*) = 0 FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid() AND backend_type = 'client backend' AND state <> 'idle'",
+        )[0][0],
+    )
+    assert {g.split(":")[1] for g in env.prepared()} <= {"2"}  # only the aborted run's
+    assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(100,)]
+    _rerun_exact(env)

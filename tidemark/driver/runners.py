@@ -282,8 +282,9 @@ class ConnectRunner(SparkRunner):
         try:
             rows = df.mapInArrow(make_task(spec), RESULT_SCHEMA).collect()
         except Terminated:
-            # The server runs a query on after its client stops waiting: stop it now, so no
-            # task PREPAREs after the run rolled back (recovery rolls back any that did).
+            # The server runs a query on after its client stops waiting: stop it now. A task
+            # inside a PostgreSQL statement finishes it first and may still PREPARE after the
+            # run rolled back: recovery rolls that back (docs/design.md, "Recovery").
             self.spark.interruptTag(tag)
             raise
         # Blind on purpose, as SparkRunner: gRPC, PySpark or the server's error all say the
