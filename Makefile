@@ -11,10 +11,12 @@ PGDIR  := $(STATE)/pg
 ENVF   := $(STATE)/env
 UV_VERSION := 0.13.9
 
-.PHONY: help venv spark-archive lock browser pg up down cluster cluster-down test test-fast lint bench chaos clean
+.PHONY: help venv spark-archive lock browser pg connect connect-down up down cluster cluster-down test test-fast lint bench chaos clean
 
 help:
 	@echo "make up         local PostgreSQL + ledger + demo data + Airflow (demo DAG unpaused)"
+	@echo "make up CONNECT=1  the same, with a local Spark Connect server the runs use"
+	@echo "make connect    a local Spark Connect server (loopback, this venv's Python)"
 	@echo "make down       stop what 'make up' started"
 	@echo "make cluster    a Spark standalone cluster here: master + 2 workers (make cluster-down)"
 	@echo "make test       lint and the whole test suite (starts its own servers)"
@@ -83,7 +85,21 @@ pg: venv
 	    "$$ledger" "$$ledger" "$$sink" > $(ENVF); \
 	fi
 
-up: pg spark-archive
+# A local Spark Connect server (tidemark/devstack/connect_server.py): loopback, a free port
+# unless CONNECT_PORT, this venv's Python in its workers. Its URL goes into the env file as
+# TIDEMARK_SPARK_REMOTE: runs then write through it (docs/production.md, "Spark Connect").
+CONNECT_DIR := $(STATE)/connect
+connect: pg
+	$(PY) -m tidemark.devstack.connect_server start --dir $(CONNECT_DIR) \
+	  $(if $(CONNECT_PORT),--port $(CONNECT_PORT))
+	@umask 077; sed -i '/^TIDEMARK_SPARK_REMOTE=/d' $(ENVF); \
+	  echo "TIDEMARK_SPARK_REMOTE=$$($(PY) -m tidemark.devstack.connect_server url --dir $(CONNECT_DIR))" >> $(ENVF)
+
+connect-down:
+	@if [ -d $(CONNECT_DIR) ]; then $(PY) -m tidemark.devstack.connect_server stop --dir $(CONNECT_DIR); fi
+	@if [ -f $(ENVF) ]; then sed -i '/^TIDEMARK_SPARK_REMOTE=/d' $(ENVF); fi
+
+up: pg spark-archive $(if $(CONNECT),connect)
 	$(BIN)/tidemark db upgrade
 	$(BIN)/tidemark demo load
 	$(BIN)/tidemark airflow up
@@ -91,7 +107,7 @@ up: pg spark-archive
 	@echo "Tidemark is up: the DAG tidemark_flights replays the demo now and then hourly."
 	@echo "CLI: source $(VENV)/bin/activate && tidemark status flights"
 
-down: cluster-down
+down: connect-down cluster-down
 	@if [ -x $(BIN)/tidemark ] && [ -d $(STATE)/airflow ]; then $(BIN)/tidemark airflow down; fi
 	@if [ -d $(PGDIR) ]; then $(PY) -m tidemark.devstack.localpg stop --dir $(PGDIR) --port $(PORT); fi
 

@@ -29,7 +29,7 @@ def pytest_collection_modifyitems(items):
         if "spark" in item.fixturenames:
             item.add_marker(pytest.mark.spark)
         callspec = getattr(item, "callspec", None)
-        if callspec is not None and callspec.params.get("engine") == "spark":
+        if callspec is not None and callspec.params.get("engine") in ("spark", "connect"):
             item.add_marker(pytest.mark.spark)
 
     # The Airflow modules last, in their order, those with an Airflow of their own first: the
@@ -87,7 +87,41 @@ def engine(request, env):
     env.engine = Engine(request.param)
     if env.engine is Engine.SPARK:
         return SparkRunner(request.getfixturevalue("spark"), env.settings(), "tidemark-tests")
+    if env.engine is Engine.CONNECT:
+        from tidemark.driver.runners import ConnectRunner
+
+        env.spark_remote = request.getfixturevalue("connect_server").url
+        return ConnectRunner(
+            env.spark_remote,
+            request.getfixturevalue("connect_spark"),
+            env.settings(),
+            "tidemark-tests",
+        )
     return LocalRunner()
+
+
+@pytest.fixture(scope="session")
+def connect_server(tmp_path_factory):
+    """A local Spark Connect server for the session (tidemark/devstack/connect_server.py):
+    the `connect` engine's tests run their write tasks on it."""
+    from tidemark.devstack.connect_server import ConnectServer
+
+    server = ConnectServer(tmp_path_factory.mktemp("connect"), master="local[2,4]")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def connect_spark(connect_server):
+    """One Connect session on the session's server, the tidemark package shipped once."""
+    from tidemark.engine.connect_session import remote_session
+
+    s = remote_session(connect_server.url, "tidemark-tests")
+    yield s
+    s.stop()
 
 
 @pytest.fixture(scope="session")
@@ -168,6 +202,7 @@ class Env:
         self.dir.mkdir()
         self.tmp = tmp
         self.engine: str | None = None  # TIDEMARK_ENGINE of its processes (fixture engine)
+        self.spark_remote: str | None = None  # their TIDEMARK_SPARK_REMOTE (engine connect)
 
     # -- data ----------------------------------------------------------------------------------
     def append(self, records) -> dict[int, tuple[int, int]]:
@@ -306,6 +341,8 @@ class Env:
         )
         if self.engine is not None:
             env["TIDEMARK_ENGINE"] = str(self.engine)
+        if self.spark_remote is not None:
+            env["TIDEMARK_SPARK_REMOTE"] = self.spark_remote
         env.update({k: str(v) for k, v in extra.items()})
         return env
 

@@ -440,7 +440,7 @@ def _tasks(env) -> set[str]:
     }
 
 
-@pytest.mark.engines("local", "spark")
+@pytest.mark.engines("local", "spark", "connect")
 def test_a_one_partition_run_spreads_over_tasks_by_key_and_places_each_record_once(env, engine):
     """One partition, two cores: the range is read in sub-ranges and its records spread by key
     over two write tasks, each its own participant. Versions of a key sit in every

@@ -177,7 +177,7 @@ def test_redrive_from_the_cli_by_class_and_bad_input(env, spark):
         assert "Traceback" not in bad.stderr
 
 
-@pytest.mark.engines("local", "spark")
+@pytest.mark.engines("local", "spark", "connect")
 def test_a_sink_write_failure_keeps_its_own_dead_letter(env, engine):
     """A record quarantined at one sink (class sink_write) goes back to that sink only."""
     env.append_orders(range(10))

@@ -762,3 +762,21 @@ def test_a_preview_as_the_last_run_is_no_failure_on_the_pipelines_page():
     assert _badges(last("previewed", "previewed")) == [("info", "last run a preview")]
     assert _badges(last("previewed", "aborted")) == [("bad", "last run failed: s1")]
     assert _badges(last("committed")) == [("ok", "ok")]
+
+
+def test_spark_connect_urls_name_a_shared_session_and_hide_their_token():
+    """tidemark/engine/connect_session.py: the runs of one package and settings share a
+    server session; a URL's parameters (a token) never reach a message or a pipeline file."""
+    from tidemark.core import spark_settings
+    from tidemark.engine.connect_session import masked, session_url
+
+    a = session_url("sc://h:15002", {})
+    assert a.startswith("sc://h:15002/;session_id=") and a == session_url("sc://h:15002", {})
+    assert session_url("sc://h:15002", {"spark.sql.shuffle.partitions": "2"}) != a
+    assert session_url("sc://h:443/;token=t", {}).startswith("sc://h:443/;token=t;session_id=")
+    assert masked("sc://h:443/;token=secret;x=1") == "sc://h:443/;..."
+    with pytest.raises(ValueError, match="spark.remote: Spark settings travel in the clear"):
+        spark_settings.checked({"spark.remote": "sc://h:443/;token=secret"})
+    assert spark_settings.checked({"spark.remote": "sc://h:15002"}) == {
+        "spark.remote": "sc://h:15002"
+    }

@@ -38,8 +38,15 @@ class Settings(BaseSettings):
     )
     engine: Engine = Field(
         Engine.SPARK,
-        description="where a run's write tasks run: spark, or local (in the run's process, "
-        "no JVM; no transform expressions, data-quality checks or backfills)",
+        description="where a run's write tasks run: spark, local (in the run's process, "
+        "no JVM; no transform expressions, data-quality checks or backfills), or connect "
+        "(a Spark Connect server: spark_remote)",
+    )
+    spark_remote: str | None = Field(
+        None,
+        pattern=r"^sc://",
+        description="a Spark Connect endpoint (sc://host:port): the runs' write tasks run "
+        "there (engine connect) unless the engine is local; a pipeline's spark.remote wins",
     )
     gid_prefix: str = Field(
         "tm",

@@ -16,6 +16,8 @@ KEY = re.compile(r"^spark(\.[A-Za-z0-9_-]+)+$")
 SECRET_KEY = re.compile(r"(?i)password|secret|token|credential")
 SECRET_FILE = re.compile(r"(?i)(\.file|File|\.path)$")
 SECRET_VALUE = re.compile(r"://[^:/@\s]+:[^@\s]+@")
+# A Spark Connect URL's token parameter (spark.remote: sc://host:443/;token=...).
+SECRET_PARAM = re.compile(r"(?i);\s*token=")
 # Tidemark decides these: the master is the CLI's setting or the Spark connection's host;
 # the driver runs where the job reads its connections (client mode); one attempt of a task
 # at a time (docs/design.md).
@@ -42,7 +44,11 @@ def checked(conf: Mapping[str, object]) -> dict[str, str]:
             text = str(value)
         else:
             raise ValueError(f"{key}: expected a string or a number")
-        if (SECRET_KEY.search(key) and not SECRET_FILE.search(key)) or SECRET_VALUE.search(text):
+        if (
+            (SECRET_KEY.search(key) and not SECRET_FILE.search(key))
+            or SECRET_VALUE.search(text)
+            or SECRET_PARAM.search(text)
+        ):
             raise ValueError(
                 f"{key}: Spark settings travel in the clear (command line, Spark UI, logs); "
                 "give secrets as connections, not Spark conf"

@@ -3,6 +3,7 @@ chosen once from ``Settings.engine`` (:func:`runner_for`).
 
 * :class:`SparkRunner`: the batch is a Spark DataFrame; Spark reads, decodes and transforms
   it and runs one write task per layout task (mapInArrow), retrying a failed task.
+* :class:`ConnectRunner`: as SparkRunner, on a Spark Connect server (``Engine.CONNECT``).
 * :class:`LocalRunner`: no JVM. The run's process reads the same Arrow batches from the
   source, decodes and transforms them in Arrow (tidemark/engine/local_records.py) and hands
   them to the same task code (tidemark/engine/writer.py: run_task), task by task, as the
@@ -16,6 +17,7 @@ Both give the write the same things: the batch's sink columns, the tasks' result
 
 from __future__ import annotations
 
+import os
 import re
 import zlib
 from abc import ABC, abstractmethod
@@ -32,7 +34,7 @@ from tidemark.core.clock import Phases
 from tidemark.core.db import one_line
 from tidemark.core.dsn import mask
 from tidemark.core.engines import Engine
-from tidemark.core.errors import Terminated, terminated_in
+from tidemark.core.errors import BadInput, Terminated, terminated_in
 from tidemark.core.ranges import Range
 from tidemark.core.settings import Settings
 from tidemark.driver import checking
@@ -41,7 +43,7 @@ from tidemark.driver.modes import Layout, LayoutKind, Mode
 from tidemark.protocol.taskspec import TaskResult, TaskSpec
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+    from pyspark.sql import DataFrame, SparkSession
 
     from tidemark.driver.fallback import Fallback, SinkPlan
 
@@ -196,11 +198,7 @@ class SparkRunner(TaskRunner):
         from tidemark.driver.watch import Progress
         from tidemark.engine.writer import RESULT_SCHEMA, make_task
 
-        df = batch
-        if layout.kind is LayoutKind.SPREAD:
-            df = df.repartition(layout.tasks, *(layout.by or []))
-        elif layout.kind is LayoutKind.TOGETHER:
-            df = df.coalesce(1)
+        df = laid_out(batch, layout)
         progress = Progress(self.spark, run_id, layout.tasks, log)
         progress.start()
         try:
@@ -217,6 +215,88 @@ class SparkRunner(TaskRunner):
             return Job([], f"Spark job failed: {_spark_error(exc)}")
         finally:
             progress.stop()
+        return Job([TaskResult.model_validate_json(r["result"]) for r in rows])
+
+
+def laid_out(df: DataFrame, layout: Layout) -> DataFrame:
+    """The batch as the layout spreads it over the write tasks (classic Spark and Connect)."""
+    if layout.kind is LayoutKind.SPREAD:
+        return df.repartition(layout.tasks, *(layout.by or []))
+    if layout.kind is LayoutKind.TOGETHER:
+        return df.coalesce(1)
+    return df
+
+
+# -- Spark Connect ---------------------------------------------------------------------------
+# The same DataFrames and task code as SparkRunner, run by a Spark Connect server's Python
+# workers, which import tidemark from the session's artifact (tidemark/engine/connect_session.py).
+# What a Connect session lacks, it does without: no SparkContext (the server's parallelism,
+# its job interrupted by tag on SIGTERM, no progress lines: they read Spark's status tracker) and no
+# accumulators (the reader's own time per phase is not reported; the write tasks' phases come
+# back in their results as on Spark). docs/production.md, "Spark Connect".
+
+
+class ConnectRunner(SparkRunner):
+    """The write tasks on the Connect server at ``remote``: the given session, or the one
+    the runs of this package share there (connect_session.remote_session), opened on first
+    use. Its jobs carry a tag of this process: SIGTERM interrupts them, not other runs'."""
+
+    engine = Engine.CONNECT
+
+    def __init__(
+        self,
+        remote: str,
+        spark: SparkSession | None,
+        settings: Settings,
+        app: str,
+        conf: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(spark, settings, app, conf)
+        self.remote = remote
+        self._parallelism: int | None = None
+
+    def refusal(self, mode: Mode, pipeline: Pipeline) -> str | None:
+        self.spark  # noqa: B018 - the session now, before the claim: unreachable is BadInput
+        return None
+
+    @property
+    def spark(self) -> SparkSession:
+        if self._spark is None:
+            from tidemark.engine.connect_session import remote_session
+
+            self._spark = remote_session(self.remote, self.app, self.conf)
+        return self._spark
+
+    def parallelism(self) -> int:
+        if self._parallelism is None:
+            from tidemark.engine import connect_session
+
+            self._parallelism = connect_session.parallelism(self.spark)
+        return self._parallelism
+
+    def reader_clock(self) -> Callable[[], dict[str, float]]:
+        return dict  # no accumulators through Connect: the reader's phases stay unreported
+
+    def run(self, batch: Batch, spec: TaskSpec, layout: Layout, run_id: int, log: Log) -> Job:
+        from tidemark.engine.writer import RESULT_SCHEMA, make_task
+
+        df = laid_out(batch, layout)
+        tag = f"tidemark-run-{run_id}-{os.getpid()}"
+        self.spark.addTag(tag)
+        try:
+            rows = df.mapInArrow(make_task(spec), RESULT_SCHEMA).collect()
+        except Terminated:
+            # The server runs a query on after its client stops waiting: stop it now. A task
+            # inside a PostgreSQL statement finishes it first and may still PREPARE after the
+            # run rolled back: recovery rolls that back (docs/design.md, "Recovery").
+            self.spark.interruptTag(tag)
+            raise
+        # Blind on purpose, as SparkRunner: gRPC, PySpark or the server's error all say the
+        # job failed after its retries; the run rolls back.
+        except Exception as exc:  # noqa: BLE001
+            return Job([], f"Spark Connect job failed: {_spark_error(exc)}")
+        finally:
+            self.spark.removeTag(tag)
         return Job([TaskResult.model_validate_json(r["result"]) for r in rows])
 
 
@@ -345,8 +425,24 @@ def runner_for(
     conf: dict[str, str] | None = None,
 ) -> TaskRunner:
     """The run's runner: Spark with the given session (else one started with the pipeline's
-    ``conf``), or as ``settings.engine`` says."""
-    if spark is not None or settings.engine is Engine.SPARK:
+    ``conf``), or as ``settings.engine`` says; a Spark Connect endpoint (the pipeline's
+    ``spark.remote``, else ``settings.spark_remote``) makes Spark Connect's unless the engine
+    is local (:class:`ConnectRunner`)."""
+    from tidemark.engine.connect_session import REMOTE, is_connect
+
+    remote = (conf or {}).get(REMOTE) or settings.spark_remote
+    if spark is not None and is_connect(spark):
+        return ConnectRunner(remote or "", spark, settings, app, conf)
+    if spark is not None:
+        return SparkRunner(spark, settings, app, conf)
+    if settings.engine is Engine.CONNECT or (remote and settings.engine is Engine.SPARK):
+        if not remote:
+            raise BadInput(
+                "engine connect needs a Spark Connect endpoint: set TIDEMARK_SPARK_REMOTE "
+                "(sc://host:port) or spark.remote in the pipeline's spark: block"
+            )
+        return ConnectRunner(remote, None, settings, app, conf)
+    if settings.engine is Engine.SPARK:
         return SparkRunner(spark, settings, app, conf)
     return LocalRunner()
 

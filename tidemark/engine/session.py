@@ -190,8 +190,19 @@ def _submitted_master() -> str:
 
 def ship_package(sc: SparkContext) -> Path:
     """Executors on a cluster (spark://, yarn, k8s://) cannot import the driver's tidemark:
-    zip the package (sources and package data, no __pycache__), once per process and named by
-    its content hash, and add it to the context's Python path (a no-op if already added)."""
+    add the package's zip (:func:`package_zip`) to the context's Python path (a no-op if
+    already added)."""
+    shipped = package_zip()
+    if shipped.name not in {f.rsplit("/", 1)[-1] for f in sc.listFiles}:
+        sc.addPyFile(str(shipped))
+    return shipped
+
+
+def package_zip() -> Path:
+    """The tidemark package as a zip (sources and package data, no __pycache__), built once
+    per process and named by its content hash: what a cluster's executors import
+    (:func:`ship_package`) and what a Spark Connect session ships as an artifact
+    (tidemark/engine/connect_session.py)."""
     global _SHIPPED
     if _SHIPPED is None:
         files = sorted(
@@ -214,6 +225,4 @@ def ship_package(sc: SparkContext) -> Path:
                     z.write(f, Path("tidemark") / f.relative_to(PACKAGE))
             os.replace(tmp, target)  # atomic: concurrent jobs never see half a zip
         _SHIPPED = target
-    if _SHIPPED.name not in {f.rsplit("/", 1)[-1] for f in sc.listFiles}:
-        sc.addPyFile(str(_SHIPPED))
     return _SHIPPED

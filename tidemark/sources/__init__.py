@@ -332,7 +332,9 @@ def dataframe(spark: SparkSession, pipeline: Pipeline, ranges: list[Range]) -> D
     from tidemark.sources import read_clock
 
     n = len(job.ranges)
-    reader = RangeReader(job, read_clock.clock(spark.sparkContext))
+    # A Spark Connect session has no SparkContext, so no accumulator: no reader's clock.
+    connect = type(spark).__module__.startswith("pyspark.sql.connect")
+    reader = RangeReader(job, None if connect else read_clock.clock(spark.sparkContext))
     return spark.range(0, n, 1, max(n, 1)).mapInArrow(reader, job.spark_schema())
 
 

@@ -1,0 +1,203 @@
+"""Spark Connect as the engine (tidemark/driver/runners.py: ConnectRunner) on a real local
+Connect server (tidemark/devstack/connect_server.py): the `tidemark` CLI's runs, a backfill
+and its preview through it, and the crashes Connect adds: the client SIGKILLed while its
+tasks run on the server (which runs them on), the server SIGKILLed mid-run and restarted.
+
+Each crash test holds the sink table locked so the write tasks wait inside PostgreSQL, awaits
+them waiting there (pg_stat_activity), then kills."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import psycopg
+import pytest
+
+from tests.invariants import assert_exactly_once
+from tests.proc import JobProcess
+from tidemark.core.engines import Engine
+
+pytestmark = pytest.mark.spark
+
+
+def _cli(env, *args: str, **extra) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        env.cli_argv(*args), env=env.cli_env(**extra), capture_output=True, text=True, timeout=600
+    )
+
+
+def _await(what: str, check, timeout: float = 240.0):
+    """Until ``check()`` is truthy (a state of PostgreSQL, polled), or fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"timed out awaiting {what}")
+
+
+def _waiting_tasks(env) -> int:
+    """Backends on the sink database waiting for a lock: the write tasks, the table held."""
+    return env.q(
+        env.sink_dsn,
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+        "AND wait_event_type = 'Lock'",
+    )[0][0]
+
+
+def _connect_env(env, url: str) -> None:
+    env.engine, env.spark_remote = Engine.CONNECT, url
+
+
+@pytest.fixture
+def connect_env(env, connect_server):
+    _connect_env(env, connect_server.url)
+    return env
+
+
+def test_cli_run_backfill_and_preview_through_connect(connect_env):
+    env = connect_env
+    env.append_orders(range(300))
+    env.append([(0, b"poison", b"{not json", None, None)])
+    env.pipeline()
+    run = _cli(env, "run", "orders")
+    assert run.returncode == 0, run.stderr
+    assert env.checkpoints() == {0: 151, 1: 150}
+    assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(300,)]
+    # A preview of a backfill: its counts, nothing committed.
+    preview = _cli(env, "backfill", "orders", "--partition", "all", "--dry-run")
+    assert preview.returncode == 0, preview.stderr
+    assert "dry run" in (preview.stdout + preview.stderr).lower()
+    assert env.prepared() == []
+    backfill = _cli(env, "backfill", "orders", "--partition", "all")
+    assert backfill.returncode == 0, backfill.stderr
+    assert env.checkpoints() == {0: 151, 1: 150}
+    assert env.ledger("SELECT count(*), max(attempts) FROM tidemark.dlq") == [(1, 2)]
+    assert_exactly_once(env)
+
+
+def test_an_unreachable_server_is_one_line(env):
+    env.append_orders(range(5))
+    env.pipeline()
+    bad = _cli(env, "run", "orders", TIDEMARK_SPARK_REMOTE="sc://127.0.0.1:9")
+    assert bad.returncode != 0
+    assert "cannot reach the Spark Connect server at sc://127.0.0.1:9" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
+    assert env.ledger("SELECT count(*) FROM tidemark.runs") == [(0,)]
+
+
+def _locked_run(env):
+    """A first run makes the table; then 200 more records and the table locked: a `tidemark
+    run` whose write tasks wait in PostgreSQL, on the server. Returns (job, the lock's conn)."""
+    env.append_orders(range(100))
+    env.pipeline()
+    first = _cli(env, "run", "orders")
+    assert first.returncode == 0, first.stderr
+    env.append_orders(range(100, 300))
+    lock = psycopg.connect(env.sink_dsn)
+    lock.execute("LOCK TABLE public.orders IN EXCLUSIVE MODE")  # reads pass, writes wait
+    job = JobProcess(env.cli_argv("run", "orders"), env.cli_env())
+    _await("the write tasks waiting on the table", lambda: _waiting_tasks(env))
+    return job, lock
+
+
+def _rerun_exact(env) -> None:
+    rep = env.recover()
+    assert rep.ok, rep.errors
+    assert env.prepared() == []
+    rerun = _cli(env, "run", "orders")
+    assert rerun.returncode == 0, rerun.stderr
+    assert env.checkpoints() == {0: 150, 1: 150}
+    assert env.q(env.sink_dsn, "SELECT count(*), count(DISTINCT id) FROM orders") == [(300, 300)]
+    assert env.prepared() == []
+    assert_exactly_once(env)
+
+
+def test_client_killed_mid_run_recovery_fences_the_tasks_the_server_runs_on(connect_env):
+    """The client dies; its tasks run on. Recovery aborts the run; the tasks then PREPARE
+    (the table freed) for a run that is aborted: nothing of it commits, the next recovery
+    rolls them back, and the rerun places every record once."""
+    env = connect_env
+    job, lock = _locked_run(env)
+    job.kill_group()
+    assert job.wait() == -signal.SIGKILL
+    rep = env.recover()
+    assert rep.ok, rep.errors
+    assert env.ledger("SELECT state::text FROM tidemark.run_sinks WHERE run_id = 2") == [
+        ("aborted",)
+    ]
+    lock.rollback()  # the tasks left on the server go on
+    lock.close()
+    # They prepare for the aborted run (or were interrupted first): either way nothing of
+    # run 2 is visible, and once they are done no backend of theirs is left.
+    _await(
+        "the server's tasks done",
+        lambda: env.q(
+            env.sink_dsn,
+            "SELECT count(*) = 0 FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid() AND backend_type = 'client backend' AND state <> 'idle'",
+        )[0][0],
+    )
+    assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(100,)]
+    assert env.checkpoints() == {0: 50, 1: 50}
+    _rerun_exact(env)
+
+
+def test_server_killed_mid_run_restarted_recovery_and_rerun_exact(env, tmp_path):
+    from tidemark.devstack.connect_server import ConnectServer
+
+    server = ConnectServer(tmp_path / "connect", master="local[2,4]")
+    _connect_env(env, server.start())
+    try:
+        job, lock = _locked_run(env)
+        server.kill()  # the JVM, its worker daemon and the tasks' Python workers
+        # The client sees its job fail and rolls the run back itself.
+        assert job.wait() != 0
+        assert "Traceback" not in job.output()
+        lock.rollback()
+        lock.close()
+        assert env.ledger("SELECT state::text FROM tidemark.run_sinks WHERE run_id = 2") == [
+            ("aborted",)
+        ]
+        server.start()
+        _rerun_exact(env)
+    finally:
+        server.stop()
+
+
+def test_sigterm_mid_job_rolls_back_and_recovery_settles_what_its_tasks_prepare_later(
+    connect_env,
+):
+    """SIGTERM while the tasks wait on the server: the run interrupts its own job (by its
+    tag), rolls back and exits 143. A task blocked inside PostgreSQL does not see the
+    interrupt until its statement returns: freed, it PREPAREs for the aborted run (measured:
+    both did). Nothing of it commits; the next recovery rolls it back (docs/design.md,
+    "Recovery": a task may outlive its run)."""
+    from tidemark.core.errors import Terminated
+
+    env = connect_env
+    job, lock = _locked_run(env)
+    job.signal(signal.SIGTERM)
+    code = job.wait()
+    out = job.output()
+    assert code == Terminated.exit_code, out
+    assert "Traceback" not in out
+    lock.rollback()
+    lock.close()
+    assert env.ledger("SELECT state::text FROM tidemark.run_sinks WHERE run_id = 2") == [
+        ("aborted",)
+    ]
+    _await(
+        "the tasks' backends done",
+        lambda: env.q(
+            env.sink_dsn,
+            "SELECT count(*) = 0 FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid() AND backend_type = 'client backend' AND state <> 'idle'",
+        )[0][0],
+    )
+    assert {g.split(":")[1] for g in env.prepared()} <= {"2"}  # only the aborted run's
+    assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(100,)]
+    _rerun_exact(env)
