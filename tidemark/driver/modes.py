@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import pyarrow as pa
 
@@ -78,14 +78,16 @@ class Mode(ABC):
     def source(self, spark: SparkSession, pipeline: Pipeline, read: list[Range]) -> DataFrame:
         return sources.dataframe(spark, pipeline, read)
 
-    def arrow(self, pipeline: Pipeline, read: list[Range], phases: Phases) -> list[pa.Table]:
+    def arrow(
+        self, pipeline: Pipeline, read: list[Range], phases: Phases, conn: Any = None
+    ) -> list[pa.Table]:
         """The records of ``read`` as the local runner reads them (tidemark/driver/runners.py):
         one table per read, the batches :meth:`source` would hand Spark; ``phases`` gets the
-        reader's time."""
+        reader's time; ``conn``: the runner's reader connection, if it holds one."""
         job = sources.read_job(pipeline, read)
         out = []
         for r in read:
-            batches = list(job.batches(r, phases))
+            batches = list(job.batches(r, phases, conn))
             schema = batches[0].schema if batches else sources.SCHEMA
             out.append(pa.Table.from_batches(batches, schema=schema))
         return out
