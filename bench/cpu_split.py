@@ -39,7 +39,13 @@ class CpuSplit:
         self.root = psutil.Process(pid)
         self.databases = databases
         self.seen: dict[tuple[int, int], tuple[str, float]] = {}  # (pid, tid) -> last
-        self.base = {p.pid: _cpu(p) for p in psutil.process_iter() if _is_postgres(p)}
+        self.base: dict[int, float] = {}
+        for p in psutil.process_iter():
+            try:
+                if _is_postgres(p):
+                    self.base[p.pid] = _cpu(p)
+            except psutil.Error:  # gone meanwhile (a backend that ended, on a busy machine)
+                continue
         self.postmaster = _postmaster()
         self.reaped = _reaped(self.postmaster)
         self.done = threading.Event()
