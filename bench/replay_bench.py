@@ -747,6 +747,7 @@ def main() -> None:
         print(f"\rloading {done:,}/{total:,}", end="", file=sys.stderr, flush=True)
 
     migrations.upgrade(ledger)  # a new cluster (`make pg`) has an empty ledger database
+    cpu_split.use_server(sink)  # its processes only: the machine may run other servers
     for table, repeat, partitions in [(TABLE, REPEAT, 4), (TABLE_1P, REPEAT, 1)] + (
         [] if args.skip_memory and "10m" not in peer_sizes else [(TABLE_10M, 5 * REPEAT, 4)]
     ):
