@@ -79,12 +79,18 @@ class Mode(ABC):
         return sources.dataframe(spark, pipeline, read)
 
     def arrow(
-        self, pipeline: Pipeline, read: list[Range], phases: Phases, conn: Any = None
+        self,
+        pipeline: Pipeline,
+        read: list[Range],
+        phases: Phases,
+        reader: Callable[[], Any] | None = None,
     ) -> list[pa.Table]:
         """The records of ``read`` as the local runner reads them (tidemark/driver/runners.py):
         one table per read, the batches :meth:`source` would hand Spark; ``phases`` gets the
-        reader's time; ``conn``: the runner's reader connection, if it holds one."""
+        reader's time; ``reader``: the runner's source connection (None: one per read),
+        asked for only by a mode that reads the source."""
         job = sources.read_job(pipeline, read)
+        conn = reader() if reader is not None else None
         out = []
         for r in read:
             batches = list(job.batches(r, phases, conn))

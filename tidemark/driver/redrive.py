@@ -109,7 +109,11 @@ class RedriveMode(Mode):
         return spark.createDataFrame(self._records(pipeline)).coalesce(1)
 
     def arrow(
-        self, pipeline: Pipeline, read: list[Range], phases: Phases, conn: Any = None
+        self,
+        pipeline: Pipeline,
+        read: list[Range],
+        phases: Phases,
+        reader: Callable[[], Any] | None = None,
     ) -> list[pa.Table]:
         with phases("read"):
             return [self._records(pipeline)]

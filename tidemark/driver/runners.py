@@ -347,8 +347,8 @@ class LocalRunner(TaskRunner):
     def _rows(self, batch: LocalBatch, read: list[Range]) -> Iterator[pa.RecordBatch]:
         from tidemark.engine import local_records
 
-        conn = self._reader_for(batch.pipeline)
-        for table in batch.mode.arrow(batch.pipeline, read, self.phases, conn):
+        reader = partial(self._reader_for, batch.pipeline)
+        for table in batch.mode.arrow(batch.pipeline, read, self.phases, reader):
             for b in table.to_batches():
                 yield local_records.rows(b, batch.pipeline)
 
