@@ -23,7 +23,7 @@ ENGINES: dict[str, dict[str, str]] = {
     "spark": {"TIDEMARK_ENGINE": "spark"},
 }
 # size -> records per partition of the bench's 4-partition log (the run reads from offset 0).
-SIZES = {"1k": 250, "10k": 2_500, "100k": 25_000}
+SIZES = {"1k": 250, "10k": 2_500, "100k": 25_000, "2m": 600_000}
 DEFAULT_SIZES = ["1k", "10k"]
 KEY = ["year", "month", "day", "carrier", "flight", "origin", "copy"]
 VALUES = ["dest", "tailnum", "sched_dep_time", "dep_time", "dep_delay", "arr_delay", "distance"]
@@ -91,9 +91,9 @@ def print_small(results: dict[tuple[str, str], list[dict]], load: tuple[float, .
     print(
         "| engine | records | wall (s) | runs (s) | outside the run: start-up, exit (s) | "
         + " | ".join(s.removesuffix("_seconds") for s in steps)
-        + " |"
+        + " | peak RSS of the run's process (MiB) |"
     )
-    print("|---|---:|---:|---|---:|" + "---:|" * len(steps))
+    print("|---|---:|---:|---|---:|" + "---:|" * (len(steps) + 1))
     for (engine, _size), runs in results.items():
         wall = statistics.median(r["wall"] for r in runs)
         inside = [sum(r["phases"].get(s, 0.0) for s in steps) for r in runs]
@@ -104,7 +104,7 @@ def print_small(results: dict[tuple[str, str], list[dict]], load: tuple[float, .
             + ", ".join(f"{r['wall']:.1f}" for r in runs)
             + f" | {outside:.1f} | "
             + " | ".join(f"{c:.1f}" for c in cells)
-            + " |"
+            + f" | {max(r['py'] for r in runs):,.0f} |"
         )
     for size in sizes:
         base = results.get((engines[0], size))
