@@ -21,7 +21,7 @@ help:
 	@echo "make cluster    a Spark standalone cluster here: master + 2 workers (make cluster-down)"
 	@echo "make test       lint and the whole test suite (starts its own servers)"
 	@echo "make test-fast  the tests that need no Spark and no Airflow (PostgreSQL only): 2-3 minutes"
-	@echo "make bench      the replay benchmark (2M records)"
+	@echo "make bench      the replay benchmark (2M records; small runs of 1K and 10K)"
 	@echo "make chaos      randomized fault checker (STEPS=300 SEED=<n>; default seed random)"
 	@echo "make lock       recompile requirements.txt from pyproject.toml"
 

@@ -39,7 +39,13 @@ class CpuSplit:
         self.root = psutil.Process(pid)
         self.databases = databases
         self.seen: dict[tuple[int, int], tuple[str, float]] = {}  # (pid, tid) -> last
-        self.base = {p.pid: _cpu(p) for p in psutil.process_iter() if _is_postgres(p)}
+        self.base: dict[int, float] = {}
+        for p in psutil.process_iter():
+            try:
+                if _is_postgres(p):
+                    self.base[p.pid] = _cpu(p)
+            except psutil.Error:  # gone meanwhile (a backend that ended, on a busy machine)
+                continue
         self.postmaster = _postmaster()
         self.reaped = _reaped(self.postmaster)
         self.done = threading.Event()
@@ -115,7 +121,25 @@ class CpuSplit:
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def use_server(dsn: str) -> None:
+    """Count only the processes of the PostgreSQL server at ``dsn`` (its postmaster and
+    that one's children): on a machine shared with other servers (other benches, test
+    suites), theirs would otherwise count as this server's background."""
+    import psycopg
+
+    global SERVER
+    with psycopg.connect(dsn) as c:
+        backend = c.execute("SELECT pg_backend_pid()").fetchone()
+    assert backend is not None
+    SERVER = psutil.Process(backend[0]).ppid()
+
+
+SERVER: int | None = None  # the postmaster's pid, once use_server() has found it
+
+
 def _postmaster() -> psutil.Process | None:
+    if SERVER is not None:
+        return psutil.Process(SERVER)
     for p in psutil.process_iter():
         try:
             if _is_postgres(p) and not _is_postgres(psutil.Process(p.ppid())):
@@ -136,6 +160,8 @@ def _reaped(postmaster: psutil.Process | None) -> float:
 
 
 def _is_postgres(p: psutil.Process) -> bool:
+    if SERVER is not None and SERVER not in (p.pid, p.ppid()):
+        return False
     return p.name() == "postgres" or p.name().startswith("postgres:")
 
 

@@ -24,6 +24,9 @@
    tables are checked to hold the same rows (else the bench fails), and the same rows are
    COPY'd raw (the ceiling). `--modes peer --peer-sizes 200k` runs only this, at 200,000
    records, in about a minute.
+5. Small runs (bench/small_runs.py): a fresh `tidemark run` of 1,000 and 10,000 new records on
+   each engine (local, spark), back to back, median of three; `--modes small` runs only
+   this, `--small-engines` and `--small-sizes` choose.
 Prints tables; ratios are within this run only (the machine is shared and noisy); where the
 time goes comes from the runs' own metrics (docs/operations.md).
 """
@@ -52,6 +55,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import cpu_split  # noqa: E402
 import peer_compare  # noqa: E402
+import small_runs  # noqa: E402
 from dotenv import load_dotenv  # noqa: E402
 
 from tidemark import config, sources  # noqa: E402
@@ -693,7 +697,8 @@ def main() -> None:
     ap.add_argument(
         "--modes",
         help="only these comma-separated warm modes (e.g. exactly_once,one_partition), and "
-        "'peer' for the peer comparison; skips the other fresh-process runs",
+        "'peer' for the peer comparison, 'small' for the small runs; skips the other "
+        "fresh-process runs",
     )
     ap.add_argument(
         "--peer-sizes",
@@ -704,6 +709,17 @@ def main() -> None:
     ap.add_argument(
         "--peer-rounds", type=int, default=1, help="peer comparison rounds (order alternates)"
     )
+    ap.add_argument(
+        "--small-engines",
+        default=",".join(small_runs.ENGINES),
+        help=f"the small runs' engines, of {', '.join(small_runs.ENGINES)}",
+    )
+    ap.add_argument(
+        "--small-sizes",
+        default=",".join(small_runs.DEFAULT_SIZES),
+        help=f"the small runs' sizes, of {', '.join(small_runs.SIZES)}",
+    )
+    ap.add_argument("--small-reps", type=int, default=3, help="small runs per engine and size")
     args = ap.parse_args()
     modes = args.modes.split(",") if args.modes else None
     peer_sizes = (
@@ -715,6 +731,13 @@ def main() -> None:
     )
     if set(peer_sizes) - set(PEER_SIZES):
         ap.error(f"--peer-sizes: each of {', '.join(PEER_SIZES)}")
+    small = modes is None or "small" in modes
+    small_engines = args.small_engines.split(",")
+    small_sizes = args.small_sizes.split(",")
+    if set(small_engines) - set(small_runs.ENGINES):
+        ap.error(f"--small-engines: each of {', '.join(small_runs.ENGINES)}")
+    if set(small_sizes) - set(small_runs.SIZES):
+        ap.error(f"--small-sizes: each of {', '.join(small_runs.SIZES)}")
     load_dotenv(REPO / ".tidemark/env", override=False)
     ledger = os.environ["TIDEMARK_LEDGER_DSN"]
     source = os.environ.get("TIDEMARK_DEMO_SOURCE_DSN", ledger)
@@ -724,6 +747,7 @@ def main() -> None:
         print(f"\rloading {done:,}/{total:,}", end="", file=sys.stderr, flush=True)
 
     migrations.upgrade(ledger)  # a new cluster (`make pg`) has an empty ledger database
+    cpu_split.use_server(sink)  # its processes only: the machine may run other servers
     for table, repeat, partitions in [(TABLE, REPEAT, 4), (TABLE_1P, REPEAT, 1)] + (
         [] if args.skip_memory and "10m" not in peer_sizes else [(TABLE_10M, 5 * REPEAT, 4)]
     ):
@@ -753,9 +777,11 @@ def main() -> None:
                 sort_keys=False,
             )
         )
+    flights = yaml.safe_load((REPO / "dags/pipelines/flights.yaml").read_text())
+    small_runs.write_pipelines(folder, small_engines, small_sizes, flights, source, sink)
     rate = (
         warm_bench(args, folder, ledger, source, sink)
-        if modes is None or set(modes) - {"peer"}
+        if modes is None or set(modes) - {"peer", "small"}
         else {}
     )
     env = {**os.environ, "TIDEMARK_LEDGER_DSN": ledger, "TIDEMARK_SPARK_MASTER": "local[2,4]"}
@@ -786,10 +812,24 @@ def main() -> None:
     }
     for size, pair in peers.items():  # the first round's run stands in the tables below
         fresh[PEER_SIZES[size][0]] = pair["tidemark"][0]
+    small_results = (
+        small_runs.measure(
+            small_engines,
+            small_sizes,
+            args.small_reps,
+            env,
+            lambda name, e: fresh_run(folder, name, e),
+            lambda name: reset(ledger, sink, name),
+        )
+        if small
+        else {}
+    )
     if modes is None:
         print_fresh(rate, fresh, walls)
     if peers:
         print_peers(peers)
+    if small_results:
+        small_runs.print_small(small_results, os.getloadavg())
 
 
 if __name__ == "__main__":

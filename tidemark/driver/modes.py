@@ -9,11 +9,10 @@ decide, finish, advance) is the same code for all three.
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pyarrow as pa
 
@@ -52,7 +51,7 @@ class Closing(Protocol):
     def close(self) -> None: ...
 
 
-class RunKind(enum.StrEnum):
+class RunKind(StrEnum):
     """What kind of run a mode makes: the one way the driver asks (its value is the mode's
     name in the ledger, the report and the CLI)."""
 
@@ -95,14 +94,22 @@ class Mode(ABC):
     def source(self, spark: SparkSession, pipeline: Pipeline, read: list[Range]) -> DataFrame:
         return sources.dataframe(spark, pipeline, read)
 
-    def arrow(self, pipeline: Pipeline, read: list[Range], phases: Phases) -> list[pa.Table]:
+    def arrow(
+        self,
+        pipeline: Pipeline,
+        read: list[Range],
+        phases: Phases,
+        reader: Callable[[], Any] | None = None,
+    ) -> list[pa.Table]:
         """The records of ``read`` as the local runner reads them (tidemark/driver/runners.py):
         one table per read, the batches :meth:`source` would hand Spark; ``phases`` gets the
-        reader's time."""
+        reader's time; ``reader``: the runner's source connection (None: one per read),
+        asked for only by a mode that reads the source."""
         job = sources.read_job(pipeline, read)
+        conn = reader() if reader is not None else None
         out = []
         for r in read:
-            batches = list(job.batches(r, phases))
+            batches = list(job.batches(r, phases, conn))
             schema = batches[0].schema if batches else sources.SCHEMA
             out.append(pa.Table.from_batches(batches, schema=schema))
         return out

@@ -110,7 +110,13 @@ class RedriveMode(Mode):
         # One task: each sink's status change is one transaction with its sink write.
         return spark.createDataFrame(self._records(pipeline)).coalesce(1)
 
-    def arrow(self, pipeline: Pipeline, read: list[Range], phases: Phases) -> list[pa.Table]:
+    def arrow(
+        self,
+        pipeline: Pipeline,
+        read: list[Range],
+        phases: Phases,
+        reader: Callable[[], Any] | None = None,
+    ) -> list[pa.Table]:
         with phases("read"):
             return [self._records(pipeline)]
 

@@ -17,6 +17,7 @@ Both give the write the same things: the batch's sink columns, the tasks' result
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import zlib
@@ -321,6 +322,11 @@ class LocalRunner(TaskRunner):
 
     def __init__(self) -> None:
         self.phases = Phases()  # the reader's time, every read of the runner
+        # One reader connection for all the tasks of a job (run), opened at the first read:
+        # an ADBC connection costs 0.2 to 0.4 s to open (its driver loads PostgreSQL's types),
+        # a connection per range was most of a 1,000-record run's read.
+        self.reader: Any = None
+        self.sharing = False
 
     def refusal(self, mode: Mode, pipeline: Pipeline) -> str | None:
         from tidemark.engine import local_records
@@ -366,6 +372,14 @@ class LocalRunner(TaskRunner):
         return NoChecks()
 
     def run(self, batch: Batch, spec: TaskSpec, layout: Layout, run_id: int, log: Log) -> Job:
+        self.sharing = True
+        try:
+            return self._run(batch, spec, layout, run_id, log)
+        finally:
+            self.sharing = False
+            self._close_reader()
+
+    def _run(self, batch: Batch, spec: TaskSpec, layout: Layout, run_id: int, log: Log) -> Job:
         from tidemark.engine.writer import run_task
 
         results = []
@@ -379,6 +393,7 @@ class LocalRunner(TaskRunner):
                 # Blind as Spark is: a task that raises is tried again, then fails the job.
                 except Exception as exc:  # noqa: BLE001
                     failure = exc
+                    self._close_reader()  # the next try connects afresh
                     log(f"run {run_id}: write task {task} attempt {attempt} failed: {exc}")
                     continue
                 results.append(result)
@@ -389,10 +404,34 @@ class LocalRunner(TaskRunner):
                 return Job([], f"write task {task} failed {TASK_TRIES} times: {why}")
         return Job(results)
 
+    def _reader_for(self, pipeline: Pipeline) -> Any:
+        """The job's reader connection, opened now if need be; None outside a job (each
+        read then has its own) or for a source other than postgres_log."""
+        from tidemark import sources
+        from tidemark.config import PostgresLogSource
+        from tidemark.sources import postgres_log
+
+        source = sources.reader_source(pipeline)
+        if not self.sharing or not isinstance(source, PostgresLogSource):
+            return None
+        if self.reader is None:
+            with self.phases("read"):
+                self.reader = postgres_log.connect_reader(source)
+        return self.reader
+
+    def _close_reader(self) -> None:
+        reader, self.reader = self.reader, None
+        if reader is not None:
+            from tidemark.sources import postgres_log
+
+            with contextlib.suppress(postgres_log.adbc_error()):
+                reader.close()
+
     def _rows(self, batch: LocalBatch, read: list[Range]) -> Iterator[pa.RecordBatch]:
         from tidemark.engine import local_records
 
-        for table in batch.mode.arrow(batch.pipeline, read, self.phases):
+        reader = partial(self._reader_for, batch.pipeline)
+        for table in batch.mode.arrow(batch.pipeline, read, self.phases, reader):
             for b in table.to_batches():
                 yield local_records.rows(b, batch.pipeline)
 

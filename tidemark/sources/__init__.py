@@ -104,11 +104,13 @@ class ReadJob(BaseModel):
 
         return f"{SPARK_SCHEMA}, {json_arrow.spark_columns(self.decoded)}"
 
-    def batches(self, r: Range, phases: Phases | None = None):
+    def batches(self, r: Range, phases: Phases | None = None, conn=None):
         """The records of ``r``; ``phases`` gets the reader's time: ``read`` (waiting for the
-        source's next batch) and ``decode`` (Arrow's JSON parse)."""
+        source's next batch) and ``decode`` (Arrow's JSON parse). ``conn``: a postgres_log
+        source's reader connection (postgres_log.connect_reader) to read over, else one of
+        its own."""
         phases = phases or Phases()
-        read = phases.waiting("read", read_range(self.source, r, meta=not self.trim))
+        read = phases.waiting("read", read_range(self.source, r, meta=not self.trim, conn=conn))
         if self.decoded is None:
             yield from read
             return
@@ -273,14 +275,15 @@ def headers_and_ts(
 
 
 def read_range(
-    source: PostgresLogSource | FileArchiveSource, r: Range, *, meta: bool = True
+    source: PostgresLogSource | FileArchiveSource, r: Range, *, meta: bool = True, conn=None
 ) -> Iterator[pa.RecordBatch]:
     """The records of ``r``; without ``meta``, a source that can (postgres_log) leaves their
-    headers and time NULL, for a reader whose letters read them again (payload_source)."""
+    headers and time NULL, for a reader whose letters read them again (payload_source).
+    ``conn``: a postgres_log reader connection to read over (else one of its own)."""
     if isinstance(source, PostgresLogSource):
         from tidemark.sources import postgres_log
 
-        yield from postgres_log.read_range(source, r, meta=meta)
+        yield from postgres_log.read_range(source, r, conn, meta=meta)
     else:
         from tidemark.sources import file_archive
 
