@@ -228,6 +228,7 @@ def test_start_latest_skips_the_history_once_and_keeps_what_comes_after(env, spa
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("engine")  # the job processes: local engine (no JVM)
 @pytest.mark.parametrize("fault", ["sigterm", "lost_connection"])
 def test_a_decision_that_may_have_committed_is_settled_by_the_ledger(env, fault):
     """The decision waits on the lease row (held here); meanwhile the job is signalled, or
@@ -286,6 +287,7 @@ _RUN_SESSION = "application_name = 'tidemark' AND datname = current_database()"
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("engine")  # the job processes: local engine (no JVM)
 def test_a_sigterm_during_a_decision_that_was_not_recorded_aborts_the_run(env):
     """SIGTERM arrives while the first sink's decision waits on the lease row; then that
     decision's ledger connection dies, and the ledger says it was not recorded. No sink has
@@ -323,6 +325,7 @@ def test_a_sigterm_during_a_decision_that_was_not_recorded_aborts_the_run(env):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("engine")  # the job processes: local engine (no JVM)
 @pytest.mark.parametrize("fault", ["sigterm_before_decision", "lost_after_decision"])
 def test_a_dead_ledger_session_never_hides_the_runs_own_error(env, fault):
     """The run's ledger session is terminated, then the run fails: by SIGTERM before the
