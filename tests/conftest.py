@@ -22,15 +22,26 @@ from tidemark.sources.postgres_log import append, create_log_table
 REPO = Path(__file__).resolve().parent.parent
 
 
+# tryfirst: the xdist_group marks below must be on the items before pytest-xdist reads them
+# (its own hook of this name) to send each group to one worker.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     # A test that takes the SparkSession needs Spark whatever its module says: marked here, so
     # `make test-fast` (-m "not slow and not spark and not airflow") cannot pick it up.
     for item in items:
-        if "spark" in item.fixturenames:
-            item.add_marker(pytest.mark.spark)
         callspec = getattr(item, "callspec", None)
-        if callspec is not None and callspec.params.get("engine") == "spark":
+        session = "spark" in item.fixturenames or (
+            callspec is not None and callspec.params.get("engine") == "spark"
+        )
+        if session:
             item.add_marker(pytest.mark.spark)
+        # Under `pytest -n 2 --dist loadgroup` (make test): the tests sharing the session's
+        # SparkSession run on one worker, as do the Airflow ones (one Airflow at a time, the
+        # session's started once), so no worker starts a second of either.
+        if item.get_closest_marker("airflow") is not None:
+            item.add_marker(pytest.mark.xdist_group("airflow"))
+        elif session:
+            item.add_marker(pytest.mark.xdist_group("spark_session"))
 
     # The Airflow modules last, in their order, those with an Airflow of their own first: the
     # session's Airflow (airflow_site) then runs from its first module to the end of the
