@@ -37,11 +37,14 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.spark)
         # Under `pytest -n 2 --dist loadgroup` (make test): the tests sharing the session's
         # SparkSession run on one worker, as do the Airflow ones (one Airflow at a time, the
-        # session's started once), so no worker starts a second of either.
+        # session's started once), so no worker starts a second of either; and a module's
+        # tests sharing a module fixture (a built wheel, a migrated Airflow database) too.
         if item.get_closest_marker("airflow") is not None:
             item.add_marker(pytest.mark.xdist_group("airflow"))
         elif session:
             item.add_marker(pytest.mark.xdist_group("spark_session"))
+        elif _takes_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
 
     # The Airflow modules last, in their order, those with an Airflow of their own first: the
     # session's Airflow (airflow_site) then runs from its first module to the end of the
@@ -52,6 +55,12 @@ def pytest_collection_modifyitems(items):
         return 2 if "airflow_site" in item.fixturenames else 1
 
     items.sort(key=rank)  # stable: the order within each rank stays
+
+
+def _takes_a_module_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(d and d[-1].scope == "module" for d in defs)
 
 
 @pytest.fixture(scope="session")
