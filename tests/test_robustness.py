@@ -215,14 +215,14 @@ def test_the_first_read_of_a_partition_starts_at_its_first_settled_offset(env):
             planner.close()
 
 
-def test_start_latest_skips_the_history_once_and_keeps_what_comes_after(env, spark):
+def test_start_latest_skips_the_history_once_and_keeps_what_comes_after(env, engine):
     env.append_orders(range(20))
     env.pipeline(start="latest")
-    first = env.run(spark)
+    first = env.run(engine)
     assert first.run_id is None  # nothing after the start
     assert env.checkpoints() == {0: 10, 1: 10}  # the start is recorded, not recomputed
     env.append_orders(range(20, 24))
-    second = env.run(spark)
+    second = env.run(engine)
     assert second.ok and second.sinks["main"].rows == 4, second.summary()
     assert sorted(i for (i,) in env.q(env.sink_dsn, "SELECT id FROM orders")) == [20, 21, 22, 23]
 
