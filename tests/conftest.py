@@ -83,10 +83,27 @@ def airflow_site(pg, tmp_path_factory):
     from tests.airflow_site import AirflowSite
 
     site = AirflowSite(pg, tmp_path_factory.mktemp("airflow-site"))
+    _sites.append(site)
     try:
         yield site
     finally:
         site.stop()
+
+
+_sites: list = []  # the session's AirflowSite, once made
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    # The session's Airflow stops after the last test using it (they run one after another:
+    # rank and xdist group above), not at the session's end: idle beside the tests that a
+    # worker runs after them, its scheduler and servers would take their CPU.
+    if "airflow_site" in item.fixturenames and (
+        nextitem is None or "airflow_site" not in nextitem.fixturenames
+    ):
+        for site in _sites:
+            site.stop()
 
 
 def pytest_generate_tests(metafunc):
