@@ -197,14 +197,21 @@ class Env:
         with _admin(cluster) as c:
             c.execute(f'CREATE DATABASE "{self.names["ledger"]}" TEMPLATE "{template}"')
             c.execute(f'CREATE DATABASE "{self.names["sink"]}"')
-            c.execute(f'CREATE DATABASE "{self.names["sink2"]}"')
+        self.made = ["ledger", "sink"]  # sink2 on first use (sink2_dsn): most tests have one sink
         self.ledger_dsn = cluster.dsn(self.names["ledger"])
         self.sink_dsn = cluster.dsn(self.names["sink"])
-        self.sink2_dsn = cluster.dsn(self.names["sink2"])
         self.dir = tmp / "pipelines"
         self.dir.mkdir()
         self.tmp = tmp
         self.engine: str | None = None  # TIDEMARK_ENGINE of its processes (fixture engine)
+
+    @property
+    def sink2_dsn(self) -> str:
+        if "sink2" not in self.made:
+            with _admin(self.cluster) as c:
+                c.execute(f'CREATE DATABASE "{self.names["sink2"]}"')
+            self.made.append("sink2")
+        return self.cluster.dsn(self.names["sink2"])
 
     # -- data ----------------------------------------------------------------------------------
     def append(self, records) -> dict[int, tuple[int, int]]:
@@ -350,7 +357,7 @@ class Env:
         return [sys.executable, "-m", "tidemark", *args]
 
     def drop(self) -> None:
-        for db in self.names.values():
+        for db in (self.names[n] for n in self.made):
             try:
                 with psycopg.connect(self.cluster.dsn(db), autocommit=True) as c:
                     for gid, _ in twopc.prepared(c, "%"):
