@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 # tryfirst: the xdist_group marks below must be on the items before pytest-xdist reads them
 # (its own hook of this name) to send each group to one worker.
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     # A test that takes the SparkSession needs Spark whatever its module says: marked here, so
     # `make test-fast` (-m "not slow and not spark and not airflow") cannot pick it up.
     for item in items:
@@ -45,6 +45,8 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xdist_group("spark_session"))
         elif _takes_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.path.name))
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        _name_groups(items)
 
     # The Airflow modules last, in their order, those with an Airflow of their own first: the
     # session's Airflow (airflow_site) then runs from its first module to the end of the
@@ -55,6 +57,19 @@ def pytest_collection_modifyitems(items):
         return 2 if "airflow_site" in item.fixturenames else 1
 
     items.sort(key=rank)  # stable: the order within each rank stays
+
+
+def _name_groups(items) -> None:
+    """pytest-xdist 3.8 sends a test to its group's worker by the "@group" it appends to
+    ``item._nodeid``, which pytest 9 no longer reads (``Node.nodeid`` is ``str(item._id)``):
+    every group was ignored, each worker starting its own SparkSession and Airflow. Appended
+    here where pytest 9 reads it (xdist's own suffix, if it works again, adds an equal one)."""
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        groups = sorted({str(m.args[0]) for m in item.iter_markers("xdist_group")})
+        if groups:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
 
 
 def _takes_a_module_fixture(item) -> bool:
