@@ -129,15 +129,20 @@ lint: venv
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
+# Two pytest-xdist workers (2 cores): while one waits on a Spark job, an Airflow task or a
+# job process, the other runs. tests/conftest.py groups the tests sharing the SparkSession,
+# the Airflow ones, and each module sharing a module fixture, onto one worker each.
+# `make test XDIST=` runs them in one process.
+XDIST ?= -n 2 --dist loadgroup
 test: venv browser lint spark-archive
-	$(BIN)/pytest
+	$(BIN)/pytest $(XDIST)
 
 # A selection of the one suite by marker (pyproject.toml): units, the layer check, migrations,
 # the CLI and the ledger against its own PostgreSQL. Tests taking the spark fixture are marked
 # spark by tests/conftest.py; those starting Spark or Airflow processes carry their marker.
 FAST := not slow and not spark and not airflow
 test-fast: venv
-	$(BIN)/pytest -m "$(FAST)"
+	$(BIN)/pytest $(XDIST) -m "$(FAST)"
 
 bench: pg spark-archive
 	$(BIN)/tidemark db upgrade

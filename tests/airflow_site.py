@@ -191,6 +191,10 @@ class AirflowSite:
         self.started = True
 
     def stop(self) -> None:
+        # Once: tests/conftest.py stops it after its last test, the fixture at the session's end.
+        if getattr(self, "_stopped", False):
+            return
+        self._stopped = True
         try:
             if self.started:
                 self.stack.stop()

@@ -22,15 +22,32 @@ from tidemark.sources.postgres_log import append, create_log_table
 REPO = Path(__file__).resolve().parent.parent
 
 
-def pytest_collection_modifyitems(items):
+# tryfirst: the xdist_group marks below must be on the items before pytest-xdist reads them
+# (its own hook of this name) to send each group to one worker.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
     # A test that takes the SparkSession needs Spark whatever its module says: marked here, so
     # `make test-fast` (-m "not slow and not spark and not airflow") cannot pick it up.
     for item in items:
-        if "spark" in item.fixturenames:
-            item.add_marker(pytest.mark.spark)
         callspec = getattr(item, "callspec", None)
-        if callspec is not None and callspec.params.get("engine") in ("spark", "connect"):
+        engine = callspec.params.get("engine") if callspec is not None else None
+        session = "spark" in item.fixturenames or engine == "spark"
+        if session or engine == "connect":
             item.add_marker(pytest.mark.spark)
+        # Under `pytest -n 2 --dist loadgroup` (make test): the tests sharing the session's
+        # SparkSession run on one worker, as do the Airflow ones (one Airflow at a time, the
+        # session's started once), so no worker starts a second of either; and a module's
+        # tests sharing a module fixture (a built wheel, a migrated Airflow database) too.
+        if item.get_closest_marker("airflow") is not None:
+            item.add_marker(pytest.mark.xdist_group("airflow"))
+        elif engine == "connect" or "connect_server" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("connect_server"))
+        elif session:
+            item.add_marker(pytest.mark.xdist_group("spark_session"))
+        elif _takes_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        _name_groups(items)
 
     # The Airflow modules last, in their order, those with an Airflow of their own first: the
     # session's Airflow (airflow_site) then runs from its first module to the end of the
@@ -41,6 +58,25 @@ def pytest_collection_modifyitems(items):
         return 2 if "airflow_site" in item.fixturenames else 1
 
     items.sort(key=rank)  # stable: the order within each rank stays
+
+
+def _name_groups(items) -> None:
+    """pytest-xdist 3.8 sends a test to its group's worker by the "@group" it appends to
+    ``item._nodeid``, which pytest 9 no longer reads (``Node.nodeid`` is ``str(item._id)``):
+    every group was ignored, each worker starting its own SparkSession and Airflow. Appended
+    here where pytest 9 reads it (xdist's own suffix, if it works again, adds an equal one)."""
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        groups = sorted({str(m.args[0]) for m in item.iter_markers("xdist_group")})
+        if groups:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")
+
+
+def _takes_a_module_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(d and d[-1].scope == "module" for d in defs)
 
 
 @pytest.fixture(scope="session")
@@ -63,10 +99,27 @@ def airflow_site(pg, tmp_path_factory):
     from tests.airflow_site import AirflowSite
 
     site = AirflowSite(pg, tmp_path_factory.mktemp("airflow-site"))
+    _sites.append(site)
     try:
         yield site
     finally:
         site.stop()
+
+
+_sites: list = []  # the session's AirflowSite, once made
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    # The session's Airflow stops after the last test using it (they run one after another:
+    # rank and xdist group above), not at the session's end: idle beside the tests that a
+    # worker runs after them, its scheduler and servers would take their CPU.
+    if "airflow_site" in item.fixturenames and (
+        nextitem is None or "airflow_site" not in nextitem.fixturenames
+    ):
+        for site in _sites:
+            site.stop()
 
 
 def pytest_generate_tests(metafunc):
@@ -194,15 +247,22 @@ class Env:
         with _admin(cluster) as c:
             c.execute(f'CREATE DATABASE "{self.names["ledger"]}" TEMPLATE "{template}"')
             c.execute(f'CREATE DATABASE "{self.names["sink"]}"')
-            c.execute(f'CREATE DATABASE "{self.names["sink2"]}"')
+        self.made = ["ledger", "sink"]  # sink2 on first use (sink2_dsn): most tests have one sink
         self.ledger_dsn = cluster.dsn(self.names["ledger"])
         self.sink_dsn = cluster.dsn(self.names["sink"])
-        self.sink2_dsn = cluster.dsn(self.names["sink2"])
         self.dir = tmp / "pipelines"
         self.dir.mkdir()
         self.tmp = tmp
         self.engine: str | None = None  # TIDEMARK_ENGINE of its processes (fixture engine)
         self.spark_remote: str | None = None  # their TIDEMARK_SPARK_REMOTE (engine connect)
+
+    @property
+    def sink2_dsn(self) -> str:
+        if "sink2" not in self.made:
+            with _admin(self.cluster) as c:
+                c.execute(f'CREATE DATABASE "{self.names["sink2"]}"')
+            self.made.append("sink2")
+        return self.cluster.dsn(self.names["sink2"])
 
     # -- data ----------------------------------------------------------------------------------
     def append(self, records) -> dict[int, tuple[int, int]]:
@@ -350,7 +410,7 @@ class Env:
         return [sys.executable, "-m", "tidemark", *args]
 
     def drop(self) -> None:
-        for db in self.names.values():
+        for db in (self.names[n] for n in self.made):
             try:
                 with psycopg.connect(self.cluster.dsn(db), autocommit=True) as c:
                     for gid, _ in twopc.prepared(c, "%"):

@@ -5,7 +5,8 @@ it commits any: lost before any commit, the sink's run is rolled back whole (``a
 lost part way, the sink's run ends ``lost`` with its checkpoints moved, and `tidemark settle
 RUN` re-delivers exactly its ranges. The ledger's participant (dead letters, a redrive's
 status changes) commits last. Never a sink left ``committing``, never a letter without its
-row. Real PostgreSQL and Spark; the interleaving is made at the driver's fault points."""
+row. Real PostgreSQL and Spark (the local engine where no re-delivery is asked); the
+interleaving is made at the driver's fault points."""
 
 from __future__ import annotations
 
@@ -74,11 +75,11 @@ def _last_run(env) -> int:
     return env.ledger("SELECT max(run_id) FROM tidemark.runs")[0][0]
 
 
-def test_a_gid_rolled_back_before_the_finish_rolls_that_sink_back_whole(env, spark, monkeypatch):
+def test_a_gid_rolled_back_before_the_finish_rolls_that_sink_back_whole(env, engine, monkeypatch):
     sinks = _world(env)
     rolled = _roll_back_at(monkeypatch, env, "after_decide", "p.target = 'sink:second'")
     with pytest.raises(Inconsistency) as exc:
-        env.run(spark)
+        env.run(engine)
     monkeypatch.undo()
     run_id = _last_run(env)
     # Nothing of sink second was committed: it is rolled back whole, never left committing;
@@ -96,7 +97,7 @@ def test_a_gid_rolled_back_before_the_finish_rolls_that_sink_back_whole(env, spa
     assert outcomes[rolled[0]] == "lost"
     # Halted until an operator settles it; the maintenance check alerts it, naming how.
     with pytest.raises(Halted, match=f"tidemark settle {run_id}"):
-        env.run(spark)
+        env.run(engine)
     from tidemark import config
     from tidemark.airflow.health import check_health
 
@@ -111,7 +112,7 @@ def test_a_gid_rolled_back_before_the_finish_rolls_that_sink_back_whole(env, spa
     assert code == 0, err
     assert f"run {run_id} sink second: rolled back whole" in out, out
     assert "orders: resumed" in out, out
-    report = env.run(spark)
+    report = env.run(engine)
     assert report.ok, report.summary()
     assert report.sinks.keys() == {"second"}
     for sink in sinks:
@@ -254,7 +255,7 @@ def test_a_rebuild_whose_swap_is_rolled_back_keeps_the_old_table(env, spark, mon
     assert_exactly_once(env)
 
 
-def test_recovery_finishes_a_decision_whose_gid_was_rolled_back(env, spark, monkeypatch):
+def test_recovery_finishes_a_decision_whose_gid_was_rolled_back(env, engine, monkeypatch):
     """The driver dies after its decision; someone rolls back a chosen gid of sink second;
     recovery, not the driver, finishes: main rolls forward, second is rolled back whole, the
     pipeline halts, and recovery's error (what the DAGs' recover tasks fail with and the
@@ -270,7 +271,7 @@ def test_recovery_finishes_a_decision_whose_gid_was_rolled_back(env, spark, monk
 
     monkeypatch.setattr(faults, "point", crash_after)
     with pytest.raises(faults.InjectedFailure):
-        env.run(spark)
+        env.run(engine)
     monkeypatch.undo()
     run_id = _last_run(env)
     assert _states(env, run_id) == {"main": "committing", "second": "committing"}
@@ -307,7 +308,7 @@ def test_recovery_finishes_a_decision_whose_gid_was_rolled_back(env, spark, monk
     assert rep.ok and rep.lost == [], rep.errors
     code, out, err = tm(env.cli_env(), "settle", str(run_id))
     assert code == 0 and "orders: resumed" in out, (out, err)
-    assert env.run(spark).ok
+    assert env.run(engine).ok
     assert_exactly_once(env, sinks=sinks)
     for sink in sinks:
         assert env.checkpoints(sink=sink) == {0: 151, 1: 151}

@@ -1,4 +1,6 @@
-"""Real job processes against each other and against signals."""
+"""Real job processes against each other and against signals. The job processes run on the
+local engine (no JVM) but for the first test's, which keeps a SIGTERM to a process holding a
+Spark driver on Spark."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ def test_sigterm_before_the_decision_rolls_back_and_releases_the_lease(env):
     assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(0,)]
 
 
+@pytest.mark.usefixtures("engine")
 def test_sigterm_after_the_decision_finishes_the_commit_first(env):
     env.append_orders(range(100))
     env.pipeline()
@@ -47,6 +50,7 @@ def test_sigterm_after_the_decision_finishes_the_commit_first(env):
     assert_exactly_once(env)
 
 
+@pytest.mark.usefixtures("engine")
 def test_a_second_run_started_while_the_first_holds_the_lease_delivers_nothing(env):
     env.append_orders(range(100))
     env.pipeline()
@@ -60,6 +64,7 @@ def test_a_second_run_started_while_the_first_holds_the_lease_delivers_nothing(e
     assert_exactly_once(env)
 
 
+@pytest.mark.usefixtures("engine")
 def test_two_runs_started_at_once_never_deliver_twice(env):
     env.append_orders(range(200))
     env.pipeline()
@@ -73,7 +78,7 @@ def test_two_runs_started_at_once_never_deliver_twice(env):
     assert_exactly_once(env)
 
 
-def test_a_paused_run_whose_lease_was_taken_over_is_fenced(env, spark):
+def test_a_paused_run_whose_lease_was_taken_over_is_fenced(env, engine):
     env.append_orders(range(100))
     env.pipeline()
     old = run_orders(env, "--json", pause_at="after_prepare")
@@ -82,7 +87,7 @@ def test_a_paused_run_whose_lease_was_taken_over_is_fenced(env, spark):
         env.ledger(
             "UPDATE tidemark.leases SET expires_at = now() - interval '1 second' RETURNING 1"
         )
-        new = env.run(spark)  # recovery aborts the stalled run; this one takes over
+        new = env.run(engine)  # recovery aborts the stalled run; this one takes over
         assert new.ok, new.summary()
         assert env.ledger("SELECT epoch FROM tidemark.leases") == [(2,)]
     finally:

@@ -216,19 +216,20 @@ def test_the_first_read_of_a_partition_starts_at_its_first_settled_offset(env):
             planner.close()
 
 
-def test_start_latest_skips_the_history_once_and_keeps_what_comes_after(env, spark):
+def test_start_latest_skips_the_history_once_and_keeps_what_comes_after(env, engine):
     env.append_orders(range(20))
     env.pipeline(start="latest")
-    first = env.run(spark)
+    first = env.run(engine)
     assert first.run_id is None  # nothing after the start
     assert env.checkpoints() == {0: 10, 1: 10}  # the start is recorded, not recomputed
     env.append_orders(range(20, 24))
-    second = env.run(spark)
+    second = env.run(engine)
     assert second.ok and second.sinks["main"].counts.rows == 4, second.summary()
     assert sorted(i for (i,) in env.q(env.sink_dsn, "SELECT id FROM orders")) == [20, 21, 22, 23]
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("engine")  # the job processes: local engine (no JVM)
 @pytest.mark.parametrize("fault", ["sigterm", "lost_connection"])
 def test_a_decision_that_may_have_committed_is_settled_by_the_ledger(env, fault):
     """The decision waits on the lease row (held here); meanwhile the job is signalled, or
@@ -287,6 +288,7 @@ _RUN_SESSION = "application_name = 'tidemark' AND datname = current_database()"
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("engine")  # the job processes: local engine (no JVM)
 def test_a_sigterm_during_a_decision_that_was_not_recorded_aborts_the_run(env):
     """SIGTERM arrives while the first sink's decision waits on the lease row; then that
     decision's ledger connection dies, and the ledger says it was not recorded. No sink has
@@ -324,6 +326,7 @@ def test_a_sigterm_during_a_decision_that_was_not_recorded_aborts_the_run(env):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("engine")  # the job processes: local engine (no JVM)
 @pytest.mark.parametrize("fault", ["sigterm_before_decision", "lost_after_decision"])
 def test_a_dead_ledger_session_never_hides_the_runs_own_error(env, fault):
     """The run's ledger session is terminated, then the run fails: by SIGTERM before the

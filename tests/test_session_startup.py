@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 from tidemark.engine.pythonpath import installed_first
 
 
@@ -81,6 +83,7 @@ def test_the_heavy_imports_of_a_run_find_their_bytecode():
         assert Path(importlib.util.cache_from_source(module.__file__)).is_file(), module.__name__
 
 
+@pytest.mark.spark  # a Spark driver JVM of its own: not for make test-fast
 def test_a_session_reads_times_in_utc_whatever_the_machines_zone():
     """spark.sql.session.timeZone is pinned to UTC: in a JVM whose default zone is
     Asia/Kathmandu (TZ), 23:30 UTC is still 23:30 on 1 March, not 05:15 on the 2nd."""

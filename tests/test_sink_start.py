@@ -217,13 +217,16 @@ def test_start_takes_an_offset_or_a_mapping_and_refuses_anything_else_in_one_lin
     assert [mapped.start_at(p) for p in (0, 1, 2)] == [1200, 800, "earliest"]
     assert parse(base + "start: {'0': 7}\n", "a.yaml").start_at(0) == 7
     assert parse(base + "start: latest\n", "a.yaml").start_at(0) == "latest"
-    for bad in ("-1", "first", "yes", "{0: -5}", "{a: 5}", "{}", "1.5"):
-        path = tmp_path / "a.yaml"
+    # One process validates them all (a file each): each says its one line.
+    bads = ("-1", "first", "yes", "{0: -5}", "{a: 5}", "{}", "1.5")
+    paths = [tmp_path / f"a{i}.yaml" for i in range(len(bads))]
+    for path, bad in zip(paths, bads, strict=True):
         path.write_text(base + f"start: {bad}\n")
-        code, out, err = tm({"PATH": "/usr/bin:/bin"}, "pipelines", "validate", str(path))
-        assert code == 2, out + err
-        assert out.splitlines() == [
-            f"invalid {path}: start: must be earliest, latest, an offset (an integer >= 0) or "
-            f"a mapping of partition to offset (e.g. {{0: 1200, 1: 800}}), not "
-            + repr(yaml.safe_load(f"v: {bad}")["v"])
-        ], out
+    code, out, err = tm({"PATH": "/usr/bin:/bin"}, "pipelines", "validate", *map(str, paths))
+    assert code == 2, out + err
+    assert out.splitlines() == [
+        f"invalid {path}: start: must be earliest, latest, an offset (an integer >= 0) or "
+        f"a mapping of partition to offset (e.g. {{0: 1200, 1: 800}}), not "
+        + repr(yaml.safe_load(f"v: {bad}")["v"])
+        for path, bad in zip(paths, bads, strict=True)
+    ], out
