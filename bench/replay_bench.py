@@ -25,7 +25,8 @@
    COPY'd raw (the ceiling). `--modes peer --peer-sizes 200k` runs only this, at 200,000
    records, in about a minute.
 5. Small runs (bench/small_runs.py): a fresh `tidemark run` of 1,000 and 10,000 new records on
-   each engine (local, spark), back to back, median of three; `--modes small` runs only
+   each engine (local, spark, connect: a local Spark Connect server unless
+   TIDEMARK_SPARK_REMOTE names one), back to back, median of three; `--modes small` runs only
    this, `--small-engines` and `--small-sizes` choose.
 Prints tables; ratios are within this run only (the machine is shared and noisy); where the
 time goes comes from the runs' own metrics (docs/operations.md).
@@ -812,18 +813,17 @@ def main() -> None:
     }
     for size, pair in peers.items():  # the first round's run stands in the tables below
         fresh[PEER_SIZES[size][0]] = pair["tidemark"][0]
-    small_results = (
-        small_runs.measure(
-            small_engines,
-            small_sizes,
-            args.small_reps,
-            env,
-            lambda name, e: fresh_run(folder, name, e),
-            lambda name: reset(ledger, sink, name),
-        )
-        if small
-        else {}
-    )
+    small_results = {}
+    if small:
+        with small_runs.connect_endpoint(small_engines, env, folder / "connect"):
+            small_results = small_runs.measure(
+                small_engines,
+                small_sizes,
+                args.small_reps,
+                env,
+                lambda name, e: fresh_run(folder, name, e),
+                lambda name: reset(ledger, sink, name),
+            )
     if modes is None:
         print_fresh(rate, fresh, walls)
     if peers:

@@ -12,21 +12,42 @@ demo's table. An engine is a name and the environment its `tidemark run` gets: a
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
 
 # engine -> what its `tidemark run` process gets in its environment, over the bench's own.
+# "connect" also needs TIDEMARK_SPARK_REMOTE: the bench's own server when none is set (below).
 ENGINES: dict[str, dict[str, str]] = {
     "local": {"TIDEMARK_ENGINE": "local"},
     "spark": {"TIDEMARK_ENGINE": "spark"},
+    "connect": {"TIDEMARK_ENGINE": "connect"},
 }
 # size -> records per partition of the bench's 4-partition log (the run reads from offset 0).
 SIZES = {"1k": 250, "10k": 2_500, "100k": 25_000, "2m": 600_000}
 DEFAULT_SIZES = ["1k", "10k"]
 KEY = ["year", "month", "day", "carrier", "flight", "origin", "copy"]
 VALUES = ["dest", "tailnum", "sched_dep_time", "dep_time", "dep_delay", "arr_delay", "distance"]
+
+
+@contextmanager
+def connect_endpoint(engines: list[str], env: dict[str, str], state: Path) -> Iterator[None]:
+    """For the connect engine, ``env`` names a Spark Connect endpoint: the one set
+    (TIDEMARK_SPARK_REMOTE) or a local server started here (as `make connect` does) and stopped
+    after. Its first run starts the server's Python workers; measure's untimed round pays it."""
+    if "connect" not in engines or env.get("TIDEMARK_SPARK_REMOTE"):
+        yield
+        return
+    from tidemark.devstack.connect_server import ConnectServer
+
+    server = ConnectServer(state)
+    env["TIDEMARK_SPARK_REMOTE"] = server.start()
+    try:
+        yield
+    finally:
+        server.stop()
 
 
 def name(engine: str, size: str) -> str:
