@@ -10,7 +10,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
 from tidemark.airflow.connect_job import endpoint
-from tidemark.devstack.airflow_stack import spark_connection
+from tidemark.devstack.airflow_stack import Stack, spark_connection
 
 
 def _conn(monkeypatch, conn_id: str, **fields) -> str:
@@ -50,9 +50,15 @@ def test_bad_service_params_fail_at_once_naming_the_connection(monkeypatch):
         endpoint(bad)
 
 
-def test_make_up_connect_makes_spark_default_a_spark_connect_connection():
+def test_make_up_connect_makes_spark_default_a_spark_connect_connection(tmp_path, monkeypatch):
     assert json.loads(spark_connection(None)) == {"conn_type": "spark", "host": "local[*]"}
-    assert json.loads(spark_connection("sc://127.0.0.1:15002")) == {
+    # `make connect` wrote TIDEMARK_SPARK_REMOTE into .tidemark/env, which `tidemark airflow
+    # up` loads: Airflow's processes get the connection, not the variable.
+    monkeypatch.delenv("AIRFLOW_CONN_SPARK_DEFAULT", raising=False)
+    monkeypatch.setenv("TIDEMARK_SPARK_REMOTE", "sc://127.0.0.1:15002")
+    env = Stack(home=tmp_path, ledger_dsn="postgresql://x@127.0.0.1/x").env()
+    assert "TIDEMARK_SPARK_REMOTE" not in env
+    assert json.loads(env["AIRFLOW_CONN_SPARK_DEFAULT"]) == {
         "conn_type": "spark_connect",
         "host": "127.0.0.1",
         "port": 15002,
