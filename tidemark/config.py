@@ -319,6 +319,9 @@ class Orchestration(_Model):
     # Airflow's own Backfill of the scheduled DAG re-delivers each run's data interval (its
     # records by time: `tidemark backfill --since --until`); off, such runs are refused.
     backfill_by_interval: bool = False
+    # The Airflow connection the replay task runs the job with: a ``spark`` one spark-submits,
+    # a ``spark_connect`` one runs it on that Spark Connect service (docs/airflow.md).
+    spark_conn_id: Annotated[str, Field(min_length=1)] = "spark_default"
     # Whether the scheduled DAG starts paused when Airflow first sees it; unset, Airflow's
     # own default ([core] dags_are_paused_at_creation: paused). Only the first parse
     # counts: afterwards the DAG keeps whatever pause state it has (the toggle in the UI).

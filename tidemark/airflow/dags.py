@@ -4,7 +4,8 @@ pipeline file's DAGs, dags/tidemark_maintenance.py the maintenance DAG (one-line
 Per pipeline ``<name>``:
 
 * ``tidemark_<name>``: recover -> replay (``SparkSubmitOperator`` on jobs/replay.py, connection
-  ``spark_default``) -> report (the run's state and counts as the task's XCom), on the YAML's
+  ``airflow.spark_conn_id``, ``spark_default``; a ``spark_connect`` one runs the job here on that
+  Spark Connect service: tidemark/airflow/connect_job.py) -> report (the run's state and counts as the task's XCom), on the YAML's
   schedule, one active run at a time;
 * ``tidemark_<name>_backfill``: the same job in backfill mode for an offset range chosen in the
   Trigger form (partition, from/to offset, sinks);
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -35,7 +37,7 @@ from airflow.providers.standard.operators.python import PythonOperator, ShortCir
 from airflow.sdk import DAG, AssetAlias, Param, TriggerRule
 
 from tidemark import config
-from tidemark.airflow import POOL, assets, spark_conf
+from tidemark.airflow import POOL, assets, connect_job, spark_conf
 from tidemark.airflow import tasks as airflow_tasks
 from tidemark.airflow.job_command import JobAction, JobCommand
 from tidemark.core import job_secrets
@@ -145,7 +147,8 @@ class ReplayOperator(SparkSubmitOperator):
     """SparkSubmitOperator on jobs/replay.py running ``job`` (its command, completed at run
     time), whose failure says what the ledger recorded (e.g. the sink that failed and why)
     instead of the spark-submit command line, and fails without retries when the job exits 2
-    (bad input) or 5 (halted)."""
+    (bad input) or 5 (halted). With a ``spark_connect`` connection the same job runs as a
+    ``tidemark`` process against that endpoint instead (tidemark/airflow/connect_job.py)."""
 
     def __init__(
         self,
@@ -183,14 +186,33 @@ class ReplayOperator(SparkSubmitOperator):
         # spark-submit's command line (tidemark/core/job_secrets.py). So only that file's
         # path is an env var, set after templating: nothing secret among the rendered fields,
         # the logged command, or what OpenLineage sends of the task.
-        self._refuse_cluster_mode()
-        self.conf = spark_conf.job_conf(self.conf, self.spark_conn_id, self.pipeline_file)
+        remote = connect_job.endpoint(self.spark_conn_id)
+        if remote is None:
+            self._refuse_cluster_mode()
+            self.conf = spark_conf.job_conf(self.conf, self.spark_conn_id, self.pipeline_file)
         named = airflow_tasks.connections_exist(config.load(Path(self.pipeline_file), deep=False))
         self.application_args = self.command(context).argv()
         secrets = {**named, "TIDEMARK_LEDGER_DSN": airflow_tasks.ledger_dsn()}
+        if remote is not None:  # a spark_connect connection: the job runs here, Spark there
+            return self._submit(
+                context,
+                lambda: connect_job.run(
+                    self.application_args, remote, secrets, self.log.info, self._started
+                ),
+            )
         with job_secrets.written(secrets) as path:
             self.env_vars = {**(self.env_vars or {}), job_secrets.VAR: path}
-            return self._submit(context)
+            return self._submit(context, lambda: super(ReplayOperator, self).execute(context))
+
+    def _started(self, proc) -> None:
+        self._connect_proc = proc
+
+    def on_kill(self) -> None:
+        proc = getattr(self, "_connect_proc", None)
+        if proc is not None:
+            connect_job.stop(proc)
+        else:
+            super().on_kill()
 
     def _refuse_cluster_mode(self) -> None:
         from airflow.sdk import BaseHook
@@ -205,9 +227,9 @@ class ReplayOperator(SparkSubmitOperator):
                 "(docs/production.md)"
             )
 
-    def _submit(self, context):
+    def _submit(self, context, job: Callable[[], object]):
         try:
-            return super().execute(context)
+            return job()
         except Exception as exc:
             code = job_exit_code(exc)
             why = airflow_tasks.failure(
@@ -264,7 +286,7 @@ def _spark(
         **kw,
         task_id="replay",
         application=str(JOB),
-        conn_id="spark_default",
+        conn_id=p.airflow.spark_conn_id,
         name=f"tidemark-{p.name}",
         driver_memory=p.airflow.driver_memory or get_settings().driver_memory,
         conf=_driver_conf(),

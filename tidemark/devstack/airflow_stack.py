@@ -58,6 +58,22 @@ def metadata_url(ledger_dsn: str, database: str = "airflow") -> str:
     return f"postgresql+psycopg2://{auth}{host}:{port}/{database}"
 
 
+REMOTE = "TIDEMARK_SPARK_REMOTE"  # `make up CONNECT=1`: the local Spark Connect server
+
+
+def spark_connection(remote: str | None) -> str:
+    """``spark_default`` as Airflow connection JSON: local Spark (spark-submit), or with
+    ``remote`` (sc://host:port, `make up CONNECT=1`) a ``spark_connect`` connection to that
+    server, which the DAGs' replay tasks then run their jobs on (docs/airflow.md). The DAGs
+    take the endpoint from the connection alone: the caller drops TIDEMARK_SPARK_REMOTE."""
+    if not remote:
+        return json.dumps({"conn_type": "spark", "host": "local[*]"})
+    from urllib.parse import urlsplit
+
+    at = urlsplit(remote.split("/;", 1)[0])
+    return json.dumps({"conn_type": "spark_connect", "host": at.hostname, "port": at.port})
+
+
 def ledger_connection(ledger_dsn: str) -> str:
     """The ledger as Airflow connection JSON (``AIRFLOW_CONN_TIDEMARK_LEDGER``): libpq's other
     parameters (sslmode, ...) go to its extra."""
@@ -172,9 +188,7 @@ class Stack:
             }
         )
         env.pop("TIDEMARK_LEDGER_DSN", None)
-        env.setdefault(
-            "AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[*]"})
-        )
+        env.setdefault("AIRFLOW_CONN_SPARK_DEFAULT", spark_connection(env.pop(REMOTE, None)))
         env.update(self.env_extra)
         return env
 

@@ -1,0 +1,65 @@
+"""The replay task's Spark Connect endpoint from an Airflow connection
+(tidemark/airflow/connect_job.py) and the local stack's spark_default (`make up CONNECT=1`);
+the DAG run through a Connect server is tests/test_airflow_connect.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException
+
+from tidemark.airflow.connect_job import endpoint
+from tidemark.devstack.airflow_stack import Stack, spark_connection
+
+
+def _conn(monkeypatch, conn_id: str, **fields) -> str:
+    monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(fields))
+    return conn_id
+
+
+def test_a_spark_connection_spark_submits(monkeypatch):
+    assert endpoint(_conn(monkeypatch, "sd", conn_type="spark", host="local[*]")) is None
+
+
+def test_a_spark_connect_connection_is_its_url_with_token_and_service_params(monkeypatch):
+    local = _conn(
+        monkeypatch, "cl", conn_type="spark_connect", host="localhost", port=15002, password="t/k+n"
+    )
+    assert endpoint(local) == "sc://localhost:15002/;token=t/k%2Bn"
+    dbx = _conn(
+        monkeypatch,
+        "dbx",
+        conn_type="spark_connect",
+        host="adb-1.azuredatabricks.net",
+        port=443,
+        extra={"use_ssl": True, "params": {"x-databricks-cluster-id": "0123-abc"}},
+    )
+    assert endpoint(dbx) == (
+        "sc://adb-1.azuredatabricks.net:443/;use_ssl=True;x-databricks-cluster-id=0123-abc"
+    )
+    bare = _conn(monkeypatch, "bare", conn_type="spark_connect", host="h", port=1,
+                 extra={"params": {"x-h": 1}})  # fmt: skip
+    assert endpoint(bare) == "sc://h:1/;x-h=1"
+
+
+def test_bad_service_params_fail_at_once_naming_the_connection(monkeypatch):
+    bad = _conn(monkeypatch, "bad", conn_type="spark_connect", host="h", port=1,
+                extra={"params": {"no good": "1"}})  # fmt: skip
+    with pytest.raises(AirflowFailException, match="'bad' .spark_connect.: extra params"):
+        endpoint(bad)
+
+
+def test_make_up_connect_makes_spark_default_a_spark_connect_connection(tmp_path, monkeypatch):
+    assert json.loads(spark_connection(None)) == {"conn_type": "spark", "host": "local[*]"}
+    # `make connect` wrote TIDEMARK_SPARK_REMOTE into .tidemark/env, which `tidemark airflow
+    # up` loads: Airflow's processes get the connection, not the variable.
+    monkeypatch.delenv("AIRFLOW_CONN_SPARK_DEFAULT", raising=False)
+    monkeypatch.setenv("TIDEMARK_SPARK_REMOTE", "sc://127.0.0.1:15002")
+    env = Stack(home=tmp_path, ledger_dsn="postgresql://x@127.0.0.1/x").env()
+    assert "TIDEMARK_SPARK_REMOTE" not in env
+    assert json.loads(env["AIRFLOW_CONN_SPARK_DEFAULT"]) == {
+        "conn_type": "spark_connect",
+        "host": "127.0.0.1",
+        "port": 15002,
+    }
