@@ -153,6 +153,21 @@ def engine(request, env):
     return LocalRunner()
 
 
+@pytest.fixture(autouse=True)
+def _spark_api_mode(request, monkeypatch):
+    """PySpark marks its process as Spark Connect's for good (SPARK_CONNECT_MODE_ENABLED, and
+    SPARK_REMOTE) once a Connect session starts: only the tests on Connect see that, or every
+    classic session, and every `tidemark` or Spark process a later test on this worker starts,
+    asks for a remote URL."""
+    callspec = getattr(request.node, "callspec", None)
+    engine = callspec.params.get("engine") if callspec is not None else None
+    if engine == "connect" or "connect_spark" in request.fixturenames:
+        monkeypatch.setenv("SPARK_CONNECT_MODE_ENABLED", "1")
+    else:
+        monkeypatch.delenv("SPARK_CONNECT_MODE_ENABLED", raising=False)
+        monkeypatch.delenv("SPARK_REMOTE", raising=False)
+
+
 @pytest.fixture(scope="session")
 def connect_server(tmp_path_factory):
     """A local Spark Connect server for the session (tidemark/devstack/connect_server.py):
