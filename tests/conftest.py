@@ -144,13 +144,20 @@ def engine(request, env):
         from tidemark.driver.runners import ConnectRunner
 
         env.spark_remote = request.getfixturevalue("connect_server").url
-        return ConnectRunner(
+        runner = ConnectRunner(
             env.spark_remote,
             request.getfixturevalue("connect_spark"),
             env.settings(),
             "tidemark-tests",
         )
+        # connect_spark, made just now on first use, left the process classic: this test is
+        # on Connect (undone with the test, as _spark_api_mode's setting is).
+        request.getfixturevalue("monkeypatch").setenv("SPARK_CONNECT_MODE_ENABLED", "1")
+        return runner
     return LocalRunner()
+
+
+_CONNECT_MODE_VARS = ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE")
 
 
 @pytest.fixture(autouse=True)
@@ -164,8 +171,8 @@ def _spark_api_mode(request, monkeypatch):
     if engine == "connect" or "connect_spark" in request.fixturenames:
         monkeypatch.setenv("SPARK_CONNECT_MODE_ENABLED", "1")
     else:
-        monkeypatch.delenv("SPARK_CONNECT_MODE_ENABLED", raising=False)
-        monkeypatch.delenv("SPARK_REMOTE", raising=False)
+        for var in _CONNECT_MODE_VARS:
+            monkeypatch.delenv(var, raising=False)
 
 
 @pytest.fixture(scope="session")
@@ -188,6 +195,10 @@ def connect_spark(connect_server):
     from tidemark.engine.connect_session import remote_session
 
     s = remote_session(connect_server.url, "tidemark-tests")
+    # Between tests the process is a classic one again: module fixtures set up later on this
+    # worker start classic sessions and Spark processes (_spark_api_mode sets it per test).
+    for var in _CONNECT_MODE_VARS:
+        os.environ.pop(var, None)
     yield s
     s.stop()
 
@@ -196,6 +207,8 @@ def connect_spark(connect_server):
 def spark():
     from tidemark.engine.session import session
 
+    for var in _CONNECT_MODE_VARS:  # a classic session, whatever a Connect test left
+        os.environ.pop(var, None)
     s = session("local[2,4]", "tidemark-tests")
     yield s
     s.stop()

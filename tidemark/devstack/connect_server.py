@@ -152,11 +152,20 @@ class ConnectServer:
                     continue
         from pyspark.sql import SparkSession
 
+        # A remote session marks its process as Spark Connect's for good; the probe's caller (a
+        # test session, the bench, `make up`) goes on to start classic sessions and Spark
+        # processes, which would then ask for a remote URL: its environment is put back.
+        saved = {var: os.environ.get(var) for var in ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE")}
         spark = SparkSession.builder.remote(self.url).create()
         try:
             spark.sql("SELECT 1").collect()
         finally:
             spark.stop()
+            for var, value in saved.items():
+                if value is None:
+                    os.environ.pop(var, None)
+                else:
+                    os.environ[var] = value
 
     def stop(self, timeout: float = 60.0) -> None:
         """SIGTERM the server's session, SIGKILL it if it outlives ``timeout``."""
