@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -294,8 +295,29 @@ class Env:
 
     # -- data ----------------------------------------------------------------------------------
     def append(self, records) -> dict[int, tuple[int, int]]:
+        """Append ``records`` to the source log, returning once a run would read them."""
         with psycopg.connect(self.ledger_dsn) as c:
-            return append(c, "src.log", records)
+            spans = append(c, "src.log", records)
+        self._settled()
+        return spans
+
+    def _settled(self, timeout: float = 120.0) -> None:
+        """Wait until the log's newest rows are settled: a run reads only rows older than
+        every transaction still running on the cluster (postgres_log, xmin), and this
+        cluster is shared with the session's Airflow, whose scheduler may hold one open."""
+        deadline = time.monotonic() + timeout
+        settled = """SELECT coalesce(max(xid) < pg_snapshot_xmin(pg_current_snapshot()), true)
+                     FROM src.log"""
+        with psycopg.connect(self.ledger_dsn, autocommit=True) as c:
+            while not c.execute(settled).fetchone()[0]:
+                if time.monotonic() > deadline:
+                    holders = c.execute(
+                        "SELECT datname, application_name, state, xact_start "
+                        "FROM pg_stat_activity WHERE backend_xid IS NOT NULL "
+                        "OR backend_xmin IS NOT NULL"
+                    ).fetchall()
+                    raise AssertionError(f"appended rows unsettled after {timeout}s: {holders}")
+                time.sleep(0.05)  # no event tells when xmin moves: poll, bounded
 
     def append_orders(self, ids, partitions: int = 2, version: int = 1, **extra):
         recs = []
