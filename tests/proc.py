@@ -35,6 +35,14 @@ class JobProcess:
             start_new_session=True,
         )
 
+    def __enter__(self) -> JobProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Nothing left running: a job still running at the block's end is killed."""
+        if self.proc.poll() is None:
+            self.kill_group()
+
     def wait_reached(self, timeout: float = 240) -> str:
         """Block until the job writes its pause point into the FIFO (or dies)."""
         fd = os.open(self.pause_dir / "reached", os.O_RDONLY | os.O_NONBLOCK)

@@ -4,9 +4,11 @@ SparkSubmitOperator, alerts to a real SMTP server (aiosmtpd) and a real HTTP rec
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from tests.airflow_site import Inbox
+from tests.airflow_site import AirflowSite, Inbox
 from tests.conftest import REPO, Env
 from tidemark.devstack.airflow_stack import Stack
 from tidemark.sources.postgres_log import append, create_log_table
@@ -58,6 +60,11 @@ class World:
         self.env, self.stack, self.mails, self.hooks = env, stack, mails, hooks
         self.lineage_file, self.stats = lineage_file, stats
         self.api = stack.api()
+
+    def add_connection(self, **conn: object) -> None:
+        """An Airflow connection, made through the REST API as a user makes one."""
+        r = self.api.post("/connections", json=conn)
+        assert r.status_code == 201, r.text
 
     def trigger(self, dag_id: str, conf: dict | None = None):
         self.stack.unpause(dag_id)
@@ -259,55 +266,58 @@ def world(airflow_site, pg, tmp_path_factory):
             },
         ],
     )
-    dags = site.enter("test_airflow", env.ledger_dsn, tmp / "docs")
+    host = f"postgres://127.0.0.1:{pg.port}/{env.names['sink']}/public"
+    downstream = DOWNSTREAM.format(
+        uris={
+            "downstream_orders": f"{host}/orders",
+            "downstream_gated": f"{host}/gated",
+            "downstream_offline": f"{host}/offline",
+        }
+    )
+    files = {
+        "tidemark_pipelines.py": PIPELINES,
+        "tidemark_pipeline_files.py": PIPELINE_FILES,
+        "tidemark_maintenance.py": MAINTENANCE,
+        "downstream.py": downstream,
+    }
+    dag_ids = ["tidemark_orders", "tidemark_gated", "tidemark_maintenance"]
+    dag_ids += ["downstream_orders", "downstream_gated", "downstream_offline"]
+    with module_world(site, env, "test_airflow", tmp / "docs", files, dag_ids) as w:
+        for dag_id in dag_ids[3:]:
+            w.stack.unpause(dag_id)
+        for conn_id, dsn in (("newuser_src", env.ledger_dsn), ("newuser_wh", env.sink_dsn)):
+            c = conninfo_to_dict(dsn)
+            w.add_connection(
+                connection_id=conn_id,
+                conn_type="postgres",
+                host=c["host"],
+                port=int(c["port"]),
+                login=c["user"],
+                password=c["password"],
+                schema=c["dbname"],
+            )
+        yield w
+
+
+@contextlib.contextmanager
+def module_world(
+    site: AirflowSite, env: Env, module: str, docs: Path, files: dict[str, str], dag_ids: list[str]
+) -> Iterator[World]:
+    """A test module's DAG folder in the session's Airflow: ``env``'s pipelines and ``files``,
+    each of ``dag_ids`` parsed from it; the World that drives it. At the end the folder's DAGs
+    and what the module added to Airflow are gone, and ``env`` dropped."""
+    dags = site.enter(module, env.ledger_dsn, docs)
     try:
         shutil.move(env.dir, dags / "pipelines")
         env.dir = dags / "pipelines"
-        (dags / "tidemark_pipelines.py").write_text(PIPELINES)
-        (dags / "tidemark_pipeline_files.py").write_text(PIPELINE_FILES)
-        (dags / "tidemark_maintenance.py").write_text(MAINTENANCE)
-        host = f"postgres://127.0.0.1:{pg.port}/{env.names['sink']}/public"
-        (dags / "downstream.py").write_text(
-            DOWNSTREAM.format(
-                uris={
-                    "downstream_orders": f"{host}/orders",
-                    "downstream_gated": f"{host}/gated",
-                    "downstream_offline": f"{host}/offline",
-                }
-            )
-        )
-        stack = site.stack
-        site.wait_dags(
-            dags,
-            [
-                "tidemark_orders",
-                "tidemark_gated",
-                "tidemark_maintenance",
-                "downstream_orders",
-                "downstream_gated",
-                "downstream_offline",
-            ],
-        )
-        for dag_id in ("downstream_orders", "downstream_gated", "downstream_offline"):
-            stack.unpause(dag_id)
-        w = World(env, stack, site.mails, site.hooks, site.lineage_file, site.stats)
-        for conn_id, dsn in (("newuser_src", env.ledger_dsn), ("newuser_wh", env.sink_dsn)):
-            c = conninfo_to_dict(dsn)
-            r = w.api.post(
-                "/connections",
-                json={
-                    "connection_id": conn_id,
-                    "conn_type": "postgres",
-                    "host": c["host"],
-                    "port": int(c["port"]),
-                    "login": c["user"],
-                    "password": c["password"],
-                    "schema": c["dbname"],
-                },
-            )
-            assert r.status_code == 201, r.text
-        yield w
-        w.api.close()
+        for name, text in files.items():
+            (dags / name).write_text(text)
+        site.wait_dags(dags, dag_ids)
+        w = World(env, site.stack, site.mails, site.hooks, site.lineage_file, site.stats)
+        try:
+            yield w
+        finally:
+            w.api.close()
     finally:
         site.leave(dags)
         env.drop()

@@ -7,7 +7,6 @@ process environment."""
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 
 from tests.conftest import Env
 from tests.invariants import assert_exactly_once
-from tests.test_airflow import PIPELINES, World
+from tests.test_airflow import PIPELINES, module_world
 
 pytestmark = [pytest.mark.slow, pytest.mark.airflow, pytest.mark.spark, pytest.mark.timeout(900)]
 
@@ -58,32 +57,21 @@ def world(airflow_site, pg, connect_server, tmp_path_factory):
     env = Env(pg, tmp)
     env.append_orders(range(N))
     env.pipeline("viaconnect", airflow={"retries": 0, "spark_conn_id": "tm_connect"})
-    dags = site.enter("test_airflow_connect", env.ledger_dsn, tmp / "docs")
-    try:
-        shutil.move(env.dir, dags / "pipelines")
-        env.dir = dags / "pipelines"
-        (dags / "tidemark_pipelines.py").write_text(PIPELINES)
-        site.wait_dags(dags, ["tidemark_viaconnect"])
-        w = World(env, site.stack, site.mails, site.hooks, site.lineage_file, site.stats)
+    files = {"tidemark_pipelines.py": PIPELINES}
+    with module_world(
+        site, env, "test_airflow_connect", tmp / "docs", files, ["tidemark_viaconnect"]
+    ) as w:
         # The Spark provider's spark_connect connection, as a user makes it in Airflow, with
         # a token (its "password"). Host localhost: PySpark sends a token to a server without
         # TLS only on localhost (grpc local credentials); the test server ignores it.
-        r = w.api.post(
-            "/connections",
-            json={
-                "connection_id": "tm_connect",
-                "conn_type": "spark_connect",
-                "host": "localhost",
-                "port": int(connect_server.url.rsplit(":", 1)[1]),
-                "password": TOKEN,
-            },
+        w.add_connection(
+            connection_id="tm_connect",
+            conn_type="spark_connect",
+            host="localhost",
+            port=int(connect_server.url.rsplit(":", 1)[1]),
+            password=TOKEN,
         )
-        assert r.status_code == 201, r.text
         yield w
-        w.api.close()
-    finally:
-        site.leave(dags)
-        env.drop()
 
 
 def test_a_spark_connect_connection_runs_the_job_there_keeping_its_token_secret(world):

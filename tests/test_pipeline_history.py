@@ -64,8 +64,8 @@ def test_the_page_reads_on_seeded_history(env):
             "sink_write",
         }
         runs = history.runs(c, "p00", Window.of(1))
-        assert {r["sink"] for r in runs} == {"main", "archive"}
-        assert all(r["state"] == "committed" and r["records"] >= 1000 for r in runs)
+        assert {r.sink for r in runs} == {"main", "archive"}
+        assert all(r.state == "committed" and (r.records or 0) >= 1000 for r in runs)
         parts = history.lag_by_partition(c, "p00", Window.of(1))
         assert {(s, p) for s, p, _, _ in parts} == {
             (s, p) for s in ("main", "archive") for p in range(4)
@@ -95,19 +95,20 @@ def test_state_now_halted_in_doubt_last_run_and_where_each_sink_began(env):
         p1 = st["p01"]
         assert p1.halted_reason == "a test" and p1.halted_at is not None
         # Decided, and open with its driver gone: both in doubt.
-        assert [(d["sink"], d["state"], d["alive"]) for d in p1.in_doubt] == [
+        assert [(d.sink, d.state, d.alive) for d in p1.in_doubt] == [
             ("archive", "writing", False),
             ("main", "committing", False),
         ]
-        assert p1.last_run["run_id"] == run and p1.last_run["mode"] == "backfill"
-        assert {s["sink"]: s["state"] for s in p1.last_run["sinks"]} == {
+        assert p1.last_run is not None
+        assert p1.last_run.run_id == run and p1.last_run.mode == "backfill"
+        assert {s.sink: s.state for s in p1.last_run.sinks} == {
             "main": "committing",
             "archive": "writing",
         }
         main = next(s for s in p1.sinks if s.sink == "main")
-        assert [p["start_offset"] for p in main.partitions] == [0, 0, 0, 42]
-        assert main.partitions[0]["lag"] == 50 and main.partitions[0]["head"] == 7250
-        assert main.partitions[1]["lag"] is None  # not in the newest measurement
+        assert [p.start_offset for p in main.partitions] == [0, 0, 0, 42]
+        assert main.partitions[0].lag == 50 and main.partitions[0].head == 7250
+        assert main.partitions[1].lag is None  # not in the newest measurement
         assert st["p00"].in_doubt == []
 
 

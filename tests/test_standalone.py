@@ -266,6 +266,23 @@ def assert_one_committed_run_retried(env, killed: str) -> None:
     assert chosen and killed not in chosen and all(attempt(g) >= 1 for g in chosen), chosen
 
 
+def await_retry(job: JobProcess, env, first: str) -> None:
+    """The killed task's retry pauses where it did: its gid the same but for the attempt."""
+    assert job.wait_reached() == "task_after_prepare"
+    [second] = sink_gids(env)
+    assert attempt(second) >= 1 and second.rsplit(":", 1)[0] == first.rsplit(":", 1)[0]
+
+
+def assert_retried_run_exact(env, cluster: SparkCluster, code: int, out: str, first: str) -> None:
+    """The job ended well, its run committed every record once, its task retried."""
+    assert code == 0, f"{out}\n{cluster.logs()}"
+    assert env.checkpoints() == {0: 3000}
+    assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(3000,)]
+    assert env.prepared() == [] and sink_gids(env) == []
+    assert_exactly_once(env)
+    assert_one_committed_run_retried(env, first)
+
+
 def test_an_executor_killed_mid_write_its_task_is_retried_and_the_run_ends_exact(
     env, standalone, tmp_path
 ):
@@ -282,13 +299,12 @@ def test_an_executor_killed_mid_write_its_task_is_retried_and_the_run_ends_exact
             **paused_conf(pause),
         }
     )
-    job = JobProcess(
+    with JobProcess(
         env.cli_argv("run", "orders"),
         cluster_env(env, standalone, TIDEMARK_SPARK_MASTER=standalone.url),
         pause_dir=pause,
         pause_at="task_after_prepare",
-    )
-    try:
+    ) as job:
         assert job.wait_reached() == "task_after_prepare"
         [first] = sink_gids(env)
         assert attempt(first) == 0
@@ -297,22 +313,11 @@ def test_an_executor_killed_mid_write_its_task_is_retried_and_the_run_ends_exact
 
         # The retry, on another executor, pauses at the same point: the lost attempt's
         # transaction is gone, its own is prepared.
-        assert job.wait_reached() == "task_after_prepare"
-        [second] = sink_gids(env)
-        assert attempt(second) >= 1 and second.rsplit(":", 1)[0] == first.rsplit(":", 1)[0]
+        await_retry(job, env, first)
         assert paused_executor(app_id(standalone))[0] != eid
         job.resume()
         code = job.wait(240)
-    finally:
-        if job.proc.poll() is None:
-            job.kill_group()
-    out = job.output()
-    assert code == 0, f"{out}\n{standalone.logs()}"
-    assert env.checkpoints() == {0: 3000}
-    assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(3000,)]
-    assert env.prepared() == [] and sink_gids(env) == []
-    assert_exactly_once(env)
-    assert_one_committed_run_retried(env, first)
+    assert_retried_run_exact(env, standalone, code, job.output(), first)
 
 
 def test_a_worker_lost_mid_write_the_task_moves_to_the_other_worker_and_the_run_ends_exact(
@@ -334,10 +339,9 @@ def test_a_worker_lost_mid_write_the_task_moves_to_the_other_worker_and_the_run_
     for k, v in conf.items():
         argv += ["--conf", f"{k}={v}"]
     argv += [str(REPO / "jobs" / "replay.py"), "run", "orders"]
-    job = JobProcess(
+    with JobProcess(
         argv, cluster_env(env, standalone), pause_dir=pause, pause_at="task_after_prepare"
-    )
-    try:
+    ) as job:
         assert job.wait_reached() == "task_after_prepare"
         [first] = sink_gids(env)
         app = app_id(standalone)
@@ -347,23 +351,12 @@ def test_a_worker_lost_mid_write_the_task_moves_to_the_other_worker_and_the_run_
         kill(below)  # the executor's Python workers (a process group of their own)
         standalone.wait_for("the lost worker gone", lambda s: s["aliveworkers"] == 1)
 
-        assert job.wait_reached() == "task_after_prepare"
-        [second] = sink_gids(env)
-        assert attempt(second) >= 1 and second.rsplit(":", 1)[0] == first.rsplit(":", 1)[0]
+        await_retry(job, env, first)
         _, pid2, _ = paused_executor(app)
         assert pid2 in descendants(standalone.worker_pid(3 - worker)), "not on the other worker"
         job.resume()
         code = job.wait(240)
-    finally:
-        if job.proc.poll() is None:
-            job.kill_group()
-    out = job.output()
-    assert code == 0, f"{out}\n{standalone.logs()}"
-    assert env.checkpoints() == {0: 3000}
-    assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(3000,)]
-    assert env.prepared() == [] and sink_gids(env) == []
-    assert_exactly_once(env)
-    assert_one_committed_run_retried(env, first)
+    assert_retried_run_exact(env, standalone, code, job.output(), first)
 
 
 # -- the Airflow path ------------------------------------------------------------------------

@@ -752,12 +752,15 @@ def test_core_resolves_connection_ids_through_the_lookup_a_higher_layer_register
 
 
 def test_a_preview_as_the_last_run_is_no_failure_on_the_pipelines_page():
-    from tidemark.ledger.history import State
+    from datetime import UTC, datetime
+
+    from tidemark.ledger.history import LastRun, LastRunSink, State
     from tidemark.web.pipelines_pages import _badges
 
     def last(*states: str) -> State:
-        sinks = [{"sink": f"s{i}", "state": st} for i, st in enumerate(states)]
-        return State("p", last_run={"finished_at": 1, "sinks": sinks})
+        sinks = [LastRunSink(f"s{i}", st, None) for i, st in enumerate(states)]
+        at = datetime.now(UTC)
+        return State("p", last_run=LastRun(1, "run", at, at, sinks))
 
     assert _badges(last("previewed", "previewed")) == [("info", "last run a preview")]
     assert _badges(last("previewed", "aborted")) == [("bad", "last run failed: s1")]

@@ -16,6 +16,7 @@ import pytest
 
 from tidemark.config import pg_type
 from tidemark.core.columns import HEADERS, KEY, OFFSET, PARTITION, PAYLOAD, TS
+from tidemark.core.participants import Target
 from tidemark.engine.records import ERR_CLASS, ERR_REASON
 from tidemark.engine.writer import run_task
 from tidemark.ledger import redrives, state
@@ -159,7 +160,7 @@ class Bench:
     def commit(self, result: TaskResult) -> None:
         """The driver's decision: COMMIT PREPARED each participant on its database."""
         for p in result.participants:
-            dsn = self.env.ledger_dsn if p.target == "ledger" else self.dsn[p.sink]
+            dsn = self.env.ledger_dsn if p.target == Target.ledger() else self.dsn[p.sink]
             with psycopg.connect(dsn, autocommit=True) as c:
                 assert twopc.commit(c, p.gid) == "committed"
 
@@ -210,8 +211,8 @@ def test_a_delivery_by_ranges_prepares_one_transaction_per_sink(bench: Bench) ->
 
     assert r.error is None and r.records == 50
     assert [(p.gid, p.target, p.rows) for p in r.participants] == [
-        (f"tm:{RUN}:s.main:0:0", "sink:main", 50),
-        (f"tm:{RUN}:s.copy:0:0", "sink:copy", 30),
+        (f"tm:{RUN}:s.main:0:0", Target.sink("main"), 50),
+        (f"tm:{RUN}:s.copy:0:0", Target.sink("copy"), 30),
     ]
     main, copy = r.sinks["main"], r.sinks["copy"]
     assert (main.counts.records, main.counts.rows, main.counts.dead, main.counts.superseded) == (
@@ -334,8 +335,8 @@ def test_records_postgresql_refuses_are_bisected_into_dead_letters(env: Any) -> 
         None,
     )
     assert [(p.gid, p.target, p.rows) for p in r.participants] == [
-        (f"tm:{RUN}:s.main:0:0", "sink:main", 36),
-        (f"tm:{RUN}:d.main:0:0", "ledger", 4),
+        (f"tm:{RUN}:s.main:0:0", Target.sink("main"), 36),
+        (f"tm:{RUN}:d.main:0:0", Target.ledger(), 4),
     ]
     assert bench.prepared() == [f"tm:{RUN}:d.main:0:0"]
     assert bench.letters() == []  # prepared, not yet committed

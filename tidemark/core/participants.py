@@ -1,6 +1,7 @@
 """The participants of a decision (docs/design.md, "Commit protocol"): prepared transactions,
 each in the ledger's database or in one sink's. The ledger stores a target as text
-(``ledger`` or ``sink:<name>``); it is parsed once, where the ledger is read."""
+(``ledger`` or ``sink:<name>``); it is parsed once, where the ledger is read. A task's result
+carries it as the model's JSON (tidemark/protocol/taskspec.py: Prepared.target)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class Target:
 
     @classmethod
     def parse(cls, text: str) -> Target:
-        """``ledger`` or ``sink:<name>``, as the ledger and a task's result spell it."""
+        """``ledger`` or ``sink:<name>``, as the ledger spells it."""
         if text == TargetKind.LEDGER:
             return cls.ledger()
         kind, sep, name = text.partition(":")

@@ -8,12 +8,10 @@ with ``airflow.env``: the settings to source before running Airflow's own CLI ag
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +26,7 @@ from tidemark.airflow import POOL
 from tidemark.core.dsn import mask
 from tidemark.core.errors import TidemarkError
 from tidemark.core.private import write_private
+from tidemark.devstack import daemon
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout: dags/ and plugins/
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
@@ -236,14 +235,8 @@ class Stack:
         return self.home / "run" / f"{component}.pid"
 
     def pids(self) -> dict[str, int]:
-        out = {}
-        for c in COMPONENTS:
-            f = self._pidfile(c)
-            if f.exists():
-                pid = int(f.read_text())
-                if _alive(pid):
-                    out[c] = pid
-        return out
+        running = {c: daemon.recorded(self._pidfile(c)) for c in COMPONENTS}
+        return {c: pid for c, pid in running.items() if pid is not None}
 
     def start(self, timeout: float = 240) -> None:
         if self.pids():
@@ -304,13 +297,7 @@ class Stack:
     def stop(self, timeout: float = 30) -> bool:
         """Stop every component (and the task processes in their groups); True if any ran."""
         pids = self.pids()
-        for pid in pids.values():
-            _signal_group(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(_alive(p) for p in pids.values()):
-            time.sleep(0.2)
-        for pid in pids.values():
-            _signal_group(pid, signal.SIGKILL)
+        daemon.stop_groups(pids.values(), timeout)
         for c in COMPONENTS:
             self._pidfile(c).unlink(missing_ok=True)
         return bool(pids)
@@ -363,22 +350,3 @@ def _fernet_key() -> str:
     from cryptography.fernet import Fernet
 
     return Fernet.generate_key().decode()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (our own child that exited) is not alive
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][:1] != "Z"
-    except OSError:
-        return False
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)

@@ -13,7 +13,6 @@ the log's tail), never a fixed sleep.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
 import subprocess
@@ -22,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tidemark.devstack import daemon
 from tidemark.devstack.airflow_stack import free_port
 
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
@@ -56,12 +56,7 @@ class ConnectServer:
 
     def pid(self) -> int | None:
         """The server's pid while it runs (the JVM: spark-submit execs it), else None."""
-        try:
-            pid = int((self.root / "connect.pid").read_text())
-            os.kill(pid, 0)
-        except (FileNotFoundError, ValueError, ProcessLookupError):
-            return None
-        return pid
+        return daemon.recorded(self.root / "connect.pid")
 
     def running(self) -> bool:
         return self.pid() is not None
@@ -171,13 +166,7 @@ class ConnectServer:
         """SIGTERM the server's session, SIGKILL it if it outlives ``timeout``."""
         pid = self.pid()
         if pid is not None:
-            _signal_group(pid, signal.SIGTERM)
-            deadline = time.monotonic() + timeout
-            while _alive(pid) and time.monotonic() < deadline:
-                _wait_exit(pid, deadline - time.monotonic())
-            if _alive(pid):
-                _signal_group(pid, signal.SIGKILL)
-                _wait_exit(pid, 10.0)
+            daemon.stop_groups([pid], timeout, _signal_session)
         for name in ("connect.pid", "connect.port"):
             (self.root / name).unlink(missing_ok=True)
 
@@ -185,8 +174,8 @@ class ConnectServer:
         """SIGKILL the server's session (the tests' crash), leaving its state files."""
         pid = self.pid()
         if pid is not None:
-            _signal_group(pid, signal.SIGKILL)
-            _wait_exit(pid, 30.0)
+            _signal_session(pid, signal.SIGKILL)
+            daemon.wait_exit(pid, 30.0)
 
     def _tail(self, lines: int = 5) -> str:
         try:
@@ -196,43 +185,13 @@ class ConnectServer:
         return " | ".join(text[-lines:]) + f" (log: {self.logfile})"
 
 
-def _signal_group(pid: int, sig: signal.Signals) -> None:
+def _signal_session(pid: int, sig: int) -> None:
     """``sig`` to the server's session: the JVM's process group and PySpark's worker daemon's
     (a group of its own), so no Python worker outlives the server."""
     from tidemark.devstack.chaos.faults import signal_session
 
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, sig)
+    daemon.signal_group(pid, sig)
     signal_session(pid, sig)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A child of this process that exited stays a zombie until reaped.
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return True  # not our child: kill(0) said it exists
-    return done == 0
-
-
-def _wait_exit(pid: int, timeout: float) -> None:
-    """Until ``pid`` exits (reaped if it is our child), at most ``timeout`` seconds."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        import select
-
-        select.select([fd], [], [], max(timeout, 0.0))
-    finally:
-        os.close(fd)
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, os.WNOHANG)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,23 +206,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--driver-memory", default="1g", help="(%(default)s)")
     args = ap.parse_args(argv)
     server = ConnectServer(Path(args.dir).resolve(), args.port, args.master, args.driver_memory)
-    try:
-        if args.action == "start":
-            print(f"Spark Connect server at {server.start()} (log: {server.logfile})")
-        elif args.action == "stop":
-            server.stop()
-            print("Spark Connect server stopped")
-        elif args.action == "status":
-            print(f"running at {server.url}" if server.running() else "stopped")
-            return 0 if server.running() else 3
-        elif args.action == "url":
-            if not server.running():
-                print("tidemark.devstack.connect_server: not running", file=sys.stderr)
-                return 3
-            print(server.url)
-    except (ServerError, OSError) as exc:
-        print(f"tidemark.devstack.connect_server: {args.action} failed: {exc}", file=sys.stderr)
-        return 1
+    return daemon.run_action(
+        "tidemark.devstack.connect_server",
+        args.action,
+        lambda: _act(server, args.action),
+        ServerError,
+    )
+
+
+def _act(server: ConnectServer, action: str) -> int:
+    if action == "start":
+        print(f"Spark Connect server at {server.start()} (log: {server.logfile})")
+    elif action == "stop":
+        server.stop()
+        print("Spark Connect server stopped")
+    elif action == "status":
+        print(f"running at {server.url}" if server.running() else "stopped")
+        return 0 if server.running() else 3
+    elif action == "url":
+        if not server.running():
+            print("tidemark.devstack.connect_server: not running", file=sys.stderr)
+            return 3
+        print(server.url)
     return 0
 
 

@@ -11,10 +11,8 @@ idempotent: it starts only what is not running.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -26,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pyspark
+
+from tidemark.devstack import daemon
 
 SPARK_HOME = Path(pyspark.__file__).resolve().parent
 MASTER_CLASS = "org.apache.spark.deploy.master.Master"
@@ -183,14 +183,7 @@ class SparkCluster:
         lay = self.layout
         pids: list[tuple[int | None, str]] = [(p, WORKER_CLASS) for p in lay.worker_pids.values()]
         pids.append((lay.master_pid, MASTER_CLASS))
-        live = [p for p, cls in pids if p and self._alive(p, cls)]
-        for pid in live:
-            _killpg(pid, signal.SIGTERM)
-        end = time.monotonic() + timeout
-        while any(_exists(p) for p in live) and time.monotonic() < end:
-            time.sleep(0.2)
-        for pid in live:
-            _killpg(pid, signal.SIGKILL)
+        daemon.stop_groups([p for p, cls in pids if p and self._alive(p, cls)], timeout)
         lay.master_pid, lay.worker_pids = None, {}
         self._save()
 
@@ -263,21 +256,6 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _killpg(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m tidemark.devstack.spark_cluster",
@@ -302,24 +280,29 @@ def main(argv: list[str] | None = None) -> int:
         cluster = SparkCluster(root, None if running else wanted)
     else:
         cluster = SparkCluster(root)
-    try:
-        if args.action == "up":
-            cluster.up()
-            print(f"Spark master: {cluster.url}")
-            print(f"web UI:       {cluster.ui_url}")
-            print(f"logs:         {root}")
-        elif args.action == "down":
-            cluster.down()
-            print("Spark cluster stopped")
-        else:
-            state = cluster.state()
-            if state is None:
-                print("stopped")
-                return 3
-            print(f"{cluster.url}: {state['aliveworkers']} alive workers, {state['cores']} cores")
-    except (RuntimeError, OSError) as exc:
-        print(f"tidemark.devstack.spark_cluster: {args.action} failed: {exc}", file=sys.stderr)
-        return 1
+    return daemon.run_action(
+        "tidemark.devstack.spark_cluster",
+        args.action,
+        lambda: _act(cluster, args.action, root),
+        RuntimeError,
+    )
+
+
+def _act(cluster: SparkCluster, action: str, root: Path) -> int:
+    if action == "up":
+        cluster.up()
+        print(f"Spark master: {cluster.url}")
+        print(f"web UI:       {cluster.ui_url}")
+        print(f"logs:         {root}")
+    elif action == "down":
+        cluster.down()
+        print("Spark cluster stopped")
+    else:
+        state = cluster.state()
+        if state is None:
+            print("stopped")
+            return 3
+        print(f"{cluster.url}: {state['aliveworkers']} alive workers, {state['cores']} cores")
     return 0
 
 

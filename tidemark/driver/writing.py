@@ -15,18 +15,18 @@ from dataclasses import dataclass
 
 from tidemark.config import Pipeline, PostgresLogSource
 from tidemark.core.errors import TidemarkError
-from tidemark.core.participants import Participant, Target
+from tidemark.core.participants import Participant
 from tidemark.driver import checking, fallback, gate
 from tidemark.driver.aborting import Aborter
 from tidemark.driver.checking import Checked, Fails, Job, Stands
 from tidemark.driver.context import RunContext
 from tidemark.driver.modes import Layout, LayoutKind, Mode, RunKind
 from tidemark.driver.runners import Batch
-from tidemark.driver.tables import Tables, table_exists
+from tidemark.driver.tables import SinkTable, TableFindings, Tables, table_exists
 from tidemark.ledger import checkpoints, state
 from tidemark.ledger.state import RunState
 from tidemark.protocol import sinks
-from tidemark.protocol.taskspec import Rebuilding, SinkResult, SinkTarget, TaskResult, TaskSpec
+from tidemark.protocol.taskspec import SinkResult, SinkTarget, TaskResult, TaskSpec
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class WriteOutcome:
     def chosen(self, sink: str) -> list[Participant]:
         """The participants of ``sink`` its decision chooses: one per task and database."""
         return [
-            Participant(p.gid, Target.parse(p.target), r.task, p.rows)
+            Participant(p.gid, p.target, r.task, p.rows)
             for r in self.results
             for p in r.participants
             if p.sink == sink
@@ -85,7 +85,8 @@ class Writer:
         that does not stand is rolled back (nothing is visible before the decision) and the
         batch is read and written again as the judgement says, with the next write number in
         its gids (gids.Gid.write)."""
-        if not self.tables.check():
+        found = self.tables.check()
+        if found is None:
             return NOTHING_WRITTEN
         read_time = self.ctx.runner.reader_clock()
         layout: Layout | None = None
@@ -94,12 +95,12 @@ class Writer:
         try:
             self.ctx.stop.check()
             layout = self._layout()
-            live, job = self._writes(layout)
+            live, job = self._writes(layout, found)
         finally:
             read = read_time()
         return WriteOutcome(live, layout, job.results, read)
 
-    def _writes(self, layout: Layout) -> tuple[list[str], Job]:
+    def _writes(self, layout: Layout, found: TableFindings) -> tuple[list[str], Job]:
         ctx = self.ctx
         checks = self._checks_context()
         batch = self._read(layout)
@@ -113,7 +114,7 @@ class Writer:
         )
         write = 0
         while True:
-            live, job = self._write_once(layout, batch, checks, quality, write)
+            live, job = self._write_once(layout, found, batch, checks, quality, write)
             if job is None:  # no sink left to write
                 return live, Job([])
             judged = quality.judge(job, checks)
@@ -133,6 +134,7 @@ class Writer:
     def _write_once(
         self,
         layout: Layout,
+        found: TableFindings,
         batch: Batch,
         checks: checking.Context,
         quality: checking.Strategy,
@@ -142,7 +144,7 @@ class Writer:
         its write tasks did (None: no sink left to write)."""
         ctx, runner, report = self.ctx, self.ctx.runner, self.ctx.report
         columns = runner.columns(batch)
-        self.tables.refuse(columns)
+        self.tables.refuse(columns, found)
         cached = fallen = None
         if quality.caches or ctx.mode.falls_back:
             # Read once: the expectations, the fallback keys and the writes all use this
@@ -155,7 +157,8 @@ class Writer:
             if checked.verdict is not None and checked.verdict.halted:
                 report.records = runner.count(batch)  # a sink writes none of it: still, it read it
                 self._halt(checked.verdict)
-            live = self._start_writing(columns, checked)
+            tables = self._start_writing(columns, checked, found)
+            live = list(tables)
             if not live:
                 return [], None
             out = checked.df
@@ -171,7 +174,8 @@ class Writer:
                     return [], None
                 fallen = self._fallback(layout, out, plans)
                 out = fallen.df if fallen is not None else out
-            spec = self._spec(layout, live, [c for c, _ in columns], checked, fallen, write)
+            targets = {s: tables[s] for s in live}
+            spec = self._spec(layout, targets, [c for c, _ in columns], checked, fallen, write)
             return live, self._run_tasks(layout, out, spec)
         finally:
             if cached is not None:
@@ -231,22 +235,25 @@ class Writer:
             out.state, out.error = RunState.DQ_FAILED, why
             ctx.log(f"run {ctx.run_id} sink {sink}: dq_failed: {why}")
 
-    def _start_writing(self, columns: list[tuple[str, str]], checked: Checked) -> list[str]:
+    def _start_writing(
+        self, columns: list[tuple[str, str]], checked: Checked, found: TableFindings
+    ) -> dict[str, SinkTable]:
         """The sinks this write writes, each with its table (created or evolved only now:
         a halted run leaves no table behind) and in state ``writing``."""
         ctx = self.ctx
         halted = checked.verdict.halted if checked.verdict is not None else {}
-        live: list[str] = []
+        live: dict[str, SinkTable] = {}
         for sink in ctx.claim.sinks:
             out = ctx.report.sinks[sink]
             if out.state == RunState.ABORTED or sink in halted:
                 continue
-            if not self.tables.ensure(ctx.sinks[sink], columns):
+            table = self.tables.ensure(ctx.sinks[sink], columns, found)
+            if table is None:
                 continue
             if out.state != RunState.WRITING:  # else it writes again (a write that did not stand)
                 state.start_writing(ctx.ledger.conn, ctx.pipeline.name, ctx.run_id, sink)
             out.state = RunState.WRITING
-            live.append(sink)
+            live[sink] = table
         return live
 
     def _plans(self, live: list[str], verdict: gate.Verdict | None) -> dict[str, fallback.SinkPlan]:
@@ -282,32 +289,29 @@ class Writer:
             ctx.pipeline, ctx.mode, batch, plans, lambda m: ctx.log(f"run {ctx.run_id}: {m}")
         )
 
-    def _target(self, sink: str, verdict: gate.Verdict) -> SinkTarget:
+    def _target(self, sink: str, table: SinkTable, verdict: gate.Verdict) -> SinkTarget:
         """Where and how the tasks write ``sink`` (TaskSpec.sinks)."""
-        ctx, tables = self.ctx, self.tables
+        ctx = self.ctx
         cfg = ctx.sinks[sink].config
-        rebuilt = tables.rebuilt.get(sink)
         return SinkTarget(
             name=sink,
             dsn=ctx.sinks[sink].dsn,
-            table=rebuilt.new if rebuilt else cfg.table,
+            table=table.table,
             key=cfg.key,
             version=cfg.version,
             ranges={r.partition: (r.start, r.end) for r in ctx.claim.sinks[sink].ranges},
             failed=verdict.rows.get(sink, {}),
             quarantine=verdict.quarantine.get(sink),
             tombstones=ctx.pipeline.tombstones_of(cfg),
-            omit=tables.omit.get(sink, []),
-            rebuild=Rebuilding(live=cfg.table, retired=rebuilt.retired, columns=rebuilt.columns)
-            if rebuilt
-            else None,
-            held=tables.held.get(sink),
+            omit=list(table.omit),
+            rebuild=table.rebuild,
+            held=table.held,
         )
 
     def _spec(
         self,
         layout: Layout,
-        live: list[str],
+        live: dict[str, SinkTable],
         columns: list[str],
         checked: Checked,
         fallen: fallback.Fallback | None,
@@ -328,7 +332,7 @@ class Writer:
             failed=verdict.rows.get(gate.PIPELINE, {}),
             quarantine=verdict.quarantine.get(gate.PIPELINE),
             payloads=ctx.mode.payloads(ctx.pipeline),
-            sinks=[self._target(s, verdict) for s in live],
+            sinks=[self._target(s, table, verdict) for s, table in live.items()],
             checks=checked.row_checks,
             write=write,
         )

@@ -17,6 +17,7 @@ import pyarrow as pa
 
 from tidemark.core.clock import Phases
 from tidemark.core.columns import OFFSET, PARTITION
+from tidemark.core.participants import Target
 from tidemark.core.text import clamp
 from tidemark.engine import transactions
 from tidemark.engine.json_reasons import decode_reason
@@ -235,7 +236,7 @@ class DeadLetters:
             transactions.finish(self.stage.conn, self.gid, self.spec.run_id, self.spec.prepare)
             self.stage.conn.close()
         return Prepared(
-            gid=self.gid, target="ledger", sink=self.sink, rows=self.rows + self.resolved
+            gid=self.gid, target=Target.ledger(), sink=self.sink, rows=self.rows + self.resolved
         )
 
     def close(self) -> None:

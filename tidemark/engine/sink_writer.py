@@ -24,6 +24,7 @@ from psycopg import sql
 
 from tidemark.core.columns import OFFSET, PARTITION
 from tidemark.core.db import is_data_error, one_line, qualified
+from tidemark.core.participants import Target
 from tidemark.engine import pgbinary, tombstones, transactions
 from tidemark.engine.dead_letters import DeadLetters, Record
 from tidemark.ledger import markers
@@ -418,7 +419,7 @@ class SinkWriter:
             return None
         return Prepared(
             gid=self.gid,
-            target=f"sink:{self.target.name}",
+            target=Target.sink(self.target.name),
             sink=self.target.name,
             rows=self.rows + self.removed,
         )

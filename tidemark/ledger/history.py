@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import class_row
 
 from tidemark.core.db import scalar
 from tidemark.ledger.runs import OPEN
@@ -123,10 +123,50 @@ def prune(conn: psycopg.Connection, keep_days: int) -> int:
 
 
 # -- current state ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Partition:
+    """One partition of a sink: its checkpoint, where the sink began, and its lag in the
+    newest measurement (None: not measured then)."""
+
+    sink: str
+    partition: int
+    start_offset: int | None
+    next_offset: int
+    updated_at: datetime
+    lag: int | None = None
+    head: int | None = None
+
+
 @dataclass
 class SinkState:
     sink: str
-    partitions: list[dict[str, Any]] = field(default_factory=list)  # checkpoint rows + lag
+    partitions: list[Partition] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class InDoubt:
+    """An open run's sink whose owner is gone, or one decided and not yet finished."""
+
+    run_id: int
+    sink: str
+    state: str
+    alive: bool  # its driver still holds the run's owner lock
+
+
+@dataclass(frozen=True)
+class LastRunSink:
+    sink: str
+    state: str
+    error: str | None
+
+
+@dataclass(frozen=True)
+class LastRun:
+    run_id: int
+    mode: str
+    created_at: datetime
+    finished_at: datetime | None
+    sinks: list[LastRunSink]
 
 
 @dataclass
@@ -136,25 +176,34 @@ class State:
     pipeline: str
     halted_reason: str | None = None
     halted_at: datetime | None = None
-    in_doubt: list[dict[str, Any]] = field(default_factory=list)  # run_id, sink, state, alive
-    last_run: dict[str, Any] | None = None  # run_id, mode, created_at, finished_at, sinks
+    in_doubt: list[InDoubt] = field(default_factory=list)
+    last_run: LastRun | None = None
     sinks: list[SinkState] = field(default_factory=list)
     lag_at: datetime | None = None  # when the lag in ``sinks`` was measured
 
 
+@dataclass(frozen=True)
+class _Lag:
+    pipeline: str
+    sink: str
+    partition: int
+    at: datetime
+    head: int
+    lag: int
+
+
 def states(conn: psycopg.Connection, pipelines: list[str]) -> dict[str, State]:
     """The current state of each of ``pipelines`` the ledger knows."""
-    cur = conn.cursor(row_factory=dict_row)
     out = {
-        r["name"]: State(r["name"], r["halted_reason"], r["halted_at"])
-        for r in cur.execute(
+        name: State(name, reason, at)
+        for name, reason, at in conn.execute(
             "SELECT name, halted_reason, halted_at FROM tidemark.pipelines "
             "WHERE name = ANY(%s) ORDER BY name",
             (pipelines,),
         )
     }
     names = list(out)
-    for r in cur.execute(
+    for pipeline, run_id, sink, state, alive in conn.execute(
         f"""SELECT r.pipeline, rs.run_id, rs.sink, rs.state::text AS state,
                    {owner_alive_sql("rs.run_id")} AS alive
             FROM tidemark.run_sinks rs JOIN tidemark.runs r USING (run_id)
@@ -162,11 +211,9 @@ def states(conn: psycopg.Connection, pipelines: list[str]) -> dict[str, State]:
         ([str(s) for s in (*OPEN, RunState.LOST)], names),
     ):
         # A live owner's open run is running, not in doubt; a decided or lost one always is.
-        if r["state"] in (RunState.COMMITTING, RunState.LOST) or not r["alive"]:
-            out[r["pipeline"]].in_doubt.append(
-                {k: r[k] for k in ("run_id", "sink", "state", "alive")}
-            )
-    for r in cur.execute(
+        if state in (RunState.COMMITTING, RunState.LOST) or not alive:
+            out[pipeline].in_doubt.append(InDoubt(run_id, sink, state, alive))
+    for pipeline, run_id, mode, created_at, finished_at, sinks_json in conn.execute(
         # each pipeline's newest run by an index lookup (runs_by_time), not a sort of all
         """SELECT p.name AS pipeline, r.run_id, r.mode, r.created_at, r.finished_at,
                   (SELECT coalesce(json_agg(json_build_object('sink', rs.sink,
@@ -177,20 +224,10 @@ def states(conn: psycopg.Connection, pipelines: list[str]) -> dict[str, State]:
                                ORDER BY x.created_at DESC, x.run_id DESC LIMIT 1) r""",
         (names,),
     ):
-        out[r.pop("pipeline")].last_run = r
-    sinks: dict[tuple[str, str], SinkState] = {}
-    for r in cur.execute(
-        """SELECT pipeline, sink, partition, start_offset, next_offset, updated_at
-           FROM tidemark.checkpoints WHERE pipeline = ANY(%s)
-           ORDER BY pipeline, sink, partition""",
-        (names,),
-    ):
-        key = (r.pop("pipeline"), r["sink"])
-        if key not in sinks:
-            sinks[key] = SinkState(key[1])
-            out[key[0]].sinks.append(sinks[key])
-        sinks[key].partitions.append({**r, "lag": None, "head": None})
-    for r in cur.execute(
+        last_sinks = [LastRunSink(**s) for s in sinks_json]
+        out[pipeline].last_run = LastRun(run_id, mode, created_at, finished_at, last_sinks)
+    lags: dict[tuple[str, str, int], _Lag] = {}
+    for lag in conn.cursor(row_factory=class_row(_Lag)).execute(
         # each pipeline's newest measurement: two index lookups, whatever the history holds
         """SELECT s.pipeline, s.sink, s.partition, s.at, s.head,
                   greatest(s.head - s.checkpoint, 0) AS lag
@@ -201,11 +238,30 @@ def states(conn: psycopg.Connection, pipelines: list[str]) -> dict[str, State]:
            ORDER BY 1, 2, 3""",
         (names,),
     ):
-        st = sinks.get((r["pipeline"], r["sink"]))
-        out[r["pipeline"]].lag_at = r["at"]
-        for p in st.partitions if st else []:
-            if p["partition"] == r["partition"]:
-                p.update(lag=r["lag"], head=r["head"])
+        out[lag.pipeline].lag_at = lag.at
+        lags[lag.pipeline, lag.sink, lag.partition] = lag
+    sinks: dict[tuple[str, str], SinkState] = {}
+    for pipeline, sink, partition, start, next_offset, updated_at in conn.execute(
+        """SELECT pipeline, sink, partition, start_offset, next_offset, updated_at
+           FROM tidemark.checkpoints WHERE pipeline = ANY(%s)
+           ORDER BY pipeline, sink, partition""",
+        (names,),
+    ):
+        if (pipeline, sink) not in sinks:
+            sinks[pipeline, sink] = SinkState(sink)
+            out[pipeline].sinks.append(sinks[pipeline, sink])
+        measured = lags.get((pipeline, sink, partition))
+        sinks[pipeline, sink].partitions.append(
+            Partition(
+                sink,
+                partition,
+                start,
+                next_offset,
+                updated_at,
+                measured.lag if measured else None,
+                measured.head if measured else None,
+            )
+        )
     return out
 
 
@@ -284,11 +340,25 @@ def run_rates(
     return out
 
 
-def runs(conn: psycopg.Connection, pipeline: str, w: Window) -> list[dict[str, Any]]:
-    """Every run of the window per sink: run_id, mode, sink, state, created_at, seconds
-    (None while unfinished), records, rows, dead."""
+@dataclass(frozen=True)
+class RunRow:
+    """One sink of one run of the window."""
+
+    run_id: int
+    mode: str
+    sink: str
+    state: str
+    created_at: datetime
+    seconds: float | None  # None while unfinished
+    records: int | None  # None: the sink has no counts yet
+    rows: int | None
+    dead: int | None
+
+
+def runs(conn: psycopg.Connection, pipeline: str, w: Window) -> list[RunRow]:
+    """Every run of the window per sink, in order."""
     return (
-        conn.cursor(row_factory=dict_row)
+        conn.cursor(row_factory=class_row(RunRow))
         .execute(
             f"""SELECT r.run_id, r.mode, rs.sink, rs.state::text AS state, r.created_at,
                        extract(epoch FROM r.finished_at - r.created_at)::float8 AS seconds,

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tidemark.config import Source
+from tidemark.core.participants import Target
 from tidemark.core.ranges import Range
 from tidemark.core.sink_counts import SinkCounts
 
@@ -209,8 +210,8 @@ class Prepared(_Model):
     """One participant: a transaction the task prepared (or committed, at least once)."""
 
     gid: str
-    target: str  # 'ledger' or 'sink:<name>'
-    sink: str
+    target: Target  # the ledger's database or the sink's (JSON: {kind, name})
+    sink: str  # whose participant it is (the ledger's holds the sink's dead letters)
     rows: int
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from dataclasses import fields, is_dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
@@ -178,15 +179,13 @@ def _badges(st: history.State | None) -> list[tuple[str, str]]:
     if st.in_doubt:
         out.append(("warn", f"{len(st.in_doubt)} in doubt"))
     last = st.last_run
-    if last and last["finished_at"] is None and not st.in_doubt:
+    if last and last.finished_at is None and not st.in_doubt:
         out.append(("info", "running"))
-    if last and any(s["state"] != RunState.COMMITTED for s in last["sinks"]):
-        failed = [
-            s["sink"] for s in last["sinks"] if s["state"] in (RunState.ABORTED, RunState.DQ_FAILED)
-        ]
+    if last and any(s.state != RunState.COMMITTED for s in last.sinks):
+        failed = [s.sink for s in last.sinks if s.state in (RunState.ABORTED, RunState.DQ_FAILED)]
         if failed:
             out.append(("bad", "last run failed: " + ", ".join(failed)))
-        elif any(s["state"] == RunState.PREVIEWED for s in last["sinks"]):
+        elif any(s.state == RunState.PREVIEWED for s in last.sinks):
             out.append(("info", "last run a preview"))
     return out or [("ok", "ok")]
 
@@ -259,10 +258,10 @@ def _detail(caller: Caller, pipeline: str, days: int) -> dict[str, Any]:
         letters = history.letters_created(conn, [pipeline], w).get(pipeline, [])
     sinks = []
     names = [s.sink for s in st.sinks]
-    names += sorted({r["sink"] for r in runs} - set(names))
+    names += sorted({r.sink for r in runs} - set(names))
     for sink in names:
-        mine = [r for r in runs if r["sink"] == sink]
-        timed = [r for r in mine if r["seconds"] is not None]
+        mine = [r for r in runs if r.sink == sink]
+        timed = [r for r in mine if r.seconds is not None]
         sinks.append(
             {
                 "name": sink,
@@ -280,20 +279,16 @@ def _detail(caller: Caller, pipeline: str, days: int) -> dict[str, Any]:
                     f"records per second, per run: {sink}",
                     "records/s",
                     [
-                        (
-                            r["created_at"],
-                            "records/s",
-                            (r["records"] or 0) / max(r["seconds"], 1e-3),
-                        )
+                        (r.created_at, "records/s", r.records / max(r.seconds, 1e-3))
                         for r in timed
-                        if r["records"] is not None
+                        if r.records is not None and r.seconds is not None
                     ],
                     kind="points",
                 ),
                 "duration": _chart(
                     f"duration per run: {sink}",
                     "s",
-                    [(r["created_at"], "seconds", r["seconds"]) for r in timed],
+                    [(r.created_at, "seconds", r.seconds) for r in timed],
                     kind="points",
                 ),
                 "runs": len(mine),
@@ -377,6 +372,8 @@ def pipeline_api(request: Request, pipeline: str, caller: CallerDep) -> Response
     def plain(v: Any) -> Any:
         if isinstance(v, datetime):
             return v.astimezone(UTC).isoformat()
+        if is_dataclass(v) and not isinstance(v, type):
+            return {f.name: plain(getattr(v, f.name)) for f in fields(v)}
         if isinstance(v, dict):
             return {k: plain(x) for k, x in v.items()}
         if isinstance(v, list):
@@ -388,7 +385,7 @@ def pipeline_api(request: Request, pipeline: str, caller: CallerDep) -> Response
             "pipeline": d["pipeline"],
             "halted": st.halted_reason,
             "halted_at": plain(st.halted_at),
-            "in_doubt": st.in_doubt,
+            "in_doubt": plain(st.in_doubt),
             "last_run": plain(st.last_run),
             "lag_at": plain(st.lag_at),
             "sinks": [
