@@ -130,8 +130,9 @@ lint: venv
 	$(BIN)/mypy
 
 # Two pytest-xdist workers (2 cores): while one waits on a Spark job, an Airflow task or a
-# job process, the other runs. tests/conftest.py groups the tests sharing the SparkSession,
-# the Airflow ones, and each module sharing a module fixture, onto one worker each.
+# job process, the other runs. tests/conftest.py puts the Airflow tests, the Connect ones, and
+# each module taking the SparkSession or a module fixture, onto one worker each (each worker
+# starts its own SparkSession), and hands the longest out first.
 # `make test XDIST=` runs them in one process.
 XDIST ?= -n 2 --dist loadgroup
 test: venv browser lint spark-archive

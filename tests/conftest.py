@@ -35,20 +35,18 @@ def pytest_collection_modifyitems(config, items):
         session = "spark" in item.fixturenames or engine == "spark"
         if session or engine == "connect":
             item.add_marker(pytest.mark.spark)
-        # Under `pytest -n 2 --dist loadgroup` (make test): the tests sharing the session's
-        # SparkSession run on one worker, as do the Airflow ones (one Airflow at a time, the
-        # session's started once), so no worker starts a second of either; and a module's
-        # tests sharing a module fixture (a built wheel, a migrated Airflow database) too.
+        # Under `pytest -n 2 --dist loadgroup` (make test): the Airflow tests run on one
+        # worker (one Airflow at a time, the session's started once), as do the Connect ones
+        # (the session's server); a module's tests taking the SparkSession or sharing a module
+        # fixture (a built wheel, a migrated Airflow database) too. Each worker starts its own
+        # SparkSession on its first test taking it: Spark's modules spread over both workers
+        # (one group of all of them kept one worker on Spark for most of the run).
         if item.get_closest_marker("airflow") is not None:
             item.add_marker(pytest.mark.xdist_group("airflow"))
         elif engine == "connect" or "connect_server" in item.fixturenames:
             item.add_marker(pytest.mark.xdist_group("connect_server"))
-        elif session:
-            item.add_marker(pytest.mark.xdist_group("spark_session"))
-        elif _takes_a_module_fixture(item):
+        elif session or _takes_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.path.name))
-    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
-        _name_groups(items)
 
     # The Airflow modules last, in their order, those with an Airflow of their own first: the
     # session's Airflow (airflow_site) then runs from its first module to the end of the
@@ -59,6 +57,39 @@ def pytest_collection_modifyitems(config, items):
         return 2 if "airflow_site" in item.fixturenames else 1
 
     items.sort(key=rank)  # stable: the order within each rank stays
+    if getattr(config.option, "loadgroup", False):  # an xdist worker under --dist loadgroup
+        _name_groups(items)
+        items[:] = _longest_first(items)
+
+
+def pytest_configure(config):
+    # The controller hands out work units (a group, or one test) in the order of the workers'
+    # collection (_longest_first), not xdist's default of the most tests first: a group's
+    # test count says little of its time (the standalone cluster's 6 tests take longer than
+    # 30 quick ones), and a long unit handed out last leaves the other worker idle.
+    if getattr(config.option, "dist", None) == "loadgroup":
+        config.option.loadscopereorder = False
+
+
+# A test's expected seconds on 2 busy cores, by its marks, to order the work units (below).
+_EXPECTED = (("slow", 45.0), ("airflow", 15.0), ("spark", 10.0))
+
+
+def _expected(item) -> float:
+    return next((t for m, t in _EXPECTED if item.get_closest_marker(m) is not None), 1.0)
+
+
+def _longest_first(items: list) -> list:
+    """``items`` by work unit (a group, or a test of none), the longest expected first (the
+    longest-processing-time rule: what is handed out last is short, so both workers end
+    together), each unit's tests in their order."""
+    units: dict[str, list] = {}
+    for item in items:
+        at = item.nodeid.rfind("@")  # xdist's rule (a parameter's id may hold an "@")
+        unit = item.nodeid[at + 1 :] if at > item.nodeid.rfind("]") else item.nodeid
+        units.setdefault(unit, []).append(item)
+    ordered = sorted(units.values(), key=lambda u: -sum(map(_expected, u)))  # stable on ties
+    return [item for unit in ordered for item in unit]
 
 
 def _name_groups(items) -> None:
