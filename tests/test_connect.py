@@ -89,6 +89,22 @@ def test_an_unreachable_server_is_one_line(env):
     assert env.ledger("SELECT count(*) FROM tidemark.runs") == [(0,)]
 
 
+@pytest.mark.parametrize("var", ["SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED"])
+def test_a_classic_run_with_pysparks_connect_variables_set_is_one_line(env, var):
+    """PySpark takes a classic session to Spark Connect when either is set in the user's
+    environment: the run says which, and what to do, before it claims anything."""
+    env.engine = Engine.SPARK
+    env.append_orders(range(5))
+    env.pipeline()
+    value = "sc://127.0.0.1:9/;token=s3cret" if var == "SPARK_REMOTE" else "1"
+    bad = _cli(env, "run", "orders", **{var: value})
+    assert bad.returncode == 2, (bad.returncode, bad.stderr)
+    assert f"{var} is set" in bad.stderr and "TIDEMARK_ENGINE=connect" in bad.stderr, bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert "Traceback" not in bad.stderr and "s3cret" not in bad.stderr
+    assert env.ledger("SELECT count(*) FROM tidemark.runs") == [(0,)]
+
+
 def _locked_run(env):
     """A first run makes the table; then 200 more records and the table locked: a `tidemark
     run` whose write tasks wait in PostgreSQL, on the server. Returns (job, the lock's conn)."""

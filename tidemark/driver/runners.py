@@ -487,6 +487,11 @@ def runner_for(
             )
         return ConnectRunner(remote, None, settings, app, conf)
     if settings.engine is Engine.SPARK:
+        from tidemark.engine.session import connect_mode_refusal
+
+        refusal = connect_mode_refusal()  # now, before the claim: the session starts later
+        if refusal is not None:
+            raise BadInput(refusal)
         return SparkRunner(spark, settings, app, conf)
     return LocalRunner()
 
