@@ -89,6 +89,22 @@ def test_an_unreachable_server_is_one_line(env):
     assert env.ledger("SELECT count(*) FROM tidemark.runs") == [(0,)]
 
 
+@pytest.mark.parametrize("var", ["SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED"])
+def test_a_classic_run_with_pysparks_connect_variables_set_is_one_line(env, var):
+    """PySpark takes a classic session to Spark Connect when either is set in the user's
+    environment: the run says which, and what to do, before it claims anything."""
+    env.engine = Engine.SPARK
+    env.append_orders(range(5))
+    env.pipeline()
+    value = "sc://127.0.0.1:9/;token=s3cret" if var == "SPARK_REMOTE" else "1"
+    bad = _cli(env, "run", "orders", **{var: value})
+    assert bad.returncode == 2, (bad.returncode, bad.stderr)
+    assert f"{var} is set" in bad.stderr and "TIDEMARK_ENGINE=connect" in bad.stderr, bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert "Traceback" not in bad.stderr and "s3cret" not in bad.stderr
+    assert env.ledger("SELECT count(*) FROM tidemark.runs") == [(0,)]
+
+
 def _locked_run(env):
     """A first run makes the table; then 200 more records and the table locked: a `tidemark
     run` whose write tasks wait in PostgreSQL, on the server. Returns (job, the lock's conn)."""
@@ -201,3 +217,36 @@ def test_sigterm_mid_job_rolls_back_and_recovery_settles_what_its_tasks_prepare_
     assert {g.split(":")[1] for g in env.prepared()} <= {"2"}  # only the aborted run's
     assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(100,)]
     _rerun_exact(env)
+
+
+def test_a_connect_run_prints_progress_lines_while_its_tasks_run(connect_env):
+    """As on the classic engine, a run whose job lasts prints its tasks' progress: from the
+    server's progress reports (tidemark/driver/connect_progress.py), not a status tracker."""
+    import queue
+    import threading
+
+    env = connect_env
+    job, lock = _locked_run(env)  # its tasks wait on the table until the lock goes
+    lines: queue.Queue[str | None] = queue.Queue()
+    said: list[str] = []
+
+    def read() -> None:
+        assert job.proc.stdout is not None
+        for line in job.proc.stdout:
+            lines.put(line.rstrip("\n"))
+        lines.put(None)  # the job's output ended
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        while True:
+            line = lines.get(timeout=120)  # the job's next line, or fail
+            assert line is not None, "no progress line before the job ended:\n" + "\n".join(said)
+            said.append(line)
+            if line.startswith("run 2: writing, ") and "tasks done" in line:
+                break
+    finally:
+        lock.rollback()
+        lock.close()
+    assert job.wait() == 0, "\n".join(said)
+    assert env.checkpoints() == {0: 150, 1: 150}
+    assert_exactly_once(env)

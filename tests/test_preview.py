@@ -61,7 +61,8 @@ def _assert_previewed(env, preview, before: dict) -> None:
     assert preview.to_dict()["dry_run"] is True
 
 
-def test_a_backfill_preview_changes_nothing_and_reports_what_the_backfill_then_does(env, spark):
+@pytest.mark.engines("spark", "connect")
+def test_a_backfill_preview_changes_nothing_and_reports_what_the_backfill_then_does(env, engine):
     """After a check changes, the preview of a backfill says which rows go, which records
     quarantine and which letters resolve; between it and the backfill nothing moved."""
     records = [(7, 200), (7, 500), (7, 50), (8, 500), (8, 50), (9, 150)]
@@ -78,18 +79,18 @@ def test_a_backfill_preview_changes_nothing_and_reports_what_the_backfill_then_d
         ]
     )
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 300}}]})
-    assert env.run(spark).ok
+    assert env.run(engine).ok
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "min_value": 100}}]})
     before = _world(env)
 
-    preview = env.run(spark, mode=Backfill([Range(0, 1, 5)]), dry_run=True)
+    preview = env.run(engine, mode=Backfill([Range(0, 1, 5)]), dry_run=True)
     _assert_previewed(env, preview, before)
     summary = preview.summary()
     assert "rows removed (the range's, replaced by position): 2" in summary, summary
     assert "records quarantined (new letters or live again): 2 (validation 2)" in summary, summary
     assert "dead letters resolved: 2" in summary, summary
 
-    real = env.run(spark, mode=Backfill([Range(0, 1, 5)]))
+    real = env.run(engine, mode=Backfill([Range(0, 1, 5)]))
     assert real.ok and not real.dry_run, real.summary()
     assert _counts(preview) == _counts(real)
     assert _counts(real)["removed"] == 2 and _counts(real)["resolved"] == 2

@@ -57,14 +57,15 @@ def _key_change_world(env, spark) -> None:
     env.pipeline(sinks=[env.orders_sink(key=["id", "version"])])
 
 
-def test_a_rebuild_gives_the_sink_its_new_key_and_keeps_the_old_table(env, spark):
-    _key_change_world(env, spark)
+@pytest.mark.engines("spark", "connect")
+def test_a_rebuild_gives_the_sink_its_new_key_and_keeps_the_old_table(env, engine):
+    _key_change_world(env, engine)
     before = env.q(env.sink_dsn, "SELECT * FROM orders ORDER BY id")
     cps = env.checkpoints()
     assert env.ledger("SELECT count(*) FROM tidemark.dlq WHERE status = 'quarantined'") == [(7,)]
 
     said: list[str] = []
-    report = _rebuild(env, spark, log=said.append)
+    report = _rebuild(env, engine, log=said.append)
     assert report.ok, report.summary()
     assert report.mode == "rebuild" and report.layout == "together"
     # Why one task: no sink here orders versions by a column (the log once said so).
@@ -104,7 +105,7 @@ def test_a_rebuild_gives_the_sink_its_new_key_and_keeps_the_old_table(env, spark
     assert_exactly_once(env)
     # Deliveries go on under the new key.
     env.append_orders([6], version=3)
-    assert env.run(spark).ok
+    assert env.run(engine).ok
     assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(13,)]
     assert_exactly_once(env)
 

@@ -132,14 +132,15 @@ def test_equal_versions_across_partitions_are_broken_by_position_in_and_across_r
     assert_exactly_once(env)
 
 
-def test_a_backfill_whose_every_record_fails_now_removes_their_rows(env, spark):
+@pytest.mark.engines("spark", "connect")
+def test_a_backfill_whose_every_record_fails_now_removes_their_rows(env, engine):
     """No row to write at all: the task still removes the range's rows, and each key falls
     back to the version before the range that passes now."""
     env.append([order_record(0, 1, "x", a) for a in (1, 200, 300)])
     env.pipeline()
-    assert env.run(spark).ok
+    assert env.run(engine).ok
     env.pipeline(quality={"rows": [{ROWS: {"column": "amount", "max_value": 100}}]})
-    report = env.run(spark, mode=Backfill([Range(0, 1, 3)]))
+    report = env.run(engine, mode=Backfill([Range(0, 1, 3)]))
     assert report.ok, report.summary()
     assert rows(env) == [(1, 0, 1.0)]
     assert letters(env) == {1: "quarantined", 2: "quarantined"}

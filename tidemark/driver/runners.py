@@ -232,9 +232,10 @@ def laid_out(df: DataFrame, layout: Layout) -> DataFrame:
 # The same DataFrames and task code as SparkRunner, run by a Spark Connect server's Python
 # workers, which import tidemark from the session's artifact (tidemark/engine/connect_session.py).
 # What a Connect session lacks, it does without: no SparkContext (the server's parallelism,
-# its job interrupted by tag on SIGTERM, no progress lines: they read Spark's status tracker) and no
-# accumulators (the reader's own time per phase is not reported; the write tasks' phases come
-# back in their results as on Spark). docs/production.md, "Spark Connect".
+# its job interrupted by tag on SIGTERM, progress lines from the server's progress reports:
+# tidemark/driver/connect_progress.py) and no accumulators (the reader's own time per phase
+# is not reported; the write tasks' phases come back in their results as on Spark).
+# docs/production.md, "Spark Connect".
 
 
 class ConnectRunner(SparkRunner):
@@ -279,11 +280,14 @@ class ConnectRunner(SparkRunner):
         return dict  # no accumulators through Connect: the reader's phases stay unreported
 
     def run(self, batch: Batch, spec: TaskSpec, layout: Layout, run_id: int, log: Log) -> Job:
+        from tidemark.driver.connect_progress import ConnectProgress
         from tidemark.engine.writer import RESULT_SCHEMA, make_task
 
         df = laid_out(batch, layout)
         tag = f"tidemark-run-{run_id}-{os.getpid()}"
         self.spark.addTag(tag)
+        progress = ConnectProgress(self.spark, run_id, log)
+        progress.start()
         try:
             rows = df.mapInArrow(make_task(spec), RESULT_SCHEMA).collect()
         except Terminated:
@@ -297,6 +301,7 @@ class ConnectRunner(SparkRunner):
         except Exception as exc:  # noqa: BLE001
             return Job([], f"Spark Connect job failed: {_spark_error(exc)}")
         finally:
+            progress.stop()
             self.spark.removeTag(tag)
         return Job([TaskResult.model_validate_json(r["result"]) for r in rows])
 
@@ -482,6 +487,11 @@ def runner_for(
             )
         return ConnectRunner(remote, None, settings, app, conf)
     if settings.engine is Engine.SPARK:
+        from tidemark.engine.session import connect_mode_refusal
+
+        refusal = connect_mode_refusal()  # now, before the claim: the session starts later
+        if refusal is not None:
+            raise BadInput(refusal)
         return SparkRunner(spark, settings, app, conf)
     return LocalRunner()
 

@@ -66,6 +66,24 @@ def log4j_option() -> str:
     return f"-Dlog4j2.configurationFile=file:{LOG4J}"
 
 
+# PySpark reads either as "this process is Spark Connect's" (set, whatever the value): a
+# classic session's builder then asks for a remote one.
+CONNECT_MODE_VARS = ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED")
+
+
+def connect_mode_refusal() -> str | None:
+    """Why this process cannot start a classic session (None: it can). Named before a run
+    claims anything; the variable's value is left out (a URL may carry a token)."""
+    for var in CONNECT_MODE_VARS:
+        if var in os.environ:
+            return (
+                f"{var} is set in the environment: PySpark would take this run on the spark "
+                f"engine to Spark Connect. To run on Spark Connect, set TIDEMARK_ENGINE=connect "
+                f"and TIDEMARK_SPARK_REMOTE=sc://host:port; for the spark engine, unset {var}"
+            )
+    return None
+
+
 def session(
     master: str | None,
     app_name: str,
@@ -76,6 +94,9 @@ def session(
     :func:`driver_java_options`) apply when this process starts the JVM; under spark-submit
     the JVM is up already and spark-submit's own options hold. ``conf``: the user's Spark
     settings (tidemark/core/spark_settings.py), over Tidemark's defaults."""
+    refusal = connect_mode_refusal()
+    if refusal is not None:
+        raise BadInput(refusal)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
