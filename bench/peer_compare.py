@@ -42,6 +42,7 @@ def run(
     ranges: list[tuple[int, int, int]],
     env: dict[str, str],
     databases: dict[str, str],
+    extra: tuple[str, ...] = (),
 ) -> dict:
     """One run of the peer job in a fresh process: its wall time, its own report and where
     its CPU went (cpu_split; ``databases`` says what each database is)."""
@@ -58,6 +59,7 @@ def run(
         sink_table,
         "--ranges",
         *(f"{p}:{a}:{e}" for p, a, e in ranges),
+        *extra,
     ]
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -78,6 +78,24 @@ COLUMNS = """flight_date date NOT NULL, carrier text NOT NULL, flight integer NO
     scheduled_departure timestamptz, cancelled boolean, avg_speed_mph double precision,
     src_partition integer NOT NULL, src_offset bigint NOT NULL,
     PRIMARY KEY (flight_date, carrier, flight, origin, copy)"""
+# --plain: every payload field as it is, no expressions (a pipeline the local engine runs too,
+# bench/side_by_side.py), keyed as that pipeline is.
+PLAIN_TYPES = {
+    "year": "int", "month": "int", "day": "int", "dep_time": "int", "sched_dep_time": "int",
+    "dep_delay": "int", "arr_time": "int", "sched_arr_time": "int", "arr_delay": "int",
+    "carrier": "string", "flight": "int", "tailnum": "string", "origin": "string",
+    "dest": "string", "air_time": "int", "distance": "int", "hour": "int", "minute": "int",
+    "time_hour": "timestamp", "copy": "int",
+}  # fmt: skip
+PLAIN_KEY = ["year", "month", "day", "carrier", "flight", "origin", "copy"]
+_PG = {"int": "integer", "string": "text", "timestamp": "timestamptz"}
+PLAIN_COLUMNS = (
+    ", ".join(
+        f"{c} {_PG[t]}" + (" NOT NULL" if c in PLAIN_KEY else "") for c, t in PLAIN_TYPES.items()
+    )
+    + ", src_partition integer NOT NULL, src_offset bigint NOT NULL, "
+    + f"PRIMARY KEY ({', '.join(PLAIN_KEY)})"
+)
 READ_SCHEMA = "src_partition int, src_offset bigint, payload binary"
 PHASES = ("wait", "encode", "copy", "commit")  # of a write task; "read" is the reader's
 STATS = "rows long, " + ", ".join(f"{p} double" for p in PHASES)
@@ -176,7 +194,13 @@ def main() -> None:
     ap.add_argument("--task-records", type=int, default=250_000, help="offsets per read task")
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--driver-memory", default="3g")
+    ap.add_argument(
+        "--plain", action="store_true", help="every payload field as it is (no expressions)"
+    )
     args = ap.parse_args()
+    select = {c: c for c in PLAIN_TYPES} if args.plain else SELECT
+    fields = ", ".join(f"{c} {t}" for c, t in PLAIN_TYPES.items()) if args.plain else FIELDS
+    columns = PLAIN_COLUMNS if args.plain else COLUMNS
 
     import psycopg
     from pyspark.sql import SparkSession
@@ -185,7 +209,7 @@ def main() -> None:
     with psycopg.connect(args.sink_dsn, autocommit=True) as c:
         if "." in args.sink_table:
             c.execute(f"CREATE SCHEMA IF NOT EXISTS {quoted(args.sink_table.split('.')[0])}")
-        c.execute(f"CREATE TABLE IF NOT EXISTS {quoted(args.sink_table)} ({COLUMNS})")
+        c.execute(f"CREATE TABLE IF NOT EXISTS {quoted(args.sink_table)} ({columns})")
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
@@ -209,10 +233,10 @@ def main() -> None:
     decoded = raw.select(
         "src_partition",
         "src_offset",
-        F.from_json(F.col("payload").cast("string"), FIELDS).alias("r"),
+        F.from_json(F.col("payload").cast("string"), fields).alias("r"),
     ).select("src_partition", "src_offset", "r.*")
     out = decoded.selectExpr(
-        *(f"{expr} AS `{col}`" for col, expr in SELECT.items()), "src_partition", "src_offset"
+        *(f"{expr} AS `{col}`" for col, expr in select.items()), "src_partition", "src_offset"
     )
     stats = out.mapInArrow(writer(args.sink_dsn, args.sink_table, out.columns), STATS).collect()
     t3 = time.perf_counter()

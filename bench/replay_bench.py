@@ -56,6 +56,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import cpu_split  # noqa: E402
 import peer_compare  # noqa: E402
+import side_by_side  # noqa: E402
 import small_runs  # noqa: E402
 from dotenv import load_dotenv  # noqa: E402
 
@@ -430,6 +431,26 @@ def peer_pairs(
     return out
 
 
+SIDE_SIZES = {  # source, records per partition
+    "200k": (TABLE, 50_000),
+    "2m": (TABLE, FULL),
+    "10m": (TABLE_10M, 5 * FULL),
+}
+
+
+def side_peer(source: str, sink: str, size: tuple[str, int], into: str, env: dict) -> dict:
+    """The peer job over a side-by-side size's records, plain columns (bench/side_by_side.py)."""
+    table, limit = size
+    ranges = [(r.partition, 0, min(r.end, limit)) for r in whole_table(source, table)]
+    return peer_compare.run(source, table, sink, into, ranges, env, databases(env), ("--plain",))
+
+
+def side_raw(sink: str, table: str, into: str) -> tuple[int, float]:
+    """The raw COPY ceiling of ``table``'s rows, into ``bench.{into}`` like it (same key)."""
+    chunks, cols = peer_compare.table_csv(sink, table)
+    return raw_copy(sink, into, chunks, cols, "csv", like=table)
+
+
 def print_peers(peers: dict[str, dict]) -> None:
     """The peer comparison's table, and where each side's time went."""
     rounds = len(next(iter(peers.values()))["peer"])
@@ -698,7 +719,7 @@ def main() -> None:
     ap.add_argument(
         "--modes",
         help="only these comma-separated warm modes (e.g. exactly_once,one_partition), and "
-        "'peer' for the peer comparison, 'small' for the small runs; skips the other "
+        "'peer' for the peer comparison, 'small' for the small runs, 'side' for issue 50's side-by-side comparison; skips the other "
         "fresh-process runs",
     )
     ap.add_argument(
@@ -721,6 +742,12 @@ def main() -> None:
         help=f"the small runs' sizes, of {', '.join(small_runs.SIZES)}",
     )
     ap.add_argument("--small-reps", type=int, default=3, help="small runs per engine and size")
+    ap.add_argument(
+        "--side-sizes",
+        default="2m,10m",
+        help=f"`--modes side`'s sizes (bench/side_by_side.py), of {', '.join(SIDE_SIZES)}",
+    )
+    ap.add_argument("--side-rounds", type=int, default=2, help="`--modes side` rounds per size")
     args = ap.parse_args()
     modes = args.modes.split(",") if args.modes else None
     peer_sizes = (
@@ -733,6 +760,9 @@ def main() -> None:
     if set(peer_sizes) - set(PEER_SIZES):
         ap.error(f"--peer-sizes: each of {', '.join(PEER_SIZES)}")
     small = modes is None or "small" in modes
+    side_sizes = args.side_sizes.split(",") if modes and "side" in modes else []
+    if set(side_sizes) - set(SIDE_SIZES):
+        ap.error(f"--side-sizes: each of {', '.join(SIDE_SIZES)}")
     small_engines = args.small_engines.split(",")
     small_sizes = args.small_sizes.split(",")
     if set(small_engines) - set(small_runs.ENGINES):
@@ -750,7 +780,9 @@ def main() -> None:
     migrations.upgrade(ledger)  # a new cluster (`make pg`) has an empty ledger database
     cpu_split.use_server(sink)  # its processes only: the machine may run other servers
     for table, repeat, partitions in [(TABLE, REPEAT, 4), (TABLE_1P, REPEAT, 1)] + (
-        [] if args.skip_memory and "10m" not in peer_sizes else [(TABLE_10M, 5 * REPEAT, 4)]
+        []
+        if args.skip_memory and "10m" not in peer_sizes + side_sizes
+        else [(TABLE_10M, 5 * REPEAT, 4)]
     ):
         n = demo.load(source, table, repeat=repeat, partitions=partitions, progress=progress)
         print(
@@ -780,9 +812,11 @@ def main() -> None:
         )
     flights = yaml.safe_load((REPO / "dags/pipelines/flights.yaml").read_text())
     small_runs.write_pipelines(folder, small_engines, small_sizes, flights, source, sink)
+    side = {s: SIDE_SIZES[s] for s in side_sizes}
+    side_by_side.write_pipelines(folder, side, flights, source, sink)
     rate = (
         warm_bench(args, folder, ledger, source, sink)
-        if modes is None or set(modes) - {"peer", "small"}
+        if modes is None or set(modes) - {"peer", "small", "side"}
         else {}
     )
     env = {**os.environ, "TIDEMARK_LEDGER_DSN": ledger, "TIDEMARK_SPARK_MASTER": "local[2,4]"}
@@ -813,6 +847,25 @@ def main() -> None:
     }
     for size, pair in peers.items():  # the first round's run stands in the tables below
         fresh[PEER_SIZES[size][0]] = pair["tidemark"][0]
+    side_results = (
+        side_by_side.measure(
+            side,
+            args.side_rounds,
+            {
+                s: sum(min(r.end, lim) for r in whole_table(source, t))
+                for s, (t, lim) in side.items()
+            },
+            env,
+            lambda name, e: fresh_run(folder, name, e),
+            lambda size, into: side_peer(source, sink, side[size], into, env),
+            lambda table, into: side_raw(sink, table, into),
+            lambda name: reset(ledger, sink, name),
+            lambda name: settle(sink, name),
+            sink,
+        )
+        if side
+        else {}
+    )
     small_results = {}
     if small:
         with small_runs.connect_endpoint(small_engines, env, folder / "connect"):
@@ -828,6 +881,8 @@ def main() -> None:
         print_fresh(rate, fresh, walls)
     if peers:
         print_peers(peers)
+    if side_results:
+        side_by_side.print_side(side_results)
     if small_results:
         small_runs.print_small(small_results, os.getloadavg())
 
