@@ -254,7 +254,7 @@ def test_v009_fills_where_a_sink_began_only_where_the_ledger_proves_it(pg, monke
     assert migrations.upgrade(dsn)[0] == everything[-1][0]
     with psycopg.connect(dsn, autocommit=True) as c:
         st = pipeline_status(c, "orders")
-    began = {(r["sink"], r["partition"]): r["start_offset"] for r in st["checkpoints"]}
+    began = {(c.sink, c.partition): c.start_offset for c in st.checkpoints}
     assert began == {("main", 0): 3, ("main", 1): 4, ("main", 2): None, ("second", 0): None}
     text = render(st)
     assert "partition 0               9  began at 3" in text, text

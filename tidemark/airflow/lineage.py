@@ -33,7 +33,7 @@ from tidemark.airflow.tasks import ledger_dsn
 from tidemark.core.db import connect
 from tidemark.ledger import runs
 from tidemark.ledger.state import RunState
-from tidemark.ledger.status import dq_results
+from tidemark.ledger.status import DqResult, dq_results
 
 
 def _dataset(uri: str) -> tuple[str, str]:
@@ -52,10 +52,10 @@ def source_dataset(p: config.Pipeline) -> tuple[str, str]:
     return _dataset(p.source.uri)
 
 
-def _assertions(rows: list[dict]) -> list[Assertion]:
+def _assertions(rows: list[DqResult]) -> list[Assertion]:
     out = []
     for r in rows:
-        for res in r["results"] or []:
+        for res in r.results or []:
             column = (res.get("kwargs") or {}).get("column")
             out.append(
                 Assertion(

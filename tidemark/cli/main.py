@@ -348,9 +348,10 @@ def status_cmd(ctx: Ctx, pipeline: str, runs: int, as_json: bool) -> None:
         st = pipeline_status(conn, pipeline, runs)
         late, unknown = late_records.find(conn, ctx.pipelines(deep=False), pipeline)
     if as_json:
-        st["late"] = [{**vars(x.gap), "records": x.records, "command": x.command} for x in late]
-        st["late_errors"] = unknown
-        click.echo(json.dumps(st, default=str))
+        out = st.to_json()
+        out["late"] = [{**vars(x.gap), "records": x.records, "command": x.command} for x in late]
+        out["late_errors"] = unknown
+        click.echo(json.dumps(out, default=str))
         return
     click.echo(render(st))
     for x in late:
@@ -370,11 +371,14 @@ def dq() -> None:
 @pass_ctx
 def dq_show(ctx: Ctx, run_id: int, as_json: bool) -> None:
     """The data-quality outcome of RUN_ID: failed expectations, observed values, Data Docs."""
+    from dataclasses import asdict
+
     from tidemark.ledger.status import dq_results, render_dq
 
     with connect(ctx.ledger_dsn, autocommit=True, what="ledger") as conn:
         rows = dq_results(conn, run_id)
-    click.echo(json.dumps(rows, default=str) if as_json else render_dq(run_id, rows))
+    as_dicts = [asdict(r) for r in rows]
+    click.echo(json.dumps(as_dicts, default=str) if as_json else render_dq(run_id, rows))
 
 
 @dq.command("docs")
