@@ -28,6 +28,10 @@
    each engine (local, spark, connect: a local Spark Connect server unless
    TIDEMARK_SPARK_REMOTE names one), back to back, median of three; `--modes small` runs only
    this, `--small-engines` and `--small-sizes` choose.
+6. Issue 50's side by side (bench/side_by_side.py): at 2M and 10M records (2M only with
+   --skip-memory), Tidemark on the local and on the Spark engine, the peer job and the raw
+   COPY ceiling over one plain-column pipeline, fresh processes interleaved, `--side-rounds`
+   rounds; `--modes side` runs only this, `--side-sizes` chooses (200k: a check in minutes).
 Prints tables; ratios are within this run only (the machine is shared and noisy); where the
 time goes comes from the runs' own metrics (docs/operations.md).
 """
@@ -760,7 +764,11 @@ def main() -> None:
     if set(peer_sizes) - set(PEER_SIZES):
         ap.error(f"--peer-sizes: each of {', '.join(PEER_SIZES)}")
     small = modes is None or "small" in modes
-    side_sizes = args.side_sizes.split(",") if modes and "side" in modes else []
+    side_sizes = (
+        []
+        if modes and "side" not in modes
+        else [s for s in args.side_sizes.split(",") if modes or not args.skip_memory or s != "10m"]
+    )
     if set(side_sizes) - set(SIDE_SIZES):
         ap.error(f"--side-sizes: each of {', '.join(SIDE_SIZES)}")
     small_engines = args.small_engines.split(",")
