@@ -63,3 +63,20 @@ def test_make_up_connect_makes_spark_default_a_spark_connect_connection(tmp_path
         "host": "127.0.0.1",
         "port": 15002,
     }
+
+
+def test_a_url_without_parameters_is_no_secret_and_the_log_names_it(monkeypatch):
+    # `make up CONNECT=1`'s spark_default: no token, no parameters. Registering its URL as a
+    # secret made the task log read "running the job on Spark Connect at ***".
+    from airflow.sdk.log import redact
+
+    url = endpoint(_conn(monkeypatch, "plain", conn_type="spark_connect", host="127.0.0.1",
+                         port=15071))  # fmt: skip
+    assert url == "sc://127.0.0.1:15071/"
+    assert redact(f"running the job on Spark Connect at {url}") == (
+        "running the job on Spark Connect at sc://127.0.0.1:15071/"
+    )
+    # One with a token is still masked whole; the log names it without its parameters.
+    tok = endpoint(_conn(monkeypatch, "tok", conn_type="spark_connect", host="127.0.0.1",
+                         port=15072, password="tok-1234567890"))  # fmt: skip
+    assert tok is not None and "tok-1234567890" not in redact(f"at {tok}")
