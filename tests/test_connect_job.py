@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
 from tidemark.airflow.connect_job import endpoint
-from tidemark.devstack.airflow_stack import Stack, spark_connection
+from tidemark.devstack.airflow_stack import Stack, spark_connection, sync_spark_default
 
 
 def _conn(monkeypatch, conn_id: str, **fields) -> str:
@@ -50,19 +51,58 @@ def test_bad_service_params_fail_at_once_naming_the_connection(monkeypatch):
         endpoint(bad)
 
 
-def test_make_up_connect_makes_spark_default_a_spark_connect_connection(tmp_path, monkeypatch):
+class Connections:
+    """Airflow's connections API as far as sync_spark_default uses it, in memory."""
+
+    def __init__(self):
+        self.rows: dict[str, dict] = {}
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        conn_id = request.url.path.rsplit("/", 1)[1]
+        if request.method == "GET":
+            row = self.rows.get(conn_id)
+            return httpx.Response(200, json=row) if row else httpx.Response(404)
+        body = json.loads(request.content)
+        if request.method == "POST":
+            assert body["connection_id"] not in self.rows
+            self.rows[body["connection_id"]] = body
+            return httpx.Response(201, json=body)
+        assert request.method == "PATCH" and conn_id in self.rows
+        self.rows[conn_id] = body
+        return httpx.Response(200, json=body)
+
+
+def test_make_up_makes_spark_default_in_airflows_database_and_keeps_a_users_own(
+    tmp_path, monkeypatch
+):
     assert json.loads(spark_connection(None)) == {"conn_type": "spark", "host": "local[*]"}
     # `make connect` wrote TIDEMARK_SPARK_REMOTE into .tidemark/env, which `tidemark airflow
-    # up` loads: Airflow's processes get the connection, not the variable.
+    # up` loads: Airflow's processes get neither it nor a spark_default in their environment,
+    # which Airflow would read before its database, hiding the one a user adds there.
     monkeypatch.delenv("AIRFLOW_CONN_SPARK_DEFAULT", raising=False)
     monkeypatch.setenv("TIDEMARK_SPARK_REMOTE", "sc://127.0.0.1:15002")
     env = Stack(home=tmp_path, ledger_dsn="postgresql://x@127.0.0.1/x").env()
-    assert "TIDEMARK_SPARK_REMOTE" not in env
-    assert json.loads(env["AIRFLOW_CONN_SPARK_DEFAULT"]) == {
-        "conn_type": "spark_connect",
-        "host": "127.0.0.1",
-        "port": 15002,
-    }
+    assert "TIDEMARK_SPARK_REMOTE" not in env and "AIRFLOW_CONN_SPARK_DEFAULT" not in env
+
+    airflow = Connections()
+    api = httpx.Client(transport=httpx.MockTransport(airflow), base_url="http://a/api/v2")
+    # `make up CONNECT=1`: a spark_connect connection to the server; `make up`: local Spark.
+    assert sync_spark_default(api, "sc://127.0.0.1:15002") == (
+        "spark_default: the Spark Connect server sc://127.0.0.1:15002"
+    )
+    row = airflow.rows["spark_default"]
+    assert (row["conn_type"], row["host"], row["port"]) == ("spark_connect", "127.0.0.1", 15002)
+    assert sync_spark_default(api, None) == "spark_default: local Spark (local[*])"
+    assert airflow.rows["spark_default"]["conn_type"] == "spark"
+    # One the user made (`airflow connections add`, the UI) is theirs: kept, and said so.
+    mine = {"connection_id": "spark_default", "conn_type": "spark_connect", "host": "dbx",
+            "port": 443, "description": None}  # fmt: skip
+    airflow.rows["spark_default"] = dict(mine)
+    assert sync_spark_default(api, "sc://127.0.0.1:15002") == (
+        "spark_default: your own (spark_connect dbx:443), kept; "
+        "the Connect server sc://127.0.0.1:15002 is not used by it"
+    )
+    assert airflow.rows["spark_default"] == mine
 
 
 def test_a_url_without_parameters_is_no_secret_and_the_log_names_it(monkeypatch):
