@@ -120,3 +120,20 @@ def test_a_url_without_parameters_is_no_secret_and_the_log_names_it(monkeypatch)
     tok = endpoint(_conn(monkeypatch, "tok", conn_type="spark_connect", host="127.0.0.1",
                          port=15072, password="tok-1234567890"))  # fmt: skip
     assert tok is not None and "tok-1234567890" not in redact(f"at {tok}")
+
+
+def test_the_stacks_env_file_finds_this_venvs_airflow_command(tmp_path):
+    # docs/airflow.md: `source .tidemark/airflow/airflow.env`, then `airflow connections add
+    # ...`; in a shell without the venv activated, `airflow` was not found.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    f = Stack(home=tmp_path, ledger_dsn="postgresql://x@127.0.0.1/x").write_env_file()
+    out = subprocess.run(
+        ["bash", "-c", f"source {f} && command -v airflow"],
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+    )
+    assert out.stdout.strip() == str(Path(sys.executable).parent / "airflow"), out.stderr
