@@ -66,7 +66,10 @@ def endpoint(conn_id: str) -> str | None:
         url = f"{url};{given}" if "/;" in url else f"{url.rstrip('/')}/;{given}"
     from airflow.sdk.log import mask_secret
 
-    mask_secret(url)  # the token quoted into it may differ from the password Airflow masks
+    # The token quoted into it may differ from the password Airflow masks. A URL without
+    # parameters holds no secret: masking it would hide the endpoint the task log names.
+    if masked(url) != url:
+        mask_secret(url)
     return url
 
 

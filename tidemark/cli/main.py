@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from datetime import datetime
@@ -519,6 +520,11 @@ def airflow_up(ctx: Ctx, unpause: tuple[str, ...], port: int) -> None:
     stack = _stack(ctx, port)
     click.echo(f"starting Airflow in {stack.home} (logs in {stack.home / 'logs'}) ...")
     stack.start()
+    if "AIRFLOW_CONN_SPARK_DEFAULT" not in os.environ:  # one given there wins in Airflow
+        from tidemark.devstack.airflow_stack import REMOTE, sync_spark_default
+
+        with stack.api() as api:
+            click.echo(sync_spark_default(api, os.environ.get(REMOTE)))
     for dag_id in unpause:
         stack.unpause(dag_id)
         click.echo(f"unpaused {dag_id}")

@@ -64,13 +64,46 @@ def spark_connection(remote: str | None) -> str:
     """``spark_default`` as Airflow connection JSON: local Spark (spark-submit), or with
     ``remote`` (sc://host:port, `make up CONNECT=1`) a ``spark_connect`` connection to that
     server, which the DAGs' replay tasks then run their jobs on (docs/airflow.md). The DAGs
-    take the endpoint from the connection alone: the caller drops TIDEMARK_SPARK_REMOTE."""
+    take the endpoint from the connection alone: Airflow's processes get no
+    TIDEMARK_SPARK_REMOTE."""
     if not remote:
         return json.dumps({"conn_type": "spark", "host": "local[*]"})
     from urllib.parse import urlsplit
 
     at = urlsplit(remote.split("/;", 1)[0])
     return json.dumps({"conn_type": "spark_connect", "host": at.hostname, "port": at.port})
+
+
+# The description of the spark_default `tidemark airflow up` makes: one that still has it is
+# the stack's to set again at the next start; any other is a user's own and is kept.
+SPARK_DEFAULT = "spark_default"
+MADE_BY_UP = (
+    "made by `tidemark airflow up` (make up), set again at each start: "
+    "give it another description to keep your changes"
+)
+
+
+def sync_spark_default(api, remote: str | None) -> str:
+    """Make ``spark_default`` in Airflow's database (not in its processes' environment, which
+    Airflow reads first: a connection a user then made in the UI or with `airflow connections
+    add` was stored and never used): the local Spark, or the Connect server at ``remote``.
+    One the user made or edited under another description is kept. ``api`` is
+    :meth:`Stack.api`'s client; returns the line saying what spark_default is."""
+    want = {"connection_id": SPARK_DEFAULT, **json.loads(spark_connection(remote))}
+    want["description"] = MADE_BY_UP
+    r = api.get(f"/connections/{SPARK_DEFAULT}")
+    if r.status_code == 404:
+        api.post("/connections", json=want).raise_for_status()
+    else:
+        r.raise_for_status()
+        have = r.json()
+        if have.get("description") != MADE_BY_UP:
+            at = f"{have.get('conn_type')} {have.get('host')}:{have.get('port')}"
+            unused = f"; the Connect server {remote} is not used by it" if remote else ""
+            return f"{SPARK_DEFAULT}: your own ({at}), kept{unused}"
+        api.patch(f"/connections/{SPARK_DEFAULT}", json=want).raise_for_status()
+    where = f"the Spark Connect server {remote}" if remote else "local Spark (local[*])"
+    return f"{SPARK_DEFAULT}: {where}"
 
 
 def ledger_connection(ledger_dsn: str) -> str:
@@ -187,7 +220,7 @@ class Stack:
             }
         )
         env.pop("TIDEMARK_LEDGER_DSN", None)
-        env.setdefault("AIRFLOW_CONN_SPARK_DEFAULT", spark_connection(env.pop(REMOTE, None)))
+        env.pop(REMOTE, None)  # spark_default names it (sync_spark_default)
         env.update(self.env_extra)
         return env
 
