@@ -117,7 +117,7 @@ def _say_connect(run) -> None:
     from tidemark.driver.runners import ConnectRunner
     from tidemark.engine.connect_session import masked
 
-    if isinstance(run.runner, ConnectRunner):
+    if isinstance(getattr(run, "runner", None), ConnectRunner):
         run.log(f"{run.pipeline.name}: write tasks on Spark Connect at {masked(run.runner.remote)}")
 
 
