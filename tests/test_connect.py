@@ -65,6 +65,7 @@ def test_cli_run_backfill_and_preview_through_connect(connect_env):
     env.pipeline()
     run = _cli(env, "run", "orders")
     assert run.returncode == 0, run.stderr
+    assert f"orders: write tasks on Spark Connect at {env.spark_remote}" in run.stderr
     assert env.checkpoints() == {0: 151, 1: 150}
     assert env.q(env.sink_dsn, "SELECT count(*) FROM orders") == [(300,)]
     # A preview of a backfill: its counts, nothing committed.

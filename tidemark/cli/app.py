@@ -111,6 +111,16 @@ def pipelines() -> None:
     """Pipeline files."""
 
 
+def _say_connect(run) -> None:
+    """One line naming the Spark Connect endpoint (without its parameters) a run's write
+    tasks go to: nothing else in a run's output says where it ran."""
+    from tidemark.driver.runners import ConnectRunner
+    from tidemark.engine.connect_session import masked
+
+    if isinstance(getattr(run, "runner", None), ConnectRunner):
+        run.log(f"{run.pipeline.name}: write tasks on Spark Connect at {masked(run.runner.remote)}")
+
+
 def run_and_report(ctx: Ctx, name: str, as_json: bool, runner=None, **kw) -> None:
     from tidemark.driver.run import Run
 
@@ -119,14 +129,16 @@ def run_and_report(ctx: Ctx, name: str, as_json: bool, runner=None, **kw) -> Non
     all_p = ctx.pipelines(deep=False)
     pipeline = all_p.get(name) or cfg.find(ctx.folder, name, deep=False)
     try:
-        report = (runner or Run)(
+        run = (runner or Run)(
             pipeline,
             ctx.settings,
             ledger_dsn=ctx.ledger_dsn,
             all_pipelines=all_p,
             where=str(cfg.file_of(ctx.folder, name)),
             **kw,
-        ).execute()
+        )
+        _say_connect(run)
+        report = run.execute()
     except TidemarkError as exc:
         if kw.get("dry_run"):  # the run's own error, said as the preview's outcome
             exc.args = (f"dry run, nothing committed: {exc}", *exc.args[1:])

@@ -237,6 +237,8 @@ class Stack:
         env = self.env()
         keys = sorted(k for k in env if k.startswith(("AIRFLOW", "TIDEMARK_", "PYSPARK_")))
         lines = [f"export {k}={shlex.quote(env[k])}" for k in keys]
+        # The `airflow` command of this venv, for a shell that has not activated it.
+        lines.append(f'export PATH={shlex.quote(str(Path(sys.executable).parent))}:"$PATH"')
         write_private(
             self.env_file,
             "# source this file to run `airflow ...` against the "
