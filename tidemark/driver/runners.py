@@ -279,13 +279,13 @@ class ConnectRunner(SparkRunner):
         return dict  # no accumulators through Connect: the reader's phases stay unreported
 
     def run(self, batch: Batch, spec: TaskSpec, layout: Layout, run_id: int, log: Log) -> Job:
-        from tidemark.engine.writer import RESULT_SCHEMA, make_task
+        from tidemark.engine.writer import make_task
 
         df = laid_out(batch, layout)
         tag = f"tidemark-run-{run_id}-{os.getpid()}"
         self.spark.addTag(tag)
         try:
-            rows = df.mapInArrow(make_task(spec), RESULT_SCHEMA).collect()
+            rows = df.mapInArrow(make_task(spec), _result_struct()).collect()
         except Terminated:
             # The server runs a query on after its client stops waiting: stop it now. A task
             # inside a PostgreSQL statement finishes it first and may still PREPARE after the
@@ -484,6 +484,18 @@ def runner_for(
     if settings.engine is Engine.SPARK:
         return SparkRunner(spark, settings, app, conf)
     return LocalRunner()
+
+
+def _result_struct() -> Any:
+    """writer.RESULT_SCHEMA as a StructType: a DDL string costs a Spark Connect client a round
+    trip to the server to parse it."""
+    from pyspark.sql.types import IntegerType, StringType, StructField, StructType
+
+    from tidemark.engine.writer import RESULT_SCHEMA
+
+    fields = [f.split() for f in RESULT_SCHEMA.split(",")]
+    types = {"int": IntegerType(), "string": StringType()}
+    return StructType([StructField(n, types[t]) for n, t in fields])
 
 
 _EXC_LINE = re.compile(r"^([\w.]+(Error|Exception|Terminated|Held|Fenced)): (.*)$")
