@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +28,8 @@ from tidemark.devstack.airflow_stack import free_port
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 DEFAULT_PORT = 15002  # Spark Connect's own default
 DEFAULT_MASTER = "local[*,4]"  # local mode retries a failed task up to 4 times, as a run's does
+SESSION_TIMEOUT = "25h"  # idle sessions outlive a daily schedule
+DAEMON_MODULE = "tidemark_connect_daemon"  # connect_daemon.py, copied to <root>/python
 
 
 class ServerError(RuntimeError):
@@ -83,6 +86,13 @@ class ConnectServer:
             # long, not Spark's default 5 minutes; its tasks' PREPAREs are rolled back by
             # recovery (docs/production.md, "Spark Connect").
             "spark.connect.execute.manager.detachedTimeout": "60s",
+            # A run's session (connect_session.session_url) keeps its artifact and its Python
+            # workers' daemon between runs; Spark's default drops it after an hour idle, so
+            # an hourly pipeline would set it up anew at every run.
+            "spark.connect.session.manager.defaultSessionTimeout": SESSION_TIMEOUT,
+            # Its workers fork from a daemon that imported their third-party modules once
+            # (connect_daemon.py): Spark kills a worker idle for a minute.
+            "spark.python.daemon.module": DAEMON_MODULE,
         }
         argv = [str(home / "bin" / "spark-submit"), "--class", SERVER_CLASS]
         argv += ["--master", self.master, "--driver-memory", self.driver_memory]
@@ -105,6 +115,13 @@ class ConnectServer:
         # what each session ships (spark.addArtifacts), not from this checkout.
         env["PYSPARK_PYTHON"] = env["PYSPARK_DRIVER_PYTHON"] = sys.executable
         env["SPARK_LOCAL_IP"] = "127.0.0.1"
+        # Only the daemon's own module on the path: not the tidemark package (connect_daemon.py).
+        daemon = self.root / "python"
+        daemon.mkdir(exist_ok=True)
+        shutil.copyfile(
+            Path(__file__).with_name("connect_daemon.py"), daemon / f"{DAEMON_MODULE}.py"
+        )
+        env["PYTHONPATH"] = str(daemon)
         with open(self.logfile, "ab") as log:
             proc = subprocess.Popen(
                 self.command(),

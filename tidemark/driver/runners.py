@@ -281,7 +281,7 @@ class ConnectRunner(SparkRunner):
 
     def run(self, batch: Batch, spec: TaskSpec, layout: Layout, run_id: int, log: Log) -> Job:
         from tidemark.driver.connect_progress import ConnectProgress
-        from tidemark.engine.writer import RESULT_SCHEMA, make_task
+        from tidemark.engine.writer import make_task
 
         df = laid_out(batch, layout)
         tag = f"tidemark-run-{run_id}-{os.getpid()}"
@@ -289,7 +289,7 @@ class ConnectRunner(SparkRunner):
         progress = ConnectProgress(self.spark, run_id, log)
         progress.start()
         try:
-            rows = df.mapInArrow(make_task(spec), RESULT_SCHEMA).collect()
+            rows = df.mapInArrow(make_task(spec), _result_struct()).collect()
         except Terminated:
             # The server runs a query on after its client stops waiting: stop it now. A task
             # inside a PostgreSQL statement finishes it first and may still PREPARE after the
@@ -494,6 +494,18 @@ def runner_for(
             raise BadInput(refusal)
         return SparkRunner(spark, settings, app, conf)
     return LocalRunner()
+
+
+def _result_struct() -> Any:
+    """writer.RESULT_SCHEMA as a StructType: a DDL string costs a Spark Connect client a round
+    trip to the server to parse it."""
+    from pyspark.sql.types import IntegerType, StringType, StructField, StructType
+
+    from tidemark.engine.writer import RESULT_SCHEMA
+
+    fields = [f.split() for f in RESULT_SCHEMA.split(",")]
+    types = {"int": IntegerType(), "string": StringType()}
+    return StructType([StructField(n, types[t]) for n, t in fields])
 
 
 _EXC_LINE = re.compile(r"^([\w.]+(Error|Exception|Terminated|Held|Fenced)): (.*)$")
