@@ -136,5 +136,4 @@ class Committer:
                 if state.state_of(ctx.ledger.conn, ctx.run_id, sink) != RunState.COMMITTED:
                     raise
             ctx.report.sinks[sink].state = RunState.COMMITTED
-        ctx.report.phases = phases(ctx.clock.ends, written.results, read=written.read_phases)
         faults.point("after_advance")

@@ -22,6 +22,7 @@ from tidemark.core.claims import Claim
 from tidemark.core.clock import Phases
 from tidemark.core.errors import TidemarkError
 from tidemark.core.ranges import Range
+from tidemark.driver.report import UP_TO_DATE
 from tidemark.ledger import state
 from tidemark.ledger.state import Planner
 from tidemark.protocol.taskspec import (
@@ -77,6 +78,7 @@ class Mode(ABC):
     # Over quality.max_quarantined the run and the pipeline halt (driver/ceiling.py): a
     # delivery only, not an operator's deliberate re-delivery.
     halts_over_ceiling = False
+    idle = UP_TO_DATE  # the report's message when the run claims nothing
 
     @property
     def name(self) -> str:

@@ -51,6 +51,7 @@ class RedriveMode(Mode):
 
     reads_ranges = False  # hand-picked records: it steps over nothing
     kind = RunKind.REDRIVE
+    idle = "nothing to redrive"
 
     def __init__(
         self,
@@ -215,8 +216,6 @@ class RedriveMode(Mode):
                 f"dead letter(s) {shown}{more}: the source no longer holds the record; "
                 f"replayed with a NULL _tm_ts and the headers as the letter stored them"
             )
-        if report.run_id is None:
-            report.message = "nothing to redrive"
 
     def layout(self, read: list[Range], sinks: list[Sink], **_: Any) -> Layout:
         return Layout(LayoutKind.RECORDS, 1, read, ByRecords())  # one task over hand-picked records

@@ -41,12 +41,12 @@ from tidemark.driver.checking import QualityPath
 from tidemark.driver.committing import Committer
 from tidemark.driver.context import Clock, LedgerSession, RunContext
 from tidemark.driver.modes import Backfill, Delivery, Mode
-from tidemark.driver.report import UP_TO_DATE, RunReport, SinkOutcome, phases
+from tidemark.driver.report import RunReport, SinkOutcome, phases
 from tidemark.driver.runners import TaskRunner, runner_for
 from tidemark.driver.tables import Tables
 from tidemark.driver.verifying import Verifier
 from tidemark.driver.watch import Heartbeat, Stop
-from tidemark.driver.writing import Writer
+from tidemark.driver.writing import WriteOutcome, Writer
 from tidemark.ledger import gaps, state
 from tidemark.ledger.migrations import require_current
 from tidemark.ledger.state import AirflowRun, RunState
@@ -138,7 +138,7 @@ class Run:
             # 1. Claim, on the ledger: one transaction takes the leases and inserts the run.
             claim = self._claim(ledger, list(resolved), report)
             if claim is None:
-                report.message = UP_TO_DATE
+                report.message = self.mode.idle
                 return []
             clock.mark("claim")
             ctx = RunContext(
@@ -171,37 +171,8 @@ class Run:
             self._announce(ctx)
             self._record_gaps(ctx)
             faults.point("after_claim")
-            with Heartbeat(
-                ctx.ledger.dsn, ctx.pipeline.name, ctx.run_id, ctx.settings.lease_ttl_seconds
-            ):
-                # 2. Write, in Spark tasks: each PREPAREs its rows on every sink's
-                # database and each sink's dead letters on the ledger.
-                written = Writer(ctx, Tables(ctx, aborter), aborter).write()
-                # Verify, on a new connection to each participant's database: every
-                # chosen gid still prepared; the ledger marks the sink prepared.
-                verified = Verifier(ctx, aborter).verify(written)
-                ctx.stop.check()
-                faults.point("after_prepare")
-                if ctx.dry_run:  # a preview: what it would decide, then nothing
-                    aborter.preview(verified.prepared)
-                    ctx.report.phases = phases(
-                        ctx.clock.ends, written.results, read=written.read_phases
-                    )
-                    return written.results
-                # 3. Decide, on the ledger: per sink one transaction, the commit point.
-                commit = Committer(ctx, aborter, written)
-                decided = commit.decide(verified.prepared)
-                ctx.clock.mark("decide")
-            faults.point("after_decide")
-            with commit.left_to_recovery(), closing(commit.databases()) as dbs:
-                # 4. Finish, on each participant's database: COMMIT PREPARED the chosen
-                # gids, ROLLBACK PREPARED the rest.
-                lost = commit.finish(dbs, decided)
-                # 5. Advance, on the ledger: per sink one transaction moves its
-                # checkpoints and marks it committed.
-                commit.advance([s for s in decided if s not in lost])
-                if lost:
-                    raise Inconsistency("; ".join(lost.values()) + "; pipeline halted")
+            written = self._steps(ctx, aborter)
+            ctx.report.phases = phases(ctx.clock.ends, written.results, read=written.read_phases)
             return written.results
         except BaseException as exc:
             failure = exc
@@ -215,6 +186,39 @@ class Run:
             ctx.stop.uninstall()
             with aborter.cleanup(failure):
                 self._end(ctx)
+
+    def _steps(self, ctx: RunContext, aborter: Aborter) -> WriteOutcome:
+        """Write, verify, then decide, finish and advance (a preview: roll back instead);
+        the write that stands."""
+        with Heartbeat(
+            ctx.ledger.dsn, ctx.pipeline.name, ctx.run_id, ctx.settings.lease_ttl_seconds
+        ):
+            # 2. Write, in Spark tasks: each PREPAREs its rows on every sink's
+            # database and each sink's dead letters on the ledger.
+            written = Writer(ctx, Tables(ctx, aborter), aborter).write()
+            # Verify, on a new connection to each participant's database: every
+            # chosen gid still prepared; the ledger marks the sink prepared.
+            verified = Verifier(ctx, aborter).verify(written)
+            ctx.stop.check()
+            faults.point("after_prepare")
+            if ctx.dry_run:  # a preview: what it would decide, then nothing
+                aborter.preview(verified.prepared)
+                return written
+            # 3. Decide, on the ledger: per sink one transaction, the commit point.
+            commit = Committer(ctx, aborter, written)
+            decided = commit.decide(verified.prepared)
+            ctx.clock.mark("decide")
+        faults.point("after_decide")
+        with commit.left_to_recovery(), closing(commit.databases()) as dbs:
+            # 4. Finish, on each participant's database: COMMIT PREPARED the chosen
+            # gids, ROLLBACK PREPARED the rest.
+            lost = commit.finish(dbs, decided)
+            # 5. Advance, on the ledger: per sink one transaction moves its
+            # checkpoints and marks it committed.
+            commit.advance([s for s in decided if s not in lost])
+            if lost:
+                raise Inconsistency("; ".join(lost.values()) + "; pipeline halted")
+        return written
 
     # -- 1. claim ----------------------------------------------------------------------------
     def _recover(self, ledger: LedgerSession) -> None:
