@@ -828,6 +828,10 @@ def main() -> None:
         else {}
     )
     env = {**os.environ, "TIDEMARK_LEDGER_DSN": ledger, "TIDEMARK_SPARK_MASTER": "local[2,4]"}
+    # The Spark engine's runs start their own Spark, whatever Connect endpoint the environment
+    # names (`make connect` writes one): with it, they would run on Connect. Only the small
+    # runs' connect engine takes it (small_runs.engine_env).
+    remote = env.pop("TIDEMARK_SPARK_REMOTE", None)
     fresh = {}
     walls: dict[str, list[float]] = {}
     # The fixed cost is a few seconds of a noisy machine: the median of three tiny runs, the
@@ -876,6 +880,8 @@ def main() -> None:
     )
     small_results = {}
     if small:
+        if remote:
+            env["TIDEMARK_SPARK_REMOTE"] = remote
         with small_runs.connect_endpoint(small_engines, env, folder / "connect"):
             small_results = small_runs.measure(
                 small_engines,

@@ -50,6 +50,15 @@ def connect_endpoint(engines: list[str], env: dict[str, str], state: Path) -> It
         server.stop()
 
 
+def engine_env(env: dict[str, str], engine: str) -> dict[str, str]:
+    """``env`` for a run on ``engine``: a Connect endpoint only for the connect engine (with
+    TIDEMARK_SPARK_REMOTE set, the spark engine runs on Connect too: runners.runner_for)."""
+    out = {**env, **ENGINES[engine]}
+    if engine != "connect":
+        out.pop("TIDEMARK_SPARK_REMOTE", None)
+    return out
+
+
 def name(engine: str, size: str) -> str:
     return f"bench_small_{engine}_{size}"
 
@@ -93,7 +102,7 @@ def measure(
             for engine in order:
                 n = name(engine, size)
                 reset(n)
-                r = run(n, {**env, **ENGINES[engine]})
+                r = run(n, engine_env(env, engine))
                 if rep >= 0:
                     out.setdefault((engine, size), []).append(r)
     return out
