@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 from pyspark.sql.connect.shell.progress import ProgressHandler, StageInfo
 
+from tidemark.driver.watch import progress_line
+
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
@@ -60,10 +62,7 @@ class ConnectProgress(threading.Thread):
             if self.latest.seen is None:
                 continue  # no report yet
             done, total, running = self.latest.seen
-            line = (
-                f"run {self.run_id}: writing, {done}/{total} tasks done, "
-                f"{running} running, {time.monotonic() - started:.0f}s"
-            )
+            line = progress_line(self.run_id, done, total, running, started)
             if line != last:
                 self.log(line)
                 last = line

@@ -113,13 +113,19 @@ class Progress(threading.Thread):
                     running += info.numActiveTasks
                     if len(stages) == 1:  # a spread run reads in one stage, writes in the next
                         total = info.numTasks
-            line = (
-                f"run {self.run_id}: writing, {done}/{total} tasks done, "
-                f"{running} running, {time.monotonic() - started:.0f}s"
-            )
+            line = progress_line(self.run_id, done, total, running, started)
             if line != last:
                 self.log(line)
                 last = line
 
     def stop(self) -> None:
         self._stop_evt.set()
+
+
+def progress_line(run_id: int, done: int, total: int, running: int, started: float) -> str:
+    """A run's progress line, on either engine: tasks done of all, running, seconds since
+    ``started`` (time.monotonic)."""
+    return (
+        f"run {run_id}: writing, {done}/{total} tasks done, "
+        f"{running} running, {time.monotonic() - started:.0f}s"
+    )
