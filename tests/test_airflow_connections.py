@@ -76,3 +76,43 @@ def test_the_cli_resolves_a_connection_made_with_airflow_connections_add(env, ai
         with psycopg.connect(env.sink2_dsn, autocommit=True) as c:
             c.execute(f"DROP OWNED BY {role}")
             c.execute(f"DROP ROLE {role}")
+
+
+def test_the_compose_stacks_connections_are_made_once_and_a_users_edit_is_kept(airflow_env):
+    """docker-compose.yaml's airflow-init makes spark_default and smtp_default in Airflow's
+    database when they are missing, and leaves one a user changed (as docs/airflow.md tells
+    them to) alone: as AIRFLOW_CONN_* variables they would win over the user's."""
+    import json
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    compose = yaml.safe_load((Path(__file__).parent.parent / "docker-compose.yaml").read_text())
+    init = compose["services"]["airflow-init"]["command"][-1]
+    script = "\n".join(
+        line for line in init.splitlines() if re.match(r"\s*(airflow connections|set -)", line)
+    ).replace("airflow ", f"{sys.executable} -m airflow ")
+    assert "connections add spark_default" in script and "connections add smtp_default" in script
+    common = compose["x-airflow-common"]["environment"]
+    assert not [k for k in common if k.startswith("AIRFLOW_CONN_")], common
+
+    def init_connections() -> None:
+        res = subprocess.run(
+            ["bash", "-c", script], env=airflow_env, capture_output=True, text=True
+        )
+        assert res.returncode == 0, res.stdout + res.stderr
+
+    def hosts() -> dict[str, tuple[str, str]]:
+        out = _airflow(airflow_env, "connections", "export", "-", "--file-format", "json")
+        return {i: (c["host"], str(c["port"])) for i, c in json.loads(out).items()}
+
+    init_connections()
+    made = hosts()
+    assert made["spark_default"] == ("spark://spark-master", "7077"), made
+    assert made["smtp_default"] == ("mailpit", "1025"), made
+    _airflow(airflow_env, "connections", "delete", "spark_default")
+    mine = {"conn_type": "spark", "host": "spark://my-master", "port": 7077}
+    _airflow(airflow_env, "connections", "add", "spark_default", "--conn-json", json.dumps(mine))
+    init_connections()  # a restart of the stack runs airflow-init again
+    assert hosts()["spark_default"] == ("spark://my-master", "7077")

@@ -171,8 +171,16 @@ def test_published_ports_bind_localhost_only(services):
     assert "127.0.0.1:8025:8025" in [str(p).split()[0] for p in services["mailpit"]["ports"]]
 
 
+def init_connection(services, conn_id: str) -> dict:
+    """The connection airflow-init makes (tests/test_airflow_connections.py runs it)."""
+    init = command_text(services["airflow-init"])
+    m = re.search(rf"connections add {conn_id} --conn-json '([^']+)'", init)
+    assert m, f"airflow-init makes no {conn_id}"
+    return json.loads(m.group(1))
+
+
 def test_spark_connection_points_at_the_master(services):
-    conn = json.loads(env_of(services["airflow-scheduler"])["AIRFLOW_CONN_SPARK_DEFAULT"])
+    conn = init_connection(services, "spark_default")
     assert conn["conn_type"] == "spark"
     assert conn["host"] == "spark://spark-master"
     assert int(conn["port"]) == 7077
@@ -196,7 +204,7 @@ def test_spark_runs_the_shared_image(services):
 
 def test_smtp_connection_points_at_mailpit(services):
     assert str(services["mailpit"]["image"]).startswith("axllent/mailpit")
-    conn = json.loads(env_of(services["airflow-scheduler"])["AIRFLOW_CONN_SMTP_DEFAULT"])
+    conn = init_connection(services, "smtp_default")
     assert conn["conn_type"] == "smtp"
     assert conn["host"] == "mailpit"
     assert int(conn["port"]) == 1025
