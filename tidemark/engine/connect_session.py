@@ -78,17 +78,22 @@ def remote_session(url: str, app: str, conf: Mapping[str, str] | None = None) ->
     from pyspark.sql.connect.client.retries import DefaultPolicy
 
     conf = {k: v for k, v in (conf or {}).items() if k != REMOTE}
+    spark = None
     try:
         spark = SparkSession.builder.remote(session_url(url, conf)).create()
-        # The first round trip: an unreachable server fails here, after some 17 s of
-        # retries, not the client's default 10 minutes. A server lost mid-run is retried for
-        # a few seconds, then the run fails and rolls back (its process also waits on the
-        # client's release calls, retried alike, before it can exit).
+        # The first round trip: an unreachable server fails here, after some 4 s of retries
+        # (a server restarting is up by then), not the client's default 10 minutes. A server
+        # lost mid-run is retried alike, then the run fails and rolls back (its process also
+        # waits on the client's release calls, retried alike, before it can exit).
         spark.client.set_retry_policies([DefaultPolicy(max_retries=REACH_TRIES)])
         ready = spark.conf.get(READY, None)
         spark.client.set_retry_policies([DefaultPolicy(max_retries=RUN_TRIES)])
     # Blind on purpose: an unreachable server shows as gRPC's, PySpark's or the OS's error.
     except Exception as exc:  # noqa: BLE001
+        if spark is not None:
+            # Closed, PySpark's exit hook skips its cleanup call to the server: retried
+            # against the unreachable server, it kept the process 35 s more after the error.
+            spark.client.close()
         raise BadInput(
             f"cannot reach the Spark Connect server at {masked(url)}: {_one_line(exc)}"
         ) from None
@@ -109,7 +114,7 @@ def remote_session(url: str, app: str, conf: Mapping[str, str] | None = None) ->
     return spark
 
 
-REACH_TRIES = 5  # 50 ms, then each wait 4 times the last: about 17 s in all
+REACH_TRIES = 4  # 50 ms, then each wait 4 times the last: about 4 s in all
 RUN_TRIES = 4  # about 4 s: a rerun is safe, a run stuck on a lost server holds its leases
 READY = "spark.tidemark.ready"  # "<package zip>|<parallelism>" once a session is set up
 _PARALLELISM: dict[str, int] = {}  # session id -> the server's parallelism
