@@ -10,6 +10,7 @@ configuration (docs/production.md, "Spark Connect").
 
 from __future__ import annotations
 
+import atexit
 import re
 import uuid
 from collections.abc import Mapping
@@ -78,9 +79,13 @@ def remote_session(url: str, app: str, conf: Mapping[str, str] | None = None) ->
     from pyspark.sql.connect.client.retries import DefaultPolicy
 
     conf = {k: v for k, v in (conf or {}).items() if k != REMOTE}
-    spark = None
     try:
         spark = SparkSession.builder.remote(session_url(url, conf)).create()
+        # Closed at exit, before PySpark's own exit hook (registered first, so run later),
+        # which then skips its call to clean the server's ML cache (Tidemark keeps none):
+        # retried against a server that is unreachable or lost mid-run, it kept the process
+        # 35 s after "cannot reach", 5 s after a lost server failed the run.
+        atexit.register(spark.client.close)
         # The first round trip: an unreachable server fails here, after some 4 s of retries
         # (a server restarting is up by then), not the client's default 10 minutes. A server
         # lost mid-run is retried alike, then the run fails and rolls back (its process also
@@ -90,10 +95,6 @@ def remote_session(url: str, app: str, conf: Mapping[str, str] | None = None) ->
         spark.client.set_retry_policies([DefaultPolicy(max_retries=RUN_TRIES)])
     # Blind on purpose: an unreachable server shows as gRPC's, PySpark's or the OS's error.
     except Exception as exc:  # noqa: BLE001
-        if spark is not None:
-            # Closed, PySpark's exit hook skips its cleanup call to the server: retried
-            # against the unreachable server, it kept the process 35 s more after the error.
-            spark.client.close()
         raise BadInput(
             f"cannot reach the Spark Connect server at {masked(url)}: {_one_line(exc)}"
         ) from None
