@@ -27,6 +27,9 @@ PIPELINES = (REPO / "dags" / "tidemark_pipelines.py").read_text()
 PIPELINE_FILES = (REPO / "dags" / "tidemark_pipeline_files.py").read_text()
 MAINTENANCE = (REPO / "dags" / "tidemark_maintenance.py").read_text()
 N = 120  # records in the source log (2 partitions)
+# Between REST polls for a run's end: a run ends up to this much before the test sees it
+# (2 s cost about 1 s a wait, 32 waits in this module); each poll is one cheap GET.
+POLL = 0.5
 # Downstream DAGs scheduled on sink tables, by the postgres provider's asset URI; each returns
 # the extras of the asset events that triggered it.
 DOWNSTREAM = """
@@ -79,7 +82,7 @@ class World:
             state = self.api.get(f"/dags/{dag_id}/dagRuns/{run_id}").json()["state"]
             if state in ("success", "failed"):
                 return state
-            time.sleep(2)  # polling the REST API: Airflow offers no run-finished event
+            time.sleep(POLL)  # polling the REST API: Airflow offers no run-finished event
         raise AssertionError(f"{dag_id} {run_id} still {state} after {timeout}s")
 
     def run_to_end(self, dag_id: str, conf: dict | None = None) -> tuple[str, str]:
@@ -152,7 +155,7 @@ class World:
             runs = [x for x in self.runs(dag_id) if x["run_type"] == "backfill"]
             if len(runs) >= 2 and all(x["state"] in ("success", "failed") for x in runs):
                 return runs
-            time.sleep(2)  # polling the REST API: Airflow offers no run-finished event
+            time.sleep(POLL)  # polling the REST API: Airflow offers no run-finished event
         raise AssertionError(f"{dag_id}: backfill runs {self.runs(dag_id)} after 300 s")
 
     def wait_runs(self, dag_id: str, count: int, timeout: float = 240) -> list[dict]:
@@ -162,7 +165,7 @@ class World:
             runs = self.runs(dag_id)
             if len(runs) >= count and all(r["state"] in ("success", "failed") for r in runs):
                 return runs
-            time.sleep(2)  # polling the REST API: Airflow offers no run-created event
+            time.sleep(POLL)  # polling the REST API: Airflow offers no run-created event
         raise AssertionError(f"{dag_id}: {self.runs(dag_id)} after {timeout}s")
 
     def asset_events(self, uri: str) -> list[dict]:
