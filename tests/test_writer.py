@@ -552,6 +552,13 @@ def test_a_sink_user_without_rights_on_the_schema_tidemark_is_told_what_to_grant
             f"{where} cannot keep Tidemark's schema tidemark (permission denied for "
             f"schema tidemark): {grant}"
         )
+        # Recovery, which prunes the markers of every database, says the same.
+        env.pipeline(sinks=[{"name": "main", "dsn": dsn, "table": "orders", "key": ["id"]}])
+        report = env.recover()
+        assert [e.split(": ", 1)[1] for e in report.errors] == [
+            f"permission denied for schema tidemark: {grant}"
+        ]
+        assert pw not in str(report.errors)
         admin.execute(f"GRANT USAGE ON SCHEMA tidemark TO {role}")
         assert refusal() == (
             f"{where} lacks CREATE on schema tidemark; SELECT, INSERT, DELETE on "
