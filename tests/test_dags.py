@@ -768,6 +768,24 @@ def test_a_secret_in_the_spark_connections_conf_fails_the_task_in_one_line(
     assert "Hunter2Secret" not in message and "\n" not in message
 
 
+def test_a_relative_archive_in_the_spark_connections_conf_fails_the_task_in_one_line(
+    airflow_home, tmp_path, monkeypatch
+):
+    """Spark would resolve it against the Airflow worker's folder and fail in its start-up
+    with a Java stack trace, retried (docs/production.md, the packed environment)."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    extra = {"conf": {"spark.archives": "tidemark-env.tar.gz#env"}}
+    with pytest.raises(AirflowFailException) as e:
+        _submitted_command(airflow_home, tmp_path, monkeypatch, extra)
+    assert str(e.value) == (
+        "Spark connection 'spark_default': extra conf: spark.archives: tidemark-env.tar.gz "
+        "is a relative path, which Spark resolves against the driver's working folder "
+        "(under Airflow, the worker's): give an absolute path or a URL (hdfs://, s3a://, "
+        "local:) (docs/production.md)"
+    )
+
+
 def test_a_kubernetes_master_without_its_provider_fails_the_task_saying_what_to_install(
     airflow_home, tmp_path, monkeypatch
 ):

@@ -72,6 +72,15 @@ def test_the_executors_python_is_the_setting_else_the_drivers_on_a_local_master_
             {"spark.hadoop.javax.jdo.option.ConnectionURL": "postgresql://u:Pw9@db/metastore"},
             "spark.hadoop.javax.jdo.option.ConnectionURL: Spark settings travel in the clear",
         ),
+        (
+            {"spark.archives": "tidemark-env.tar.gz#env"},
+            "spark.archives: tidemark-env.tar.gz is a relative path, which Spark resolves "
+            "against the driver's working folder",
+        ),
+        (
+            {"spark.files": "/etc/spark/a.conf, conf/b.conf"},
+            "spark.files: conf/b.conf is a relative path",
+        ),
     ],
 )
 def test_a_pipelines_spark_block_is_checked_field_by_field(tmp_path, spark, problem):
@@ -100,12 +109,16 @@ def test_a_pipelines_spark_block_becomes_sparks_strings(tmp_path):
         "spark.executor.cores": 2,
         "spark.dynamicAllocation.enabled": False,
         "spark.authenticate.secret.file": "/etc/spark/secret",  # a path, not the secret
+        "spark.archives": "/opt/envs/tidemark-env.tar.gz#env,hdfs:///envs/b.tgz#b",
+        "spark.jars": "local:/opt/jars/x.jar",
     }
     path.write_text(yaml.safe_dump({**doc, "spark": spark}))
     assert config.load(path, deep=False).spark == {
         "spark.executor.cores": "2",
         "spark.dynamicAllocation.enabled": "false",
         "spark.authenticate.secret.file": "/etc/spark/secret",
+        "spark.archives": "/opt/envs/tidemark-env.tar.gz#env,hdfs:///envs/b.tgz#b",
+        "spark.jars": "local:/opt/jars/x.jar",
     }
 
 

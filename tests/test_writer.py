@@ -514,3 +514,63 @@ def test_a_redrive_places_the_records_of_its_letters(env: Any) -> None:
     assert env.ledger("SELECT status::text, resolved_by FROM tidemark.dlq") == [
         ("redriven", "alice")
     ]
+
+
+def test_a_sink_user_without_rights_on_the_schema_tidemark_is_told_what_to_grant(env):
+    """docs/production.md, "Database users": every database Tidemark prepares on keeps its
+    schema tidemark. A user who may not create it, or may not use the one another user made,
+    is told in one line what to grant, before any task writes."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    from tidemark.core.errors import TidemarkError
+
+    role, pw = f"payer_{env.names['sink']}", "Pw-x9f3kQ-payer"
+    db = conninfo_to_dict(env.sink_dsn)["dbname"]
+    dsn = make_conninfo(env.sink_dsn, user=role, password=pw)
+    admin = psycopg.connect(env.sink_dsn, autocommit=True)
+
+    def refusal() -> str:
+        with psycopg.connect(dsn, autocommit=True) as c, pytest.raises(TidemarkError) as e:
+            sinks.prepare_database(c, "sink main")
+        assert pw not in str(e.value) and "\n" not in str(e.value)
+        return str(e.value)
+
+    grant = (
+        "grant it CREATE on the database (Tidemark creates the schema tidemark), or USAGE "
+        "and CREATE on schema tidemark and SELECT, INSERT, DELETE on tidemark.commits "
+        '(docs/production.md, "Database users")'
+    )
+    where = f"sink main: user {role} in database {db}"
+    admin.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{pw}'")
+    try:
+        assert refusal() == (
+            f"{where} cannot keep Tidemark's schema tidemark (permission denied for "
+            f"database {db}): {grant}"
+        )
+        sinks.prepare_database(admin, "sink main")  # another user made the schema
+        assert refusal() == (
+            f"{where} cannot keep Tidemark's schema tidemark (permission denied for "
+            f"schema tidemark): {grant}"
+        )
+        # Recovery, which prunes the markers of every database, says the same.
+        env.pipeline(sinks=[{"name": "main", "dsn": dsn, "table": "orders", "key": ["id"]}])
+        report = env.recover()
+        assert [e.split(": ", 1)[1] for e in report.errors] == [
+            f"permission denied for schema tidemark: {grant}"
+        ]
+        assert pw not in str(report.errors)
+        admin.execute(f"GRANT USAGE ON SCHEMA tidemark TO {role}")
+        assert refusal() == (
+            f"{where} lacks CREATE on schema tidemark; SELECT, INSERT, DELETE on "
+            f"tidemark.commits (Tidemark's schema tidemark, made by another user): {grant}"
+        )
+        admin.execute(f"GRANT CREATE ON SCHEMA tidemark TO {role}")
+        admin.execute(f"GRANT SELECT, INSERT ON tidemark.commits TO {role}")
+        assert refusal().startswith(f"{where} lacks DELETE on tidemark.commits (")
+        admin.execute(f"GRANT DELETE ON tidemark.commits TO {role}")
+        with psycopg.connect(dsn, autocommit=True) as c:
+            sinks.prepare_database(c, "sink main")  # granted as told: nothing to say
+    finally:
+        admin.execute(f"DROP OWNED BY {role}")
+        admin.execute(f"DROP ROLE {role}")
+        admin.close()

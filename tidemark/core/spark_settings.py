@@ -27,6 +27,19 @@ OWNED = {
     "spark.speculation": "Tidemark runs one attempt of a task at a time",
 }
 EXECUTORS_PYTHON = "spark.pyspark.python"
+# Comma-separated files Spark ships to the executors. A relative path resolves against the
+# driver's working folder: the checkout for `tidemark run` there, the Airflow worker's own
+# folder under Airflow, where the job then fails in Spark's start-up (docs/production.md).
+FILE_LISTS = (
+    "spark.archives",
+    "spark.files",
+    "spark.jars",
+    "spark.submit.pyFiles",
+    "spark.yarn.dist.archives",
+    "spark.yarn.dist.files",
+    "spark.yarn.dist.jars",
+)
+SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 
 def checked(conf: Mapping[str, object]) -> dict[str, str]:
@@ -53,8 +66,21 @@ def checked(conf: Mapping[str, object]) -> dict[str, str]:
                 f"{key}: Spark settings travel in the clear (command line, Spark UI, logs); "
                 "give secrets as connections, not Spark conf"
             )
+        if key in FILE_LISTS:
+            _absolute_paths(key, text)
         out[key] = text
     return out
+
+
+def _absolute_paths(key: str, text: str) -> None:
+    for entry in (e.strip() for e in text.split(",")):
+        path = entry.split("#", 1)[0]
+        if path and not path.startswith("/") and not SCHEME.match(path):
+            raise ValueError(
+                f"{key}: {path} is a relative path, which Spark resolves against the "
+                "driver's working folder (under Airflow, the worker's): give an absolute "
+                "path or a URL (hdfs://, s3a://, local:)"
+            )
 
 
 def is_local(master: str) -> bool:

@@ -56,6 +56,33 @@ def ensure(conn: psycopg.Connection) -> None:
             conn.execute(MARKERS_DDL)
 
 
+# What a database user needs for the schema above (docs/production.md, "Database users").
+NEEDED = (
+    "grant it CREATE on the database (Tidemark creates the schema tidemark), or USAGE and "
+    "CREATE on schema tidemark and SELECT, INSERT, DELETE on tidemark.commits "
+    '(docs/production.md, "Database users")'
+)
+
+
+def missing_privileges(conn: psycopg.Connection) -> list[str]:
+    """What this connection's user lacks to keep markers and staging tables in the schema,
+    which may be another user's (the first one to write that database made it)."""
+    usage, create = conn.execute(
+        "SELECT has_schema_privilege('tidemark', 'USAGE'), "
+        "has_schema_privilege('tidemark', 'CREATE')"
+    ).fetchone() or (False, False)
+    missing = [p for p, ok in (("USAGE", usage), ("CREATE", create)) if not ok]
+    if not usage:  # the table's name cannot even be looked up
+        return [f"{p} on schema tidemark" for p in missing]
+    table = [
+        p
+        for p in ("SELECT", "INSERT", "DELETE")
+        if not scalar(conn.execute("SELECT has_table_privilege('tidemark.commits', %s)", (p,)))
+    ]
+    out = [f"{p} on schema tidemark" for p in missing]
+    return out + ([f"{', '.join(table)} on tidemark.commits"] if table else [])
+
+
 def has(conn: psycopg.Connection, gid: str) -> bool:
     return (
         conn.execute("SELECT 1 FROM tidemark.commits WHERE gid = %s", (gid,)).fetchone() is not None

@@ -296,7 +296,15 @@ def _sweep(
         try:
             markers.prune(conn, settled_below)
         except psycopg.Error as exc:
-            report.error(f"cannot prune markers on {mask(dsn)}: {one_line(exc)}", dbs.users(dsn))
+            # A user without rights on the schema another user made: say what to grant.
+            fix = (
+                f": {markers.NEEDED}"
+                if isinstance(exc, psycopg.errors.InsufficientPrivilege)
+                else ""
+            )
+            report.error(
+                f"cannot prune markers on {mask(dsn)}: {one_line(exc)}{fix}", dbs.users(dsn)
+            )
         for gid, age in found:
             g = gids.parse(gid, prefix)
             if g is None:  # ours by its prefix, but whose? Never guess: a human decides.

@@ -33,9 +33,24 @@ def resolve(pipeline: Pipeline, names: list[str] | None = None) -> list[Resolved
 
 
 def prepare_database(conn: psycopg.Connection, what: str) -> None:
-    """A database we will PREPARE on: prepared transactions on, marker table present."""
+    """A database we will PREPARE on: prepared transactions on, marker table present and
+    usable by this user. A user who may not is told here, in one line, before any task
+    writes (else the first task fails on the marker's INSERT)."""
     require_prepared_transactions(conn, what)
-    markers.ensure(conn)
+    where = f"{what}: user {conn.info.user} in database {conn.info.dbname}"
+    try:
+        markers.ensure(conn)
+    except psycopg.errors.InsufficientPrivilege as exc:
+        reason = exc.diag.message_primary or "permission denied"
+        raise TidemarkError(
+            f"{where} cannot keep Tidemark's schema tidemark ({reason}): {markers.NEEDED}"
+        ) from None
+    missing = markers.missing_privileges(conn)
+    if missing:
+        raise TidemarkError(
+            f"{where} lacks {'; '.join(missing)} (Tidemark's schema tidemark, "
+            f"made by another user): {markers.NEEDED}"
+        )
 
 
 def table_exists(sink: ResolvedSink) -> bool:
