@@ -66,21 +66,24 @@ NEEDED = (
 
 def missing_privileges(conn: psycopg.Connection) -> list[str]:
     """What this connection's user lacks to keep markers and staging tables in the schema,
-    which may be another user's (the first one to write that database made it)."""
-    usage, create = conn.execute(
-        "SELECT has_schema_privilege('tidemark', 'USAGE'), "
-        "has_schema_privilege('tidemark', 'CREATE')"
-    ).fetchone() or (False, False)
-    missing = [p for p, ok in (("USAGE", usage), ("CREATE", create)) if not ok]
+    which may be another user's (the first one to write that database made it). One round
+    trip: the table found by the catalog, which needs no privilege on the schema."""
+    row = (
+        conn.execute(
+            "SELECT has_schema_privilege(n.oid, 'USAGE'), has_schema_privilege(n.oid, 'CREATE'), "
+            "has_table_privilege(c.oid, 'SELECT'), has_table_privilege(c.oid, 'INSERT'), "
+            "has_table_privilege(c.oid, 'DELETE') "
+            "FROM pg_namespace n JOIN pg_class c ON c.relnamespace = n.oid "
+            "WHERE n.nspname = 'tidemark' AND c.relname = 'commits'"
+        ).fetchone()
+        or (False,) * 5
+    )
+    usage, create, *table = row
+    out = [f"{p} on schema tidemark" for p, ok in (("USAGE", usage), ("CREATE", create)) if not ok]
     if not usage:  # the table's name cannot even be looked up
-        return [f"{p} on schema tidemark" for p in missing]
-    table = [
-        p
-        for p in ("SELECT", "INSERT", "DELETE")
-        if not scalar(conn.execute("SELECT has_table_privilege('tidemark.commits', %s)", (p,)))
-    ]
-    out = [f"{p} on schema tidemark" for p in missing]
-    return out + ([f"{', '.join(table)} on tidemark.commits"] if table else [])
+        return out
+    lacking = [p for p, ok in zip(("SELECT", "INSERT", "DELETE"), table, strict=True) if not ok]
+    return out + ([f"{', '.join(lacking)} on tidemark.commits"] if lacking else [])
 
 
 def has(conn: psycopg.Connection, gid: str) -> bool:
