@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tidemark.config import Pipeline
+from tidemark.core.ahead import Ahead
 from tidemark.core.clock import Phases
 from tidemark.core.db import one_line
 from tidemark.core.dsn import mask
@@ -53,6 +54,9 @@ Log = Callable[[str], None]
 Batch = Any
 # As spark.task.maxFailures (tidemark/engine/session.py): a task's tries before the job fails.
 TASK_TRIES = 4
+# The local runner's batches read, decoded and transformed ahead of the write (each up to
+# sources.schema.BATCH_ROWS records): enough to keep the COPY fed, little memory.
+READ_AHEAD = 3
 
 
 class TaskRunner(ABC):
@@ -392,7 +396,11 @@ class LocalRunner(TaskRunner):
             failure: BaseException | None = None
             for attempt in range(TASK_TRIES):
                 try:
-                    result = run_task(spec, task, attempt, records())
+                    # Read, decode and transform ahead in a thread of their own while this
+                    # one encodes and COPYs; stopped and waited for before anything else
+                    # touches the reader connection (a retry, the job's end).
+                    with Ahead(records, READ_AHEAD, f"tidemark-read-task-{task}") as batches:
+                        result = run_task(spec, task, attempt, iter(batches))
                 except Terminated:
                     raise
                 # Blind as Spark is: a task that raises is tried again, then fails the job.
@@ -436,9 +444,10 @@ class LocalRunner(TaskRunner):
         from tidemark.engine import local_records
 
         reader = partial(self._reader_for, batch.pipeline)
-        for table in batch.mode.arrow(batch.pipeline, read, self.phases, reader):
-            for b in table.to_batches():
-                yield local_records.rows(b, batch.pipeline)
+        for b in batch.mode.arrow(batch.pipeline, read, self.phases, reader):
+            with self.phases("transform"):
+                rows = local_records.rows(b, batch.pipeline)
+            yield rows
 
     def _tasks(self, batch: LocalBatch, layout: Layout) -> list[Records]:
         """Each task's records, as Spark hands them to the layout's tasks."""
