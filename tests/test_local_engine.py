@@ -197,3 +197,35 @@ def test_a_read_failing_mid_task_fails_that_attempt_and_the_retry_reads_afresh(e
     assert_exactly_once(env)
     gids = [g for (g,) in env.ledger("SELECT gid FROM tidemark.participants")]
     assert any(g.endswith(":1") for g in gids), gids  # the retry's were chosen
+
+
+def test_a_sigterm_while_the_task_reads_ahead_stops_the_run_and_its_thread(env, monkeypatch):
+    """SIGTERM raises Terminated in the main thread wherever it is (waiting for the next
+    batch, or in a COPY): the run rolls back, and the read-ahead thread is stopped and waited
+    for before the runner closes the reader connection it reads over."""
+    import os
+    import signal
+    import threading
+
+    from tidemark.core.errors import Terminated
+    from tidemark.engine import local_records
+
+    _read_ahead_world(env, monkeypatch)
+    real = local_records.rows
+    seen: list[int] = []
+
+    def rows(batch, pipeline):
+        if batch.num_rows:
+            seen.append(batch.num_rows)
+            if len(seen) == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+        return real(batch, pipeline)
+
+    monkeypatch.setattr(local_records, "rows", rows)
+    with pytest.raises(Terminated):
+        env.run(LocalRunner())
+    assert not [t for t in threading.enumerate() if t.name.startswith("tidemark-read-task-")]
+    assert len(seen) < 2 * 301 // 40  # it stopped reading
+    assert env.prepared() == []
+    assert env.ledger("SELECT state::text FROM tidemark.run_sinks") == [("aborted",)]
+    assert env.checkpoints() in ({}, {0: 0, 1: 0})

@@ -7,7 +7,10 @@ chosen once from ``Settings.engine`` (:func:`runner_for`).
 * :class:`LocalRunner`: no JVM. The run's process reads the same Arrow batches from the
   source, decodes and transforms them in Arrow (tidemark/engine/local_records.py) and hands
   them to the same task code (tidemark/engine/writer.py: run_task), task by task, as the
-  layout spreads them, retrying a failed task as Spark does. For tests and small pipelines:
+  layout spreads them, retrying a failed task as Spark does. A task's next batches are read,
+  decoded and transformed in a thread beside it while it encodes and COPYs
+  (tidemark/core/ahead.py): Arrow and ADBC release the GIL, and PostgreSQL takes the COPY on
+  the other core. For tests and pipelines up to a few million records:
   it refuses, before the claim, what needs Spark (:meth:`LocalRunner.refusal`): a transform
   expression, data-quality checks, a backfill's fallback versions.
 
