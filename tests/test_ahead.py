@@ -14,7 +14,7 @@ from tidemark.core.ahead import Ahead
 
 
 def test_every_item_in_order_then_the_end():
-    with Ahead(lambda: iter(range(1000)), 3, "t") as items:
+    with Ahead(lambda: iter(range(1000)), 3, "t").start() as items:
         assert list(items) == list(range(1000))
 
 
@@ -27,7 +27,7 @@ def test_a_failure_in_the_producer_is_raised_after_the_items_before_it_never_an_
         yield from range(5)
         raise Boom("source went away")
 
-    with Ahead(make, 2, "t") as items:
+    with Ahead(make, 2, "t").start() as items:
         got = []
         with pytest.raises(Boom, match="source went away"):
             for x in items:
@@ -39,7 +39,7 @@ def test_a_failure_before_the_first_item_is_raised_too():
     def make():
         raise Boom("no connection")
 
-    with Ahead(make, 2, "t") as items, pytest.raises(Boom):
+    with Ahead(make, 2, "t").start() as items, pytest.raises(Boom):
         next(iter(items))
 
 
@@ -55,7 +55,7 @@ def test_close_stops_the_producer_and_closes_its_iterator_in_its_own_thread_firs
         finally:
             closed_in.append(threading.current_thread().name)
 
-    ahead = Ahead(make, 2, "producer")
+    ahead = Ahead(make, 2, "producer").start()
     it = iter(ahead)
     assert next(it) == 0
     ahead.close()
@@ -82,7 +82,7 @@ def test_a_signal_while_waiting_for_the_next_item_is_raised_in_the_consumer():
     previous = signal.signal(signal.SIGUSR1, handler)
     timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
     try:
-        with Ahead(make, 2, "t") as items:
+        with Ahead(make, 2, "t").start() as items:
             timer.start()
             with pytest.raises(Stop):
                 next(iter(items))

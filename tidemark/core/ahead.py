@@ -23,11 +23,15 @@ T = TypeVar("T")
 
 
 class Ahead(Generic[T]):
-    """Up to ``depth`` items of ``make()`` made ahead, in a thread started at once. Iterate it
-    once; close it (or use it as a context manager) whatever happens."""
+    """Up to ``depth`` items of ``make()`` made ahead, in a thread started by :meth:`start`
+    (its owner first keeps it where a signal's cleanup finds it). Iterate it once; close it
+    (or use it as a context manager) whatever happens."""
 
     def __init__(self, make: Callable[[], Iterator[T]], depth: int, name: str) -> None:
         assert depth >= 1, depth
+        # Called in the consumer's thread when it reaches the end of the items, the
+        # producer's iterator closed by then: what may use what the producer used next.
+        self.then: Callable[[], None] | None = None
         self._depth = depth
         self._items: deque[T] = deque()
         self._done = False  # the producer ended: every item made is in _items
@@ -35,7 +39,10 @@ class Ahead(Generic[T]):
         self._stopped = False  # the consumer is gone: the producer stops at its next item
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._produce, args=(make,), name=name, daemon=True)
+
+    def start(self) -> Ahead[T]:
         self._thread.start()
+        return self
 
     def _produce(self, make: Callable[[], Iterator[T]]) -> None:
         try:
@@ -72,8 +79,10 @@ class Ahead(Generic[T]):
                 elif self._failure is not None:
                     raise self._failure
                 else:
-                    return
+                    break
             yield item
+        if self.then is not None:
+            self.then()
 
     def close(self) -> None:
         """Stops the producer and waits until it has ended (and closed its iterator)."""
@@ -81,6 +90,8 @@ class Ahead(Generic[T]):
             self._stopped = True
             self._items.clear()
             self._cond.notify_all()
+        if self._thread.ident is None:
+            return  # never started
         try:
             self._thread.join()
         except BaseException:
