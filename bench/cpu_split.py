@@ -130,8 +130,9 @@ def use_server(dsn: str) -> None:
     global SERVER
     with psycopg.connect(dsn) as c:
         backend = c.execute("SELECT pg_backend_pid()").fetchone()
-    assert backend is not None
-    SERVER = psutil.Process(backend[0]).ppid()
+        assert backend is not None
+        # While the connection is open: its backend exits when it closes.
+        SERVER = psutil.Process(backend[0]).ppid()
 
 
 SERVER: int | None = None  # the postmaster's pid, once use_server() has found it

@@ -36,7 +36,7 @@ from tidemark.protocol.taskspec import (
 )
 
 if TYPE_CHECKING:  # Spark: planning and pending() need none of it
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterator
 
     import psycopg
     from pyspark.sql import DataFrame, SparkSession
@@ -102,19 +102,16 @@ class Mode(ABC):
         read: list[Range],
         phases: Phases,
         reader: Callable[[], Any] | None = None,
-    ) -> list[pa.Table]:
+    ) -> Iterator[pa.RecordBatch]:
         """The records of ``read`` as the local runner reads them (tidemark/driver/runners.py):
-        one table per read, the batches :meth:`source` would hand Spark; ``phases`` gets the
-        reader's time; ``reader``: the runner's source connection (None: one per read),
-        asked for only by a mode that reads the source."""
+        the batches :meth:`source` would hand Spark, read by ``read`` in order, each as the
+        source hands it (the runner decodes and writes one while the next is read);
+        ``phases`` gets the reader's time; ``reader``: the runner's source connection (None:
+        one per read), asked for only by a mode that reads the source."""
         job = sources.read_job(pipeline, read)
         conn = reader() if reader is not None else None
-        out = []
         for r in read:
-            batches = list(job.batches(r, phases, conn))
-            schema = batches[0].schema if batches else sources.SCHEMA
-            out.append(pa.Table.from_batches(batches, schema=schema))
-        return out
+            yield from job.batches(r, phases, conn)
 
     def begin(self, pipeline: Pipeline) -> None:  # noqa: B027 - nothing by default
         """Before the run plans (a redrive makes its request)."""

@@ -17,7 +17,7 @@ on its own. Checkpoints never move.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -117,9 +117,10 @@ class RedriveMode(Mode):
         read: list[Range],
         phases: Phases,
         reader: Callable[[], Any] | None = None,
-    ) -> list[pa.Table]:
+    ) -> Iterator[pa.RecordBatch]:
         with phases("read"):
-            return [self._records(pipeline)]
+            records = self._records(pipeline)
+        yield from records.to_batches()
 
     def _records(self, pipeline: Pipeline) -> pa.Table:
         """Each record once (several sinks' letters may hold it), from the stored bytes, read

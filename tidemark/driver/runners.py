@@ -7,7 +7,10 @@ chosen once from ``Settings.engine`` (:func:`runner_for`).
 * :class:`LocalRunner`: no JVM. The run's process reads the same Arrow batches from the
   source, decodes and transforms them in Arrow (tidemark/engine/local_records.py) and hands
   them to the same task code (tidemark/engine/writer.py: run_task), task by task, as the
-  layout spreads them, retrying a failed task as Spark does. For tests and small pipelines:
+  layout spreads them, retrying a failed task as Spark does. A task's next batches are read,
+  decoded and transformed in a thread beside it while it encodes and COPYs
+  (tidemark/core/ahead.py): Arrow and ADBC release the GIL, and PostgreSQL takes the COPY on
+  the other core. For tests and pipelines up to a few million records:
   it refuses, before the claim, what needs Spark (:meth:`LocalRunner.refusal`): a transform
   expression, data-quality checks, a backfill's fallback versions.
 
@@ -31,6 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tidemark.config import Pipeline
+from tidemark.core.ahead import Ahead
 from tidemark.core.clock import Phases
 from tidemark.core.db import one_line
 from tidemark.core.dsn import mask
@@ -53,6 +57,9 @@ Log = Callable[[str], None]
 Batch = Any
 # As spark.task.maxFailures (tidemark/engine/session.py): a task's tries before the job fails.
 TASK_TRIES = 4
+# The local runner's batches read, decoded and transformed ahead of the write (each up to
+# sources.schema.BATCH_ROWS records): enough to keep the COPY fed, little memory.
+READ_AHEAD = 3
 
 
 class TaskRunner(ABC):
@@ -332,6 +339,8 @@ class LocalRunner(TaskRunner):
         # a connection per range was most of a 1,000-record run's read.
         self.reader: Any = None
         self.sharing = False
+        self._next: Ahead[pa.RecordBatch] | None = None  # the next task's, read ahead
+        self._reads: list[Ahead[pa.RecordBatch]] = []  # started in this job, maybe running
 
     def refusal(self, mode: Mode, pipeline: Pipeline) -> str | None:
         from tidemark.engine import local_records
@@ -381,6 +390,7 @@ class LocalRunner(TaskRunner):
         try:
             return self._run(batch, spec, layout, run_id, log)
         finally:
+            self._stop_reads()
             self.sharing = False
             self._close_reader()
 
@@ -388,16 +398,28 @@ class LocalRunner(TaskRunner):
         from tidemark.engine.writer import run_task
 
         results = []
-        for task, records in enumerate(self._tasks(batch, layout)):
+        tasks = self._tasks(batch, layout)
+        for task in range(len(tasks)):
             failure: BaseException | None = None
             for attempt in range(TASK_TRIES):
+                # Read, decode and transform ahead in a thread of their own while this one
+                # encodes and COPYs; stopped and waited for before anything else touches the
+                # reader connection (a retry, the job's end). A first try's records were
+                # read ahead already from the end of the previous task's.
+                ahead, self._next = self._next, None
+                if ahead is None:
+                    ahead = self._ahead(tasks, task)
+                ahead.then = partial(self._read_next, tasks, task + 1)
                 try:
-                    result = run_task(spec, task, attempt, records())
+                    with ahead as batches:
+                        result = run_task(spec, task, attempt, iter(batches))
+                    self._reads.remove(ahead)  # closed, ended
                 except Terminated:
                     raise
                 # Blind as Spark is: a task that raises is tried again, then fails the job.
                 except Exception as exc:  # noqa: BLE001
                     failure = exc
+                    self._stop_reads()  # the next task's too: read again when its turn comes
                     self._close_reader()  # the next try connects afresh
                     log(f"run {run_id}: write task {task} attempt {attempt} failed: {exc}")
                     continue
@@ -408,6 +430,24 @@ class LocalRunner(TaskRunner):
                 why = mask(f"{type(failure).__name__}: {one_line(failure)}")
                 return Job([], f"write task {task} failed {TASK_TRIES} times: {why}")
         return Job(results)
+
+    def _ahead(self, tasks: list[Records], task: int) -> Ahead[pa.RecordBatch]:
+        ahead: Ahead[pa.RecordBatch] = Ahead(tasks[task], READ_AHEAD, f"tidemark-read-task-{task}")
+        self._reads.append(ahead)  # before it starts: a SIGTERM from here on still stops it
+        return ahead.start()
+
+    def _read_next(self, tasks: list[Records], task: int) -> None:
+        """At the end of a task's records (its reads done): the next task's first try starts
+        reading, while this one writes its last rows and prepares."""
+        if task < len(tasks):
+            self._next = self._ahead(tasks, task)
+
+    def _stop_reads(self) -> None:
+        """Every read-ahead stopped and ended: nothing uses the reader connection now."""
+        self._next = None
+        while self._reads:
+            self._reads[-1].close()
+            self._reads.pop()
 
     def _reader_for(self, pipeline: Pipeline) -> Any:
         """The job's reader connection, opened now if need be; None outside a job (each
@@ -436,9 +476,10 @@ class LocalRunner(TaskRunner):
         from tidemark.engine import local_records
 
         reader = partial(self._reader_for, batch.pipeline)
-        for table in batch.mode.arrow(batch.pipeline, read, self.phases, reader):
-            for b in table.to_batches():
-                yield local_records.rows(b, batch.pipeline)
+        for b in batch.mode.arrow(batch.pipeline, read, self.phases, reader):
+            with self.phases("transform"):
+                rows = local_records.rows(b, batch.pipeline)
+            yield rows
 
     def _tasks(self, batch: LocalBatch, layout: Layout) -> list[Records]:
         """Each task's records, as Spark hands them to the layout's tasks."""
