@@ -281,6 +281,15 @@ class AirflowSite:
                     ).raise_for_status()
             shutil.rmtree(folder)
             deadline = time.monotonic() + timeout
+            # The DAG processor marks DAGs whose files are gone stale in one UPDATE of them
+            # all: a DAG deleted meanwhile fails it (StaleDataError), and the processor exits,
+            # leaving every later module unparsed. So delete only once it has marked them.
+            for dag_id in dags:
+                while (r := api.get(f"/dags/{dag_id}")).status_code == 200 and not r.json()[
+                    "is_stale"
+                ]:
+                    assert time.monotonic() < deadline, f"{dag_id}: not marked stale"
+                    time.sleep(0.5)
             for dag_id in dags:
                 # 409 while a task of a run just failed is still being stopped
                 while (code := api.delete(f"/dags/{dag_id}").status_code) == 409:
